@@ -27,6 +27,7 @@ REMAT_POLICIES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DATA_SOURCES = ("stdlib", "synthetic", "bin", "megatron")
+SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
 class ConfigError(ValueError):
@@ -75,11 +76,14 @@ def default_config() -> ConfigDict:
     c.optim.min_lr_ratio = 0.1  # end of cosine decay, as a fraction of lr
     c.optim.warmup_steps = 20
     c.optim.decay_steps = -1  # -1: decay over train.steps
-    c.optim.schedule = "cosine"  # cosine | linear | constant
+    c.optim.schedule = "cosine"  # decay after warmup: cosine | linear | constant | inverse_sqrt
+    c.optim.warmup_type = "linear"  # linear | log (DeepSpeed's default warmup)
+    c.optim.warmup_init_lr = 0.0  # absolute learning rate at the start of warmup
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
     c.optim.eps = 1e-8
     c.optim.weight_decay = 0.1  # not applied to norms (1-D params)
+    c.optim.decoupled_weight_decay = True  # AdamW; False = L2 added to the gradient (Adam)
     c.optim.clip_norm = 1.0  # global-norm clipping; 0 disables
 
     c.train = ConfigDict()
@@ -334,7 +338,11 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
         )
     _require(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
-    _require(o.schedule in ("cosine", "linear", "constant"), f"optim.schedule='{o.schedule}': use cosine, linear or constant")
+    _require(
+        o.schedule in SCHEDULE_TYPES,
+        f"optim.schedule='{o.schedule}': use one of {', '.join(SCHEDULE_TYPES)}",
+    )
+    _require(o.warmup_type in ("linear", "log"), f"optim.warmup_type='{o.warmup_type}': use linear or log")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
     _require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
     _require(o.name == "adamw", f"optim.name='{o.name}': only adamw is supported")
