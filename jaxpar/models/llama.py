@@ -1,0 +1,354 @@
+"""LLaMA-style decoder in Flax NNX, written shard-locally (Megatron style).
+
+Parameters are created by NNX modules, each ``nnx.Param`` carrying its logical dim names
+(``logical_axes`` metadata) that :mod:`jaxpar.sharding` maps to mesh axes. The layers' parameters
+are stacked on a leading ``layers`` dim and run with ``lax.scan`` so compile time does not grow
+with depth.
+
+The forward pass runs inside ``shard_map`` on *local* shards: sizes come from the parameter
+shapes, and the tensor-parallel collectives are explicit, as in Megatron-LM:
+
+* column-parallel QKV and MLP up/gate, row-parallel attention output and MLP down, then one
+  ``psum`` over ``tensor`` (with sequence parallelism: ``all_gather`` of the sequence before the
+  block and ``psum_scatter`` after it, same bytes);
+* the backward all-reduce of Megatron's "f" operator is inserted by JAX's autodiff (the
+  transpose of the implicit broadcast of a tensor-replicated activation);
+* vocabulary-parallel embedding and cross-entropy (max / sum-exp / target logit reduced over
+  ``tensor``);
+* ZeRO-3: each layer's parameters are gathered over ``data`` inside the scan body, and named so
+  the remat policy never saves the gathered copy (gathered again in the backward pass, whose
+  transpose is the per-layer reduce-scatter of the gradient).
+
+Outside ``shard_map`` (no mesh axes bound), the same code runs as a plain single-device model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.config import ConfigDict
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ZERO3_NAME = "zero3_gathered_param"
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(key, shape, dtype), logical_axes=axes)
+
+
+def _ones(shape: tuple[int, ...], axes: tuple[str, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class Norm(nnx.Module):
+    """RMSNorm (LLaMA) or LayerNorm (classic GPT) scale/bias, optionally stacked over layers."""
+
+    def __init__(self, dim: int, kind: str, dtype, stack: tuple[int, ...] = ()):
+        lead = ("layers",) * len(stack)
+        self.scale = _ones((*stack, dim), (*lead, "norm"), dtype)
+        if kind == "layernorm":
+            self.bias = _zeros((*stack, dim), (*lead, "norm_bias"), dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention projections, stacked over layers."""
+
+    def __init__(self, m: ConfigDict, key: jax.Array, dtype):
+        L, h, d = m.num_layers, m.embed_dim, m.head_dim
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * L)
+        self.wq = _param(kq, (L, h, m.num_heads, d), ("layers", "embed", "heads", "head_dim"), std, dtype)
+        self.wk = _param(kk, (L, h, m.num_kv_heads, d), ("layers", "embed", "kv_heads", "head_dim"), std, dtype)
+        self.wv = _param(kv, (L, h, m.num_kv_heads, d), ("layers", "embed", "kv_heads", "head_dim"), std, dtype)
+        self.wo = _param(ko, (L, m.num_heads, d, h), ("layers", "heads", "head_dim", "embed"), out_std, dtype)
+
+
+class Mlp(nnx.Module):
+    """SwiGLU (LLaMA) or GeLU (classic GPT, f = 4h) MLP, stacked over layers."""
+
+    def __init__(self, m: ConfigDict, key: jax.Array, dtype):
+        L, h, f = m.num_layers, m.embed_dim, m.mlp_dim
+        kg, ku, kd = jax.random.split(key, 3)
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * L)
+        if m.mlp_activation == "swiglu":
+            self.w_gate = _param(kg, (L, h, f), ("layers", "embed", "mlp"), std, dtype)
+        self.w_up = _param(ku, (L, h, f), ("layers", "embed", "mlp"), std, dtype)
+        self.w_down = _param(kd, (L, f, h), ("layers", "mlp", "embed"), out_std, dtype)
+
+
+class Blocks(nnx.Module):
+    """All transformer blocks, parameters stacked on a leading ``layers`` dim."""
+
+    def __init__(self, m: ConfigDict, key: jax.Array, dtype):
+        ka, km = jax.random.split(key)
+        self.attn_norm = Norm(m.embed_dim, m.norm, dtype, stack=(m.num_layers,))
+        self.attn = Attention(m, ka, dtype)
+        self.mlp_norm = Norm(m.embed_dim, m.norm, dtype, stack=(m.num_layers,))
+        self.mlp = Mlp(m, km, dtype)
+
+
+class Llama(nnx.Module):
+    """Embedding, stacked blocks, final norm and (optionally untied) output layer."""
+
+    def __init__(self, m: ConfigDict, rngs: nnx.Rngs):
+        dtype = DTYPES[m.param_dtype]
+        ke, kb, kh, kp = jax.random.split(rngs.params(), 4)
+        self.embed = _param(ke, (m.vocab_size, m.embed_dim), ("vocab", "embed"), m.init_std, dtype)
+        if m.position == "learned":
+            self.pos_embed = _param(kp, (m.max_seq_len, m.embed_dim), ("pos", "embed"), m.init_std, dtype)
+        self.blocks = Blocks(m, kb, dtype)
+        self.final_norm = Norm(m.embed_dim, m.norm, dtype)
+        if not m.tie_embeddings:
+            self.lm_head = _param(kh, (m.embed_dim, m.vocab_size), ("embed", "vocab"), m.init_std, dtype)
+
+
+def init_params(model_cfg: ConfigDict, key: jax.Array) -> dict:
+    """Parameters as a plain nested dict (the training state keeps pure pytrees)."""
+    _, state = nnx.split(Llama(model_cfg, nnx.Rngs(params=key)))
+    return nnx.to_pure_dict(state)
+
+
+def logical_axes(model_cfg: ConfigDict) -> dict:
+    """Logical dim names of every parameter, same tree as :func:`init_params` (no allocation)."""
+    model = nnx.eval_shape(lambda: Llama(model_cfg, nnx.Rngs(params=0)))
+    _, state = nnx.split(model)
+    names = jax.tree.map(
+        lambda v: v.get_metadata()["logical_axes"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.to_pure_dict(names)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardContext:
+    """Static facts the shard-local forward pass needs (hashable: part of the jit cache key)."""
+
+    tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
+    data_axis: str | None = None
+    sequence_parallel: bool = False
+    zero3: bool = False  # gather layer parameters over data inside the scan
+    zero3_dims: tuple = ()  # (leaf path in the full tree, dim split over data) pairs
+    gather_dtype: str = "float32"
+    remat: str = "none"
+    compute_dtype: str = "bfloat16"
+    mlp_activation: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    position: str = "rope"
+
+
+def _axis_size(axis: str | None) -> int:
+    return 1 if axis is None else jax.lax.axis_size(axis)
+
+
+def _axis_index(axis: str | None):
+    return 0 if axis is None else jax.lax.axis_index(axis)
+
+
+def _norm(x: jax.Array, p: dict, ctx: ShardContext) -> jax.Array:
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    if ctx.norm == "rmsnorm":
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + ctx.norm_eps)
+        return (x * p["scale"].astype(jnp.float32)).astype(dtype)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    x = (x - mean) * jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + ctx.norm_eps)
+    return (x * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(dtype)
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (the HF LLaMA layout)."""
+    d = x.shape[-1]
+    freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angle = positions[:, None].astype(jnp.float32) * freq[None, :]  # (s, d/2)
+    cos = jnp.concatenate([jnp.cos(angle)] * 2, axis=-1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angle)] * 2, axis=-1)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    half = jnp.concatenate([-xf[..., d // 2 :], xf[..., : d // 2]], axis=-1)
+    return (xf * cos + half * sin).astype(x.dtype)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention; softmax in fp32. q: (b,s,n,d), k/v: (b,s,kv,d)."""
+    b, s, n, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, n // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, n, d)
+
+
+def _gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
+    if ctx.sequence_parallel and ctx.tensor_axis:
+        return jax.lax.all_gather(x, ctx.tensor_axis, axis=1, tiled=True)
+    return x
+
+
+def _reduce_tensor(x: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Megatron's "g": all-reduce of row-parallel outputs, or reduce-scatter on seq with SP."""
+    if ctx.tensor_axis is None:
+        return x
+    if ctx.sequence_parallel:
+        return jax.lax.psum_scatter(x, ctx.tensor_axis, scatter_dimension=1, tiled=True)
+    return jax.lax.psum(x, ctx.tensor_axis)
+
+
+def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
+    dt = DTYPES[ctx.compute_dtype]
+
+    def w(a):
+        return a.astype(dt)
+
+    h = _gather_seq(_norm(x, p["attn_norm"], ctx), ctx)
+    a = p["attn"]
+    q = jnp.einsum("bsh,hnd->bsnd", h, w(a["wq"]))
+    k = jnp.einsum("bsh,hnd->bsnd", h, w(a["wk"]))
+    v = jnp.einsum("bsh,hnd->bsnd", h, w(a["wv"]))
+    if ctx.position == "rope":
+        q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
+    o = jnp.einsum("bsnd,ndh->bsh", _attention(q, k, v), w(a["wo"]))
+    x = x + _reduce_tensor(o, ctx)
+
+    h = _gather_seq(_norm(x, p["mlp_norm"], ctx), ctx)
+    m = p["mlp"]
+    up = jnp.einsum("bsh,hf->bsf", h, w(m["w_up"]))
+    if ctx.mlp_activation == "swiglu":
+        act = jax.nn.silu(jnp.einsum("bsh,hf->bsf", h, w(m["w_gate"]))) * up
+    else:
+        act = jax.nn.gelu(up, approximate=True)
+    return x + _reduce_tensor(jnp.einsum("bsf,fh->bsh", act, w(m["w_down"])), ctx)
+
+
+def _gather_data(p: jax.Array, dim: int, ctx: ShardContext) -> jax.Array:
+    p = p.astype(DTYPES[ctx.gather_dtype])
+    return checkpoint_name(jax.lax.all_gather(p, ctx.data_axis, axis=dim, tiled=True), ZERO3_NAME)
+
+
+def gather_zero3(tree: dict, ctx: ShardContext, prefix: str = "", offset: int = 0) -> dict:
+    """ZeRO-3: gather the parameter shards of ``tree`` over ``data``.
+
+    ``prefix`` is the tree's path inside the full parameter tree and ``offset`` the number of
+    leading dims already sliced off (1 inside the layer scan). Leaves under ``blocks`` are
+    skipped at the top level: they are gathered one layer at a time inside the scan.
+    """
+    if not ctx.zero3:
+        return tree
+    dims = dict(ctx.zero3_dims)
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    out = []
+    for path, leaf in leaves:
+        key = prefix + jax.tree_util.keystr(path)
+        dim = dims.get(key)
+        skip = dim is None or (not prefix and key.startswith("['blocks']"))
+        out.append(leaf if skip else _gather_data(leaf, dim - offset, ctx))
+    return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+
+def _remat_policy(ctx: ShardContext):
+    policies = jax.checkpoint_policies
+    if ctx.remat == "full":
+        return policies.nothing_saveable
+    if ctx.remat == "selective":  # keep weight-matmul outputs, recompute the attention core
+        return policies.dots_with_no_batch_dims_saveable
+    return policies.save_anything_except_these_names(ZERO3_NAME)
+
+
+def run_blocks(x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Scan the stacked blocks over their leading ``layers`` dim."""
+
+    def body(carry, layer):
+        return _block(carry, gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx), None
+
+    if ctx.remat != "none" or ctx.zero3:
+        body = jax.checkpoint(body, policy=_remat_policy(ctx), prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, blocks)
+    return x
+
+
+def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Vocabulary-parallel embedding lookup; the output is reduced over ``tensor``."""
+    table = params["embed"]
+    vocab_local = table.shape[0]
+    local = tokens - _axis_index(ctx.tensor_axis) * vocab_local
+    inside = (local >= 0) & (local < vocab_local)
+    x = jnp.take(table, jnp.clip(local, 0, vocab_local - 1), axis=0) * inside[..., None].astype(table.dtype)
+    x = _reduce_tensor(x.astype(DTYPES[ctx.compute_dtype]), ctx)
+    if ctx.position == "learned":  # replicated over tensor: added after the reduction
+        seq_local = x.shape[1]
+        start = _axis_index(ctx.tensor_axis) * seq_local if ctx.sequence_parallel else 0
+        pos = jax.lax.dynamic_slice_in_dim(params["pos_embed"], start, seq_local, axis=0)
+        x = x + pos.astype(x.dtype)[None]
+    return x
+
+
+def logits_local(params: dict, x: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Final norm and output layer; returns this tensor rank's slice of the vocabulary, fp32."""
+    h = _gather_seq(_norm(x, params["final_norm"], ctx), ctx)
+    dt = DTYPES[ctx.compute_dtype]
+    if "lm_head" in params:
+        logits = jnp.einsum("bsh,hv->bsv", h, params["lm_head"].astype(dt))
+    else:
+        logits = jnp.einsum("bsh,vh->bsv", h, params["embed"].astype(dt))
+    return logits.astype(jnp.float32)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Sum over tokens of next-token cross-entropy, vocabulary-parallel over ``tensor``, fp32."""
+    axis = ctx.tensor_axis
+    vocab_local = logits.shape[-1]
+    local_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    top = local_max if axis is None else jax.lax.pmax(local_max, axis)
+    z = logits - jax.lax.stop_gradient(top)[..., None]
+    sum_exp = jnp.sum(jnp.exp(z), axis=-1)
+    local = targets - _axis_index(axis) * vocab_local
+    inside = (local >= 0) & (local < vocab_local)
+    target_z = jnp.take_along_axis(z, jnp.clip(local, 0, vocab_local - 1)[..., None], axis=-1)[..., 0]
+    target_z = jnp.where(inside, target_z, 0.0)
+    if axis is not None:
+        sum_exp, target_z = jax.lax.psum(sum_exp, axis), jax.lax.psum(target_z, axis)
+    return jnp.sum(jnp.log(sum_exp) - target_z)
+
+
+def loss_sum(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    seq = inputs.shape[1]
+    positions = jnp.arange(seq)
+    params = gather_zero3(params, ctx)
+    x = embed_tokens(params, inputs, ctx)
+    x = run_blocks(x, params["blocks"], positions, ctx)
+    return cross_entropy_sum(logits_local(params, x, ctx), targets, ctx)
+
+
+def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
+    """A :class:`ShardContext` with the model's static settings."""
+    return ShardContext(
+        remat=model_cfg.remat,
+        compute_dtype=model_cfg.compute_dtype,
+        mlp_activation=model_cfg.mlp_activation,
+        norm=model_cfg.norm,
+        norm_eps=model_cfg.norm_eps,
+        rope_theta=model_cfg.rope_theta,
+        position=model_cfg.position,
+        **overrides,
+    )

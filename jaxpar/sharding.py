@@ -1,0 +1,171 @@
+"""Logical axis names -> mesh axes: the rules table and the per-parameter shardings.
+
+Model code names *logical* dims (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
+``mlp``, ``layers``, ``norm``, ``pos``). A :class:`Strategy` is data, not a subclass: the
+Megatron tensor-parallel rules table plus a ZeRO stage and the sequence-parallel switch.
+From (strategy, mesh, parameter shapes and logical names) follow, per parameter:
+
+* the **compute spec**: how the shard-local model sees it (Megatron column/row split over
+  ``tensor``; QKV and MLP up/gate column-parallel, attention output and MLP down row-parallel,
+  vocabulary-parallel embedding and output layer);
+* the **ZeRO dim**: which dim is split over ``data`` when ZeRO shards it. Rule: the largest dim
+  that the tensor rules leave unsplit, excluding the stacked ``layers`` dim, whose size is
+  divisible by the ``data`` size; ``None`` (replicated) if no dim qualifies;
+* the **storage spec** (parameters: ZeRO-3 adds ``data`` on the ZeRO dim) and the
+  **optimizer spec** (ZeRO >= 1 adds ``data`` on the ZeRO dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigDict, ConfigError
+
+# Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
+TENSOR_RULES: Mapping[str, str] = {
+    "vocab": "tensor",  # vocabulary-parallel embedding and logits / cross-entropy
+    "heads": "tensor",  # QKV column-parallel, attention output row-parallel
+    "kv_heads": "tensor",
+    "mlp": "tensor",  # MLP up/gate column-parallel, down row-parallel
+}
+NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A parallel layout's logic: rules table + ZeRO stage + sequence parallelism."""
+
+    rules: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(TENSOR_RULES))
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    grad_reduce_dtype: str = "float32"
+    max_replicated_fraction: float = 0.05
+
+    @classmethod
+    def from_config(cls, parallel_cfg: ConfigDict) -> Strategy:
+        return cls(
+            zero_stage=parallel_cfg.zero_stage,
+            sequence_parallel=parallel_cfg.sequence_parallel,
+            grad_reduce_dtype=parallel_cfg.grad_reduce_dtype,
+            max_replicated_fraction=parallel_cfg.max_replicated_fraction,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Sharding facts of one parameter (global shape)."""
+
+    logical: tuple[str, ...]
+    compute: P  # spec seen by the shard-local model (tensor split only)
+    zero_dim: int | None  # dim split over `data` by ZeRO, if any
+    storage: P  # parameter storage spec
+    optimizer: P  # Adam moments spec (and the sharded gradient at ZeRO >= 2)
+    weight_decay: bool  # norms (and biases) are not decayed
+
+    @property
+    def sharded_storage(self) -> bool:
+        return "data" in self.storage
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        return "data" in self.optimizer
+
+
+def _with_data(spec: tuple, dim: int | None) -> P:
+    if dim is None:
+        return P(*spec)
+    out = list(spec)
+    out[dim] = "data" if out[dim] is None else (out[dim], "data")
+    return P(*out)
+
+
+def zero_dim(shape: tuple[int, ...], logical: tuple[str, ...], rules: Mapping[str, str], data: int) -> int | None:
+    """The dim ZeRO splits over ``data`` (see the module docstring for the rule)."""
+    best, best_size = None, 0
+    for i, (size, name) in enumerate(zip(shape, logical)):
+        if name in NOT_ZERO_SHARDED or rules.get(name):
+            continue
+        if size % data == 0 and size > best_size:
+            best, best_size = i, size
+    return best if data > 1 else None
+
+
+def param_layout(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, mesh_shape: Mapping[str, int]) -> ParamLayout:
+    if len(shape) != len(logical):
+        raise ValueError(f"shape {shape} and logical axes {logical} differ in rank")
+    compute = []
+    for size, name in zip(shape, logical):
+        axis = strategy.rules.get(name)
+        if axis is not None and size % mesh_shape[axis] != 0:
+            raise ConfigError(
+                f"dim '{name}' of size {size} is not divisible by mesh axis '{axis}' of size {mesh_shape[axis]}; "
+                f"choose mesh.{axis} that divides {size}"
+            )
+        compute.append(axis)
+    zdim = zero_dim(shape, logical, strategy.rules, mesh_shape["data"])
+    stage = strategy.zero_stage
+    return ParamLayout(
+        logical=logical,
+        compute=P(*compute),
+        zero_dim=zdim,
+        storage=_with_data(compute, zdim if stage >= 3 else None),
+        optimizer=_with_data(compute, zdim if stage >= 1 else None),
+        weight_decay="norm" not in logical and "bias" not in logical,
+    )
+
+
+def param_layouts(abstract_params: Any, logical_axes: Any, strategy: Strategy, mesh: Mesh) -> Any:
+    """A tree of :class:`ParamLayout` matching the parameter tree."""
+    mesh_shape = dict(mesh.shape)
+    return jax.tree.map(
+        lambda a, names: param_layout(tuple(a.shape), tuple(names), strategy, mesh_shape),
+        abstract_params,
+        logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x),
+    )
+
+
+def is_layout(x: Any) -> bool:
+    return isinstance(x, ParamLayout)
+
+
+def specs(layouts: Any, field: str) -> Any:
+    """Pull one spec field (``compute``, ``storage``, ``optimizer``) out of a layout tree."""
+    return jax.tree.map(lambda lay: getattr(lay, field), layouts, is_leaf=is_layout)
+
+
+def named(mesh: Mesh, spec_tree: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def check_sufficiently_sharded(abstract_params: Any, layouts: Any, strategy: Strategy) -> float:
+    """ZeRO-3 guard against silent under-sharding (cf. MaxText's
+    ``assert_params_sufficiently_sharded``): fail if more than ``max_replicated_fraction`` of the
+    parameter bytes stay replicated over ``data``. Returns the replicated fraction."""
+    total, replicated = 0, 0
+    worst: list[tuple[int, str]] = []
+    flat_p = jax.tree_util.tree_leaves_with_path(abstract_params)
+    flat_l = jax.tree.leaves(layouts, is_leaf=is_layout)
+    for (path, a), lay in zip(flat_p, flat_l):
+        nbytes = int(np.prod(a.shape)) * a.dtype.itemsize
+        total += nbytes
+        if not lay.sharded_storage:
+            replicated += nbytes
+            worst.append((nbytes, jax.tree_util.keystr(path)))
+    fraction = replicated / max(total, 1)
+    if strategy.zero_stage == 3 and fraction > strategy.max_replicated_fraction:
+        worst.sort(reverse=True)
+        names = ", ".join(name for _, name in worst[:3])
+        raise ConfigError(
+            f"ZeRO-3 leaves {fraction:.1%} of parameter bytes replicated over data (largest: {names}); "
+            f"choose a mesh.data that divides the model dims or raise parallel.max_replicated_fraction "
+            f"(now {strategy.max_replicated_fraction})"
+        )
+    return fraction

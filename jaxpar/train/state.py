@@ -1,0 +1,134 @@
+"""Shapes first, then specs, then ``jit(init, out_shardings=...)``: one layout's compiled pieces.
+
+:class:`Setup` holds, for a validated config and a mesh, the abstract parameter tree, the
+per-parameter layouts (:mod:`jaxpar.sharding`), the shardings of parameters, optimizer state and
+batches, and the jitted ``init``, ``train_step`` and ``eval_step``. Nothing here allocates until
+``init`` runs, so the same object serves AOT analysis (``lower_train_step``) on abstract arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigDict, derive
+from jaxpar.models import llama
+from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
+from jaxpar.train.schedule import make_schedule
+from jaxpar.train.step import BATCH_SPEC, StepBuilder, init_opt_state, opt_state_specs
+
+EVAL_SPEC = P("data", None)
+
+
+class Setup:
+    """Everything one layout needs to train, built from (config, mesh) without allocating."""
+
+    def __init__(self, cfg: ConfigDict, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.derived = derive(cfg)
+        self.strategy = Strategy.from_config(cfg.parallel)
+        self.abstract_params = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
+        self.logical = llama.logical_axes(cfg.model)
+        self.layouts = param_layouts(self.abstract_params, self.logical, self.strategy, mesh)
+        self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.layouts, self.strategy)
+        self.param_specs = specs(self.layouts, "storage")
+        self.opt_specs = opt_state_specs(self.layouts)
+        self.param_shardings = named(mesh, self.param_specs)
+        self.opt_shardings = named(mesh, self.opt_specs)
+        self.batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+        self.eval_sharding = NamedSharding(mesh, EVAL_SPEC)
+        self.schedule = make_schedule(cfg.optim, cfg.train.steps)
+        self.builder = StepBuilder(
+            model_cfg=cfg.model,
+            optim_cfg=cfg.optim,
+            strategy=self.strategy,
+            layouts=self.layouts,
+            mesh=mesh,
+            microbatches=cfg.train.microbatches,
+            global_tokens=self.derived.tokens_per_step,
+            schedule=self.schedule,
+        )
+        self.train_step = self._make_train_step()
+        self.eval_step = self._make_eval_step()
+
+    # ------------------------------------------------------------------ init
+    def init(self, seed: int) -> tuple[Any, Any]:
+        """Initialise parameters and optimizer state, each device creating only its shard."""
+        model_cfg = self.cfg.model
+
+        @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
+        def _init(key):
+            params = llama.init_params(model_cfg, key)
+            return params, init_opt_state(params)
+
+        with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
+            return _init(jax.random.key(seed))
+
+    # ------------------------------------------------------------------ steps
+    def _make_train_step(self):
+        step = jax.shard_map(
+            self.builder.local_step,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, self.opt_specs, BATCH_SPEC),
+            out_specs=(self.param_specs, self.opt_specs, P()),
+        )
+        return jax.jit(
+            step,
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
+            out_shardings=(self.param_shardings, self.opt_shardings, NamedSharding(self.mesh, P())),
+            donate_argnums=(0, 1),
+        )
+
+    def _make_eval_step(self):
+        ctx = self.builder.context()
+
+        def local_eval(params, tokens):
+            return jax.lax.psum(llama.loss_sum(params, tokens, ctx), "data")
+
+        fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
+        return jax.jit(fn, in_shardings=(self.param_shardings, self.eval_sharding))
+
+    # ------------------------------------------------------------------ data
+    def batch_shape(self) -> tuple[int, int, int]:
+        t = self.cfg.train
+        return (t.microbatches, t.global_batch // t.microbatches, t.seq_len + 1)
+
+    def make_batch(self, local_rows: np.ndarray) -> jax.Array:
+        """Global (microbatches, sequences, seq+1) array from this process's rows."""
+        m = self.cfg.train.microbatches
+        local = np.asarray(local_rows, dtype=np.int32)
+        local = local.reshape(m, local.shape[0] // m, local.shape[1])
+        return jax.make_array_from_process_local_data(self.batch_sharding, local, self.batch_shape())
+
+    def make_eval_batch(self, local_rows: np.ndarray) -> jax.Array:
+        local = np.asarray(local_rows, dtype=np.int32)
+        global_shape = (local.shape[0] * jax.process_count(), local.shape[1])
+        return jax.make_array_from_process_local_data(self.eval_sharding, local, global_shape)
+
+    # ------------------------------------------------------------------ analysis
+    def abstract_state(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+        """Abstract (params, opt_state, batch) carrying their shardings: for AOT lowering."""
+        params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_params, self.param_shardings
+        )
+        opt = jax.eval_shape(init_opt_state, self.abstract_params)
+        opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, self.opt_shardings)
+        batch = jax.ShapeDtypeStruct(self.batch_shape(), jnp.int32, sharding=self.batch_sharding)
+        return params, opt, batch
+
+    def lower_train_step(self):
+        return self.train_step.lower(*self.abstract_state())
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
