@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -119,11 +118,12 @@ class StepBuilder:
         def to_varying(lay: ParamLayout, p):
             return p if lay.sharded_storage else jax.lax.pcast(p, "data", to="varying")
 
-        def micro_grads(tokens):
-            def loss_fn(p):
-                return llama.loss_sum(_map_layouts(to_varying, self.layouts, p), tokens, ctx) * scale
+        # Differentiate with respect to the varying copy: its gradient is the local, unreduced one
+        # (the gradient with respect to `params` would carry the cast's transpose, an all-reduce).
+        local_params = _map_layouts(to_varying, self.layouts, params)
 
-            return jax.value_and_grad(loss_fn)(params)
+        def micro_grads(tokens):
+            return jax.value_and_grad(lambda p: llama.loss_sum(p, tokens, ctx) * scale)(local_params)
 
         loss, grads = micro_grads(batch[0])
         if stage >= 2:

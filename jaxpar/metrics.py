@@ -1,0 +1,129 @@
+"""Throughput, model FLOPs, MFU and the per-step metrics log.
+
+FLOPs convention (reported everywhere): training FLOPs per token = 6 * N + 12 * L * h * s,
+N = parameters that do matmul work (all but the input embedding table, which is a lookup), the
+attention term counted non-causally as in PaLM (Chowdhery et al. 2022, appendix B; nanoGPT's
+``estimate_mfu`` uses the same). MFU = achieved model FLOP/s per device / peak FLOP/s per
+device; recomputation is not counted (that would be HFU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import ConfigDict, param_count_estimate
+
+# Dense bf16 peaks per device, TFLOP/s (FORMULAS.md section 6; vendor data sheets, no sparsity).
+PEAK_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0, "tpu v5p": 459.0, "tpu v5": 459.0}
+
+
+def model_flops_per_token(model_cfg: ConfigDict, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12*L*h*s (PaLM appendix B, non-causal attention)."""
+    n = param_count_estimate(model_cfg) - model_cfg.vocab_size * model_cfg.embed_dim * (not model_cfg.tie_embeddings)
+    if model_cfg.position == "learned":
+        n -= model_cfg.max_seq_len * model_cfg.embed_dim
+    attn_width = model_cfg.num_heads * model_cfg.head_dim
+    return 6.0 * n + 12.0 * model_cfg.num_layers * attn_width * seq_len
+
+
+_CPU_PEAK_CACHE: dict[int, float] = {}
+
+
+def measure_cpu_peak_flops(num_devices: int) -> float:
+    """Peak FLOP/s per simulated CPU device, measured once with a fp32 matmul.
+
+    Simulated devices share the host's cores, so the host's measured rate is divided by the
+    number of devices. This is a measurement, not a data-sheet number: the MFU printed on CPU
+    says so.
+    """
+    if num_devices in _CPU_PEAK_CACHE:
+        return _CPU_PEAK_CACHE[num_devices]
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    reps, start = 10, time.perf_counter()
+    for _ in range(reps):
+        out = mm(a)
+    out.block_until_ready()
+    rate = 2 * n**3 * reps / (time.perf_counter() - start)
+    _CPU_PEAK_CACHE[num_devices] = rate / num_devices
+    return _CPU_PEAK_CACHE[num_devices]
+
+
+def device_peak_flops(num_devices: int) -> tuple[float, str]:
+    """(peak FLOP/s per device, where the number comes from)."""
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", "").lower()
+    for name, tflops in PEAK_TFLOPS.items():
+        if name in kind:
+            return tflops * 1e12, f"{dev.device_kind} data sheet, dense bf16"
+    if dev.platform == "cpu":
+        return measure_cpu_peak_flops(num_devices), "measured fp32 matmul on this host / simulated devices"
+    return float("nan"), f"unknown device kind '{dev.device_kind}'"
+
+
+class MetricsLog:
+    """Per-step metrics: appends one JSON object per step to ``<workdir>/metrics.jsonl`` and keeps
+    the steady-state figures (steps after ``warmup_excluded`` and excluding evaluation)."""
+
+    def __init__(self, workdir: str, flops_per_token: float, peak_flops: float, num_devices: int,
+                 warmup_excluded: int, write: bool = True):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.num_devices = num_devices
+        self.warmup_excluded = warmup_excluded
+        self.step_times: list[float] = []
+        self.tokens: list[int] = []
+        self.write = write
+        if write:
+            os.makedirs(workdir, exist_ok=True)
+
+    def record(self, step: int, step_time_s: float, tokens: int, values: dict[str, Any]) -> dict[str, Any]:
+        tokens_per_s = tokens / step_time_s
+        tflops = tokens_per_s * self.flops_per_token / self.num_devices / 1e12
+        row = {
+            "step": step,
+            **{k: float(v) for k, v in values.items()},
+            "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak_flops,
+            "time": time.time(),
+        }
+        self.step_times.append(step_time_s)
+        self.tokens.append(tokens)
+        if self.write:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def record_event(self, row: dict[str, Any]) -> None:
+        if self.write:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({**row, "time": time.time()}) + "\n")
+
+    def steady_state(self) -> dict[str, float]:
+        """Median step time and mean throughput over the steps after warm-up."""
+        times = self.step_times[self.warmup_excluded :] or self.step_times
+        tokens = self.tokens[self.warmup_excluded :] or self.tokens
+        if not times:
+            return {}
+        tokens_per_s = float(np.sum(tokens) / np.sum(times))
+        tflops = tokens_per_s * self.flops_per_token / self.num_devices / 1e12
+        return {
+            "steps": len(times),
+            "median_step_time_s": statistics.median(times),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak_flops,
+        }

@@ -1,0 +1,131 @@
+"""The training loop: data -> step -> metrics (-> checkpoint), with evaluation at start and end.
+
+Validation loss is reported in bits per byte when the vocabulary is bytes (``vocab_size`` 256:
+one token is one byte, so bits/byte = nats/token / ln 2), otherwise in bits per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from jaxpar import data as data_lib
+from jaxpar.config import ConfigDict, derive
+from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
+from jaxpar.train.state import Setup
+
+
+def bits_unit(model_cfg: ConfigDict) -> str:
+    return "bits/byte" if model_cfg.vocab_size == 256 else "bits/token"
+
+
+class Trainer:
+    """Owns one run: the layout (:class:`Setup`), the data iterators, the state and the log."""
+
+    def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True):
+        self.cfg, self.echo, self.show_progress = cfg, echo, progress
+        self.derived = derive(cfg)
+        self.mesh = make_mesh(MeshSpec.from_config(cfg.mesh))
+        self.setup = Setup(cfg, self.mesh)
+        t = cfg.train
+        pidx, pcount = jax.process_index(), jax.process_count()
+        self.batches = data_lib.make_batches(
+            cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=t.global_batch,
+            seed=t.seed, split="train", process_index=pidx, process_count=pcount,
+        )
+        unit_rows = math.lcm(self.mesh.shape["data"], pcount)  # eval rows must split over both
+        eval_rows = unit_rows * max(1, (t.global_batch // t.microbatches) // unit_rows)
+        self.eval_data = data_lib.eval_batches(
+            cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=eval_rows,
+            seed=t.seed, num_batches=t.eval_batches, process_index=pidx, process_count=pcount,
+        )
+        peak, self.peak_source = device_peak_flops(self.derived.num_devices)
+        self.log = MetricsLog(
+            t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.derived.num_devices,
+            t.warmup_steps_excluded, write=pidx == 0,
+        )
+        self.params: Any = None
+        self.opt_state: Any = None
+        self.step = 0
+
+    # ------------------------------------------------------------------ pieces
+    def initialize(self) -> None:
+        self.params, self.opt_state = self.setup.init(self.cfg.train.seed)
+        self.step = 0
+
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed evaluation batches, in bits per byte/token."""
+        total, count = 0.0, 0
+        for rows in self.eval_data:
+            batch = self.setup.make_eval_batch(rows)
+            total += float(self.setup.eval_step(self.params, batch))
+            count += batch.shape[0] * (batch.shape[1] - 1)
+        return total / count / math.log(2)
+
+    def train_step(self) -> dict[str, float]:
+        rows = self.batches.next()
+        batch = self.setup.make_batch(rows)
+        start = time.perf_counter()
+        self.params, self.opt_state, metrics = self.setup.train_step(self.params, self.opt_state, batch)
+        values = jax.device_get(metrics)  # blocks: the step time includes the device work
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        return self.log.record(self.step, elapsed, self.derived.tokens_per_step, values)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict[str, Any]:
+        cfg, unit = self.cfg, bits_unit(self.cfg.model)
+        m = cfg.mesh
+        self.echo(
+            f"jaxpar train: {self.derived.num_devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
+            f"tensor={m.tensor} pipeline={m.pipeline}, zero_stage={cfg.parallel.zero_stage}, "
+            f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
+            f"{self.derived.tokens_per_step} tokens"
+        )
+        self.initialize()
+        val_start = self.evaluate()
+        self.echo(f"validation at step 0: {val_start:.3f} {unit}")
+        self.log.record_event({"step": 0, "val_bits": val_start, "unit": unit})
+        last: dict[str, float] = {}
+        eval_every = cfg.train.eval_every
+        with self._progress() as progress:
+            task = progress.add_task("train", total=cfg.train.steps, loss=float("nan"))
+            while self.step < cfg.train.steps:
+                last = self.train_step()
+                progress.update(task, advance=1, loss=last["loss"])
+                if not np.isfinite(last["loss"]):
+                    self.echo(f"step {self.step}: loss is {last['loss']}")
+                if cfg.train.log_every and self.step % cfg.train.log_every == 0 and not self.show_progress:
+                    self.echo(f"step {self.step}: loss {last['loss']:.4f} {last['tokens_per_s']:.0f} tok/s")
+                if eval_every and self.step % eval_every == 0 and self.step < cfg.train.steps:
+                    self.log.record_event({"step": self.step, "val_bits": self.evaluate(), "unit": unit})
+        val_end = self.evaluate()
+        self.log.record_event({"step": self.step, "val_bits": val_end, "unit": unit})
+        steady = self.log.steady_state()
+        drop = 1 - val_end / val_start
+        self.echo(f"validation at step {self.step}: {val_end:.3f} {unit} (start {val_start:.3f}, {drop:.1%} lower)")
+        if steady:
+            self.echo(
+                f"steady state over {steady['steps']} steps: {steady['median_step_time_s'] * 1e3:.0f} ms/step, "
+                f"{steady['tokens_per_s']:.0f} tokens/s, {steady['tflops_per_device']:.4f} TFLOP/s per device, "
+                f"MFU {steady['mfu']:.1%} (peak: {self.peak_source})"
+            )
+        self.echo(f"metrics: {self.log.path}")
+        return {"val_start": val_start, "val_end": val_end, "final": last, "steady": steady, "unit": unit}
+
+    def _progress(self) -> Progress:
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            disable=not self.show_progress or jax.process_index() != 0,
+        )

@@ -1,0 +1,54 @@
+"""Shared test helpers: small fp32 configs and a single-device reference run."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+
+from jaxpar.config import load_config
+from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.train.state import Setup
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.py")
+# fp32 compute, a short sequence and a small batch: numerically exact comparisons, fast compiles.
+FP32_SMALL = [
+    "--config.model.compute_dtype=float32",
+    "--config.train.global_batch=8",
+    "--config.train.seq_len=64",
+    "--config.optim.warmup_steps=1",
+    # Adam divides by sqrt(v): near-zero gradients turn reduction-order roundoff into O(lr) noise.
+    # A small lr keeps that noise well below the 1e-5 parameter tolerance.
+    "--config.optim.lr=5e-4",
+]
+
+
+def tiny_config(*overrides: str):
+    return load_config(TINY, [*FP32_SMALL, *overrides])
+
+
+def run_steps(cfg, steps: int, seed: int = 0):
+    """Train ``steps`` steps on the first data*tensor*pipeline devices with fixed random batches.
+
+    Returns (per-step metrics, final params on host, the Setup)."""
+    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:n]))
+    params, opt = setup.init(seed)
+    rng = np.random.default_rng(seed)
+    history = []
+    for _ in range(steps):
+        rows = rng.integers(0, cfg.model.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
+        params, opt, metrics = setup.train_step(params, opt, setup.make_batch(rows))
+        history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    return history, jax.device_get(params), setup
+
+
+def max_rel_error(tree_a, tree_b) -> float:
+    """Largest per-leaf max|a-b| / max|b| over two parameter trees."""
+    errs = [
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / (np.max(np.abs(np.asarray(b))) + 1e-30))
+        for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b), strict=True)
+    ]
+    return max(errs)
