@@ -65,7 +65,7 @@ def default_config() -> ConfigDict:
     c.model.mlp_activation = "swiglu"  # swiglu | gelu (classic GPT)
     c.model.norm = "rmsnorm"  # rmsnorm | layernorm (classic GPT)
     c.model.position = "rope"  # rope | learned (classic GPT)
-    c.model.remat = "none"  # none | full | selective (keep matmul outputs)
+    c.model.remat = "none"  # none | full | selective (keep weight-matmul outputs, recompute attention core)
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
     c.model.init_std = 0.02

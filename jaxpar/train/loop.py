@@ -16,7 +16,7 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jaxpar import data as data_lib
-from jaxpar.config import ConfigDict, derive
+from jaxpar.config import ConfigDict, ConfigError, derive
 from jaxpar.mesh import MeshSpec, make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
 from jaxpar.train.state import Setup
@@ -31,6 +31,11 @@ class Trainer:
 
     def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True):
         self.cfg, self.echo, self.show_progress = cfg, echo, progress
+        if cfg.checkpoint.every or cfg.train.resume not in ("auto", "never"):
+            raise ConfigError(
+                "checkpoint.every / train.resume: checkpointing is not implemented yet; "
+                "leave checkpoint.every=0 and train.resume=auto"
+            )
         self.derived = derive(cfg)
         self.mesh = make_mesh(MeshSpec.from_config(cfg.mesh))
         self.setup = Setup(cfg, self.mesh)

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigDict, derive
+from jaxpar.config import ConfigDict, ConfigError, derive
 from jaxpar.models import llama
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
 from jaxpar.train.schedule import make_schedule
@@ -30,6 +30,11 @@ class Setup:
     """Everything one layout needs to train, built from (config, mesh) without allocating."""
 
     def __init__(self, cfg: ConfigDict, mesh: Mesh):
+        if cfg.mesh.pipeline > 1:
+            raise ConfigError(
+                f"mesh.pipeline={cfg.mesh.pipeline}: the pipeline-parallel train step is not implemented yet "
+                "(jaxpar plan can estimate such layouts); train with mesh.pipeline=1"
+            )
         self.cfg, self.mesh = cfg, mesh
         self.derived = derive(cfg)
         self.strategy = Strategy.from_config(cfg.parallel)

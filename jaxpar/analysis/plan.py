@@ -1,0 +1,442 @@
+"""Layout search: every (data, tensor, pipeline) split and schedule choice, ranked by estimated step time.
+
+``jaxpar plan`` answers "how should I lay out this model on that cluster?" from the closed-form
+estimates in :mod:`jaxpar.analysis.estimate` alone, so it runs in seconds for any cluster size.
+It enumerates tensor sizes that are powers of two inside one node and divide heads, kv-heads,
+mlp and vocab; pipeline sizes that divide the layers; data = devices / (tensor * pipeline);
+ZeRO 0-3; microbatch sizes (powers of two, ascending until memory runs out); recompute
+none/selective/full; sequence parallel on/off; 1F1B or interleaved. Layouts whose peak memory
+exceeds device memory x (1 - headroom) are dropped; the rest are ranked by step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import time
+from typing import Any
+
+from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
+from jaxpar.analysis.estimate import (
+    CONVENTIONS,
+    DTYPE_BYTES,
+    RECOMPUTE,
+    AxisComm,
+    Layout,
+    MemoryEstimate,
+    StepTime,
+    communication,
+    count_params,
+    memory_estimate,
+    step_time,
+)
+from jaxpar.config import ConfigDict, ConfigError, load_config
+
+MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_VIRTUAL_STAGES = 8
+LAYOUT_KEYS = {"data": "data", "tensor": "tensor", "pipeline": "pipeline", "virtual": "virtual_stages"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """Assumptions of the estimate, shown with every plan."""
+
+    headroom: float = 0.1  # share of device memory kept free (allocator fragmentation, XLA temporaries)
+    convention: str = "jaxpar"  # model-state bytes: what our trainer holds, or the ZeRO paper's 16 B/param
+    grad_reduce_bytes: int = 4  # 4 fp32, 2 bf16
+    efficiency: float = 0.55  # achieved share of peak FLOP/s in matmuls
+    link_efficiency: float = 0.75  # achieved share of nominal link bandwidth
+    dp_exposed_fraction: float = 0.1  # share of the data-axis reduction never hidden behind compute
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutEstimate:
+    """One evaluated layout: memory, communication and time, and whether it fits the budget."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    communication: dict[str, AxisComm]
+    time: StepTime
+    budget_bytes: float
+    why: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_bytes <= self.budget_bytes
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.time.mfu
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.time.bubble_fraction
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.tokens_per_step / self.time.step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.layout.to_dict() | {
+            "memory": self.memory.to_dict(),
+            "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "tokens_per_s": self.tokens_per_s,
+            "fits": self.fits,
+            "time": self.time.to_dict(),
+            "communication": {axis: c.to_dict() for axis, c in self.communication.items()},
+            **({"why": self.why} if self.why else {}),
+        }
+
+
+def evaluate_layout(
+    model: ConfigDict, cluster: Cluster, layout: Layout, options: PlanOptions = PlanOptions()
+) -> LayoutEstimate:
+    """Memory, communication and step time of one layout (checked against the model first)."""
+    layout.check(model)
+    comm = communication(model, layout, cluster, options.grad_reduce_bytes, options.link_efficiency)
+    return LayoutEstimate(
+        layout=layout,
+        memory=memory_estimate(model, layout, options.convention),
+        communication=comm,
+        time=step_time(
+            model,
+            layout,
+            cluster,
+            efficiency=options.efficiency,
+            dp_exposed_fraction=options.dp_exposed_fraction,
+            comm=comm,
+        ),
+        budget_bytes=cluster.memory_bytes * (1 - options.headroom),
+    )
+
+
+class _Snapshot(dict):
+    """A plain-dict copy of the model sub-config with attribute access: ConfigDict lookups dominate otherwise."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _tensor_sizes(model: ConfigDict, cluster: Cluster, num_devices: int) -> list[int]:
+    """Powers of two inside one node dividing heads, kv-heads, mlp and vocab (else the layout is invalid)."""
+    out, t = [], 1
+    while t <= min(cluster.devices_per_node, num_devices):
+        dims = (model.num_heads, model.num_kv_heads, model.mlp_dim, model.vocab_size)
+        if num_devices % t == 0 and all(d % t == 0 for d in dims):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def _meshes(model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any]):
+    """(data, tensor, pipeline) with pipeline dividing the layers and data dividing the global batch."""
+    for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
+        rest = num_devices // t if num_devices % t == 0 else 0
+        pipelines = [fixed["pipeline"]] if "pipeline" in fixed else [p for p in range(1, rest + 1) if rest % p == 0]
+        for p in pipelines:
+            if rest and rest % p == 0 and model.num_layers % p == 0:
+                data = rest // p
+                if fixed.get("data", data) == data and global_batch % data == 0:
+                    yield data, t, p
+
+
+def _schedules(model: ConfigDict, pipeline: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    """(schedule, virtual stages): 1F1B and interleaved with v dividing L/p (GPipe only when pinned)."""
+    keep = fixed.get("schedule")
+    if pipeline == 1:  # no pipeline: the schedule is moot; keep a pinned gpipe/1f1b label
+        return [] if keep == "interleaved" else [(keep or "1f1b", 1)]
+    per_rank = model.num_layers // pipeline
+    out = [("1f1b", 1), ("gpipe", 1)] + [
+        ("interleaved", v) for v in range(2, min(per_rank, MAX_VIRTUAL_STAGES) + 1) if per_rank % v == 0
+    ]
+    if "virtual_stages" in fixed and fixed["virtual_stages"] > MAX_VIRTUAL_STAGES:
+        out.append(("interleaved", fixed["virtual_stages"]))
+    return [(s, v) for s, v in out if (s == keep if keep else s != "gpipe") and fixed.get("virtual_stages", v) == v]
+
+
+def _microbatch_sizes(per_shard: int, pipeline: int, fixed: dict[str, Any]) -> list[int]:
+    """Microbatch sizes b, ascending: powers of two dividing the per-shard batch with m >= p, or the pinned one."""
+    if "microbatches" in fixed:
+        m = fixed["microbatches"]
+        return [per_shard // m] if per_shard % m == 0 else []
+    if "microbatch_size" in fixed:
+        return [fixed["microbatch_size"]] if per_shard % fixed["microbatch_size"] == 0 else []
+    return [b for b in MICROBATCH_SIZES if per_shard % b == 0 and per_shard // b >= pipeline]
+
+
+def search_layouts(
+    model: ConfigDict,
+    cluster: Cluster,
+    num_devices: int,
+    global_batch: int,
+    seq_len: int,
+    options: PlanOptions = PlanOptions(),
+    fixed: dict[str, Any] | None = None,
+    keep_unfit: bool = False,
+) -> list[LayoutEstimate]:
+    """Every layout of ``num_devices`` for this batch, fitting ones first, ranked by step time.
+
+    ``fixed`` pins :class:`Layout` fields (e.g. ``{"tensor": 8, "zero_stage": 1}``). Layouts over
+    the memory budget are dropped unless ``keep_unfit``. Microbatch sizes are tried in ascending
+    order and stop at the first one that does not fit, since memory grows with b. Raises
+    :class:`ConfigError` when nothing fits, naming the smallest requirement found.
+    """
+    model = _Snapshot(model.to_dict() if isinstance(model, ConfigDict) else model)  # fast field access
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {f.name for f in dataclasses.fields(Layout)}
+    if unknown:
+        raise ConfigError(f"plan: unknown layout field(s) {', '.join(sorted(unknown))}")
+    probe = {"schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b", "seq_len": seq_len} | fixed
+    Layout(**probe).check(model)  # a pinned field the model cannot take fails here, with its reason
+    results: list[LayoutEstimate] = []
+    smallest: LayoutEstimate | None = None
+    for data, t, p in _meshes(model, cluster, num_devices, global_batch, fixed):
+        per_shard = global_batch // data
+        sizes = _microbatch_sizes(per_shard, p, fixed)
+        choices = itertools.product(
+            [fixed["zero_stage"]] if "zero_stage" in fixed else (0, 1, 2, 3) if data > 1 else (0,),
+            [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE,
+            [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else (False, True) if t > 1 else (False,),
+            _schedules(model, p, fixed),
+        )
+        for zero, recompute, sp, (schedule, v) in choices:
+            if sp and seq_len % t:
+                continue
+            for b in sizes:
+                m = per_shard // b
+                if schedule == "interleaved" and m % p:
+                    continue
+                layout = Layout(data, t, p, v, zero, m, b, seq_len, recompute, sp, schedule)
+                est = evaluate_layout(model, cluster, layout, options)
+                if smallest is None or est.memory.total_bytes < smallest.memory.total_bytes:
+                    smallest = est
+                if est.fits or keep_unfit:
+                    results.append(est)
+                elif not keep_unfit:
+                    break  # larger microbatches only need more memory
+    if smallest is None:
+        raise ConfigError(
+            f"plan: no layout of {num_devices} devices matches global batch {global_batch} and the pinned choices "
+            f"{fixed or '{}'}; make the global batch a multiple of data*microbatches or relax the pins"
+        )
+    if not results:
+        need = smallest.memory.total_bytes / GB
+        raise ConfigError(
+            f"plan: model of {count_params(model) / 1e9:.1f}B params does not fit {num_devices} x {cluster.name} at any "
+            f"layout (smallest needs {need:.1f} GB of {smallest.budget_bytes / GB:.1f} GB per device at "
+            f"{describe(smallest.layout)}); add devices, lower --seq or --global-batch, or lower --headroom"
+        )
+    results.sort(key=lambda e: (not e.fits, e.step_time_s, e.memory.total_bytes))
+    if results[0].fits:
+        results[0] = dataclasses.replace(results[0], why=explain(results[0], cluster))
+    return results
+
+
+def describe(layout: Layout) -> str:
+    """A short one-line name of a layout."""
+    v = f",virtual={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+    sp = " +SP" if layout.sequence_parallel else ""
+    return (
+        f"data={layout.data},tensor={layout.tensor},pipeline={layout.pipeline}{v} ZeRO-{layout.zero_stage} "
+        f"m={layout.microbatches} b={layout.microbatch_size} recompute={layout.recompute}{sp} {layout.schedule}"
+    )
+
+
+def explain(est: LayoutEstimate, cluster: Cluster) -> str:
+    """Why the winner wins, in the seed's terms: TP inside a node, PP across nodes, DP/ZeRO outermost."""
+    lay, parts = est.layout, []
+    node = f"one {cluster.devices_per_node}-device node ({cluster.intra_node_gbps:g} GB/s links)"
+    if lay.tensor > 1:
+        per_layer = 6 if lay.recompute == "full" else 4
+        parts.append(f"tensor={lay.tensor} keeps its {per_layer} collectives per layer per microbatch inside {node}")
+    else:
+        parts.append("no tensor parallelism is needed: the model states and activations fit without splitting layers")
+    if lay.pipeline > 1:
+        where = "across nodes" if est.communication["pipeline"].link == "inter" else "inside the node"
+        v = f", {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else ""
+        parts.append(
+            f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
+            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v})"
+        )
+    if lay.data > 1:
+        zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "plain DP"
+        exposed = est.time.data_exposed_s / est.step_time_s
+        hidden = "mostly hidden" if exposed < 0.1 else "only partly hidden"
+        parts.append(
+            f"data={lay.data} with {zero} is outermost, its gradient reduction {hidden} behind the backward "
+            f"({exposed:.1%} of the step exposed)"
+        )
+    parts.append(
+        f"it needs {est.memory.total_bytes / GB:.1f} of {est.budget_bytes / GB:.1f} GB per device "
+        f"(recompute={lay.recompute}) and reaches {est.mfu:.1%} MFU"
+    )
+    return "; ".join(parts) + "."
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """``data=1,tensor=8,pipeline=8,virtual=3`` -> Layout fields; a one-line ConfigError otherwise."""
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or key.strip() not in LAYOUT_KEYS or not raw.strip().isdigit() or int(raw) < 1:
+            raise ConfigError(
+                f"--layout '{text}': expected comma-separated {'|'.join(LAYOUT_KEYS)}=<int >= 1>, "
+                "e.g. --layout data=1,tensor=8,pipeline=8,virtual=3"
+            )
+        out[LAYOUT_KEYS[key.strip()]] = int(raw)
+    if not out:
+        raise ConfigError(f"--layout '{text}': empty; e.g. --layout data=1,tensor=8,pipeline=8")
+    if out.get("virtual_stages", 1) > 1:
+        out["schedule"] = "interleaved"
+    return out
+
+
+# --------------------------------------------------------------------------- output
+
+
+def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str = "", console: Any = None) -> None:
+    """Print the ranked layouts as a rich table (the memory column is the busiest stage's peak)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "data", "tensor", "pipe", "v", "ZeRO", "m", "b", "recompute", "SP", "schedule"):
+        table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
+    for col in ("states GB", "act GB", "total GB", "step s", "MFU", "bubble", "TP s", "PP s", "DP s*"):
+        table.add_column(col, justify="right")
+    for i, e in enumerate(estimates, 1):
+        lay, mem, t = e.layout, e.memory, e.time
+        style = None if e.fits else "red"
+        table.add_row(
+            str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), str(lay.virtual_stages), str(lay.zero_stage),
+            str(lay.microbatches), str(lay.microbatch_size), lay.recompute, "y" if lay.sequence_parallel else "",
+            lay.schedule, f"{mem.model_states_bytes / GB:.1f}", f"{(mem.activation_bytes + mem.transient_bytes) / GB:.1f}",
+            f"{mem.total_bytes / GB:.1f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}",
+            f"{t.tensor_s:.2f}", f"{t.pipeline_s:.2f}", f"{t.data_exposed_s:.2f}", style=style,
+        )  # fmt: skip
+    console.print(table)
+
+
+def plan_summary(
+    model: ConfigDict, cluster: Cluster, num_devices: int, estimates: list[LayoutEstimate], options: PlanOptions
+) -> dict[str, Any]:
+    """The JSON document of a plan: cluster, assumptions and the ranked layouts."""
+    return {
+        "model": {"name": model.name, "params": count_params(model)},
+        "cluster": cluster.to_dict(),
+        "devices": num_devices,
+        "nodes": num_devices // cluster.devices_per_node,
+        "options": dataclasses.asdict(options),
+        "memory_budget_bytes": cluster.memory_bytes * (1 - options.headroom),
+        "layouts": [e.to_dict() for e in estimates],
+    }
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``jaxpar plan`` (``--config.x.y=v`` overrides arrive separately in ``args.overrides``)."""
+    parser.add_argument("--config", default=None, help="config file (default: the built-in tiny model)")
+    parser.add_argument("--cluster", default="h100-80g", help=f"cluster preset: {', '.join(PRESETS)}")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the --layout product)")
+    parser.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: config)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: config train.seq_len)")
+    parser.add_argument("--top", type=int, default=10, help="rows to show")
+    parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--layout", default=None, help="pin mesh sizes, e.g. data=1,tensor=8,pipeline=8,virtual=3")
+    parser.add_argument("--microbatches", type=int, default=None, help="pin microbatches per step")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default=None, help="pin the recompute policy")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
+    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "gpipe"), default=None)
+    parser.add_argument("--convention", choices=CONVENTIONS, default="jaxpar", help="model-state byte convention")
+    parser.add_argument("--efficiency", type=float, default=0.55, help="achieved share of peak FLOP/s")
+    parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default=None)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``jaxpar plan``: search (or evaluate the pinned) layouts and print a table or JSON. Returns 0."""
+    cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
+    model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
+    cluster = get_cluster(args.cluster)
+    fixed = parse_layout(args.layout) if args.layout else {}
+    for name, value in (
+        ("microbatches", args.microbatches),
+        ("recompute", args.recompute),
+        ("sequence_parallel", args.sequence_parallel),
+        ("zero_stage", args.zero),
+        ("schedule", args.schedule),
+    ):
+        if value is not None:
+            fixed[name] = value
+    dpn = cluster.devices_per_node
+    if args.devices is not None:
+        num_devices = args.devices
+    elif args.nodes is not None:
+        num_devices = args.nodes * dpn
+    elif {"data", "tensor", "pipeline"} <= set(fixed):
+        num_devices = fixed["data"] * fixed["tensor"] * fixed["pipeline"]
+    else:
+        num_devices = dpn
+    if num_devices < 1 or num_devices % dpn:
+        raise ConfigError(
+            f"plan: {num_devices} devices is not a multiple of {dpn} devices per node on {cluster.name}; "
+            f"use --nodes or a multiple of {dpn}"
+        )
+    if "pipeline" in fixed and "tensor" in fixed and "data" not in fixed:
+        fixed["data"] = num_devices // (fixed["tensor"] * fixed["pipeline"])
+    product = fixed.get("data", 1) * fixed.get("tensor", 1) * fixed.get("pipeline", 1)
+    if {"data", "tensor", "pipeline"} <= set(fixed) and product != num_devices:
+        raise ConfigError(f"--layout: data*tensor*pipeline = {product} but the plan has {num_devices} devices")
+    global_batch = args.global_batch or cfg.train.global_batch
+    seq_len = args.seq or cfg.train.seq_len
+    if model.position == "learned" and seq_len > model.max_seq_len:
+        raise ConfigError(f"--seq {seq_len} exceeds model.max_seq_len={model.max_seq_len} (learned positions)")
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom {args.headroom}: use a value in [0, 1)")
+    grad_dtype = args.grad_reduce_dtype or cfg.parallel.grad_reduce_dtype
+    options = PlanOptions(
+        headroom=args.headroom,
+        convention=args.convention,
+        grad_reduce_bytes=DTYPE_BYTES[grad_dtype],
+        efficiency=args.efficiency,
+    )
+    start = time.perf_counter()
+    pinned = bool(args.layout)
+    estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=pinned)
+    elapsed = time.perf_counter() - start
+    shown = estimates[: args.top]
+    if args.json:
+        doc = plan_summary(model, cluster, num_devices, shown, options)
+        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": len(estimates), "search_s": elapsed}
+        print(json.dumps(doc, indent=2))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    budget = cluster.memory_bytes * (1 - options.headroom) / GB
+    console.print(
+        f"[bold]{model.name}[/] ({count_params(model) / 1e9:.2f}B params) on {num_devices} x {cluster.name} "
+        f"({num_devices // dpn} nodes); global batch {global_batch} x seq {seq_len}; memory budget {budget:.1f} GB "
+        f"per device ({cluster.memory_gb:g} GB - {options.headroom:.0%} headroom); "
+        f"{options.convention} state convention; compute at {options.efficiency:.0%} of peak"
+    )
+    fitting = sum(e.fits for e in estimates)
+    render_table(shown, cluster, title=f"{fitting} of {len(estimates)} layouts fit; top {len(shown)} by step time")
+    if estimates[0].why:
+        console.print(f"[bold]why #1:[/] {estimates[0].why}")
+    elif pinned:
+        console.print("[red]the pinned layout does not fit the memory budget[/]")
+    console.print(f"* DP s = exposed data-axis time. Searched in {elapsed:.2f} s.")
+    return 0
