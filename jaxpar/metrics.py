@@ -19,19 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config import ConfigDict, param_count_estimate
+from jaxpar.analysis.estimate import flops_per_token
+from jaxpar.config import ConfigDict
 
 # Dense bf16 peaks per device, TFLOP/s (FORMULAS.md section 6; vendor data sheets, no sparsity).
 PEAK_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0, "tpu v5p": 459.0, "tpu v5": 459.0}
 
 
 def model_flops_per_token(model_cfg: ConfigDict, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12*L*h*s (PaLM appendix B, non-causal attention)."""
-    n = param_count_estimate(model_cfg) - model_cfg.vocab_size * model_cfg.embed_dim * (not model_cfg.tie_embeddings)
-    if model_cfg.position == "learned":
-        n -= model_cfg.max_seq_len * model_cfg.embed_dim
-    attn_width = model_cfg.num_heads * model_cfg.head_dim
-    return 6.0 * n + 12.0 * model_cfg.num_layers * attn_width * seq_len
+    """Training FLOPs per token: 6N + 12*L*h*s (the planner's formula, non-causal convention)."""
+    return flops_per_token(model_cfg, seq_len, causal=False)
 
 
 _CPU_PEAK_CACHE: dict[int, float] = {}
