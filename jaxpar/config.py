@@ -27,7 +27,7 @@ REMAT_POLICIES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DATA_SOURCES = ("stdlib", "synthetic", "bin", "megatron")
-SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt")
+SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
 
 
 class ConfigError(ValueError):
@@ -79,6 +79,8 @@ def default_config() -> ConfigDict:
     c.optim.schedule = "cosine"  # decay after warmup: cosine | linear | constant | inverse_sqrt
     c.optim.warmup_type = "linear"  # linear | log (DeepSpeed's default warmup)
     c.optim.warmup_init_lr = 0.0  # absolute learning rate at the start of warmup
+    c.optim.schedule_offset = 0  # evaluate the curve at max(k - offset, 0) (DeepSpeed ports: 1)
+    c.optim.decay_start_step = -1  # where decay progress is 0; -1: at the end of warmup
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
     c.optim.eps = 1e-8

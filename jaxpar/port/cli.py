@@ -1,0 +1,164 @@
+"""``jaxpar port deepspeed|megatron|torchtitan|fsdp FILE``: import a recipe, print the report.
+
+``-o out.py`` writes a runnable jaxpar config (``get_config()`` on top of ``default_config()``,
+only the fields that differ), atomically; ``--json`` prints one JSON object ``{config,
+report}``. ``--set KEY=VALUE`` sets a jaxpar field (``model.vocab_size=128256``) after the port,
+or, for DeepSpeed, fills an ``"auto"`` value (``lr=3e-4``). Every bad input is a
+:class:`ConfigError`: one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import sys
+import tempfile
+from typing import Any
+
+from jaxpar.config import ConfigDict, ConfigError, apply_overrides, default_config, flatten, validate
+from jaxpar.port.report import Report, parse_side_value, schema_has, suggest
+
+SOURCES = ("deepspeed", "megatron", "torchtitan", "fsdp")
+
+
+def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``port`` sub-command to ``subparsers`` (from ``add_subparsers``); returns its parser."""
+    p = subparsers.add_parser("port", help="import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe",
+                              description="Import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe into a "
+                              "jaxpar config and report what became of every setting.")
+    p.add_argument("source", choices=SOURCES, help="recipe kind")
+    p.add_argument("file", help="ds_config.json, Megatron .args / launch script, torchtitan .toml, accelerate .yaml")
+    p.add_argument("--world-size", type=int, default=None, help="total number of GPUs the recipe runs on")
+    p.add_argument("--tensor", type=int, default=None, help="DeepSpeed only: tensor-parallel size (default 1)")
+    p.add_argument("--pipeline", type=int, default=None, help="DeepSpeed only: pipeline stages (default 1)")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="Megatron: shell variable")
+    p.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                   help="jaxpar field (model.vocab_size=128256) or DeepSpeed side input for \"auto\" (lr=3e-4)")
+    p.add_argument("--allow-unresolved", action="store_true", help="use defaults for unresolved values (reported)")
+    p.add_argument("-o", "--output", default=None, help="write a jaxpar config file (.py)")
+    p.add_argument("--json", action="store_true", help="print {config, report} as one JSON object")
+    p.set_defaults(run=run_port)
+    return p
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise ConfigError(f"port {flag} '{item}': expected {flag} NAME=VALUE")
+        out[name.strip()] = value
+    return out
+
+
+def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
+    """Run the importer ``args.source`` with the options in ``args``; apply jaxpar ``--set`` fields."""
+    sets = _pairs(args.sets, "--set")
+    fields = {k: v for k, v in sets.items() if schema_has(k)}
+    side = {k: parse_side_value(v) for k, v in sets.items() if k not in fields}
+    variables = _pairs(args.var, "--var")
+    if args.source != "deepspeed":
+        if args.tensor is not None or args.pipeline is not None:
+            raise ConfigError(f"port {args.source}: --tensor/--pipeline apply to deepspeed only; this recipe names "
+                              "its own parallel sizes")
+        if side:
+            key = next(iter(side))
+            close = suggest(key, sorted(flatten(default_config().to_dict())))
+            raise ConfigError(f"port {args.source}: --set {key}: not a jaxpar config key"
+                              + (f"; did you mean '{close}'?" if close else "; use section.field, e.g. model.vocab_size"))
+    if variables and args.source != "megatron":
+        raise ConfigError("port: --var sets shell variables of Megatron launch recipes only")
+    if args.source == "deepspeed":
+        from jaxpar.port.deepspeed import port_deepspeed
+
+        cfg, report = port_deepspeed(args.file, world_size=args.world_size, tensor=args.tensor or 1,
+                                     pipeline=args.pipeline or 1, side_inputs=side,
+                                     allow_unresolved=args.allow_unresolved)
+    elif args.source == "megatron":
+        from jaxpar.port.megatron import port_megatron
+
+        if not pathlib.Path(args.file).is_file():
+            raise ConfigError(f"port megatron: file '{args.file}' not found; pass a .args recipe or launch script")
+        cfg, report = port_megatron(pathlib.Path(args.file), variables=variables, world_size=args.world_size,
+                                    allow_unresolved=args.allow_unresolved)
+    elif args.source == "torchtitan":
+        from jaxpar.port.torchtitan import port_torchtitan
+
+        cfg, report = port_torchtitan(args.file, world_size=args.world_size, allow_unresolved=args.allow_unresolved)
+    else:
+        from jaxpar.port.fsdp import port_fsdp
+
+        cfg, report = port_fsdp(args.file, world_size=args.world_size)
+    if fields:
+        apply_overrides(cfg, [f"--config.{k}={v}" for k, v in fields.items()])
+        for key, value in fields.items():
+            report.mapped(f"--set {key}", value, key, "set on the command line")
+            report.ported.append(key)
+        report.problems.clear()
+        try:
+            validate(cfg)
+        except ConfigError as e:
+            report.problems.append(str(e))
+    return cfg, report
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``jaxpar port ...`` command that reproduces ``args``."""
+    parts = ["jaxpar", "port", args.source, args.file]
+    for flag, value in (("--world-size", args.world_size), ("--tensor", args.tensor), ("--pipeline", args.pipeline)):
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += [p for v in args.var for p in ("--var", v)] + [p for s in args.sets for p in ("--set", s)]
+    parts += ["--allow-unresolved"] if args.allow_unresolved else []
+    parts += ["-o", args.output] if args.output else []
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def config_source(cfg: ConfigDict, report: Report, command: str, output: str) -> str:
+    """Text of a jaxpar config file returning ``cfg`` as overrides of ``default_config()``."""
+    defaults = flatten(default_config().to_dict())
+    changed = {k: v for k, v in flatten(cfg.to_dict()).items() if defaults.get(k) != v or k in report.ported}
+    doc = (f"Ported from the {report.kind} recipe {report.source_path or '(inline)'}.\n\n"
+           f"Generated by:\n    {command}\n\nMapping: {report.summary()}; rerun the command to see the report.\n\n"
+           f"Run:\n    jaxpar train --config {output}\n")
+    doc = doc.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    body = [f"    c.{key} = {value!r}" for key, value in changed.items()]
+    return (f'"""{doc}"""\n\nfrom jaxpar.config import default_config\n\n\ndef get_config():\n'
+            "    c = default_config()\n" + "\n".join(body) + ("\n" if body else "") + "    return c\n")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    target = pathlib.Path(path)
+    if target.parent and not target.parent.exists():
+        raise ConfigError(f"port -o {path}: folder '{target.parent}' does not exist; create it or pick another path")
+    fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_port(args: argparse.Namespace) -> int:
+    """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate."""
+    cfg, report = port_file(args)
+    if args.json:
+        print(json.dumps({"config": cfg.to_dict(), "report": report.to_dict()}, indent=2))
+    elif sys.stdout.isatty():
+        report.render_rich()
+    else:
+        print(report.render_text())
+    if report.problems:
+        raise ConfigError(f"port {args.source}: the ported config does not validate: {report.problems[0]}; adjust "
+                          "it with --set KEY=VALUE")
+    if args.output:
+        write_atomic(args.output, config_source(cfg, report, command_line(args), args.output))
+        if not args.json:
+            print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,141 @@
+"""Import an HF accelerate FSDP config (``accelerate config`` YAML) into a jaxpar config.
+
+FSDP sharding strategies map onto ZeRO stages over jaxpar's data axis (FORMULAS.md section 7):
+FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, NO_SHARD ~ DDP (ZeRO-0), HYBRID_SHARD ~ ZeRO-3
+inside a node and replicated across nodes (approximated: jaxpar shards over the whole data
+axis). accelerate also accepts the torch enum numbers 1..5 for the strategies. The YAML holds
+no model, optimizer or batch: those stay at jaxpar defaults and the report says so.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.port.report import Report, build_config
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+ZERO_STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2}
+DTYPES = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_NOOP = "no-op in jaxpar: "
+FSDP_NOOP = {
+    "fsdp_auto_wrap_policy": _NOOP + "jaxpar shards every layer's parameters by its rules (the wrap unit is the layer)",
+    "fsdp_transformer_layer_cls_to_wrap": _NOOP + "the wrap unit is always the transformer layer",
+    "fsdp_min_num_params": _NOOP + "the wrap unit is always the transformer layer",
+    "fsdp_backward_prefetch": _NOOP + "XLA schedules the all-gathers and overlaps them with compute",
+    "fsdp_backward_prefetch_policy": _NOOP + "XLA schedules the all-gathers and overlaps them with compute",
+    "fsdp_forward_prefetch": _NOOP + "XLA schedules the all-gathers and overlaps them with compute",
+    "fsdp_state_dict_type": _NOOP + "orbax saves sharded checkpoints that restore onto any mesh",
+    "fsdp_cpu_ram_efficient_loading": _NOOP + "jaxpar initializes each shard directly on its device",
+    "fsdp_sync_module_states": _NOOP + "every device initializes from the same seed",
+    "fsdp_use_orig_params": _NOOP + "jax parameters are a plain pytree",
+    "fsdp_version": _NOOP + "FSDP1 and FSDP2 shard the same way here",
+}
+TOP_NOOP = ("compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "machine_rank", "main_process_ip",
+            "main_process_port", "main_training_function", "rdzv_backend", "same_network", "tpu_env",
+            "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "gpu_ids", "dynamo_config")
+FSDP_KEYS = (*FSDP_NOOP, "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
+             "fsdp_activation_checkpointing")
+
+
+def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tuple[ConfigDict, Report]:
+    """Port an accelerate FSDP YAML; ``world_size`` overrides ``num_processes``."""
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - PyYAML ships with the test environment
+        raise ConfigError("fsdp: reading accelerate YAML needs PyYAML; pip install pyyaml") from None
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"fsdp: file '{path}' not found; pass an accelerate config .yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"fsdp: {path.name} is not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"fsdp: {path.name} is not a YAML mapping; pass an accelerate config")
+    report = Report("fsdp", str(path))
+    values: dict[str, Any] = {}
+    kind = str(raw.get("distributed_type", "NO"))
+    if kind == "DEEPSPEED":
+        raise ConfigError(f"fsdp: {path.name} uses distributed_type DEEPSPEED; port its DeepSpeed JSON with "
+                          "`jaxpar port deepspeed`")
+    world = world_size if world_size is not None else int(raw.get("num_processes", 1))
+    machines = int(raw.get("num_machines", 1))
+    fsdp = raw.get("fsdp_config", {}) or {}
+    strategy = _strategy(fsdp, kind)
+    stage = ZERO_STAGE[strategy]
+    values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
+    if values.get("train.global_batch", 16) % world:
+        values["train.global_batch"] = world
+        report.approximated("(batch size)", None, "train.global_batch", f"not in the accelerate config; one "
+                            f"sequence per device ({world}) so the jaxpar default divides the data axis")
+    else:
+        report.approximated("(batch size)", None, "train.global_batch", "not in the accelerate config (the training "
+                            "script decides); jaxpar default kept")
+    report.approximated("(model, optimizer)", None, "model.*, optim.*", "not in the accelerate config; jaxpar "
+                        "defaults kept: set them with --set or edit the generated config")
+    for key, value in raw.items():
+        if key == "fsdp_config":
+            continue
+        if key == "distributed_type":
+            ok = kind in ("FSDP", "MULTI_GPU", "NO")
+            report.add(key, value, "mapped" if ok else "unsupported", "parallel.zero_stage",
+                       "" if ok else "only FSDP / MULTI_GPU / NO map onto jaxpar")
+        elif key == "num_processes":
+            report.mapped(key, value, "mesh.data", "" if world_size is None else f"overridden: --world-size {world}")
+        elif key == "num_machines":
+            report.mapped(key, value, "", "nodes; jaxpar's data axis spans them all")
+        elif key == "mixed_precision":
+            dtype = DTYPES.get(str(value))
+            if dtype:
+                values["model.compute_dtype"] = dtype
+                report.mapped(key, value, "model.compute_dtype")
+            else:
+                report.unsupported(key, value, "jaxpar computes in float32, bfloat16 or float16; default kept")
+        elif key in TOP_NOOP:
+            report.approximated(key, value, "", _NOOP + "launcher/environment setting")
+        else:
+            report.unknown(key, value, [*TOP_NOOP, "distributed_type", "num_processes", "num_machines",
+                                        "mixed_precision", "fsdp_config"], "accelerate")
+    for key, value in fsdp.items():
+        src = f"fsdp_config.{key}"
+        if key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+            hybrid = strategy.startswith("HYBRID")
+            note = (f"{strategy} ~ ZeRO-{stage}" + (f" inside each node and replicated across {machines} node(s); "
+                    f"jaxpar shards over the whole data axis ({world} ranks): less memory per device, all-gathers "
+                    "cross nodes" if hybrid else ""))
+            report.add(src, value, "approximated" if hybrid else "mapped", "parallel.zero_stage", note)
+        elif key == "fsdp_offload_params":
+            if value:
+                report.unsupported(src, value, "jaxpar keeps parameters on the accelerators; nearest: ZeRO-3 "
+                                   f"(parallel.zero_stage=3{', already set' if stage == 3 else ''})")
+            else:
+                report.mapped(src, value, "", "no offload, as in jaxpar")
+        elif key == "fsdp_activation_checkpointing":
+            values["model.remat"] = "full" if value else "none"
+            report.mapped(src, value, "model.remat")
+        elif key in FSDP_NOOP:
+            report.approximated(src, value, "", FSDP_NOOP[key])
+        else:
+            report.unknown(src, value, [f"fsdp_config.{k}" for k in FSDP_KEYS], "accelerate FSDP")
+    return build_config(values, report), report
+
+
+def _strategy(fsdp: dict, kind: str) -> str:
+    """The FSDP sharding strategy name (accepts names, torch enum numbers 1..5, FSDP2's reshard flag)."""
+    if kind != "FSDP":
+        return "NO_SHARD"
+    value = fsdp.get("fsdp_sharding_strategy")
+    if value is None:
+        reshard = fsdp.get("fsdp_reshard_after_forward", True)
+        if isinstance(reshard, str) and reshard.upper() in STRATEGIES:
+            return reshard.upper()
+        return "FULL_SHARD" if reshard in (True, "true", "True") else "SHARD_GRAD_OP"
+    text = str(value).strip().upper()
+    if text.isdigit() and 1 <= int(text) <= len(STRATEGIES):
+        return STRATEGIES[int(text) - 1]
+    if text in STRATEGIES:
+        return text
+    raise ConfigError(f"fsdp: fsdp_config.fsdp_sharding_strategy={value!r}: use one of {', '.join(STRATEGIES)} "
+                      "(or 1..5)")

@@ -1,0 +1,493 @@
+"""Import a Megatron-LM (or Megatron-DeepSpeed) launch recipe into a jaxpar config, with a report.
+
+Input: the ``.args`` format of ``shared/recipes/megatron`` (shell assignments, a ``# flags``
+line, then one flag per line) or a raw launch script (assignments, then the command running
+``pretrain_*.py``). Variables expand as bash would (``--var NAME=VALUE`` wins over the
+script); a variable a *needed* flag uses but nobody sets stops the port with one line naming it.
+
+Megatron arithmetic reproduced: DP = world / (TP * PP * CP); microbatches = GBS / (MBS * DP);
+SwiGLU's default FFN size ``int(4h * 2/3 / 64) * 64``; sequence parallel off at TP = 1; the
+LR schedule counts samples (``num_steps`` grows by the global batch after each update), so
+sample-based settings become fractional steps ``samples / GBS``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.port import Shell, launch_flags, show, unresolved_names
+from jaxpar.port.report import Report, apply_schedule_fields, build_config
+
+_NOOP = "no-op in jaxpar: "
+_LAUNCH = _NOOP + "launcher setting"
+_PERF = _NOOP + "kernel/runtime detail that XLA decides"
+_LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
+_DATA = _NOOP + "data loading detail"
+_CKPT = _NOOP + "checkpoint detail; orbax saves sharded checkpoints under train.workdir"
+NOOP = {**dict.fromkeys(("--node_rank", "--master_addr", "--master_port", "--rdzv_endpoint", "--rdzv_backend",
+                         "--rdzv_id", "--max_restarts", "--tee", "--wait", "--kill-on-bad-exit", "--standalone",
+                         "--node-rank", "--master-addr", "--master-port"), _LAUNCH),
+        **dict.fromkeys(("--use-mcore-models", "--attention-backend", "--use-flash-attn", "--no-masked-softmax-fusion",
+                         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+                         "--cross-entropy-loss-fusion", "--manual-gc", "--manual-gc-interval",
+                         "--empty-unused-memory-level", "--overlap-grad-reduce", "--overlap-param-gather",
+                         "--tp-comm-overlap", "--DDP-impl", "--distributed-backend", "--distributed-timeout-minutes",
+                         "--exit-duration-in-mins", "--exit-interval", "--abort-on-unmet-fused-kernel-constraints",
+                         "--kill-switch-path", "--no-query-key-layer-scaling", "--apply-query-key-layer-scaling",
+                         "--attention-softmax-in-fp32", "--no-position-embedding", "--use-legacy-models"), _PERF),
+        **dict.fromkeys(("--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
+                         "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                         "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard", "--tensorboard-dir",
+                         "--tensorboard-queue-size", "--tensorboard-log-interval", "--wandb-project",
+                         "--wandb-exp-name", "--wandb-save-dir", "--profile", "--profile-step-start",
+                         "--profile-step-end", "--profile-ranks", "--timing-log-level", "--log-progress"), _LOG),
+        **dict.fromkeys(("--num-workers", "--valid-num-workers", "--data-impl", "--dataloader-type",
+                         "--no-create-attention-mask-in-dataloader", "--tokenizer-model", "--tokenizer-name-or-path",
+                         "--vocab-file", "--merge-file", "--data-cache-path"), _DATA),
+        **dict.fromkeys(("--ckpt-format", "--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng",
+                         "--use-checkpoint-args", "--async-save", "--finetune"), _CKPT)}
+_MOE = "mixture-of-experts: jaxpar has dense MLPs only (the ported model is the dense backbone, one MLP per layer)"
+UNSUPPORTED = {
+    "--embed-layernorm": "no layer norm after the embedding in jaxpar's models",
+    "--train-weighted-split-paths-path": "no weighted multi-split data files; set data.path to one Megatron prefix",
+    "--valid-weighted-split-paths-path": "no weighted multi-split data files",
+    "--decoupled-lr": "one learning rate for all parameters in jaxpar (no separate embedding/output lr)",
+    "--decoupled-min-lr": "one learning rate for all parameters in jaxpar",
+    "--distribute-saved-activations": "saved activations are not split over tensor ranks; nearest: sequence parallel",
+    "--loss-scale": "no fp16 loss-scaling settings in jaxpar; bf16 trains without a loss scale",
+    "--squared-relu": "jaxpar MLPs are SwiGLU or GeLU", "--qk-layernorm": "no QK layer norm in jaxpar",
+    "--add-qkv-bias": "jaxpar linear layers have no bias",
+    **dict.fromkeys(("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"),
+                    "no fp16 loss-scaling settings in jaxpar"),
+    **dict.fromkeys(("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-param-gather",
+                     "--fp8-amax-compute-algo"), "no fp8 training in jaxpar"),
+}
+KNOWN = (*NOOP, *UNSUPPORTED)  # plus every flag the mapping code reads (_Args.known)
+TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
+
+
+class _Args:
+    """Parsed flags with typed access; remembers what was read, reported and left unresolved."""
+
+    def __init__(self, flags: list[tuple[str, list[str]]], shell: Shell, report: Report) -> None:
+        self.flags: dict[str, list[str]] = {}
+        self.dups: set[str] = set()
+        for name, values in flags:
+            if name in self.flags:
+                self.dups.add(name)
+            self.flags[name] = values
+        self.shell, self.report = shell, report
+        self.reported: set[str] = set()
+        self.known: set[str] = set()  # flags the mapping code reads or reports
+        self.unresolved: dict[str, list[str]] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.flags
+
+    def get(self, name: str, kind: type = str, default: Any = None, soft: bool = False) -> Any:
+        """The flag's value as ``kind``; ``default`` when absent or (``soft``) unresolved."""
+        self.known.add(name)
+        if name not in self.flags:
+            return default
+        text = " ".join(self.flags[name])
+        missing = unresolved_names(text)
+        if missing:
+            if not soft:
+                for var in missing:
+                    self.unresolved.setdefault(var, []).append(name)
+            return default
+        if kind is bool:
+            return True
+        if not text:
+            raise ConfigError(f"megatron: {name} needs a value; give it one or drop the flag")
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"megatron: {name} {text!r} is not a valid {kind.__name__}; fix the value") from None
+
+    def note(self, name: str, status: str, target: str = "", note: str = "") -> None:
+        """Report flag ``name`` (only if given) under ``status``."""
+        self.known.add(name)
+        if name in self.flags and name not in self.reported:
+            self.reported.add(name)
+            value = show(" ".join(self.flags[name])) or True
+            if name in self.dups:
+                note = (note + "; " if note else "") + "given more than once: the last value wins, as in argparse"
+            self.report.add(name, value, status, target, note)
+
+    def finish(self) -> None:
+        """Report every flag nobody reported: no-op, unsupported, MoE, or unknown."""
+        for name in self.flags:
+            if name in self.reported:
+                continue
+            if name in NOOP:
+                self.note(name, "approximated", "", NOOP[name])
+            elif name in UNSUPPORTED:
+                self.note(name, "unsupported", "", UNSUPPORTED[name])
+            elif name.startswith(("--moe-", "--expert-")) or name == "--num-experts":
+                self.note(name, "unsupported", "", _MOE)
+            elif name in self.known:
+                self.note(name, "mapped", "", "read with the flags it depends on")
+            else:
+                self.reported.add(name)
+                self.report.unknown(name, show(" ".join(self.flags[name])) or True, [*KNOWN, *self.known],
+                                    "Megatron-LM")
+
+
+def port_megatron(path_or_text: str | pathlib.Path, *, variables: dict[str, str] | None = None,
+                  world_size: int | None = None, allow_unresolved: bool = False) -> tuple[ConfigDict, Report]:
+    """Port a Megatron recipe (path, or the text itself) to ``(config, report)``.
+
+    ``variables`` set shell variables (they win over the script's assignments); ``world_size``
+    overrides the launcher's ``--nproc_per_node * --nnodes``. Raises :class:`ConfigError` (one
+    line) for unresolved variables that mapped flags need, or inconsistent sizes.
+    """
+    text, source = _read(path_or_text)
+    shell = Shell(variables)
+    report = Report("megatron", source)
+    flags = _flags(text, shell, report)
+    a = _Args(flags, shell, report)
+    values: dict[str, Any] = {}
+    sizes = _sizes(a, shell, world_size)
+    layers = _model(a, values)
+    _optim(a, values, sizes)
+    _misc(a, values)
+    if a.unresolved and not allow_unresolved:
+        names = ", ".join(f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
+                          for v, fs in a.unresolved.items())
+        raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
+    _layout(a, values, sizes, layers)
+    a.finish()
+    return build_config(values, report), report
+
+
+def _read(path_or_text: str | pathlib.Path) -> tuple[str, str]:
+    text = str(path_or_text)
+    if isinstance(path_or_text, pathlib.Path) or ("\n" not in text and not text.lstrip().startswith("--")):
+        path = pathlib.Path(path_or_text)
+        if not path.is_file():
+            raise ConfigError(f"megatron: file '{path}' not found; pass a .args recipe or a launch script")
+        return path.read_text(), str(path)
+    return str(path_or_text), ""
+
+
+def _flags(text: str, shell: Shell, report: Report) -> list[tuple[str, list[str]]]:
+    """Run the assignments and return the flags, reporting repaired lines and stray words."""
+    flags, stray, repaired = launch_flags(text, shell)
+    if not flags and not stray:
+        raise ConfigError("megatron: no '# flags' section and no pretrain_*.py command found; pass a .args recipe "
+                          "(see shared/recipes/README.md) or the launch script")
+    for number, line in repaired:
+        report.approximated(f"(line {number})", line, "", "unbalanced quote removed")
+    for word in stray:
+        report.unknown(word, word, KNOWN, "Megatron-LM")
+    return flags
+
+
+def _sizes(a: _Args, shell: Shell, world_size: int | None) -> dict[str, Any]:
+    """Parallel sizes, batch sizes and the world size (None where unresolved)."""
+    s = {"tp": a.get("--tensor-model-parallel-size", int, 1), "pp": a.get("--pipeline-model-parallel-size", int, 1),
+         "cp": a.get("--context-parallel-size", int, 1), "mbs": a.get("--micro-batch-size", int, 1),
+         "gbs": a.get("--global-batch-size", int), "world": world_size, "how": "--world-size"}
+    if s["world"] is None and "WORLD_SIZE" in shell.user:
+        s["world"], s["how"] = int(shell.user["WORLD_SIZE"]), "--var WORLD_SIZE"
+    explicit = s["world"] is not None  # then the launcher sizes are not needed
+    nproc = a.get("--nproc_per_node", int, soft=explicit) or a.get("--nproc-per-node", int, soft=explicit)
+    nnodes = a.get("--nnodes", str, "1", soft=explicit)
+    for name in ("--nproc_per_node", "--nproc-per-node", "--nnodes"):
+        a.note(name, "mapped", "mesh.data", f"overridden by {s['how']}" if explicit else
+               "world size = --nproc_per_node * --nnodes")
+    if s["world"] is None and nproc and nnodes:
+        if not nnodes.rsplit(":", 1)[-1].isdigit():
+            raise ConfigError(f"megatron: --nnodes {nnodes!r} is not a node count (N or MIN:MAX); fix the value")
+        s["world"], s["how"] = nproc * int(nnodes.rsplit(":", 1)[-1]), f"--nproc_per_node {nproc} * --nnodes {nnodes}"
+    env = {k: v for k, v in shell.env.items() if not unresolved_names(v)}
+    nodes = next((env[k] for k in ("NNODES", "NUM_NODES", "N_NODES") if k in env), None)
+    if s["world"] is None and env.get("WORLD_SIZE", "").isdigit():
+        s["world"], s["how"] = int(env["WORLD_SIZE"]), "WORLD_SIZE"
+    elif s["world"] is None and env.get("GPUS_PER_NODE", "").isdigit() and nodes and nodes.isdigit():
+        s["world"], s["how"] = int(env["GPUS_PER_NODE"]) * int(nodes), "GPUS_PER_NODE * NNODES"
+    if s["world"] is None and not (a.has("--nnodes") and a.unresolved):
+        shell.why["WORLD_SIZE"] = "no --nproc_per_node/--nnodes or GPUS_PER_NODE/NNODES; or pass --world-size N"
+        a.unresolved.setdefault("WORLD_SIZE", []).append("DP = world / (TP*PP*CP)")
+    return s
+
+
+def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) -> None:
+    """DP, microbatches, virtual stages, sequence parallel: Megatron's arithmetic."""
+    tp, pp, cp, mbs, gbs, world = s["tp"], s["pp"], s["cp"], s["mbs"], s["gbs"], s["world"]
+    mp = tp * pp * cp
+    if world is None:
+        world, s["how"] = mp, "assumed (unresolved)"
+    if world % mp:
+        raise ConfigError(f"megatron: world size {world} ({s['how']}) is not divisible by TP*PP*CP = {tp}*{pp}*{cp} "
+                          f"= {mp}; pass --var for the node count or --world-size with a multiple of {mp}")
+    dp = world // mp
+    gbs = gbs or mbs * dp
+    if gbs % (mbs * dp):
+        raise ConfigError(f"megatron: --global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} * DP "
+                          f"{dp}; use a multiple of {mbs * dp}")
+    data, micro = dp, gbs // (mbs * dp)
+    if cp > 1 and gbs % (mbs * dp * cp) == 0:
+        data, micro = dp * cp, gbs // (mbs * dp * cp)
+    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.pipeline": pp, "train.global_batch": gbs,
+                   "train.microbatches": micro})
+    a.note("--tensor-model-parallel-size", "mapped", "mesh.tensor")
+    a.note("--micro-batch-size", "mapped", "train.microbatches", f"microbatches = GBS / (MBS * DP) = {micro}")
+    a.note("--global-batch-size", "mapped", "train.global_batch", f"DP = {world} / (TP*PP*CP) = {dp}")
+    a.note("--context-parallel-size", "mapped" if cp == 1 else "unsupported", "mesh.data", "" if cp == 1 else
+           f"no context parallelism in jaxpar; CP ranks join the data axis (mesh.data = {data}), each holding "
+           "whole sequences: more activation memory per device")
+    virtual = a.get("--virtual-pipeline-model-parallel-size", int, 1)
+    per_stage = a.get("--num-layers-per-virtual-pipeline-stage", int)
+    if per_stage:
+        if layers % (pp * per_stage):
+            raise ConfigError(f"megatron: --num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                              f"{pp} * --num-layers-per-virtual-pipeline-stage {per_stage}; fix one of them")
+        virtual = layers // (pp * per_stage)
+    if virtual > 1:
+        values.update({"pipeline.virtual_stages": virtual, "pipeline.schedule": "interleaved"})
+    elif pp > 1:
+        values["pipeline.schedule"] = "1f1b"
+    for name in ("--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size"):
+        a.note(name, "mapped", "pipeline.virtual_stages, pipeline.schedule", f"{virtual} virtual stages, interleaved")
+    a.note("--pipeline-model-parallel-size", "mapped", "mesh.pipeline, pipeline.schedule",
+           "Megatron's 1F1B" if pp > 1 and virtual == 1 else "")
+    sp = a.get("--sequence-parallel", bool, False) and tp > 1
+    values["parallel.sequence_parallel"] = sp
+    a.note("--sequence-parallel", "mapped" if sp else "approximated", "parallel.sequence_parallel",
+           "" if sp else "off: Megatron disables sequence parallelism when TP = 1")
+    deepspeed = a.get("--deepspeed", bool, False)
+    stage = 1 if a.get("--use-distributed-optimizer", bool, False) else 0
+    stage = max(stage, a.get("--zero-stage", int, 0) or 0) if deepspeed else stage
+    values["parallel.zero_stage"] = stage
+    a.note("--use-distributed-optimizer", "mapped", "parallel.zero_stage", "distributed optimizer = ZeRO-1")
+    a.note("--zero-stage", "mapped" if deepspeed else "approximated", "parallel.zero_stage",
+           "" if deepspeed else "ignored without --deepspeed")
+    a.note("--deepspeed", "approximated", "", "Megatron-DeepSpeed: the DeepSpeed JSON decides ZeRO and precision too")
+    a.note("--deepspeed_config", "approximated", "", "port that JSON too: jaxpar port deepspeed FILE --world-size "
+           f"{world} --tensor {tp} --pipeline {pp}, and compare")
+    for name, note in (("--rampup-batch-size", "constant global batch from step 0; Megatron ramps it up, so its "
+                        "sample-counted schedule and iteration count differ during the ramp"),
+                       ("--step-batch-size-schedule", "constant global batch (the --global-batch-size value); "
+                        "Megatron steps the batch up at token thresholds")):
+        a.note(name, "approximated", "train.global_batch", note)
+
+
+def _model(a: _Args, values: dict[str, Any]) -> int:
+    """Model shape; returns the layer count (0 when unresolved)."""
+    layers, hidden = a.get("--num-layers", int, 0), a.get("--hidden-size", int, 0)
+    heads, seq = a.get("--num-attention-heads", int, 0), a.get("--seq-length", int, 0)
+    if not (layers and hidden and heads and seq):
+        for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+            if not a.has(name):
+                raise ConfigError(f"megatron: {name} is missing; Megatron needs it (add the flag)")
+        return 0
+    if not a.has("--kv-channels") and hidden % heads:
+        raise ConfigError(f"megatron: --hidden-size {hidden} is not divisible by --num-attention-heads {heads}; "
+                          "give --kv-channels")
+    gqa = a.get("--group-query-attention", bool, False)
+    kv = a.get("--num-query-groups", int, 1) if gqa else a.get("--num-key-value-heads", int, heads)
+    swiglu = a.get("--swiglu", bool, False)
+    ffn = a.get("--ffn-hidden-size", int) or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
+    norm = str(a.get("--normalization", str, "LayerNorm")).lower()
+    maxpos = a.get("--max-position-embeddings", int, seq)
+    position = a.get("--position-embedding-type", str, "rope" if a.has("--use-rotary-position-embeddings")
+                     else "learned_absolute")
+    values.update({
+        "model.num_layers": layers, "model.embed_dim": hidden, "model.num_heads": heads, "model.num_kv_heads": kv,
+        "model.head_dim": a.get("--kv-channels", int, hidden // heads), "model.mlp_dim": ffn,
+        "model.mlp_activation": "swiglu" if swiglu else "gelu", "model.norm": "rmsnorm" if norm == "rmsnorm" else
+        "layernorm", "model.norm_eps": a.get("--norm-epsilon", float) or a.get("--layernorm-epsilon", float, 1e-5),
+        "model.position": "learned" if position == "learned_absolute" else "rope",
+        "model.rope_theta": a.get("--rotary-base", float, 10000.0), "model.max_seq_len": max(maxpos, seq),
+        "model.tie_embeddings": not a.get("--untie-embeddings-and-output-weights", bool, False),
+        "model.init_std": a.get("--init-method-std", float, 0.02), "train.seq_len": seq})
+    for name, target in (("--num-layers", "model.num_layers"), ("--hidden-size", "model.embed_dim"),
+                         ("--num-attention-heads", "model.num_heads"), ("--kv-channels", "model.head_dim"),
+                         ("--num-query-groups", "model.num_kv_heads"), ("--num-key-value-heads", "model.num_kv_heads"),
+                         ("--group-query-attention", "model.num_kv_heads"), ("--swiglu", "model.mlp_activation"),
+                         ("--norm-epsilon", "model.norm_eps"), ("--layernorm-epsilon", "model.norm_eps"),
+                         ("--rotary-base", "model.rope_theta"), ("--seq-length", "train.seq_len"),
+                         ("--max-position-embeddings", "model.max_seq_len"), ("--init-method-std", "model.init_std"),
+                         ("--untie-embeddings-and-output-weights", "model.tie_embeddings"),
+                         ("--use-rotary-position-embeddings", "model.position")):
+        ok = not (name == "--num-query-groups" and not gqa)
+        a.note(name, "mapped" if ok else "approximated", target, "" if ok else "ignored without --group-query-attention")
+    a.note("--ffn-hidden-size", "mapped", "model.mlp_dim")
+    if not a.has("--ffn-hidden-size"):
+        a.report.mapped("--ffn-hidden-size (default)", ffn, "model.mlp_dim",
+                        "SwiGLU default int(4h*2/3/64)*64" if swiglu else "4 * hidden")
+    a.note("--normalization", "mapped" if norm in ("rmsnorm", "layernorm") else "unsupported", "model.norm",
+           "" if norm in ("rmsnorm", "layernorm") else "jaxpar has RMSNorm and LayerNorm; LayerNorm kept")
+    ok = position in ("rope", "learned_absolute")
+    a.note("--position-embedding-type", "mapped" if ok else "unsupported", "model.position",
+           "" if ok else f"no {position} positions in jaxpar; RoPE (relative, like {position}) used instead")
+    percent = a.get("--rotary-percent", float, 1.0)
+    a.note("--rotary-percent", "mapped" if percent == 1.0 else "unsupported", "", "" if percent == 1.0 else
+           "jaxpar rotates the full head dimension")
+    for name in ("--attention-dropout", "--hidden-dropout"):
+        rate = a.get(name, float, 0.1)
+        if not a.has(name):
+            a.report.approximated(f"{name} (default)", 0.1, "", "Megatron default 0.1; jaxpar has no dropout")
+        a.note(name, "mapped" if rate == 0 else "approximated", "", "same: no dropout" if rate == 0 else "jaxpar has "
+               "no dropout")
+    a.note("--disable-bias-linear", "mapped", "", "jaxpar linear layers have no bias")
+    if not a.has("--disable-bias-linear"):
+        a.report.approximated("--add-bias-linear (default)", True, "", "Megatron adds biases; jaxpar has none")
+    a.note("--apply-layernorm-1p", "approximated", "model.norm", "same function class: jaxpar stores the scale itself")
+    _vocab(a, values)
+    return layers
+
+
+def _vocab(a: _Args, values: dict[str, Any]) -> None:
+    tp = a.get("--tensor-model-parallel-size", int, 1) or 1
+    multiple = a.get("--make-vocab-size-divisible-by", int, 128) * tp
+    tokenizer = a.get("--tokenizer-type", str, soft=True)
+    if a.get("--pad-vocab-size-to", int):
+        values["model.vocab_size"] = a.get("--pad-vocab-size-to", int)
+        a.note("--pad-vocab-size-to", "mapped", "model.vocab_size")
+        a.note("--tokenizer-type", "mapped", "model.vocab_size", "vocabulary padded by --pad-vocab-size-to")
+        return
+    size = a.get("--vocab-size", int)
+    if size is not None and tokenizer == "NullTokenizer":
+        size += 1  # Megatron's NullTokenizer adds an end-of-document token
+    if size is None and (tokenizer in TOKENIZER_VOCAB or (not tokenizer and a.has("--merge-file"))):
+        size = TOKENIZER_VOCAB.get(tokenizer or "GPT2BPETokenizer")
+    if size is None:
+        a.note("--tokenizer-type", "approximated", "model.vocab_size", "vocabulary size unknown from the recipe")
+        a.report.approximated("(vocabulary)", None, "model.vocab_size", "the recipe does not fix the vocabulary size: "
+                              "model.vocab_size left at the jaxpar default; set it with --set model.vocab_size=N")
+        return
+    padded = -(-size // multiple) * multiple
+    values["model.vocab_size"] = padded
+    how = f"{size} tokens padded to a multiple of {multiple} = {padded}, as Megatron pads"
+    a.note("--vocab-size", "mapped", "model.vocab_size", how)
+    a.note("--tokenizer-type", "approximated", "model.vocab_size", f"{how} (assumes the standard vocabulary)")
+    a.note("--make-vocab-size-divisible-by", "mapped", "model.vocab_size", how)
+    if not a.has("--vocab-size") and not a.has("--tokenizer-type"):
+        a.report.approximated("(vocabulary)", size, "model.vocab_size", f"GPT-2 BPE (--vocab-file/--merge-file): {how}")
+
+
+def schedule_fields(lr: float, min_lr: float, style: str, warmup: float, decay: float, warmup_init: float = 0.0,
+                    wsd_decay: float | None = None, wsd_style: str = "linear") -> dict[str, Any]:
+    """optim fields reproducing Megatron's OptimizerParamScheduler; steps in iterations (may be fractional)."""
+    shapes = {"constant": "constant", "linear": "linear", "cosine": "cosine", "inverse-square-root": "inverse_sqrt"}
+    wsd = {"linear": "linear", "cosine": "cosine", "minus_sqrt": "sqrt"}
+    if style not in shapes and not (style == "WSD" and wsd_style in wsd and wsd_decay is not None):
+        raise ConfigError(f"megatron: --lr-decay-style {style} (wsd style {wsd_style}) has no jaxpar counterpart; "
+                          f"use one of {', '.join(shapes)} or WSD with linear/cosine/minus_sqrt")
+    if not 0 <= min_lr <= lr:
+        raise ConfigError(f"megatron: --min-lr {min_lr} must lie in [0, --lr {lr}]")
+    as_int = lambda x: int(x) if float(x).is_integer() else float(x)  # noqa: E731
+    fields = {"lr": lr, "min_lr_ratio": min_lr / lr, "warmup_init_lr": warmup_init, "warmup_type": "linear",
+              "warmup_steps": as_int(warmup), "decay_steps": as_int(decay), "decay_start_step": -1,
+              "schedule_offset": 0, "schedule": shapes.get(style) or wsd[wsd_style]}
+    if style == "WSD":
+        fields["decay_start_step"] = as_int(decay - wsd_decay)
+    return fields
+
+
+def _optim(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> None:
+    optimizer = a.get("--optimizer", str, "adam")
+    if optimizer != "adam":
+        a.note("--optimizer", "unsupported", "optim.name", f"jaxpar has AdamW only ({optimizer} requested)")
+    a.note("--optimizer", "mapped", "optim.name", "Megatron's adam is AdamW (decoupled weight decay)")
+    for name, key, default in (("--adam-beta1", "optim.b1", 0.9), ("--adam-beta2", "optim.b2", 0.999),
+                               ("--adam-eps", "optim.eps", 1e-8), ("--weight-decay", "optim.weight_decay", 0.01),
+                               ("--clip-grad", "optim.clip_norm", 1.0)):
+        values[key] = a.get(name, float, default)
+        a.note(name, "mapped", key, "biases and 1-D parameters skip weight decay in both" if key.endswith("decay") else "")
+        if not a.has(name):
+            a.report.mapped(f"{name} (default)", default, key, "Megatron default")
+    if a.get("--start-weight-decay", float) != a.get("--end-weight-decay", float):
+        for name in ("--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style"):
+            a.note(name, "unsupported", "optim.weight_decay", "jaxpar keeps weight decay constant")
+    lr = a.get("--lr", float)
+    gbs = s["gbs"] or 0
+    iters, samples = a.get("--train-iters", int), a.get("--train-samples", int)
+    if lr is None or not (iters or samples) or (samples and not gbs):
+        if not a.has("--lr") or not (a.has("--train-iters") or a.has("--train-samples")):
+            raise ConfigError("megatron: --lr and --train-iters (or --train-samples) are required; add them")
+        return
+    unit = 1 if iters else gbs  # the schedule counts samples: num_steps grows by GBS per update
+    decay = a.get("--lr-decay-iters" if iters else "--lr-decay-samples", int) or (iters or samples)
+    fraction = a.get("--lr-warmup-fraction", float)
+    warmup = fraction * decay if fraction is not None else a.get("--lr-warmup-iters" if iters else
+                                                                 "--lr-warmup-samples", int, 0)
+    wsd = a.get("--lr-wsd-decay-iters" if iters else "--lr-wsd-decay-samples", int)
+    fields = schedule_fields(lr, a.get("--min-lr", float, 0.0), a.get("--lr-decay-style", str, "linear"),
+                             warmup / unit, decay / unit, a.get("--lr-warmup-init", float, 0.0),
+                             None if wsd is None else wsd / unit, a.get("--lr-wsd-decay-style", str, "linear"))
+    notes = apply_schedule_fields(fields, values)
+    values["train.steps"] = iters or samples // gbs
+    if fields["schedule"] == "inverse_sqrt" and warmup < unit:
+        notes.append("inverse-square-root with warmup under one iteration: Megatron's samples-based arithmetic "
+                     "makes the first steps lr/sqrt(GBS*k)")
+    status = "approximated" if notes else "mapped"
+    a.note("--lr-decay-style", status, "optim.schedule", "; ".join(notes) or "exact; update k runs at num_steps = k*GBS")
+    if not a.has("--lr-decay-style"):
+        a.report.add("--lr-decay-style (default)", "linear", status, "optim.schedule", "Megatron default")
+    targets = {"--lr": "optim.lr", "--min-lr": "optim.min_lr_ratio", "--lr-warmup-init": "optim.warmup_init_lr",
+               "--lr-warmup-iters": "optim.warmup_steps", "--lr-warmup-fraction": "optim.warmup_steps",
+               "--lr-warmup-samples": "optim.warmup_steps", "--lr-decay-iters": "optim.decay_steps",
+               "--lr-decay-samples": "optim.decay_steps", "--lr-wsd-decay-iters": "optim.decay_start_step",
+               "--lr-wsd-decay-samples": "optim.decay_start_step", "--lr-wsd-decay-style": "optim.schedule",
+               "--train-iters": "train.steps", "--train-samples": "train.steps"}
+    for name, target in targets.items():
+        a.note(name, status if name != "--lr" else "mapped", target, "samples / global batch" if "sample" in name else "")
+
+
+def _misc(a: _Args, values: dict[str, Any]) -> None:
+    """Precision, recompute, data, checkpoints, logging."""
+    dtype = "bfloat16" if a.get("--bf16", bool, False) else "float16" if a.get("--fp16", bool, False) else "float32"
+    values["model.compute_dtype"] = dtype
+    for name in ("--bf16", "--fp16"):
+        a.note(name, "mapped", "model.compute_dtype")
+    if dtype == "float32":
+        a.report.mapped("(precision)", "fp32", "model.compute_dtype", "neither --bf16 nor --fp16: Megatron trains in fp32")
+    if a.get("--grad-reduce-in-bf16", bool, False):
+        values["parallel.grad_reduce_dtype"] = "bfloat16"
+    a.note("--grad-reduce-in-bf16", "mapped", "parallel.grad_reduce_dtype")
+    a.note("--accumulate-allreduce-grads-in-fp32", "mapped", "parallel.grad_reduce_dtype")
+    granularity = a.get("--recompute-granularity", str)
+    if a.get("--checkpoint-activations", bool, False):
+        granularity = granularity or "full"
+    if a.get("--recompute-activations", bool, False):
+        granularity = granularity or "selective"
+    if granularity:
+        values["model.remat"] = granularity if granularity in ("full", "selective") else "full"
+    for name in ("--recompute-granularity", "--recompute-activations", "--checkpoint-activations"):
+        a.note(name, "mapped", "model.remat")
+    for name, note in (("--recompute-method", "jaxpar rematerializes every layer"),
+                       ("--recompute-num-layers", "jaxpar rematerializes every layer"),
+                       ("--deepspeed-activation-checkpointing", "DeepSpeed's implementation; same policy in jaxpar"),
+                       ("--pp-partition-method", "jaxpar splits layers evenly over pipeline stages"),
+                       ("--calculate-per-token-loss", "jaxpar averages the loss over the tokens of the global batch"),
+                       ("--load", "train.resume=auto resumes from train.workdir")):
+        a.note(name, "approximated", "train.resume" if name == "--load" else "", note)
+    for name, key, kind in (("--seed", "train.seed", int), ("--log-interval", "train.log_every", int),
+                            ("--eval-interval", "train.eval_every", int), ("--eval-iters", "train.eval_batches", int),
+                            ("--save-interval", "checkpoint.every", int), ("--save", "train.workdir", str)):
+        value = a.get(name, kind, soft=True)
+        if value is not None:
+            values[key] = value
+        a.note(name, "mapped" if value is not None else "approximated", key, "" if value is not None else
+               "value unresolved: jaxpar default kept")
+    data = a.get("--data-path", str, soft=True)
+    if a.get("--mock-data", bool, False):
+        values["data.source"] = "synthetic"
+        a.note("--mock-data", "mapped", "data.source")
+    elif data:
+        parts = data.split()
+        prefixes = parts[1::2] if len(parts) > 1 and len(parts) % 2 == 0 else parts
+        values.update({"data.source": "megatron", "data.path": prefixes[0]})
+        a.note("--data-path", "mapped" if len(prefixes) == 1 else "approximated", "data.path",
+               "" if len(prefixes) == 1 else f"first of {len(prefixes)} blended prefixes")
+    a.note("--data-path", "approximated", "data.path", "value unresolved: data left at the jaxpar default")
+    split = [float(x) for x in str(a.get("--split", str, "969,30,1")).replace("/", ",").split(",") if x.strip()]
+    if a.has("--split") and len(split) >= 2 and 0 < sum(split[1:]) < sum(split):
+        values["data.val_fraction"] = sum(split[1:]) / sum(split)
+    a.note("--split", "approximated", "data.val_fraction", "validation + test share of the split")
