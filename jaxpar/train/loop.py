@@ -7,6 +7,7 @@ one token is one byte, so bits/byte = nats/token / ln 2), otherwise in bits per 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,8 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jaxpar import data as data_lib
-from jaxpar.config import ConfigDict, ConfigError, derive
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import ConfigDict, derive
 from jaxpar.mesh import MeshSpec, make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
 from jaxpar.train.state import Setup
@@ -31,11 +33,6 @@ class Trainer:
 
     def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True):
         self.cfg, self.echo, self.show_progress = cfg, echo, progress
-        if cfg.checkpoint.every or cfg.train.resume not in ("auto", "never"):
-            raise ConfigError(
-                "checkpoint.every / train.resume: checkpointing is not implemented yet; "
-                "leave checkpoint.every=0 and train.resume=auto"
-            )
         self.derived = derive(cfg)
         self.mesh = make_mesh(MeshSpec.from_config(cfg.mesh))
         self.setup = Setup(cfg, self.mesh)
@@ -56,14 +53,35 @@ class Trainer:
             t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.derived.num_devices,
             t.warmup_steps_excluded, write=pidx == 0,
         )
+        self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, echo)
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0
+        self.stop_signal: int | None = None
 
     # ------------------------------------------------------------------ pieces
     def initialize(self) -> None:
-        self.params, self.opt_state = self.setup.init(self.cfg.train.seed)
-        self.step = 0
+        """Resume from the newest complete checkpoint (``train.resume``), else initialise."""
+        resume = str(self.cfg.train.resume)
+        restored = None
+        if resume != "never":
+            params, opt, _ = self.setup.abstract_state()
+            step = int(resume) if resume.isdigit() else None
+            restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
+        if restored is None:
+            self.params, self.opt_state = self.setup.init(self.cfg.train.seed)
+            self.step = 0
+            return
+        self.step, state, meta = restored
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.batches.restore(meta["data"])
+        self.echo(f"resumed from checkpoint at step {self.step} in {self.checkpoints.directory}")
+
+    def save(self) -> None:
+        self.checkpoints.save(self.step, self.params, self.opt_state, self.batches.state(), self.cfg)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stop_signal = signum  # finish the current step, then checkpoint and exit
 
     def evaluate(self) -> float:
         """Mean validation loss over the fixed evaluation batches, in bits per byte/token."""
@@ -95,22 +113,41 @@ class Trainer:
             f"{self.derived.tokens_per_step} tokens"
         )
         self.initialize()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run(unit)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.checkpoints.close()
+
+    def _run(self, unit: str) -> dict[str, Any]:
+        cfg = self.cfg
         val_start = self.evaluate()
-        self.echo(f"validation at step 0: {val_start:.3f} {unit}")
-        self.log.record_event({"step": 0, "val_bits": val_start, "unit": unit})
+        self.echo(f"validation at step {self.step}: {val_start:.3f} {unit}")
+        self.log.record_event({"step": self.step, "val_bits": val_start, "unit": unit})
         last: dict[str, float] = {}
         eval_every = cfg.train.eval_every
         with self._progress() as progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss=float("nan"))
+            task = progress.add_task("train", total=cfg.train.steps, completed=self.step, loss=float("nan"))
             while self.step < cfg.train.steps:
                 last = self.train_step()
                 progress.update(task, advance=1, loss=last["loss"])
+                if self.checkpoints.should_save(self.step) or self.stop_signal is not None:
+                    self.save()
+                if self.stop_signal is not None:
+                    self.checkpoints.wait()
+                    name = signal.Signals(self.stop_signal).name
+                    self.echo(f"{name}: checkpoint of step {self.step} written to {self.checkpoints.directory}; exiting")
+                    return {"preempted": True, "step": self.step}
                 if not np.isfinite(last["loss"]):
                     self.echo(f"step {self.step}: loss is {last['loss']}")
                 if cfg.train.log_every and self.step % cfg.train.log_every == 0 and not self.show_progress:
                     self.echo(f"step {self.step}: loss {last['loss']:.4f} {last['tokens_per_s']:.0f} tok/s")
                 if eval_every and self.step % eval_every == 0 and self.step < cfg.train.steps:
                     self.log.record_event({"step": self.step, "val_bits": self.evaluate(), "unit": unit})
+        if cfg.checkpoint.every and self.step not in self.checkpoints.steps():
+            self.save()
         val_end = self.evaluate()
         self.log.record_event({"step": self.step, "val_bits": val_end, "unit": unit})
         steady = self.log.steady_state()
