@@ -1,4 +1,4 @@
-"""``jaxpar`` command line: train | inspect | plan | port.
+"""``jaxpar`` command line: train | inspect | plan | port | drill.
 
 Configuration errors print one line naming the field and the fix and exit with code 2, no
 traceback. On CPU, the number of simulated devices is set from the config's mesh
@@ -53,10 +53,38 @@ def _config_path(args: argparse.Namespace) -> str:
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(_config_path(args), args.overrides)
     ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    from jaxpar.distributed import initialize_from_env
     from jaxpar.train.loop import Trainer
 
-    Trainer(cfg, progress=not args.no_progress).run()
+    distributed = initialize_from_env()
+    try:
+        Trainer(cfg, progress=not args.no_progress).run()
+    except ConfigError:
+        raise
+    except Exception as e:
+        if not distributed:
+            raise
+        _peer_failure(e)
     return 0
+
+
+EXIT_PEER_FAILURE = 3
+
+
+def _peer_failure(error: Exception) -> None:
+    """A collective failed in a multi-process run: a peer died or hung. Say so in one line and leave
+    at once (skipping jax.distributed's shutdown barrier, which would abort on the dead peer)."""
+    import jax
+
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:240]
+    print(
+        f"error: process {jax.process_index()}/{jax.process_count()}: a collective failed, a peer process "
+        f"probably died ({first}); restart the job to resume from the last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_FAILURE)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "plan", "jaxpar.analysis.plan", "add_plan_arguments", "run_plan",
                   "estimate and rank layouts for a cluster before renting it")
     _add_port(sub)
+    _add_optional(sub, "drill", "jaxpar.drill", "add_drill_arguments", "run_drill_cli",
+                  "kill training with SIGKILL at random steps, resume, and check the end state is identical")
     return parser
 
 

@@ -84,6 +84,7 @@ class MetricsLog:
         self.write = write
         if write:
             os.makedirs(workdir, exist_ok=True)
+            _end_partial_line(self.path)
 
     def record(self, step: int, step_time_s: float, tokens: int, values: dict[str, Any]) -> dict[str, Any]:
         tokens_per_s = tokens / step_time_s
@@ -124,3 +125,24 @@ class MetricsLog:
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak_flops,
         }
+
+
+def _end_partial_line(path: str) -> None:
+    """A run killed mid-write leaves a line without its newline: end it so appends stay parseable."""
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl, skipping a line cut short by a crash."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows

@@ -32,7 +32,8 @@ class Trainer:
     """Owns one run: the layout (:class:`Setup`), the data iterators, the state and the log."""
 
     def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True):
-        self.cfg, self.echo, self.show_progress = cfg, echo, progress
+        self.cfg, self.show_progress = cfg, progress
+        self.echo = echo if jax.process_index() == 0 else (lambda _: None)
         self.derived = derive(cfg)
         self.mesh = make_mesh(MeshSpec.from_config(cfg.mesh))
         self.setup = Setup(cfg, self.mesh)
@@ -53,7 +54,7 @@ class Trainer:
             t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.derived.num_devices,
             t.warmup_steps_excluded, write=pidx == 0,
         )
-        self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, echo)
+        self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo)
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0

@@ -111,8 +111,9 @@ def resolve_schedule(optim_cfg: Any, total_steps: int) -> ScheduleParams:
         raise ConfigError(f"optim.warmup_init_lr={init}: must be >= 0")
     if offset < 0:
         raise ConfigError(f"optim.schedule_offset={offset}: must be >= 0")
-    end = float(total_steps) if decay_steps == -1 else decay_steps
     start = warmup if decay_start == -1 else decay_start
+    # decay_steps=-1 decays over the run; a run shorter than its warmup simply never decays.
+    end = max(float(total_steps), start) if decay_steps == -1 else decay_steps
     if decay_type != "constant" and end < start:
         raise ConfigError(
             f"optim.decay_steps={end:g} ends before the decay starts (step {start:g}); "

@@ -1,0 +1,167 @@
+"""``jaxpar drill``: kill a training run with SIGKILL at random steps, resume it, and check that it
+ends exactly where an uninterrupted run ends.
+
+One uninterrupted reference run, then one run killed ``--trials`` times (the whole process group,
+as a node failure would) and resumed from its newest complete checkpoint each time. Reported:
+the step each kill hit, the checkpoint it resumed from, the steps lost per failure, and whether the
+per-step losses and the final parameters and optimizer state match the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from jaxpar.config import ConfigDict, ConfigError, load_config
+from jaxpar.metrics import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class Failure:
+    killed_at_step: int
+    resumed_from_step: int
+
+    @property
+    def steps_lost(self) -> int:
+        return self.killed_at_step - self.resumed_from_step
+
+
+def _logged_step(workdir: pathlib.Path) -> int:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((r["step"] for r in read_metrics(str(path)) if "loss" in r), default=0)
+
+
+def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes: int) -> subprocess.Popen:
+    train = [sys.executable, "-m", "jaxpar", "train", "--config", config, "--no-progress", *overrides,
+             f"--config.train.workdir={workdir}"]
+    cmd = train if processes == 1 else ["bash", str(ROOT / "scripts" / "launch_local.sh"), str(processes), *train]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAXPAR_HEARTBEAT_TIMEOUT": os.environ.get("JAXPAR_HEARTBEAT_TIMEOUT", "10")}
+    log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError(f"training did not finish within {timeout_s:.0f} s") from None
+
+
+def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    ckpt = workdir / "checkpoints"
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
+
+
+def run_drill(config: str, overrides: list[str], workdir: str, processes: int, trials: int, seed: int,
+              timeout_s: float = 900.0) -> dict:
+    cfg = load_config(config, overrides)
+    if cfg.checkpoint.every <= 0:
+        raise ConfigError("checkpoint.every=0: the drill needs checkpoints; pass e.g. --config.checkpoint.every=2")
+    steps = cfg.train.steps
+    if steps < trials + 2:
+        raise ConfigError(f"train.steps={steps}: too few steps for {trials} kills; use at least {trials + 2}")
+    base = pathlib.Path(workdir).resolve()
+    reference, interrupted = base / "reference", base / "interrupted"
+    for d in (reference, interrupted):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    start = time.time()
+    if _finish(_launch(config, overrides, reference, processes), timeout_s) != 0:
+        raise RuntimeError(f"the reference run failed; see {reference}.log")
+    rng = random.Random(seed)
+    failures: list[Failure] = []
+    while True:
+        proc = _launch(config, overrides, interrupted, processes)
+        if len(failures) == trials:
+            if _finish(proc, timeout_s) != 0:
+                raise RuntimeError(f"the resumed run failed; see {interrupted}.log")
+            break
+        done = _logged_step(interrupted)
+        target = rng.randint(done + 1, max(done + 1, steps - 1))
+        deadline = time.time() + timeout_s
+        while proc.poll() is None and _logged_step(interrupted) < target and time.time() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies at once, like a node failure
+        proc.wait()
+        killed_at = _logged_step(interrupted)
+        ckpts = [s for s in _checkpoint_steps(interrupted) if s <= killed_at]
+        failures.append(Failure(killed_at, max(ckpts, default=0)))
+    losses_match = _last_losses(reference) == _last_losses(interrupted)
+    state_match = _same_final_state(cfg, reference, interrupted)
+    return {
+        "failures": [dataclasses.asdict(f) | {"steps_lost": f.steps_lost} for f in failures],
+        "losses_match": losses_match,
+        "state_match": state_match,
+        "seconds": time.time() - start,
+    }
+
+
+def _last_losses(workdir: pathlib.Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(str(workdir / "metrics.jsonl")) if "loss" in r}
+
+
+def _same_final_state(cfg: ConfigDict, a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Restore both final checkpoints on one device and compare every array bit for bit."""
+    import jax
+    import numpy as np
+
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.mesh import single_device_mesh
+    from jaxpar.train.state import Setup
+
+    one = ConfigDict(cfg.to_dict())
+    one.mesh.data = one.mesh.tensor = one.mesh.pipeline = 1
+    one.parallel.zero_stage = 0
+    params, opt, _ = Setup(one, single_device_mesh()).abstract_state()
+    abstract = {"params": params, "opt_state": opt}
+    states = []
+    for workdir in (a, b):
+        ckpt = Checkpointer(str(workdir), 0, 100, echo=lambda _: None)
+        step = cfg.train.steps
+        restored = ckpt.restore(abstract, step=step)
+        ckpt.close()
+        states.append(jax.device_get(restored[1]))
+    return all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True)
+    )
+
+
+def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="config file (default: configs/tiny.py)")
+    parser.add_argument("--processes", type=int, default=1, help="processes per run (scripts/launch_local.sh)")
+    parser.add_argument("--trials", type=int, default=3, help="kill/resume trials")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill times")
+    parser.add_argument("--workdir", default="runs/drill", help="where the two runs go")
+
+
+def run_drill_cli(args: argparse.Namespace) -> int:
+    config = args.config or str(ROOT / "configs" / "tiny.py")
+    if args.processes < 1 or 8 % args.processes:
+        raise ConfigError(f"--processes {args.processes}: use 1, 2, 4 or 8")
+    if args.trials < 1:
+        raise ConfigError(f"--trials {args.trials}: use at least 1")
+    result = run_drill(config, args.overrides, args.workdir, args.processes, args.trials, args.seed)
+    for i, f in enumerate(result["failures"], 1):
+        print(f"failure {i}: killed at step {f['killed_at_step']}, resumed from step {f['resumed_from_step']}, "
+              f"{f['steps_lost']} steps lost")
+    lost = [f["steps_lost"] for f in result["failures"]]
+    print(f"steps lost per failure: mean {sum(lost) / len(lost):.1f}, max {max(lost)}")
+    print(f"per-step losses match the uninterrupted run: {'yes' if result['losses_match'] else 'NO'}")
+    print(f"final parameters and optimizer state bitwise identical: {'yes' if result['state_match'] else 'NO'}")
+    print(f"drill took {result['seconds']:.0f} s")
+    return 0 if result["losses_match"] and result["state_match"] else 1

@@ -1,0 +1,492 @@
+"""Hugging Face LLaMA-family checkpoints <-> jaxpar parameters, loaded shard by shard onto a mesh.
+
+Names and layouts (HF ``nn.Linear`` weights are ``(out, in)``; jaxpar stacks the layers on a
+leading ``L`` dim; ``n``/``kv`` heads of size ``d``, width ``h``, MLP ``f``, vocabulary ``V``):
+
+* ``model.embed_tokens.weight`` (V, h) -> ``embed`` (V, h); ``lm_head.weight`` (V, h) -> ``lm_head``
+  (h, V), absent when tied; ``model.norm.weight`` (h,) -> ``final_norm.scale``;
+* per layer ``model.layers.{i}.``: ``self_attn.q_proj.weight`` (n*d, h) -> ``blocks.attn.wq``
+  (L, h, n, d); ``k_proj``/``v_proj`` (kv*d, h) -> ``wk``/``wv`` (L, h, kv, d); ``o_proj`` (h, n*d)
+  -> ``wo`` (L, n, d, h); ``mlp.gate_proj``/``up_proj`` (f, h) -> ``blocks.mlp.w_gate``/``w_up``
+  (L, h, f); ``down_proj`` (h, f) -> ``w_down`` (L, f, h); ``input_layernorm.weight`` /
+  ``post_attention_layernorm.weight`` (h,) -> ``blocks.attn_norm.scale`` / ``blocks.mlp_norm.scale``.
+
+**RoPE layout.** jaxpar's RoPE rotates the halves ``(i, i + d/2)`` of each head (HF's
+``rotate_half``). HF LLaMA checkpoints are already in that layout: HF's conversion script permuted
+the rows of Meta's ``wq``/``wk``, whose RoPE rotates adjacent pairs ``(2i, 2i + 1)``. Meta's original
+``consolidated.00.pth`` therefore needs the same permutation per head: HF row ``j*d/2 + i`` is Meta
+row ``2i + j`` (:func:`from_meta_interleaved`; :func:`to_meta_interleaved` is its inverse). Pass
+``meta_interleaved=True`` for HF-named files in Meta's layout; files with Meta's own names
+(``tok_embeddings``, ``layers.{i}.attention.wq``, ``feed_forward.w1``...) are renamed and permuted
+automatically (a single model-parallel shard only; the config must then be given by hand).
+
+:func:`load_hf` reads with ``jax.make_array_from_callback``: each device's callback reads from the
+file only the slice it is asked for (``safe_open(...).get_slice``, or an mmap'ed torch tensor), layer
+by layer for the stacked dim, so no host ever holds more than one tensor's needed slice at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxpar.config import ConfigDict, ConfigError, default_config
+from jaxpar.models import llama
+
+PathLike = str | os.PathLike
+ReadHook = Callable[[str, tuple[int, ...]], None]
+_L = "model.layers.{i}."
+# (jaxpar path, HF name, kind, HF shape in model terms). kind: copy | transpose | heads_in | heads_out.
+_TABLE = (
+    (("embed",), "model.embed_tokens.weight", "copy", "(vocab_size, embed_dim)"),
+    (("blocks", "attn", "wq"), _L + "self_attn.q_proj.weight", "heads_in", "(num_heads*head_dim, embed_dim)"),
+    (("blocks", "attn", "wk"), _L + "self_attn.k_proj.weight", "heads_in", "(num_kv_heads*head_dim, embed_dim)"),
+    (("blocks", "attn", "wv"), _L + "self_attn.v_proj.weight", "heads_in", "(num_kv_heads*head_dim, embed_dim)"),
+    (("blocks", "attn", "wo"), _L + "self_attn.o_proj.weight", "heads_out", "(embed_dim, num_heads*head_dim)"),
+    (("blocks", "mlp", "w_gate"), _L + "mlp.gate_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
+    (("blocks", "mlp", "w_up"), _L + "mlp.up_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
+    (("blocks", "mlp", "w_down"), _L + "mlp.down_proj.weight", "transpose", "(embed_dim, mlp_dim)"),
+    (("blocks", "attn_norm", "scale"), _L + "input_layernorm.weight", "copy", "(embed_dim,)"),
+    (("blocks", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight", "copy", "(embed_dim,)"),
+    (("final_norm", "scale"), "model.norm.weight", "copy", "(embed_dim,)"),
+    (("lm_head",), "lm_head.weight", "transpose", "(vocab_size, embed_dim)"),
+)
+_ROPE_PATHS = {("blocks", "attn", "wq"), ("blocks", "attn", "wk")}
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|^rope\.freqs)$")  # derived buffers, not parameters
+_META_NAMES = (  # Meta consolidated name -> HF name
+    (r"^tok_embeddings\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^output\.", "lm_head."),
+    (r"^layers\.(\d+)\.attention\.w([qkvo])\.", r"model.layers.\1.self_attn.\2_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w3\.", r"model.layers.\1.mlp.up_proj."),
+    (r"^layers\.(\d+)\.attention_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
+    """A jaxpar ``model`` sub-config from an HF ``config.json`` (a dict, the file or its directory).
+
+    Rejects what jaxpar's LLaMA does not compute (RoPE scaling, biases, activations other than
+    SiLU) with a one-line :class:`ConfigError`. Mistral's ``sliding_window`` caps ``max_seq_len``
+    (no window ever applies to shorter sequences, so the model is then exactly LLaMA's). The
+    checkpoint's ``torch_dtype`` is not copied: parameters stay in ``param_dtype`` (fp32 masters).
+    """
+    hf = dict(config) if isinstance(config, Mapping) else _read_json(config)
+    where = "config.json"
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):
+        raise ConfigError(f"{where}: model_type='{model_type}' is not supported; use a LLaMA-family model")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act='{act}' is not supported; jaxpar's SwiGLU MLP needs silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConfigError(f"{where}: {key}=true is not supported; jaxpar's LLaMA has no biases")
+    rope = dict(hf.get("rope_parameters") or {})
+    for key, value in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", rope)):
+        kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"{where}: {key}={json.dumps(value)} is not supported; only plain RoPE is")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in hf:
+            raise ConfigError(f"{where}: '{key}' is missing; is this an HF LLaMA config.json?")
+    heads = int(hf["num_attention_heads"])
+    m = default_config().model
+    m.name = "llama"
+    m.vocab_size = int(hf["vocab_size"])
+    m.embed_dim = int(hf["hidden_size"])
+    m.num_layers = int(hf["num_hidden_layers"])
+    m.num_heads = heads
+    m.num_kv_heads = int(hf.get("num_key_value_heads") or heads)
+    m.head_dim = int(hf.get("head_dim") or m.embed_dim // heads)
+    m.mlp_dim = int(hf["intermediate_size"])
+    m.max_seq_len = int(hf.get("max_position_embeddings", m.max_seq_len))
+    if hf.get("sliding_window"):
+        m.max_seq_len = min(m.max_seq_len, int(hf["sliding_window"]))
+    m.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
+    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+    m.init_std = float(hf.get("initializer_range", m.init_std))
+    m.mlp_activation, m.norm, m.position = "swiglu", "rmsnorm", "rope"
+    return m
+
+
+def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
+    """The HF ``LlamaForCausalLM`` ``config.json`` for ``model_cfg`` (inverse of :func:`model_config_from_hf`)."""
+    _require_llama(model_cfg)
+    m = model_cfg
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": m.embed_dim, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_scaling": None, "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
+        "mlp_bias": False, "initializer_range": m.init_std, "torch_dtype": m.param_dtype,
+    }
+
+
+def _read_json(path: PathLike) -> dict:
+    p = pathlib.Path(path)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such file; pass the checkpoint directory holding config.json")
+    return json.loads(p.read_text())
+
+
+def _require_llama(m: ConfigDict) -> None:
+    for field, want in (("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope")):
+        if m[field] != want:
+            raise ConfigError(f"model.{field}='{m[field]}': HF LLaMA checkpoints need model.{field}='{want}'")
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _meta_perm(d: int) -> np.ndarray:
+    """``perm[r]``: the Meta (interleaved) row holding HF (rotate-half) row ``r`` within one head."""
+    return np.arange(d).reshape(d // 2, 2).T.reshape(-1)
+
+
+def from_meta_interleaved(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Meta's interleaved-RoPE ``wq``/``wk`` rows ``(heads*d, in)`` -> HF's rotate-half layout."""
+    w = np.asarray(w)
+    d = w.shape[0] // num_heads
+    return w.reshape(num_heads, d, *w.shape[1:])[:, _meta_perm(d)].reshape(w.shape)
+
+
+def to_meta_interleaved(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of :func:`from_meta_interleaved`: HF rotate-half rows -> Meta's interleaved rows."""
+    w = np.asarray(w)
+    d = w.shape[0] // num_heads
+    return w.reshape(num_heads, d, *w.shape[1:])[:, np.argsort(_meta_perm(d))].reshape(w.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    path: tuple[str, ...]
+    hf: str  # name, with {i} for stacked leaves
+    kind: str
+    what: str  # the HF shape in model_cfg terms, for error messages
+    shape: tuple[int, ...]  # jaxpar shape (with L for stacked leaves)
+    dtype: Any
+    stacked: bool
+    rope: bool
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        s = self.shape[1:] if self.stacked else self.shape
+        if self.kind == "transpose":
+            return s[::-1]
+        if self.kind == "heads_in":  # (h, n, d) -> (n*d, h)
+            return (s[1] * s[2], s[0])
+        if self.kind == "heads_out":  # (n, d, h) -> (h, n*d)
+            return (s[2], s[0] * s[1])
+        return s
+
+    def names(self, num_layers: int) -> list[str]:
+        return [self.hf.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf]
+
+
+def _leaves(model_cfg: ConfigDict) -> tuple[list[_Leaf], Any]:
+    """The leaves of jaxpar's parameter tree (in tree order) with their HF names, and the treedef."""
+    _require_llama(model_cfg)
+    abstract = jax.eval_shape(functools.partial(llama.init_params, model_cfg), jax.random.key(0))
+    table = {path: rest for path, *rest in _TABLE}
+    leaves = []
+    for keys, a in jax.tree_util.tree_leaves_with_path(abstract):
+        path = tuple(k.key for k in keys)
+        if path not in table:
+            raise ConfigError(f"parameter {'.'.join(path)} has no HF LLaMA counterpart")
+        hf, kind, what = table[path]
+        leaves.append(_Leaf(path, hf, kind, what, tuple(a.shape), a.dtype, path[0] == "blocks", path in _ROPE_PATHS))
+    return leaves, jax.tree.structure(abstract)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class _Source:
+    """Named tensors of a checkpoint whose slices are read without loading whole tensors."""
+
+    def __init__(self, path: PathLike):
+        kind, files = _find_files(pathlib.Path(path))
+        self.tensors: dict[str, Any] = {}  # HF name -> (file handle or torch tensor, stored name)
+        for f in files:
+            if kind == "safetensors":
+                handle = safe_open(str(f), framework="numpy")
+                self.tensors.update({k: (handle, k) for k in handle.keys()})
+            else:
+                self.tensors.update({k: (t, k) for k, t in _torch_load(f).items()})
+        self.meta_names = "tok_embeddings.weight" in self.tensors
+        if self.meta_names:
+            self.tensors = {_rename_meta(k): v for k, v in self.tensors.items()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        obj, key = self.tensors[name]
+        return tuple(obj.shape) if not hasattr(obj, "get_slice") else tuple(obj.get_slice(key).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        obj, key = self.tensors[name]
+        if hasattr(obj, "get_slice"):
+            return obj.get_slice(key)[index]
+        import torch
+
+        t = obj[index]
+        return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _rename_meta(name: str) -> str:
+    for pattern, repl in _META_NAMES:
+        if re.match(pattern, name):
+            return re.sub(pattern, repl, name)
+    return name
+
+
+def _find_files(p: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
+    """(``safetensors`` | ``torch``, files) for a checkpoint directory, file or index file."""
+    if p.is_dir():
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if (p / index).is_file():
+                return _find_files(p / index)
+        if found := sorted(p.glob("*.safetensors")):
+            return "safetensors", found
+        meta = sorted(p.glob("consolidated.*.pth"))
+        if len(meta) > 1:
+            raise ConfigError(f"{p}: {len(meta)} model-parallel Meta shards; merge them into one file first")
+        if found := [f for f in (p / "pytorch_model.bin", *meta) if f.is_file()]:
+            return "torch", found
+        raise ConfigError(f"{p}: no *.safetensors, pytorch_model.bin or consolidated.00.pth found")
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such checkpoint file or directory")
+    if p.name.endswith(".index.json"):
+        files = sorted(set(json.loads(p.read_text())["weight_map"].values()))
+        return ("safetensors" if "safetensors" in p.name else "torch"), [p.parent / f for f in files]
+    return ("safetensors" if p.suffix == ".safetensors" else "torch"), [p]
+
+
+def _torch_load(path: pathlib.Path) -> dict:
+    """A torch state dict, tensors only (``weights_only=True``: never unpickles arbitrary objects)."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError(f"{path}: reading a torch state-dict file needs PyTorch (pip install torch), "
+                          "or convert the checkpoint to safetensors") from None
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) format: no mmap
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a bad or unsafe file is bad input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{path}: torch.load(weights_only=True) cannot read it ({type(e).__name__}: {first})") from e
+    for wrapper in ("state_dict", "model", "module"):
+        if isinstance(state, dict) and set(state) == {wrapper}:
+            state = state[wrapper]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _check(src: _Source, leaves: list[_Leaf], model_cfg: ConfigDict) -> None:
+    """Every expected tensor present, nothing unexpected, every shape right; else ConfigError."""
+    expected = {name: leaf for leaf in leaves for name in leaf.names(model_cfg.num_layers)}
+    present = {n for n in src.tensors if not _IGNORED.search(n)}
+    if model_cfg.tie_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints store the copy; HF ignores it too
+    hint = "; check that model_cfg matches the checkpoint's config.json"
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        leaf = expected[missing[0]]
+        raise ConfigError(f"checkpoint lacks tensor '{missing[0]}' (expected {leaf.what} = {leaf.hf_shape}){more}{hint}")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConfigError(f"checkpoint has unexpected tensor '{unexpected[0]}' {src.shape(unexpected[0])}{more} "
+                          f"that model_cfg (num_layers={model_cfg.num_layers}, "
+                          f"tie_embeddings={model_cfg.tie_embeddings}) has no place for{hint}")
+    for name, leaf in expected.items():
+        if src.shape(name) != leaf.hf_shape:
+            raise ConfigError(f"tensor '{name}' has shape {src.shape(name)} but model_cfg expects "
+                              f"{leaf.what} = {leaf.hf_shape}{hint}")
+
+
+def _read_heads(read: Callable, axis: int, sn: slice, sd: slice, d: int, other: slice,
+                perm: np.ndarray | None) -> np.ndarray:
+    """Heads ``sn`` x head dims ``sd`` of an HF tensor whose dim ``axis`` is ``heads*d``; that dim
+    comes back split in two. ``perm`` (Meta layout) maps each HF row of a head to the stored row."""
+
+    def at(rows: slice) -> tuple[slice, slice]:
+        return (rows, other) if axis == 0 else (other, rows)
+
+    if sd.stop - sd.start == d:  # whole heads: one contiguous read
+        block = read(at(slice(sn.start * d, sn.stop * d)))
+        shape = list(block.shape)
+        shape[axis : axis + 1] = [sn.stop - sn.start, d]
+        block = block.reshape(shape)
+        return block if perm is None else np.take(block, perm, axis=axis + 1)
+    want = np.arange(sd.start, sd.stop) if perm is None else perm[sd]
+    lo, hi = int(want.min()), int(want.max()) + 1
+    heads = [np.take(read(at(slice(n * d + lo, n * d + hi))), want - lo, axis=axis) for n in range(sn.start, sn.stop)]
+    return np.stack(heads, axis=axis)
+
+
+def _read_one(src: _Source, name: str, leaf: _Leaf, idx: tuple[slice, ...], meta: bool,
+              on_read: ReadHook | None) -> np.ndarray:
+    """The slice ``idx`` (jaxpar layout, one layer) of HF tensor ``name``."""
+
+    def read(hf_idx: tuple[slice, ...]) -> np.ndarray:
+        block = src.read(name, hf_idx)
+        if on_read is not None:
+            on_read(name, tuple(block.shape))
+        return block
+
+    if leaf.kind == "copy":
+        return read(idx)
+    if leaf.kind == "transpose":
+        return read(idx[::-1]).T
+    d = leaf.shape[-1] if leaf.kind == "heads_in" else leaf.shape[-2]
+    if leaf.kind == "heads_in":  # (h, n, d) <- (n*d, h)
+        perm = _meta_perm(d) if meta and leaf.rope else None
+        return _read_heads(read, 0, idx[1], idx[2], d, idx[0], perm).transpose(2, 0, 1)
+    return _read_heads(read, 1, idx[0], idx[1], d, idx[2], None).transpose(1, 2, 0)  # (n, d, h) <- (h, n*d)
+
+
+def _read_leaf(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, index: tuple) -> np.ndarray:
+    """``make_array_from_callback``'s callback: the block ``index`` of ``leaf``, read slice by slice."""
+    idx = tuple(slice(*s.indices(n)) for s, n in zip(index, leaf.shape))
+    if not leaf.stacked:
+        return np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read), dtype=leaf.dtype)
+    layers = range(idx[0].start, idx[0].stop)
+    out = [np.asarray(_read_one(src, leaf.hf.format(i=i), leaf, idx[1:], meta, on_read), leaf.dtype) for i in layers]
+    return np.stack(out)
+
+
+def load_hf(path: PathLike, model_cfg: ConfigDict, shardings: Any = None, *, meta_interleaved: bool = False,
+            on_read: ReadHook | None = None) -> dict:
+    """Load an HF LLaMA checkpoint into jaxpar's parameter tree, cast to ``model.param_dtype``.
+
+    ``path``: a checkpoint directory, a ``.safetensors`` file, a ``*.index.json`` or a torch
+    state-dict file (``torch.load(weights_only=True)``; needs PyTorch). ``shardings``: a tree of
+    ``jax.sharding.Sharding`` like the parameters (``Setup.param_shardings``); each device's shard is
+    read straight from the file. ``None``: full host numpy arrays. ``meta_interleaved``: q/k rows are
+    in Meta's interleaved-RoPE layout (see the module docstring). ``on_read(name, shape)`` is called
+    for every block read from the file. Missing, unexpected or wrongly shaped tensors raise
+    :class:`ConfigError` naming the tensor.
+    """
+    leaves, treedef = _leaves(model_cfg)
+    src = _Source(path)
+    _check(src, leaves, model_cfg)
+    meta = meta_interleaved or src.meta_names
+    if shardings is None:
+        out = [_read_leaf(src, leaf, meta, on_read, tuple(slice(None) for _ in leaf.shape)) for leaf in leaves]
+    else:
+        flat, tree = jax.tree.flatten(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        if tree != treedef:
+            raise ValueError(f"shardings {tree} does not match the parameter tree {treedef}")
+        out = [jax.make_array_from_callback(leaf.shape, s, functools.partial(_read_leaf, src, leaf, meta, on_read))
+               for leaf, s in zip(leaves, flat)]
+    return jax.tree.unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _to_hf(leaf: _Leaf, a: np.ndarray) -> np.ndarray:
+    """One (layer of a) jaxpar array in HF layout."""
+    if leaf.kind == "transpose":
+        a = a.T
+    elif leaf.kind == "heads_in":
+        a = a.transpose(1, 2, 0).reshape(leaf.hf_shape)
+    elif leaf.kind == "heads_out":
+        a = a.transpose(2, 0, 1).reshape(leaf.hf_shape)
+    return np.ascontiguousarray(a)
+
+
+def _hf_items(params: dict, model_cfg: ConfigDict) -> list[tuple[str, _Leaf, Callable[[], np.ndarray]]]:
+    """``(HF name, leaf, thunk)`` in HF order; each thunk fetches one (layer's) tensor to host."""
+    leaves, treedef = _leaves(model_cfg)
+    by_path = {leaf.path: (leaf, v) for leaf, v in zip(leaves, treedef.flatten_up_to(params))}
+    ordered = [by_path[path] for path, *_ in _TABLE if path in by_path]
+
+    def thunk(leaf: _Leaf, value: Any, layer: int | None) -> Callable[[], np.ndarray]:
+        return lambda: _to_hf(leaf, np.asarray(value if layer is None else value[layer]))
+
+    items = [(leaf.hf, leaf, thunk(leaf, v, None)) for leaf, v in ordered if leaf.path == ("embed",)]
+    for i in range(model_cfg.num_layers):
+        items += [(leaf.hf.format(i=i), leaf, thunk(leaf, v, i)) for leaf, v in ordered if leaf.stacked]
+    items += [(leaf.hf, leaf, thunk(leaf, v, None)) for leaf, v in ordered if leaf.path[0] in ("final_norm", "lm_head")]
+    return items
+
+
+def hf_tensors(params: dict, model_cfg: ConfigDict) -> dict[str, np.ndarray]:
+    """All of ``params`` (or a gradient tree like it) as HF-named host arrays in HF layout."""
+    return {name: fetch() for name, _, fetch in _hf_items(params, model_cfg)}
+
+
+def save_hf(params: dict, model_cfg: ConfigDict, out_dir: PathLike, *, max_shard_bytes: int = 5 * 2**30,
+            overwrite: bool = False) -> pathlib.Path:
+    """Write ``params`` as an HF LLaMA checkpoint: safetensors (sharded with an index past
+    ``max_shard_bytes``) and ``config.json``, in a temporary directory renamed into place.
+
+    Tensors keep their dtype, so jaxpar -> HF -> jaxpar is bitwise exact. Parameters are fetched
+    one layer's tensor at a time (single process: every shard must be addressable).
+    """
+    out = pathlib.Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
+    shards: list[list] = [[]]
+    size = 0
+    for name, leaf, fetch in _hf_items(params, model_cfg):
+        nbytes = int(np.prod(leaf.hf_shape)) * np.dtype(leaf.dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, fetch))
+        size += nbytes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would stay on the renamed directory
+    try:
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            arrays = {name: fetch() for name, fetch in shard}
+            save_file(arrays, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(arrays, fname))
+            total += sum(a.nbytes for a in arrays.values())
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config_from_model(model_cfg), indent=2) + "\n")
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
