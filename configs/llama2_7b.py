@@ -14,6 +14,7 @@ def get_config():
     c = default_config()
     c.mesh.data, c.mesh.tensor, c.mesh.pipeline = 8, 1, 1
     c.parallel.zero_stage = 3
+    c.parallel.grad_reduce_dtype = "bfloat16"  # ZeRO-3 reduces in the compute dtype
     m = c.model
     m.vocab_size, m.embed_dim, m.num_layers = 32000, 4096, 32
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 32, 128, 11008

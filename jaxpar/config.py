@@ -289,6 +289,12 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
         f"parallel.grad_reduce_dtype='{p.grad_reduce_dtype}': use float32 or bfloat16",
     )
     _require(
+        p.zero_stage != 3 or p.grad_reduce_dtype == cfg.model.compute_dtype,
+        f"parallel.grad_reduce_dtype={p.grad_reduce_dtype} with zero_stage=3: ZeRO-3 gathers parameters and "
+        f"reduce-scatters their gradients in model.compute_dtype={cfg.model.compute_dtype}; set "
+        f"--config.parallel.grad_reduce_dtype={cfg.model.compute_dtype}",
+    )
+    _require(
         0.0 <= p.max_replicated_fraction <= 1.0,
         f"parallel.max_replicated_fraction={p.max_replicated_fraction}: use a value in [0, 1]",
     )

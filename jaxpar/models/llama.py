@@ -144,7 +144,6 @@ class ShardContext:
     sequence_parallel: bool = False
     zero3: bool = False  # gather layer parameters over data inside the scan
     zero3_dims: tuple = ()  # (leaf path in the full tree, dim split over data) pairs
-    gather_dtype: str = "float32"
     remat: str = "none"
     compute_dtype: str = "bfloat16"
     mlp_activation: str = "swiglu"
@@ -199,9 +198,17 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
-    if ctx.sequence_parallel and ctx.tensor_axis:
+    """Megatron's "f": the input of a column-parallel block, made varying over ``tensor`` once.
+
+    With sequence parallelism it is an all-gather of the sequence. Without, an explicit cast: one
+    cast feeds all the column-parallel matmuls of the block (QKV, or up and gate), so the backward
+    pass sums their input gradients in one all-reduce of b*s*h instead of one per matmul.
+    """
+    if ctx.tensor_axis is None:
+        return x
+    if ctx.sequence_parallel:
         return jax.lax.all_gather(x, ctx.tensor_axis, axis=1, tiled=True)
-    return x
+    return jax.lax.pcast(x, ctx.tensor_axis, to="varying")
 
 
 def _reduce_tensor(x: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -240,7 +247,13 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
 
 
 def _gather_data(p: jax.Array, dim: int, ctx: ShardContext) -> jax.Array:
-    p = p.astype(DTYPES[ctx.gather_dtype])
+    """ZeRO-3 all-gather of one parameter over ``data``, in the compute dtype.
+
+    The cast comes first (on the shard), so nothing full-size but the gathered value itself
+    exists, and the remat policy refuses to keep that one: the backward pass gathers again.
+    The gradient's reduce-scatter (the gather's transpose) therefore runs in the compute dtype.
+    """
+    p = p.astype(DTYPES[ctx.compute_dtype])
     return checkpoint_name(jax.lax.all_gather(p, ctx.data_axis, axis=dim, tiled=True), ZERO3_NAME)
 
 
@@ -264,13 +277,28 @@ def gather_zero3(tree: dict, ctx: ShardContext, prefix: str = "", offset: int = 
     return jax.tree.unflatten(jax.tree.structure(tree), out)
 
 
+def _is_zero3_gather(prim, params: dict) -> bool:
+    if prim.name == "name":
+        return params.get("name") == ZERO3_NAME
+    if "all_gather" in prim.name:
+        axes = params.get("axis_name", ())
+        return "data" in (axes if isinstance(axes, tuple) else (axes,))
+    return False
+
+
+def _save_all_but_zero3_gathers(prim, *_, **params) -> bool:
+    """Remat policy for ZeRO-3 without recomputation: keep every residual except gathered
+    parameters (the all-gather over ``data`` and its named output), which are gathered again."""
+    return not _is_zero3_gather(prim, params)
+
+
 def _remat_policy(ctx: ShardContext):
     policies = jax.checkpoint_policies
     if ctx.remat == "full":
         return policies.nothing_saveable
     if ctx.remat == "selective":  # keep weight-matmul outputs, recompute the attention core
         return policies.dots_with_no_batch_dims_saveable
-    return policies.save_anything_except_these_names(ZERO3_NAME)
+    return _save_all_but_zero3_gathers
 
 
 def run_blocks(x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:

@@ -76,7 +76,6 @@ class StepBuilder:
             sequence_parallel=self.strategy.sequence_parallel,
             zero3=bool(zero3_dims),
             zero3_dims=zero3_dims,
-            gather_dtype=self.strategy.grad_reduce_dtype,
         )
 
     def _reduce_dtype(self):
