@@ -1,0 +1,681 @@
+"""What the compiler actually did: collectives and per-device memory of a compiled train step.
+
+:func:`analyze_compiled` reads the optimized HLO (``compiled.as_text()``) and
+``compiled.memory_analysis()`` of an AOT-compiled step. Every collective (all-reduce,
+all-gather, reduce-scatter, collective-permute, all-to-all; an async ``-start``/``-done`` pair
+counts once) is attributed to mesh axes through its replica groups, multiplied by the trip counts
+of the while loops around it, and priced as ring traffic per device (nccl-tests PERFORMANCE.md,
+FORMULAS.md section 3): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the
+full array (the all-gather output, the reduce-scatter input), all-to-all (n-1)/n*S,
+collective-permute S. :func:`analyze_layout` compiles a config's step from abstract arrays and
+puts the formula values of :func:`expected_collectives` and :func:`expected_memory` beside
+each measurement.
+
+Device ids in replica groups are SPMD partition ids (``use_global_device_ids`` with one
+replica), i.e. positions in ``mesh.devices.flat``; that is how ``jit`` assigns devices to a mesh.
+A group whose members differ only along ``data`` is attributed to ``("data",)``; groups of one
+device move no bytes and are kept out of the rows (counted in ``trivial_ops``). Calls, fusions
+and async wrappers run once per execution of their caller; each conditional branch is counted
+once (an upper bound); a while loop without a known trip count is counted once, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
+from jaxpar.config import ConfigDict, ConfigError
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+HLO_DTYPE_BYTES = {  # element types of HLO shapes
+    **dict.fromkeys(("s4", "u4"), 0.5),
+    **dict.fromkeys(("pred", "s8", "u8"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
+    "c128": 16,
+    "token": 0,
+}
+MB, MIB = 1e6, 2**20
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
+_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?\s*)*\})")
+_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+# --------------------------------------------------------------------------- report types
+
+
+@dataclasses.dataclass
+class CollectiveOp:
+    """One collective instruction of the optimized HLO (per-op list, for debugging)."""
+
+    name: str
+    kind: str
+    axes: tuple[str, ...]  # mesh axes its groups span; () for single-device groups
+    group_size: int  # n, devices per group (pairs for collective-permute)
+    size_bytes: float  # S: the full array (all-gather output, reduce-scatter input)
+    executions: int  # times it runs per step: product of enclosing loop trip counts
+    bytes_per_device: float  # ring bytes * executions
+    shape: str
+    computation: str
+    op_name: str  # jax source location (metadata), e.g. ".../transpose(jvp())/psum_invariant"
+
+
+@dataclasses.dataclass
+class CollectiveRow:
+    """Collectives of one (kind, axes), measured and expected (formula) per device per step."""
+
+    kind: str
+    axes: tuple[str, ...]
+    count: int  # executions per step of the compiled ops (combined ops count once)
+    bytes_per_device: float
+    expected_bytes: float | None = None
+    expected_count: int | None = None  # logical collectives in the formula (before XLA combines)
+
+    @property
+    def ratio(self) -> float | None:
+        return _ratio(self.bytes_per_device, self.expected_bytes)
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """``compiled.memory_analysis()`` per device, bytes; expected values from the formulas."""
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int
+    expected_argument_bytes: float | None = None
+    expected_output_bytes: float | None = None
+
+    @property
+    def argument_ratio(self) -> float | None:
+        return _ratio(self.argument_bytes, self.expected_argument_bytes)
+
+    @property
+    def output_ratio(self) -> float | None:
+        return _ratio(self.output_bytes, self.expected_output_bytes)
+
+    @property
+    def args_plus_temps_mib(self) -> float:
+        return (self.argument_bytes + self.temp_bytes) / MIB
+
+
+@dataclasses.dataclass
+class CompiledReport:
+    """Collectives by (kind, axes), the per-op list, memory, and what the formulas expect."""
+
+    rows: list[CollectiveRow]
+    ops: list[CollectiveOp]
+    memory: MemoryReport | None
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)
+    expected: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flops: float | None = None  # cost_analysis() of one device's program
+    trivial_ops: int = 0  # collectives over single-device groups (no traffic)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def row(self, kind: str, axes: tuple[str, ...] | str) -> CollectiveRow | None:
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        return next((r for r in self.rows if r.kind == kind and r.axes == axes), None)
+
+    def bytes(self, kind: str, axes: tuple[str, ...] | str) -> float:
+        r = self.row(kind, axes)
+        return r.bytes_per_device if r else 0.0
+
+    def count(self, kind: str, axes: tuple[str, ...] | str) -> int:
+        r = self.row(kind, axes)
+        return r.count if r else 0
+
+    def total_bytes(self, axis: str | None = None) -> float:
+        """Ring bytes per device per step, over all rows or the rows that involve ``axis``."""
+        return sum(r.bytes_per_device for r in self.rows if axis is None or axis in r.axes)
+
+    def total_expected_bytes(self, axis: str | None = None) -> float:
+        return sum(r.expected_bytes or 0.0 for r in self.rows if axis is None or axis in r.axes)
+
+    def to_dict(self) -> dict[str, Any]:
+        mem = None
+        if self.memory is not None:
+            mem = dataclasses.asdict(self.memory)
+            mem.update(argument_ratio=self.memory.argument_ratio, output_ratio=self.memory.output_ratio)
+        return {
+            "collectives": [dataclasses.asdict(r) | {"axes": list(r.axes), "ratio": r.ratio} for r in self.rows],
+            "memory": mem,
+            "expected": self.expected,
+            "layout": self.layout,
+            "flops": self.flops,
+            "trivial_ops": self.trivial_ops,
+            "warnings": list(self.warnings),
+            "ops": [dataclasses.asdict(op) | {"axes": list(op.axes)} for op in self.ops],
+        }
+
+
+def _ratio(measured: float, expected: float | None) -> float | None:
+    """measured / expected; None without a (non-zero) expectation."""
+    return measured / expected if expected else None
+
+
+# --------------------------------------------------------------------------- HLO parsing
+
+
+def shape_bytes(type_text: str) -> float:
+    """Bytes of an HLO type: an array ``f32[2,3]{1,0}`` or a tuple of them."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(type_text):
+        size = HLO_DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            raise ValueError(f"unknown HLO element type '{dtype}' in '{type_text}'")
+        total += size * math.prod(_dims(dims))
+    return total
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d.replace("<=", "")) for d in text.split(",") if d.strip()]
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis group opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    type_text: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2)
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+        type_text, rest = rest[:end], rest[end:].lstrip()
+    else:
+        type_text, _, rest = rest.partition(" ")
+    op = _OPCODE.match(rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close_at = _balanced(rest, open_at)
+    operands = [o.strip() for o in _split_top(rest[open_at + 1 : close_at - 1]) if o.strip()]
+    return _Instr(name, type_text, op.group(1), operands, rest[close_at:])
+
+
+def _split_top(text: str) -> list[str]:
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
+def parse_hlo(text: str) -> tuple[str, dict[str, list[_Instr]]]:
+    """(entry computation name, {computation: instructions}) of an HLO module's text."""
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        line = _COMMENT.sub("", line)
+        header = _HEADER.match(line)
+        if header and "=" not in line.split("(", 1)[0]:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr is not None:
+            comps[current].append(instr)
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, comps
+
+
+def parse_replica_groups(text: str) -> list[list[int]] | None:
+    """``{{0,1},{2,3}}``, ``{}`` (None: all devices), or the iota form ``[2,4]<=[8]`` /
+    ``[4,2]<=[2,4]T(1,0)`` (iota over the reshape dims, transposed, reshaped to groups x size)."""
+    if text.startswith("{"):
+        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
+        return groups or None
+    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if not m:
+        raise ValueError(f"unrecognised replica_groups '{text}'")
+    shape, reshape = _dims(m.group(1)), _dims(m.group(2))
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if m.group(3):
+        ids = ids.transpose(_dims(m.group(3)))
+    return ids.reshape(shape[0], -1).tolist()
+
+
+def _executions(entry: str, comps: dict[str, list[_Instr]], warnings: list[str]) -> dict[str, int]:
+    """How many times each computation runs per call of ``entry`` (while bodies x trip count)."""
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            if ins.opcode.endswith("-done") or ins.opcode == "async-update":
+                continue  # the -start already accounts for the async computation
+            callees = _CALLEES.findall(ins.attrs)
+            for group in _CALLEE_LISTS.findall(ins.attrs):
+                callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            trips = _trip_count(ins, comps, warnings) if ins.opcode == "while" else 1
+            for callee in callees:
+                if callee in comps:
+                    edges[comp].append((callee, trips))
+    order, seen = [], set()
+
+    def visit(c: str) -> None:  # post-order DFS; HLO call graphs are acyclic
+        seen.add(c)
+        for callee, _ in edges[c]:
+            if callee not in seen:
+                visit(callee)
+        order.append(c)
+
+    visit(entry)
+    runs = defaultdict(int, {entry: 1})
+    for comp in reversed(order):
+        for callee, trips in edges[comp]:
+            runs[callee] += runs[comp] * trips
+    return dict(runs)
+
+
+def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]], warnings: list[str]) -> int:
+    m = _TRIP.search(ins.attrs)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
+    body = comps.get(cond.group(1), []) if cond else []
+    consts = [int(i.operands[0]) for i in body if i.opcode == "constant" and i.operands and i.operands[0].isdigit()]
+    if len(consts) == 1 and any("direction=LT" in i.attrs for i in body if i.opcode == "compare"):
+        return consts[0]
+    warnings.append(f"while '{ins.name}': trip count unknown, counted once")
+    return 1
+
+
+# --------------------------------------------------------------------------- attribution
+
+
+def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
+    """Bytes each device sends for one collective on a ring of ``n`` (nccl-tests PERFORMANCE.md)."""
+    if kind == "collective-permute":
+        return size_bytes
+    return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
+
+
+def _axes_of(ids: list[int], coords: np.ndarray, names: tuple[str, ...]) -> tuple[str, ...]:
+    pts = coords[np.asarray(ids)]
+    return tuple(name for k, name in enumerate(names) if len(set(pts[:, k].tolist())) > 1)
+
+
+def _collective(ins: _Instr, symbols: dict[str, str], coords: np.ndarray, names: tuple[str, ...]):
+    kind = ins.opcode.removesuffix("-start")
+    operand_types = []
+    for op in ins.operands:
+        ref = op.split()[-1].lstrip("%")
+        operand_types.append(op if "[" in op else symbols.get(ref, ""))
+    operand_bytes = sum(shape_bytes(t) for t in operand_types) or shape_bytes(ins.type_text)
+    if kind == "collective-permute":
+        m = _PAIRS.search(ins.attrs)
+        pairs = parse_replica_groups(m.group(1)) if m else []
+        axes = tuple(sorted({a for p in pairs for a in _axes_of(p, coords, names)}, key=names.index))
+        return kind, axes, len(pairs), operand_bytes
+    m = _GROUPS.search(ins.attrs)
+    groups = parse_replica_groups(m.group(1)) if m else None
+    if groups is None:
+        groups = [list(range(len(coords)))]
+    n = len(groups[0])
+    axes = tuple(sorted({a for g in groups for a in _axes_of(g, coords, names)}, key=names.index))
+    size = operand_bytes * n if kind == "all-gather" else operand_bytes
+    return kind, axes, n, size
+
+
+def analyze_compiled(
+    compiled: Any, mesh: Any, *, expected: dict | None = None, expected_memory: dict | None = None
+) -> CompiledReport:
+    """Collectives (by kind and mesh axes, bytes per device per step) and memory of ``compiled``.
+
+    ``expected`` (from :func:`expected_collectives`) and ``expected_memory`` put the formula values
+    beside the measurements: rows the formulas expect but the program lacks appear with count 0,
+    rows the formulas do not expect get expected bytes 0.
+    """
+    names = tuple(mesh.axis_names)
+    coords = np.array(list(np.ndindex(*mesh.devices.shape)), dtype=int).reshape(-1, len(names))
+    entry, comps = parse_hlo(compiled.as_text())
+    warnings: list[str] = []
+    runs = _executions(entry, comps, warnings)
+    ops, trivial = [], 0
+    for comp, instrs in comps.items():
+        symbols = {i.name: i.type_text for i in instrs}
+        for ins in instrs:
+            if ins.opcode.removesuffix("-start") not in KINDS:
+                continue
+            kind, axes, n, size = _collective(ins, symbols, coords, names)
+            times = runs.get(comp, 0)
+            if not axes:
+                trivial += 1
+                continue
+            meta = _OP_NAME.search(ins.attrs)
+            moved, source = ring_bytes(kind, n, size) * times, meta.group(1) if meta else ""
+            ops.append(CollectiveOp(ins.name, kind, axes, n, size, times, moved, ins.type_text, comp, source))
+    rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
+    for op in ops:
+        row = rows.setdefault((op.kind, op.axes), CollectiveRow(op.kind, op.axes, 0, 0.0))
+        row.count += op.executions
+        row.bytes_per_device += op.bytes_per_device
+    for (kind, axes), exp in (expected or {}).items():
+        row = rows.setdefault((kind, axes), CollectiveRow(kind, axes, 0, 0.0))
+        row.expected_bytes, row.expected_count = exp["bytes_per_device"], exp["count"]
+    for row in rows.values():
+        if row.expected_bytes is None and expected is not None:
+            row.expected_bytes, row.expected_count = 0.0, 0
+    order = {k: i for i, k in enumerate(KINDS)}
+    sorted_rows = sorted(rows.values(), key=lambda r: (order[r.kind], len(r.axes), r.axes))
+    return CompiledReport(
+        rows=sorted_rows,
+        ops=ops,
+        memory=_memory(compiled, expected_memory or {}),
+        expected={"collectives": _expected_json(expected or {}), "memory": expected_memory or {}},
+        flops=_flops(compiled),
+        trivial_ops=trivial,
+        warnings=warnings,
+    )
+
+
+def _expected_json(expected: dict) -> list[dict[str, Any]]:
+    return [{"kind": k, "axes": list(a), **v} for (k, a), v in expected.items()]
+
+
+def _memory(compiled: Any, expected_memory: dict) -> MemoryReport | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if stats is None:
+        return None
+    return MemoryReport(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        generated_code_bytes=int(stats.generated_code_size_in_bytes),
+        expected_argument_bytes=expected_memory.get("argument_bytes"),
+        expected_output_bytes=expected_memory.get("output_bytes"),
+    )
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def param_leaves(cfg: ConfigDict, layouts: Any = None) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(path, global shape, :class:`~jaxpar.sharding.ParamLayout`) of every parameter, built from
+    shapes alone (``layouts`` from a ``Setup`` may be passed to reuse them)."""
+    import functools
+
+    import jax
+
+    from jaxpar.models import llama
+    from jaxpar.sharding import Strategy, is_layout, param_layout
+
+    abstract = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
+    if layouts is None:
+        strategy, shape = Strategy.from_config(cfg.parallel), dict(cfg.mesh)
+        layouts = jax.tree.map(
+            lambda a, n: param_layout(tuple(a.shape), tuple(n), strategy, shape),
+            abstract,
+            llama.logical_axes(cfg.model),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+    flat = jax.tree.leaves(layouts, is_leaf=is_layout)
+    return [
+        (jax.tree_util.keystr(path), tuple(a.shape), lay)
+        for (path, a), lay in zip(jax.tree_util.tree_leaves_with_path(abstract), flat)
+    ]
+
+
+def _spec_axes(spec: Any) -> list[str]:
+    """Mesh axes named anywhere in a PartitionSpec."""
+    return [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
+
+
+def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
+    """Elements of one device's shard of an array of ``shape`` laid out by PartitionSpec ``spec``."""
+    return math.prod(shape) // math.prod(mesh_shape[a] for a in _spec_axes(spec))
+
+
+def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
+    """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
+
+    Accounting (FORMULAS.md section 3; per device, per step; m microbatches of b sequences of s
+    tokens per data shard; E a parameter's elements on one device under its *compute* spec, i.e.
+    after the tensor split; g = bytes of ``parallel.grad_reduce_dtype``, 4 = fp32 parameters,
+    a = bytes of ``model.compute_dtype``; n = size of the axis):
+
+    * ``data``: stage 0 all-reduces every gradient once, 2(n-1)/n*E*g. Stage 1 reduce-scatters it
+      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2 does the
+      reduce-scatter every microbatch (m times) and the all-gather once. Stage 3 all-gathers each
+      block parameter (in g) twice per microbatch (forward, and again in the backward because the
+      remat policy must not keep the gathered copy), the embedding / final norm / output layer once
+      per microbatch (kept for their backward; XLA may hoist these loop-invariant gathers out of the
+      accumulation loop, once per step), and reduce-scatters every gradient per microbatch.
+      A parameter no dim of which divides by n (``sharding.zero_dim``) is all-reduced instead
+      (once per step at stages 0-1, per microbatch at 2-3). Plus the loss (one fp32 scalar).
+    * ``tensor`` (Megatron), per layer per microbatch, each b*s*h*a: 2 all-reduces forward
+      (attention and MLP outputs), 2 backward (the gradients of the attention and MLP inputs);
+      with remat the attention output's all-reduce runs again (the MLP one is dead in the
+      recomputation). Once per microbatch: the vocabulary-parallel embedding's all-reduce
+      (forward), the output layer input's gradient (backward), and the cross-entropy max, sum-exp
+      and target logit (3 fp32 all-reduces of b*s). With sequence parallelism every b*s*h
+      all-reduce becomes an all-gather + reduce-scatter of the full b*s*h array (same bytes; the
+      forward pair's transposes in the backward); recomputation repeats both gathers and the
+      attention reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
+    * gradient-norm scalars (fp32) over the axes each gradient is split over.
+
+    ``count`` is the number of logical collectives; XLA may combine several into one op.
+    Pipeline layouts are not modelled (``ConfigError``).
+    """
+    if cfg.mesh.pipeline > 1:
+        raise ConfigError("expected_collectives: pipeline layouts are not modelled; use mesh.pipeline=1")
+    mesh_shape = dict(cfg.mesh)
+    m, s = cfg.train.microbatches, cfg.train.seq_len
+    b = cfg.train.global_batch // (m * cfg.mesh.data)
+    h, layers = cfg.model.embed_dim, cfg.model.num_layers
+    act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    stage = cfg.parallel.zero_stage
+    out: dict[tuple[str, tuple[str, ...]], dict] = {}
+
+    def add(kind: str, axes: tuple[str, ...], size: float, count: int, what: str) -> None:
+        axes = tuple(a for a in axes if mesh_shape[a] > 1)  # size-1 axes move nothing
+        n = math.prod(mesh_shape[a] for a in axes)
+        if count == 0 or (n <= 1 and kind != "collective-permute"):
+            return
+        row = out.setdefault((kind, axes), {"count": 0, "bytes_per_device": 0.0, "terms": []})
+        moved = count * ring_bytes(kind, n, size)
+        row["count"] += count
+        row["bytes_per_device"] += moved
+        for term in row["terms"]:
+            if term["what"] == what:
+                term["count"] += count
+                term["bytes_per_device"] += moved
+                break
+        else:
+            row["terms"].append({"what": what, "count": count, "bytes_per_device": moved})
+
+    per_reduce = m if stage >= 2 else 1
+    for path, shape, lay in param_leaves(cfg, layouts):
+        e = local_elements(shape, lay.compute, mesh_shape)
+        if lay.sharded_storage:  # ZeRO-3
+            gathers = 2 if path.startswith("['blocks']") else 1
+            add("all-gather", ("data",), e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
+            add("reduce-scatter", ("data",), e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
+        elif lay.sharded_optimizer:  # ZeRO-1/2
+            add("reduce-scatter", ("data",), e * g, per_reduce, "gradient reduce-scatter")
+            add("all-gather", ("data",), e * pb, 1, "updated parameter all-gather")
+        else:
+            add("all-reduce", ("data",), e * g, per_reduce, "gradient all-reduce")
+        split = tuple(a for a in ("data", "tensor") if a in _spec_axes(lay.optimizer))
+        add("all-reduce", split, 4, 1, "gradient-norm scalars")
+    add("all-reduce", ("data",), 4, 1, "loss")
+
+    x = b * s * h * act  # one microbatch's activations on a data shard
+    remat = int(cfg.model.remat != "none")
+    tp = ("tensor",)
+    if cfg.parallel.sequence_parallel:
+        add("all-gather", tp, x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)")
+        add("reduce-scatter", tp, x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)")
+        add("reduce-scatter", tp, x, m, "embedding output (fwd)")
+        add("all-gather", tp, x, m, "embedding output gradient (bwd)")
+        add("all-gather", tp, x, m, "final norm output (fwd)")
+        add("reduce-scatter", tp, x, m, "output layer input gradient (bwd)")
+        add("all-reduce", tp, h * 4, m * (2 * layers + 1), "norm scale gradients (SP)")
+    else:
+        add("all-reduce", tp, x, m * layers * 2, "row-parallel outputs (fwd)")
+        add("all-reduce", tp, x, m * layers * 2, "column-parallel input gradients (bwd)")
+        add("all-reduce", tp, x, m * layers * remat, "attention output recomputed (remat)")
+        add("all-reduce", tp, x, m, "vocab-parallel embedding (fwd)")
+        add("all-reduce", tp, x, m, "output layer input gradient (bwd)")
+    add("all-reduce", tp, b * s * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)")
+    return out
+
+
+def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
+    """Per-device argument and output bytes of the train step, and the gradient buffer.
+
+    argument = parameters under their storage spec (param dtype, 4 bytes) + Adam mu and nu under
+    the optimizer spec (8 bytes) + the step count (4) + this device's batch rows
+    (m x b x (s+1) int32); output = the same state + 3 fp32 metrics. ``grad_buffer_bytes`` is the
+    fp32 gradient (accumulation) buffer: compute spec at stages 0-1, optimizer spec (sharded
+    over data) at stages 2-3; it lives in the temporaries, which have no closed formula here.
+    """
+    mesh_shape = dict(cfg.mesh)
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    params = opt = grads = 0
+    for _, shape, lay in param_leaves(cfg, layouts):
+        params += local_elements(shape, lay.storage, mesh_shape) * pb
+        opt += local_elements(shape, lay.optimizer, mesh_shape) * 8
+        grads += local_elements(shape, lay.optimizer if cfg.parallel.zero_stage >= 2 else lay.compute, mesh_shape) * 4
+    t = cfg.train
+    batch = t.global_batch // cfg.mesh.data * (t.seq_len + 1) * 4
+    return {
+        "param_bytes": params,
+        "optimizer_bytes": opt,
+        "batch_bytes": batch,
+        "grad_buffer_bytes": grads,
+        "argument_bytes": params + opt + 4 + batch,
+        "output_bytes": params + opt + 4 + 12,
+    }
+
+
+# --------------------------------------------------------------------------- one layout
+
+
+def layout_summary(cfg: ConfigDict) -> dict[str, Any]:
+    """The fields that define a layout, for reports."""
+    m, p, t = cfg.mesh, cfg.parallel, cfg.train
+    return {
+        "data": m.data,
+        "tensor": m.tensor,
+        "pipeline": m.pipeline,
+        "zero_stage": p.zero_stage,
+        "sequence_parallel": p.sequence_parallel,
+        "microbatches": t.microbatches,
+        "global_batch": t.global_batch,
+        "seq_len": t.seq_len,
+        "remat": cfg.model.remat,
+        "compute_dtype": cfg.model.compute_dtype,
+        "grad_reduce_dtype": p.grad_reduce_dtype,
+    }
+
+
+def mesh_for(cfg: ConfigDict) -> Any:
+    """The config's mesh on the first data*tensor*pipeline devices (CPU ones if the default
+    backend has too few)."""
+    import jax
+
+    from jaxpar.mesh import MeshSpec, make_mesh
+
+    spec = MeshSpec.from_config(cfg.mesh)
+    devices = jax.devices()
+    if len(devices) < spec.size:
+        devices = jax.devices("cpu")
+    if len(devices) < spec.size:
+        raise ConfigError(
+            f"mesh: data*tensor*pipeline = {spec.size} but only {len(devices)} devices exist; set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={spec.size} before JAX starts"
+        )
+    return make_mesh(spec, devices[: spec.size])
+
+
+def analyze_layout(cfg: ConfigDict, mesh: Any = None) -> CompiledReport:
+    """Build the layout's :class:`~jaxpar.train.state.Setup`, compile its train step ahead of
+    time from abstract arrays (nothing allocated), and analyze it against the formulas."""
+    from jaxpar.train.state import Setup
+
+    setup = Setup(cfg, mesh if mesh is not None else mesh_for(cfg))
+    compiled = setup.lower_train_step().compile()
+    if cfg.mesh.pipeline > 1:
+        report = analyze_compiled(compiled, setup.mesh)
+        report.warnings.append("pipeline layouts: measured only, the formulas here do not model pipeline stages yet")
+    else:
+        report = analyze_compiled(
+            compiled,
+            setup.mesh,
+            expected=expected_collectives(cfg, setup.layouts),
+            expected_memory=expected_memory(cfg, setup.layouts),
+        )
+    report.layout = layout_summary(cfg)
+    half = {cfg.model.compute_dtype, cfg.parallel.grad_reduce_dtype} & {"bfloat16", "float16"}
+    if half and setup.mesh.devices.flat[0].platform == "cpu":
+        report.warnings.append(
+            f"XLA:CPU runs {'/'.join(sorted(half))} collectives in float32 (float normalization): their measured "
+            "bytes are 2x what a GPU/TPU moves; inspect with --config.model.compute_dtype=float32 "
+            "--config.parallel.grad_reduce_dtype=float32 for exact ratios"
+        )
+    return report

@@ -1,0 +1,161 @@
+"""``jaxpar inspect``: compile one layout ahead of time and show what XLA made of it.
+
+For ``--config FILE [--config.x.y=v ...]`` it builds the layout's train step from abstract
+arrays on simulated CPU devices (nothing is allocated or run), then prints each collective
+(kind, mesh axes, executions per step, ring bytes per device) and the per-device memory beside
+the formula values of :mod:`jaxpar.analysis.compiled`, with their ratio. A ratio far from 1 is
+either a formula that misses something or a step that does more than it should: the per-op list
+(``--json`` carries it under ``ops`` with ``--ops``) names the jax source of every collective.
+
+This module imports JAX lazily: the CLI builds its parser before JAX starts, so that the number
+of simulated devices can still be set (:func:`ensure_host_devices`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Any
+
+from jaxpar.config import load_config
+
+DEVICE_FLAG = "--xla_force_host_platform_device_count"
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py"
+)
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``jaxpar inspect`` (``--config.x.y=v`` overrides are split off by the CLI)."""
+    parser.add_argument("--config", default=None, help="config file, optionally FILE:arg (default: configs/tiny.py)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--ops", action="store_true", help="with --json: include every collective op")
+
+
+def _jax_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:  # private API moved: assume started
+        return True
+
+
+def ensure_host_devices(count: int) -> bool:
+    """Ask XLA for at least ``count`` simulated CPU devices, if JAX has not started its backends
+    yet and the platform may be CPU. Returns whether ``XLA_FLAGS`` was changed.
+
+    Why: ``inspect`` compiles the layout for data*tensor*pipeline devices; on a laptop those are
+    simulated CPU devices, and XLA reads the flag only once, when the first backend starts.
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if _jax_started() or (platforms and "cpu" not in platforms.split(",")):
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    current = re.search(rf"{DEVICE_FLAG}=(\d+)", flags)
+    if current and int(current.group(1)) >= count:
+        return False
+    flags = re.sub(rf"{DEVICE_FLAG}=\d+", "", flags).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={count}".strip()
+    return True
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Compile the configured layout and print its collectives and memory against the formulas.
+
+    Raises :class:`~jaxpar.config.ConfigError` on bad input (the CLI turns it into exit code 2).
+    """
+    cfg = load_config(args.config or DEFAULT_CONFIG, list(getattr(args, "overrides", []) or []))
+    ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    from jaxpar.analysis.compiled import analyze_layout
+
+    report = analyze_layout(cfg)
+    if getattr(args, "json", False):
+        out = report.to_dict()
+        if not getattr(args, "ops", False):
+            out.pop("ops")
+        print(json.dumps(out))
+    else:
+        render(report, title=f"{args.config or DEFAULT_CONFIG}  {_layout_text(report.layout)}")
+    return 0
+
+
+def _layout_text(layout: dict[str, Any]) -> str:
+    text = f"data={layout['data']} x tensor={layout['tensor']} x pipeline={layout['pipeline']}, ZeRO-{layout['zero_stage']}"
+    if layout["sequence_parallel"]:
+        text += ", SP"
+    return text + f", {layout['microbatches']} microbatch(es), remat {layout['remat']}"
+
+
+def _fmt(value: float | None, scale: float, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"<{10**-digits:.{digits}f}" if 0 < value / scale < 10**-digits else f"{value / scale:,.{digits}f}"
+
+
+def _fmt_ratio(ratio: float | None, measured: float = 0.0, expected: float | None = None) -> str:
+    if ratio is None:
+        return "unexpected" if expected == 0 and measured > 0 else "-"
+    return f"{ratio:.3f}"
+
+
+def render(report: Any, title: str = "", console: Any = None) -> None:
+    """Rich tables: collectives (MB = 1e6 bytes per device per step) and memory (MiB per device)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from jaxpar.analysis.compiled import MB, MIB
+
+    console = console or Console()
+    table = Table(title=f"collectives: ring MB per device per step  {title}".strip())
+    for name, justify in (
+        ("kind", "left"),
+        ("axes", "left"),
+        ("count", "right"),
+        ("MB", "right"),
+        ("expected", "right"),
+        ("ratio", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for r in report.rows:
+        table.add_row(
+            r.kind,
+            ",".join(r.axes),
+            str(r.count),
+            _fmt(r.bytes_per_device, MB),
+            _fmt(r.expected_bytes, MB),
+            _fmt_ratio(r.ratio, r.bytes_per_device, r.expected_bytes),
+        )
+    measured = report.total_bytes()
+    expected = report.total_expected_bytes() if any(r.expected_bytes is not None for r in report.rows) else None
+    table.add_row(
+        "total", "", "", _fmt(measured, MB), _fmt(expected, MB), _fmt_ratio(measured / expected if expected else None)
+    )
+    console.print(table)
+    mem = report.memory
+    if mem is not None:
+        mt = Table(title="memory per device (memory_analysis)")
+        for name in ("", "MiB", "expected", "ratio"):
+            mt.add_column(name, justify="left" if not name else "right")
+        mt.add_row(
+            "argument",
+            _fmt(mem.argument_bytes, MIB, 2),
+            _fmt(mem.expected_argument_bytes, MIB, 2),
+            _fmt_ratio(mem.argument_ratio),
+        )
+        mt.add_row("temp", _fmt(mem.temp_bytes, MIB, 2), "-", "-")
+        mt.add_row(
+            "output",
+            _fmt(mem.output_bytes, MIB, 2),
+            _fmt(mem.expected_output_bytes, MIB, 2),
+            _fmt_ratio(mem.output_ratio),
+        )
+        mt.add_row("argument + temp", f"{mem.args_plus_temps_mib:,.2f}", "-", "-")
+        console.print(mt)
+    for line in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {line}")
