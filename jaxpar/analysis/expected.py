@@ -1,0 +1,183 @@
+"""The formulas' side of ``jaxpar inspect``: expected collectives and memory of a layout.
+
+Bytes per device per step for each (collective kind, mesh axes), computed from the real
+per-parameter layouts (:mod:`jaxpar.sharding`) and the dtypes the step uses, priced as ring
+traffic (FORMULAS.md section 3, nccl-tests PERFORMANCE.md), and the per-device argument memory
+(parameters by storage spec, fp32 Adam moments by optimizer spec, the step count and the batch).
+:mod:`jaxpar.analysis.compiled` puts these beside what the compiler emitted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
+from jaxpar.config import ConfigDict, ConfigError
+
+
+def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
+    """Bytes one device sends for a collective over ``n`` devices on an array of ``size_bytes``."""
+    if kind == "collective-permute":
+        return size_bytes
+    return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
+
+
+def param_leaves(cfg: ConfigDict, layouts: Any = None) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(path, global shape, :class:`~jaxpar.sharding.ParamLayout`) of every parameter, built from
+    shapes alone (``layouts`` from a ``Setup`` may be passed to reuse them)."""
+    import functools
+
+    import jax
+
+    from jaxpar.models import llama
+    from jaxpar.sharding import Strategy, is_layout, param_layout
+
+    abstract = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
+    if layouts is None:
+        strategy, shape = Strategy.from_config(cfg.parallel), dict(cfg.mesh)
+        layouts = jax.tree.map(
+            lambda a, n: param_layout(tuple(a.shape), tuple(n), strategy, shape),
+            abstract,
+            llama.logical_axes(cfg.model),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+    flat = jax.tree.leaves(layouts, is_leaf=is_layout)
+    return [
+        (jax.tree_util.keystr(path), tuple(a.shape), lay)
+        for (path, a), lay in zip(jax.tree_util.tree_leaves_with_path(abstract), flat)
+    ]
+
+
+def _spec_axes(spec: Any) -> list[str]:
+    """Mesh axes named anywhere in a PartitionSpec."""
+    return [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
+
+
+def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
+    """Elements of one device's shard of an array of ``shape`` laid out by PartitionSpec ``spec``."""
+    return math.prod(shape) // math.prod(mesh_shape[a] for a in _spec_axes(spec))
+
+
+def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
+    """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
+
+    Accounting (FORMULAS.md section 3; per device, per step; m microbatches of b sequences of s
+    tokens per data shard; E a parameter's elements on one device under its *compute* spec, i.e.
+    after the tensor split; g = bytes of ``parallel.grad_reduce_dtype``, 4 = fp32 parameters,
+    a = bytes of ``model.compute_dtype``; n = size of the axis):
+
+    * ``data``: stage 0 all-reduces every gradient once, 2(n-1)/n*E*g. Stage 1 reduce-scatters it
+      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2 does the
+      reduce-scatter every microbatch (m times) and the all-gather once. Stage 3 all-gathers each
+      block parameter (in g) twice per microbatch (forward, and again in the backward because the
+      remat policy must not keep the gathered copy), the embedding / final norm / output layer once
+      per microbatch (kept for their backward; XLA may hoist these loop-invariant gathers out of the
+      accumulation loop, once per step), and reduce-scatters every gradient per microbatch.
+      A parameter no dim of which divides by n (``sharding.zero_dim``) is all-reduced instead
+      (once per step at stages 0-1, per microbatch at 2-3). Plus the loss (one fp32 scalar).
+    * ``tensor`` (Megatron), per layer per microbatch, each b*s*h*a: 2 all-reduces forward
+      (attention and MLP outputs), 2 backward (the gradients of the attention and MLP inputs);
+      with remat the attention output's all-reduce runs again (the MLP one is dead in the
+      recomputation). Once per microbatch: the vocabulary-parallel embedding's all-reduce
+      (forward), the output layer input's gradient (backward), and the cross-entropy max, sum-exp
+      and target logit (3 fp32 all-reduces of b*s). With sequence parallelism every b*s*h
+      all-reduce becomes an all-gather + reduce-scatter of the full b*s*h array (same bytes; the
+      forward pair's transposes in the backward); recomputation repeats both gathers and the
+      attention reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
+    * gradient-norm scalars (fp32) over the axes each gradient is split over.
+
+    ``count`` is the number of logical collectives; XLA may combine several into one op.
+    Pipeline layouts are not modelled (``ConfigError``).
+    """
+    if cfg.mesh.pipeline > 1:
+        raise ConfigError("expected_collectives: pipeline layouts are not modelled; use mesh.pipeline=1")
+    mesh_shape = dict(cfg.mesh)
+    m, s = cfg.train.microbatches, cfg.train.seq_len
+    b = cfg.train.global_batch // (m * cfg.mesh.data)
+    h, layers = cfg.model.embed_dim, cfg.model.num_layers
+    act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    stage = cfg.parallel.zero_stage
+    out: dict[tuple[str, tuple[str, ...]], dict] = {}
+
+    def add(kind: str, axes: tuple[str, ...], size: float, count: int, what: str) -> None:
+        axes = tuple(a for a in axes if mesh_shape[a] > 1)  # size-1 axes move nothing
+        n = math.prod(mesh_shape[a] for a in axes)
+        if count == 0 or (n <= 1 and kind != "collective-permute"):
+            return
+        row = out.setdefault((kind, axes), {"count": 0, "bytes_per_device": 0.0, "terms": []})
+        moved = count * ring_bytes(kind, n, size)
+        row["count"] += count
+        row["bytes_per_device"] += moved
+        for term in row["terms"]:
+            if term["what"] == what:
+                term["count"] += count
+                term["bytes_per_device"] += moved
+                break
+        else:
+            row["terms"].append({"what": what, "count": count, "bytes_per_device": moved})
+
+    per_reduce = m if stage >= 2 else 1
+    for path, shape, lay in param_leaves(cfg, layouts):
+        e = local_elements(shape, lay.compute, mesh_shape)
+        if lay.sharded_storage:  # ZeRO-3
+            gathers = 2 if path.startswith("['blocks']") else 1
+            add("all-gather", ("data",), e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
+            add("reduce-scatter", ("data",), e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
+        elif lay.sharded_optimizer:  # ZeRO-1/2
+            add("reduce-scatter", ("data",), e * g, per_reduce, "gradient reduce-scatter")
+            add("all-gather", ("data",), e * pb, 1, "updated parameter all-gather")
+        else:
+            add("all-reduce", ("data",), e * g, per_reduce, "gradient all-reduce")
+        split = tuple(a for a in ("data", "tensor") if a in _spec_axes(lay.optimizer))
+        add("all-reduce", split, 4, 1, "gradient-norm scalars")
+    add("all-reduce", ("data",), 4, 1, "loss")
+
+    x = b * s * h * act  # one microbatch's activations on a data shard
+    remat = int(cfg.model.remat != "none")
+    tp = ("tensor",)
+    if cfg.parallel.sequence_parallel:
+        add("all-gather", tp, x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)")
+        add("reduce-scatter", tp, x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)")
+        add("reduce-scatter", tp, x, m, "embedding output (fwd)")
+        add("all-gather", tp, x, m, "embedding output gradient (bwd)")
+        add("all-gather", tp, x, m, "final norm output (fwd)")
+        add("reduce-scatter", tp, x, m, "output layer input gradient (bwd)")
+        add("all-reduce", tp, h * 4, m * (2 * layers + 1), "norm scale gradients (SP)")
+    else:
+        add("all-reduce", tp, x, m * layers * 2, "row-parallel outputs (fwd)")
+        add("all-reduce", tp, x, m * layers * 2, "column-parallel input gradients (bwd)")
+        add("all-reduce", tp, x, m * layers * remat, "attention output recomputed (remat)")
+        add("all-reduce", tp, x, m, "vocab-parallel embedding (fwd)")
+        add("all-reduce", tp, x, m, "output layer input gradient (bwd)")
+    add("all-reduce", tp, b * s * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)")
+    return out
+
+
+def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
+    """Per-device argument and output bytes of the train step, and the gradient buffer.
+
+    argument = parameters under their storage spec (param dtype, 4 bytes) + Adam mu and nu under
+    the optimizer spec (8 bytes) + the step count (4) + this device's batch rows
+    (m x b x (s+1) int32); output = the same state + 3 fp32 metrics. ``grad_buffer_bytes`` is the
+    fp32 gradient (accumulation) buffer: compute spec at stages 0-1, optimizer spec (sharded
+    over data) at stages 2-3; it lives in the temporaries, which have no closed formula here.
+    """
+    mesh_shape = dict(cfg.mesh)
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    params = opt = grads = 0
+    for _, shape, lay in param_leaves(cfg, layouts):
+        params += local_elements(shape, lay.storage, mesh_shape) * pb
+        opt += local_elements(shape, lay.optimizer, mesh_shape) * 8
+        grads += local_elements(shape, lay.optimizer if cfg.parallel.zero_stage >= 2 else lay.compute, mesh_shape) * 4
+    t = cfg.train
+    batch = t.global_batch // cfg.mesh.data * (t.seq_len + 1) * 4
+    return {
+        "param_bytes": params,
+        "optimizer_bytes": opt,
+        "batch_bytes": batch,
+        "grad_buffer_bytes": grads,
+        "argument_bytes": params + opt + 4 + batch,
+        "output_bytes": params + opt + 4 + 12,
+    }
