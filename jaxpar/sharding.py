@@ -2,7 +2,9 @@
 
 Model code names *logical* dims (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
 ``mlp``, ``layers``, ``norm``, ``pos``). A :class:`Strategy` is data, not a subclass: the
-Megatron tensor-parallel rules table plus a ZeRO stage and the sequence-parallel switch.
+Megatron tensor-parallel rules table (plus ``layers -> pipeline`` when there is more than one
+pipeline stage: each stage holds a block of the stacked layers, see :mod:`jaxpar.pipeline` for the
+layer order with virtual stages) plus a ZeRO stage and the sequence-parallel switch.
 From (strategy, mesh, parameter shapes and logical names) follow, per parameter:
 
 * the **compute spec**: how the shard-local model sees it (Megatron column/row split over
@@ -35,6 +37,8 @@ TENSOR_RULES: Mapping[str, str] = {
     "kv_heads": "tensor",
     "mlp": "tensor",  # MLP up/gate column-parallel, down row-parallel
 }
+# Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
+PIPELINE_RULES: Mapping[str, str] = {"layers": "pipeline"}
 NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 
 
@@ -49,8 +53,11 @@ class Strategy:
     max_replicated_fraction: float = 0.05
 
     @classmethod
-    def from_config(cls, parallel_cfg: ConfigDict) -> Strategy:
+    def from_config(cls, parallel_cfg: ConfigDict, pipeline: int = 1) -> Strategy:
+        """``pipeline``: the mesh's pipeline size; above 1 the layers are split over ``pipeline``."""
+        rules = {**TENSOR_RULES, **(PIPELINE_RULES if pipeline > 1 else {})}
         return cls(
+            rules=rules,
             zero_stage=parallel_cfg.zero_stage,
             sequence_parallel=parallel_cfg.sequence_parallel,
             grad_reduce_dtype=parallel_cfg.grad_reduce_dtype,

@@ -4,6 +4,10 @@
 per-parameter layouts (:mod:`jaxpar.sharding`), the shardings of parameters, optimizer state and
 batches, and the jitted ``init``, ``train_step`` and ``eval_step``. Nothing here allocates until
 ``init`` runs, so the same object serves AOT analysis (``lower_train_step``) on abstract arrays.
+
+With ``mesh.pipeline > 1`` (:mod:`jaxpar.pipeline`) the block parameters are stored in the pipeline's
+layer order (``pipeline.to_stage_order``; the model order unless virtual stages are used): ``init``
+permutes them, and ``pipeline.to_layer_order`` brings a trained tree back to the model's order.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigDict, ConfigError, derive
+from jaxpar import pipeline as pipeline_lib
+from jaxpar.config import ConfigDict, derive
 from jaxpar.models import llama
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
 from jaxpar.train.schedule import make_schedule
@@ -30,14 +35,10 @@ class Setup:
     """Everything one layout needs to train, built from (config, mesh) without allocating."""
 
     def __init__(self, cfg: ConfigDict, mesh: Mesh):
-        if cfg.mesh.pipeline > 1:
-            raise ConfigError(
-                f"mesh.pipeline={cfg.mesh.pipeline}: the pipeline-parallel train step is not implemented yet "
-                "(jaxpar plan can estimate such layouts); train with mesh.pipeline=1"
-            )
         self.cfg, self.mesh = cfg, mesh
+        self.pipeline = pipeline_lib.Pipeline.from_config(cfg) if cfg.mesh.pipeline > 1 else None
         self.derived = derive(cfg)
-        self.strategy = Strategy.from_config(cfg.parallel)
+        self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         self.abstract_params = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
         self.logical = llama.logical_axes(cfg.model)
         self.layouts = param_layouts(self.abstract_params, self.logical, self.strategy, mesh)
@@ -58,6 +59,7 @@ class Setup:
             microbatches=cfg.train.microbatches,
             global_tokens=self.derived.tokens_per_step,
             schedule=self.schedule,
+            pipeline=self.pipeline,
         )
         self.train_step = self._make_train_step()
         self.eval_step = self._make_eval_step()
@@ -65,11 +67,13 @@ class Setup:
     # ------------------------------------------------------------------ init
     def init(self, seed: int) -> tuple[Any, Any]:
         """Initialise parameters and optimizer state, each device creating only its shard."""
-        model_cfg = self.cfg.model
+        model_cfg, stages, virtual = self.cfg.model, self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
 
         @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
         def _init(key):
             params = llama.init_params(model_cfg, key)
+            if stages > 1:
+                params = pipeline_lib.to_stage_order(params, stages, virtual)
             return params, init_opt_state(params)
 
         with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
@@ -94,6 +98,8 @@ class Setup:
         ctx = self.builder.context()
 
         def local_eval(params, tokens):
+            if self.pipeline is not None:
+                return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), "data")
             return jax.lax.psum(llama.loss_sum(params, tokens, ctx), "data")
 
         fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())

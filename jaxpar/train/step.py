@@ -16,7 +16,10 @@ stage      parameters          gradient reduction over ``data``            optim
 =========  ==================  =========================================  =====================
 
 Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path.
-Tensor parallelism lives in the model (:mod:`jaxpar.models.llama`).
+Tensor parallelism lives in the model (:mod:`jaxpar.models.llama`). With ``mesh.pipeline > 1`` the
+microbatches run through :mod:`jaxpar.pipeline` (its schedule is the gradient accumulation): the
+layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
+also marked varying over ``pipeline`` and their stage-local gradients summed over it; ZeRO 0/1 only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.compat import all_gather_invariant
 from jaxpar.config import ConfigDict
 from jaxpar.models import llama
+from jaxpar.pipeline import Pipeline
 from jaxpar.sharding import ParamLayout, Strategy, is_layout
 
 BATCH_SPEC = P(None, "data", None)  # (microbatches, sequences, seq_len + 1)
@@ -61,6 +65,7 @@ class StepBuilder:
     microbatches: int
     global_tokens: int  # target tokens per optimizer step (loss normaliser)
     schedule: Callable[[jax.Array], jax.Array]
+    pipeline: Pipeline | None = None  # set when mesh.pipeline > 1
 
     # ------------------------------------------------------------------ helpers
     def context(self) -> llama.ShardContext:
@@ -100,7 +105,7 @@ class StepBuilder:
 
     def _grad_norm(self, grads: Any) -> jax.Array:
         def sq(lay: ParamLayout, g):
-            axes = tuple(a for a in ("tensor", "data") if _is_sharded(lay, a))
+            axes = tuple(a for a in ("tensor", "data", "pipeline") if _is_sharded(lay, a))
             s = jnp.sum(jnp.square(g))
             return jax.lax.psum(s, axes) if axes else s
 
@@ -115,6 +120,10 @@ class StepBuilder:
         # Parameters replicated over data are marked varying so their gradients stay local and
         # unreduced: the reduction below is then the only data-axis collective on gradients.
         def to_varying(lay: ParamLayout, p):
+            if self.pipeline is not None:  # pipeline: parameters not split over stages vary too
+                axes = () if lay.sharded_storage else ("data",)
+                axes += () if _is_sharded(lay, "pipeline") else ("pipeline",)
+                return jax.lax.pcast(p, axes, to="varying") if axes else p
             return p if lay.sharded_storage else jax.lax.pcast(p, "data", to="varying")
 
         # Differentiate with respect to the varying copy: its gradient is the local, unreduced one
@@ -124,10 +133,13 @@ class StepBuilder:
         def micro_grads(tokens):
             return jax.value_and_grad(lambda p: llama.loss_sum(p, tokens, ctx) * scale)(local_params)
 
-        loss, grads = micro_grads(batch[0])
+        if self.pipeline is not None:  # the schedule accumulates over microbatches (stage < 2)
+            loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale)
+        else:
+            loss, grads = micro_grads(batch[0])
         if stage >= 2:
             grads = self._reduce(grads, scatter=True)
-        if self.microbatches > 1:
+        if self.microbatches > 1 and self.pipeline is None:
 
             def accumulate(carry, tokens):
                 acc_loss, acc = carry

@@ -1,0 +1,385 @@
+"""Pipeline parallelism: schedules as data, equivalence with one device, compiled permutes, memory, bad input.
+
+Equivalence runs in fp32 on the simulated devices: every schedule, with data and tensor axes, gives
+the single-device loss, gradients (Adam's first moment after one step is 0.1 * gradient) and the
+parameters after a step, to a relative error below 1e-5. The default run covers a representative
+subset; ``JAXPAR_SLOW=1`` runs the whole grid (schedule x p in {2, 4} x m in {p, 2p, 4p} x
+{plain, data=2, tensor=2}).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import pipeline
+from jaxpar.cli import main
+from jaxpar.config import ConfigError
+from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.models import llama
+from jaxpar.train.state import Setup
+from jaxpar.train.step import init_opt_state
+from tests.helpers import TINY, max_rel_error, tiny_config
+
+try:
+    from jaxpar.analysis.compiled import analyze_compiled
+except ImportError:  # the HLO analysis module is optional here: the regex below suffices
+    analyze_compiled = None
+
+RUN_SLOW = os.environ.get("JAXPAR_SLOW") == "1"
+STEPS = 2  # step 1 runs at lr 0 (warm-up): its Adam moment is the gradient; step 2 moves the parameters
+TOL = 1e-5
+# The tiny model of these tests: 8 layers of width 64, sequence 32, 16 sequences per step, fp32.
+SMALL = [
+    "--config.model.embed_dim=64",
+    "--config.model.num_layers=8",
+    "--config.model.num_heads=4",
+    "--config.model.num_kv_heads=2",
+    "--config.model.head_dim=16",
+    "--config.model.mlp_dim=128",
+    "--config.model.max_seq_len=32",
+    "--config.train.seq_len=32",
+    "--config.train.global_batch=16",
+    "--config.mesh.tensor=1",
+]
+
+
+def pytest_configure(config):  # effective only where pytest loads it as a plugin (conftest.py)
+    config.addinivalue_line("markers", "slow: long pipeline grid; runs with JAXPAR_SLOW=1")
+
+
+slow = [pytest.mark.slow, pytest.mark.skipif(not RUN_SLOW, reason="set JAXPAR_SLOW=1 to run the full grid")]
+
+
+def small_config(*overrides: str):
+    return tiny_config(*SMALL, *overrides)
+
+
+def layout(schedule: str, p: int, m: int, data: int = 1, tensor: int = 1, *extra: str) -> list[str]:
+    v = 2 if schedule == "interleaved" else 1
+    return [
+        f"--config.pipeline.schedule={schedule}",
+        f"--config.pipeline.virtual_stages={v}",
+        f"--config.mesh.pipeline={p}",
+        f"--config.mesh.data={data}",
+        f"--config.mesh.tensor={tensor}",
+        f"--config.train.microbatches={m}",
+        *extra,
+    ]
+
+
+def make_setup(cfg) -> Setup:
+    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    return Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:n]))
+
+
+@functools.cache
+def compiled(*overrides: str):
+    """(Setup, AOT-compiled train step) of the tiny model with ``overrides``: each layout compiles
+    once per session, shared by the equivalence, permute and memory tests."""
+    setup = make_setup(small_config(*overrides))
+    return setup, setup.lower_train_step().compile()
+
+
+@functools.cache
+def _host_params(model: tuple[str, ...] = ()):
+    return jax.device_get(llama.init_params(small_config(*model).model, jax.random.key(0)))
+
+
+def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS):
+    """Train from the same host-initialised parameters (no init compile); returns the per-step
+    metrics, the gradient (Adam's first moment after step 1 over 1 - b1) and the final parameters,
+    block parameters back in model layer order."""
+    setup, step_fn = compiled(*model, *overrides)
+    cfg = setup.cfg
+    p, v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
+    host = _host_params(model)
+    staged = pipeline.to_stage_order(host, p, v) if p > 1 else host
+    params = jax.device_put(staged, setup.param_shardings)
+    opt = jax.device_put(init_opt_state(staged), setup.opt_shardings)
+    rng = np.random.default_rng(0)
+    history, grads = [], None
+    for step in range(steps):
+        rows = rng.integers(0, cfg.model.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
+        params, opt, metrics = step_fn(params, opt, setup.make_batch(rows))
+        history.append({k: float(x) for k, x in jax.device_get(metrics).items()})
+        if step == 0:
+            grads = jax.tree.map(lambda mu: mu / (1 - cfg.optim.b1), jax.device_get(opt["mu"]))
+    params = jax.device_get(params)
+    if p > 1:
+        params, grads = pipeline.to_layer_order(params, p, v), pipeline.to_layer_order(grads, p, v)
+    return history, grads, params
+
+
+@functools.cache
+def reference_run(model: tuple[str, ...] = ()):
+    """The single-device, single-microbatch run of the same model and batches."""
+    return train(["--config.mesh.data=1", "--config.train.microbatches=1"], model)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+def assert_matches(reference, got, name):
+    ref_history, ref_grads, ref_params = reference
+    history, grads, params = got
+    for mine, want in zip(history, ref_history, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(mine[key] - want[key]) / abs(want[key]) < TOL, (name, key, mine, want)
+    assert max_rel_error(grads, ref_grads) < TOL, name
+    assert max_rel_error(params, ref_params) < TOL, name
+
+
+# Default run: every schedule; p = 2 and 4; m = p, 2p and 4p; data=2 (ZeRO-0 and 1); tensor=2 (with and
+# without sequence parallelism). The p=2 m=8 layouts are also the permute and memory tests' programs.
+DEFAULT = {
+    "gpipe_p2_m8": layout("gpipe", 2, 8),
+    "gpipe_p4_m16_t2": layout("gpipe", 4, 16, 1, 2),
+    "1f1b_p2_m8": layout("1f1b", 2, 8),
+    "1f1b_p4_m4_d2_zero1": layout("1f1b", 4, 4, 2, 1, "--config.parallel.zero_stage=1"),
+    "1f1b_p2_m4_d2_t2_sp": layout("1f1b", 2, 4, 2, 2, "--config.parallel.sequence_parallel=true"),
+    "interleaved_p2_m4_t2": layout("interleaved", 2, 4, 1, 2),
+    "interleaved_p4_m8_d2": layout("interleaved", 4, 8, 2),
+}
+AXES = {"plain": (1, 1), "d2": (2, 1), "t2": (1, 2)}
+GRID = {
+    f"{s}_p{p}_m{m}_{extra}": layout(s, p, m, *AXES[extra])
+    for s in pipeline.SCHEDULES
+    for p in (2, 4)
+    for m in (p, 2 * p, 4 * p)
+    for extra in AXES
+    if 16 % (m * AXES[extra][0]) == 0
+}
+SLOW_GRID = {name: o for name, o in GRID.items() if o not in DEFAULT.values()}
+
+
+@pytest.mark.parametrize("name", list(DEFAULT))
+def test_pipeline_matches_single_device(reference, name):
+    assert_matches(reference, train(DEFAULT[name]), name)
+
+
+@pytest.mark.parametrize("name", list(SLOW_GRID))
+@slow[0]
+@slow[1]
+def test_pipeline_grid_matches_single_device(reference, name):
+    assert_matches(reference, train(SLOW_GRID[name]), name)
+
+
+MODEL_VARIANTS = {
+    "tied_1f1b_p2_m4_t2": (("--config.model.tie_embeddings=true",), layout("1f1b", 2, 4, 1, 2)),
+    "gpt_interleaved_p2_m4_t2_sp": (
+        ("--config.model.position=learned", "--config.model.mlp_activation=gelu", "--config.model.norm=layernorm"),
+        layout("interleaved", 2, 4, 1, 2, "--config.parallel.sequence_parallel=true"),
+    ),
+    "remat_gpipe_p2_m4_d2": (("--config.model.remat=full",), layout("gpipe", 2, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_VARIANTS))
+@slow[0]
+@slow[1]
+def test_model_variants_match_single_device(name):
+    """Tied embeddings (gradient from the first and the last stage), learned positions, GeLU,
+    LayerNorm, full remat."""
+    model, overrides = MODEL_VARIANTS[name]
+    assert_matches(reference_run(model), train(overrides, model), name)
+
+
+def test_eval_step_matches_single_device():
+    """The forward-only pipelined evaluation (interleaved layer order, tensor=2) gives the same loss."""
+    host = _host_params()
+    rows = np.random.default_rng(1).integers(0, 256, size=(4, 33))
+    losses = []
+    for overrides in (["--config.mesh.data=1"], layout("interleaved", 2, 4, 2, 2)):
+        cfg = small_config(*overrides)
+        setup = make_setup(cfg)
+        staged = pipeline.to_stage_order(host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
+        params = jax.device_put(staged, setup.param_shardings)
+        losses.append(float(setup.eval_step(params, setup.make_eval_batch(rows))))
+    assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
+
+
+# --------------------------------------------------------------------------- schedules as data
+
+
+def _check_table(table: pipeline.ScheduleTable) -> None:
+    """Every (microbatch, virtual stage) runs F then B once, after its inputs were produced."""
+    p, v, m = table.stages, table.virtual_stages, table.microbatches
+    when = table.ticks_of()
+    assert len(when) == 2 * m * p * v
+    last = p * v - 1
+    for i in range(m):
+        for k in range(p * v):
+            if k > 0:
+                assert when[("F", i, k)] > when[("F", i, k - 1)]
+            assert when[("B", i, k)] > (when[("B", i, k + 1)] if k < last else when[("F", i, k)])
+
+
+CASES = [
+    (s, p, m, v)
+    for s, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3)))
+    for v in vs
+    for p in (2, 3, 4, 8)
+    for m in sorted({p, 2 * p, 4 * p, p + 1})
+    if not (s == "interleaved" and m % p)
+]
+
+
+@pytest.mark.parametrize("schedule, p, m, v", CASES)
+def test_bubble_fraction_matches_formula(schedule, p, m, v):
+    table = pipeline.build_schedule(schedule, p, m, v)
+    _check_table(table)
+    assert table.ticks == 2 * (v * m + p - 1)  # unit-time forward and backward
+    assert pipeline.bubble_fraction(table) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert pipeline.bubble_fraction(table) == pytest.approx(pipeline.expected_bubble_fraction(schedule, p, m, v))
+    assert pipeline.boundary_sends(table) == (m * (p * v - 1),) * 2
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 4), (4, 16), (8, 32)])
+def test_1f1b_keeps_at_most_p_microbatches_in_flight(p, m):
+    prog = pipeline.compile_program(pipeline.build_schedule("1f1b", p, m))
+    assert prog.act_slots <= p and prog.grad_slots <= 1
+    gpipe = pipeline.compile_program(pipeline.build_schedule("gpipe", p, m))
+    assert gpipe.act_slots == m  # GPipe: every microbatch's stage input is alive before the first backward
+
+
+def test_render_schedule():
+    text = pipeline.render_schedule(pipeline.build_schedule("1f1b", 4, 8))
+    print("\n" + text)
+    lines = text.splitlines()
+    assert lines[0].startswith("1f1b: p=4 m=8, 22 ticks, bubble 27.3% (formula 27.3%)")
+    assert len(lines) == 2 + 4 and lines[2].split()[2:5] == ["F0", "F1", "F2"]
+    interleaved = pipeline.render_schedule(pipeline.build_schedule("interleaved", 2, 4, 2))
+    print(interleaved)
+    assert "v=2" in interleaved.splitlines()[0] and "F0:1" in interleaved
+
+
+def test_layer_order_round_trip():
+    order = pipeline.layer_order(8, 2, 2)
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # device 0: chunks 0 and 2; device 1: chunks 1 and 3
+    assert pipeline.layer_order(8, 4, 1).tolist() == list(range(8))
+    tree = {"embed": np.zeros(3), "blocks": {"w": np.arange(8)}}
+    staged = pipeline.to_stage_order(tree, 2, 2)
+    assert staged["blocks"]["w"].tolist() == order.tolist()
+    assert pipeline.to_layer_order(staged, 2, 2)["blocks"]["w"].tolist() == list(range(8))
+
+
+# --------------------------------------------------------------------------- compiled program
+
+
+_PERMUTE = re.compile(
+    r"=\s*(\w+)\[([\d,]*)\]\S*\s+collective-permute(?:-start)?\(.*?source_target_pairs=(\{[\d,{}]*\})"
+)
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def pipeline_permutes(text: str, setup: Setup) -> list[tuple[int, frozenset]]:
+    """(payload bytes, stage pairs) of each collective-permute in the compiled HLO."""
+    stride = setup.mesh.devices.size // setup.mesh.shape["pipeline"]  # device order: pipeline outermost
+    out = []
+    for dtype, dims, pairs in _PERMUTE.findall(text):
+        size = int(np.prod([int(x) for x in dims.split(",") if x])) * _BYTES[dtype]
+        stage_pairs = frozenset((int(a) // stride, int(b) // stride) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs))
+        out.append((size, stage_pairs))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpipe_p2_m8", "1f1b_p2_m8", "interleaved_p2_m4_t2"])
+def test_permutes_carry_bsh_per_microbatch_per_boundary(name):
+    """Each permute over ``pipeline`` carries one microbatch's b*s*h activations (or their
+    gradient); the compiled program holds exactly the table's send patterns, chosen per tick by
+    ``lax.switch``, so a link carries v*b*s*h bytes per microbatch each way (FORMULAS.md section 3)."""
+    setup, comp = compiled(*DEFAULT[name])
+    cfg = setup.cfg
+    schedule, p, m = cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches
+    b, s, h = cfg.train.global_batch // (m * cfg.mesh.data), cfg.train.seq_len, cfg.model.embed_dim
+    formula = b * s * h * 4  # fp32 activations
+    permutes = pipeline_permutes(comp.as_text(), setup)
+    assert permutes and all(size == formula for size, _ in permutes), permutes
+    if analyze_compiled is not None:  # the shared HLO analysis agrees on the payloads; its static count
+        ops = [op for op in analyze_compiled(comp, setup.mesh).ops if op.kind == "collective-permute"]
+        assert len(ops) == len(permutes) and all(op.axes == ("pipeline",) and op.size_bytes == formula for op in ops)
+        # ... multiplies every switch branch by the tick count: an upper bound, not the bytes sent
+        print(f"{name}: static HLO bound {sum(op.executions for op in ops)} permutes, table "
+              f"{sum(pipeline.boundary_sends(setup.pipeline.table))} sends")
+    prog = setup.pipeline.program
+    patterns = {frozenset(pairs) for pairs in prog.pairs["fwd"][1:] + prog.pairs["bwd"][1:]}
+    assert {pairs for _, pairs in permutes} == patterns
+    v = cfg.pipeline.virtual_stages
+    for direction in ("fwd", "bwd"):
+        link_sends = {}
+        for t in prog.pattern[direction]:
+            for pair in prog.pairs[direction][t]:
+                link_sends[pair] = link_sends.get(pair, 0) + 1
+        for (src, dst), sends in sorted(link_sends.items()):
+            per_microbatch = sends * formula / m
+            wraps = (src == p - 1) if direction == "fwd" else (src == 0)
+            expected = (v - 1 if wraps else v) * formula  # the ring's wrap link skips one chunk crossing
+            print(f"{schedule} {direction} {src}->{dst}: {per_microbatch:.0f} B per microbatch (formula {expected})")
+            assert abs(per_microbatch - expected) <= 0.1 * expected
+
+
+def test_1f1b_memory_is_flat_in_m_gpipe_grows():
+    """Microbatch size fixed (2 sequences), m = p -> 4p with p = 2: 1F1B keeps at most p stage inputs
+    (recomputing the stage forward), GPipe keeps the residuals of every microbatch."""
+    temp = {}
+    for schedule in ("1f1b", "gpipe"):
+        for m in (2, 8):
+            batch = [] if m == 8 else ["--config.train.global_batch=4"]  # 16 by default: b = 2 either way
+            comp = compiled(*layout(schedule, 2, m), *batch)[1]
+            temp[schedule, m] = comp.memory_analysis().temp_size_in_bytes
+    print(f"\ntemp bytes per device (m=2 -> m=8): 1f1b {temp['1f1b', 2]} -> {temp['1f1b', 8]}, "
+          f"gpipe {temp['gpipe', 2]} -> {temp['gpipe', 8]}")
+    assert temp["1f1b", 8] <= 1.3 * temp["1f1b", 2]
+    assert temp["gpipe", 8] >= 2 * temp["gpipe", 2]
+    assert temp["gpipe", 8] > temp["1f1b", 8]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _cli(capsys, *overrides: str) -> tuple[int, str]:
+    code = main(["train", "--config", TINY, *overrides])
+    return code, capsys.readouterr().err.strip()
+
+
+P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=2"]
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["--config.train.microbatches=1"], "train.microbatches=1 < mesh.pipeline=2: 1F1B needs"),
+        (["--config.pipeline.schedule=interleaved", "--config.train.microbatches=2"],
+         "pipeline.virtual_stages=1: the interleaved schedule needs at least 2"),
+        (["--config.pipeline.virtual_stages=2", "--config.train.microbatches=2"],
+         "pipeline.virtual_stages=2 is only used by the interleaved schedule"),
+        (["--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",
+          "--config.train.microbatches=3", "--config.train.global_batch=24"],
+         "train.microbatches=3 is not a multiple of mesh.pipeline=2"),
+        (["--config.train.microbatches=3"], "train.global_batch=16 is not divisible by train.microbatches*mesh.data"),
+        (["--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=4",
+          "--config.train.microbatches=2"], "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual"),
+        (["--config.parallel.zero_stage=2", "--config.train.microbatches=2"],
+         "parallel.zero_stage=2 with mesh.pipeline=2 is not supported"),
+        (["--config.parallel.zero_stage=3", "--config.parallel.grad_reduce_dtype=bfloat16",
+          "--config.train.microbatches=2"],
+         "parallel.zero_stage=3 with mesh.pipeline=2 is not supported"),
+    ],
+)
+def test_bad_pipeline_input_is_one_line_exit_2(capsys, overrides, needle):
+    code, err = _cli(capsys, *P2, *overrides)
+    assert code == 2, err
+    assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_check_config_direct():
+    with pytest.raises(ConfigError, match="1F1B needs at least one microbatch per stage"):
+        make_setup(small_config(*layout("1f1b", 4, 2)))
