@@ -2,8 +2,8 @@
 
 Model: embedding 256, 4 heads x 64 (4 KV heads), SwiGLU MLP 1024, 4 layers, vocabulary 1024,
 untied output layer, sequence 256: 4,720,896 parameters (``param_count_estimate``). fp32
-parameters and compute, full rematerialisation, one sequence per data shard
-(global_batch = mesh.data), one microbatch, synthetic tokens.
+parameters and compute, full rematerialisation, one sequence per device (global batch 8, as
+MaxText's per_device_batch_size=1), one microbatch (two with the pipeline), synthetic tokens.
 
 MaxText 0.2.5 reference, per device per step (ring bytes of the compiled collectives;
 memory = ``memory_analysis()`` arguments + temporaries):
@@ -19,8 +19,7 @@ DP-2 x TP-2 x PP-2       64.8 MB         31.2 MiB
 
 Ideal ZeRO-3 / FSDP over 8: all-gather forward + all-gather backward + reduce-scatter,
 3(n-1)/n * P * 4 bytes = 49.6 MB; DP: 2(n-1)/n * P * 4 = 33.1 MB. FSDP presets use ZeRO-3
-over ``data``. tests/test_compiled.py compares DP-8, FSDP-8 and FSDP-4 x TP-2 with these numbers;
-the pipeline preset is not compared yet.
+over ``data``. tests/test_compiled.py compares all four layouts with these numbers.
 
 Inspect (AOT compile on simulated CPU devices, compare with the formulas):
     jaxpar inspect --config configs/maxtext_tiny.py            # dp8
@@ -55,8 +54,8 @@ def get_config(layout: str = "dp8"):
     m.max_seq_len, m.tie_embeddings = 256, False
     m.compute_dtype, m.param_dtype, m.remat = "float32", "float32", "full"
     c.train.seq_len = 256
-    c.train.global_batch = c.mesh.data  # one sequence per data shard
-    c.train.microbatches = 1
+    c.train.global_batch = 8  # one sequence per device, as MaxText's per_device_batch_size=1
+    c.train.microbatches = 2 if c.mesh.pipeline > 1 else 1  # one microbatch per pipeline stage
     c.train.steps, c.train.workdir = 100, f"runs/maxtext_tiny_{layout}"
     c.data.source = "synthetic"
     return c

@@ -87,6 +87,11 @@ class Checkpointer:
             "remove the directory or set --config.train.resume=never"
         )
 
+    def discard_after(self, step: int) -> None:
+        """Delete the checkpoints newer than ``step`` (a rollback makes them history)."""
+        for newer in [s for s in self.steps() if s > step]:
+            self.manager.delete(newer)
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

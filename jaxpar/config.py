@@ -100,6 +100,9 @@ def default_config() -> ConfigDict:
     c.train.eval_batches = 8
     c.train.resume = "auto"  # auto | never | a step number
     c.train.warmup_steps_excluded = 3  # steps excluded from steady-state throughput
+    c.train.spike_factor = 5.0  # skip an update whose loss exceeds this x the running median (0: off)
+    c.train.max_bad_steps = 3  # consecutive skipped steps before rolling back to the last checkpoint
+    c.train.inject_bad_steps = ""  # fault drills: comma-separated batch numbers (from 1) whose loss is made NaN
 
     c.data = ConfigDict()
     c.data.source = "stdlib"  # stdlib | synthetic | bin | megatron
@@ -364,6 +367,12 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     _require(
         resume in ("auto", "never") or resume.isdigit(),
         f"train.resume='{resume}': use auto, never or a step number",
+    )
+    _require(t.spike_factor == 0 or t.spike_factor > 1, f"train.spike_factor={t.spike_factor}: use 0 (off) or > 1")
+    _require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
+    _require(
+        all(x.strip().isdigit() for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,
+        f"train.inject_bad_steps='{t.inject_bad_steps}': give comma-separated step numbers, e.g. 3,4",
     )
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")

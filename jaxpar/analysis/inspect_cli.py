@@ -75,14 +75,39 @@ def run_inspect(args: argparse.Namespace) -> int:
     from jaxpar.analysis.compiled import analyze_layout
 
     report = analyze_layout(cfg)
+    schedule = pipeline_schedule(cfg)
     if getattr(args, "json", False):
         out = report.to_dict()
         if not getattr(args, "ops", False):
             out.pop("ops")
+        if schedule is not None:
+            out["pipeline"] = schedule
         print(json.dumps(out))
     else:
         render(report, title=f"{args.config or DEFAULT_CONFIG}  {_layout_text(report.layout)}")
+        if schedule is not None:
+            print(schedule["diagram"])
     return 0
+
+
+def pipeline_schedule(cfg: Any) -> dict[str, Any] | None:
+    """The pipeline schedule table of a layout (None without pipeline): diagram, bubble, sends."""
+    if cfg.mesh.pipeline <= 1:
+        return None
+    from jaxpar import pipeline
+
+    p, m, v = cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
+    table = pipeline.build_schedule(cfg.pipeline.schedule, p, m, v)
+    forward, backward = pipeline.boundary_sends(table)
+    return {
+        "schedule": cfg.pipeline.schedule,
+        "ticks": table.ticks,
+        "bubble_fraction": pipeline.bubble_fraction(table),
+        "expected_bubble_fraction": pipeline.expected_bubble_fraction(cfg.pipeline.schedule, p, m, v),
+        "boundary_sends_forward": forward,
+        "boundary_sends_backward": backward,
+        "diagram": pipeline.render_schedule(table),
+    }
 
 
 def _layout_text(layout: dict[str, Any]) -> str:

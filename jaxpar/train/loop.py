@@ -6,8 +6,10 @@ one token is one byte, so bits/byte = nats/token / ln 2), otherwise in bits per 
 
 from __future__ import annotations
 
+import collections
 import math
 import signal
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import ConfigDict, derive
+from jaxpar.config import ConfigDict, ConfigError, derive
 from jaxpar.mesh import MeshSpec, make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
 from jaxpar.train.state import Setup
@@ -26,6 +28,32 @@ from jaxpar.train.state import Setup
 
 def bits_unit(model_cfg: ConfigDict) -> str:
     return "bits/byte" if model_cfg.vocab_size == 256 else "bits/token"
+
+
+class BadStepGuard:
+    """Host side of bad-step handling: the loss threshold for the next step (``spike_factor`` x the
+    median of the last good losses, once there are enough of them) and the skip counters."""
+
+    WINDOW, MIN_HISTORY = 64, 10
+
+    def __init__(self, spike_factor: float):
+        self.spike_factor = spike_factor
+        self.history: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.consecutive = 0
+        self.total = 0
+
+    def max_loss(self) -> float:
+        if not self.spike_factor or len(self.history) < self.MIN_HISTORY:
+            return float("inf")
+        return self.spike_factor * statistics.median(self.history)
+
+    def observe(self, loss: float, skipped: bool) -> None:
+        if skipped:
+            self.consecutive += 1
+            self.total += 1
+        else:
+            self.consecutive = 0
+            self.history.append(loss)
 
 
 class Trainer:
@@ -59,6 +87,8 @@ class Trainer:
         self.opt_state: Any = None
         self.step = 0
         self.stop_signal: int | None = None
+        self.guard = BadStepGuard(t.spike_factor)
+        self.inject_bad = {int(x) for x in t.inject_bad_steps.split(",") if x.strip()}
 
     # ------------------------------------------------------------------ pieces
     def initialize(self) -> None:
@@ -79,7 +109,8 @@ class Trainer:
         self.echo(f"resumed from checkpoint at step {self.step} in {self.checkpoints.directory}")
 
     def save(self) -> None:
-        self.checkpoints.save(self.step, self.params, self.opt_state, self.batches.state(), self.cfg)
+        if self.step not in self.checkpoints.steps():  # e.g. just rolled back onto this step
+            self.checkpoints.save(self.step, self.params, self.opt_state, self.batches.state(), self.cfg)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop_signal = signum  # finish the current step, then checkpoint and exit
@@ -94,14 +125,49 @@ class Trainer:
         return total / count / math.log(2)
 
     def train_step(self) -> dict[str, float]:
+        batch_number = self.batches.state()["step"] + 1  # the data position: a rollback does not rewind it
         rows = self.batches.next()
         batch = self.setup.make_batch(rows)
+        offset = float("nan") if batch_number in self.inject_bad else 0.0
         start = time.perf_counter()
-        self.params, self.opt_state, metrics = self.setup.train_step(self.params, self.opt_state, batch)
+        self.params, self.opt_state, metrics = self.setup.train_step(
+            self.params, self.opt_state, batch, max_loss=self.guard.max_loss(), loss_offset=offset
+        )
         values = jax.device_get(metrics)  # blocks: the step time includes the device work
         elapsed = time.perf_counter() - start
         self.step += 1
-        return self.log.record(self.step, elapsed, self.derived.tokens_per_step, values)
+        self.guard.observe(float(values["loss"]), bool(values["skipped"]))
+        row = self.log.record(self.step, elapsed, self.derived.tokens_per_step,
+                              {**values, "bad_steps_total": self.guard.total})
+        if values["skipped"]:
+            self.echo(f"step {self.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
+                      f"{float(values['grad_norm']):.4g}; {self.guard.consecutive} in a row, {self.guard.total} in all)")
+        if self.guard.consecutive >= self.cfg.train.max_bad_steps:
+            self.rollback()
+        return row
+
+    def rollback(self) -> None:
+        """Too many bad steps in a row: restore the newest checkpoint, keep the data position (the
+        offending batches are skipped) and go on."""
+        bad_at = self.step
+        self.checkpoints.wait()
+        # The newest checkpoint from before the run of bad steps; later ones are dropped.
+        before = [s for s in self.checkpoints.steps() if s <= bad_at - self.guard.consecutive]
+        restored = None
+        if before:
+            self.checkpoints.discard_after(before[-1])
+            params, opt, _ = self.setup.abstract_state()
+            restored = self.checkpoints.restore({"params": params, "opt_state": opt})
+        if restored is None:
+            raise ConfigError(
+                f"train.max_bad_steps: {self.guard.consecutive} bad steps in a row at step {bad_at} and no checkpoint "
+                "to roll back to; set --config.checkpoint.every, or lower optim.lr"
+            )
+        self.step, state, _ = restored
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.guard.consecutive = 0
+        self.log.record_event({"step": bad_at, "rollback_to": self.step, "data_position": self.batches.state()})
+        self.echo(f"step {bad_at}: rolled back to the checkpoint of step {self.step}; the offending data is skipped")
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
@@ -147,7 +213,7 @@ class Trainer:
                     self.echo(f"step {self.step}: loss {last['loss']:.4f} {last['tokens_per_s']:.0f} tok/s")
                 if eval_every and self.step % eval_every == 0 and self.step < cfg.train.steps:
                     self.log.record_event({"step": self.step, "val_bits": self.evaluate(), "unit": unit})
-        if cfg.checkpoint.every and self.step not in self.checkpoints.steps():
+        if cfg.checkpoint.every:
             self.save()
         val_end = self.evaluate()
         self.log.record_event({"step": self.step, "val_bits": val_end, "unit": unit})

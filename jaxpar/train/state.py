@@ -80,19 +80,21 @@ class Setup:
             return _init(jax.random.key(seed))
 
     # ------------------------------------------------------------------ steps
-    def _make_train_step(self):
+    def _make_train_step(self) -> TrainStep:
         step = jax.shard_map(
             self.builder.local_step,
             mesh=self.mesh,
-            in_specs=(self.param_specs, self.opt_specs, BATCH_SPEC),
+            in_specs=(self.param_specs, self.opt_specs, BATCH_SPEC, P()),
             out_specs=(self.param_specs, self.opt_specs, P()),
         )
-        return jax.jit(
+        replicated = NamedSharding(self.mesh, P())
+        jitted = jax.jit(
             step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
-            out_shardings=(self.param_shardings, self.opt_shardings, NamedSharding(self.mesh, P())),
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, replicated),
+            out_shardings=(self.param_shardings, self.opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
+        return TrainStep(jitted, replicated)
 
     def _make_eval_step(self):
         ctx = self.builder.context()
@@ -134,7 +136,31 @@ class Setup:
         return params, opt, batch
 
     def lower_train_step(self):
-        return self.train_step.lower(*self.abstract_state())
+        guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+        return self.train_step.lower(*self.abstract_state(), guard)
+
+
+class TrainStep:
+    """The jitted step ``(params, opt_state, batch, guard) -> (params, opt_state, metrics)``.
+
+    Calling it fills ``guard`` from ``max_loss`` (updates whose loss exceeds it are skipped;
+    default: never) and ``loss_offset`` (added to the loss; NaN injects a bad step).
+    """
+
+    def __init__(self, jitted: Any, replicated: NamedSharding):
+        self.jitted, self.replicated = jitted, replicated
+
+    def __call__(self, params: Any, opt_state: Any, batch: jax.Array, max_loss: float = float("inf"),
+                 loss_offset: float = 0.0) -> tuple[Any, Any, dict]:
+        values = np.array([max_loss, loss_offset], np.float32)  # same on every process
+        guard = jax.make_array_from_callback(values.shape, self.replicated, lambda index: values[index])
+        return self.jitted(params, opt_state, batch, guard)
+
+    def lower(self, *args: Any) -> Any:
+        return self.jitted.lower(*args)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
 
 
 class _null:

@@ -25,6 +25,7 @@ also marked varying over ``pipeline`` and their stage-local gradients summed ove
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -112,7 +113,11 @@ class StepBuilder:
         return jnp.sqrt(sum(jax.tree.leaves(_map_layouts(sq, self.layouts, grads))))
 
     # ------------------------------------------------------------------ step
-    def local_step(self, params: Any, opt_state: Any, batch: jax.Array) -> tuple[Any, Any, dict]:
+    def local_step(self, params: Any, opt_state: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, Any, dict]:
+        """One optimizer step on this shard. ``guard`` = (max_loss, loss_offset): the update is
+        skipped (parameters and optimizer state returned unchanged) when the loss or the gradient
+        norm is not finite or the loss exceeds max_loss; loss_offset is added to the reported loss
+        (0 in training; NaN injects a bad step for fault drills)."""
         ctx = self.context()
         stage = self.strategy.zero_stage
         scale = 1.0 / self.global_tokens
@@ -151,7 +156,7 @@ class StepBuilder:
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), batch[1:])
         if stage < 2:
             grads = self._reduce(grads, scatter=stage == 1)
-        loss = jax.lax.psum(loss, "data")
+        loss = jax.lax.psum(loss, "data") + guard[1]
 
         grad_norm = self._grad_norm(grads)
         clip = self.optim_cfg.clip_norm
@@ -163,8 +168,10 @@ class StepBuilder:
         lr = self.schedule(step)
         new_params, mu, nu = self._adamw(params, grads, opt_state, lr)
         new_state = {"count": step + 1, "mu": mu, "nu": nu}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
-        return new_params, new_state, metrics
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= guard[0])
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
+        return keep(new_params, params), keep(new_state, opt_state), metrics
 
     def _adamw(self, params: Any, grads: Any, opt_state: Any, lr: jax.Array):
         o = self.optim_cfg
