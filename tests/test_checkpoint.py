@@ -120,3 +120,29 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     assert "SIGTERM: checkpoint of step" in out
     step = int(out.split("SIGTERM: checkpoint of step ")[1].split()[0])
     assert Checkpointer(str(workdir), 0, 3).steps() == [step]
+
+
+def test_interleaved_pipeline_checkpoints_in_model_layer_order(tmp_path):
+    """Interleaved stages store layers permuted; checkpoints hold the model's order, so they
+    restore onto a layout without pipeline (and back) with identical values."""
+    from jaxpar import pipeline
+
+    pp = _setup(["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
+                 "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",
+                 "--config.train.microbatches=2"], 8)
+    params, opt = pp.init(3)
+    model_order = pipeline.to_layer_order(jax.device_get(params), 2, 2)
+    ckpt = Checkpointer(str(tmp_path), 1, 2)
+    ckpt.save(1, *pp.to_model_order(params, opt), {"step": 1}, pp.cfg)
+    ckpt.wait()
+    flat = _setup(["--config.mesh.data=4", "--config.mesh.tensor=2"], 8)
+    p, o, _ = flat.abstract_state()
+    _, state, _ = ckpt.restore({"params": p, "opt_state": o})
+    for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(model_order), strict=True):
+        np.testing.assert_array_equal(a, b)
+    p, o, _ = pp.abstract_state()
+    _, state, _ = ckpt.restore({"params": p, "opt_state": o})
+    back, _ = pp.from_model_order(state["params"], state["opt_state"])
+    for a, b in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(jax.device_get(params)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ckpt.close()

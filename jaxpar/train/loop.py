@@ -104,13 +104,14 @@ class Trainer:
             self.step = 0
             return
         self.step, state, meta = restored
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.params, self.opt_state = self.setup.from_model_order(state["params"], state["opt_state"])
         self.batches.restore(meta["data"])
         self.echo(f"resumed from checkpoint at step {self.step} in {self.checkpoints.directory}")
 
     def save(self) -> None:
         if self.step not in self.checkpoints.steps():  # e.g. just rolled back onto this step
-            self.checkpoints.save(self.step, self.params, self.opt_state, self.batches.state(), self.cfg)
+            params, opt = self.setup.to_model_order(self.params, self.opt_state)
+            self.checkpoints.save(self.step, params, opt, self.batches.state(), self.cfg)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop_signal = signum  # finish the current step, then checkpoint and exit
@@ -164,7 +165,7 @@ class Trainer:
                 "to roll back to; set --config.checkpoint.every, or lower optim.lr"
             )
         self.step, state, _ = restored
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.params, self.opt_state = self.setup.from_model_order(state["params"], state["opt_state"])
         self.guard.consecutive = 0
         self.log.record_event({"step": bad_at, "rollback_to": self.step, "data_position": self.batches.state()})
         self.echo(f"step {bad_at}: rolled back to the checkpoint of step {self.step}; the offending data is skipped")

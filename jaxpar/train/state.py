@@ -79,6 +79,27 @@ class Setup:
         with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
             return _init(jax.random.key(seed))
 
+    # ------------------------------------------------------------------ checkpoint order
+    def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
+        p, v = self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
+        if p <= 1 or v <= 1:  # stored order is the model's layer order
+            return params, opt
+        move = pipeline_lib.to_layer_order if to_model else pipeline_lib.to_stage_order
+
+        @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
+        def reorder(params, opt):
+            return move(params, p, v), {**opt, "mu": move(opt["mu"], p, v), "nu": move(opt["nu"], p, v)}
+
+        return reorder(params, opt)
+
+    def to_model_order(self, params: Any, opt: Any) -> tuple[Any, Any]:
+        """Checkpoints hold block parameters (and their Adam moments) in the model's layer order,
+        so they restore onto any pipeline layout; interleaved stages store them permuted."""
+        return self._reorder(params, opt, to_model=True)
+
+    def from_model_order(self, params: Any, opt: Any) -> tuple[Any, Any]:
+        return self._reorder(params, opt, to_model=False)
+
     # ------------------------------------------------------------------ steps
     def _make_train_step(self) -> TrainStep:
         step = jax.shard_map(
