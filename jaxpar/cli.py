@@ -26,23 +26,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see --help)")
 
 
-def ensure_host_devices(count: int) -> None:
-    """Ask XLA for ``count`` simulated CPU devices, if JAX has not started and nothing set it."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags or "jax" in sys.modules and _jax_started():
-        return
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-
-
-def _jax_started() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except Exception:  # pragma: no cover - private API moved: assume started
-        return True
-
-
 def _config_path(args: argparse.Namespace) -> str:
     path = args.config or DEFAULT_CONFIG
     if args.config is None and not os.path.exists(path):
@@ -52,8 +35,9 @@ def _config_path(args: argparse.Namespace) -> str:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(_config_path(args), args.overrides)
+    from jaxpar.distributed import ensure_host_devices, initialize_from_env
+
     ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
-    from jaxpar.distributed import initialize_from_env
     from jaxpar.train.loop import Trainer
 
     distributed = initialize_from_env()

@@ -14,8 +14,12 @@ coordination service then fails the others after ``JAXPAR_HEARTBEAT_TIMEOUT`` se
 from __future__ import annotations
 
 import os
+import re
+import sys
 
 from jaxpar.config import ConfigError
+
+DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 # NCCL / XLA settings for real GPU clusters (written for them, checked on an accelerator when one
 # is lent): latency-hiding scheduler so collectives overlap compute, and bigger combine buckets.
@@ -64,3 +68,34 @@ def gpu_xla_flags() -> str:
     current = os.environ.get("XLA_FLAGS", "")
     extra = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in current]
     return " ".join([current, *extra]).strip()
+
+
+def jax_started() -> bool:
+    """Whether JAX has started its backends (after that, XLA_FLAGS are no longer read)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:  # private API moved: assume started
+        return True
+
+
+def ensure_host_devices(count: int) -> bool:
+    """Ask XLA for at least ``count`` simulated CPU devices, if JAX has not started its backends
+    yet and the platform may be CPU. Returns whether ``XLA_FLAGS`` was changed.
+
+    Why: ``inspect`` compiles the layout for data*tensor*pipeline devices; on a laptop those are
+    simulated CPU devices, and XLA reads the flag only once, when the first backend starts.
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if jax_started() or (platforms and "cpu" not in platforms.split(",")):
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    current = re.search(rf"{DEVICE_FLAG}=(\d+)", flags)
+    if current and int(current.group(1)) >= count:
+        return False
+    flags = re.sub(rf"{DEVICE_FLAG}=\d+", "", flags).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={count}".strip()
+    return True

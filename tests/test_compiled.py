@@ -21,8 +21,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import compiled as ca
-from jaxpar.analysis.inspect_cli import ensure_host_devices, render, run_inspect
+from jaxpar.analysis.inspect_cli import render, run_inspect
 from jaxpar.config import ConfigError, load_config, param_count_estimate
+from jaxpar.distributed import ensure_host_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -398,10 +399,10 @@ def test_inspect_bad_input_is_config_error(override):
 
 
 def test_ensure_host_devices(monkeypatch):
-    from jaxpar.analysis import inspect_cli
+    from jaxpar import distributed as inspect_cli
 
     assert ensure_host_devices(64) is False  # JAX already started in this session
-    monkeypatch.setattr(inspect_cli, "_jax_started", lambda: False)
+    monkeypatch.setattr(inspect_cli, "jax_started", lambda: False)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
     assert ensure_host_devices(8) is True

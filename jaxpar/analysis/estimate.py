@@ -373,9 +373,11 @@ def communication(
     cluster: Cluster | None = None,
     grad_reduce_bytes: int = 4,
     link_efficiency: float = 0.75,
+    convention: str = "paper",
 ) -> dict[str, AxisComm]:
     """Bytes per device per step on each mesh axis (FORMULAS.md section 3), with times if a cluster is given.
 
+    ``paper`` (the published formulas, the default):
     data (ZeRO paper sec. 7): DP all-reduces gradients once per step; ZeRO-1 reduce-scatters them
     and all-gathers the updated params once (same bytes); ZeRO-2 reduce-scatters every microbatch
     (m RS + 1 AG); ZeRO-3 all-gathers params in forward and backward and reduce-scatters gradients
@@ -386,24 +388,39 @@ def communication(
     microbatch are ignored (< 1/(2L/p) of the layer traffic). pipeline (Narayanan 2021): one
     activation forward and one gradient backward of b*s*h per microbatch per boundary, x v when
     interleaved, /t with SP (Megatron's scatter-gather: each rank sends its sequence shard).
+
+    ``jaxpar``: what the jaxpar train step compiles to (checked against the compiled HLO by
+    tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`_jaxpar_tensor`. The pipeline
+    axis is the same as ``paper``.
+
     Times use ``link_efficiency`` x the nominal bandwidth (the seed plans with 70-80% of nominal).
     """
+    if convention not in CONVENTIONS:
+        raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
     n, t, p, m, z = layout.data, layout.tensor, layout.pipeline, layout.microbatches, layout.zero_stage
     bsh = layout.microbatch_size * layout.seq_len * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
-    data = {  # (bytes, collectives) by ZeRO stage
-        0: (all_reduce_bytes(grads, n), 1),
-        1: (all_reduce_bytes(grads, n), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce
-        2: ((m + 1) * all_gather_bytes(grads, n), m + 1),
-        3: (3 * m * all_gather_bytes(grads, n), 3 * m),
-    }[z]
-    tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
     pp_calls = 2 * m * layout.virtual_stages
-    traffic = {
-        "data": (n, *data),
-        "tensor": (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
-        "pipeline": (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls),
-    }
+    pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
+    if convention == "jaxpar":
+        traffic = {
+            "data": (n, *_jaxpar_data(model, layout, grad_reduce_bytes)),
+            "tensor": (t, *_jaxpar_tensor(model, layout)),
+            "pipeline": pipeline,
+        }
+    else:
+        grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
+        data = {  # (bytes, collectives) by ZeRO stage
+            0: (all_reduce_bytes(grads, n), 1),
+            1: (all_reduce_bytes(grads, n), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce
+            2: ((m + 1) * all_gather_bytes(grads, n), m + 1),
+            3: (3 * m * all_gather_bytes(grads, n), 3 * m),
+        }[z]
+        tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
+        traffic = {
+            "data": (n, *data),
+            "tensor": (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
+            "pipeline": pipeline,
+        }
     out = {}
     for axis, (size, nbytes, calls) in traffic.items():
         if size == 1:
@@ -413,6 +430,73 @@ def communication(
         gbps = {"intra": cluster.intra_node_gbps, "inter": cluster.inter_node_gbps}[link] if cluster else 0.0
         out[axis] = AxisComm(axis, size, nbytes, calls, link, nbytes / (gbps * 1e9 * link_efficiency) if gbps else 0.0)
     return out
+
+
+def _held_by_place(model: ConfigDict, layout: Layout) -> tuple[float, float]:
+    """(layer, other) parameter elements per device after the tensor split, unsharded over data, on
+    the stage holding the most parameters (all of them when p = 1)."""
+    best = (0.0, 0.0)
+    for stage in ("first", "last"):
+        held = stage_tensors(model, layout, stage)
+        layer = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place == "layer")
+        other = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place != "layer")
+        best = max(best, (layer, other), key=sum)
+    return best
+
+
+def _jaxpar_data(model: ConfigDict, layout: Layout, grad_reduce_bytes: int) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of the jaxpar step (jaxpar/train/step.py), E the per-device
+    parameter elements after the tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
+
+    stage 0: all-reduce E*g once per step. Stage 1: reduce-scatter E*g once and all-gather the
+    updated parameters in the param dtype (E*pb, fp32: 2x the bytes of a bf16 reduction). Stage 2:
+    the reduce-scatter every microbatch, the all-gather once. Stage 3 runs in the compute dtype
+    (a; the config requires grad_reduce_dtype == compute_dtype): block parameters are gathered
+    twice per microbatch (forward, and again in the backward: the remat policy never keeps the
+    gathered copy), the embedding, final norm and output layer once per step (XLA hoists the
+    loop-invariant gather out of the accumulation loop and shares it with the first microbatch),
+    and every gradient is reduce-scattered per microbatch. Parameters whose dims ``data`` divides
+    none of are all-reduced instead; their share is ignored here (the loss and gradient-norm scalars too).
+    """
+    n, m, z = layout.data, layout.microbatches, layout.zero_stage
+    layer, other = _held_by_place(model, layout)
+    full, pb = layer + other, DTYPE_BYTES[model.param_dtype]
+    if z == 0:
+        return all_reduce_bytes(full * grad_reduce_bytes, n), 1
+    if z in (1, 2):
+        reductions = m if z == 2 else 1
+        moved = reductions * all_gather_bytes(full * grad_reduce_bytes, n) + all_gather_bytes(full * pb, n)
+        return moved, reductions + 1
+    a = DTYPE_BYTES[model.compute_dtype]
+    gathered = (2 * m * layer + other) * a
+    return all_gather_bytes(gathered, n) + m * all_gather_bytes(full * a, n), 3 * m + 1
+
+
+def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
+    """Tensor-axis (bytes, collectives) of the jaxpar model (jaxpar/models/llama.py), per microbatch:
+
+    per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their
+    input gradients); with recompute (selective or full) the attention output's all-reduce runs
+    again in the recomputed forward (the MLP one is dead there): 5, not Megatron's 6. With SP each
+    all-reduce is an all-gather + reduce-scatter (same bytes), and recompute repeats both gathers
+    and the attention reduce-scatter: 5.5 all-reduce equivalents per layer. Per microbatch also
+    the vocabulary-parallel embedding (forward, first stage) and the output layer input's gradient
+    (backward, last stage), each b*s*h (an all-reduce, or a gather/scatter pair with SP); the
+    cross-entropy's max, sum-exp and target logit (3 fp32 all-reduces of b*s, last stage); with
+    SP the norm scales' gradients (2L/p + 1 fp32 vectors of h). The busiest stage (the last) counts.
+    """
+    t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
+    bs = layout.microbatch_size * layout.seq_len
+    bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    layers, remat = model.num_layers // p, layout.recompute != "none"
+    per_layer = 4 + (1.5 if sp else 1.0) * remat
+    ends = 2 if p == 1 else 1
+    moved = (per_layer * layers + ends) * all_reduce_bytes(bsh, t) + 3 * all_reduce_bytes(bs * 4, t)
+    calls = (4 + remat) * layers + ends + 3
+    if sp:
+        moved += (2 * layers + 1) * all_reduce_bytes(model.embed_dim * 4, t)
+        calls += (4 + 2 * remat) * layers + ends + 2 * layers + 1  # each pair counts 2, plus the norm scales
+    return m * moved, m * calls
 
 
 # --------------------------------------------------------------------------- FLOPs and time

@@ -160,7 +160,8 @@ def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
 
     argument = parameters under their storage spec (param dtype, 4 bytes) + Adam mu and nu under
     the optimizer spec (8 bytes) + the step count (4) + this device's batch rows
-    (m x b x (s+1) int32); output = the same state + 3 fp32 metrics. ``grad_buffer_bytes`` is the
+    (m x b x (s+1) int32) + the bad-step guard (2 fp32); output = the same state + 4 metrics
+    (loss, grad norm, lr, skipped). ``grad_buffer_bytes`` is the
     fp32 gradient (accumulation) buffer: compute spec at stages 0-1, optimizer spec (sharded
     over data) at stages 2-3; it lives in the temporaries, which have no closed formula here.
     """
@@ -178,6 +179,6 @@ def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
         "optimizer_bytes": opt,
         "batch_bytes": batch,
         "grad_buffer_bytes": grads,
-        "argument_bytes": params + opt + 4 + batch,
-        "output_bytes": params + opt + 4 + 12,
+        "argument_bytes": params + opt + 4 + batch + 8,
+        "output_bytes": params + opt + 4 + 16,
     }

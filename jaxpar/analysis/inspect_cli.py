@@ -8,7 +8,7 @@ either a formula that misses something or a step that does more than it should: 
 (``--json`` carries it under ``ops`` with ``--ops``) names the jax source of every collective.
 
 This module imports JAX lazily: the CLI builds its parser before JAX starts, so that the number
-of simulated devices can still be set (:func:`ensure_host_devices`).
+of simulated devices can still be set (:func:`jaxpar.distributed.ensure_host_devices`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import sys
 from typing import Any
 
 from jaxpar.config import load_config
+from jaxpar.distributed import ensure_host_devices
 
-DEVICE_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py"
 )
@@ -33,36 +31,6 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="config file, optionally FILE:arg (default: configs/tiny.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--ops", action="store_true", help="with --json: include every collective op")
-
-
-def _jax_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except Exception:  # private API moved: assume started
-        return True
-
-
-def ensure_host_devices(count: int) -> bool:
-    """Ask XLA for at least ``count`` simulated CPU devices, if JAX has not started its backends
-    yet and the platform may be CPU. Returns whether ``XLA_FLAGS`` was changed.
-
-    Why: ``inspect`` compiles the layout for data*tensor*pipeline devices; on a laptop those are
-    simulated CPU devices, and XLA reads the flag only once, when the first backend starts.
-    """
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if _jax_started() or (platforms and "cpu" not in platforms.split(",")):
-        return False
-    flags = os.environ.get("XLA_FLAGS", "")
-    current = re.search(rf"{DEVICE_FLAG}=(\d+)", flags)
-    if current and int(current.group(1)) >= count:
-        return False
-    flags = re.sub(rf"{DEVICE_FLAG}=\d+", "", flags).strip()
-    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={count}".strip()
-    return True
 
 
 def run_inspect(args: argparse.Namespace) -> int:

@@ -1,0 +1,192 @@
+"""The planner's estimates against the compiled train step (``jaxpar plan --aot``).
+
+For every layout of the tiny model (configs/tiny.py) and of the ~1B model (configs/llama_1b.py) on
+the 8 simulated CPU devices of tests/conftest.py, the train step is compiled ahead of time from
+abstract arrays (:func:`jaxpar.analysis.plan.compile_layout`, the path of ``analyze_layout``) and:
+
+* the estimated model-state arguments (``memory_estimate(..., "jaxpar")`` parameters + Adam state,
+  plus the int32 batch and step count the step also takes) are within 5% of the compiled
+  ``memory_analysis().argument_size_in_bytes``;
+* the estimated ring bytes per device per step on each mesh axis (``communication(...,
+  convention="jaxpar")``) are within 10% of the compiled collectives on that axis.
+
+Compute is fp32 (XLA:CPU runs bf16 collectives in fp32). The 1B model compiles at seq 256 with
+one or two sequences per data shard: the formulas scale with b*s, the compile time does not.
+Each layout compiles once (module-scoped cache); ``pytest -s`` prints every measured ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import time
+from collections.abc import Callable
+
+import jax
+import pytest
+
+from jaxpar.analysis import plan as P
+from jaxpar.analysis.compiled import analyze_layout
+from jaxpar.analysis.estimate import Layout, communication, memory_estimate
+from jaxpar.config import ConfigDict, ConfigError, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = {"tiny": ROOT / "configs" / "tiny.py", "1b": ROOT / "configs" / "llama_1b.py"}
+SEQ = 256
+MEMORY_TOLERANCE, COMM_TOLERANCE = 0.05, 0.10
+AXES = ("data", "tensor")
+
+
+def _tiny(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> Layout:
+    """Tiny model, 8 devices, global batch 16 in 2 microbatches."""
+    data = 8 // tensor
+    return Layout(data, tensor, 1, 1, zero, 2, 16 // (2 * data), SEQ, recompute, sp)
+
+
+def _1b(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> Layout:
+    """~1B model, 8 devices, one sequence per data shard per microbatch; 2 microbatches at ZeRO-2/3
+    (their reductions run every microbatch)."""
+    return Layout(8 // tensor, tensor, 1, 1, zero, 2 if zero >= 2 else 1, 1, SEQ, recompute, sp)
+
+
+# name -> (model, layout). Recompute varies across the grid to cover the remat collectives too.
+RECOMPUTE = {0: "none", 1: "selective", 2: "full", 3: "none"}
+LAYOUTS: dict[str, tuple[str, Layout]] = {
+    **{f"tiny_t{t}_z{z}": ("tiny", _tiny(t, z, RECOMPUTE[(z + t) % 4])) for t in (1, 2) for z in range(4)},
+    "tiny_t2_z1_sp": ("tiny", _tiny(2, 1, "full", sp=True)),
+    **{f"1b_t{t}_z{z}": ("1b", _1b(t, z, RECOMPUTE[z], sp=t == 4)) for t in (1, 2, 4) for z in range(4)},
+    "1b_t8_z0": ("1b", _1b(8, 0, "selective")),  # data = 1: ZeRO has nothing to shard over
+}
+# ~2.5 s of compile per layout on 2 cores: these six 1B layouts (their (tensor, zero) pairs and
+# recompute policies are covered by the others) run only with JAXPAR_SLOW=1, keeping the file < 60 s.
+SLOW = {"1b_t1_z1", "1b_t1_z2", "1b_t2_z0", "1b_t2_z3", "1b_t4_z1", "1b_t4_z2"}
+slow = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="slow: set JAXPAR_SLOW=1")
+
+
+def _config(model: str) -> ConfigDict:
+    return load_config(
+        str(CONFIGS[model]), [f"--config.{k}=float32" for k in ("model.compute_dtype", "parallel.grad_reduce_dtype")]
+    )
+
+
+@pytest.fixture(scope="module")
+def compiled() -> Callable[[str], tuple[ConfigDict, P.AotComparison]]:
+    """name -> (the layout's fp32 config, its AotComparison), each layout compiled once per module."""
+    cache: dict[str, tuple[ConfigDict, P.AotComparison]] = {}
+
+    def get(name: str) -> tuple[ConfigDict, P.AotComparison]:
+        if name not in cache:
+            model, layout = LAYOUTS[name]
+            cfg = _config(model)
+            result = P.aot_compare(cfg, layout, "jaxpar")
+            assert not result.skipped, result.skipped
+            cache[name] = (P.layout_config(cfg, layout), result)
+            _print(name, result)
+        return cache[name]
+
+    return get
+
+
+def _print(name: str, r: P.AotComparison) -> None:
+    parts = [f"args {r.argument_bytes / 2**20:9.2f} MiB est {r.estimated_argument_bytes / 2**20:9.2f} "
+             f"ratio {r.argument_ratio:.4f}"]  # fmt: skip
+    for axis in AXES:
+        ratio = r.ratio(axis)
+        parts.append(
+            f"{axis} {r.compiled_bytes[axis] / 1e6:10.3f} MB est {r.estimated_bytes[axis] / 1e6:10.3f} "
+            f"ratio {'-' if ratio is None else f'{ratio:.4f}'}"
+        )
+    print(f"\n[{name}] {P.describe(r.layout)}; compiled in {r.compile_s:.1f} s\n  " + "\n  ".join(parts))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=slow) if n in SLOW else n for n in LAYOUTS])
+def test_estimates_match_compiled_step(compiled, name):
+    cfg, r = compiled(name)
+    _, layout = LAYOUTS[name]
+    model = cfg.model  # fp32 compute, like the compile
+    mem = memory_estimate(model, layout, "jaxpar")
+    batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
+    states = mem.params_bytes + mem.optimizer_bytes  # the gradients are not step arguments
+    assert r.estimated_argument_bytes == states + batch + 4
+    assert r.argument_bytes == pytest.approx(states + batch + 4, rel=MEMORY_TOLERANCE)
+    comm = communication(model, layout, None, grad_reduce_bytes=4, convention="jaxpar")
+    for axis in AXES:
+        measured, estimated = r.compiled_bytes[axis], comm[axis].bytes
+        assert estimated == r.estimated_bytes[axis]
+        if getattr(layout, axis) == 1:
+            assert measured == estimated == 0, axis
+        else:
+            assert measured == pytest.approx(estimated, rel=COMM_TOLERANCE), axis
+
+
+def test_plan_compiler_options_do_not_change_the_numbers(compiled):
+    """compile_layout skips LLVM optimisation; analyze_layout (default options) measures the same."""
+    cfg, r = compiled("tiny_t2_z3")
+    full = analyze_layout(cfg)
+    assert full.memory.argument_bytes == r.argument_bytes
+    assert {axis: full.total_bytes(axis) for axis in AXES} == {axis: r.compiled_bytes[axis] for axis in AXES}
+
+
+def test_layout_config_carries_the_layout():
+    cfg = load_config(str(CONFIGS["1b"]))
+    layout = Layout(4, 2, 1, 1, 1, 4, 2, 4096, "full", True)
+    out = P.layout_config(cfg, layout, "bfloat16")
+    assert (out.mesh.data, out.mesh.tensor, out.mesh.pipeline) == (4, 2, 1)
+    parallel = out.parallel
+    assert (parallel.zero_stage, parallel.sequence_parallel, parallel.grad_reduce_dtype) == (1, True, "bfloat16")
+    assert (out.train.microbatches, out.train.global_batch, out.train.seq_len) == (4, 32, 4096)
+    assert out.model.remat == "full" and out.model.max_seq_len == 4096  # RoPE: raised to the sequence
+    assert cfg.mesh.data == 8 and cfg.train.seq_len == 2048  # the loaded config is untouched
+    zero3 = P.layout_config(cfg, Layout(8, 1, zero_stage=3, seq_len=256), "float32")
+    assert zero3.parallel.grad_reduce_dtype == zero3.model.compute_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="not divisible by mesh.tensor"):
+        P.layout_config(cfg, Layout(1, 3, seq_len=256))
+
+
+def test_run_plan_aot_json(capsys):
+    parser = argparse.ArgumentParser()
+    P.add_plan_arguments(parser)
+    ns = parser.parse_args(["--config", str(CONFIGS["tiny"]), "--devices", "8", "--top", "2", "--aot", "--aot-top", "1",
+                          "--layout", "data=4,tensor=2,pipeline=1", "--zero", "1", "--recompute", "none",
+                          "--no-sequence-parallel", "--json"])  # fmt: skip
+    ns.overrides = ["--config.model.compute_dtype=float32"]
+    start = time.perf_counter()
+    assert P.run_plan(ns) == 0
+    doc = json.loads(capsys.readouterr().out)
+    print(f"\nplan --aot (1 layout): {time.perf_counter() - start:.1f} s, aot_s {doc['aot_s']:.1f}")
+    first, *rest = doc["layouts"]
+    aot = first["aot"]
+    assert aot["platform"] == "cpu" and aot["compute_dtype"] == "float32"
+    assert aot["argument_ratio"] == pytest.approx(1, rel=MEMORY_TOLERANCE)
+    for axis in AXES:
+        assert aot["collectives"][axis]["ratio"] == pytest.approx(1, rel=COMM_TOLERANCE), axis
+    assert aot["collectives"]["pipeline"] == {"bytes": 0.0, "estimated_bytes": 0.0, "ratio": None}
+    assert all("aot" not in row for row in rest)  # only the top --aot-top layouts are compiled
+
+
+def test_aot_needs_a_fresh_process_for_more_devices():
+    assert len(jax.devices()) == 8  # JAX has started with the 8 devices of conftest.py
+    with pytest.raises(ConfigError, match="fresh process") as e:
+        P.ensure_aot_devices(16)
+    assert "\n" not in str(e.value)
+
+
+def test_unbuildable_layout_is_skipped_with_its_reason():
+    result = P.aot_compare(_config("tiny"), Layout(2, 4, seq_len=SEQ))  # 2 kv heads over tensor=4
+    assert "num_kv_heads=2 is not divisible by mesh.tensor=4" in result.skipped
+    assert result.to_dict() == {"skipped": result.skipped}
+
+
+def test_render_aot_table(compiled):
+    from rich.console import Console
+
+    _, done = compiled("tiny_t2_z1_sp")
+    skipped = P.AotComparison(Layout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
+    out = io.StringIO()
+    P.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
+    text = out.getvalue()
+    assert "args: est -> AOT (ratio)" in text and "tensor: est -> AOT (ratio)" in text and "(1.000)" in text
+    assert "#2 not compiled: layout: tensor=4" in text and "float32" in text
