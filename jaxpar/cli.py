@@ -95,22 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional(sub, name: str, module: str, add: str, run: str, help_text: str) -> None:
+    """Register a subcommand whose module is imported now (none of them imports JAX at import)."""
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return
+    mod = importlib.import_module(module)
     p = sub.add_parser(name, help=help_text)
     getattr(mod, add)(p)
     p.set_defaults(run=getattr(mod, run))
 
 
 def _add_port(sub) -> None:
-    try:
-        from jaxpar.port.cli import add_port_arguments, run_port
-    except ImportError:
-        return
+    from jaxpar.port.cli import add_port_arguments, run_port
+
     add_port_arguments(sub)
     sub.choices["port"].set_defaults(run=run_port)
 
