@@ -25,7 +25,6 @@ also marked varying over ``pipeline`` and their stage-local gradients summed ove
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -166,18 +165,24 @@ class StepBuilder:
 
         step = opt_state["count"]
         lr = self.schedule(step)
-        new_params, mu, nu = self._adamw(params, grads, opt_state, lr)
-        new_state = {"count": step + 1, "mu": mu, "nu": nu}
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= guard[0])
-        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+        new_params, mu, nu = self._adamw(params, grads, opt_state, lr, ok)
+        new_state = {"count": jnp.where(ok, step + 1, step), "mu": mu, "nu": nu}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
-        return keep(new_params, params), keep(new_state, opt_state), metrics
+        return new_params, new_state, metrics
 
-    def _adamw(self, params: Any, grads: Any, opt_state: Any, lr: jax.Array):
+    def _adamw(self, params: Any, grads: Any, opt_state: Any, lr: jax.Array, ok: jax.Array):
+        """AdamW on each parameter's (local) shard; ``ok`` false keeps every value as it was."""
         o = self.optim_cfg
         count = opt_state["count"] + 1
         bc1 = 1 - o.b1 ** count.astype(jnp.float32)
         bc2 = 1 - o.b2 ** count.astype(jnp.float32)
+        # A skipped step (ok false) multiplies by exactly 1 and adds exactly 0: every value stays
+        # bitwise as it was. Scalars rather than a select over the results keep the update
+        # in place in the donated buffers (a select would hold old and new side by side).
+        b1, c1 = jnp.where(ok, o.b1, 1.0), jnp.where(ok, 1 - o.b1, 0.0)
+        b2, c2 = jnp.where(ok, o.b2, 1.0), jnp.where(ok, 1 - o.b2, 0.0)
+        step_lr = jnp.where(ok, lr, 0.0)
 
         def one(lay: ParamLayout, p, g, m, v):
             local = p
@@ -186,12 +191,13 @@ class StepBuilder:
             decay = o.weight_decay if lay.weight_decay else 0.0
             if not o.decoupled_weight_decay and decay:
                 g = g + decay * local
-            m = o.b1 * m + (1 - o.b1) * g
-            v = o.b2 * v + (1 - o.b2) * g * g
+            g = jnp.where(ok, g, 0.0)  # a skipped step may carry NaN/Inf gradients
+            m = b1 * m + c1 * g
+            v = b2 * v + c2 * g * g
             update = (m / bc1) / (jnp.sqrt(v / bc2) + o.eps)  # optax.scale_by_adam
             if o.decoupled_weight_decay and decay:
                 update = update + decay * local
-            new = local - lr * update
+            new = local - step_lr * update
             if lay.sharded_optimizer and not lay.sharded_storage:  # ZeRO-1/2: gather the update
                 new = all_gather_invariant(new, "data", axis=lay.zero_dim)
             return new, m, v
