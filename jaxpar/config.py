@@ -46,7 +46,8 @@ def default_config() -> ConfigDict:
     c.parallel = ConfigDict()
     c.parallel.zero_stage = 0  # 0 = DP, 1 = optimizer, 2 = + grads, 3 = + params, over `data`
     c.parallel.sequence_parallel = False  # shard norms/residuals over seq on `tensor`
-    c.parallel.grad_reduce_dtype = "float32"  # dtype of the gradient reduction over `data`
+    c.parallel.grad_reduce_dtype = "float32"  # gradient reduction over `data` (ZeRO 0-2); ZeRO-3
+    # gathers parameters and reduce-scatters their gradients in model.compute_dtype (FSDP-style)
     c.parallel.max_replicated_fraction = 0.05  # ZeRO-3 guard: share of param bytes replicated
 
     c.model = ConfigDict()
@@ -290,12 +291,6 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     _require(
         p.grad_reduce_dtype in ("float32", "bfloat16"),
         f"parallel.grad_reduce_dtype='{p.grad_reduce_dtype}': use float32 or bfloat16",
-    )
-    _require(
-        p.zero_stage != 3 or p.grad_reduce_dtype == cfg.model.compute_dtype,
-        f"parallel.grad_reduce_dtype={p.grad_reduce_dtype} with zero_stage=3: ZeRO-3 gathers parameters and "
-        f"reduce-scatters their gradients in model.compute_dtype={cfg.model.compute_dtype}; set "
-        f"--config.parallel.grad_reduce_dtype={cfg.model.compute_dtype}",
     )
     _require(
         0.0 <= p.max_replicated_fraction <= 1.0,

@@ -180,6 +180,11 @@ class Trainer:
             f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
             f"{self.derived.tokens_per_step} tokens"
         )
+        p = cfg.parallel
+        if p.zero_stage == 3 and p.grad_reduce_dtype != cfg.model.compute_dtype:
+            self.echo(f"note: ZeRO-3 gathers parameters and reduce-scatters their gradients in {cfg.model.compute_dtype} "
+                      f"(model.compute_dtype); parallel.grad_reduce_dtype={p.grad_reduce_dtype} applies to the "
+                      "parameters ZeRO cannot split")
         self.initialize()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
