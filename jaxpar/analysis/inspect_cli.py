@@ -99,12 +99,12 @@ def _fmt_ratio(ratio: float | None, measured: float = 0.0, expected: float | Non
 
 def render(report: Any, title: str = "", console: Any = None) -> None:
     """Rich tables: collectives (MB = 1e6 bytes per device per step) and memory (MiB per device)."""
-    from rich.console import Console
     from rich.table import Table
 
     from jaxpar.analysis.compiled import MB, MIB
+    from jaxpar.console import wide_console
 
-    console = console or Console()
+    console = console or wide_console()
     table = Table(title=f"collectives: ring MB per device per step  {title}".strip())
     for name, justify in (
         ("kind", "left"),

@@ -322,10 +322,11 @@ def parse_layout(text: str) -> dict[str, int]:
 
 def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str = "", console: Any = None) -> None:
     """Print the ranked layouts as a rich table (the memory column is the busiest stage's peak)."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from jaxpar.console import wide_console
+
+    console = console or wide_console()
     table = Table(title=title, title_justify="left")
     for col in ("#", "data", "tensor", "pipe", "v", "ZeRO", "m", "b", "recompute", "SP", "schedule"):
         table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
@@ -576,10 +577,11 @@ def _versus(estimated: float | None, compiled: float | None) -> str:
 def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None) -> None:
     """The AOT check as a rich table: estimated vs compiled argument bytes and collective bytes per
     axis (per device per step), with compiled / estimated ratios; skipped layouts with their reason."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from jaxpar.console import wide_console
+
+    console = console or wide_console()
     done = [(rank, r) for rank, r in zip(ranks, results) if not r.skipped]
     if done:
         axes = [a for a in AXES if any(getattr(r.layout, a) > 1 for _, r in done)]
@@ -706,9 +708,9 @@ def run_plan(args: argparse.Namespace) -> int:
             doc["aot_s"] = aot_s
         print(json.dumps(doc, indent=2))
         return 0
-    from rich.console import Console
+    from jaxpar.console import wide_console
 
-    console = Console()
+    console = wide_console()
     budget = cluster.memory_bytes * (1 - options.headroom) / GB
     console.print(
         f"[bold]{model.name}[/] ({count_params(model) / 1e9:.2f}B params) on {num_devices} x {cluster.name} "

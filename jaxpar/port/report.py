@@ -120,8 +120,9 @@ class Report:
 
     def render_rich(self, console: Any = None) -> None:
         """Print the report as a rich table (to ``console`` or a new stdout console)."""
-        from rich.console import Console
         from rich.table import Table
+
+        from jaxpar.console import wide_console
 
         style = {"mapped": "green", "approximated": "yellow", "unsupported": "red", "unknown": "magenta"}
         table = Table(title=f"{self.kind} recipe {self.source_path or '(inline)'}: {self.summary()}")
@@ -130,7 +131,7 @@ class Report:
         for status in STATUSES:
             for e in self.by_status(status):
                 table.add_row(f"[{style[status]}]{status}[/]", e.source, _short(e.value), e.target, e.note)
-        console = console or Console()
+        console = console or wide_console()
         console.print(table)
         for problem in self.problems:
             console.print(f"[red]problem:[/] {problem}")
