@@ -35,7 +35,12 @@ forward and the same backward.
   stage forward** from the stored stage input (the forward tick only produces the activation to
   send; the last stage does all its work in its backward tick). Stage inputs and arriving
   gradients live in slot buffers whose size is the table's largest number of live inputs (p for
-  1F1B), not m, so activation memory does not grow with m.
+  1F1B), not m, so activation memory does not grow with m (the program's "nothing arrives" index
+  keeps a buffer as is: no trash slot). With full rematerialisation
+  (``model.remat=full``) the backward also runs the microbatch one sequence at a time and the stage
+  layer by layer (:func:`_stage_backward_by_layer`): the same flops, but the working set of one
+  sequence through one layer, and each layer's weight gradient is added into the fp32 accumulator
+  (the scan's carry) in place, with no stacked gradient of the stage's layers beside it.
 * ``gpipe`` (:func:`_gpipe_loss_and_grads`): the forward ticks are a scan differentiated by JAX,
   whose transpose is the backward half of the table (reverse order, gradients permuted back); the
   residuals of all m microbatches stay alive, as in GPipe without recomputation.
@@ -268,7 +273,8 @@ class Program:
     last virtual stage's F is idle, its work is done in its B), ``microbatch``, ``chunk``, and the
     slots read (``act_read``, ``grad_read``) and written at the end of the tick (``act_write``,
     ``grad_write``). Slot buffers hold stage inputs and arriving output gradients from their arrival
-    to the backward that consumes them; their last slot is a trash slot (nothing read / arrived).
+    to the backward that consumes them; the index ``act_slots`` / ``grad_slots`` (one past the last
+    slot) means nothing is read or arrives (the executor keeps the buffer as is).
     ``pattern[dir]`` (ticks,) indexes ``pairs[dir]``, the distinct (src, dst) stage pairs sending
     at a tick (``"fwd"`` activations, ``"bwd"`` gradients; pattern 0 sends nothing).
     """
@@ -398,6 +404,55 @@ def _stage(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first:
     return y, None if last is None else _cond(last, loss, lambda y: jnp.zeros((), jnp.float32), y)
 
 
+def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
+                             last: jax.Array, g_y: jax.Array, acc: dict, row: jax.Array, ctx: llama.ShardContext,
+                             scale: float) -> tuple[jax.Array, jax.Array, dict]:
+    """The backward of :func:`_stage` layer by layer, for full rematerialisation: a forward scan keeps
+    each layer's input, then a reverse scan recomputes one layer under ``jax.vjp`` and adds its
+    weight gradient into rows ``row + l`` of ``acc["blocks"]`` in place, so no stacked gradient of
+    the stage's layers exists beside the accumulator. Returns (scaled loss, input gradient, acc)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = jnp.arange(inputs.shape[1])
+
+    def block(x, layer):
+        return llama._block(x, llama.gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx)
+
+    def embed(sh, x):
+        return _cond(first, lambda x: llama.embed_tokens(sh, inputs, ctx), lambda x: x, x)
+
+    def head(sh, y):
+        def loss(y):
+            return llama.cross_entropy_sum(llama.logits_local(sh, y, ctx), targets, ctx) * scale
+
+        return _cond(last, loss, lambda y: jnp.zeros((), jnp.float32), y)
+
+    x0, embed_vjp = jax.vjp(embed, shared, x_in)
+    y, xs = jax.lax.scan(lambda x, layer: (block(x, layer), x), x0, chunk)
+    loss, head_vjp = jax.vjp(head, shared, y)
+    d_head, d_y = head_vjp(jnp.ones_like(loss))
+    g = _vary(d_y + jnp.where(last, jnp.zeros_like(g_y), g_y), _varying(y))
+
+    def layer_backward(carry, j):
+        g, acc_blocks = carry
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), chunk)
+        x = jax.lax.dynamic_index_in_dim(xs, j, 0, keepdims=False)
+        _, vjp = jax.vjp(block, x, layer)
+        d_x, d_layer = vjp(g)
+
+        def add(a, dw):
+            old = jax.lax.dynamic_index_in_dim(a, row + j, 0, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(a, old + _vary(dw, _varying(old)), row + j, 0)
+
+        return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer)), None
+
+    n = jax.tree.leaves(chunk)[0].shape[0]
+    acc_shared, acc_blocks = _split(acc)
+    (g, acc_blocks), _ = jax.lax.scan(layer_backward, (g, acc_blocks), jnp.arange(n - 1, -1, -1))
+    d_embed, d_x = embed_vjp(g)
+    acc_shared = jax.tree.map(lambda a, h, e: a + _vary(h + e, _varying(a)), acc_shared, d_head, d_embed)
+    return loss, d_x, {**acc_shared, "blocks": acc_blocks}
+
+
 def _boundary_types(shared: dict, blocks: dict, batch: jax.Array, ctx: llama.ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
@@ -421,6 +476,14 @@ def _reduce_shared(loss: jax.Array, grads: dict) -> tuple[jax.Array, dict]:
 # --------------------------------------------------------------------------- executors
 
 
+def _store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
+    """Write ``x`` into ``buf[slot]``; ``slot == len(buf)`` (the program's "nothing arrived") keeps
+    ``buf`` as is, so the slot buffers need no trash slot."""
+    n = buf.shape[0]
+    keep = jax.lax.dynamic_index_in_dim(buf, jnp.minimum(slot, n - 1), 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot < n, x, keep), jnp.minimum(slot, n - 1), 0)
+
+
 def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContext, table: ScheduleTable,
                              prog: Program, scale: float) -> tuple[jax.Array, dict]:
     """1F1B / interleaved: one scan over the table's ticks, explicit ``jax.vjp`` per backward."""
@@ -429,8 +492,20 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
     shared, blocks = _split(params)
     act, act_axes, loss_axes = _boundary_types(shared, blocks, batch, ctx, v, scale)
     zeros_act = functools.partial(_zeros, act.shape, act.dtype, act_axes)
+    # Full rematerialisation trades compute for memory: there the backward also runs the microbatch's
+    # sequences one at a time (the same flops; the working set of one sequence) and layer by layer.
+    by_layer = ctx.remat == "full"
+    splits = act.shape[0] if by_layer else 1
 
-    def run(kind, mb, chunk, act_in, grad_in, acc, loss):
+    def run(kind, mb, chunk, act_buf, grad_buf, act_slot, grad_slot, acc, loss):
+        # the stage input and output gradient are read from their slots inside the branches: read
+        # before the switch they would be copies alive through the whole tick
+        def act_in(start=0, n=act.shape[0]):
+            return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(act_buf, act_slot, 0, False), start, n, 0)
+
+        def grad_in(start=0, n=act.shape[0]):
+            return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(grad_buf, grad_slot, 0, False), start, n, 0)
+
         first, last = (chunk == 0) & (d == 0), (chunk == v - 1) & (d == p - 1)
         tokens = jax.lax.dynamic_index_in_dim(batch, mb, 0, keepdims=False)
 
@@ -438,44 +513,64 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
             return zeros_act(), zeros_act(), acc, loss
 
         def forward(acc, loss):
-            y, _ = _stage(shared, _chunk(blocks, chunk, v), act_in, tokens, first, None, ctx, scale)
+            y, _ = _stage(shared, _chunk(blocks, chunk, v), act_in(), tokens, first, None, ctx, scale)
             return y, zeros_act(), acc, loss
 
         def backward(acc, loss):
-            def f(sh, ch, x):
-                return _stage(sh, ch, x, tokens, first, last, ctx, scale)
+            rows = act.shape[0] // splits
+            size = jax.tree.leaves(blocks)[0].shape[0] // v
 
-            (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), act_in)
-            g_y = jnp.where(last, jnp.zeros_like(grad_in), grad_in)
-            d_shared, d_chunk, d_x = vjp((_vary(g_y, _varying(y)), jnp.ones_like(stage_loss)))
-            acc_shared, acc_blocks = _split(acc)
-            size = jax.tree.leaves(acc_blocks)[0].shape[0] // v
+            def one(carry, j):  # rows [j * rows, (j + 1) * rows) of the microbatch
+                acc, loss, d_in = carry
 
-            def add(a, g):  # into this chunk's rows of the stage's stacked layers
-                old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0)
-                return jax.lax.dynamic_update_slice_in_dim(a, old + g, chunk * size, 0)
+                def part(a):
+                    return jax.lax.dynamic_slice_in_dim(a, j * rows, rows, 0)
 
-            acc = {**jax.tree.map(jnp.add, acc_shared, d_shared), "blocks": jax.tree.map(add, acc_blocks, d_chunk)}
-            return zeros_act(), d_x, acc, loss + stage_loss
+                x_in, g_y = act_in(j * rows, rows), grad_in(j * rows, rows)
+                if by_layer:
+                    stage_loss, d_x, acc = _stage_backward_by_layer(
+                        shared, _chunk(blocks, chunk, v), x_in, part(tokens), first, last, g_y, acc, chunk * size,
+                        ctx, scale
+                    )
+                else:
+                    def f(sh, ch, x):
+                        return _stage(sh, ch, x, part(tokens), first, last, ctx, scale)
+
+                    (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
+                    g_y = jnp.where(last, jnp.zeros_like(y), g_y)
+                    d_shared, d_chunk, d_x = vjp((_vary(g_y, _varying(y)), jnp.ones_like(stage_loss)))
+                    acc_shared, acc_blocks = _split(acc)
+
+                    def add(a, g):  # into this chunk's rows of the stage's stacked layers
+                        old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0)
+                        return jax.lax.dynamic_update_slice_in_dim(a, old + g, chunk * size, 0)
+
+                    acc = {**jax.tree.map(jnp.add, acc_shared, d_shared),
+                           "blocks": jax.tree.map(add, acc_blocks, d_chunk)}
+                d_in = jax.lax.dynamic_update_slice_in_dim(d_in, _vary(d_x, _varying(d_in)), j * rows, 0)
+                out = (acc, loss + stage_loss, d_in)
+                return jax.tree.map(lambda new, old: _vary(new, _varying(old)), out, carry), None
+
+            (acc, loss, d_in), _ = jax.lax.scan(one, (acc, loss, zeros_act()), jnp.arange(splits))
+            return zeros_act(), d_in, acc, loss
 
         return _switch(kind, [idle, forward, backward], acc, loss)
 
     def tick(carry, xs):
         act_buf, grad_buf, acc, loss = carry
         row = {name: column[d] for name, column in xs["per_stage"].items()}
-        act_in = jax.lax.dynamic_index_in_dim(act_buf, row["act_read"], 0, keepdims=False)
-        grad_in = jax.lax.dynamic_index_in_dim(grad_buf, row["grad_read"], 0, keepdims=False)
-        send_f, send_b, acc, loss = run(row["kind"], row["microbatch"], row["chunk"], act_in, grad_in, acc, loss)
+        send_f, send_b, acc, loss = run(row["kind"], row["microbatch"], row["chunk"], act_buf, grad_buf,
+                                        row["act_read"], row["grad_read"], acc, loss)
         recv_f = _send(send_f, xs["fwd"], prog.pairs["fwd"])
         recv_b = _send(send_b, xs["bwd"], prog.pairs["bwd"])
-        act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, recv_f, row["act_write"], 0)
-        grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, recv_b, row["grad_write"], 0)
+        act_buf = _store(act_buf, recv_f, row["act_write"])
+        grad_buf = _store(grad_buf, recv_b, row["grad_write"])
         return (act_buf, grad_buf, acc, loss), None
 
     xs = {"per_stage": prog.per_stage, **prog.pattern}
     carry = (
-        _zeros((prog.act_slots + 1, *act.shape), act.dtype, act_axes),
-        _zeros((prog.grad_slots + 1, *act.shape), act.dtype, act_axes),
+        _zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
+        _zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
         jax.tree.map(lambda a: _zeros(a.shape, jnp.float32, _varying(a)), params),
         _zeros((), jnp.float32, loss_axes),
     )

@@ -15,8 +15,10 @@ Device ids in replica groups are SPMD partition ids (``use_global_device_ids`` w
 replica), i.e. positions in ``mesh.devices.flat``; that is how ``jit`` assigns devices to a mesh.
 A group whose members differ only along ``data`` is attributed to ``("data",)``; groups of one
 device move no bytes and are kept out of the rows (counted in ``trivial_ops``). Calls, fusions
-and async wrappers run once per execution of their caller; each conditional branch is counted
-once (an upper bound); a while loop without a known trip count is counted once, with a warning.
+and async wrappers run once per execution of their caller; a conditional runs one branch per
+execution, counted as its branch with the most collective bytes (an upper bound when the branches
+differ, see :func:`_executions`); a while loop without a known trip count is counted once, with a
+warning.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class CollectiveOp:
     axes: tuple[str, ...]  # mesh axes its groups span; () for single-device groups
     group_size: int  # n, devices per group (pairs for collective-permute)
     size_bytes: float  # S: the full array (all-gather output, reduce-scatter input)
-    executions: int  # times it runs per step: product of enclosing loop trip counts
+    executions: int  # times it runs per step: enclosing loop trip counts (0: a conditional branch not counted)
     bytes_per_device: float  # ring bytes * executions
     shape: str
     computation: str
@@ -285,9 +287,22 @@ def parse_replica_groups(text: str) -> list[list[int]] | None:
     return ids.reshape(shape[0], -1).tolist()
 
 
-def _executions(entry: str, comps: dict[str, list[_Instr]], warnings: list[str]) -> dict[str, int]:
-    """How many times each computation runs per call of ``entry`` (while bodies x trip count)."""
+def _executions(
+    entry: str, comps: dict[str, list[_Instr]], warnings: list[str], cost: dict[str, float] | None = None
+) -> dict[str, int]:
+    """How many times each computation runs per call of ``entry`` (while bodies x trip count).
+
+    A ``conditional`` runs exactly one of its branches per execution, and which one is data the
+    HLO does not show. Each execution is attributed to one branch: the one whose collectives
+    (``cost``: ring bytes of a computation's own collectives per run; callees, trip counts and
+    nested conditionals included here) move the most bytes, ties to the first. That is an upper
+    bound on the bytes when branches differ (exact when they agree), and never the sum of branches;
+    the other branches get no executions from that conditional, so their collectives (listed in the
+    report's ops with 0 executions) add to no row even where their kind or axes differ.
+    """
+    cost = cost or {}
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    branches: dict[str, list[list[str]]] = defaultdict(list)  # caller -> branch lists of its conditionals
     for comp, instrs in comps.items():
         for ins in instrs:
             if ins.opcode.endswith("-done") or ins.opcode == "async-update":
@@ -295,20 +310,28 @@ def _executions(entry: str, comps: dict[str, list[_Instr]], warnings: list[str])
             callees = _CALLEES.findall(ins.attrs)
             for group in _CALLEE_LISTS.findall(ins.attrs):
                 callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            callees = [c for c in callees if c in comps]
+            if ins.opcode == "conditional":
+                if callees:
+                    branches[comp].append(callees)
+                continue
             trips = _trip_count(ins, comps, warnings) if ins.opcode == "while" else 1
-            for callee in callees:
-                if callee in comps:
-                    edges[comp].append((callee, trips))
+            edges[comp] += [(callee, trips) for callee in callees]
     order, seen = [], set()
 
     def visit(c: str) -> None:  # post-order DFS; HLO call graphs are acyclic
         seen.add(c)
-        for callee, _ in edges[c]:
+        for callee in [e for e, _ in edges[c]] + [b for group in branches[c] for b in group]:
             if callee not in seen:
                 visit(callee)
         order.append(c)
 
     visit(entry)
+    total: dict[str, float] = {}  # bytes of one run of a computation, callees included
+    for comp in order:  # callees first
+        chosen = [max(group, key=lambda b: total[b]) for group in branches[comp]]  # first of the largest
+        edges[comp] += [(b, 1) for b in chosen]
+        total[comp] = cost.get(comp, 0.0) + sum(total[c] * n for c, n in edges[comp])
     runs = defaultdict(int, {entry: 1})
     for comp in reversed(order):
         for callee, trips in edges[comp]:
@@ -372,23 +395,27 @@ def analyze_compiled(
     coords = np.array(list(np.ndindex(*mesh.devices.shape)), dtype=int).reshape(-1, len(names))
     entry, comps = parse_hlo(compiled.as_text())
     warnings: list[str] = []
-    runs = _executions(entry, comps, warnings)
-    ops, trivial = [], 0
+    found, cost, trivial = [], defaultdict(float), 0
     for comp, instrs in comps.items():
         symbols = {i.name: i.type_text for i in instrs}
         for ins in instrs:
             if ins.opcode.removesuffix("-start") not in KINDS:
                 continue
             kind, axes, n, size = _collective(ins, symbols, coords, names)
-            times = runs.get(comp, 0)
             if not axes:
                 trivial += 1
                 continue
-            meta = _OP_NAME.search(ins.attrs)
-            moved, source = ring_bytes(kind, n, size) * times, meta.group(1) if meta else ""
-            ops.append(CollectiveOp(ins.name, kind, axes, n, size, times, moved, ins.type_text, comp, source))
+            found.append((comp, ins, kind, axes, n, size))
+            cost[comp] += ring_bytes(kind, n, size)
+    runs = _executions(entry, comps, warnings, cost)
+    ops = []
+    for comp, ins, kind, axes, n, size in found:
+        times = runs.get(comp, 0)  # 0: only in conditional branches counted as a larger sibling
+        meta = _OP_NAME.search(ins.attrs)
+        moved, source = ring_bytes(kind, n, size) * times, meta.group(1) if meta else ""
+        ops.append(CollectiveOp(ins.name, kind, axes, n, size, times, moved, ins.type_text, comp, source))
     rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
-    for op in ops:
+    for op in (op for op in ops if op.executions):
         row = rows.setdefault((op.kind, op.axes), CollectiveRow(op.kind, op.axes, 0, 0.0))
         row.count += op.executions
         row.bytes_per_device += op.bytes_per_device
@@ -494,7 +521,11 @@ def analyze_layout(cfg: ConfigDict, mesh: Any = None) -> CompiledReport:
     compiled = setup.lower_train_step().compile()
     if cfg.mesh.pipeline > 1:
         report = analyze_compiled(compiled, setup.mesh)
-        report.warnings.append("pipeline layouts: measured only, the formulas here do not model pipeline stages yet")
+        report.warnings.append(
+            "pipeline layouts: measured only (no formula column); the schedule's switches run one branch per "
+            "tick, counted as the branch moving the most bytes (the backward, the sends), an upper bound: idle "
+            "and forward ticks count as backward ones; the true boundary sends are in the schedule table"
+        )
     else:
         report = analyze_compiled(
             compiled,
