@@ -361,7 +361,21 @@ def test_maxtext_fsdp8_near_ideal_zero3(layout):
 
 
 def test_maxtext_pipeline_layout():
-    pytest.skip("DP-2 x TP-2 x PP-2 (MaxText 64.8 MB, 31.2 MiB) not compared: pipeline step not yet implemented")
+    """DP-2 x TP-2 x PP-2 (1F1B, 2 microbatches) against MaxText's 64.8 MB and 31.2 MiB.
+
+    Bytes: the report counts the costliest branch of each tick's switch, an upper bound on what
+    runs, and that bound is already below MaxText. Memory is NOT yet at MaxText's: 34.9 MiB
+    (args 15.0 + temps 19.8), because every stage holds the embedding, output layer and their
+    Adam state. The second assertion pins today's number so a regression shows; the gap is open
+    work (issue 3)."""
+    cfg = load_config(f"{MAXTEXT}:dp2_tp2_pp2")
+    cfg.model.compute_dtype = "float32"
+    r = ca.analyze_layout(cfg)
+    total_mb = sum(row.bytes_per_device for row in r.rows) / 1e6
+    mib = r.memory.args_plus_temps_mib
+    print(f"  maxtext dp2_tp2_pp2: <= {total_mb:.2f} MB (MaxText 64.8), {mib:.2f} MiB (MaxText 31.2)")
+    assert total_mb <= 64.8
+    assert mib <= 35.5
 
 
 # --------------------------------------------------------------------------- CLI
