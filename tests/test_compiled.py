@@ -425,3 +425,14 @@ def test_ensure_host_devices(monkeypatch):
     assert ensure_host_devices(4) is False  # 8 already suffice
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     assert ensure_host_devices(16) is False
+
+
+def test_inspect_prints_the_pipeline_schedule(capsys):
+    overrides = ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
+                 "--config.train.microbatches=4", "--config.model.compute_dtype=float32"]
+    assert run_inspect(argparse.Namespace(config=TINY, overrides=overrides, json=True, ops=False)) == 0
+    pipe = json.loads(capsys.readouterr().out)["pipeline"]
+    assert pipe["schedule"] == "1f1b" and pipe["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert pipe["expected_bubble_fraction"] == pytest.approx(1 / 5)
+    assert (pipe["boundary_sends_forward"], pipe["boundary_sends_backward"]) == (4, 4)
+    assert "stage 0" in pipe["diagram"] and "bubble 20.0% (formula 20.0%)" in pipe["diagram"]
