@@ -28,6 +28,7 @@ from collections.abc import Callable
 import jax
 import pytest
 
+from jaxpar.analysis import aot as A
 from jaxpar.analysis import plan as P
 from jaxpar.analysis.compiled import analyze_layout
 from jaxpar.analysis.estimate import Layout, communication, memory_estimate
@@ -73,24 +74,24 @@ def _config(model: str) -> ConfigDict:
 
 
 @pytest.fixture(scope="module")
-def compiled() -> Callable[[str], tuple[ConfigDict, P.AotComparison]]:
+def compiled() -> Callable[[str], tuple[ConfigDict, A.AotComparison]]:
     """name -> (the layout's fp32 config, its AotComparison), each layout compiled once per module."""
-    cache: dict[str, tuple[ConfigDict, P.AotComparison]] = {}
+    cache: dict[str, tuple[ConfigDict, A.AotComparison]] = {}
 
-    def get(name: str) -> tuple[ConfigDict, P.AotComparison]:
+    def get(name: str) -> tuple[ConfigDict, A.AotComparison]:
         if name not in cache:
             model, layout = LAYOUTS[name]
             cfg = _config(model)
-            result = P.aot_compare(cfg, layout, "jaxpar")
+            result = A.aot_compare(cfg, layout, "jaxpar")
             assert not result.skipped, result.skipped
-            cache[name] = (P.layout_config(cfg, layout), result)
+            cache[name] = (A.layout_config(cfg, layout), result)
             _print(name, result)
         return cache[name]
 
     return get
 
 
-def _print(name: str, r: P.AotComparison) -> None:
+def _print(name: str, r: A.AotComparison) -> None:
     parts = [f"args {r.argument_bytes / 2**20:9.2f} MiB est {r.estimated_argument_bytes / 2**20:9.2f} "
              f"ratio {r.argument_ratio:.4f}"]  # fmt: skip
     for axis in AXES:
@@ -133,17 +134,17 @@ def test_plan_compiler_options_do_not_change_the_numbers(compiled):
 def test_layout_config_carries_the_layout():
     cfg = load_config(str(CONFIGS["1b"]))
     layout = Layout(4, 2, 1, 1, 1, 4, 2, 4096, "full", True)
-    out = P.layout_config(cfg, layout, "bfloat16")
+    out = A.layout_config(cfg, layout, "bfloat16")
     assert (out.mesh.data, out.mesh.tensor, out.mesh.pipeline) == (4, 2, 1)
     parallel = out.parallel
     assert (parallel.zero_stage, parallel.sequence_parallel, parallel.grad_reduce_dtype) == (1, True, "bfloat16")
     assert (out.train.microbatches, out.train.global_batch, out.train.seq_len) == (4, 32, 4096)
     assert out.model.remat == "full" and out.model.max_seq_len == 4096  # RoPE: raised to the sequence
     assert cfg.mesh.data == 8 and cfg.train.seq_len == 2048  # the loaded config is untouched
-    zero3 = P.layout_config(cfg, Layout(8, 1, zero_stage=3, seq_len=256), "float32")
+    zero3 = A.layout_config(cfg, Layout(8, 1, zero_stage=3, seq_len=256), "float32")
     assert zero3.parallel.grad_reduce_dtype == zero3.model.compute_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="not divisible by mesh.tensor"):
-        P.layout_config(cfg, Layout(1, 3, seq_len=256))
+        A.layout_config(cfg, Layout(1, 3, seq_len=256))
 
 
 def test_run_plan_aot_json(capsys):
@@ -170,12 +171,12 @@ def test_run_plan_aot_json(capsys):
 def test_aot_needs_a_fresh_process_for_more_devices():
     assert len(jax.devices()) == 8  # JAX has started with the 8 devices of conftest.py
     with pytest.raises(ConfigError, match="fresh process") as e:
-        P.ensure_aot_devices(16)
+        A.ensure_aot_devices(16)
     assert "\n" not in str(e.value)
 
 
 def test_unbuildable_layout_is_skipped_with_its_reason():
-    result = P.aot_compare(_config("tiny"), Layout(2, 4, seq_len=SEQ))  # 2 kv heads over tensor=4
+    result = A.aot_compare(_config("tiny"), Layout(2, 4, seq_len=SEQ))  # 2 kv heads over tensor=4
     assert "num_kv_heads=2 is not divisible by mesh.tensor=4" in result.skipped
     assert result.to_dict() == {"skipped": result.skipped}
 
@@ -184,9 +185,9 @@ def test_render_aot_table(compiled):
     from rich.console import Console
 
     _, done = compiled("tiny_t2_z1_sp")
-    skipped = P.AotComparison(Layout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
+    skipped = A.AotComparison(Layout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
     out = io.StringIO()
-    P.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
+    A.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
     text = out.getvalue()
     assert "args: est -> AOT (ratio)" in text and "tensor: est -> AOT (ratio)" in text and "(1.000)" in text
     assert "#2 not compiled: layout: tensor=4" in text and "float32" in text

@@ -1,0 +1,271 @@
+"""``jaxpar plan --aot``: compile planned layouts ahead of time and put the compiler's numbers
+beside the estimates.
+
+For each layout it builds the jaxpar config (:func:`layout_config`), compiles the real train step
+for that many simulated CPU devices from abstract arrays (:func:`compile_layout`; nothing is
+allocated or run), and compares per-device argument memory and per-axis collective bytes with the
+estimates (:class:`AotComparison`). JAX is imported only here, after the device count is set.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any
+
+from jaxpar.analysis.estimate import (
+    DTYPE_BYTES,
+    Layout,
+    communication,
+    memory_estimate,
+)
+from jaxpar.config import ConfigDict, ConfigError, validate
+
+AOT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}  # ~40% less CPU compile time, same numbers
+AXES = ("data", "tensor", "pipeline")
+
+
+def layout_config(cfg: ConfigDict, layout: Layout, grad_reduce_dtype: str | None = None) -> ConfigDict:
+    """The jaxpar config that trains ``layout``: a copy of ``cfg`` with the layout's mesh, ZeRO stage,
+    sequence parallelism, microbatches, global batch, sequence length, remat (= recompute) and
+    pipeline schedule, validated (a one-line :class:`ConfigError` names what jaxpar cannot run).
+
+    ``grad_reduce_dtype`` (default: the config's) is the data-axis reduction dtype; ZeRO-3 reduces
+    in ``model.compute_dtype`` (the config requires it). With RoPE, ``model.max_seq_len`` is raised
+    to the sequence length if it is shorter (it sizes nothing then).
+    """
+    out = copy.deepcopy(cfg)
+    out.mesh.data, out.mesh.tensor, out.mesh.pipeline = layout.data, layout.tensor, layout.pipeline
+    out.parallel.zero_stage, out.parallel.sequence_parallel = layout.zero_stage, layout.sequence_parallel
+    out.parallel.grad_reduce_dtype = grad_reduce_dtype or cfg.parallel.grad_reduce_dtype
+    if layout.zero_stage == 3:
+        out.parallel.grad_reduce_dtype = out.model.compute_dtype
+    out.model.remat = layout.recompute  # none | selective | full: the same names
+    if out.model.position == "rope":
+        out.model.max_seq_len = max(out.model.max_seq_len, layout.seq_len)
+    out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
+    out.train.seq_len = layout.seq_len
+    out.pipeline.schedule, out.pipeline.virtual_stages = layout.schedule, layout.virtual_stages
+    validate(out)
+    return out
+
+
+def ensure_aot_devices(num_devices: int) -> None:
+    """Make ``num_devices`` devices available to compile for, before JAX starts its backends.
+
+    Sets ``--xla_force_host_platform_device_count`` (simulated CPU devices) unless JAX has started;
+    raises a one-line :class:`ConfigError` if fewer devices than ``num_devices`` exist afterwards
+    (JAX started earlier in this process with fewer, or ``JAX_PLATFORMS`` excludes the CPU).
+    """
+    from jaxpar.distributed import ensure_host_devices, jax_started
+
+    started = jax_started()
+    ensure_host_devices(num_devices)
+    import jax
+
+    have = len(jax.devices())
+    try:
+        have = max(have, len(jax.devices("cpu")))
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+        pass
+    if have >= num_devices:
+        return
+    if started:
+        raise ConfigError(
+            f"plan --aot: JAX already started in this process with {have} devices but the layouts need "
+            f"{num_devices}; run plan --aot in a fresh process"
+        )
+    raise ConfigError(
+        f"plan --aot: only {have} devices exist but the layouts need {num_devices}; unset JAX_PLATFORMS or "
+        f"include cpu in it (XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} is set for you)"
+    )
+
+
+def compile_layout(cfg: ConfigDict, mesh: Any = None) -> Any:
+    """AOT-compile the config's train step from abstract arrays and return its measured
+    :class:`~jaxpar.analysis.compiled.CompiledReport` (collectives by kind and axes, memory).
+
+    The same path as :func:`jaxpar.analysis.compiled.analyze_layout` (``Setup``,
+    ``lower_train_step``, ``analyze_compiled``; the same numbers), without its formula columns and
+    with LLVM optimisation off (:data:`AOT_COMPILER_OPTIONS`). ``Setup`` raises
+    :class:`ConfigError` for a layout jaxpar cannot build.
+    """
+    from jaxpar.analysis.compiled import analyze_compiled, layout_summary, mesh_for
+    from jaxpar.train.state import Setup
+
+    setup = Setup(cfg, mesh if mesh is not None else mesh_for(cfg))
+    compiled = setup.lower_train_step().compile(compiler_options=AOT_COMPILER_OPTIONS)
+    report = analyze_compiled(compiled, setup.mesh)
+    report.layout = layout_summary(cfg)
+    return report
+
+
+def estimated_argument_bytes(model: ConfigDict, layout: Layout, convention: str = "jaxpar") -> float:
+    """What the compiled step takes as arguments per device, estimated: parameters + optimizer state
+    of :func:`memory_estimate` (the gradients are not arguments) + the step count (int32) + this
+    data shard's batch (m x b x (s + 1) int32 tokens)."""
+    mem = memory_estimate(model, layout, convention)
+    batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
+    return mem.params_bytes + mem.optimizer_bytes + 4 + batch
+
+
+def _ratio(measured: float | None, estimated: float | None) -> float | None:
+    return measured / estimated if measured is not None and estimated else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AotComparison:
+    """One layout's estimates beside its compiled train step (bytes per device; collectives per step)."""
+
+    layout: Layout
+    estimated_argument_bytes: float = 0.0
+    estimated_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
+    argument_bytes: int | None = None  # memory_analysis().argument_size_in_bytes
+    temp_bytes: int | None = None
+    compiled_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
+    compile_s: float = 0.0
+    compute_dtype: str = ""
+    grad_reduce_dtype: str = ""
+    platform: str = ""
+    skipped: str = ""  # why it was not compiled
+
+    @property
+    def argument_ratio(self) -> float | None:
+        return _ratio(self.argument_bytes, self.estimated_argument_bytes)
+
+    def ratio(self, axis: str) -> float | None:
+        """compiled / estimated bytes on ``axis`` (None when nothing is estimated)."""
+        return _ratio(self.compiled_bytes.get(axis), self.estimated_bytes.get(axis))
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.skipped:
+            return {"skipped": self.skipped}
+        return {
+            "compile_s": self.compile_s,
+            "platform": self.platform,
+            "compute_dtype": self.compute_dtype,
+            "grad_reduce_dtype": self.grad_reduce_dtype,
+            "argument_bytes": self.argument_bytes,
+            "estimated_argument_bytes": self.estimated_argument_bytes,
+            "argument_ratio": self.argument_ratio,
+            "temp_bytes": self.temp_bytes,
+            "collectives": {
+                axis: {
+                    "bytes": self.compiled_bytes.get(axis, 0.0),
+                    "estimated_bytes": self.estimated_bytes.get(axis, 0.0),
+                    "ratio": self.ratio(axis),
+                }
+                for axis in AXES
+            },
+        }
+
+
+def aot_compare(
+    cfg: ConfigDict, layout: Layout, convention: str = "jaxpar", grad_reduce_dtype: str | None = None
+) -> AotComparison:
+    """Compile ``layout`` of the model in ``cfg`` and compare it with the estimates.
+
+    On simulated CPU devices half-precision compute and reductions are compiled in float32 (XLA:CPU
+    runs bf16 collectives in fp32, which would double the measured bytes), and the estimates in the
+    comparison use the same dtypes; the argument memory (fp32 parameters and Adam state, int32
+    batch) does not depend on it. A layout jaxpar cannot build (a :class:`ConfigError`, or any
+    failure of a pipeline layout while pipelining is in progress) comes back with ``skipped`` set.
+    """
+    try:
+        lcfg = layout_config(cfg, layout, grad_reduce_dtype)
+    except ConfigError as e:
+        return AotComparison(layout, skipped=str(e))
+    from jaxpar.analysis.compiled import mesh_for
+
+    try:
+        mesh = mesh_for(lcfg)
+    except ConfigError as e:
+        return AotComparison(layout, skipped=str(e))
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu":
+        lcfg.model.compute_dtype, lcfg.parallel.grad_reduce_dtype = "float32", "float32"
+    start = time.perf_counter()
+    try:
+        report = compile_layout(lcfg, mesh)
+    except ConfigError as e:
+        return AotComparison(layout, skipped=str(e))
+    except Exception as e:  # noqa: BLE001 - pipeline layouts may not build yet; anything else is a bug
+        if layout.pipeline == 1:
+            raise
+        return AotComparison(layout, skipped=f"pipeline layout did not compile ({type(e).__name__}: {e})")
+    elapsed = time.perf_counter() - start
+    grad_bytes = DTYPE_BYTES[lcfg.parallel.grad_reduce_dtype]
+    comm = communication(lcfg.model, layout, None, grad_bytes, convention=convention)
+    mem = report.memory
+    return AotComparison(
+        layout=layout,
+        estimated_argument_bytes=estimated_argument_bytes(lcfg.model, layout, convention),
+        estimated_bytes={axis: comm[axis].bytes for axis in AXES},
+        argument_bytes=mem.argument_bytes if mem else None,
+        temp_bytes=mem.temp_bytes if mem else None,
+        compiled_bytes={axis: report.total_bytes(axis) for axis in AXES},
+        compile_s=elapsed,
+        compute_dtype=lcfg.model.compute_dtype,
+        grad_reduce_dtype=lcfg.parallel.grad_reduce_dtype,
+        platform=platform,
+    )
+
+
+def run_aot(
+    cfg: ConfigDict, layouts: list[Layout], convention: str = "jaxpar", grad_reduce_dtype: str | None = None
+) -> list[AotComparison]:
+    """:func:`aot_compare` for each layout (all of one device count), after setting up the devices."""
+    if not layouts:
+        return []
+    ensure_aot_devices(layouts[0].devices)
+    return [aot_compare(cfg, lay, convention, grad_reduce_dtype) for lay in layouts]
+
+
+def _human_bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _versus(estimated: float | None, compiled: float | None) -> str:
+    """``est -> compiled (ratio)`` for one table cell."""
+    ratio = _ratio(compiled, estimated)
+    return f"{_human_bytes(estimated)} -> {_human_bytes(compiled)} ({'-' if ratio is None else f'{ratio:.3f}'})"
+
+
+def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None) -> None:
+    """The AOT check as a rich table: estimated vs compiled argument bytes and collective bytes per
+    axis (per device per step), with compiled / estimated ratios; skipped layouts with their reason."""
+    from rich.table import Table
+
+    from jaxpar.console import wide_console
+
+    console = console or wide_console()
+    done = [(rank, r) for rank, r in zip(ranks, results) if not r.skipped]
+    if done:
+        axes = [a for a in AXES if any(getattr(r.layout, a) > 1 for _, r in done)]
+        dtypes = sorted({f"compute {r.compute_dtype}, reduce {r.grad_reduce_dtype} on {r.platform}" for _, r in done})
+        table = Table(
+            title=f"AOT: the compiled train step per device per step ({'; '.join(dtypes)})", title_justify="left"
+        )
+        for col in ("#", "compile s", "args: est -> AOT (ratio)", *(f"{a}: est -> AOT (ratio)" for a in axes)):
+            table.add_column(col, justify="right")
+        table.add_column("temp AOT", justify="right")
+        for rank, r in done:
+            cells = [str(rank), f"{r.compile_s:.1f}", _versus(r.estimated_argument_bytes, r.argument_bytes)]
+            cells += [_versus(r.estimated_bytes.get(axis), r.compiled_bytes.get(axis)) for axis in axes]
+            table.add_row(*cells, _human_bytes(r.temp_bytes))
+        console.print(table)
+    for rank, r in zip(ranks, results):
+        if r.skipped:
+            console.print(f"[yellow]#{rank} not compiled:[/] {r.skipped}")
+    if any(r.platform == "cpu" for _, r in done):
+        console.print(
+            "AOT ran on simulated CPU devices with float32 compute and reductions (XLA:CPU runs bf16 collectives "
+            "in fp32); the est columns use the same dtypes. args = parameters + optimizer state + batch; temp = "
+            "XLA:CPU temporaries."
+        )
