@@ -123,19 +123,25 @@ def test_zero_leaves_indivisible_tensors_replicated():
 
 
 def test_tensor_parallel_replicates_norms_and_pipeline_places_embeddings():
+    """Norms stay whole under TP; where each pipeline stage keeps the non-layer tensors."""
     m = model("llama2_7b")
     h, v, n_layers = m.embed_dim, m.vocab_size, m.num_layers
     norms = (2 * n_layers + 1) * h
     split = E.model_states(m, E.Layout(tensor=8)).params_bytes / 4
     assert split == (E.count_params(m) - norms) / 8 + norms
-    first = E.model_states(m, E.Layout(pipeline=4), "first").params_bytes / 4
-    last = E.model_states(m, E.Layout(pipeline=4), "last").params_bytes / 4
+    # Megatron's placement: embedding on the first stage, final norm and output layer on the last.
+    first = E._held_elements(m, E.Layout(pipeline=4), "first", False)
+    last = E._held_elements(m, E.Layout(pipeline=4), "last", False)
     layer = (E.count_params(m) - norms - 2 * v * h) / n_layers + 2 * h
     assert first == pytest.approx(8 * layer + v * h)
     assert last == pytest.approx(8 * layer + v * h + h)
     tied = m.copy_and_resolve_references()
     tied.tie_embeddings = True  # Megatron keeps a copy of the tied table on the last stage
-    assert E.model_states(tied, E.Layout(pipeline=4), "last").params_bytes / 4 == pytest.approx(last)
+    assert E._held_elements(tied, E.Layout(pipeline=4), "last", False) == pytest.approx(last)
+    # jaxpar's pipeline (the `jaxpar` convention): every stage holds embedding, final norm and head.
+    for stage in ("first", "last"):
+        held = E.model_states(m, E.Layout(pipeline=4), stage).params_bytes / 4
+        assert held == pytest.approx(8 * layer + 2 * v * h + h)
 
 
 # --------------------------------------------------------------------------- activations

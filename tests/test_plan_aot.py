@@ -191,3 +191,16 @@ def test_render_aot_table(compiled):
     text = out.getvalue()
     assert "args: est -> AOT (ratio)" in text and "tensor: est -> AOT (ratio)" in text and "(1.000)" in text
     assert "#2 not compiled: layout: tensor=4" in text and "float32" in text
+
+
+@pytest.mark.parametrize("layout", [Layout(4, 1, 2, zero_stage=1, microbatches=2, microbatch_size=2, seq_len=SEQ),
+                                    Layout(2, 2, 2, zero_stage=0, microbatches=2, microbatch_size=2, seq_len=SEQ)])
+def test_pipeline_layout_states_and_data_bytes(layout):
+    """Pipeline layouts: argument memory and data-axis bytes as estimated (every stage holds the
+    embedding and output layer in jaxpar). Their tensor/pipeline rows are not compared: the HLO
+    report counts the costliest branch of each schedule tick, an upper bound (compiled.py)."""
+    r = A.aot_compare(_config("tiny"), layout, "jaxpar")
+    print(f"  pipeline {layout.data}x{layout.tensor}x{layout.pipeline}: args ratio {r.argument_ratio:.4f}, "
+          f"data ratio {r.ratio('data'):.4f}")
+    assert r.argument_ratio == pytest.approx(1, rel=MEMORY_TOLERANCE)
+    assert r.ratio("data") == pytest.approx(1, rel=COMM_TOLERANCE)

@@ -155,23 +155,29 @@ def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard:
     return elements
 
 
-def stage_tensors(model: ConfigDict, layout: Layout, stage: str) -> list[tuple[ParamTensor, int]]:
+def stage_tensors(
+    model: ConfigDict, layout: Layout, stage: str, shared_on_every_stage: bool = False
+) -> list[tuple[ParamTensor, int]]:
     """(tensor, copies) held by the first or last pipeline stage (one stage holds all when p = 1).
 
-    Each rank holds L/p layers (v chunks of L/(p*v) when interleaved). The embedding and learned
-    positions live on the first stage, final norm and output layer on the last; with tied
-    embeddings and p > 1 the last stage keeps its own copy of the table, as Megatron does.
+    Each rank holds L/p layers (v chunks of L/(p*v) when interleaved). Megatron places the
+    embedding and learned positions on the first stage, final norm and output layer on the last;
+    with tied embeddings and p > 1 the last stage keeps its own copy of the table.
+    ``shared_on_every_stage``: jaxpar's pipeline keeps all non-layer tensors on every stage
+    (replicated over ``pipeline``, gradients summed over it).
     """
     tensors, p = param_tensors(model), layout.pipeline
     out = [(t, model.num_layers // p if t.place == "layer" else 1) for t in tensors]
+    if shared_on_every_stage:
+        return out
     out = [(t, c) for t, c in out if t.place == "layer" or p == 1 or t.place == stage]
     if stage == "last" and p > 1 and model.tie_embeddings:
         out += [(t, 1) for t in tensors if t.name == "embedding"]
     return out
 
 
-def _held_elements(model: ConfigDict, layout: Layout, stage: str, zero_shard: bool) -> float:
-    held = stage_tensors(model, layout, stage)
+def _held_elements(model: ConfigDict, layout: Layout, stage: str, zero_shard: bool, every_stage: bool = False) -> float:
+    held = stage_tensors(model, layout, stage, every_stage)
     return sum(c * shard_elements(t, layout.tensor, layout.data, zero_shard) for t, c in held)
 
 
@@ -206,17 +212,18 @@ def model_states(model: ConfigDict, layout: Layout, stage: str = "first", conven
 
     ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
     tensor/pipeline splitting (norms replicated over tensor), divided by N = data as the paper does.
-    ``jaxpar``: what our trainer holds: fp32 master params (model.param_dtype) sharded over data
-    only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
+    ``jaxpar``: what our trainer holds (with a pipeline: every stage holds the embedding, final
+    norm and output layer): fp32 master params (model.param_dtype) sharded over data only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
     gradients (not step arguments, but live at the update) sharded at ZeRO >= 2; sharding follows
     :func:`shard_elements`.
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
-    full = _held_elements(model, layout, stage, False)
     if convention == "paper":
-        return zero_paper_states(full, layout.zero_stage, layout.data)
-    zero, pb, z = _held_elements(model, layout, stage, True), DTYPE_BYTES[model.param_dtype], layout.zero_stage
+        return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage, layout.data)
+    full = _held_elements(model, layout, stage, False, every_stage=True)
+    zero = _held_elements(model, layout, stage, True, every_stage=True)
+    pb, z = DTYPE_BYTES[model.param_dtype], layout.zero_stage
     return ModelStates(pb * (zero if z >= 3 else full), pb * (zero if z >= 2 else full), 2 * pb * (zero if z else full))
 
 
@@ -434,10 +441,10 @@ def communication(
 
 def _held_by_place(model: ConfigDict, layout: Layout) -> tuple[float, float]:
     """(layer, other) parameter elements per device after the tensor split, unsharded over data, on
-    the stage holding the most parameters (all of them when p = 1)."""
+    the stage holding the most parameters (jaxpar's pipeline: every stage holds the non-layer ones)."""
     best = (0.0, 0.0)
     for stage in ("first", "last"):
-        held = stage_tensors(model, layout, stage)
+        held = stage_tensors(model, layout, stage, shared_on_every_stage=True)
         layer = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place == "layer")
         other = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place != "layer")
         best = max(best, (layer, other), key=sum)
@@ -451,7 +458,7 @@ def _jaxpar_data(model: ConfigDict, layout: Layout, grad_reduce_bytes: int) -> t
     stage 0: all-reduce E*g once per step. Stage 1: reduce-scatter E*g once and all-gather the
     updated parameters in the param dtype (E*pb, fp32: 2x the bytes of a bf16 reduction). Stage 2:
     the reduce-scatter every microbatch, the all-gather once. Stage 3 runs in the compute dtype
-    (a; the config requires grad_reduce_dtype == compute_dtype): block parameters are gathered
+    (a, whatever grad_reduce_dtype says): block parameters are gathered
     twice per microbatch (forward, and again in the backward: the remat policy never keeps the
     gathered copy), the embedding, final norm and output layer once per step (XLA hoists the
     loop-invariant gather out of the accumulation loop and shares it with the first microbatch),
