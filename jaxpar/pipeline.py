@@ -17,11 +17,17 @@ its input was produced on the neighbouring stage, every action taking one tick:
 **Layers on stages.** The stacked ``layers`` dim is split over the ``pipeline`` axis in blocks. With
 v virtual stages device d runs chunks d, d+p, d+2p, ... (L/(p*v) layers each), so the stored order
 of the layers is permuted (:func:`layer_order`): a plain block split then gives each device its
-chunks. :func:`to_stage_order` / :func:`to_layer_order` convert a parameter tree; with v = 1 the
-order is the natural one. The embedding, final norm and output layer are replicated over
-``pipeline``; only the first stage (embedding) and the last (head, loss) touch them, so their
-gradient is zero on the other stages and one ``psum`` over ``pipeline`` per step adds the owners'
-contributions (tied embeddings get both).
+chunks; with v = 1 the order is the natural one.
+
+**Embedding and output layer on their stages.** With an untied output layer the *stage form* of the
+parameters (:func:`to_stage_form`; :func:`to_model_form` is its inverse, used for checkpoints)
+packs the embedding [V, h] and the transposed output layer into one ``ends`` [p, V, h] split over
+``pipeline``: the first stage holds the embedding, the last the output layer, each device one
+table, and nothing is reduced over ``pipeline`` for them (Megatron's placement; with SPMD every
+device holds the same shapes, so the stages between hold an unused zero slot). The final norm,
+learned positions and a tied embedding (needed by the first and the last stage) stay replicated
+over ``pipeline``; only their owners' gradients are non-zero and one ``psum`` over ``pipeline`` per
+step adds them.
 
 **Execution.** Inside the single shard_map step, a ``lax.scan`` runs the ticks. After each tick the
 activations move to the next stage and the gradients to the previous one with ``lax.ppermute``
@@ -62,6 +68,7 @@ from jaxpar.models import llama
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 AXIS = "pipeline"
+ENDS = "ends"  # stage-form parameter: embedding on the first stage, output layer on the last
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 
@@ -250,16 +257,44 @@ def _permute_blocks(params: dict, index: np.ndarray) -> dict:
     return {**params, "blocks": jax.tree.map(lambda a: a[index], params["blocks"])}
 
 
-def to_stage_order(params: dict, stages: int, virtual_stages: int = 1) -> dict:
-    """Model layer order -> stored (pipeline) order of the stacked block parameters."""
-    n = jax.tree.leaves(params["blocks"])[0].shape[0]
-    return _permute_blocks(params, layer_order(n, stages, virtual_stages))
+def has_ends(model_cfg: ConfigDict, stages: int) -> bool:
+    """Whether the stage form places the embedding and output layer in ``ends`` (untied, p > 1)."""
+    return stages > 1 and not model_cfg.tie_embeddings
 
 
-def to_layer_order(params: dict, stages: int, virtual_stages: int = 1) -> dict:
-    """Stored (pipeline) order -> model layer order; inverse of :func:`to_stage_order`."""
+def to_stage_form(params: dict, stages: int, virtual_stages: int = 1) -> dict:
+    """Model form -> stage form: block parameters in the stored (pipeline) layer order, and with an
+    untied output layer, ``embed`` [V, h] and ``lm_head`` [h, V] packed into one ``ends`` [p, V, h]
+    split over ``pipeline``: slot 0 the embedding, slot p-1 the transposed output layer, the slots
+    between zeros (they stay zero: their gradient is zero). Each device then holds one V x h table
+    instead of two, as Megatron keeps the embedding on the first stage and the head on the last."""
     n = jax.tree.leaves(params["blocks"])[0].shape[0]
-    return _permute_blocks(params, np.argsort(layer_order(n, stages, virtual_stages)))
+    out = _permute_blocks(params, layer_order(n, stages, virtual_stages))
+    if stages > 1 and "lm_head" in out:
+        embed, head = out["embed"], out["lm_head"]
+        middle = [jnp.zeros_like(embed)] * (stages - 2)
+        out = {k: val for k, val in out.items() if k not in ("embed", "lm_head")}
+        out[ENDS] = jnp.stack([embed, *middle, jnp.transpose(head).astype(embed.dtype)])
+    return out
+
+
+def to_model_form(params: dict, stages: int, virtual_stages: int = 1) -> dict:
+    """Stage form -> model form; inverse of :func:`to_stage_form`."""
+    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    out = _permute_blocks(params, np.argsort(layer_order(n, stages, virtual_stages)))
+    if ENDS in out:
+        ends = out[ENDS]
+        out = {k: val for k, val in out.items() if k != ENDS}
+        out["embed"], out["lm_head"] = ends[0], jnp.transpose(ends[-1])
+    return out
+
+
+def stage_form_logical_axes(logical: dict, stages: int) -> dict:
+    """Logical dim names of the stage form (``ends``: stages x vocab x embed)."""
+    if stages <= 1 or "lm_head" not in logical:
+        return logical
+    out = {k: val for k, val in logical.items() if k not in ("embed", "lm_head")}
+    return {**out, ENDS: ("stages", *logical["embed"])}
 
 
 # --------------------------------------------------------------------------- executor program
@@ -382,6 +417,16 @@ def _split(params: dict) -> tuple[dict, dict]:
     return {k: val for k, val in params.items() if k != "blocks"}, params["blocks"]
 
 
+def _view(shared: dict) -> dict:
+    """The model's view of a stage's non-block parameters: this stage's slot of ``ends`` (the
+    embedding on the first stage, the transposed output layer on the last) serves as ``embed``,
+    which :func:`llama.logits_local` uses as ``[vocab, embed]`` output layer when there is no
+    ``lm_head`` (as for tied embeddings)."""
+    if ENDS not in shared:
+        return shared
+    return {**{k: val for k, val in shared.items() if k != ENDS}, "embed": shared[ENDS][0]}
+
+
 def _chunk(blocks: dict, chunk: jax.Array, virtual_stages: int) -> dict:
     """Chunk ``chunk`` of this device's stacked layers (all of them when v = 1)."""
     if virtual_stages == 1:
@@ -395,11 +440,11 @@ def _stage(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    x = _cond(first, lambda x: llama.embed_tokens(shared, inputs, ctx), lambda x: x, x_in)
+    x = _cond(first, lambda x: llama.embed_tokens(_view(shared), inputs, ctx), lambda x: x, x_in)
     y = llama.run_blocks(x, chunk, jnp.arange(inputs.shape[1]), ctx)
 
     def loss(y):
-        return llama.cross_entropy_sum(llama.logits_local(shared, y, ctx), targets, ctx) * scale
+        return llama.cross_entropy_sum(llama.logits_local(_view(shared), y, ctx), targets, ctx) * scale
 
     return y, None if last is None else _cond(last, loss, lambda y: jnp.zeros((), jnp.float32), y)
 
@@ -418,11 +463,11 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
         return llama._block(x, llama.gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx)
 
     def embed(sh, x):
-        return _cond(first, lambda x: llama.embed_tokens(sh, inputs, ctx), lambda x: x, x)
+        return _cond(first, lambda x: llama.embed_tokens(_view(sh), inputs, ctx), lambda x: x, x)
 
     def head(sh, y):
         def loss(y):
-            return llama.cross_entropy_sum(llama.logits_local(sh, y, ctx), targets, ctx) * scale
+            return llama.cross_entropy_sum(llama.logits_local(_view(sh), y, ctx), targets, ctx) * scale
 
         return _cond(last, loss, lambda y: jnp.zeros((), jnp.float32), y)
 
@@ -439,9 +484,8 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
         _, vjp = jax.vjp(block, x, layer)
         d_x, d_layer = vjp(g)
 
-        def add(a, dw):
-            old = jax.lax.dynamic_index_in_dim(a, row + j, 0, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(a, old + _vary(dw, _varying(old)), row + j, 0)
+        def add(a, dw):  # a scatter-add: in place, no copy of the old row beside the new one
+            return a.at[row + j].add(_vary(dw, _varying(a)), mode="promise_in_bounds")
 
         return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer)), None
 
@@ -456,7 +500,7 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
 def _boundary_types(shared: dict, blocks: dict, batch: jax.Array, ctx: llama.ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
-    emb = jax.eval_shape(lambda: llama.embed_tokens(shared, batch[0][:, :-1], ctx))
+    emb = jax.eval_shape(lambda: llama.embed_tokens(_view(shared), batch[0][:, :-1], ctx))
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
@@ -468,20 +512,21 @@ def _zeros(shape: tuple, dtype: Any, axes: frozenset) -> jax.Array:
 
 
 def _reduce_shared(loss: jax.Array, grads: dict) -> tuple[jax.Array, dict]:
-    """Sum the loss (last stage) and the embedding / head gradients (first / last stage) over stages."""
+    """Sum the loss (last stage) and the gradients of parameters every stage holds (final norm,
+    positions, a tied embedding) over stages; ``ends`` slots are each their own stage's."""
     shared, blocks = _split(grads)
-    return jax.lax.psum(loss, AXIS), {**jax.lax.psum(shared, AXIS), "blocks": blocks}
+    summed = {k: g if k == ENDS else jax.lax.psum(g, AXIS) for k, g in shared.items()}
+    return jax.lax.psum(loss, AXIS), {**summed, "blocks": blocks}
 
 
 # --------------------------------------------------------------------------- executors
 
 
 def _store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
-    """Write ``x`` into ``buf[slot]``; ``slot == len(buf)`` (the program's "nothing arrived") keeps
-    ``buf`` as is, so the slot buffers need no trash slot."""
-    n = buf.shape[0]
-    keep = jax.lax.dynamic_index_in_dim(buf, jnp.minimum(slot, n - 1), 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot < n, x, keep), jnp.minimum(slot, n - 1), 0)
+    """Write ``x`` into ``buf[slot]``; ``slot == len(buf)`` (the program's "nothing arrived") is out
+    of bounds and dropped, so the slot buffers need no trash slot (an in-place scatter: a select
+    against the old slot would keep a copy of it alive through the tick)."""
+    return buf.at[slot].set(x, mode="drop")
 
 
 def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContext, table: ScheduleTable,
@@ -622,20 +667,24 @@ def eval_loss_sum(params: dict, tokens: jax.Array, ctx: llama.ShardContext, stag
     shared, blocks = _split(params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.arange(inputs.shape[1])
-    x = llama.embed_tokens(shared, inputs, ctx)
+    x = llama.embed_tokens(_view(shared), inputs, ctx)
     x = _vary(x, _varying(x) | {AXIS})
     ring = [(j, (j + 1) % p) for j in range(p)]
 
-    def step(x, k):
-        x = _cond(d == k % p, lambda x: llama.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx), lambda x: x, x)
-        return jax.lax.ppermute(x, AXIS, ring), None
+    def run(x, k):
+        return _cond(d == k % p, lambda x: llama.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx),
+                     lambda x: x, x)
 
-    x, _ = jax.lax.scan(step, x, jnp.arange(p * v))  # after p*v shifts the output is back on stage 0
+    def step(x, k):
+        return jax.lax.ppermute(run(x, k), AXIS, ring), None
+
+    x, _ = jax.lax.scan(step, x, jnp.arange(p * v - 1))
+    x = run(x, p * v - 1)  # the last virtual stage is on the last device, which holds the head
 
     def loss(x):
-        return llama.cross_entropy_sum(llama.logits_local(shared, x, ctx), targets, ctx)
+        return llama.cross_entropy_sum(llama.logits_local(_view(shared), x, ctx), targets, ctx)
 
-    return jax.lax.psum(_cond(d == 0, loss, lambda x: jnp.zeros((), jnp.float32), x), AXIS)
+    return jax.lax.psum(_cond(d == p - 1, loss, lambda x: jnp.zeros((), jnp.float32), x), AXIS)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

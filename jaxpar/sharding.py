@@ -38,7 +38,9 @@ TENSOR_RULES: Mapping[str, str] = {
     "mlp": "tensor",  # MLP up/gate column-parallel, down row-parallel
 }
 # Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
-PIPELINE_RULES: Mapping[str, str] = {"layers": "pipeline"}
+# With an untied output layer the embedding and output layer share one table per stage
+# (jaxpar.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
+PIPELINE_RULES: Mapping[str, str] = {"layers": "pipeline", "stages": "pipeline"}
 NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 
 

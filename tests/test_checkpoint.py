@@ -74,7 +74,7 @@ def test_restore_onto_other_layouts(tmp_path):
     ]
     for overrides, n in targets:
         target = _setup(overrides, n)
-        p, o, _ = target.abstract_state()
+        p, o, _ = target.abstract_state(model_form=True)
         step, state, meta = Checkpointer(str(tmp_path), 1, 2).restore({"params": p, "opt_state": o})
         assert step == 1 and meta["data"] == {"step": 1}
         got = jax.device_get(state)
@@ -133,16 +133,16 @@ def test_interleaved_pipeline_checkpoints_in_model_layer_order(tmp_path):
                  "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",
                  "--config.train.microbatches=2"], 8)
     params, opt = pp.init(3)
-    model_order = pipeline.to_layer_order(jax.device_get(params), 2, 2)
+    model_order = pipeline.to_model_form(jax.device_get(params), 2, 2)
     ckpt = Checkpointer(str(tmp_path), 1, 2)
     ckpt.save(1, *pp.to_model_order(params, opt), {"step": 1}, pp.cfg)
     ckpt.wait()
     flat = _setup(["--config.mesh.data=4", "--config.mesh.tensor=2"], 8)
-    p, o, _ = flat.abstract_state()
+    p, o, _ = flat.abstract_state(model_form=True)
     _, state, _ = ckpt.restore({"params": p, "opt_state": o})
     for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(model_order), strict=True):
         np.testing.assert_array_equal(a, b)
-    p, o, _ = pp.abstract_state()
+    p, o, _ = pp.abstract_state(model_form=True)
     _, state, _ = ckpt.restore({"params": p, "opt_state": o})
     back, _ = pp.from_model_order(state["params"], state["opt_state"])
     for a, b in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(jax.device_get(params)), strict=True):

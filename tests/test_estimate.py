@@ -138,10 +138,12 @@ def test_tensor_parallel_replicates_norms_and_pipeline_places_embeddings():
     tied = m.copy_and_resolve_references()
     tied.tie_embeddings = True  # Megatron keeps a copy of the tied table on the last stage
     assert E._held_elements(tied, E.Layout(pipeline=4), "last", False) == pytest.approx(last)
-    # jaxpar's pipeline (the `jaxpar` convention): every stage holds embedding, final norm and head.
+    # jaxpar's pipeline (the `jaxpar` convention): every stage holds one V x h table (its `ends`
+    # slot: embedding first, head last) and the final norm; tied, the one shared table.
     for stage in ("first", "last"):
         held = E.model_states(m, E.Layout(pipeline=4), stage).params_bytes / 4
-        assert held == pytest.approx(8 * layer + 2 * v * h + h)
+        assert held == pytest.approx(8 * layer + v * h + h)
+        assert E.model_states(tied, E.Layout(pipeline=4), stage).params_bytes / 4 == pytest.approx(held)
 
 
 # --------------------------------------------------------------------------- activations

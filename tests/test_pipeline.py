@@ -101,7 +101,7 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
     cfg = setup.cfg
     p, v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
     host = _host_params(model)
-    staged = pipeline.to_stage_order(host, p, v) if p > 1 else host
+    staged = pipeline.to_stage_form(host, p, v) if p > 1 else host
     params = jax.device_put(staged, setup.param_shardings)
     opt = jax.device_put(init_opt_state(staged), setup.opt_shardings)
     rng = np.random.default_rng(0)
@@ -114,7 +114,7 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
             grads = jax.tree.map(lambda mu: mu / (1 - cfg.optim.b1), jax.device_get(opt["mu"]))
     params = jax.device_get(params)
     if p > 1:
-        params, grads = pipeline.to_layer_order(params, p, v), pipeline.to_layer_order(grads, p, v)
+        params, grads = pipeline.to_model_form(params, p, v), pipeline.to_model_form(grads, p, v)
     return history, grads, params
 
 
@@ -218,7 +218,7 @@ def test_eval_step_matches_single_device():
     for overrides in (["--config.mesh.data=1"], layout("interleaved", 2, 4, 2, 2)):
         cfg = small_config(*overrides)
         setup = make_setup(cfg)
-        staged = pipeline.to_stage_order(host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
+        staged = pipeline.to_stage_form(host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
         params = jax.device_put(staged, setup.param_shardings)
         losses.append(float(setup.eval_step(params, setup.make_eval_batch(rows))))
     assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
@@ -284,9 +284,29 @@ def test_layer_order_round_trip():
     assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # device 0: chunks 0 and 2; device 1: chunks 1 and 3
     assert pipeline.layer_order(8, 4, 1).tolist() == list(range(8))
     tree = {"embed": np.zeros(3), "blocks": {"w": np.arange(8)}}
-    staged = pipeline.to_stage_order(tree, 2, 2)
+    staged = pipeline.to_stage_form(tree, 2, 2)
     assert staged["blocks"]["w"].tolist() == order.tolist()
-    assert pipeline.to_layer_order(staged, 2, 2)["blocks"]["w"].tolist() == list(range(8))
+    assert pipeline.to_model_form(staged, 2, 2)["blocks"]["w"].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_form_places_embedding_first_and_head_last(stages):
+    """Untied: one [p, V, h] table split over pipeline, embedding in slot 0, the transposed output
+    layer in slot p-1, zeros between; the round trip is exact. Tied: nothing is packed."""
+    rng = np.random.default_rng(0)
+    tree = {"embed": rng.normal(size=(6, 4)), "lm_head": rng.normal(size=(4, 6)), "final_norm": {"scale": np.ones(4)},
+            "blocks": {"w": np.arange(6.0)}}
+    tree = jax.tree.map(lambda a: a.astype(np.float32), tree)
+    staged = pipeline.to_stage_form(tree, stages)
+    assert set(staged) == {"ends", "final_norm", "blocks"} and staged["ends"].shape == (stages, 6, 4)
+    np.testing.assert_array_equal(staged["ends"][0], tree["embed"])
+    np.testing.assert_array_equal(staged["ends"][-1], tree["lm_head"].T)
+    assert not np.any(np.asarray(staged["ends"][1:-1]))
+    back = pipeline.to_model_form(staged, stages)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tied = {k: v for k, v in tree.items() if k != "lm_head"}
+    assert set(pipeline.to_stage_form(tied, stages)) == set(tied)
 
 
 # --------------------------------------------------------------------------- compiled program

@@ -163,13 +163,16 @@ def stage_tensors(
     Each rank holds L/p layers (v chunks of L/(p*v) when interleaved). Megatron places the
     embedding and learned positions on the first stage, final norm and output layer on the last;
     with tied embeddings and p > 1 the last stage keeps its own copy of the table.
-    ``shared_on_every_stage``: jaxpar's pipeline keeps all non-layer tensors on every stage
-    (replicated over ``pipeline``, gradients summed over it).
+    ``shared_on_every_stage``: jaxpar's pipeline (``jaxpar/pipeline.py``, stage form) holds on
+    every stage what SPMD makes every device hold: the layers, the final norm and positions
+    (replicated over ``pipeline``, gradients summed over it) and one V x h table: with an untied
+    output layer the ``ends`` slot (embedding on the first stage, output layer on the last), with
+    tied embeddings the shared table.
     """
     tensors, p = param_tensors(model), layout.pipeline
     out = [(t, model.num_layers // p if t.place == "layer" else 1) for t in tensors]
-    if shared_on_every_stage:
-        return out
+    if shared_on_every_stage:  # one ends slot of (vocab, h): counted as the embedding, no output
+        return [(t, c) for t, c in out if p == 1 or t.name != "output"]
     out = [(t, c) for t, c in out if t.place == "layer" or p == 1 or t.place == stage]
     if stage == "last" and p > 1 and model.tie_embeddings:
         out += [(t, 1) for t in tensors if t.name == "embedding"]
@@ -212,8 +215,8 @@ def model_states(model: ConfigDict, layout: Layout, stage: str = "first", conven
 
     ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
     tensor/pipeline splitting (norms replicated over tensor), divided by N = data as the paper does.
-    ``jaxpar``: what our trainer holds (with a pipeline: every stage holds the embedding, final
-    norm and output layer): fp32 master params (model.param_dtype) sharded over data only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
+    ``jaxpar``: what our trainer holds (with a pipeline: every stage holds one V x h table, the
+    final norm and positions, see :func:`stage_tensors`): fp32 master params (model.param_dtype) sharded over data only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
     gradients (not step arguments, but live at the update) sharded at ZeRO >= 2; sharding follows
     :func:`shard_elements`.
     """

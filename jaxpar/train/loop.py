@@ -96,7 +96,7 @@ class Trainer:
         resume = str(self.cfg.train.resume)
         restored = None
         if resume != "never":
-            params, opt, _ = self.setup.abstract_state()
+            params, opt, _ = self.setup.abstract_state(model_form=True)
             step = int(resume) if resume.isdigit() else None
             restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
         if restored is None:
@@ -157,7 +157,7 @@ class Trainer:
         restored = None
         if before:
             self.checkpoints.discard_after(before[-1])
-            params, opt, _ = self.setup.abstract_state()
+            params, opt, _ = self.setup.abstract_state(model_form=True)
             restored = self.checkpoints.restore({"params": params, "opt_state": opt})
         if restored is None:
             raise ConfigError(

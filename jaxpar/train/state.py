@@ -5,9 +5,11 @@ per-parameter layouts (:mod:`jaxpar.sharding`), the shardings of parameters, opt
 batches, and the jitted ``init``, ``train_step`` and ``eval_step``. Nothing here allocates until
 ``init`` runs, so the same object serves AOT analysis (``lower_train_step``) on abstract arrays.
 
-With ``mesh.pipeline > 1`` (:mod:`jaxpar.pipeline`) the block parameters are stored in the pipeline's
-layer order (``pipeline.to_stage_order``; the model order unless virtual stages are used): ``init``
-permutes them, and ``pipeline.to_layer_order`` brings a trained tree back to the model's order.
+With ``mesh.pipeline > 1`` (:mod:`jaxpar.pipeline`) the parameters are held in the pipeline's *stage
+form* (``pipeline.to_stage_form``): block parameters in the stored layer order (the model order
+unless virtual stages are used) and, with an untied output layer, embedding and output layer packed
+into ``ends`` split over ``pipeline``. ``init`` builds that form; checkpoints hold the *model form*
+(:meth:`Setup.to_model_order` / :meth:`Setup.from_model_order`), so they restore onto any layout.
 """
 
 from __future__ import annotations
@@ -39,9 +41,20 @@ class Setup:
         self.pipeline = pipeline_lib.Pipeline.from_config(cfg) if cfg.mesh.pipeline > 1 else None
         self.derived = derive(cfg)
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
-        self.abstract_params = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
-        self.logical = llama.logical_axes(cfg.model)
+        stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
+        self.model_abstract_params = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
+        model_logical = llama.logical_axes(cfg.model)
+        self.abstract_params, self.logical = self.model_abstract_params, model_logical
+        if stages > 1:  # the stage form (see the module docstring)
+            self.abstract_params = jax.eval_shape(
+                functools.partial(pipeline_lib.to_stage_form, stages=stages, virtual_stages=virtual),
+                self.model_abstract_params,
+            )
+            self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
         self.layouts = param_layouts(self.abstract_params, self.logical, self.strategy, mesh)
+        model_layouts = param_layouts(self.model_abstract_params, model_logical, self.strategy, mesh)
+        self.model_param_shardings = named(mesh, specs(model_layouts, "storage"))
+        self.model_opt_shardings = named(mesh, opt_state_specs(model_layouts))
         self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.layouts, self.strategy)
         self.param_specs = specs(self.layouts, "storage")
         self.opt_specs = opt_state_specs(self.layouts)
@@ -73,7 +86,7 @@ class Setup:
         def _init(key):
             params = llama.init_params(model_cfg, key)
             if stages > 1:
-                params = pipeline_lib.to_stage_order(params, stages, virtual)
+                params = pipeline_lib.to_stage_form(params, stages, virtual)
             return params, init_opt_state(params)
 
         with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
@@ -82,19 +95,22 @@ class Setup:
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
         p, v = self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
-        if p <= 1 or v <= 1:  # stored order is the model's layer order
+        if p <= 1 or (v <= 1 and not pipeline_lib.has_ends(self.cfg.model, p)):  # the forms are one
             return params, opt
-        move = pipeline_lib.to_layer_order if to_model else pipeline_lib.to_stage_order
+        move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
+        out = (self.model_param_shardings, self.model_opt_shardings) if to_model else (
+            self.param_shardings, self.opt_shardings)
 
-        @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
+        @functools.partial(jax.jit, out_shardings=out)
         def reorder(params, opt):
             return move(params, p, v), {**opt, "mu": move(opt["mu"], p, v), "nu": move(opt["nu"], p, v)}
 
         return reorder(params, opt)
 
     def to_model_order(self, params: Any, opt: Any) -> tuple[Any, Any]:
-        """Checkpoints hold block parameters (and their Adam moments) in the model's layer order,
-        so they restore onto any pipeline layout; interleaved stages store them permuted."""
+        """Stage form -> model form (parameters and Adam moments). Checkpoints hold the model form
+        (layers in the model's order, separate embedding and output layer), so they restore onto
+        any layout; :meth:`from_model_order` is the inverse."""
         return self._reorder(params, opt, to_model=True)
 
     def from_model_order(self, params: Any, opt: Any) -> tuple[Any, Any]:
@@ -146,13 +162,14 @@ class Setup:
         return jax.make_array_from_process_local_data(self.eval_sharding, local, global_shape)
 
     # ------------------------------------------------------------------ analysis
-    def abstract_state(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
-        """Abstract (params, opt_state, batch) carrying their shardings: for AOT lowering."""
-        params = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_params, self.param_shardings
-        )
-        opt = jax.eval_shape(init_opt_state, self.abstract_params)
-        opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, self.opt_shardings)
+    def abstract_state(self, model_form: bool = False) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+        """Abstract (params, opt_state, batch) carrying their shardings: the stage form for AOT
+        lowering, the model form (``model_form``) for restoring a checkpoint."""
+        tree, p_sh, o_sh = (self.model_abstract_params, self.model_param_shardings, self.model_opt_shardings) if (
+            model_form) else (self.abstract_params, self.param_shardings, self.opt_shardings)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, p_sh)
+        opt = jax.eval_shape(init_opt_state, tree)
+        opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, o_sh)
         batch = jax.ShapeDtypeStruct(self.batch_shape(), jnp.int32, sharding=self.batch_sharding)
         return params, opt, batch
 
