@@ -403,9 +403,27 @@ def _cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *args: Any) ->
     return jax.lax.switch(pred.astype(jnp.int32), _branches_agree([false_fn, true_fn], *args), *args)
 
 
-def _send(x: jax.Array, pattern: jax.Array, pairs: tuple) -> jax.Array:
+# Named scopes on the schedule's branches: they appear in the op_name metadata of every collective
+# inside (transposes included), so the compiled-HLO report can count each collective exactly per
+# stage from the schedule table (jaxpar.analysis.compiled.pipeline_fraction) instead of bounding it.
+SCOPE_FORWARD, SCOPE_BACKWARD, SCOPE_WORK = "pp_forward", "pp_backward", "pp_work"
+SCOPE_FIRST, SCOPE_LAST, SCOPE_SEND = "pp_first", "pp_last", "pp_send"
+
+
+def _scoped(name: str, f: Callable) -> Callable:
+    def run(*args: Any) -> Any:
+        with jax.named_scope(name):
+            return f(*args)
+
+    return run
+
+
+def _send(x: jax.Array, pattern: jax.Array, pairs: tuple, direction: str) -> jax.Array:
     """ppermute ``x`` over ``pipeline`` with this tick's pairs (pattern 0: nothing is sent)."""
-    branches = [jnp.zeros_like] + [functools.partial(jax.lax.ppermute, axis_name=AXIS, perm=list(p)) for p in pairs[1:]]
+    branches = [jnp.zeros_like] + [
+        _scoped(f"{SCOPE_SEND}_{direction}_{k}", functools.partial(jax.lax.ppermute, axis_name=AXIS, perm=list(p)))
+        for k, p in enumerate(pairs) if k
+    ]
     return jax.lax.switch(pattern, branches, x) if len(branches) > 1 else jnp.zeros_like(x)
 
 
@@ -440,13 +458,13 @@ def _stage(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    x = _cond(first, lambda x: llama.embed_tokens(_view(shared), inputs, ctx), lambda x: x, x_in)
+    x = _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(shared), inputs, ctx)), lambda x: x, x_in)
     y = llama.run_blocks(x, chunk, jnp.arange(inputs.shape[1]), ctx)
 
     def loss(y):
         return llama.cross_entropy_sum(llama.logits_local(_view(shared), y, ctx), targets, ctx) * scale
 
-    return y, None if last is None else _cond(last, loss, lambda y: jnp.zeros((), jnp.float32), y)
+    return y, None if last is None else _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
 
 def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
@@ -463,13 +481,13 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
         return llama._block(x, llama.gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx)
 
     def embed(sh, x):
-        return _cond(first, lambda x: llama.embed_tokens(_view(sh), inputs, ctx), lambda x: x, x)
+        return _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(sh), inputs, ctx)), lambda x: x, x)
 
     def head(sh, y):
         def loss(y):
             return llama.cross_entropy_sum(llama.logits_local(_view(sh), y, ctx), targets, ctx) * scale
 
-        return _cond(last, loss, lambda y: jnp.zeros((), jnp.float32), y)
+        return _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
     x0, embed_vjp = jax.vjp(embed, shared, x_in)
     y, xs = jax.lax.scan(lambda x, layer: (block(x, layer), x), x0, chunk)
@@ -599,15 +617,15 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
             (acc, loss, d_in), _ = jax.lax.scan(one, (acc, loss, zeros_act()), jnp.arange(splits))
             return zeros_act(), d_in, acc, loss
 
-        return _switch(kind, [idle, forward, backward], acc, loss)
+        return _switch(kind, [idle, _scoped(SCOPE_FORWARD, forward), _scoped(SCOPE_BACKWARD, backward)], acc, loss)
 
     def tick(carry, xs):
         act_buf, grad_buf, acc, loss = carry
         row = {name: column[d] for name, column in xs["per_stage"].items()}
         send_f, send_b, acc, loss = run(row["kind"], row["microbatch"], row["chunk"], act_buf, grad_buf,
                                         row["act_read"], row["grad_read"], acc, loss)
-        recv_f = _send(send_f, xs["fwd"], prog.pairs["fwd"])
-        recv_b = _send(send_b, xs["bwd"], prog.pairs["bwd"])
+        recv_f = _send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd")
+        recv_b = _send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd")
         act_buf = _store(act_buf, recv_f, row["act_write"])
         grad_buf = _store(grad_buf, recv_b, row["grad_write"])
         return (act_buf, grad_buf, acc, loss), None
@@ -646,8 +664,8 @@ def _gpipe_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContex
             def skip(x):
                 return x, jnp.zeros((), jnp.float32)
 
-            y, stage_loss = _cond((mb >= 0) & (mb < m), work, skip, x)
-            return (_send(y, pattern, prog.pairs["fwd"]), loss + stage_loss), None
+            y, stage_loss = _cond((mb >= 0) & (mb < m), _scoped(SCOPE_WORK, work), skip, x)
+            return (_send(y, pattern, prog.pairs["fwd"], "fwd"), loss + stage_loss), None
 
         init = (_zeros(act.shape, act.dtype, act_axes), _zeros((), jnp.float32, loss_axes))
         xs = (jnp.arange(forward_ticks), jnp.asarray(prog.pattern["fwd"][:forward_ticks]))

@@ -96,7 +96,7 @@ def compile_layout(cfg: ConfigDict, mesh: Any = None) -> Any:
 
     setup = Setup(cfg, mesh if mesh is not None else mesh_for(cfg))
     compiled = setup.lower_train_step().compile(compiler_options=AOT_COMPILER_OPTIONS)
-    report = analyze_compiled(compiled, setup.mesh)
+    report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
     report.layout = layout_summary(cfg)
     return report
 
@@ -124,6 +124,7 @@ class AotComparison:
     argument_bytes: int | None = None  # memory_analysis().argument_size_in_bytes
     temp_bytes: int | None = None
     compiled_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
+    stage_bytes: list[dict[str, float]] = dataclasses.field(default_factory=list)  # pipeline: per stage, by axis
     compile_s: float = 0.0
     compute_dtype: str = ""
     grad_reduce_dtype: str = ""
@@ -158,6 +159,7 @@ class AotComparison:
                 }
                 for axis in AXES
             },
+            **({"stages": self.stage_bytes} if self.stage_bytes else {}),
         }
 
 
@@ -204,12 +206,21 @@ def aot_compare(
         estimated_bytes={axis: comm[axis].bytes for axis in AXES},
         argument_bytes=mem.argument_bytes if mem else None,
         temp_bytes=mem.temp_bytes if mem else None,
-        compiled_bytes={axis: report.total_bytes(axis) for axis in AXES},
+        compiled_bytes=_compiled_axis_bytes(report),
+        stage_bytes=list(report.stages),
         compile_s=elapsed,
         compute_dtype=lcfg.model.compute_dtype,
         grad_reduce_dtype=lcfg.parallel.grad_reduce_dtype,
         platform=platform,
     )
+
+
+def _compiled_axis_bytes(report: Any) -> dict[str, float]:
+    """Bytes per device per step on each axis; with a pipeline, of the busiest stage on that axis
+    (each stage counted exactly from the schedule, as the estimate's busiest stage)."""
+    if report.stages:
+        return {axis: max(st.get(axis, 0.0) for st in report.stages) for axis in AXES}
+    return {axis: report.total_bytes(axis) for axis in AXES}
 
 
 def run_aot(

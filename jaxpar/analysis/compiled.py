@@ -18,7 +18,9 @@ device move no bytes and are kept out of the rows (counted in ``trivial_ops``). 
 and async wrappers run once per execution of their caller; a conditional runs one branch per
 execution, counted as its branch with the most collective bytes (an upper bound when the branches
 differ, see :func:`_executions`); a while loop without a known trip count is counted once, with a
-warning.
+warning. Pipeline layouts are exact instead: their switches pick a branch per tick and stage from
+the schedule table, and each collective is counted per stage from the named scopes of its branch
+(:func:`pipeline_fraction`); the rows are the busiest stage's.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class CollectiveOp:
     shape: str
     computation: str
     op_name: str  # jax source location (metadata), e.g. ".../transpose(jvp())/psum_invariant"
+    sources: tuple[int, ...] = ()  # collective-permute: the devices that send
 
 
 @dataclasses.dataclass
@@ -131,6 +134,8 @@ class CompiledReport:
     flops: float | None = None  # cost_analysis() of one device's program
     trivial_ops: int = 0  # collectives over single-device groups (no traffic)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    # pipeline layouts: ring bytes per device per step of each stage, by axis (rows: the busiest stage)
+    stages: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     def row(self, kind: str, axes: tuple[str, ...] | str) -> CollectiveRow | None:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -164,6 +169,7 @@ class CompiledReport:
             "flops": self.flops,
             "trivial_ops": self.trivial_ops,
             "warnings": list(self.warnings),
+            "stages": list(self.stages),
             "ops": [dataclasses.asdict(op) | {"axes": list(op.axes)} for op in self.ops],
         }
 
@@ -288,7 +294,8 @@ def parse_replica_groups(text: str) -> list[list[int]] | None:
 
 
 def _executions(
-    entry: str, comps: dict[str, list[_Instr]], warnings: list[str], cost: dict[str, float] | None = None
+    entry: str, comps: dict[str, list[_Instr]], warnings: list[str], cost: dict[str, float] | None = None,
+    all_branches: bool = False,
 ) -> dict[str, int]:
     """How many times each computation runs per call of ``entry`` (while bodies x trip count).
 
@@ -299,6 +306,9 @@ def _executions(
     bound on the bytes when branches differ (exact when they agree), and never the sum of branches;
     the other branches get no executions from that conditional, so their collectives (listed in the
     report's ops with 0 executions) add to no row even where their kind or axes differ.
+
+    ``all_branches``: every branch runs once per execution of its conditional; the pipeline report
+    then scales each collective by the share of ticks in which the schedule takes its branch.
     """
     cost = cost or {}
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -329,7 +339,10 @@ def _executions(
     visit(entry)
     total: dict[str, float] = {}  # bytes of one run of a computation, callees included
     for comp in order:  # callees first
-        chosen = [max(group, key=lambda b: total[b]) for group in branches[comp]]  # first of the largest
+        if all_branches:
+            chosen = [b for group in branches[comp] for b in group]
+        else:
+            chosen = [max(group, key=lambda b: total[b]) for group in branches[comp]]  # first of the largest
         edges[comp] += [(b, 1) for b in chosen]
         total[comp] = cost.get(comp, 0.0) + sum(total[c] * n for c, n in edges[comp])
     runs = defaultdict(int, {entry: 1})
@@ -371,7 +384,7 @@ def _collective(ins: _Instr, symbols: dict[str, str], coords: np.ndarray, names:
         m = _PAIRS.search(ins.attrs)
         pairs = parse_replica_groups(m.group(1)) if m else []
         axes = tuple(sorted({a for p in pairs for a in _axes_of(p, coords, names)}, key=names.index))
-        return kind, axes, len(pairs), operand_bytes
+        return kind, axes, len(pairs), operand_bytes, tuple(sorted(p[0] for p in pairs))
     m = _GROUPS.search(ins.attrs)
     groups = parse_replica_groups(m.group(1)) if m else None
     if groups is None:
@@ -379,17 +392,25 @@ def _collective(ins: _Instr, symbols: dict[str, str], coords: np.ndarray, names:
     n = len(groups[0])
     axes = tuple(sorted({a for g in groups for a in _axes_of(g, coords, names)}, key=names.index))
     size = operand_bytes * n if kind == "all-gather" else operand_bytes
-    return kind, axes, n, size
+    return kind, axes, n, size, ()
 
 
 def analyze_compiled(
-    compiled: Any, mesh: Any, *, expected: dict | None = None, expected_memory: dict | None = None
+    compiled: Any, mesh: Any, *, expected: dict | None = None, expected_memory: dict | None = None,
+    pipeline: Any = None,
 ) -> CompiledReport:
     """Collectives (by kind and mesh axes, bytes per device per step) and memory of ``compiled``.
 
     ``expected`` (from :func:`expected_collectives`) and ``expected_memory`` put the formula values
     beside the measurements: rows the formulas expect but the program lacks appear with count 0,
     rows the formulas do not expect get expected bytes 0.
+
+    ``pipeline`` (a :class:`jaxpar.pipeline.Pipeline`): the step runs a schedule, whose ticks take
+    one branch of each switch per device. Every collective is then counted exactly, per stage: its
+    runs with all branches executing (:func:`_executions`) times the share of ticks in which that
+    stage takes its branch (:func:`pipeline_fraction`, from the named scopes in its op_name); a
+    collective-permute moves bytes only from the devices that send. ``rows`` are the busiest
+    stage's, ``stages`` has every stage's bytes by axis.
     """
     names = tuple(mesh.axis_names)
     coords = np.array(list(np.ndindex(*mesh.devices.shape)), dtype=int).reshape(-1, len(names))
@@ -401,24 +422,31 @@ def analyze_compiled(
         for ins in instrs:
             if ins.opcode.removesuffix("-start") not in KINDS:
                 continue
-            kind, axes, n, size = _collective(ins, symbols, coords, names)
+            kind, axes, n, size, sources = _collective(ins, symbols, coords, names)
             if not axes:
                 trivial += 1
                 continue
-            found.append((comp, ins, kind, axes, n, size))
+            found.append((comp, ins, kind, axes, n, size, sources))
             cost[comp] += ring_bytes(kind, n, size)
-    runs = _executions(entry, comps, warnings, cost)
+    runs = _executions(entry, comps, warnings, cost, all_branches=pipeline is not None)
     ops = []
-    for comp, ins, kind, axes, n, size in found:
+    for comp, ins, kind, axes, n, size, sources in found:
         times = runs.get(comp, 0)  # 0: only in conditional branches counted as a larger sibling
         meta = _OP_NAME.search(ins.attrs)
         moved, source = ring_bytes(kind, n, size) * times, meta.group(1) if meta else ""
-        ops.append(CollectiveOp(ins.name, kind, axes, n, size, times, moved, ins.type_text, comp, source))
-    rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
-    for op in (op for op in ops if op.executions):
-        row = rows.setdefault((op.kind, op.axes), CollectiveRow(op.kind, op.axes, 0, 0.0))
-        row.count += op.executions
-        row.bytes_per_device += op.bytes_per_device
+        ops.append(CollectiveOp(ins.name, kind, axes, n, size, times, moved, ins.type_text, comp, source, sources))
+    stages: list[dict[str, float]] = []
+    if pipeline is not None:
+        per_stage = [_stage_rows(ops, pipeline, d, coords, names) for d in range(pipeline.table.stages)]
+        stages = [{"stage": d, **{axis: sum(r.bytes_per_device for r in rows.values() if axis in r.axes)
+                                  for axis in names}} for d, rows in enumerate(per_stage)]
+        rows = max(per_stage, key=lambda rows: sum(r.bytes_per_device for r in rows.values()))
+    else:
+        rows = {}
+        for op in (op for op in ops if op.executions):
+            row = rows.setdefault((op.kind, op.axes), CollectiveRow(op.kind, op.axes, 0, 0.0))
+            row.count += op.executions
+            row.bytes_per_device += op.bytes_per_device
     for (kind, axes), exp in (expected or {}).items():
         row = rows.setdefault((kind, axes), CollectiveRow(kind, axes, 0, 0.0))
         row.expected_bytes, row.expected_count = exp["bytes_per_device"], exp["count"]
@@ -435,7 +463,76 @@ def analyze_compiled(
         flops=_flops(compiled),
         trivial_ops=trivial,
         warnings=warnings,
+        stages=stages,
     )
+
+
+_SEND_SCOPE = re.compile(r"pp_send_(fwd|bwd)_(\d+)")
+
+
+def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
+    """Share of the schedule loop's ticks in which ``stage`` runs the branch holding a collective,
+    read from the named scopes of :mod:`jaxpar.pipeline` in its op_name (1 outside the loop).
+
+    1F1B / interleaved (one loop of ``table.ticks``): ``pp_forward`` / ``pp_backward`` where the
+    stage's program runs F / B; ``pp_first`` / ``pp_last`` where that action is on the first / last
+    virtual stage; ``pp_send_<dir>_<k>`` where the tick's send pattern is k. GPipe (a forward loop
+    of m+p-1 ticks and its transpose): ``pp_work`` where 0 <= tick - stage < m, ``pp_first`` /
+    ``pp_last`` on stage 0 / p-1.
+    """
+    from jaxpar import pipeline as pl
+
+    table, prog = pipeline.table, pipeline.program
+    p, v, m = table.stages, table.virtual_stages, table.microbatches
+    tags = set(re.findall(r"pp_[a-z]+", op_name))
+    send = _SEND_SCOPE.search(op_name)
+    if not tags and not send:
+        return 1.0
+    if table.schedule == "gpipe":
+        ticks = np.arange(m + p - 1)
+        ok = np.ones(len(ticks), bool)
+        if pl.SCOPE_WORK in tags:
+            ok &= (ticks - stage >= 0) & (ticks - stage < m)
+        if pl.SCOPE_FIRST in tags:
+            ok &= stage == 0
+        if pl.SCOPE_LAST in tags:
+            ok &= stage == p - 1
+        if send:
+            ok &= prog.pattern[send.group(1)][: len(ticks)] == int(send.group(2))
+        return float(ok.mean())
+    kind, chunk = prog.per_stage["kind"][:, stage], prog.per_stage["chunk"][:, stage]
+    ok = np.ones(table.ticks, bool)
+    if pl.SCOPE_FORWARD in tags:
+        ok &= kind == pl.FORWARD
+    if pl.SCOPE_BACKWARD in tags:
+        ok &= kind == pl.BACKWARD
+    if pl.SCOPE_FIRST in tags:
+        ok &= (chunk == 0) & (stage == 0)
+    if pl.SCOPE_LAST in tags:
+        ok &= (chunk == v - 1) & (stage == p - 1)
+    if send:
+        ok &= prog.pattern[send.group(1)] == int(send.group(2))
+    return float(ok.mean())
+
+
+def _stage_rows(ops: list[CollectiveOp], pipeline: Any, stage: int, coords: np.ndarray,
+                names: tuple[str, ...]) -> dict[tuple[str, tuple[str, ...]], CollectiveRow]:
+    """Rows of one pipeline stage (its device at data = tensor = 0)."""
+    device = next(i for i, c in enumerate(coords) if all(
+        c[k] == (stage if name == "pipeline" else 0) for k, name in enumerate(names)))
+    rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
+    for op in ops:
+        share = pipeline_fraction(op.op_name, pipeline, stage)
+        executions = op.executions * share
+        if not executions:
+            continue
+        moved = op.bytes_per_device * share
+        if op.kind == "collective-permute" and device not in op.sources:
+            moved = 0.0  # it receives only
+        row = rows.setdefault((op.kind, op.axes), CollectiveRow(op.kind, op.axes, 0, 0.0))
+        row.count += round(executions)
+        row.bytes_per_device += moved
+    return rows
 
 
 def _expected_json(expected: dict) -> list[dict[str, Any]]:
@@ -520,11 +617,12 @@ def analyze_layout(cfg: ConfigDict, mesh: Any = None) -> CompiledReport:
     setup = Setup(cfg, mesh if mesh is not None else mesh_for(cfg))
     compiled = setup.lower_train_step().compile()
     if cfg.mesh.pipeline > 1:
-        report = analyze_compiled(compiled, setup.mesh)
+        report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
+        busiest = max(report.stages, key=lambda st: sum(b for k, b in st.items() if k != "stage"))["stage"]
         report.warnings.append(
-            "pipeline layouts: measured only (no formula column); the schedule's switches run one branch per "
-            "tick, counted as the branch moving the most bytes (the backward, the sends), an upper bound: idle "
-            "and forward ticks count as backward ones; the true boundary sends are in the schedule table"
+            f"pipeline layout: rows are the busiest stage ({busiest}), each collective counted exactly from the "
+            "schedule table (the ticks in which that stage takes its branch); every stage's bytes are in `stages`; "
+            "no formula column here: `jaxpar plan --aot` compares them with the estimate"
         )
     else:
         report = analyze_compiled(

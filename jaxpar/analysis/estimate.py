@@ -400,8 +400,8 @@ def communication(
     interleaved, /t with SP (Megatron's scatter-gather: each rank sends its sequence shard).
 
     ``jaxpar``: what the jaxpar train step compiles to (checked against the compiled HLO by
-    tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`_jaxpar_tensor`. The pipeline
-    axis is the same as ``paper``.
+    tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`jaxpar_stage_traffic` (tensor and
+    pipeline axes of each pipeline stage; the busiest stage counts).
 
     Times use ``link_efficiency`` x the nominal bandwidth (the seed plans with 70-80% of nominal).
     """
@@ -412,10 +412,11 @@ def communication(
     pp_calls = 2 * m * layout.virtual_stages
     pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
     if convention == "jaxpar":
+        stages = [jaxpar_stage_traffic(model, layout, d) for d in range(p)]
         traffic = {
             "data": (n, *_jaxpar_data(model, layout, grad_reduce_bytes)),
-            "tensor": (t, *_jaxpar_tensor(model, layout)),
-            "pipeline": pipeline,
+            "tensor": (t, *max((st["tensor"] for st in stages), key=lambda x: x[0])),
+            "pipeline": (p, *max((st["pipeline"] for st in stages), key=lambda x: x[0])),
         }
     else:
         grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
@@ -507,6 +508,70 @@ def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
         moved += (2 * layers + 1) * all_reduce_bytes(model.embed_dim * 4, t)
         calls += (4 + 2 * remat) * layers + ends + 2 * layers + 1  # each pair counts 2, plus the norm scales
     return m * moved, m * calls
+
+
+def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[str, tuple[float, int]]:
+    """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
+    executor (jaxpar/pipeline.py); without a pipeline, :func:`_jaxpar_tensor`.
+
+    Pipeline: stage d sends one activation per microbatch for each of its v chunks but the last
+    virtual stage's, and one gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
+    sends of b*s*h (/t with SP: each tensor rank sends its sequence shard). Middle stages send 2mv,
+    the two ends m(2v-1) (Narayanan et al. 2021 count 2mv per boundary).
+
+    Tensor, per microbatch and chunk of c = L/(p*v) layers, with A = one all-reduce of b*s*h (with
+    SP a gather/scatter pair of the same bytes):
+
+    * 1F1B / interleaved: the forward tick runs the chunk (2cA, plus the embedding A on the first
+      virtual stage); the last virtual stage's forward tick is idle (its backward does all). The
+      backward tick recomputes the stage forward: with full remat a forward scan keeping each layer's
+      input (2cA) then, per layer, a recomputed layer under vjp (1A: the MLP output's all-reduce is
+      dead there) and its backward (2A): 5cA; SP 5.5cA (recompute needs both gathers and the
+      attention scatter) plus 2 fp32 norm-scale gradients of h per layer and sequence. Without full
+      remat the backward is the vjp of the stage: (4 + [recompute])cA. The first virtual stage's
+      backward recomputes the embedding (A; with SP the embedding is a reduce-scatter, A/2, and its
+      backward a gather, A/2: 1.5A in all); the last's adds the output layer's input gradient (A)
+      and the cross-entropy's 3 fp32 all-reduces of b*s.
+    * GPipe: each stage's forward once and JAX's transpose of it: per layer (4 + [recompute])A as
+      :func:`_jaxpar_tensor`, the embedding A on stage 0, output-layer gradient and cross-entropy on
+      stage p-1.
+
+    Checked against the compiled step per stage (tests/test_plan_aot.py: ratio 1.0000 on 1F1B,
+    interleaved and GPipe, with and without SP). Known deviation: with one layer per chunk and
+    selective/no remat XLA unrolls the chunk's scan and merges the recomputed forward with the
+    vjp's own (``prevent_cse=False``), measured 0.94x of this estimate.
+    """
+    t, p, v, m, sp = layout.tensor, layout.pipeline, layout.virtual_stages, layout.microbatches, layout.sequence_parallel
+    if p == 1:
+        return {"tensor": _jaxpar_tensor(model, layout), "pipeline": (0.0, 0)}
+    v = v if layout.schedule == "interleaved" else 1
+    bs = layout.microbatch_size * layout.seq_len
+    bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    send = m * ((v - (stage == p - 1)) + (v - (stage == 0)))
+    pipeline = (send * bsh / (t if sp else 1), send)
+    if t == 1:
+        return {"tensor": (0.0, 0), "pipeline": pipeline}
+    a, c = all_reduce_bytes(bsh, t), model.num_layers // (p * v)
+    remat = layout.recompute != "none"
+    full = layout.recompute == "full" and layout.schedule != "gpipe"
+    per_seq = layout.microbatch_size if full else 1  # the full-remat backward runs sequence by sequence
+    moved, calls = 0.0, 0
+    for chunk in range(v):
+        first, last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        if layout.schedule == "gpipe":
+            units = (4 + (1.5 if sp else 1.0) * remat) * c
+        else:
+            forward = 0 if last else 2 * c
+            backward = (5.5 if sp else 5) * c if full else (4 + (1.5 if sp else 1.0) * remat) * c
+            units = forward + backward
+        explicit_embed = 1.5 if sp else 2  # forward, and again in the backward (SP: a scatter, then a pair)
+        units += (explicit_embed if layout.schedule != "gpipe" else 1) * first + (1 if last else 0)
+        moved += units * a + (3 * all_reduce_bytes(bs * 4, t) if last else 0.0)
+        calls += round(units) + (3 if last else 0)
+        if sp:  # norm-scale gradients: 2 per layer (+ the final norm on the last stage), per sequence
+            moved += per_seq * (2 * c + last) * all_reduce_bytes(model.embed_dim * 4, t)
+            calls += per_seq * (2 * c + last)
+    return {"tensor": (m * moved, m * calls), "pipeline": pipeline}
 
 
 # --------------------------------------------------------------------------- FLOPs and time
