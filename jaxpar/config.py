@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import os
 import pathlib
 from typing import Any
 
@@ -100,6 +101,7 @@ def default_config() -> ConfigDict:
     c.train.eval_every = 0  # 0: evaluate only at start and end
     c.train.eval_batches = 8
     c.train.resume = "auto"  # auto | never | a step number
+    c.train.init_from = ""  # HF LLaMA weights (dir, .safetensors, .index.json, torch file) when nothing resumes
     c.train.warmup_steps_excluded = 3  # steps excluded from steady-state throughput
     c.train.spike_factor = 5.0  # skip an update whose loss exceeds this x the running median (0: off)
     c.train.max_bad_steps = 3  # consecutive skipped steps before rolling back to the last checkpoint
@@ -362,6 +364,11 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     _require(
         resume in ("auto", "never") or resume.isdigit(),
         f"train.resume='{resume}': use auto, never or a step number",
+    )
+    _require(
+        not t.init_from or os.path.exists(t.init_from),
+        f"train.init_from='{t.init_from}': no such file or directory; give an HF checkpoint directory, a "
+        ".safetensors / .index.json file or a torch state dict",
     )
     _require(t.spike_factor == 0 or t.spike_factor > 1, f"train.spike_factor={t.spike_factor}: use 0 (off) or > 1")
     _require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")

@@ -239,3 +239,65 @@ def test_bad_torch_file_is_a_config_error(tmp_path, model_cfg):
     with pytest.raises(ConfigError, match=r"torch.load\(weights_only=True\) cannot read it") as info:
         weights.load_hf(tmp_path, model_cfg)
     assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- train.init_from
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"),
+     ("--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.train.microbatches=2",
+      "--config.parallel.zero_stage=1")],
+    ids=["zero3_tp2", "pipeline2"],
+)
+def test_init_from_hf_lands_in_the_layout(saved, layout):
+    """train.init_from: the HF weights arrive in the layout's form (ZeRO-3 shards; the pipeline's
+    stage form with embedding and head in `ends`), bitwise, with a zero optimizer state."""
+    params, path = saved
+    cfg = tiny_config(*layout, f"--config.train.init_from={path}")
+    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh)))
+    got, opt = setup.init_from_hf(cfg.train.init_from)
+    assert jax.tree.structure(got) == jax.tree.structure(setup.abstract_params)
+    for arr, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(setup.param_shardings)):
+        assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
+    model_form, _ = setup.to_model_order(got, opt)
+    assert_bitwise(params, jax.device_get(model_form))
+    assert int(opt["count"]) == 0 and all(not np.any(np.asarray(m)) for m in jax.tree.leaves(opt["mu"]))
+
+
+def test_init_from_hf_rejects_another_model(saved):
+    _, path = saved
+    cfg = tiny_config("--config.model.num_layers=2", f"--config.train.init_from={path}")
+    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh)))
+    with pytest.raises(ConfigError, match=r"num_hidden_layers.*set --config.model.num_layers=4$") as e:
+        setup.init_from_hf(cfg.train.init_from)
+    assert "\n" not in str(e.value)
+
+
+def test_init_from_missing_path_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="train.init_from=.*no such file or directory"):
+        tiny_config(f"--config.train.init_from={tmp_path / 'nope'}")
+
+
+def test_trainer_starts_from_hf_then_resumes_its_own_checkpoint(saved, tmp_path):
+    """With nothing to resume the trainer starts from the HF weights; once it has a checkpoint, a
+    restart resumes that (init_from is for the first start only)."""
+    from jaxpar.train.loop import Trainer
+
+    params, path = saved
+    overrides = [f"--config.train.init_from={path}", f"--config.train.workdir={tmp_path}", "--config.data.source=synthetic",
+                 "--config.checkpoint.every=1", "--config.train.steps=1"]
+    messages: list[str] = []
+    trainer = Trainer(tiny_config(*overrides), echo=messages.append, progress=False)
+    trainer.initialize()
+    assert any(m == f"initialised from HF weights in {path}" for m in messages)
+    assert_bitwise(params, jax.device_get(trainer.params))
+    trainer.train_step()
+    trainer.save()
+    trainer.checkpoints.wait()
+    again = Trainer(tiny_config(*overrides), echo=messages.append, progress=False)
+    again.initialize()
+    assert again.step == 1 and messages[-1].startswith("resumed from checkpoint at step 1")
+    again.checkpoints.close()
+    trainer.checkpoints.close()

@@ -100,7 +100,11 @@ class Trainer:
             step = int(resume) if resume.isdigit() else None
             restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
         if restored is None:
-            self.params, self.opt_state = self.setup.init(self.cfg.train.seed)
+            if self.cfg.train.init_from:  # fine-tuning: start from HF weights, a fresh optimizer
+                self.params, self.opt_state = self.setup.init_from_hf(self.cfg.train.init_from)
+                self.echo(f"initialised from HF weights in {self.cfg.train.init_from}")
+            else:
+                self.params, self.opt_state = self.setup.init(self.cfg.train.seed)
             self.step = 0
             return
         self.step, state, meta = restored

@@ -15,6 +15,7 @@ into ``ends`` split over ``pipeline``. ``init`` builds that form; checkpoints ho
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import pipeline as pipeline_lib
-from jaxpar.config import ConfigDict, derive
+from jaxpar.config import ConfigDict, ConfigError, derive
 from jaxpar.models import llama
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
 from jaxpar.train.schedule import make_schedule
@@ -91,6 +92,18 @@ class Setup:
 
         with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
             return _init(jax.random.key(seed))
+
+    def init_from_hf(self, path: str) -> tuple[Any, Any]:
+        """Parameters from an HF LLaMA checkpoint (each device reads only its shard) and a fresh
+        optimizer state, in this layout's form. A ``config.json`` beside the weights must describe
+        the configured model: the first differing field raises a one-line :class:`ConfigError`
+        naming the override that fixes it (missing or misshapen tensors raise one too)."""
+        from jaxpar.port import weights  # train -> port: the HF layout lives with the importers
+
+        check_hf_model(path, self.cfg.model)
+        params = weights.load_hf(path, self.cfg.model, self.model_param_shardings)
+        opt = jax.jit(init_opt_state, out_shardings=self.model_opt_shardings)(params)
+        return self.from_model_order(params, opt)
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
@@ -176,6 +189,34 @@ class Setup:
     def lower_train_step(self):
         guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(self.mesh, P()))
         return self.train_step.lower(*self.abstract_state(), guard)
+
+
+# model fields an HF config.json fixes: (jaxpar field, HF key in the message)
+HF_MODEL_FIELDS = (
+    ("vocab_size", "vocab_size"), ("embed_dim", "hidden_size"), ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+    ("mlp_dim", "intermediate_size"), ("tie_embeddings", "tie_word_embeddings"), ("rope_theta", "rope_theta"),
+    ("norm_eps", "rms_norm_eps"), ("mlp_activation", "hidden_act"), ("norm", "model_type"),
+    ("position", "model_type"),
+)
+
+
+def check_hf_model(path: str, model_cfg: ConfigDict) -> None:
+    """Compare the configured model with the ``config.json`` next to HF weights (if there is one)."""
+    from jaxpar.port import weights
+
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    config_json = os.path.join(directory, "config.json")
+    if not os.path.exists(config_json):
+        return
+    hf = weights.model_config_from_hf(config_json)
+    for field, key in HF_MODEL_FIELDS:
+        want, have = hf[field], model_cfg[field]
+        if want != have:
+            raise ConfigError(
+                f"train.init_from: {config_json} has {key} giving model.{field}={want!r} but the config has "
+                f"{have!r}; set --config.model.{field}={want}"
+            )
 
 
 class TrainStep:
