@@ -41,16 +41,16 @@ def main() -> int:
     from jaxpar.analysis import aot, plan
     from jaxpar.config import load_config
 
-    print(f"{'model':<9} {'layout':<62} {'args':>7} {'data':>7} {'tensor':>7} {'pipeline':>8}")
+    print(f"{'model':<9} {'layout':<78} {'args':>7} {'data':>7} {'tensor':>7} {'pipeline':>8}")
     for model, layout in layouts():
         cfg = load_config(str(ROOT / "configs" / f"{model}.py"))
         r = aot.aot_compare(cfg, layout, "jaxpar")
         if r.skipped:
-            print(f"{model:<9} {plan.describe(layout):<62} skipped: {r.skipped}")
+            print(f"{model:<9} {plan.describe(layout):<78} skipped: {r.skipped}")
             continue
         ratios = [r.argument_ratio] + [r.ratio(axis) for axis in ("data", "tensor", "pipeline")]
         cells = " ".join(f"{'-' if x is None else f'{x:.4f}':>7}" for x in ratios)
-        print(f"{model:<9} {plan.describe(layout):<62} {cells}")
+        print(f"{model:<9} {plan.describe(layout):<78} {cells}")
     return 0
 
 
