@@ -127,7 +127,7 @@ def _same_final_state(cfg: ConfigDict, a: pathlib.Path, b: pathlib.Path) -> bool
     one = ConfigDict(cfg.to_dict())
     one.mesh.data = one.mesh.tensor = one.mesh.pipeline = 1
     one.parallel.zero_stage = 0
-    params, opt, _ = Setup(one, single_device_mesh()).abstract_state()
+    params, opt, _ = Setup(one, single_device_mesh()).abstract_state(model_form=True)  # checkpoints: model form
     abstract = {"params": params, "opt_state": opt}
     states = []
     for workdir in (a, b):
