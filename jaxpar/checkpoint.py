@@ -87,6 +87,30 @@ class Checkpointer:
             "remove the directory or set --config.train.resume=never"
         )
 
+    def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[int, Any] | None:
+        """Only the parameters of ``step`` (default: the newest), onto ``abstract_params``'
+        shardings; the optimizer state is not read (exports need a third of the memory). None when
+        there is no checkpoint."""
+        candidates = self.steps()
+        if step is not None and step not in candidates:
+            raise ConfigError(f"--step {step}: no checkpoint at step {step} in {self.directory} (available: "
+                              f"{candidates or 'none'}); pick one of those")
+        if not candidates:
+            return None
+        step = candidates[-1] if step is None else step
+        item = {"params": abstract_params}
+        args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
+                            item)
+        # a read-only manager of its own: a partial restore needs the PyTree handler for "state"
+        reader = ocp.CheckpointManager(self.directory, item_names=("state", "meta"))
+        try:
+            restored = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)))
+        finally:
+            reader.close()
+        _check_shapes(restored["state"], item)
+        return step, restored["state"]["params"]
+
     def discard_after(self, step: int) -> None:
         """Delete the checkpoints newer than ``step`` (a rollback makes them history)."""
         for newer in [s for s in self.steps() if s > step]:

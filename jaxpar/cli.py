@@ -1,4 +1,4 @@
-"""``jaxpar`` command line: train | inspect | plan | port | drill.
+"""``jaxpar`` command line: train | inspect | plan | port | export | drill.
 
 Configuration errors print one line naming the field and the fix and exit with code 2, no
 traceback. On CPU, the number of simulated devices is set from the config's mesh
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "plan", "jaxpar.analysis.plan", "add_plan_arguments", "run_plan",
                   "estimate and rank layouts for a cluster before renting it")
     _add_port(sub)
+    _add_optional(sub, "export", "jaxpar.port.export", "add_export_arguments", "run_export",
+                  "write a training checkpoint's parameters as an HF LLaMA checkpoint (safetensors + config.json)")
     _add_optional(sub, "drill", "jaxpar.drill", "add_drill_arguments", "run_drill_cli",
                   "kill training with SIGKILL at random steps, resume, and check the end state is identical")
     return parser

@@ -301,3 +301,40 @@ def test_trainer_starts_from_hf_then_resumes_its_own_checkpoint(saved, tmp_path)
     assert again.step == 1 and messages[-1].startswith("resumed from checkpoint at step 1")
     again.checkpoints.close()
     trainer.checkpoints.close()
+
+
+# --------------------------------------------------------------------------- jaxpar export
+
+
+def test_export_writes_the_checkpoint_as_hf(tmp_path, capsys):
+    """A pipeline run (stage form: ends, interleaved layer order) checkpoints the model form; export
+    writes it as HF safetensors that load back bitwise equal to the checkpointed parameters."""
+    from jaxpar.cli import main
+    from jaxpar.train.loop import Trainer
+
+    overrides = [f"--config.train.workdir={tmp_path / 'run'}", "--config.data.source=synthetic",
+                 "--config.checkpoint.every=1", "--config.train.steps=1", "--config.mesh.data=2",
+                 "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.train.microbatches=2",
+                 "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2"]
+    cfg = tiny_config(*overrides)
+    trainer = Trainer(cfg, echo=lambda _: None, progress=False)
+    trainer.initialize()
+    trainer.train_step()
+    trainer.save()
+    trainer.checkpoints.close()
+    want, _ = trainer.setup.to_model_order(trainer.params, trainer.opt_state)
+    out = tmp_path / "hf"
+    from tests.helpers import FP32_SMALL, TINY
+
+    assert main(["export", "--config", TINY, "-o", str(out), *FP32_SMALL, *overrides]) == 0
+    assert f"wrote {out}: checkpoint step 1" in capsys.readouterr().out
+    assert_bitwise(jax.device_get(want), weights.load_hf(out, cfg.model))
+    # the output exists now: a second export needs --overwrite; a run without checkpoints says so
+    assert main(["export", "--config", TINY, "-o", str(out), *FP32_SMALL, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err
+    empty = [f"--config.train.workdir={tmp_path / 'none'}"]
+    assert main(["export", "--config", TINY, "-o", str(tmp_path / "x"), *FP32_SMALL, *empty]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint" in err and not (tmp_path / "x").exists()
+    assert not (tmp_path / "none").exists()  # a failed export creates nothing
