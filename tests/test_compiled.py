@@ -436,7 +436,15 @@ def test_inspect_prints_the_pipeline_schedule(capsys):
     overrides = ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
                  "--config.train.microbatches=4", "--config.model.compute_dtype=float32"]
     assert run_inspect(argparse.Namespace(config=TINY, overrides=overrides, json=True, ops=False)) == 0
-    pipe = json.loads(capsys.readouterr().out)["pipeline"]
+    out = json.loads(capsys.readouterr().out)
+    pipe = out["pipeline"]
+    # every stage's bytes by axis, counted from the schedule, beside the per-stage estimate
+    assert [st["stage"] for st in out["stages"]] == [0, 1]
+    for st in out["stages"]:
+        for axis in ("data", "tensor", "pipeline"):
+            assert st[axis] == pytest.approx(st["expected"][axis], rel=0.01), (st["stage"], axis)
+    assert out["stages"][0]["tensor"] > out["stages"][1]["tensor"]  # stage 0 also runs forward ticks
+    assert out["memory"]["argument_ratio"] == pytest.approx(1, rel=1e-3)
     assert pipe["schedule"] == "1f1b" and pipe["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
     assert pipe["expected_bubble_fraction"] == pytest.approx(1 / 5)
     assert (pipe["boundary_sends_forward"], pipe["boundary_sends_backward"]) == (4, 4)

@@ -43,6 +43,14 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
 
+    @classmethod
+    def from_config(cls, cfg: ConfigDict) -> Layout:
+        """The layout a (validated) train config runs."""
+        m, t = cfg.mesh, cfg.train
+        return cls(m.data, m.tensor, m.pipeline, cfg.pipeline.virtual_stages if m.pipeline > 1 else 1,
+                   cfg.parallel.zero_stage, t.microbatches, t.global_batch // (t.microbatches * m.data), t.seq_len,
+                   cfg.model.remat, cfg.parallel.sequence_parallel, cfg.pipeline.schedule)
+
     @property
     def devices(self) -> int:
         return self.data * self.tensor * self.pipeline

@@ -150,5 +150,18 @@ def render(report: Any, title: str = "", console: Any = None) -> None:
         )
         mt.add_row("argument + temp", f"{mem.args_plus_temps_mib:,.2f}", "-", "-")
         console.print(mt)
+    if report.stages:
+        st = Table(title="pipeline stages: ring MB per device per step, measured / estimated (ratio)")
+        st.add_column("stage", justify="right")
+        for axis in ("data", "tensor", "pipeline"):
+            st.add_column(axis, justify="right", no_wrap=True)
+        for stage in report.stages:
+            cells = []
+            for axis in ("data", "tensor", "pipeline"):
+                measured, expected = stage[axis], stage.get("expected", {}).get(axis)
+                ratio = measured / expected if expected else None
+                cells.append(f"{_fmt(measured, MB)} / {_fmt(expected, MB)} ({_fmt_ratio(ratio, measured, expected)})")
+            st.add_row(str(stage["stage"]), *cells)
+        console.print(st)
     for line in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {line}")
