@@ -47,6 +47,10 @@ forward and the same backward.
   layer by layer (:func:`_stage_backward_by_layer`): the same flops, but the working set of one
   sequence through one layer, and each layer's weight gradient is added into the fp32 accumulator
   (the scan's carry) in place, with no stacked gradient of the stage's layers beside it.
+* ZeRO-3 (``parallel.zero_stage=3``, FSDP + PP): block parameters and the stage's ``ends`` slot
+  are stored sharded over ``data``; each tick that runs a layer gathers it (the data peers of a
+  stage run the same branch of every tick, so the gathers inside the branches line up) and the
+  gathers' transposes reduce-scatter the gradients into a sharded accumulator. ZeRO-2 is refused.
 * ``gpipe`` (:func:`_gpipe_loss_and_grads`): the forward ticks are a scan differentiated by JAX,
   whose transpose is the backward half of the table (reverse order, gradients permuted back); the
   residuals of all m microbatches stay alive, as in GPipe without recomputation.
@@ -129,9 +133,9 @@ def check_config(cfg: ConfigDict) -> None:
          f"(interleaved runs microbatches in groups of p); set --config.train.microbatches={p * -(-m // p)}"),
         (cfg.train.global_batch % per_step == 0, f"train.global_batch={cfg.train.global_batch} is not divisible by "
          f"train.microbatches*mesh.data={per_step}; use a multiple of {per_step}"),
-        (zero < 2, f"parallel.zero_stage={zero} with mesh.pipeline={p} is not supported (the pipeline accumulates "
-         "gradients over its ticks; ZeRO-2/3 would reduce or gather over data inside them); use "
-         "--config.parallel.zero_stage=1 or 0"),
+        (zero != 2, f"parallel.zero_stage=2 with mesh.pipeline={p} is not supported (the pipeline accumulates "
+         "gradients over its ticks); use --config.parallel.zero_stage=1 (sharded optimizer) or 3 (sharded "
+         "parameters and gradients)"),
     ]
     for ok, message in checks:
         if not ok:
@@ -435,11 +439,13 @@ def _split(params: dict) -> tuple[dict, dict]:
     return {k: val for k, val in params.items() if k != "blocks"}, params["blocks"]
 
 
-def _view(shared: dict) -> dict:
+def _view(shared: dict, ctx: llama.ShardContext) -> dict:
     """The model's view of a stage's non-block parameters: this stage's slot of ``ends`` (the
     embedding on the first stage, the transposed output layer on the last) serves as ``embed``,
     which :func:`llama.logits_local` uses as ``[vocab, embed]`` output layer when there is no
-    ``lm_head`` (as for tied embeddings)."""
+    ``lm_head`` (as for tied embeddings). With ZeRO-3 the shards are gathered over ``data`` here,
+    inside the first / last stage's branch, so only those stages gather them."""
+    shared = llama.gather_zero3(shared, ctx)
     if ENDS not in shared:
         return shared
     return {**{k: val for k, val in shared.items() if k != ENDS}, "embed": shared[ENDS][0]}
@@ -458,11 +464,11 @@ def _stage(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    x = _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(shared), inputs, ctx)), lambda x: x, x_in)
+    x = _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(shared, ctx), inputs, ctx)), lambda x: x, x_in)
     y = llama.run_blocks(x, chunk, jnp.arange(inputs.shape[1]), ctx)
 
     def loss(y):
-        return llama.cross_entropy_sum(llama.logits_local(_view(shared), y, ctx), targets, ctx) * scale
+        return llama.cross_entropy_sum(llama.logits_local(_view(shared, ctx), y, ctx), targets, ctx) * scale
 
     return y, None if last is None else _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
@@ -481,11 +487,11 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
         return llama._block(x, llama.gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx)
 
     def embed(sh, x):
-        return _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(sh), inputs, ctx)), lambda x: x, x)
+        return _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(sh, ctx), inputs, ctx)), lambda x: x, x)
 
     def head(sh, y):
         def loss(y):
-            return llama.cross_entropy_sum(llama.logits_local(_view(sh), y, ctx), targets, ctx) * scale
+            return llama.cross_entropy_sum(llama.logits_local(_view(sh, ctx), y, ctx), targets, ctx) * scale
 
         return _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
@@ -518,7 +524,7 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
 def _boundary_types(shared: dict, blocks: dict, batch: jax.Array, ctx: llama.ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
-    emb = jax.eval_shape(lambda: llama.embed_tokens(_view(shared), batch[0][:, :-1], ctx))
+    emb = jax.eval_shape(lambda: llama.embed_tokens(_view(shared, ctx), batch[0][:, :-1], ctx))
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
@@ -556,9 +562,10 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
     act, act_axes, loss_axes = _boundary_types(shared, blocks, batch, ctx, v, scale)
     zeros_act = functools.partial(_zeros, act.shape, act.dtype, act_axes)
     # Full rematerialisation trades compute for memory: there the backward also runs the microbatch's
-    # sequences one at a time (the same flops; the working set of one sequence) and layer by layer.
+    # sequences one at a time (the same flops; the working set of one sequence) and layer by layer;
+    # not with ZeRO-3, where each pass gathers every layer over data again (b times the traffic).
     by_layer = ctx.remat == "full"
-    splits = act.shape[0] if by_layer else 1
+    splits = act.shape[0] if by_layer and not ctx.zero3 else 1
 
     def run(kind, mb, chunk, act_buf, grad_buf, act_slot, grad_slot, acc, loss):
         # the stage input and output gradient are read from their slots inside the branches: read
@@ -685,7 +692,7 @@ def eval_loss_sum(params: dict, tokens: jax.Array, ctx: llama.ShardContext, stag
     shared, blocks = _split(params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.arange(inputs.shape[1])
-    x = llama.embed_tokens(_view(shared), inputs, ctx)
+    x = llama.embed_tokens(_view(shared, ctx), inputs, ctx)
     x = _vary(x, _varying(x) | {AXIS})
     ring = [(j, (j + 1) % p) for j in range(p)]
 
@@ -700,7 +707,7 @@ def eval_loss_sum(params: dict, tokens: jax.Array, ctx: llama.ShardContext, stag
     x = run(x, p * v - 1)  # the last virtual stage is on the last device, which holds the head
 
     def loss(x):
-        return llama.cross_entropy_sum(llama.logits_local(_view(shared), x, ctx), targets, ctx)
+        return llama.cross_entropy_sum(llama.logits_local(_view(shared, ctx), x, ctx), targets, ctx)
 
     return jax.lax.psum(_cond(d == p - 1, loss, lambda x: jnp.zeros((), jnp.float32), x), AXIS)
 

@@ -153,6 +153,12 @@ DEFAULT = {
     "1f1b_p2_m4_d2_t2_sp": layout("1f1b", 2, 4, 2, 2, "--config.parallel.sequence_parallel=true"),
     "interleaved_p2_m4_t2": layout("interleaved", 2, 4, 1, 2),
     "interleaved_p4_m8_d2": layout("interleaved", 4, 8, 2),
+    # ZeRO-3 inside the pipeline: every stage gathers its layers (and the first / last stage their
+    # ends slot) over data inside the ticks; the gathers' transposes reduce-scatter the gradients
+    "1f1b_p2_m4_d2_zero3": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=3"),
+    "interleaved_p2_m4_d2_t2_zero3_remat": layout("interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3",
+                                                  "--config.model.remat=full"),
+    "gpipe_p2_m4_d4_zero3": layout("gpipe", 2, 4, 4, 1, "--config.parallel.zero_stage=3"),
 }
 AXES = {"plain": (1, 1), "d2": (2, 1), "t2": (1, 2)}
 GRID = {
@@ -441,9 +447,6 @@ P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=
           "--config.train.microbatches=2"], "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual"),
         (["--config.parallel.zero_stage=2", "--config.train.microbatches=2"],
          "parallel.zero_stage=2 with mesh.pipeline=2 is not supported"),
-        (["--config.parallel.zero_stage=3", "--config.parallel.grad_reduce_dtype=bfloat16",
-          "--config.train.microbatches=2"],
-         "parallel.zero_stage=3 with mesh.pipeline=2 is not supported"),
     ],
 )
 def test_bad_pipeline_input_is_one_line_exit_2(capsys, overrides, needle):

@@ -421,8 +421,9 @@ def communication(
     pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
     if convention == "jaxpar":
         stages = [jaxpar_stage_traffic(model, layout, d) for d in range(p)]
+        data = _jaxpar_data(model, layout, grad_reduce_bytes)
         traffic = {
-            "data": (n, *_jaxpar_data(model, layout, grad_reduce_bytes)),
+            "data": (n, *max((st.get("data", data) for st in stages), key=lambda x: x[0])),
             "tensor": (t, *max((st["tensor"] for st in stages), key=lambda x: x[0])),
             "pipeline": (p, *max((st["pipeline"] for st in stages), key=lambda x: x[0])),
         }
@@ -544,33 +545,46 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[
       :func:`_jaxpar_tensor`, the embedding A on stage 0, output-layer gradient and cross-entropy on
       stage p-1.
 
+    One layer per chunk (c = 1) without full remat, 1F1B / interleaved (whose backward tick runs
+    the vjp of a fresh stage forward): XLA unrolls the one-step layer scan and merges
+    the recomputed forward with the vjp's own (the checkpoint uses ``prevent_cse=False``): no
+    recompute all-reduce is left (with SP one of the three recomputed collective pairs' worth, A,
+    stays), measured with jax 0.10.
+
     Checked against the compiled step per stage (tests/test_plan_aot.py: ratio 1.0000 on 1F1B,
-    interleaved and GPipe, with and without SP). Known deviation: with one layer per chunk and
-    selective/no remat XLA unrolls the chunk's scan and merges the recomputed forward with the
-    vjp's own (``prevent_cse=False``), measured 0.94x of this estimate.
+    interleaved and GPipe, with and without SP and ZeRO-3).
     """
     t, p, v, m, sp = layout.tensor, layout.pipeline, layout.virtual_stages, layout.microbatches, layout.sequence_parallel
     if p == 1:
         return {"tensor": _jaxpar_tensor(model, layout), "pipeline": (0.0, 0)}
+    data = _jaxpar_pipeline_zero3(model, layout, stage) if layout.zero_stage == 3 else None
     v = v if layout.schedule == "interleaved" else 1
     bs = layout.microbatch_size * layout.seq_len
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
     send = m * ((v - (stage == p - 1)) + (v - (stage == 0)))
-    pipeline = (send * bsh / (t if sp else 1), send)
+    # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
+    # table), summed over pipeline, and the loss
+    held = [x for x in param_tensors(model) if x.name.startswith("final_norm") or x.name == "positions"
+            or (model.tie_embeddings and x.name == "embedding")]
+    summed = 4 + 4 * sum(shard_elements(x, t, layout.data, layout.zero_stage == 3) for x in held)
+    pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
-        return {"tensor": (0.0, 0), "pipeline": pipeline}
+        return {"tensor": (0.0, 0), "pipeline": pipeline, **({"data": data} if data else {})}
     a, c = all_reduce_bytes(bsh, t), model.num_layers // (p * v)
     remat = layout.recompute != "none"
     full = layout.recompute == "full" and layout.schedule != "gpipe"
     per_seq = layout.microbatch_size if full else 1  # the full-remat backward runs sequence by sequence
+    recompute = (1.5 if sp else 1.0) * remat
+    if c == 1 and not full and layout.schedule != "gpipe":  # XLA merges the recomputed forward (see above)
+        recompute = 1.0 if sp and remat else 0.0
     moved, calls = 0.0, 0
     for chunk in range(v):
         first, last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
         if layout.schedule == "gpipe":
-            units = (4 + (1.5 if sp else 1.0) * remat) * c
+            units = (4 + recompute) * c
         else:
             forward = 0 if last else 2 * c
-            backward = (5.5 if sp else 5) * c if full else (4 + (1.5 if sp else 1.0) * remat) * c
+            backward = (5.5 if sp else 5) * c if full else (4 + recompute) * c
             units = forward + backward
         explicit_embed = 1.5 if sp else 2  # forward, and again in the backward (SP: a scatter, then a pair)
         units += (explicit_embed if layout.schedule != "gpipe" else 1) * first + (1 if last else 0)
@@ -579,7 +593,45 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[
         if sp:  # norm-scale gradients: 2 per layer (+ the final norm on the last stage), per sequence
             moved += per_seq * (2 * c + last) * all_reduce_bytes(model.embed_dim * 4, t)
             calls += per_seq * (2 * c + last)
-    return {"tensor": (m * moved, m * calls), "pipeline": pipeline}
+    return {"tensor": (m * moved, m * calls), "pipeline": pipeline, **({"data": data} if data else {})}
+
+
+def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/pipeline.py).
+
+    With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; a reduce-scatter
+    of the gradient, the gather's transpose, moves as much), per microbatch and chunk of c layers:
+    1F1B / interleaved: the forward tick gathers each layer once (cG; the last virtual stage's is
+    idle), the backward tick gathers it for the recomputed forward, again for the layer's vjp, and
+    reduce-scatters its gradient (3cG; with full remat the backward then runs the whole microbatch
+    at once, not sequence by sequence, so the gathers are not repeated per sequence). GPipe: 3cG
+    (forward; backward gather and scatter). The first stage gathers the embedding (and positions)
+    in each tick that embeds (G forward, 2G backward), the last the output table and final norm
+    (2G). Parameters no ZeRO dim divides are all-reduced once per step instead (not counted).
+    """
+    n, t, p, m = layout.data, layout.tensor, layout.pipeline, layout.microbatches
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    a = DTYPE_BYTES[model.compute_dtype]
+
+    def gathered(tensors: list[ParamTensor]) -> float:
+        return sum(all_gather_bytes(shard_elements(x, t, 1, False) * a, n) for x in tensors
+                   if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS))
+
+    tensors = param_tensors(model)
+    c = model.num_layers // (p * v)
+    layer = gathered([x for x in tensors if x.place == "layer"])
+    first = gathered([x for x in tensors if x.place == "first"])
+    table = [x for x in tensors if x.name == ("embedding" if model.tie_embeddings else "output")]
+    last = gathered(table + [x for x in tensors if x.name.startswith("final_norm")])
+    # one layer per chunk without full remat: the backward's regather merges with the vjp forward's
+    explicit = layout.schedule != "gpipe"
+    backward = 2 if c == 1 and explicit and layout.recompute != "full" else 3
+    moved = 0.0
+    for chunk in range(v):
+        is_first, is_last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        forward = 0 if layout.schedule == "gpipe" or is_last else c * layer + is_first * first
+        moved += forward + backward * c * layer + 2 * is_first * first + 2 * is_last * last
+    return m * moved, m * backward * c * v
 
 
 # --------------------------------------------------------------------------- FLOPs and time

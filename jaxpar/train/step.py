@@ -19,7 +19,8 @@ Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the sta
 Tensor parallelism lives in the model (:mod:`jaxpar.models.llama`). With ``mesh.pipeline > 1`` the
 microbatches run through :mod:`jaxpar.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
-also marked varying over ``pipeline`` and their stage-local gradients summed over it; ZeRO 0/1 only.
+also marked varying over ``pipeline`` and their stage-local gradients summed over it. ZeRO 0, 1 and 3
+(ZeRO-3 gathers each layer over ``data`` inside the ticks that run it; ZeRO-2 is refused).
 """
 
 from __future__ import annotations
