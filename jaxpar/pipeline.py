@@ -50,7 +50,12 @@ forward and the same backward.
 * ZeRO-3 (``parallel.zero_stage=3``, FSDP + PP): block parameters and the stage's ``ends`` slot
   are stored sharded over ``data``; each tick that runs a layer gathers it (the data peers of a
   stage run the same branch of every tick, so the gathers inside the branches line up) and the
-  gathers' transposes reduce-scatter the gradients into a sharded accumulator. ZeRO-2 is refused.
+  gathers' transposes reduce-scatter the gradients into a sharded accumulator. ZeRO-2 (1F1B /
+  interleaved): parameters stay replicated, each backward tick reduce-scatters its layer gradients
+  (the first / last virtual stage also its embedding / head ones) into an accumulator sharded like
+  the optimizer state: m reduce-scatters per step instead of one all-reduce, 1/n of the buffer.
+  With ZeRO-2/3 the full-remat backward runs the whole microbatch at once (no per-sequence passes,
+  which would repeat each collective b times).
 * ``gpipe`` (:func:`_gpipe_loss_and_grads`): the forward ticks are a scan differentiated by JAX,
   whose transpose is the backward half of the table (reverse order, gradients permuted back); the
   residuals of all m microbatches stay alive, as in GPipe without recomputation.
@@ -133,9 +138,9 @@ def check_config(cfg: ConfigDict) -> None:
          f"(interleaved runs microbatches in groups of p); set --config.train.microbatches={p * -(-m // p)}"),
         (cfg.train.global_batch % per_step == 0, f"train.global_batch={cfg.train.global_batch} is not divisible by "
          f"train.microbatches*mesh.data={per_step}; use a multiple of {per_step}"),
-        (zero != 2, f"parallel.zero_stage=2 with mesh.pipeline={p} is not supported (the pipeline accumulates "
-         "gradients over its ticks); use --config.parallel.zero_stage=1 (sharded optimizer) or 3 (sharded "
-         "parameters and gradients)"),
+        (zero != 2 or sched != "gpipe", "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported "
+         "(GPipe's gradient is the transpose of its whole forward scan, accumulated full size); use "
+         "--config.pipeline.schedule=1f1b, or --config.parallel.zero_stage=1 or 3"),
     ]
     for ok, message in checks:
         if not ok:
@@ -412,6 +417,7 @@ def _cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *args: Any) ->
 # stage from the schedule table (jaxpar.analysis.compiled.pipeline_fraction) instead of bounding it.
 SCOPE_FORWARD, SCOPE_BACKWARD, SCOPE_WORK = "pp_forward", "pp_backward", "pp_work"
 SCOPE_FIRST, SCOPE_LAST, SCOPE_SEND = "pp_first", "pp_last", "pp_send"
+SCOPE_ENDS = "pp_ends"  # the first or the last virtual stage
 
 
 def _scoped(name: str, f: Callable) -> Callable:
@@ -437,6 +443,32 @@ def _send(x: jax.Array, pattern: jax.Array, pairs: tuple, direction: str) -> jax
 def _split(params: dict) -> tuple[dict, dict]:
     """(embedding / final norm / head parameters, stacked block parameters)."""
     return {k: val for k, val in params.items() if k != "blocks"}, params["blocks"]
+
+
+def _scatter(g: jax.Array, dim: int, dtype: Any) -> jax.Array:
+    """ZeRO-2 inside the pipeline: reduce-scatter a gradient over ``data`` on ``dim`` in ``dtype``,
+    back in fp32 for the accumulator (``dim`` -1: the parameter is not sharded, keep it)."""
+    if dim < 0:
+        return g
+    return jax.lax.psum_scatter(g.astype(dtype), "data", scatter_dimension=dim, tiled=True).astype(jnp.float32)
+
+
+def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array) -> dict:
+    """ZeRO-2: reduce-scatter the embedding / head / final-norm gradients only where a stage computed
+    them (``owner``: the first or last virtual stage; its data peers take the same branch); the
+    other stages' are zero and move nothing."""
+    if all(dim < 0 for dim in jax.tree.leaves(dims)):
+        return grads
+    n = jax.lax.axis_size("data")
+
+    def scatter(g):
+        return jax.tree.map(lambda x, dim: _scatter(x, dim, dtype), g, dims)
+
+    def skip(g):
+        return jax.tree.map(lambda x, dim: jnp.zeros(tuple(k // n if i == dim else k for i, k in enumerate(x.shape)),
+                                                     jnp.float32), g, dims)
+
+    return _cond(owner, _scoped(SCOPE_ENDS, scatter), skip, grads)
 
 
 def _view(shared: dict, ctx: llama.ShardContext) -> dict:
@@ -475,11 +507,12 @@ def _stage(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first:
 
 def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
                              last: jax.Array, g_y: jax.Array, acc: dict, row: jax.Array, ctx: llama.ShardContext,
-                             scale: float) -> tuple[jax.Array, jax.Array, dict]:
+                             scale: float, dims: dict, dtype: Any) -> tuple[jax.Array, jax.Array, dict]:
     """The backward of :func:`_stage` layer by layer, for full rematerialisation: a forward scan keeps
     each layer's input, then a reverse scan recomputes one layer under ``jax.vjp`` and adds its
     weight gradient into rows ``row + l`` of ``acc["blocks"]`` in place, so no stacked gradient of
-    the stage's layers exists beside the accumulator. Returns (scaled loss, input gradient, acc)."""
+    the stage's layers exists beside the accumulator (ZeRO-2: each reduce-scattered first, ``dims``).
+    Returns (scaled loss, input gradient, acc)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.arange(inputs.shape[1])
 
@@ -508,16 +541,19 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
         _, vjp = jax.vjp(block, x, layer)
         d_x, d_layer = vjp(g)
 
-        def add(a, dw):  # a scatter-add: in place, no copy of the old row beside the new one
+        def add(a, dw, dim):  # a scatter-add: in place, no copy of the old row beside the new one
+            dw = _scatter(dw, dim - 1 if dim >= 0 else -1, dtype)  # one layer: its dims shift by one
             return a.at[row + j].add(_vary(dw, _varying(a)), mode="promise_in_bounds")
 
-        return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer)), None
+        return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer, dims_blocks)), None
 
     n = jax.tree.leaves(chunk)[0].shape[0]
     acc_shared, acc_blocks = _split(acc)
+    dims_shared, dims_blocks = _split(dims)
     (g, acc_blocks), _ = jax.lax.scan(layer_backward, (g, acc_blocks), jnp.arange(n - 1, -1, -1))
     d_embed, d_x = embed_vjp(g)
-    acc_shared = jax.tree.map(lambda a, h, e: a + _vary(h + e, _varying(a)), acc_shared, d_head, d_embed)
+    d_shared = _scatter_shared(jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last)
+    acc_shared = jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared)
     return loss, d_x, {**acc_shared, "blocks": acc_blocks}
 
 
@@ -554,8 +590,10 @@ def _store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
 
 
 def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContext, table: ScheduleTable,
-                             prog: Program, scale: float) -> tuple[jax.Array, dict]:
-    """1F1B / interleaved: one scan over the table's ticks, explicit ``jax.vjp`` per backward."""
+                             prog: Program, scale: float, scatter: tuple[dict, Any] | None) -> tuple[jax.Array, dict]:
+    """1F1B / interleaved: one scan over the table's ticks, explicit ``jax.vjp`` per backward.
+    ``scatter`` (ZeRO-2): (dims tree like ``params``, reduce dtype); each backward tick
+    reduce-scatters its gradients over ``data`` into an accumulator sharded like the optimizer."""
     p, v = table.stages, table.virtual_stages
     d = jax.lax.axis_index(AXIS)
     shared, blocks = _split(params)
@@ -563,9 +601,15 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
     zeros_act = functools.partial(_zeros, act.shape, act.dtype, act_axes)
     # Full rematerialisation trades compute for memory: there the backward also runs the microbatch's
     # sequences one at a time (the same flops; the working set of one sequence) and layer by layer;
-    # not with ZeRO-3, where each pass gathers every layer over data again (b times the traffic).
+    # not with ZeRO-2/3, where each pass would gather or scatter every layer again (b times the traffic).
     by_layer = ctx.remat == "full"
-    splits = act.shape[0] if by_layer and not ctx.zero3 else 1
+    splits = act.shape[0] if by_layer and not (ctx.zero3 or scatter) else 1
+    dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
+    n_data = jax.lax.axis_size("data")
+
+    def acc_zeros(a, dim):  # ZeRO-2: sharded like the optimizer state
+        shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
+        return _zeros(shape, jnp.float32, _varying(a))
 
     def run(kind, mb, chunk, act_buf, grad_buf, act_slot, grad_slot, acc, loss):
         # the stage input and output gradient are read from their slots inside the branches: read
@@ -600,7 +644,7 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
                 if by_layer:
                     stage_loss, d_x, acc = _stage_backward_by_layer(
                         shared, _chunk(blocks, chunk, v), x_in, part(tokens), first, last, g_y, acc, chunk * size,
-                        ctx, scale
+                        ctx, scale, dims, dtype
                     )
                 else:
                     def f(sh, ch, x):
@@ -610,13 +654,15 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
                     g_y = jnp.where(last, jnp.zeros_like(y), g_y)
                     d_shared, d_chunk, d_x = vjp((_vary(g_y, _varying(y)), jnp.ones_like(stage_loss)))
                     acc_shared, acc_blocks = _split(acc)
+                    dims_shared, dims_blocks = _split(dims)
 
-                    def add(a, g):  # into this chunk's rows of the stage's stacked layers
+                    def add(a, g, dim):  # into this chunk's rows of the stage's stacked layers
                         old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0)
-                        return jax.lax.dynamic_update_slice_in_dim(a, old + g, chunk * size, 0)
+                        return jax.lax.dynamic_update_slice_in_dim(a, old + _scatter(g, dim, dtype), chunk * size, 0)
 
-                    acc = {**jax.tree.map(jnp.add, acc_shared, d_shared),
-                           "blocks": jax.tree.map(add, acc_blocks, d_chunk)}
+                    d_shared = _scatter_shared(d_shared, dims_shared, dtype, first | last)
+                    acc = {**jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared),
+                           "blocks": jax.tree.map(add, acc_blocks, d_chunk, dims_blocks)}
                 d_in = jax.lax.dynamic_update_slice_in_dim(d_in, _vary(d_x, _varying(d_in)), j * rows, 0)
                 out = (acc, loss + stage_loss, d_in)
                 return jax.tree.map(lambda new, old: _vary(new, _varying(old)), out, carry), None
@@ -641,7 +687,7 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
     carry = (
         _zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
         _zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
-        jax.tree.map(lambda a: _zeros(a.shape, jnp.float32, _varying(a)), params),
+        jax.tree.map(acc_zeros, params, dims),
         _zeros((), jnp.float32, loss_axes),
     )
     (_, _, grads, loss), _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, xs))
@@ -728,13 +774,16 @@ class Pipeline:
         )
         return cls(table, compile_program(table))
 
-    def loss_and_grads(self, params: dict, batch: jax.Array, ctx: llama.ShardContext,
-                       scale: float) -> tuple[jax.Array, dict]:
+    def loss_and_grads(self, params: dict, batch: jax.Array, ctx: llama.ShardContext, scale: float,
+                       scatter: tuple[dict, Any] | None = None) -> tuple[jax.Array, dict]:
         """Inside the shard_map: the scaled loss summed over stages and microbatches, and the local
         gradients (block gradients of this stage's layers; embedding / head gradients summed over
-        stages). ``params`` must vary over ``pipeline`` (and over ``data`` unless ZeRO-sharded)."""
-        run = _gpipe_loss_and_grads if self.table.schedule == "gpipe" else _explicit_loss_and_grads
-        return run(params, batch, ctx, self.table, self.program, scale)
+        stages). ``params`` must vary over ``pipeline`` (and over ``data`` unless ZeRO-sharded).
+        ``scatter`` (ZeRO-2, 1F1B / interleaved): (zero dim per parameter, -1 for none; reduce
+        dtype): those gradients come back reduce-scattered over ``data``."""
+        if self.table.schedule == "gpipe":
+            return _gpipe_loss_and_grads(params, batch, ctx, self.table, self.program, scale)
+        return _explicit_loss_and_grads(params, batch, ctx, self.table, self.program, scale, scatter)
 
     def eval_loss_sum(self, params: dict, tokens: jax.Array, ctx: llama.ShardContext) -> jax.Array:
         return eval_loss_sum(params, tokens, ctx, self.table.stages, self.table.virtual_stages)

@@ -159,6 +159,10 @@ DEFAULT = {
     "interleaved_p2_m4_d2_t2_zero3_remat": layout("interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3",
                                                   "--config.model.remat=full"),
     "gpipe_p2_m4_d4_zero3": layout("gpipe", 2, 4, 4, 1, "--config.parallel.zero_stage=3"),
+    # ZeRO-2: each backward tick reduce-scatters its gradients over data into a sharded accumulator
+    "1f1b_p2_m4_d2_zero2": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=2"),
+    "interleaved_p2_m4_d2_t2_zero2_remat": layout("interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=2",
+                                                  "--config.model.remat=full"),
 }
 AXES = {"plain": (1, 1), "d2": (2, 1), "t2": (1, 2)}
 GRID = {
@@ -445,8 +449,8 @@ P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=
         (["--config.train.microbatches=3"], "train.global_batch=16 is not divisible by train.microbatches*mesh.data"),
         (["--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=4",
           "--config.train.microbatches=2"], "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual"),
-        (["--config.parallel.zero_stage=2", "--config.train.microbatches=2"],
-         "parallel.zero_stage=2 with mesh.pipeline=2 is not supported"),
+        (["--config.parallel.zero_stage=2", "--config.train.microbatches=2", "--config.pipeline.schedule=gpipe"],
+         "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported"),
     ],
 )
 def test_bad_pipeline_input_is_one_line_exit_2(capsys, overrides, needle):

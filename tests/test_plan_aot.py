@@ -72,6 +72,9 @@ LAYOUTS: dict[str, tuple[str, Layout]] = {
     "tiny_p2_zero3": ("tiny", Layout(2, 2, 2, 1, 3, 2, 4, SEQ, "none")),
     "tiny_p2_zero3_interleaved": ("tiny", Layout(2, 2, 2, 2, 3, 2, 4, SEQ, "selective", False, "interleaved")),
     "1b_p2_zero3_remat": ("1b", Layout(4, 1, 2, 1, 3, 2, 1, SEQ, "full")),
+    # ZeRO-2 inside the pipeline: each backward tick reduce-scatters into a sharded accumulator
+    "tiny_p4_zero2": ("tiny", Layout(2, 1, 4, 1, 2, 4, 2, SEQ, "full")),
+    "1b_p2_zero2_interleaved": ("1b", Layout(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
 }
 # ~2.5 s of compile per layout on 2 cores: these six 1B layouts (their (tensor, zero) pairs and
 # recompute policies are covered by the others) run only with JAXPAR_SLOW=1, keeping the file < 60 s.

@@ -476,7 +476,7 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
 
     1F1B / interleaved (one loop of ``table.ticks``): ``pp_forward`` / ``pp_backward`` where the
     stage's program runs F / B; ``pp_first`` / ``pp_last`` where that action is on the first / last
-    virtual stage; ``pp_send_<dir>_<k>`` where the tick's send pattern is k. GPipe (a forward loop
+    virtual stage (``pp_ends``: either); ``pp_send_<dir>_<k>`` where the tick's send pattern is k. GPipe (a forward loop
     of m+p-1 ticks and its transpose): ``pp_work`` where 0 <= tick - stage < m, ``pp_first`` /
     ``pp_last`` on stage 0 / p-1.
     """
@@ -510,6 +510,8 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
         ok &= (chunk == 0) & (stage == 0)
     if pl.SCOPE_LAST in tags:
         ok &= (chunk == v - 1) & (stage == p - 1)
+    if pl.SCOPE_ENDS in tags:
+        ok &= ((chunk == 0) & (stage == 0)) | ((chunk == v - 1) & (stage == p - 1))
     if send:
         ok &= prog.pattern[send.group(1)] == int(send.group(2))
     return float(ok.mean())
@@ -646,9 +648,10 @@ def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledRep
     layout = Layout.from_config(cfg)
     memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar")}
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, expected_memory=memory)
-    data = communication(cfg.model, layout, None, DTYPE_BYTES[cfg.parallel.grad_reduce_dtype], "jaxpar")["data"]
+    grad_bytes = DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
+    data = communication(cfg.model, layout, None, grad_bytes, "jaxpar")["data"]
     for st in report.stages:
-        traffic = jaxpar_stage_traffic(cfg.model, layout, st["stage"])  # ZeRO-3: its own data traffic
+        traffic = jaxpar_stage_traffic(cfg.model, layout, st["stage"], grad_bytes)  # ZeRO-2/3: per stage
         st["expected"] = {"data": traffic.get("data", (data.bytes,))[0], "tensor": traffic["tensor"][0],
                           "pipeline": traffic["pipeline"][0]}
     axes = ("data", "tensor", "pipeline")

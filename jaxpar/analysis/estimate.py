@@ -420,7 +420,7 @@ def communication(
     pp_calls = 2 * m * layout.virtual_stages
     pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
     if convention == "jaxpar":
-        stages = [jaxpar_stage_traffic(model, layout, d) for d in range(p)]
+        stages = [jaxpar_stage_traffic(model, layout, d, grad_reduce_bytes) for d in range(p)]
         data = _jaxpar_data(model, layout, grad_reduce_bytes)
         traffic = {
             "data": (n, *max((st.get("data", data) for st in stages), key=lambda x: x[0])),
@@ -519,7 +519,8 @@ def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
     return m * moved, m * calls
 
 
-def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[str, tuple[float, int]]:
+def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int,
+                         grad_reduce_bytes: int = 4) -> dict[str, tuple[float, int]]:
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
     executor (jaxpar/pipeline.py); without a pipeline, :func:`_jaxpar_tensor`.
 
@@ -557,7 +558,11 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[
     t, p, v, m, sp = layout.tensor, layout.pipeline, layout.virtual_stages, layout.microbatches, layout.sequence_parallel
     if p == 1:
         return {"tensor": _jaxpar_tensor(model, layout), "pipeline": (0.0, 0)}
-    data = _jaxpar_pipeline_zero3(model, layout, stage) if layout.zero_stage == 3 else None
+    data = None  # ZeRO 0/1: the same on every stage (see communication)
+    if layout.zero_stage == 2:
+        data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
+    elif layout.zero_stage == 3:
+        data = _jaxpar_pipeline_zero3(model, layout, stage)
     v = v if layout.schedule == "interleaved" else 1
     bs = layout.microbatch_size * layout.seq_len
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
@@ -566,7 +571,7 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[
     # table), summed over pipeline, and the loss
     held = [x for x in param_tensors(model) if x.name.startswith("final_norm") or x.name == "positions"
             or (model.tie_embeddings and x.name == "embedding")]
-    summed = 4 + 4 * sum(shard_elements(x, t, layout.data, layout.zero_stage == 3) for x in held)
+    summed = 4 + 4 * sum(shard_elements(x, t, layout.data, layout.zero_stage >= 2) for x in held)
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
         return {"tensor": (0.0, 0), "pipeline": pipeline, **({"data": data} if data else {})}
@@ -596,6 +601,40 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int) -> dict[
     return {"tensor": (m * moved, m * calls), "pipeline": pipeline, **({"data": data} if data else {})}
 
 
+def _zero_gathered(model: ConfigDict, layout: Layout, tensors: list[ParamTensor], nbytes: int) -> float:
+    """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors."""
+    n, t = layout.data, layout.tensor
+    return sum(all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n) for x in tensors
+               if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS))
+
+
+def _stage_groups(model: ConfigDict) -> tuple[list[ParamTensor], list[ParamTensor], list[ParamTensor]]:
+    """(layer, first-stage, last-stage) tensors as the jaxpar pipeline uses them: the first stage
+    embeds (embedding, positions), the last projects (output table or the tied embedding, final norm)."""
+    tensors = param_tensors(model)
+    table = [x for x in tensors if x.name == ("embedding" if model.tie_embeddings else "output")]
+    return ([x for x in tensors if x.place == "layer"], [x for x in tensors if x.place == "first"],
+            table + [x for x in tensors if x.name.startswith("final_norm")])
+
+
+def _jaxpar_pipeline_zero2(model: ConfigDict, layout: Layout, stage: int,
+                           grad_reduce_bytes: int = 4) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-2 (1F1B / interleaved): every
+    backward tick reduce-scatters its chunk's layer gradients, and the first / last virtual stage's
+    also the gradients of every non-layer parameter the stage holds (embedding or output table,
+    final norm, positions: :func:`stage_tensors`), into the sharded accumulator, m per step each;
+    after the update one all-gather of every parameter the stage holds (param dtype). Parameters
+    no ZeRO dim divides are all-reduced instead (not counted)."""
+    p, m = layout.pipeline, layout.microbatches
+    held = stage_tensors(model, layout, "first", shared_on_every_stage=True)
+    g, pb = grad_reduce_bytes, DTYPE_BYTES[model.param_dtype]
+    layers = sum(count * _zero_gathered(model, layout, [x], g) for x, count in held if x.place == "layer")
+    shared = sum(_zero_gathered(model, layout, [x], g) for x, _ in held if x.place != "layer")
+    scattered = layers + (stage in (0, p - 1)) * shared
+    gathered = sum(count * _zero_gathered(model, layout, [x], pb) for x, count in held)
+    return m * scattered + gathered, m + 1
+
+
 def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/pipeline.py).
 
@@ -609,20 +648,11 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tup
     in each tick that embeds (G forward, 2G backward), the last the output table and final norm
     (2G). Parameters no ZeRO dim divides are all-reduced once per step instead (not counted).
     """
-    n, t, p, m = layout.data, layout.tensor, layout.pipeline, layout.microbatches
+    p, m = layout.pipeline, layout.microbatches
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1
     a = DTYPE_BYTES[model.compute_dtype]
-
-    def gathered(tensors: list[ParamTensor]) -> float:
-        return sum(all_gather_bytes(shard_elements(x, t, 1, False) * a, n) for x in tensors
-                   if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS))
-
-    tensors = param_tensors(model)
     c = model.num_layers // (p * v)
-    layer = gathered([x for x in tensors if x.place == "layer"])
-    first = gathered([x for x in tensors if x.place == "first"])
-    table = [x for x in tensors if x.name == ("embedding" if model.tie_embeddings else "output")]
-    last = gathered(table + [x for x in tensors if x.name.startswith("final_norm")])
+    layer, first, last = (_zero_gathered(model, layout, group, a) for group in _stage_groups(model))
     # one layer per chunk without full remat: the backward's regather merges with the vjp forward's
     explicit = layout.schedule != "gpipe"
     backward = 2 if c == 1 and explicit and layout.recompute != "full" else 3

@@ -226,8 +226,8 @@ def search_layouts(
         for zero, recompute, sp, (schedule, v) in choices:
             if sp and seq_len % t:
                 continue
-            if p > 1 and zero == 2 and "zero_stage" not in fixed:
-                continue  # jaxpar's pipeline step runs ZeRO 0/1/3 (jaxpar.pipeline.check_config)
+            if p > 1 and zero == 2 and schedule == "gpipe" and "zero_stage" not in fixed:
+                continue  # jaxpar's GPipe refuses ZeRO-2 (jaxpar.pipeline.check_config)
             for b in sizes:
                 m = per_shard // b
                 if schedule == "interleaved" and m % p:

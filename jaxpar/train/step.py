@@ -19,8 +19,9 @@ Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the sta
 Tensor parallelism lives in the model (:mod:`jaxpar.models.llama`). With ``mesh.pipeline > 1`` the
 microbatches run through :mod:`jaxpar.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
-also marked varying over ``pipeline`` and their stage-local gradients summed over it. ZeRO 0, 1 and 3
-(ZeRO-3 gathers each layer over ``data`` inside the ticks that run it; ZeRO-2 is refused).
+also marked varying over ``pipeline`` and their stage-local gradients summed over it. Every ZeRO stage
+combines with it: ZeRO-2 reduce-scatters each backward tick's gradients into a sharded accumulator
+(1F1B / interleaved), ZeRO-3 gathers each layer over ``data`` inside the ticks that run it.
 """
 
 from __future__ import annotations
@@ -87,14 +88,15 @@ class StepBuilder:
     def _reduce_dtype(self):
         return jnp.bfloat16 if self.strategy.grad_reduce_dtype == "bfloat16" else jnp.float32
 
-    def _reduce(self, grads: Any, scatter: bool) -> Any:
+    def _reduce(self, grads: Any, scatter: bool, prescattered: bool = False) -> Any:
         """Reduce local gradients over ``data``: reduce-scatter where the optimizer (or the
-        accumulation buffer) is sharded and ``scatter`` is set, all-reduce otherwise."""
+        accumulation buffer) is sharded and ``scatter`` is set, all-reduce otherwise.
+        ``prescattered``: the pipeline already reduce-scattered the optimizer-sharded ones (ZeRO-2)."""
         dt = self._reduce_dtype()
 
         def one(lay: ParamLayout, g):
-            if lay.sharded_storage:  # ZeRO-3: the gather's transpose already reduce-scattered
-                return g.astype(jnp.float32)
+            if lay.sharded_storage or (prescattered and lay.sharded_optimizer):
+                return g.astype(jnp.float32)  # ZeRO-3: the gather's transpose already reduce-scattered
             g = g.astype(dt)
             if scatter and lay.sharded_optimizer:
                 g = jax.lax.psum_scatter(g, "data", scatter_dimension=lay.zero_dim, tiled=True)
@@ -138,12 +140,16 @@ class StepBuilder:
         def micro_grads(tokens):
             return jax.value_and_grad(lambda p: llama.loss_sum(p, tokens, ctx) * scale)(local_params)
 
-        if self.pipeline is not None:  # the schedule accumulates over microbatches (stage < 2)
-            loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale)
+        if self.pipeline is not None:  # the schedule accumulates over microbatches
+            scatter = None
+            if stage == 2:  # reduce-scattered in every backward tick, accumulated sharded
+                dims = _map_layouts(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.layouts)
+                scatter = (dims, self._reduce_dtype())
+            loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale, scatter)
         else:
             loss, grads = micro_grads(batch[0])
         if stage >= 2:
-            grads = self._reduce(grads, scatter=True)
+            grads = self._reduce(grads, scatter=True, prescattered=self.pipeline is not None)
         if self.microbatches > 1 and self.pipeline is None:
 
             def accumulate(carry, tokens):
