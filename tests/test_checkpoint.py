@@ -70,6 +70,8 @@ def test_restore_onto_other_layouts(tmp_path):
         (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.parallel.zero_stage=1",
           "--config.train.microbatches=2"], 8),
         (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"], 4),
+        (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.parallel.zero_stage=3",
+          "--config.train.microbatches=2"], 8),
         (["--config.mesh.data=1", "--config.mesh.tensor=1"], 1),
     ]
     for overrides, n in targets:

@@ -171,7 +171,7 @@ def stage_tensors(
     Each rank holds L/p layers (v chunks of L/(p*v) when interleaved). Megatron places the
     embedding and learned positions on the first stage, final norm and output layer on the last;
     with tied embeddings and p > 1 the last stage keeps its own copy of the table.
-    ``shared_on_every_stage``: jaxpar's pipeline (``jaxpar/pipeline.py``, stage form) holds on
+    ``shared_on_every_stage``: jaxpar's pipeline (``jaxpar/pipeline/forms.py``, stage form) holds on
     every stage what SPMD makes every device hold: the layers, the final norm and positions
     (replicated over ``pipeline``, gradients summed over it) and one V x h table: with an untied
     output layer the ``ends`` slot (embedding on the first stage, output layer on the last), with
@@ -522,7 +522,7 @@ def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
 def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int,
                          grad_reduce_bytes: int = 4) -> dict[str, tuple[float, int]]:
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
-    executor (jaxpar/pipeline.py); without a pipeline, :func:`_jaxpar_tensor`.
+    executor (jaxpar/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
 
     Pipeline: stage d sends one activation per microbatch for each of its v chunks but the last
     virtual stage's, and one gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
@@ -636,7 +636,7 @@ def _jaxpar_pipeline_zero2(model: ConfigDict, layout: Layout, stage: int,
 
 
 def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tuple[float, int]:
-    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/pipeline.py).
+    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/pipeline/executor.py).
 
     With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; a reduce-scatter
     of the gradient, the gather's transpose, moves as much), per microbatch and chunk of c layers:

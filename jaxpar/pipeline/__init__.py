@@ -1,0 +1,107 @@
+"""Pipeline parallelism: the schedule is data, executed as a scan over ticks inside the step's shard_map.
+
+**Schedules.** :func:`build_schedule` returns a :class:`ScheduleTable`: for every (tick, stage) the
+action run there, ``F``/``B`` of microbatch ``i`` on virtual chunk ``c``, or idle. Each stage runs a
+fixed sequence of actions (Megatron-LM's ``schedules.py`` order) and an action starts one tick after
+its input was produced on the neighbouring stage, every action taking one tick:
+
+* ``gpipe``: all m forwards, then all m backwards (last microbatch first); m activations alive;
+* ``1f1b``: stage d runs p-1-d warm-up forwards, then alternates one forward and one backward; at
+  most p stage inputs are alive per stage (PipeDream-Flush, Narayanan et al. 2021);
+* ``interleaved``: v chunks per stage, forwards in groups of p microbatches per chunk, warm-up
+  2(p-1-d) + (v-1)p forwards, then 1F1B (Narayanan et al. 2021, section 2.2).
+
+:func:`bubble_fraction` counts idle (tick, stage) slots: (p-1)/(m+p-1) for gpipe and 1f1b,
+(p-1)/(v*m+p-1) interleaved (FORMULAS.md section 4); :func:`render_schedule` prints the table.
+
+**Layers on stages.** The stacked ``layers`` dim is split over the ``pipeline`` axis in blocks. With
+v virtual stages device d runs chunks d, d+p, d+2p, ... (L/(p*v) layers each), so the stored order
+of the layers is permuted (:func:`layer_order`): a plain block split then gives each device its
+chunks; with v = 1 the order is the natural one.
+
+**Embedding and output layer on their stages.** With an untied output layer the *stage form* of the
+parameters (:func:`to_stage_form`; :func:`to_model_form` is its inverse, used for checkpoints)
+packs the embedding [V, h] and the transposed output layer into one ``ends`` [p, V, h] split over
+``pipeline``: the first stage holds the embedding, the last the output layer, each device one
+table, and nothing is reduced over ``pipeline`` for them (Megatron's placement; with SPMD every
+device holds the same shapes, so the stages between hold an unused zero slot). The final norm,
+learned positions and a tied embedding (needed by the first and the last stage) stay replicated
+over ``pipeline``; only their owners' gradients are non-zero and one ``psum`` over ``pipeline`` per
+step adds them.
+
+**Execution.** Inside the single shard_map step, a ``lax.scan`` runs the ticks. After each tick the
+activations move to the next stage and the gradients to the previous one with ``lax.ppermute``
+over ``pipeline``. A tick's sends are selected by ``lax.switch`` over the distinct send patterns of
+the table (the index is the same on every device), each a ppermute naming exactly the stage pairs
+that carry data, so bubbles move no bytes: every boundary carries b*s*h activations per microbatch
+forward and the same backward.
+
+* ``1f1b`` / ``interleaved`` (:func:`_explicit_loss_and_grads`): each tick every stage runs its
+  action through ``lax.switch``; a backward calls ``jax.vjp`` on the stage and **recomputes the
+  stage forward** from the stored stage input (the forward tick only produces the activation to
+  send; the last stage does all its work in its backward tick). Stage inputs and arriving
+  gradients live in slot buffers whose size is the table's largest number of live inputs (p for
+  1F1B), not m, so activation memory does not grow with m (the program's "nothing arrives" index
+  keeps a buffer as is: no trash slot). With full rematerialisation
+  (``model.remat=full``) the backward also runs the microbatch one sequence at a time and the stage
+  layer by layer (:func:`_stage_backward_by_layer`): the same flops, but the working set of one
+  sequence through one layer, and each layer's weight gradient is added into the fp32 accumulator
+  (the scan's carry) in place, with no stacked gradient of the stage's layers beside it.
+* ZeRO-3 (``parallel.zero_stage=3``, FSDP + PP): block parameters and the stage's ``ends`` slot
+  are stored sharded over ``data``; each tick that runs a layer gathers it (the data peers of a
+  stage run the same branch of every tick, so the gathers inside the branches line up) and the
+  gathers' transposes reduce-scatter the gradients into a sharded accumulator. ZeRO-2 (1F1B /
+  interleaved): parameters stay replicated, each backward tick reduce-scatters its layer gradients
+  (the first / last virtual stage also its embedding / head ones) into an accumulator sharded like
+  the optimizer state: m reduce-scatters per step instead of one all-reduce, 1/n of the buffer.
+  With ZeRO-2/3 the full-remat backward runs the whole microbatch at once (no per-sequence passes,
+  which would repeat each collective b times).
+* ``gpipe`` (:func:`_gpipe_loss_and_grads`): the forward ticks are a scan differentiated by JAX,
+  whose transpose is the backward half of the table (reverse order, gradients permuted back); the
+  residuals of all m microbatches stay alive, as in GPipe without recomputation.
+"""
+
+from jaxpar.pipeline.executor import (
+    AXIS,
+    SCOPE_BACKWARD,
+    SCOPE_ENDS,
+    SCOPE_FIRST,
+    SCOPE_FORWARD,
+    SCOPE_LAST,
+    SCOPE_SEND,
+    SCOPE_WORK,
+    Pipeline,
+    eval_loss_sum,
+)
+from jaxpar.pipeline.forms import (
+    ENDS,
+    has_ends,
+    layer_order,
+    stage_form_logical_axes,
+    to_model_form,
+    to_stage_form,
+)
+from jaxpar.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    SCHEDULES,
+    Action,
+    Program,
+    ScheduleTable,
+    boundary_sends,
+    bubble_fraction,
+    build_schedule,
+    check_config,
+    compile_program,
+    expected_bubble_fraction,
+    render_schedule,
+)
+
+__all__ = [
+    "AXIS", "BACKWARD", "ENDS", "FORWARD", "IDLE", "SCHEDULES", "SCOPE_BACKWARD", "SCOPE_ENDS", "SCOPE_FIRST",
+    "SCOPE_FORWARD", "SCOPE_LAST", "SCOPE_SEND", "SCOPE_WORK", "Action", "Pipeline", "Program", "ScheduleTable",
+    "boundary_sends", "bubble_fraction", "build_schedule", "check_config", "compile_program", "eval_loss_sum",
+    "expected_bubble_fraction", "has_ends", "layer_order", "render_schedule", "stage_form_logical_axes",
+    "to_model_form", "to_stage_form",
+]

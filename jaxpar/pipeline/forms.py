@@ -1,0 +1,74 @@
+"""The stage form of the parameters: the layer order of (virtual) stages and the ``ends`` table.
+
+See :mod:`jaxpar.pipeline` ("Layers on stages", "Embedding and output layer on their stages").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import ConfigDict
+
+ENDS = "ends"  # stage-form parameter: embedding on the first stage, output layer on the last
+
+
+# --------------------------------------------------------------------------- layer order
+
+
+def layer_order(num_layers: int, stages: int, virtual_stages: int = 1) -> np.ndarray:
+    """``order[j]``: the model layer stored at position j of the pipeline-sharded ``layers`` dim.
+
+    Device d's block of L/p positions holds its chunks d, d+p, ..., d+(v-1)p in that order, each
+    L/(p*v) consecutive layers; the identity when v = 1.
+    """
+    p, v = stages, virtual_stages
+    per_chunk = num_layers // (p * v)
+    return np.array([(c * p + d) * per_chunk + j for d in range(p) for c in range(v) for j in range(per_chunk)])
+
+
+def _permute_blocks(params: dict, index: np.ndarray) -> dict:
+    if np.array_equal(index, np.arange(len(index))):
+        return params
+    return {**params, "blocks": jax.tree.map(lambda a: a[index], params["blocks"])}
+
+
+def has_ends(model_cfg: ConfigDict, stages: int) -> bool:
+    """Whether the stage form places the embedding and output layer in ``ends`` (untied, p > 1)."""
+    return stages > 1 and not model_cfg.tie_embeddings
+
+
+def to_stage_form(params: dict, stages: int, virtual_stages: int = 1) -> dict:
+    """Model form -> stage form: block parameters in the stored (pipeline) layer order, and with an
+    untied output layer, ``embed`` [V, h] and ``lm_head`` [h, V] packed into one ``ends`` [p, V, h]
+    split over ``pipeline``: slot 0 the embedding, slot p-1 the transposed output layer, the slots
+    between zeros (they stay zero: their gradient is zero). Each device then holds one V x h table
+    instead of two, as Megatron keeps the embedding on the first stage and the head on the last."""
+    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    out = _permute_blocks(params, layer_order(n, stages, virtual_stages))
+    if stages > 1 and "lm_head" in out:
+        embed, head = out["embed"], out["lm_head"]
+        middle = [jnp.zeros_like(embed)] * (stages - 2)
+        out = {k: val for k, val in out.items() if k not in ("embed", "lm_head")}
+        out[ENDS] = jnp.stack([embed, *middle, jnp.transpose(head).astype(embed.dtype)])
+    return out
+
+
+def to_model_form(params: dict, stages: int, virtual_stages: int = 1) -> dict:
+    """Stage form -> model form; inverse of :func:`to_stage_form`."""
+    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    out = _permute_blocks(params, np.argsort(layer_order(n, stages, virtual_stages)))
+    if ENDS in out:
+        ends = out[ENDS]
+        out = {k: val for k, val in out.items() if k != ENDS}
+        out["embed"], out["lm_head"] = ends[0], jnp.transpose(ends[-1])
+    return out
+
+
+def stage_form_logical_axes(logical: dict, stages: int) -> dict:
+    """Logical dim names of the stage form (``ends``: stages x vocab x embed)."""
+    if stages <= 1 or "lm_head" not in logical:
+        return logical
+    out = {k: val for k, val in logical.items() if k not in ("embed", "lm_head")}
+    return {**out, ENDS: ("stages", *logical["embed"])}

@@ -1,0 +1,252 @@
+"""Pipeline schedules as data: the (tick, stage) -> action table and its lowered program.
+
+See :mod:`jaxpar.pipeline` for the schedules (gpipe, 1f1b, interleaved), the bubble formulas and how
+the executor runs a :class:`Program`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar.config import ConfigDict, ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- schedule tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One unit of work: forward or backward of ``microbatch`` through the stage's chunk ``chunk``
+    (virtual stage ``chunk * p + stage``)."""
+
+    kind: str  # "F" | "B"
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTable:
+    """``grid[tick][stage]``: the action a stage runs at a tick (``None``: idle)."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    grid: tuple[tuple[Action | None, ...], ...]
+
+    @property
+    def ticks(self) -> int:
+        return len(self.grid)
+
+    def ticks_of(self) -> dict[tuple[str, int, int], int]:
+        """(kind, microbatch, virtual stage) -> tick."""
+        return {
+            (a.kind, a.microbatch, a.chunk * self.stages + d): t
+            for t, row in enumerate(self.grid)
+            for d, a in enumerate(row)
+            if a
+        }
+
+
+def check_config(cfg: ConfigDict) -> None:
+    """Raise a one-line :class:`ConfigError` for pipeline settings the step cannot run."""
+    p, m, v, sched = cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages, cfg.pipeline.schedule
+    if p == 1:
+        return
+    per_step, layers, zero = m * cfg.mesh.data, cfg.model.num_layers, cfg.parallel.zero_stage
+    checks = [
+        (sched in SCHEDULES, f"pipeline.schedule='{sched}': use one of {', '.join(SCHEDULES)}"),
+        (sched != "interleaved" or v >= 2, f"pipeline.virtual_stages={v}: the interleaved schedule needs at least 2 "
+         "chunks per stage; set --config.pipeline.virtual_stages=2 or --config.pipeline.schedule=1f1b"),
+        (sched == "interleaved" or v == 1, f"pipeline.virtual_stages={v} is only used by the interleaved schedule; "
+         "set --config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1"),
+        (layers % (p * v) == 0, f"model.num_layers={layers} is not divisible by mesh.pipeline*pipeline.virtual_stages="
+         f"{p * v}; choose a pipeline size that divides the layers"),
+        (sched != "1f1b" or m >= p, f"train.microbatches={m} < mesh.pipeline={p}: 1F1B needs at least one microbatch "
+         f"per stage; set --config.train.microbatches={p} or more"),
+        (sched != "interleaved" or m % p == 0, f"train.microbatches={m} is not a multiple of mesh.pipeline={p} "
+         f"(interleaved runs microbatches in groups of p); set --config.train.microbatches={p * -(-m // p)}"),
+        (cfg.train.global_batch % per_step == 0, f"train.global_batch={cfg.train.global_batch} is not divisible by "
+         f"train.microbatches*mesh.data={per_step}; use a multiple of {per_step}"),
+        (zero != 2 or sched != "gpipe", "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported "
+         "(GPipe's gradient is the transpose of its whole forward scan, accumulated full size); use "
+         "--config.pipeline.schedule=1f1b, or --config.parallel.zero_stage=1 or 3"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _sequences(schedule: str, p: int, m: int, v: int) -> list[list[Action]]:
+    """Each stage's ordered actions (Megatron-LM ``schedules.py`` order)."""
+    out = []
+    for d in range(p):
+        if schedule == "gpipe":
+            fwd, bwd, warmup = [(i, 0) for i in range(m)], [(i, 0) for i in reversed(range(m))], m
+        elif schedule == "1f1b":
+            fwd, bwd, warmup = [(i, 0) for i in range(m)], [(i, 0) for i in range(m)], min(p - 1 - d, m)
+        else:  # interleaved: microbatches in groups of p, chunk by chunk (backward: chunks reversed)
+            fwd, bwd = [], []
+            for j in range(m * v):
+                group, r = divmod(j, p * v)
+                chunk, k = divmod(r, p)
+                fwd.append((group * p + k, chunk))
+                bwd.append((group * p + k, v - 1 - chunk))
+            warmup = min(2 * (p - 1 - d) + (v - 1) * p, m * v)
+        seq = [Action("F", *a) for a in fwd[:warmup]]
+        for j in range(len(fwd) - warmup):
+            seq += [Action("F", *fwd[warmup + j]), Action("B", *bwd[j])]
+        seq += [Action("B", *a) for a in bwd[len(fwd) - warmup :]]
+        out.append(seq)
+    return out
+
+
+def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> ScheduleTable:
+    """Simulate each stage's action sequence tick by tick; an action waits for its input.
+
+    F(i, k) needs F(i, k-1) done on the previous stage at an earlier tick; B(i, k) needs B(i, k+1)
+    (or, on the last virtual stage, F(i, k)). Raises ``ValueError`` for impossible arguments.
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    if schedule not in SCHEDULES or p < 1 or m < 1 or v < 1 or (schedule != "interleaved" and v != 1):
+        raise ValueError(f"no schedule {schedule!r} with stages={p} microbatches={m} virtual_stages={v}")
+    if schedule == "interleaved" and m % p:
+        raise ValueError(f"interleaved needs microbatches ({m}) to be a multiple of stages ({p})")
+    seqs, pos, done, grid = _sequences(schedule, p, m, v), [0] * p, {}, []
+    last = p * v - 1
+    while any(pos[d] < len(seqs[d]) for d in range(p)):
+        t, row = len(grid), [None] * p
+        for d in range(p):
+            if pos[d] == len(seqs[d]):
+                continue
+            a = seqs[d][pos[d]]
+            k = a.chunk * p + d
+            dep = ("F", a.microbatch, k - 1) if a.kind == "F" else ("B", a.microbatch, k + 1)
+            if a.kind == "B" and k == last:
+                dep = ("F", a.microbatch, k)
+            if (a.kind == "F" and k == 0) or done.get(dep, t) < t:
+                row[d], pos[d] = a, pos[d] + 1
+        for d, a in enumerate(row):
+            if a:
+                done[(a.kind, a.microbatch, a.chunk * p + d)] = t
+        grid.append(tuple(row))
+        if t > 4 * (m * v + p) + 8:  # cannot happen for the orders above: a guard against edits
+            raise RuntimeError(f"schedule {schedule} p={p} m={m} v={v} deadlocked")
+    return ScheduleTable(schedule, p, m, v, tuple(grid))
+
+
+def bubble_fraction(table: ScheduleTable) -> float:
+    """Share of (tick, stage) slots in which a stage is idle."""
+    idle = sum(a is None for row in table.grid for a in row)
+    return idle / (table.ticks * table.stages)
+
+
+def expected_bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021)."""
+    v = virtual_stages if schedule == "interleaved" else 1
+    return (stages - 1) / (v * microbatches + stages - 1)
+
+
+def render_schedule(table: ScheduleTable) -> str:
+    """A text diagram: one row per stage, one column per tick (``F3`` forward of microbatch 3,
+    ``B3:1`` backward on chunk 1, ``.`` idle), plus the bubble fraction."""
+    p, v = table.stages, table.virtual_stages
+
+    def cell(a: Action | None) -> str:
+        return "." if a is None else f"{a.kind}{a.microbatch}" + (f":{a.chunk}" if v > 1 else "")
+
+    cells = [[cell(row[d]) for row in table.grid] for d in range(p)]
+    width = max(len(c) for r in cells for c in r) + 1
+    head = f"{table.schedule}: p={p} m={table.microbatches}" + (f" v={v}" if v > 1 else "")
+    lines = [
+        f"{head}, {table.ticks} ticks, bubble {bubble_fraction(table):.1%} (formula "
+        f"{expected_bubble_fraction(table.schedule, p, table.microbatches, v):.1%})",
+        "tick    " + "".join(f"{t:>{width}}" for t in range(table.ticks)),
+    ]
+    lines += [f"stage {d:<2}" + "".join(f"{c:>{width}}" for c in cells[d]) for d in range(p)]
+    return "\n".join(lines)
+
+
+def boundary_sends(table: ScheduleTable) -> tuple[int, int]:
+    """(activations sent forward, gradients sent backward) over all stage boundaries per step:
+    m * (p*v - 1) each."""
+    last = table.stages * table.virtual_stages - 1
+    fwd = sum(1 for k in table.ticks_of() if k[0] == "F" and k[2] < last)
+    bwd = sum(1 for k in table.ticks_of() if k[0] == "B" and k[2] > 0)
+    return fwd, bwd
+
+
+# --------------------------------------------------------------------------- executor program
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """The table lowered to the integer arrays the explicit executor scans over.
+
+    ``per_stage[name]`` is ``(ticks, stages)``: ``kind`` (IDLE / FORWARD / BACKWARD as executed: the
+    last virtual stage's F is idle, its work is done in its B), ``microbatch``, ``chunk``, and the
+    slots read (``act_read``, ``grad_read``) and written at the end of the tick (``act_write``,
+    ``grad_write``). Slot buffers hold stage inputs and arriving output gradients from their arrival
+    to the backward that consumes them; the index ``act_slots`` / ``grad_slots`` (one past the last
+    slot) means nothing is read or arrives (the executor keeps the buffer as is).
+    ``pattern[dir]`` (ticks,) indexes ``pairs[dir]``, the distinct (src, dst) stage pairs sending
+    at a tick (``"fwd"`` activations, ``"bwd"`` gradients; pattern 0 sends nothing).
+    """
+
+    per_stage: dict[str, np.ndarray]
+    pattern: dict[str, np.ndarray]
+    pairs: dict[str, tuple[tuple[tuple[int, int], ...], ...]]
+    act_slots: int
+    grad_slots: int
+
+
+def _allocate(intervals: dict[tuple[int, int], tuple[int, int, int]]) -> tuple[dict[tuple[int, int], int], int]:
+    """Slots for values alive from the end of tick ``start`` to tick ``end`` on ``device``."""
+    slots, used, busy = {}, 0, {}  # busy: device -> {slot: end}
+    for key, (device, start, end) in sorted(intervals.items(), key=lambda kv: kv[1][1]):
+        taken = busy.setdefault(device, {})
+        slot = min([s for s, e in taken.items() if e <= start] or [len(taken)])
+        taken[slot], slots[key], used = end, slot, max(used, slot + 1)
+    return slots, used
+
+
+def compile_program(table: ScheduleTable) -> Program:
+    """Lower a table to a :class:`Program` (slot allocation and send patterns)."""
+    p, m, ticks, last = table.stages, table.microbatches, table.ticks, table.stages * table.virtual_stages - 1
+    when = table.ticks_of()
+    # a stage input arrives after F on the previous virtual stage, an output gradient after B on the next one
+    pairs_ik = [(i, k) for i in range(m) for k in range(last + 1)]
+    act, n_act = _allocate({(i, k): (k % p, when["F", i, k - 1], when["B", i, k]) for i, k in pairs_ik if k > 0})
+    grad, n_grad = _allocate({(i, k): (k % p, when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last})
+    arr = {name: np.zeros((ticks, p), np.int32) for name in ("kind", "microbatch", "chunk")}
+    arr |= {name: np.full((ticks, p), n_act, np.int32) for name in ("act_read", "act_write")}
+    arr |= {name: np.full((ticks, p), n_grad, np.int32) for name in ("grad_read", "grad_write")}
+    pairs: dict[str, list] = {"fwd": [()], "bwd": [()]}
+    pattern = {"fwd": np.zeros(ticks, np.int32), "bwd": np.zeros(ticks, np.int32)}
+    for t, row in enumerate(table.grid):
+        sends: dict[str, list[tuple[int, int]]] = {"fwd": [], "bwd": []}
+        for d, a in enumerate(row):
+            i, k = (a.microbatch, a.chunk * p + d) if a else (0, 0)
+            if a is None or (a.kind == "F" and k == last):
+                continue
+            arr["microbatch"][t, d], arr["chunk"][t, d] = i, a.chunk
+            arr["act_read"][t, d] = act[i, k] if k > 0 else n_act
+            if a.kind == "F":
+                arr["kind"][t, d], arr["act_write"][t, (k + 1) % p] = FORWARD, act[i, k + 1]
+                sends["fwd"].append((d, (k + 1) % p))
+            else:
+                arr["kind"][t, d], arr["grad_read"][t, d] = BACKWARD, grad[i, k] if k < last else n_grad
+                if k > 0:
+                    arr["grad_write"][t, (k - 1) % p] = grad[i, k - 1]
+                    sends["bwd"].append((d, (k - 1) % p))
+        for direction, found in sends.items():
+            key = tuple(sorted(found))
+            if key not in pairs[direction]:
+                pairs[direction].append(key)
+            pattern[direction][t] = pairs[direction].index(key)
+    return Program(arr, pattern, {k: tuple(v) for k, v in pairs.items()}, n_act, n_grad)
