@@ -1,0 +1,342 @@
+"""Communication per mesh axis of one layout: the published formulas and jaxpar's own step.
+
+``communication`` gives the bytes one device sends per step on each axis (ring "bytes on the wire",
+nccl-tests PERFORMANCE.md: all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S,
+collective-permute S) and, with a cluster, the time over its links, under the ``paper`` convention
+(FORMULAS.md section 3) or the ``jaxpar`` one: what jaxpar's train step compiles to, per pipeline
+stage, checked against the compiled HLO by tests/test_plan_aot.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar.analysis.clusters import Cluster
+from jaxpar.analysis.inventory import (
+    DTYPE_BYTES,
+    TENSOR_DIMS,
+    Layout,
+    ParamTensor,
+    _held_elements,
+    param_tensors,
+    shard_elements,
+    stage_tensors,
+)
+from jaxpar.config import ConfigDict, ConfigError
+
+CONVENTIONS = ("jaxpar", "paper")
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def all_reduce_bytes(size_bytes: float, n: int) -> float:
+    """Ring all-reduce traffic per device: 2(n-1)/n * S (nccl-tests PERFORMANCE.md)."""
+    return 2 * (n - 1) / n * size_bytes
+
+
+def all_gather_bytes(size_bytes: float, n: int) -> float:
+    """Ring all-gather or reduce-scatter traffic per device: (n-1)/n * S (S = the full array)."""
+    return (n - 1) / n * size_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisComm:
+    """Traffic one device sends over one mesh axis per optimizer step; link is intra | inter | none."""
+
+    axis: str
+    size: int
+    bytes: float
+    collectives: int
+    link: str
+    time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def axis_link(layout: Layout, axis: str, cluster: Cluster) -> str:
+    """The link a ring over ``axis`` uses. With devices ordered tensor, data, pipeline, a ring stays in
+    a node when the span of device ids it touches (t, t*N, t*N*p) fits in one; else it crosses the NIC."""
+    span = {"tensor": layout.tensor, "data": layout.tensor * layout.data, "pipeline": layout.devices}[axis]
+    return "intra" if span <= cluster.devices_per_node else "inter"
+
+
+def communication(
+    model: ConfigDict,
+    layout: Layout,
+    cluster: Cluster | None = None,
+    grad_reduce_bytes: int = 4,
+    link_efficiency: float = 0.75,
+    convention: str = "paper",
+) -> dict[str, AxisComm]:
+    """Bytes per device per step on each mesh axis (FORMULAS.md section 3), with times if a cluster is given.
+
+    ``paper`` (the published formulas, the default):
+    data (ZeRO paper sec. 7): DP all-reduces gradients once per step; ZeRO-1 reduce-scatters them
+    and all-gathers the updated params once (same bytes); ZeRO-2 reduce-scatters every microbatch
+    (m RS + 1 AG); ZeRO-3 all-gathers params in forward and backward and reduce-scatters gradients
+    every microbatch (3m x (N-1)/N, 1.5x DP at m = 1). S = per-device parameter count (after TP/PP)
+    x ``grad_reduce_bytes`` (4 fp32, 2 bf16). tensor (Shoeybi et al. 2019; Korthikanti 2022):
+    4 all-reduces of b*s*h per layer per microbatch (2 fwd, 2 bwd), 6 with full recompute; with SP
+    each becomes all-gather + reduce-scatter, same bytes. The 2 embedding/output collectives per
+    microbatch are ignored (< 1/(2L/p) of the layer traffic). pipeline (Narayanan 2021): one
+    activation forward and one gradient backward of b*s*h per microbatch per boundary, x v when
+    interleaved, /t with SP (Megatron's scatter-gather: each rank sends its sequence shard).
+
+    ``jaxpar``: what the jaxpar train step compiles to (checked against the compiled HLO by
+    tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`jaxpar_stage_traffic` (tensor and
+    pipeline axes of each pipeline stage; the busiest stage counts).
+
+    Times use ``link_efficiency`` x the nominal bandwidth (the seed plans with 70-80% of nominal).
+    """
+    if convention not in CONVENTIONS:
+        raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
+    n, t, p, m, z = layout.data, layout.tensor, layout.pipeline, layout.microbatches, layout.zero_stage
+    bsh = layout.microbatch_size * layout.seq_len * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    pp_calls = 2 * m * layout.virtual_stages
+    pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
+    if convention == "jaxpar":
+        stages = [jaxpar_stage_traffic(model, layout, d, grad_reduce_bytes) for d in range(p)]
+        data = _jaxpar_data(model, layout, grad_reduce_bytes)
+        traffic = {
+            "data": (n, *max((st.get("data", data) for st in stages), key=lambda x: x[0])),
+            "tensor": (t, *max((st["tensor"] for st in stages), key=lambda x: x[0])),
+            "pipeline": (p, *max((st["pipeline"] for st in stages), key=lambda x: x[0])),
+        }
+    else:
+        grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
+        data = {  # (bytes, collectives) by ZeRO stage
+            0: (all_reduce_bytes(grads, n), 1),
+            1: (all_reduce_bytes(grads, n), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce
+            2: ((m + 1) * all_gather_bytes(grads, n), m + 1),
+            3: (3 * m * all_gather_bytes(grads, n), 3 * m),
+        }[z]
+        tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
+        traffic = {
+            "data": (n, *data),
+            "tensor": (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
+            "pipeline": pipeline,
+        }
+    out = {}
+    for axis, (size, nbytes, calls) in traffic.items():
+        if size == 1:
+            out[axis] = AxisComm(axis, 1, 0.0, 0, "none")
+            continue
+        link = axis_link(layout, axis, cluster) if cluster else "none"
+        gbps = {"intra": cluster.intra_node_gbps, "inter": cluster.inter_node_gbps}[link] if cluster else 0.0
+        out[axis] = AxisComm(axis, size, nbytes, calls, link, nbytes / (gbps * 1e9 * link_efficiency) if gbps else 0.0)
+    return out
+
+
+def _held_by_place(model: ConfigDict, layout: Layout) -> tuple[float, float]:
+    """(layer, other) parameter elements per device after the tensor split, unsharded over data, on
+    the stage holding the most parameters (jaxpar's pipeline: every stage holds the non-layer ones)."""
+    best = (0.0, 0.0)
+    for stage in ("first", "last"):
+        held = stage_tensors(model, layout, stage, shared_on_every_stage=True)
+        layer = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place == "layer")
+        other = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place != "layer")
+        best = max(best, (layer, other), key=sum)
+    return best
+
+
+def _jaxpar_data(model: ConfigDict, layout: Layout, grad_reduce_bytes: int) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of the jaxpar step (jaxpar/train/step.py), E the per-device
+    parameter elements after the tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
+
+    stage 0: all-reduce E*g once per step. Stage 1: reduce-scatter E*g once and all-gather the
+    updated parameters in the param dtype (E*pb, fp32: 2x the bytes of a bf16 reduction). Stage 2:
+    the reduce-scatter every microbatch, the all-gather once. Stage 3 runs in the compute dtype
+    (a, whatever grad_reduce_dtype says): block parameters are gathered
+    twice per microbatch (forward, and again in the backward: the remat policy never keeps the
+    gathered copy), the embedding, final norm and output layer once per step (XLA hoists the
+    loop-invariant gather out of the accumulation loop and shares it with the first microbatch),
+    and every gradient is reduce-scattered per microbatch. Parameters whose dims ``data`` divides
+    none of are all-reduced instead; their share is ignored here (the loss and gradient-norm scalars too).
+    """
+    n, m, z = layout.data, layout.microbatches, layout.zero_stage
+    layer, other = _held_by_place(model, layout)
+    full, pb = layer + other, DTYPE_BYTES[model.param_dtype]
+    if z == 0:
+        return all_reduce_bytes(full * grad_reduce_bytes, n), 1
+    if z in (1, 2):
+        reductions = m if z == 2 else 1
+        moved = reductions * all_gather_bytes(full * grad_reduce_bytes, n) + all_gather_bytes(full * pb, n)
+        return moved, reductions + 1
+    a = DTYPE_BYTES[model.compute_dtype]
+    gathered = (2 * m * layer + other) * a
+    return all_gather_bytes(gathered, n) + m * all_gather_bytes(full * a, n), 3 * m + 1
+
+
+def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
+    """Tensor-axis (bytes, collectives) of the jaxpar model (jaxpar/models/llama.py), per microbatch:
+
+    per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their
+    input gradients); with recompute (selective or full) the attention output's all-reduce runs
+    again in the recomputed forward (the MLP one is dead there): 5, not Megatron's 6. With SP each
+    all-reduce is an all-gather + reduce-scatter (same bytes), and recompute repeats both gathers
+    and the attention reduce-scatter: 5.5 all-reduce equivalents per layer. Per microbatch also
+    the vocabulary-parallel embedding (forward, first stage) and the output layer input's gradient
+    (backward, last stage), each b*s*h (an all-reduce, or a gather/scatter pair with SP); the
+    cross-entropy's max, sum-exp and target logit (3 fp32 all-reduces of b*s, last stage); with
+    SP the norm scales' gradients (2L/p + 1 fp32 vectors of h). The busiest stage (the last) counts.
+    """
+    t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
+    bs = layout.microbatch_size * layout.seq_len
+    bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    layers, remat = model.num_layers // p, layout.recompute != "none"
+    per_layer = 4 + (1.5 if sp else 1.0) * remat
+    ends = 2 if p == 1 else 1
+    moved = (per_layer * layers + ends) * all_reduce_bytes(bsh, t) + 3 * all_reduce_bytes(bs * 4, t)
+    calls = (4 + remat) * layers + ends + 3
+    if sp:
+        moved += (2 * layers + 1) * all_reduce_bytes(model.embed_dim * 4, t)
+        calls += (4 + 2 * remat) * layers + ends + 2 * layers + 1  # each pair counts 2, plus the norm scales
+    return m * moved, m * calls
+
+
+def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int,
+                         grad_reduce_bytes: int = 4) -> dict[str, tuple[float, int]]:
+    """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
+    executor (jaxpar/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
+
+    Pipeline: stage d sends one activation per microbatch for each of its v chunks but the last
+    virtual stage's, and one gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
+    sends of b*s*h (/t with SP: each tensor rank sends its sequence shard). Middle stages send 2mv,
+    the two ends m(2v-1) (Narayanan et al. 2021 count 2mv per boundary).
+
+    Tensor, per microbatch and chunk of c = L/(p*v) layers, with A = one all-reduce of b*s*h (with
+    SP a gather/scatter pair of the same bytes):
+
+    * 1F1B / interleaved: the forward tick runs the chunk (2cA, plus the embedding A on the first
+      virtual stage); the last virtual stage's forward tick is idle (its backward does all). The
+      backward tick recomputes the stage forward: with full remat a forward scan keeping each layer's
+      input (2cA) then, per layer, a recomputed layer under vjp (1A: the MLP output's all-reduce is
+      dead there) and its backward (2A): 5cA; SP 5.5cA (recompute needs both gathers and the
+      attention scatter) plus 2 fp32 norm-scale gradients of h per layer and sequence. Without full
+      remat the backward is the vjp of the stage: (4 + [recompute])cA. The first virtual stage's
+      backward recomputes the embedding (A; with SP the embedding is a reduce-scatter, A/2, and its
+      backward a gather, A/2: 1.5A in all); the last's adds the output layer's input gradient (A)
+      and the cross-entropy's 3 fp32 all-reduces of b*s.
+    * GPipe: each stage's forward once and JAX's transpose of it: per layer (4 + [recompute])A as
+      :func:`_jaxpar_tensor`, the embedding A on stage 0, output-layer gradient and cross-entropy on
+      stage p-1.
+
+    One layer per chunk (c = 1) without full remat, 1F1B / interleaved (whose backward tick runs
+    the vjp of a fresh stage forward): XLA unrolls the one-step layer scan and merges
+    the recomputed forward with the vjp's own (the checkpoint uses ``prevent_cse=False``): no
+    recompute all-reduce is left (with SP one of the three recomputed collective pairs' worth, A,
+    stays), measured with jax 0.10.
+
+    Checked against the compiled step per stage (tests/test_plan_aot.py: ratio 1.0000 on 1F1B,
+    interleaved and GPipe, with and without SP and ZeRO-3).
+    """
+    t, p, v, m, sp = layout.tensor, layout.pipeline, layout.virtual_stages, layout.microbatches, layout.sequence_parallel
+    if p == 1:
+        return {"tensor": _jaxpar_tensor(model, layout), "pipeline": (0.0, 0)}
+    data = None  # ZeRO 0/1: the same on every stage (see communication)
+    if layout.zero_stage == 2:
+        data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
+    elif layout.zero_stage == 3:
+        data = _jaxpar_pipeline_zero3(model, layout, stage)
+    v = v if layout.schedule == "interleaved" else 1
+    bs = layout.microbatch_size * layout.seq_len
+    bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    send = m * ((v - (stage == p - 1)) + (v - (stage == 0)))
+    # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
+    # table), summed over pipeline, and the loss
+    held = [x for x in param_tensors(model) if x.name.startswith("final_norm") or x.name == "positions"
+            or (model.tie_embeddings and x.name == "embedding")]
+    summed = 4 + 4 * sum(shard_elements(x, t, layout.data, layout.zero_stage >= 2) for x in held)
+    pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
+    if t == 1:
+        return {"tensor": (0.0, 0), "pipeline": pipeline, **({"data": data} if data else {})}
+    a, c = all_reduce_bytes(bsh, t), model.num_layers // (p * v)
+    remat = layout.recompute != "none"
+    full = layout.recompute == "full" and layout.schedule != "gpipe"
+    per_seq = layout.microbatch_size if full else 1  # the full-remat backward runs sequence by sequence
+    recompute = (1.5 if sp else 1.0) * remat
+    if c == 1 and not full and layout.schedule != "gpipe":  # XLA merges the recomputed forward (see above)
+        recompute = 1.0 if sp and remat else 0.0
+    moved, calls = 0.0, 0
+    for chunk in range(v):
+        first, last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        if layout.schedule == "gpipe":
+            units = (4 + recompute) * c
+        else:
+            forward = 0 if last else 2 * c
+            backward = (5.5 if sp else 5) * c if full else (4 + recompute) * c
+            units = forward + backward
+        explicit_embed = 1.5 if sp else 2  # forward, and again in the backward (SP: a scatter, then a pair)
+        units += (explicit_embed if layout.schedule != "gpipe" else 1) * first + (1 if last else 0)
+        moved += units * a + (3 * all_reduce_bytes(bs * 4, t) if last else 0.0)
+        calls += round(units) + (3 if last else 0)
+        if sp:  # norm-scale gradients: 2 per layer (+ the final norm on the last stage), per sequence
+            moved += per_seq * (2 * c + last) * all_reduce_bytes(model.embed_dim * 4, t)
+            calls += per_seq * (2 * c + last)
+    return {"tensor": (m * moved, m * calls), "pipeline": pipeline, **({"data": data} if data else {})}
+
+
+def _zero_gathered(model: ConfigDict, layout: Layout, tensors: list[ParamTensor], nbytes: int) -> float:
+    """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors."""
+    n, t = layout.data, layout.tensor
+    return sum(all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n) for x in tensors
+               if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS))
+
+
+def _stage_groups(model: ConfigDict) -> tuple[list[ParamTensor], list[ParamTensor], list[ParamTensor]]:
+    """(layer, first-stage, last-stage) tensors as the jaxpar pipeline uses them: the first stage
+    embeds (embedding, positions), the last projects (output table or the tied embedding, final norm)."""
+    tensors = param_tensors(model)
+    table = [x for x in tensors if x.name == ("embedding" if model.tie_embeddings else "output")]
+    return ([x for x in tensors if x.place == "layer"], [x for x in tensors if x.place == "first"],
+            table + [x for x in tensors if x.name.startswith("final_norm")])
+
+
+def _jaxpar_pipeline_zero2(model: ConfigDict, layout: Layout, stage: int,
+                           grad_reduce_bytes: int = 4) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-2 (1F1B / interleaved): every
+    backward tick reduce-scatters its chunk's layer gradients, and the first / last virtual stage's
+    also the gradients of every non-layer parameter the stage holds (embedding or output table,
+    final norm, positions: :func:`stage_tensors`), into the sharded accumulator, m per step each;
+    after the update one all-gather of every parameter the stage holds (param dtype). Parameters
+    no ZeRO dim divides are all-reduced instead (not counted)."""
+    p, m = layout.pipeline, layout.microbatches
+    held = stage_tensors(model, layout, "first", shared_on_every_stage=True)
+    g, pb = grad_reduce_bytes, DTYPE_BYTES[model.param_dtype]
+    layers = sum(count * _zero_gathered(model, layout, [x], g) for x, count in held if x.place == "layer")
+    shared = sum(_zero_gathered(model, layout, [x], g) for x, _ in held if x.place != "layer")
+    scattered = layers + (stage in (0, p - 1)) * shared
+    gathered = sum(count * _zero_gathered(model, layout, [x], pb) for x, count in held)
+    return m * scattered + gathered, m + 1
+
+
+def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/pipeline/executor.py).
+
+    With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; a reduce-scatter
+    of the gradient, the gather's transpose, moves as much), per microbatch and chunk of c layers:
+    1F1B / interleaved: the forward tick gathers each layer once (cG; the last virtual stage's is
+    idle), the backward tick gathers it for the recomputed forward, again for the layer's vjp, and
+    reduce-scatters its gradient (3cG; with full remat the backward then runs the whole microbatch
+    at once, not sequence by sequence, so the gathers are not repeated per sequence). GPipe: 3cG
+    (forward; backward gather and scatter). The first stage gathers the embedding (and positions)
+    in each tick that embeds (G forward, 2G backward), the last the output table and final norm
+    (2G). Parameters no ZeRO dim divides are all-reduced once per step instead (not counted).
+    """
+    p, m = layout.pipeline, layout.microbatches
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    a = DTYPE_BYTES[model.compute_dtype]
+    c = model.num_layers // (p * v)
+    layer, first, last = (_zero_gathered(model, layout, group, a) for group in _stage_groups(model))
+    # one layer per chunk without full remat: the backward's regather merges with the vjp forward's
+    explicit = layout.schedule != "gpipe"
+    backward = 2 if c == 1 and explicit and layout.recompute != "full" else 3
+    moved = 0.0
+    for chunk in range(v):
+        is_first, is_last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        forward = 0 if layout.schedule == "gpipe" or is_last else c * layer + is_first * first
+        moved += forward + backward * c * layer + 2 * is_first * first + 2 * is_last * last
+    return m * moved, m * backward * c * v
