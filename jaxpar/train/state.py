@@ -158,6 +158,22 @@ class Setup:
         return jax.jit(fn, in_shardings=(self.param_shardings, self.eval_sharding))
 
     # ------------------------------------------------------------------ data
+    def data_split(self) -> tuple[int, int]:
+        """(index, count): which contiguous share of every batch's rows this process feeds. A process
+        feeds the rows of the ``data`` shards its devices hold; processes that hold the same ones
+        (e.g. different pipeline stages of one data shard: pipeline is the outermost axis, so it
+        is what splits over hosts first) feed the same rows."""
+        axis = self.mesh.axis_names.index("data")
+        groups: dict[int, set[int]] = {}
+        for index, device in np.ndenumerate(self.mesh.devices):
+            groups.setdefault(device.process_index, set()).add(index[axis])
+        shares = sorted({tuple(sorted(g)) for g in groups.values()})
+        sizes = {len(share) for share in shares}
+        if len(sizes) != 1 or sum(sizes) * len(shares) != self.mesh.shape["data"]:
+            raise ConfigError(f"mesh.data={self.mesh.shape['data']} does not split evenly over the {len(groups)} "
+                              "processes; choose a mesh whose data shards divide among the hosts")
+        return shares.index(tuple(sorted(groups[jax.process_index()]))), len(shares)
+
     def batch_shape(self) -> tuple[int, int, int]:
         t = self.cfg.train
         return (t.microbatches, t.global_batch // t.microbatches, t.seq_len + 1)
@@ -171,7 +187,7 @@ class Setup:
 
     def make_eval_batch(self, local_rows: np.ndarray) -> jax.Array:
         local = np.asarray(local_rows, dtype=np.int32)
-        global_shape = (local.shape[0] * jax.process_count(), local.shape[1])
+        global_shape = (local.shape[0] * self.data_split()[1], local.shape[1])
         return jax.make_array_from_process_local_data(self.eval_sharding, local, global_shape)
 
     # ------------------------------------------------------------------ analysis
