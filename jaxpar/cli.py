@@ -1,4 +1,4 @@
-"""``jaxpar`` command line: train | inspect | plan | port | export | drill.
+"""``jaxpar`` command line: train | inspect | plan | compare | port | export | drill.
 
 Configuration errors print one line naming the field and the fix and exit with code 2, no
 traceback. On CPU, the number of simulated devices is set from the config's mesh
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "compile a layout (AOT) and report its collectives and per-device memory against the formulas")
     _add_optional(sub, "plan", "jaxpar.analysis.plan", "add_plan_arguments", "run_plan",
                   "estimate and rank layouts for a cluster before renting it")
+    _add_optional(sub, "compare", "jaxpar.analysis.compare", "add_compare_arguments", "run_compare",
+                  "chosen layouts side by side: memory, step time, MFU, communication (--aot: compiled too)")
     _add_port(sub)
     _add_optional(sub, "export", "jaxpar.port.export", "add_export_arguments", "run_export",
                   "write a training checkpoint's parameters as an HF LLaMA checkpoint (safetensors + config.json)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -149,3 +150,46 @@ def test_run_plan_table(capsys):
     assert P.run_plan(args) == 0
     out = capsys.readouterr().out
     assert "10% headroom" in out and "why #1" in out and "Searched in" in out
+
+
+# --------------------------------------------------------------------------- jaxpar compare
+
+
+def _compare(capsys, *argv: str) -> tuple[int, str, str]:
+    from jaxpar.cli import main
+
+    code = main(["compare", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compare_keeps_the_order_and_matches_plan(capsys):
+    """The layouts come back in the order given, each as `plan --layout` evaluates it, with memory
+    and step time relative to the first."""
+    cfg = str(CONFIGS / "llama2_7b.py")
+    specs = ["data=2,tensor=4,zero=1,microbatches=512", "data=8,zero=3,microbatches=128", "tensor=8,microbatches=1024"]
+    code, out, _ = _compare(capsys, "--config", cfg, *[f"--layout={s}" for s in specs], "--json")
+    assert code == 0
+    rows = json.loads(out)["layouts"]
+    assert [(r["data"], r["tensor"], r["zero_stage"]) for r in rows] == [(2, 4, 1), (8, 1, 3), (1, 8, 0)]
+    assert rows[0]["relative_to_first"] == {"memory": 1.0, "step_time": 1.0}
+    base, config = rows[0], load_config(cfg)
+    options = P.PlanOptions(grad_reduce_bytes={"float32": 4, "bfloat16": 2}[config.parallel.grad_reduce_dtype])
+    for row in rows:
+        lay = Layout(**{f.name: row[f.name] for f in dataclasses.fields(Layout)})
+        est = P.evaluate_layout(config.model, get_cluster("h100-80g"), lay, options)
+        assert row["step_time_s"] == pytest.approx(est.step_time_s)
+        assert row["relative_to_first"]["step_time"] == pytest.approx(row["step_time_s"] / base["step_time_s"])
+        assert row["relative_to_first"]["memory"] == pytest.approx(
+            row["memory"]["total_bytes"] / base["memory"]["total_bytes"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--layout", "data=8", "--layout", "data=4"], "different device counts"),
+    (["--layout", "data=8,zero=x"], "zero=x must be an integer"),
+    (["--layout", "data=8,speed=3"], "expected comma-separated KEY=VALUE"),
+    (["--layout", "data=8,sp=maybe"], "sp=maybe: use 0 or 1"),
+])
+def test_compare_bad_input_is_one_line(capsys, argv, needle):
+    code, _, err = _compare(capsys, *argv)
+    assert code == 2 and needle in err and err.count("\n") == 1

@@ -229,3 +229,21 @@ def test_pipeline_stages_are_counted_from_the_schedule(compiled):
         assert measured["pipeline"] == pytest.approx(sends * bsh + extra, abs=128)  # + tiny (pipeline, tensor) sums
         assert measured["tensor"] == pytest.approx(est["tensor"][0], rel=1e-4)
     assert r.stage_bytes[1]["pipeline"] > r.stage_bytes[0]["pipeline"]  # a middle stage sends 2mv
+
+
+def test_compare_aot_compiles_every_layout(capsys):
+    """`jaxpar compare --aot`: each given layout compiled beside its estimate, in the order given."""
+    from jaxpar.cli import main
+
+    argv = ["compare", "--config", str(CONFIGS["tiny"]), "--layout", "data=8,zero=1,microbatches=2,recompute=none",
+            "--layout", "data=2,tensor=2,pipeline=2,zero=3,microbatches=2,recompute=none", "--aot", "--json",
+            "--config.model.compute_dtype=float32", "--config.parallel.grad_reduce_dtype=float32"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert [(r["data"], r["pipeline"], r["zero_stage"]) for r in rows] == [(8, 1, 1), (2, 2, 3)]
+    for row in rows:
+        aot = row["aot"]
+        assert aot["argument_ratio"] == pytest.approx(1, rel=MEMORY_TOLERANCE)
+        for axis in ("data", "tensor", "pipeline"):
+            if aot["collectives"][axis]["estimated_bytes"]:
+                assert aot["collectives"][axis]["ratio"] == pytest.approx(1, rel=COMM_TOLERANCE), axis
