@@ -121,13 +121,9 @@ def _same_final_state(cfg: ConfigDict, a: pathlib.Path, b: pathlib.Path) -> bool
     import numpy as np
 
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.mesh import single_device_mesh
-    from jaxpar.train.state import Setup
+    from jaxpar.train.state import one_device_checkpoint_state
 
-    one = ConfigDict(cfg.to_dict())
-    one.mesh.data = one.mesh.tensor = one.mesh.pipeline = 1
-    one.parallel.zero_stage = 0
-    params, opt, _ = Setup(one, single_device_mesh()).abstract_state(model_form=True)  # checkpoints: model form
+    params, opt = one_device_checkpoint_state(cfg)
     abstract = {"params": params, "opt_state": opt}
     states = []
     for workdir in (a, b):

@@ -27,19 +27,19 @@ RTOL = 1e-6
 # --------------------------------------------------------------------------- DeepSpeed references
 
 
+def _ds_warmup_gamma(lbi, warmup_num_steps, warmup_type):
+    """DeepSpeed WarmupLR's warm-up factor at ``lbi < warmup_num_steps`` (WarmupDecayLR inherits it)."""
+    if warmup_type == "log":
+        return 1.0 / math.log(warmup_num_steps) * math.log(lbi + 1)
+    return lbi / warmup_num_steps
+
+
 def ds_warmup_lr(lbi, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"):
     """WarmupLR.get_lr() at last_batch_iteration ``lbi``."""
     warmup_num_steps = max(2, warmup_num_steps)
-    inverse_log_warm_up = 1.0 / math.log(warmup_num_steps)
     if lbi < 0:
         return warmup_min_lr
-    if lbi < warmup_num_steps:
-        if warmup_type == "log":
-            gamma = inverse_log_warm_up * math.log(lbi + 1)
-        else:
-            gamma = lbi / warmup_num_steps
-    else:
-        gamma = 1.0
+    gamma = _ds_warmup_gamma(lbi, warmup_num_steps, warmup_type) if lbi < warmup_num_steps else 1.0
     return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
 
 
@@ -47,14 +47,10 @@ def ds_warmup_decay_lr(lbi, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.
                        warmup_type="log"):
     """WarmupDecayLR.get_lr() at ``lbi``."""
     warmup_num_steps = max(2, warmup_num_steps)
-    inverse_log_warm_up = 1.0 / math.log(warmup_num_steps)
     if lbi < 0:
         return warmup_min_lr
     if lbi < warmup_num_steps:
-        if warmup_type == "log":
-            gamma = inverse_log_warm_up * math.log(lbi + 1)
-        else:
-            gamma = lbi / warmup_num_steps
+        gamma = _ds_warmup_gamma(lbi, warmup_num_steps, warmup_type)
     else:
         gamma = max(0.0, float(total_num_steps - lbi) / float(max(1.0, total_num_steps - warmup_num_steps)))
     return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma

@@ -17,7 +17,7 @@ A group whose members differ only along ``data`` is attributed to ``("data",)``;
 device move no bytes and are kept out of the rows (counted in ``trivial_ops``). Calls, fusions
 and async wrappers run once per execution of their caller; a conditional runs one branch per
 execution, counted as its branch with the most collective bytes (an upper bound when the branches
-differ, see :func:`_executions`); a while loop without a known trip count is counted once, with a
+differ, see :func:`executions`); a while loop without a known trip count is counted once, with a
 warning. Pipeline layouts are exact instead: their switches pick a branch per tick and stage from
 the schedule table, and each collective is counted per stage from the named scopes of its branch
 (:func:`pipeline_fraction`); the rows are the busiest stage's.
@@ -26,7 +26,6 @@ the schedule table, and each collective is counted per stage from the named scop
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections import defaultdict
 from typing import Any
@@ -34,33 +33,20 @@ from typing import Any
 import numpy as np
 
 from jaxpar.analysis.expected import expected_collectives, expected_memory, ring_bytes
+from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, shape_bytes: re-exported for callers
+    GROUPS,
+    OP_NAME,
+    PAIRS,
+    Instr,
+    executions,
+    parse_hlo,
+    parse_replica_groups,
+    shape_bytes,
+)
 from jaxpar.config import ConfigDict, ConfigError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-HLO_DTYPE_BYTES = {  # element types of HLO shapes
-    **dict.fromkeys(("s4", "u4"), 0.5),
-    **dict.fromkeys(("pred", "s8", "u8"), 1),
-    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
-    **dict.fromkeys(("s32", "u32", "f32"), 4),
-    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
-    "c128": 16,
-    "token": 0,
-}
 MB, MIB = 1e6, 2**20
-
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
-_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-_PAIRS = re.compile(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?\s*)*\})")
-_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_CALLEE_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_COMMENT = re.compile(r"/\*.*?\*/")
-
-
 # --------------------------------------------------------------------------- report types
 
 
@@ -179,192 +165,6 @@ def _ratio(measured: float, expected: float | None) -> float | None:
     return measured / expected if expected else None
 
 
-# --------------------------------------------------------------------------- HLO parsing
-
-
-def shape_bytes(type_text: str) -> float:
-    """Bytes of an HLO type: an array ``f32[2,3]{1,0}`` or a tuple of them."""
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(type_text):
-        size = HLO_DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
-        if size is None:
-            raise ValueError(f"unknown HLO element type '{dtype}' in '{type_text}'")
-        total += size * math.prod(_dims(dims))
-    return total
-
-
-def _dims(text: str) -> list[int]:
-    return [int(d.replace("<=", "")) for d in text.split(",") if d.strip()]
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the parenthesis group opening at ``text[start]``."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    return len(text)
-
-
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    type_text: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    m = _INSTR.match(line)
-    if not m:
-        return None
-    name, rest = m.group(1), m.group(2)
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
-        type_text, rest = rest[:end], rest[end:].lstrip()
-    else:
-        type_text, _, rest = rest.partition(" ")
-    op = _OPCODE.match(rest)
-    if not op:
-        return None
-    open_at = op.end() - 1
-    close_at = _balanced(rest, open_at)
-    operands = [o.strip() for o in _split_top(rest[open_at + 1 : close_at - 1]) if o.strip()]
-    return _Instr(name, type_text, op.group(1), operands, rest[close_at:])
-
-
-def _split_top(text: str) -> list[str]:
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur))
-    return out
-
-
-def parse_hlo(text: str) -> tuple[str, dict[str, list[_Instr]]]:
-    """(entry computation name, {computation: instructions}) of an HLO module's text."""
-    comps: dict[str, list[_Instr]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        line = _COMMENT.sub("", line)
-        header = _HEADER.match(line)
-        if header and "=" not in line.split("(", 1)[0]:
-            current = header.group(2)
-            comps[current] = []
-            if header.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        instr = _parse_instr(line)
-        if instr is not None:
-            comps[current].append(instr)
-    if not entry:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return entry, comps
-
-
-def parse_replica_groups(text: str) -> list[list[int]] | None:
-    """``{{0,1},{2,3}}``, ``{}`` (None: all devices), or the iota form ``[2,4]<=[8]`` /
-    ``[4,2]<=[2,4]T(1,0)`` (iota over the reshape dims, transposed, reshaped to groups x size)."""
-    if text.startswith("{"):
-        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
-        return groups or None
-    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-    if not m:
-        raise ValueError(f"unrecognised replica_groups '{text}'")
-    shape, reshape = _dims(m.group(1)), _dims(m.group(2))
-    ids = np.arange(math.prod(reshape)).reshape(reshape)
-    if m.group(3):
-        ids = ids.transpose(_dims(m.group(3)))
-    return ids.reshape(shape[0], -1).tolist()
-
-
-def _executions(
-    entry: str, comps: dict[str, list[_Instr]], warnings: list[str], cost: dict[str, float] | None = None,
-    all_branches: bool = False,
-) -> dict[str, int]:
-    """How many times each computation runs per call of ``entry`` (while bodies x trip count).
-
-    A ``conditional`` runs exactly one of its branches per execution, and which one is data the
-    HLO does not show. Each execution is attributed to one branch: the one whose collectives
-    (``cost``: ring bytes of a computation's own collectives per run; callees, trip counts and
-    nested conditionals included here) move the most bytes, ties to the first. That is an upper
-    bound on the bytes when branches differ (exact when they agree), and never the sum of branches;
-    the other branches get no executions from that conditional, so their collectives (listed in the
-    report's ops with 0 executions) add to no row even where their kind or axes differ.
-
-    ``all_branches``: every branch runs once per execution of its conditional; the pipeline report
-    then scales each collective by the share of ticks in which the schedule takes its branch.
-    """
-    cost = cost or {}
-    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    branches: dict[str, list[list[str]]] = defaultdict(list)  # caller -> branch lists of its conditionals
-    for comp, instrs in comps.items():
-        for ins in instrs:
-            if ins.opcode.endswith("-done") or ins.opcode == "async-update":
-                continue  # the -start already accounts for the async computation
-            callees = _CALLEES.findall(ins.attrs)
-            for group in _CALLEE_LISTS.findall(ins.attrs):
-                callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-            callees = [c for c in callees if c in comps]
-            if ins.opcode == "conditional":
-                if callees:
-                    branches[comp].append(callees)
-                continue
-            trips = _trip_count(ins, comps, warnings) if ins.opcode == "while" else 1
-            edges[comp] += [(callee, trips) for callee in callees]
-    order, seen = [], set()
-
-    def visit(c: str) -> None:  # post-order DFS; HLO call graphs are acyclic
-        seen.add(c)
-        for callee in [e for e, _ in edges[c]] + [b for group in branches[c] for b in group]:
-            if callee not in seen:
-                visit(callee)
-        order.append(c)
-
-    visit(entry)
-    total: dict[str, float] = {}  # bytes of one run of a computation, callees included
-    for comp in order:  # callees first
-        if all_branches:
-            chosen = [b for group in branches[comp] for b in group]
-        else:
-            chosen = [max(group, key=lambda b: total[b]) for group in branches[comp]]  # first of the largest
-        edges[comp] += [(b, 1) for b in chosen]
-        total[comp] = cost.get(comp, 0.0) + sum(total[c] * n for c, n in edges[comp])
-    runs = defaultdict(int, {entry: 1})
-    for comp in reversed(order):
-        for callee, trips in edges[comp]:
-            runs[callee] += runs[comp] * trips
-    return dict(runs)
-
-
-def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]], warnings: list[str]) -> int:
-    m = _TRIP.search(ins.attrs)
-    if m:
-        return int(m.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
-    body = comps.get(cond.group(1), []) if cond else []
-    consts = [int(i.operands[0]) for i in body if i.opcode == "constant" and i.operands and i.operands[0].isdigit()]
-    if len(consts) == 1 and any("direction=LT" in i.attrs for i in body if i.opcode == "compare"):
-        return consts[0]
-    warnings.append(f"while '{ins.name}': trip count unknown, counted once")
-    return 1
-
-
 # --------------------------------------------------------------------------- attribution
 
 
@@ -373,7 +173,7 @@ def _axes_of(ids: list[int], coords: np.ndarray, names: tuple[str, ...]) -> tupl
     return tuple(name for k, name in enumerate(names) if len(set(pts[:, k].tolist())) > 1)
 
 
-def _collective(ins: _Instr, symbols: dict[str, str], coords: np.ndarray, names: tuple[str, ...]):
+def _collective(ins: Instr, symbols: dict[str, str], coords: np.ndarray, names: tuple[str, ...]):
     kind = ins.opcode.removesuffix("-start")
     operand_types = []
     for op in ins.operands:
@@ -381,11 +181,11 @@ def _collective(ins: _Instr, symbols: dict[str, str], coords: np.ndarray, names:
         operand_types.append(op if "[" in op else symbols.get(ref, ""))
     operand_bytes = sum(shape_bytes(t) for t in operand_types) or shape_bytes(ins.type_text)
     if kind == "collective-permute":
-        m = _PAIRS.search(ins.attrs)
+        m = PAIRS.search(ins.attrs)
         pairs = parse_replica_groups(m.group(1)) if m else []
         axes = tuple(sorted({a for p in pairs for a in _axes_of(p, coords, names)}, key=names.index))
         return kind, axes, len(pairs), operand_bytes, tuple(sorted(p[0] for p in pairs))
-    m = _GROUPS.search(ins.attrs)
+    m = GROUPS.search(ins.attrs)
     groups = parse_replica_groups(m.group(1)) if m else None
     if groups is None:
         groups = [list(range(len(coords)))]
@@ -407,7 +207,7 @@ def analyze_compiled(
 
     ``pipeline`` (a :class:`jaxpar.pipeline.Pipeline`): the step runs a schedule, whose ticks take
     one branch of each switch per device. Every collective is then counted exactly, per stage: its
-    runs with all branches executing (:func:`_executions`) times the share of ticks in which that
+    runs with all branches executing (:func:`executions`) times the share of ticks in which that
     stage takes its branch (:func:`pipeline_fraction`, from the named scopes in its op_name); a
     collective-permute moves bytes only from the devices that send. ``rows`` are the busiest
     stage's, ``stages`` has every stage's bytes by axis.
@@ -428,11 +228,11 @@ def analyze_compiled(
                 continue
             found.append((comp, ins, kind, axes, n, size, sources))
             cost[comp] += ring_bytes(kind, n, size)
-    runs = _executions(entry, comps, warnings, cost, all_branches=pipeline is not None)
+    runs = executions(entry, comps, warnings, cost, all_branches=pipeline is not None)
     ops = []
     for comp, ins, kind, axes, n, size, sources in found:
         times = runs.get(comp, 0)  # 0: only in conditional branches counted as a larger sibling
-        meta = _OP_NAME.search(ins.attrs)
+        meta = OP_NAME.search(ins.attrs)
         moved, source = ring_bytes(kind, n, size) * times, meta.group(1) if meta else ""
         ops.append(CollectiveOp(ins.name, kind, axes, n, size, times, moved, ins.type_text, comp, source, sources))
     stages: list[dict[str, float]] = []

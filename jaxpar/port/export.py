@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxpar.config import ConfigDict, ConfigError, load_config
+from jaxpar.config import ConfigError, load_config
 
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py"
@@ -38,9 +38,8 @@ def run_export(args: argparse.Namespace) -> int:
     if os.path.exists(args.output) and not args.overwrite:
         raise ConfigError(f"-o {args.output}: exists; pass --overwrite to replace it or choose another directory")
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.mesh import single_device_mesh
     from jaxpar.port import weights
-    from jaxpar.train.state import Setup
+    from jaxpar.train.state import one_device_checkpoint_state
 
     weights.hf_config_from_model(cfg.model)  # a model HF's LLaMA cannot hold fails here, before any read
     directory = os.path.join(cfg.train.workdir, "checkpoints")
@@ -48,7 +47,7 @@ def run_export(args: argparse.Namespace) -> int:
                           "train first or point --config.train.workdir at a run")
     if not os.path.isdir(directory):
         raise missing
-    params, _, _ = Setup(_one_device(cfg), single_device_mesh()).abstract_state(model_form=True)
+    params, _ = one_device_checkpoint_state(cfg)
     checkpoints = Checkpointer(cfg.train.workdir, 0, 1 << 20, echo=lambda _: None)
     try:
         restored = checkpoints.restore_params(params, args.step)
@@ -61,11 +60,3 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"wrote {out}: checkpoint step {step} of {checkpoints.directory} as an HF LLaMA checkpoint")
     return 0
 
-
-def _one_device(cfg: ConfigDict) -> ConfigDict:
-    one = ConfigDict(cfg.to_dict())
-    one.mesh.data = one.mesh.tensor = one.mesh.pipeline = 1
-    one.parallel.zero_stage = 0
-    one.train.microbatches = 1
-    one.pipeline.virtual_stages = 1
-    return one

@@ -66,7 +66,7 @@ class Trainer:
         self.mesh = make_mesh(MeshSpec.from_config(cfg.mesh))
         self.setup = Setup(cfg, self.mesh)
         t = cfg.train
-        pidx, pcount = self.setup.data_split()  # the rows of this process's data shards
+        pidx, pcount = self.setup.data_split  # the rows of this process's data shards
         self.batches = data_lib.make_batches(
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=t.global_batch,
             seed=t.seed, split="train", process_index=pidx, process_count=pcount,

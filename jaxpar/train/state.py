@@ -53,7 +53,8 @@ class Setup:
             )
             self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
         self.layouts = param_layouts(self.abstract_params, self.logical, self.strategy, mesh)
-        model_layouts = param_layouts(self.model_abstract_params, model_logical, self.strategy, mesh)
+        model_layouts = self.layouts if stages == 1 else param_layouts(
+            self.model_abstract_params, model_logical, self.strategy, mesh)
         self.model_param_shardings = named(mesh, specs(model_layouts, "storage"))
         self.model_opt_shardings = named(mesh, opt_state_specs(model_layouts))
         self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.layouts, self.strategy)
@@ -158,6 +159,7 @@ class Setup:
         return jax.jit(fn, in_shardings=(self.param_shardings, self.eval_sharding))
 
     # ------------------------------------------------------------------ data
+    @functools.cached_property
     def data_split(self) -> tuple[int, int]:
         """(index, count): which contiguous share of every batch's rows this process feeds. A process
         feeds the rows of the ``data`` shards its devices hold; processes that hold the same ones
@@ -187,7 +189,7 @@ class Setup:
 
     def make_eval_batch(self, local_rows: np.ndarray) -> jax.Array:
         local = np.asarray(local_rows, dtype=np.int32)
-        global_shape = (local.shape[0] * self.data_split()[1], local.shape[1])
+        global_shape = (local.shape[0] * self.data_split[1], local.shape[1])
         return jax.make_array_from_process_local_data(self.eval_sharding, local, global_shape)
 
     # ------------------------------------------------------------------ analysis
@@ -205,6 +207,20 @@ class Setup:
     def lower_train_step(self):
         guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(self.mesh, P()))
         return self.train_step.lower(*self.abstract_state(), guard)
+
+
+def one_device_checkpoint_state(cfg: ConfigDict) -> tuple[Any, Any]:
+    """Abstract (params, opt_state) of ``cfg``'s checkpoints (the model form) placed on one device:
+    what reading a checkpoint outside its training layout needs (drill comparisons, export)."""
+    from jaxpar.mesh import single_device_mesh
+
+    one = ConfigDict(cfg.to_dict())
+    one.mesh.data = one.mesh.tensor = one.mesh.pipeline = 1
+    one.parallel.zero_stage = 0
+    one.train.microbatches = 1
+    one.pipeline.virtual_stages = 1
+    params, opt, _ = Setup(one, single_device_mesh()).abstract_state(model_form=True)
+    return params, opt
 
 
 # model fields an HF config.json fixes: (jaxpar field, HF key in the message)

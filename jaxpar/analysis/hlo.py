@@ -1,0 +1,226 @@
+"""Reading optimized HLO text: shapes, instructions, replica groups, and how often each computation runs.
+
+The text layer under :mod:`jaxpar.analysis.compiled`: :func:`parse_hlo` splits a module's text into
+computations of :class:`Instr`; :func:`executions` walks the call graph (calls, fusions, async
+wrappers, while loops with their trip counts, conditionals) to count how many times each
+computation runs per call of the entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+HLO_DTYPE_BYTES = {  # element types of HLO shapes
+    **dict.fromkeys(("s4", "u4"), 0.5),
+    **dict.fromkeys(("pred", "s8", "u8"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
+    "c128": 16,
+    "token": 0,
+}
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
+GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+PAIRS = re.compile(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?\s*)*\})")
+_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+# --------------------------------------------------------------------------- HLO parsing
+
+
+def shape_bytes(type_text: str) -> float:
+    """Bytes of an HLO type: an array ``f32[2,3]{1,0}`` or a tuple of them."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(type_text):
+        size = HLO_DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            raise ValueError(f"unknown HLO element type '{dtype}' in '{type_text}'")
+        total += size * math.prod(_dims(dims))
+    return total
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d.replace("<=", "")) for d in text.split(",") if d.strip()]
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis group opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+@dataclasses.dataclass
+class Instr:
+    """One instruction: its name, result type text, opcode, operand texts and the attributes after them."""
+
+    name: str
+    type_text: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2)
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+        type_text, rest = rest[:end], rest[end:].lstrip()
+    else:
+        type_text, _, rest = rest.partition(" ")
+    op = _OPCODE.match(rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close_at = _balanced(rest, open_at)
+    operands = [o.strip() for o in _split_top(rest[open_at + 1 : close_at - 1]) if o.strip()]
+    return Instr(name, type_text, op.group(1), operands, rest[close_at:])
+
+
+def _split_top(text: str) -> list[str]:
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
+def parse_hlo(text: str) -> tuple[str, dict[str, list[Instr]]]:
+    """(entry computation name, {computation: instructions}) of an HLO module's text."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        line = _COMMENT.sub("", line)
+        header = _HEADER.match(line)
+        if header and "=" not in line.split("(", 1)[0]:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr is not None:
+            comps[current].append(instr)
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, comps
+
+
+def parse_replica_groups(text: str) -> list[list[int]] | None:
+    """``{{0,1},{2,3}}``, ``{}`` (None: all devices), or the iota form ``[2,4]<=[8]`` /
+    ``[4,2]<=[2,4]T(1,0)`` (iota over the reshape dims, transposed, reshaped to groups x size)."""
+    if text.startswith("{"):
+        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
+        return groups or None
+    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if not m:
+        raise ValueError(f"unrecognised replica_groups '{text}'")
+    shape, reshape = _dims(m.group(1)), _dims(m.group(2))
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if m.group(3):
+        ids = ids.transpose(_dims(m.group(3)))
+    return ids.reshape(shape[0], -1).tolist()
+
+
+def executions(
+    entry: str, comps: dict[str, list[Instr]], warnings: list[str], cost: dict[str, float] | None = None,
+    all_branches: bool = False,
+) -> dict[str, int]:
+    """How many times each computation runs per call of ``entry`` (while bodies x trip count).
+
+    A ``conditional`` runs exactly one of its branches per execution, and which one is data the
+    HLO does not show. Each execution is attributed to one branch: the one whose collectives
+    (``cost``: ring bytes of a computation's own collectives per run; callees, trip counts and
+    nested conditionals included here) move the most bytes, ties to the first. That is an upper
+    bound on the bytes when branches differ (exact when they agree), and never the sum of branches;
+    the other branches get no executions from that conditional, so their collectives (listed in the
+    report's ops with 0 executions) add to no row even where their kind or axes differ.
+
+    ``all_branches``: every branch runs once per execution of its conditional; the pipeline report
+    then scales each collective by the share of ticks in which the schedule takes its branch.
+    """
+    cost = cost or {}
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    branches: dict[str, list[list[str]]] = defaultdict(list)  # caller -> branch lists of its conditionals
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            if ins.opcode.endswith("-done") or ins.opcode == "async-update":
+                continue  # the -start already accounts for the async computation
+            callees = _CALLEES.findall(ins.attrs)
+            for group in _CALLEE_LISTS.findall(ins.attrs):
+                callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            callees = [c for c in callees if c in comps]
+            if ins.opcode == "conditional":
+                if callees:
+                    branches[comp].append(callees)
+                continue
+            trips = _trip_count(ins, comps, warnings) if ins.opcode == "while" else 1
+            edges[comp] += [(callee, trips) for callee in callees]
+    order, seen = [], set()
+
+    def visit(c: str) -> None:  # post-order DFS; HLO call graphs are acyclic
+        seen.add(c)
+        for callee in [e for e, _ in edges[c]] + [b for group in branches[c] for b in group]:
+            if callee not in seen:
+                visit(callee)
+        order.append(c)
+
+    visit(entry)
+    total: dict[str, float] = {}  # bytes of one run of a computation, callees included
+    for comp in order:  # callees first
+        if all_branches:
+            chosen = [b for group in branches[comp] for b in group]
+        else:
+            chosen = [max(group, key=lambda b: total[b]) for group in branches[comp]]  # first of the largest
+        edges[comp] += [(b, 1) for b in chosen]
+        total[comp] = cost.get(comp, 0.0) + sum(total[c] * n for c, n in edges[comp])
+    runs = defaultdict(int, {entry: 1})
+    for comp in reversed(order):
+        for callee, trips in edges[comp]:
+            runs[callee] += runs[comp] * trips
+    return dict(runs)
+
+
+def _trip_count(ins: Instr, comps: dict[str, list[Instr]], warnings: list[str]) -> int:
+    m = _TRIP.search(ins.attrs)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
+    body = comps.get(cond.group(1), []) if cond else []
+    consts = [int(i.operands[0]) for i in body if i.opcode == "constant" and i.operands and i.operands[0].isdigit()]
+    if len(consts) == 1 and any("direction=LT" in i.attrs for i in body if i.opcode == "compare"):
+        return consts[0]
+    warnings.append(f"while '{ins.name}': trip count unknown, counted once")
+    return 1
