@@ -22,9 +22,9 @@ def main() -> int:
     from jaxpar.distributed import ensure_host_devices
 
     ensure_host_devices(8)
-    from jaxpar import pipeline
     from jaxpar.analysis.compiled import analyze_layout
     from jaxpar.config import load_config
+    from jaxpar.parallel import pipeline
 
     print(f"{'schedule':<12} {'m':>3} {'temp MiB':>9} {'x m=p':>6} {'bubble':>7} {'formula':>8}")
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):

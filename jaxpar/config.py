@@ -21,9 +21,10 @@ from typing import Any
 
 import ml_collections
 
+from jaxpar.axes import MESH_AXES
+
 ConfigDict = ml_collections.ConfigDict
 
-MESH_AXES = ("data", "tensor", "pipeline")
 REMAT_POLICIES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -39,10 +40,7 @@ def default_config() -> ConfigDict:
     """The full schema with defaults. Every config file starts from this."""
     c = ConfigDict()
 
-    c.mesh = ConfigDict()
-    c.mesh.data = 1  # data-parallel (and ZeRO sharding) degree
-    c.mesh.tensor = 1  # Megatron tensor-parallel degree (innermost, fastest links)
-    c.mesh.pipeline = 1  # pipeline stages
+    c.mesh = ConfigDict({axis.value: 1 for axis in MESH_AXES})  # jaxpar.axes.MeshAxis: one size per axis
 
     c.parallel = ConfigDict()
     c.parallel.zero_stage = 0  # 0 = DP, 1 = optimizer, 2 = + grads, 3 = + params, over `data`

@@ -1,7 +1,7 @@
 """The device mesh: the only place that knows how many devices there are and how they are arranged.
 
-Vocabulary (as in torchtitan's ``parallel_dims.py``): an *axis* is a mesh axis (``data``,
-``tensor``, ``pipeline``); a *dim* is an array dimension.
+Vocabulary (as in torchtitan's ``parallel_dims.py``): an *axis* is a mesh axis
+(:class:`jaxpar.axes.MeshAxis`); a *dim* is an array dimension.
 
 Device order: ``tensor`` is the innermost axis so a tensor-parallel group is made of
 neighbouring devices (the same host, the NVLink domain on GPUs); ``data`` is next, and
@@ -17,11 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar.axes import DEVICE_ORDER
 from jaxpar.config import ConfigDict, ConfigError
-
-AXES = ("data", "tensor", "pipeline")
-# Order of the device array, outermost first: pipeline crosses nodes, tensor stays inside one.
-DEVICE_ORDER = ("pipeline", "data", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,7 @@ class MeshSpec:
         return self.data * self.tensor * self.pipeline
 
     def shape(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in DEVICE_ORDER}
+        return {axis.value: getattr(self, axis) for axis in DEVICE_ORDER}
 
 
 def _ordered_devices(devices: list[jax.Device]) -> list[jax.Device]:
@@ -66,7 +63,7 @@ def make_mesh(spec: MeshSpec, devices: list[jax.Device] | None = None) -> Mesh:
             "keep tensor parallelism inside a host"
         )
     grid = np.array(_ordered_devices(devices), dtype=object).reshape([spec.pipeline, spec.data, spec.tensor])
-    return Mesh(grid, DEVICE_ORDER)
+    return Mesh(grid, tuple(axis.value for axis in DEVICE_ORDER))
 
 
 def single_device_mesh() -> Mesh:

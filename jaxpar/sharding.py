@@ -3,7 +3,7 @@
 Model code names *logical* dims (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
 ``mlp``, ``layers``, ``norm``, ``pos``). A :class:`Strategy` is data, not a subclass: the
 Megatron tensor-parallel rules table (plus ``layers -> pipeline`` when there is more than one
-pipeline stage: each stage holds a block of the stacked layers, see :mod:`jaxpar.pipeline` for the
+pipeline stage: each stage holds a block of the stacked layers, see :mod:`jaxpar.parallel.pipeline` for the
 layer order with virtual stages) plus a ZeRO stage and the sequence-parallel switch.
 From (strategy, mesh, parameter shapes and logical names) follow, per parameter:
 
@@ -39,7 +39,7 @@ TENSOR_RULES: Mapping[str, str] = {
 }
 # Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
 # With an untied output layer the embedding and output layer share one table per stage
-# (jaxpar.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
+# (jaxpar.parallel.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
 PIPELINE_RULES: Mapping[str, str] = {"layers": "pipeline", "stages": "pipeline"}
 NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 

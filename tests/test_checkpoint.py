@@ -129,7 +129,7 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
 def test_interleaved_pipeline_checkpoints_in_model_layer_order(tmp_path):
     """Interleaved stages store layers permuted; checkpoints hold the model's order, so they
     restore onto a layout without pipeline (and back) with identical values."""
-    from jaxpar import pipeline
+    from jaxpar.parallel import pipeline
 
     pp = _setup(["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
                  "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",

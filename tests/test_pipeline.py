@@ -19,11 +19,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import pipeline
 from jaxpar.cli import main
 from jaxpar.config import ConfigError
 from jaxpar.mesh import MeshSpec, make_mesh
 from jaxpar.models import llama
+from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
 from jaxpar.train.step import init_opt_state
 from tests.helpers import TINY, max_rel_error, tiny_config
@@ -197,7 +197,7 @@ MODEL_VARIANTS = {
     "remat_gpipe_p2_m4_d2": (("--config.model.remat=full",), layout("gpipe", 2, 4, 2)),
 }
 # Full remat: the 1F1B / interleaved backward runs one sequence at a time, layer by layer, adding each
-# layer's weight gradient into the accumulator in place (jaxpar.pipeline.executor._stage_backward_by_layer).
+# layer's weight gradient into the accumulator in place (jaxpar.parallel.pipeline.executor._stage_backward_by_layer).
 REMAT = ("--config.model.remat=full",)
 REMAT_LAYOUTS = {
     "remat_1f1b_p2_m4_d2_t2": layout("1f1b", 2, 4, 2, 2),

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, default_config
+from jaxpar.optim.lr import make_schedule, resolve_schedule
 from jaxpar.port import deepspeed, megatron, torchtitan
-from jaxpar.train.schedule import make_schedule, resolve_schedule
 
 STEPS = 1000
 RTOL = 1e-6

@@ -205,7 +205,7 @@ def analyze_compiled(
     beside the measurements: rows the formulas expect but the program lacks appear with count 0,
     rows the formulas do not expect get expected bytes 0.
 
-    ``pipeline`` (a :class:`jaxpar.pipeline.Pipeline`): the step runs a schedule, whose ticks take
+    ``pipeline`` (a :class:`jaxpar.parallel.pipeline.Pipeline`): the step runs a schedule, whose ticks take
     one branch of each switch per device. Every collective is then counted exactly, per stage: its
     runs with all branches executing (:func:`executions`) times the share of ticks in which that
     stage takes its branch (:func:`pipeline_fraction`, from the named scopes in its op_name); a
@@ -272,7 +272,7 @@ _SEND_SCOPE = re.compile(r"pp_send_(fwd|bwd)_(\d+)")
 
 def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
     """Share of the schedule loop's ticks in which ``stage`` runs the branch holding a collective,
-    read from the named scopes of :mod:`jaxpar.pipeline` in its op_name (1 outside the loop).
+    read from the named scopes of :mod:`jaxpar.parallel.pipeline` in its op_name (1 outside the loop).
 
     1F1B / interleaved (one loop of ``table.ticks``): ``pp_forward`` / ``pp_backward`` where the
     stage's program runs F / B; ``pp_first`` / ``pp_last`` where that action is on the first / last
@@ -280,7 +280,7 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
     of m+p-1 ticks and its transpose): ``pp_work`` where 0 <= tick - stage < m, ``pp_first`` /
     ``pp_last`` on stage 0 / p-1.
     """
-    from jaxpar import pipeline as pl
+    from jaxpar.parallel import pipeline as pl
 
     table, prog = pipeline.table, pipeline.program
     p, v, m = table.stages, table.virtual_stages, table.microbatches

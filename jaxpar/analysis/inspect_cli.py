@@ -62,7 +62,7 @@ def pipeline_schedule(cfg: Any) -> dict[str, Any] | None:
     """The pipeline schedule table of a layout (None without pipeline): diagram, bubble, sends."""
     if cfg.mesh.pipeline <= 1:
         return None
-    from jaxpar import pipeline
+    from jaxpar.parallel import pipeline
 
     p, m, v = cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
     table = pipeline.build_schedule(cfg.pipeline.schedule, p, m, v)

@@ -164,7 +164,7 @@ def stage_tensors(
     Each rank holds L/p layers (v chunks of L/(p*v) when interleaved). Megatron places the
     embedding and learned positions on the first stage, final norm and output layer on the last;
     with tied embeddings and p > 1 the last stage keeps its own copy of the table.
-    ``shared_on_every_stage``: jaxpar's pipeline (``jaxpar/pipeline/forms.py``, stage form) holds on
+    ``shared_on_every_stage``: jaxpar's pipeline (``jaxpar/parallel/pipeline/forms.py``, stage form) holds on
     every stage what SPMD makes every device hold: the layers, the final norm and positions
     (replicated over ``pipeline``, gradients summed over it) and one V x h table: with an untied
     output layer the ``ends`` slot (embedding on the first stage, output layer on the last), with

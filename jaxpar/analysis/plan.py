@@ -227,7 +227,7 @@ def search_layouts(
             if sp and seq_len % t:
                 continue
             if p > 1 and zero == 2 and schedule == "gpipe" and "zero_stage" not in fixed:
-                continue  # jaxpar's GPipe refuses ZeRO-2 (jaxpar.pipeline.check_config)
+                continue  # jaxpar's GPipe refuses ZeRO-2 (jaxpar.parallel.pipeline.check_config)
             for b in sizes:
                 m = per_shard // b
                 if schedule == "interleaved" and m % p:

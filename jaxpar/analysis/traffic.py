@@ -200,7 +200,7 @@ def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
 def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int,
                          grad_reduce_bytes: int = 4) -> dict[str, tuple[float, int]]:
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
-    executor (jaxpar/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
+    executor (jaxpar/parallel/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
 
     Pipeline: stage d sends one activation per microbatch for each of its v chunks but the last
     virtual stage's, and one gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
@@ -314,7 +314,7 @@ def _jaxpar_pipeline_zero2(model: ConfigDict, layout: Layout, stage: int,
 
 
 def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tuple[float, int]:
-    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/pipeline/executor.py).
+    """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/parallel/pipeline/executor.py).
 
     With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; a reduce-scatter
     of the gradient, the gather's transpose, moves as much), per microbatch and chunk of c layers:

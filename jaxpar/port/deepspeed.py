@@ -360,7 +360,7 @@ def _optimizer(ctx: _Ctx) -> float | None:
 
 
 def schedule_fields(kind: str, params: dict[str, Any], optimizer_lr: float | None) -> dict[str, Any]:
-    """optim fields reproducing DeepSpeed's scheduler ``kind`` exactly (see jaxpar.train.schedule)."""
+    """optim fields reproducing DeepSpeed's scheduler ``kind`` exactly (see jaxpar.optim.lr)."""
     warmup = max(2, int(params.get("warmup_num_steps", 1000)))  # DeepSpeed: max(2, warmup_num_steps)
     wtype = params.get("warmup_type", "log")
     fields: dict[str, Any] = {"warmup_steps": warmup, "warmup_type": wtype if wtype in ("log", "linear") else "log",

@@ -29,7 +29,7 @@ from jaxpar.config import (
     merge_into_defaults,
     validate,
 )
-from jaxpar.train.schedule import OPTIONAL_FIELDS
+from jaxpar.optim.lr import OPTIONAL_FIELDS
 
 STATUSES = ("mapped", "approximated", "unsupported", "unknown")
 

@@ -5,7 +5,7 @@ per-parameter layouts (:mod:`jaxpar.sharding`), the shardings of parameters, opt
 batches, and the jitted ``init``, ``train_step`` and ``eval_step``. Nothing here allocates until
 ``init`` runs, so the same object serves AOT analysis (``lower_train_step``) on abstract arrays.
 
-With ``mesh.pipeline > 1`` (:mod:`jaxpar.pipeline`) the parameters are held in the pipeline's *stage
+With ``mesh.pipeline > 1`` (:mod:`jaxpar.parallel.pipeline`) the parameters are held in the pipeline's *stage
 form* (``pipeline.to_stage_form``): block parameters in the stored layer order (the model order
 unless virtual stages are used) and, with an untied output layer, embedding and output layer packed
 into ``ends`` split over ``pipeline``. ``init`` builds that form; checkpoints hold the *model form*
@@ -24,11 +24,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import pipeline as pipeline_lib
 from jaxpar.config import ConfigDict, ConfigError, derive
 from jaxpar.models import llama
+from jaxpar.optim.lr import make_schedule
+from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
-from jaxpar.train.schedule import make_schedule
 from jaxpar.train.step import BATCH_SPEC, StepBuilder, init_opt_state, opt_state_specs
 
 EVAL_SPEC = P("data", None)

@@ -17,7 +17,7 @@ stage      parameters          gradient reduction over ``data``            optim
 
 Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path.
 Tensor parallelism lives in the model (:mod:`jaxpar.models.llama`). With ``mesh.pipeline > 1`` the
-microbatches run through :mod:`jaxpar.pipeline` (its schedule is the gradient accumulation): the
+microbatches run through :mod:`jaxpar.parallel.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
 also marked varying over ``pipeline`` and their stage-local gradients summed over it. Every ZeRO stage
 combines with it: ZeRO-2 reduce-scatters each backward tick's gradients into a sharded accumulator
@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.compat import all_gather_invariant
 from jaxpar.config import ConfigDict
 from jaxpar.models import llama
-from jaxpar.pipeline import Pipeline
+from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamLayout, Strategy, is_layout
 
 BATCH_SPEC = P(None, "data", None)  # (microbatches, sequences, seq_len + 1)

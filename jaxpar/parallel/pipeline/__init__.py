@@ -61,7 +61,7 @@ forward and the same backward.
   residuals of all m microbatches stay alive, as in GPipe without recomputation.
 """
 
-from jaxpar.pipeline.executor import (
+from jaxpar.parallel.pipeline.executor import (
     AXIS,
     SCOPE_BACKWARD,
     SCOPE_ENDS,
@@ -73,7 +73,7 @@ from jaxpar.pipeline.executor import (
     Pipeline,
     eval_loss_sum,
 )
-from jaxpar.pipeline.forms import (
+from jaxpar.parallel.pipeline.forms import (
     ENDS,
     has_ends,
     layer_order,
@@ -81,7 +81,7 @@ from jaxpar.pipeline.forms import (
     to_model_form,
     to_stage_form,
 )
-from jaxpar.pipeline.schedule import (
+from jaxpar.parallel.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     IDLE,

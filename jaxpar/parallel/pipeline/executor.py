@@ -1,6 +1,6 @@
 """The pipeline executors: one scan over the schedule's ticks inside the step's shard_map.
 
-See :mod:`jaxpar.pipeline` ("Execution") for 1F1B / interleaved, GPipe and how ZeRO combines.
+See :mod:`jaxpar.parallel.pipeline` ("Execution") for 1F1B / interleaved, GPipe and how ZeRO combines.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from jaxpar.config import ConfigDict
 from jaxpar.models import llama
-from jaxpar.pipeline.forms import ENDS
-from jaxpar.pipeline.schedule import (
+from jaxpar.parallel.pipeline.forms import ENDS
+from jaxpar.parallel.pipeline.schedule import (
     Program,
     ScheduleTable,
     build_schedule,

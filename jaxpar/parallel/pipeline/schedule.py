@@ -1,6 +1,6 @@
 """Pipeline schedules as data: the (tick, stage) -> action table and its lowered program.
 
-See :mod:`jaxpar.pipeline` for the schedules (gpipe, 1f1b, interleaved), the bubble formulas and how
+See :mod:`jaxpar.parallel.pipeline` for the schedules (gpipe, 1f1b, interleaved), the bubble formulas and how
 the executor runs a :class:`Program`.
 """
 

@@ -1,6 +1,6 @@
 """The stage form of the parameters: the layer order of (virtual) stages and the ``ends`` table.
 
-See :mod:`jaxpar.pipeline` ("Layers on stages", "Embedding and output layer on their stages").
+See :mod:`jaxpar.parallel.pipeline` ("Layers on stages", "Embedding and output layer on their stages").
 """
 
 from __future__ import annotations
