@@ -20,17 +20,17 @@ SEQ = 256
 
 
 def layouts():
-    from jaxpar.analysis.estimate import Layout
+    from jaxpar.analysis.estimate import ParallelLayout
 
-    tiny = [Layout(8 // t, t, 1, 1, z, 2, 16 // (2 * (8 // t)), SEQ, r, sp)
+    tiny = [ParallelLayout(8 // t, t, 1, 1, z, 2, 16 // (2 * (8 // t)), SEQ, r, sp)
             for t, z, r, sp in ((1, 0, "none", False), (1, 1, "full", False), (1, 2, "none", False),
                                 (1, 3, "none", False), (2, 0, "full", False), (2, 3, "selective", False),
                                 (2, 1, "full", True))]
-    tiny += [Layout(2, 2, 2, 1, 1, 4, 2, SEQ, "full"), Layout(2, 2, 2, 2, 0, 2, 4, SEQ, "full", True, "interleaved"),
-             Layout(2, 1, 4, 1, 1, 4, 2, SEQ, "none", False, "gpipe")]
-    big = [Layout(8, 1, 1, 1, 3, 2, 1, SEQ, "none"), Layout(4, 2, 1, 1, 1, 1, 1, SEQ, "selective"),
-           Layout(2, 4, 1, 1, 0, 1, 1, SEQ, "none", True), Layout(2, 2, 2, 1, 1, 2, 1, SEQ, "selective", True),
-           Layout(1, 2, 4, 2, 0, 4, 1, SEQ, "full", False, "interleaved")]
+    tiny += [ParallelLayout(2, 2, 2, 1, 1, 4, 2, SEQ, "full"), ParallelLayout(2, 2, 2, 2, 0, 2, 4, SEQ, "full", True, "interleaved"),
+             ParallelLayout(2, 1, 4, 1, 1, 4, 2, SEQ, "none", False, "gpipe")]
+    big = [ParallelLayout(8, 1, 1, 1, 3, 2, 1, SEQ, "none"), ParallelLayout(4, 2, 1, 1, 1, 1, 1, SEQ, "selective"),
+           ParallelLayout(2, 4, 1, 1, 0, 1, 1, SEQ, "none", True), ParallelLayout(2, 2, 2, 1, 1, 2, 1, SEQ, "selective", True),
+           ParallelLayout(1, 2, 4, 2, 0, 4, 1, SEQ, "full", False, "interleaved")]
     return [("tiny", lay) for lay in tiny] + [("llama_1b", lay) for lay in big]
 
 

@@ -1,8 +1,9 @@
-"""Configuration: defaults, loading, command-line overrides, validation, batch arithmetic.
+"""Configuration: the schema with its field domains, loading, command-line overrides.
 
-One place per concern: every derived quantity (device count, per-device microbatch,
-tokens per step) and every cross-field check lives here, so the rest of the code can
-trust a validated config. Configs are ml_collections ``ConfigDict`` objects made of small
+One place per concern: each field's domain (type, range, allowed values) is checked here,
+once; the rules that tie fields together and the batch arithmetic live in
+:mod:`jaxpar.layout` (:meth:`ParallelLayout.validate`), which :func:`validate` calls, so the
+rest of the code can trust a validated config. Configs are ml_collections ``ConfigDict`` objects made of small
 sub-configs (``mesh``, ``parallel``, ``model``, ``optim``, ``train``, ``data``,
 ``pipeline``, ``checkpoint``); code receives the sub-config it needs, never the whole tree.
 
@@ -12,7 +13,6 @@ them into exit code 2 without a traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
 import os
@@ -22,18 +22,14 @@ from typing import Any
 import ml_collections
 
 from jaxpar.axes import MESH_AXES
+from jaxpar.errors import ConfigError
+from jaxpar.layout import ParallelLayout
 
 ConfigDict = ml_collections.ConfigDict
 
-REMAT_POLICIES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16", "float16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DATA_SOURCES = ("stdlib", "synthetic", "bin", "megatron")
 SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: one line naming the field and the fix."""
 
 
 def default_config() -> ConfigDict:
@@ -241,53 +237,15 @@ def _coerce(value: Any, current: Any, key: str, parse: bool) -> Any:
 # --------------------------------------------------------------------------- validation
 
 
-@dataclasses.dataclass(frozen=True)
-class Derived:
-    """Quantities derived from a validated config (batch arithmetic lives only here)."""
+def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
+    """Check every field's domain, then the layout's cross-field rules; return the layout.
 
-    num_devices: int
-    per_device_microbatch: int  # sequences per data shard per microbatch
-    microbatch_sequences: int  # global sequences per microbatch
-    tokens_per_step: int
-    layers_per_stage: int
-
-
-def derive(cfg: ConfigDict) -> Derived:
-    """Batch arithmetic: global_batch = per_device_microbatch * microbatches * data."""
-    m, t = cfg.mesh, cfg.train
-    num_devices = m.data * m.tensor * m.pipeline
-    per_device = t.global_batch // (t.microbatches * m.data)
-    return Derived(
-        num_devices=num_devices,
-        per_device_microbatch=per_device,
-        microbatch_sequences=t.global_batch // t.microbatches,
-        tokens_per_step=t.global_batch * t.seq_len,
-        layers_per_stage=cfg.model.num_layers // (m.pipeline * cfg.pipeline.virtual_stages),
-    )
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
-    """Check every field and cross-field constraint; return the derived quantities.
-
-    ``num_devices``, when given, must equal data * tensor * pipeline.
+    Field domains (type, range, allowed values) are checked here, once; rules that tie fields
+    together (divisibility, batch arithmetic, pipeline schedules) live in
+    :meth:`jaxpar.layout.ParallelLayout.validate`. ``num_devices``, when given, must equal the
+    product of the mesh sizes.
     """
-    m, p, mo, o, t, d = cfg.mesh, cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.data
-    for axis in MESH_AXES:
-        _require(m[axis] >= 1, f"mesh.{axis}={m[axis]}: a mesh axis size must be >= 1")
-    product = m.data * m.tensor * m.pipeline
-    if num_devices is not None:
-        _require(
-            product == num_devices,
-            f"mesh: data*tensor*pipeline = {m.data}*{m.tensor}*{m.pipeline} = {product} but "
-            f"{num_devices} devices are available; change --config.mesh.data (or tensor/pipeline) "
-            f"so the product is {num_devices}",
-        )
-    _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={p.zero_stage}: use 0, 1, 2 or 3")
+    p, mo, o, t, d = cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.data
     _require(
         p.grad_reduce_dtype in ("float32", "bfloat16"),
         f"parallel.grad_reduce_dtype='{p.grad_reduce_dtype}': use float32 or bfloat16",
@@ -303,45 +261,12 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
         f"model.num_heads={mo.num_heads} is not a multiple of model.num_kv_heads={mo.num_kv_heads}; "
         "pick kv heads that divide the heads",
     )
-    for name in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
-        _require(
-            mo[name] % m.tensor == 0,
-            f"model.{name}={mo[name]} is not divisible by mesh.tensor={m.tensor}; "
-            f"choose a tensor size that divides {mo[name]}",
-        )
-    stages = m.pipeline * cfg.pipeline.virtual_stages
-    _require(cfg.pipeline.virtual_stages >= 1, "pipeline.virtual_stages must be >= 1")
-    _require(
-        mo.num_layers % stages == 0,
-        f"model.num_layers={mo.num_layers} is not divisible by mesh.pipeline*pipeline.virtual_stages="
-        f"{stages}; choose a pipeline size that divides the layers",
-    )
-    _require(mo.remat in REMAT_POLICIES, f"model.remat='{mo.remat}': use one of {', '.join(REMAT_POLICIES)}")
     for name in ("compute_dtype", "param_dtype"):
         _require(mo[name] in DTYPES, f"model.{name}='{mo[name]}': use one of {', '.join(DTYPES)}")
     _require(mo.mlp_activation in ("swiglu", "gelu"), f"model.mlp_activation='{mo.mlp_activation}': use swiglu or gelu")
     _require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
     _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
-    _require(
-        t.seq_len <= mo.max_seq_len,
-        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={mo.max_seq_len}; lower train.seq_len",
-    )
     _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
-    _require(t.global_batch >= 1, f"train.global_batch={t.global_batch}: must be >= 1")
-    _require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
-    _require(t.seq_len >= 2, f"train.seq_len={t.seq_len}: must be >= 2")
-    per_step = t.microbatches * m.data
-    _require(
-        t.global_batch % per_step == 0,
-        f"train.global_batch={t.global_batch} is not divisible by train.microbatches*mesh.data="
-        f"{t.microbatches}*{m.data}={per_step}; use a multiple of {per_step}",
-    )
-    if p.sequence_parallel:
-        _require(
-            t.seq_len % m.tensor == 0,
-            f"train.seq_len={t.seq_len} is not divisible by mesh.tensor={m.tensor} (sequence parallel); "
-            "use a multiple of the tensor size",
-        )
     _require(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     _require(
@@ -357,7 +282,6 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     if d.source in ("bin", "megatron"):
         _require(bool(d.path), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
-    _require(cfg.pipeline.schedule in SCHEDULES, f"pipeline.schedule='{cfg.pipeline.schedule}': use one of {', '.join(SCHEDULES)}")
     resume = str(t.resume)
     _require(
         resume in ("auto", "never") or resume.isdigit(),
@@ -376,7 +300,12 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     )
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    return derive(cfg)
+    return ParallelLayout.from_config(cfg).validate(mo, t.global_batch, num_devices)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 def param_count_estimate(model: ConfigDict) -> int:

@@ -5,40 +5,19 @@ Vocabulary (as in torchtitan's ``parallel_dims.py``): an *axis* is a mesh axis
 
 Device order: ``tensor`` is the innermost axis so a tensor-parallel group is made of
 neighbouring devices (the same host, the NVLink domain on GPUs); ``data`` is next, and
-``pipeline`` is outermost, so pipeline boundaries are the ones that cross nodes, as the seed's
-selection framework argues (TP inside a node, PP across nodes, DP/ZeRO outermost of the rest).
+``pipeline`` is outermost, so pipeline boundaries are the ones that cross nodes, as the usual
+selection rule goes (Narayanan et al. 2021, section 3.3) (TP inside a node, PP across nodes, DP/ZeRO outermost of the rest).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpar.axes import DEVICE_ORDER
-from jaxpar.config import ConfigDict, ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSpec:
-    """Sizes of the three named axes."""
-
-    data: int = 1
-    tensor: int = 1
-    pipeline: int = 1
-
-    @classmethod
-    def from_config(cls, mesh_cfg: ConfigDict) -> MeshSpec:
-        return cls(data=mesh_cfg.data, tensor=mesh_cfg.tensor, pipeline=mesh_cfg.pipeline)
-
-    @property
-    def size(self) -> int:
-        return self.data * self.tensor * self.pipeline
-
-    def shape(self) -> dict[str, int]:
-        return {axis.value: getattr(self, axis) for axis in DEVICE_ORDER}
+from jaxpar.axes import DEVICE_ORDER, MESH_AXES
+from jaxpar.errors import ConfigError
+from jaxpar.layout import ParallelLayout
 
 
 def _ordered_devices(devices: list[jax.Device]) -> list[jax.Device]:
@@ -46,26 +25,27 @@ def _ordered_devices(devices: list[jax.Device]) -> list[jax.Device]:
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
 
-def make_mesh(spec: MeshSpec, devices: list[jax.Device] | None = None) -> Mesh:
-    """Build the ``jax.sharding.Mesh`` for ``spec`` over ``devices`` (default: all devices).
+def make_mesh(layout: ParallelLayout, devices: list[jax.Device] | None = None) -> Mesh:
+    """Build the ``jax.sharding.Mesh`` of ``layout``'s mesh sizes over ``devices`` (default: all devices).
 
-    Raises :class:`ConfigError` when the device count does not match data*tensor*pipeline.
+    Raises :class:`ConfigError` when the device count does not match the product of the sizes.
     """
     devices = list(jax.devices()) if devices is None else list(devices)
-    if spec.size != len(devices):
+    if layout.devices != len(devices):
+        sizes = "*".join(str(layout.size(a)) for a in MESH_AXES)
         raise ConfigError(
-            f"mesh: data*tensor*pipeline = {spec.data}*{spec.tensor}*{spec.pipeline} = {spec.size} but "
-            f"{len(devices)} devices are available; set --config.mesh.* so the product is {len(devices)}"
+            f"mesh: {'*'.join(MESH_AXES)} = {sizes} = {layout.devices} but {len(devices)} devices are available; "
+            f"set --config.mesh.* so the product is {len(devices)}"
         )
-    if jax.process_count() > 1 and spec.tensor > jax.local_device_count():
+    if jax.process_count() > 1 and layout.tensor > jax.local_device_count():
         raise ConfigError(
-            f"mesh.tensor={spec.tensor} exceeds the {jax.local_device_count()} devices of one process; "
+            f"mesh.tensor={layout.tensor} exceeds the {jax.local_device_count()} devices of one process; "
             "keep tensor parallelism inside a host"
         )
-    grid = np.array(_ordered_devices(devices), dtype=object).reshape([spec.pipeline, spec.data, spec.tensor])
+    grid = np.array(_ordered_devices(devices), dtype=object).reshape([layout.size(a) for a in DEVICE_ORDER])
     return Mesh(grid, tuple(axis.value for axis in DEVICE_ORDER))
 
 
 def single_device_mesh() -> Mesh:
     """A 1x1x1 mesh on the first device: the reference every layout is compared with."""
-    return make_mesh(MeshSpec(), jax.devices()[:1])
+    return make_mesh(ParallelLayout(), jax.devices()[:1])

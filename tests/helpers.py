@@ -8,7 +8,8 @@ import jax
 import numpy as np
 
 from jaxpar.config import load_config
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
 from jaxpar.train.state import Setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,13 +35,13 @@ def run_steps(cfg, steps: int, seed: int = 0):
 
     Returns (per-step metrics, final params on host, the Setup)."""
     n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
-    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:n]))
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
     params, opt = setup.init(seed)
     rng = np.random.default_rng(seed)
     history = []
     for _ in range(steps):
         rows = rng.integers(0, cfg.model.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
-        params, opt, metrics = setup.train_step(params, opt, setup.make_batch(rows))
+        params, opt, metrics = setup.train_step(params, opt, setup.feed.make_batch(rows))
         history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
     return history, jax.device_get(params), setup
 

@@ -20,11 +20,11 @@ def test_skipped_update_leaves_state_bitwise_unchanged():
     rows = np.random.default_rng(0).integers(0, 256, size=(8, 65))
     before = jax.device_get((params, opt))
     for kwargs in ({"max_loss": 0.0}, {"loss_offset": float("nan")}, {"loss_offset": float("inf")}):
-        params, opt, metrics = setup.train_step(params, opt, setup.make_batch(rows), **kwargs)
+        params, opt, metrics = setup.train_step(params, opt, setup.feed.make_batch(rows), **kwargs)
         assert int(metrics["skipped"]) == 1, kwargs
         for a, b in zip(jax.tree.leaves(jax.device_get((params, opt))), jax.tree.leaves(before), strict=True):
             np.testing.assert_array_equal(a, b)
-    params, opt, metrics = setup.train_step(params, opt, setup.make_batch(rows))
+    params, opt, metrics = setup.train_step(params, opt, setup.feed.make_batch(rows))
     assert int(metrics["skipped"]) == 0 and int(opt["count"]) == 1
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
 from jaxpar.train.loop import Trainer
 from jaxpar.train.state import Setup
 from tests.helpers import ROOT, TINY, tiny_config
@@ -55,7 +56,7 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 def _setup(overrides, n):
     cfg = tiny_config(*overrides)
-    return Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:n]))
+    return Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
 
 
 def test_restore_onto_other_layouts(tmp_path):

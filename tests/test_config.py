@@ -3,7 +3,8 @@
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.config import ConfigError, derive, load_config
+from jaxpar.config import ConfigError, load_config
+from jaxpar.layout import ParallelLayout
 from tests.helpers import TINY
 
 
@@ -47,10 +48,10 @@ def test_unknown_cli_flag(capsys):
 
 def test_batch_arithmetic():
     cfg = load_config(TINY, ["--config.train.global_batch=32", "--config.train.microbatches=2"])
-    d = derive(cfg)
-    assert (d.num_devices, d.per_device_microbatch, d.microbatch_sequences) == (8, 4, 16)
+    d = ParallelLayout.from_config(cfg)
+    assert (d.devices, d.microbatch_size, d.microbatch_sequences) == (8, 4, 16)
     assert d.tokens_per_step == 32 * 256
-    assert d.per_device_microbatch * cfg.train.microbatches * cfg.mesh.data == cfg.train.global_batch
+    assert d.microbatch_size * cfg.train.microbatches * cfg.mesh.data == cfg.train.global_batch == d.global_batch
 
 
 def test_real_shapes_load_and_count():

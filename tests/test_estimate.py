@@ -98,7 +98,7 @@ def test_seed_training_state_table():
 def test_paper_convention_on_a_real_model_equals_16_bytes_per_param():
     m = model("llama2_7b")
     p = E.count_params(m)
-    states = E.model_states(m, E.Layout(data=8, zero_stage=1), convention="paper")
+    states = E.model_states(m, E.ParallelLayout(data=8, zero_stage=1), convention="paper")
     assert states.total_bytes == pytest.approx(4 * p + 12 * p / 8)
 
 
@@ -106,7 +106,7 @@ def test_jaxpar_convention_by_zero_stage():
     """fp32 params 4 B (sharded at ZeRO-3), Adam 8 B (ZeRO >= 1), fp32 grads 4 B (ZeRO >= 2), over data=8."""
     m = model("llama2_7b")  # every dim is divisible by 8, so ZeRO shards every tensor
     p = E.count_params(m)
-    got = [E.model_states(m, E.Layout(data=8, zero_stage=z)) for z in range(4)]
+    got = [E.model_states(m, E.ParallelLayout(data=8, zero_stage=z)) for z in range(4)]
     assert [(s.params_bytes, s.optimizer_bytes, s.gradient_bytes) for s in got] == [
         (4 * p, 8 * p, 4 * p),
         (4 * p, p, 4 * p),
@@ -118,8 +118,8 @@ def test_jaxpar_convention_by_zero_stage():
 def test_zero_leaves_indivisible_tensors_replicated():
     m = model("tiny")  # embed 128, max_seq_len 256: nothing divisible by 3
     p = E.count_params(m)
-    assert E.model_states(m, E.Layout(data=3, zero_stage=3)).params_bytes == 4 * p
-    assert E.model_states(m, E.Layout(data=4, zero_stage=3)).params_bytes == 4 * p / 4
+    assert E.model_states(m, E.ParallelLayout(data=3, zero_stage=3)).params_bytes == 4 * p
+    assert E.model_states(m, E.ParallelLayout(data=4, zero_stage=3)).params_bytes == 4 * p / 4
 
 
 def test_tensor_parallel_replicates_norms_and_pipeline_places_embeddings():
@@ -127,23 +127,23 @@ def test_tensor_parallel_replicates_norms_and_pipeline_places_embeddings():
     m = model("llama2_7b")
     h, v, n_layers = m.embed_dim, m.vocab_size, m.num_layers
     norms = (2 * n_layers + 1) * h
-    split = E.model_states(m, E.Layout(tensor=8)).params_bytes / 4
+    split = E.model_states(m, E.ParallelLayout(tensor=8)).params_bytes / 4
     assert split == (E.count_params(m) - norms) / 8 + norms
     # Megatron's placement: embedding on the first stage, final norm and output layer on the last.
-    first = E._held_elements(m, E.Layout(pipeline=4), "first", False)
-    last = E._held_elements(m, E.Layout(pipeline=4), "last", False)
+    first = E._held_elements(m, E.ParallelLayout(pipeline=4), "first", False)
+    last = E._held_elements(m, E.ParallelLayout(pipeline=4), "last", False)
     layer = (E.count_params(m) - norms - 2 * v * h) / n_layers + 2 * h
     assert first == pytest.approx(8 * layer + v * h)
     assert last == pytest.approx(8 * layer + v * h + h)
     tied = m.copy_and_resolve_references()
     tied.tie_embeddings = True  # Megatron keeps a copy of the tied table on the last stage
-    assert E._held_elements(tied, E.Layout(pipeline=4), "last", False) == pytest.approx(last)
+    assert E._held_elements(tied, E.ParallelLayout(pipeline=4), "last", False) == pytest.approx(last)
     # jaxpar's pipeline (the `jaxpar` convention): every stage holds one V x h table (its `ends`
     # slot: embedding first, head last) and the final norm; tied, the one shared table.
     for stage in ("first", "last"):
-        held = E.model_states(m, E.Layout(pipeline=4), stage).params_bytes / 4
+        held = E.model_states(m, E.ParallelLayout(pipeline=4), stage).params_bytes / 4
         assert held == pytest.approx(8 * layer + v * h + h)
-        assert E.model_states(tied, E.Layout(pipeline=4), stage).params_bytes / 4 == pytest.approx(held)
+        assert E.model_states(tied, E.ParallelLayout(pipeline=4), stage).params_bytes / 4 == pytest.approx(held)
 
 
 # --------------------------------------------------------------------------- activations
@@ -174,7 +174,7 @@ def test_our_layer_equals_korthikanti_without_dropout_for_a_gpt_shape():
     gpt = model("gpt3_175b")
     s, h, a = 2048, gpt.embed_dim, gpt.num_heads
     for t, sp in ((1, False), (8, False), (8, True)):
-        lay = E.Layout(tensor=t, seq_len=s, sequence_parallel=sp)
+        lay = E.ParallelLayout(tensor=t, seq_len=s, sequence_parallel=sp)
         korth = E.korthikanti_activation_bytes(s, 1, h, a, t, sp)
         dropout = s * h * (2 / (t if sp else 1)) + 3 * a * s * s / t
         assert E.layer_activation_bytes(gpt, lay) == pytest.approx(korth - dropout)
@@ -184,13 +184,13 @@ def test_our_llama_layer_by_hand():
     """LLaMA-2 7B, s=4096, b=1: 2*sb(4h + 2q + 2k + 3f) + 2*a*s^2*b bytes; GQA shrinks K and V."""
     m = model("llama2_7b")
     s, h, f, a = 4096, 4096, 11008, 32
-    lay = E.Layout(seq_len=s)
+    lay = E.ParallelLayout(seq_len=s)
     assert E.layer_activation_bytes(m, lay) == 2 * s * (4 * h + 4 * h + 3 * f) + 2 * a * s * s
     assert E.layer_activation_bytes(m, dataclasses.replace(lay, recompute="selective")) == 2 * s * (8 * h + 3 * f)
     assert E.layer_activation_bytes(m, dataclasses.replace(lay, recompute="full")) == 2 * s * h
     gqa = model("llama2_70b")
     q, k = gqa.num_heads * gqa.head_dim, gqa.num_kv_heads * gqa.head_dim
-    sel = E.Layout(seq_len=s, recompute="selective", tensor=8, sequence_parallel=True)
+    sel = E.ParallelLayout(seq_len=s, recompute="selective", tensor=8, sequence_parallel=True)
     expected = 2 * s * 4 * gqa.embed_dim / 8 + 2 * s * (2 * q + 2 * k + 3 * gqa.mlp_dim) / 8
     assert E.layer_activation_bytes(gqa, sel) == expected
 
@@ -202,16 +202,16 @@ def test_seed_activation_table():
     without the s^2 score term (selective recompute or a fused kernel); with it, 8192 costs ~10x.
     """
     for name, seed_gb in (("llama2_7b", 20), ("llama2_13b", 30)):
-        got = E.memory_estimate(model(name), E.Layout(seq_len=2048)).activation_bytes / GB
+        got = E.memory_estimate(model(name), E.ParallelLayout(seq_len=2048)).activation_bytes / GB
         assert got == pytest.approx(seed_gb, rel=0.15), (name, got)
     m = model("llama2_7b")
-    short, long = (E.layer_activation_bytes(m, E.Layout(seq_len=s, recompute="selective")) for s in (2048, 8192))
+    short, long = (E.layer_activation_bytes(m, E.ParallelLayout(seq_len=s, recompute="selective")) for s in (2048, 8192))
     assert long / short == 4
 
 
 def test_pipeline_schedules_hold_the_right_microbatches():
     m = model("llama2_70b")  # 80 layers
-    base = E.Layout(pipeline=8, microbatches=64, seq_len=4096, recompute="selective", tensor=8, sequence_parallel=True)
+    base = E.ParallelLayout(pipeline=8, microbatches=64, seq_len=4096, recompute="selective", tensor=8, sequence_parallel=True)
     per_layer = E.layer_activation_bytes(m, base)
     assert E.inflight_microbatches(base) == 8  # 1F1B: p microbatches of L/p layers = L layers' worth
     assert E.inflight_microbatches(base, "last") == 1
@@ -229,15 +229,15 @@ def test_pipeline_schedules_hold_the_right_microbatches():
 def test_data_axis_bytes_dp_and_zero():
     m = model("llama2_7b")
     p, n = E.count_params(m), 8
-    dp = E.communication(m, E.Layout(data=n))["data"].bytes
+    dp = E.communication(m, E.ParallelLayout(data=n))["data"].bytes
     assert dp == pytest.approx(2 * (n - 1) / n * p * 4)
-    bf16 = E.communication(m, E.Layout(data=n), grad_reduce_bytes=2)["data"].bytes
+    bf16 = E.communication(m, E.ParallelLayout(data=n), grad_reduce_bytes=2)["data"].bytes
     assert bf16 == pytest.approx(dp / 2)
-    by_stage = [E.communication(m, E.Layout(data=n, zero_stage=z))["data"].bytes for z in range(4)]
+    by_stage = [E.communication(m, E.ParallelLayout(data=n, zero_stage=z))["data"].bytes for z in range(4)]
     assert by_stage[1] == pytest.approx(dp) and by_stage[2] == pytest.approx(dp)
     assert by_stage[3] == pytest.approx(1.5 * dp)  # ZeRO-3 = 1.5x DP
     # gradient accumulation: DP and ZeRO-1 reduce once, ZeRO-2/3 every microbatch
-    acc = [E.communication(m, E.Layout(data=n, zero_stage=z, microbatches=4))["data"].bytes for z in range(4)]
+    acc = [E.communication(m, E.ParallelLayout(data=n, zero_stage=z, microbatches=4))["data"].bytes for z in range(4)]
     assert acc[0] == pytest.approx(dp) and acc[1] == pytest.approx(dp)
     assert acc[2] == pytest.approx(5 / 2 * dp) and acc[3] == pytest.approx(4 * 1.5 * dp)
 
@@ -245,16 +245,16 @@ def test_data_axis_bytes_dp_and_zero():
 def test_tensor_and_pipeline_bytes():
     m = model("llama2_7b")
     b, s, h, t, mb = 2, 4096, 4096, 8, 4
-    lay = E.Layout(tensor=t, microbatch_size=b, microbatches=mb, seq_len=s)
+    lay = E.ParallelLayout(tensor=t, microbatch_size=b, microbatches=mb, seq_len=s)
     tp = E.communication(m, lay)["tensor"]
     assert tp.bytes == pytest.approx(4 * 2 * (t - 1) / t * b * s * h * 2 * 32 * mb)
     sp = E.communication(m, dataclasses.replace(lay, sequence_parallel=True))["tensor"]
     assert sp.bytes == pytest.approx(tp.bytes) and sp.collectives == 2 * tp.collectives
     full = E.communication(m, dataclasses.replace(lay, recompute="full"))["tensor"]
     assert full.bytes == pytest.approx(1.5 * tp.bytes)  # forward collectives repeated
-    pp = E.communication(m, E.Layout(pipeline=4, microbatch_size=b, microbatches=mb, seq_len=s))["pipeline"]
+    pp = E.communication(m, E.ParallelLayout(pipeline=4, microbatch_size=b, microbatches=mb, seq_len=s))["pipeline"]
     assert pp.bytes == 2 * b * s * h * 2 * mb
-    inter = E.Layout(
+    inter = E.ParallelLayout(
         pipeline=4, virtual_stages=2, schedule="interleaved", microbatch_size=b, microbatches=mb, seq_len=s
     )
     assert E.communication(m, inter)["pipeline"].bytes == 2 * pp.bytes
@@ -262,10 +262,10 @@ def test_tensor_and_pipeline_bytes():
 
 def test_links_follow_device_order():
     m, h100 = model("llama2_7b"), get_cluster("h100-80g")
-    lay = E.Layout(data=2, tensor=4, pipeline=4, microbatches=8, seq_len=4096)
+    lay = E.ParallelLayout(data=2, tensor=4, pipeline=4, microbatches=8, seq_len=4096)
     comm = E.communication(m, lay, h100)
     assert (comm["tensor"].link, comm["data"].link, comm["pipeline"].link) == ("intra", "intra", "inter")
-    wide = E.communication(m, E.Layout(data=4, tensor=8), h100)
+    wide = E.communication(m, E.ParallelLayout(data=4, tensor=8), h100)
     assert (wide["tensor"].link, wide["data"].link, wide["pipeline"].link) == ("intra", "inter", "none")
     assert wide["data"].time_s == pytest.approx(wide["data"].bytes / (50e9 * 0.75))
 
@@ -332,7 +332,7 @@ def test_mfu_definition():
 def test_megatron_gpt3_layout_step_time_is_plausible():
     """Megatron's 175B layout (t8 p8 d16, b1, m96, full recompute) on A100: paper reports 140 TFLOP/s/GPU."""
     gpt, a100 = model("gpt3_175b"), get_cluster("a100-80g")
-    lay = E.Layout(16, 8, 8, 1, 0, 96, 1, 2048, "full", False, "1f1b")
+    lay = E.ParallelLayout(16, 8, 8, 1, 0, 96, 1, 2048, "full", False, "1f1b")
     st = E.step_time(gpt, lay, a100)
     hardware = E.hardware_flops_per_token(gpt, 2048, "full") * lay.tokens_per_step
     achieved_tflops = hardware / st.step_s / lay.devices / 1e12
@@ -343,7 +343,7 @@ def test_megatron_gpt3_layout_step_time_is_plausible():
 
 def test_step_time_parts_add_up():
     m, h100 = model("llama2_7b"), get_cluster("h100-80g")
-    lay = E.Layout(data=2, tensor=4, pipeline=2, microbatches=8, microbatch_size=2, seq_len=4096, zero_stage=1)
+    lay = E.ParallelLayout(data=2, tensor=4, pipeline=2, microbatches=8, microbatch_size=2, seq_len=4096, zero_stage=1)
     st = E.step_time(m, lay, h100)
     busy = st.compute_s + st.tensor_s + st.pipeline_s
     assert st.step_s == pytest.approx(busy + st.bubble_s + st.data_exposed_s)
@@ -354,12 +354,12 @@ def test_step_time_parts_add_up():
 def test_layout_check_errors_are_one_line():
     m = model("llama2_70b")
     for bad, pattern in (
-        (E.Layout(tensor=16), "num_kv_heads"),
-        (E.Layout(pipeline=3), "80 layers"),
-        (E.Layout(zero_stage=4), "zero=4"),
-        (E.Layout(tensor=0), "tensor=0"),
-        (E.Layout(virtual_stages=2, pipeline=2), "interleaved"),
+        (E.ParallelLayout(tensor=16), "num_kv_heads"),
+        (E.ParallelLayout(pipeline=3), "num_layers=80"),
+        (E.ParallelLayout(zero_stage=4), "zero_stage=4"),
+        (E.ParallelLayout(tensor=0), "tensor=0"),
+        (E.ParallelLayout(virtual_stages=2, pipeline=2), "interleaved"),
     ):
         with pytest.raises(ConfigError, match=pattern) as e:
-            bad.check(m)
+            bad.validate(m)
         assert "\n" not in str(e.value)

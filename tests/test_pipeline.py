@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.cli import main
 from jaxpar.config import ConfigError
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
 from jaxpar.models import llama
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
@@ -77,7 +78,7 @@ def layout(schedule: str, p: int, m: int, data: int = 1, tensor: int = 1, *extra
 
 def make_setup(cfg) -> Setup:
     n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
-    return Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:n]))
+    return Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
 
 
 @functools.cache
@@ -108,7 +109,7 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
     history, grads = [], None
     for step in range(steps):
         rows = rng.integers(0, cfg.model.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
-        params, opt, metrics = step_fn(params, opt, setup.make_batch(rows), NO_GUARD(setup))
+        params, opt, metrics = step_fn(params, opt, setup.feed.make_batch(rows), NO_GUARD(setup))
         history.append({k: float(x) for k, x in jax.device_get(metrics).items()})
         if step == 0:
             grads = jax.tree.map(lambda mu: mu / (1 - cfg.optim.b1), jax.device_get(opt["mu"]))
@@ -230,7 +231,7 @@ def test_eval_step_matches_single_device():
         setup = make_setup(cfg)
         staged = pipeline.to_stage_form(host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
         params = jax.device_put(staged, setup.param_shardings)
-        losses.append(float(setup.eval_step(params, setup.make_eval_batch(rows))))
+        losses.append(float(setup.eval_step(params, setup.feed.make_eval_batch(rows))))
     assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
 
 
@@ -390,7 +391,7 @@ def test_static_permute_count_bounds_the_table_sends():
 
 def test_conditional_counts_its_largest_branch_once():
     """``lax.switch`` with a 1 KiB and a 4 KiB all-reduce run 3 times: 3 all-reduces of 4 KiB, not 6."""
-    mesh = make_mesh(MeshSpec(data=2, tensor=1, pipeline=1), jax.devices()[:2])
+    mesh = make_mesh(ParallelLayout(data=2), jax.devices()[:2])
 
     def body(x, i):
         small = lambda x: x.at[:256].add(jax.lax.psum(x[:256], "data"))  # noqa: E731

@@ -1,4 +1,4 @@
-"""Layout search: ranked, memory-feasible layouts; one-line errors for impossible requests; the CLI glue."""
+"""ParallelLayout search: ranked, memory-feasible layouts; one-line errors for impossible requests; the CLI glue."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.analysis import plan as P
 from jaxpar.analysis.clusters import get_cluster
-from jaxpar.analysis.estimate import Layout
+from jaxpar.analysis.estimate import ParallelLayout
 from jaxpar.config import ConfigError, load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -72,7 +72,7 @@ def test_headroom_and_budget():
 
 def test_evaluate_layout_and_pins():
     m = model("llama2_70b")
-    lay = Layout(1, 8, 8, 1, 1, 64, 16, 4096, "selective", True, "1f1b")
+    lay = ParallelLayout(1, 8, 8, 1, 1, 64, 16, 4096, "selective", True, "1f1b")
     est = P.evaluate_layout(m, H100, lay)
     assert est.layout == lay and est.bubble_fraction == pytest.approx(7 / 71)
     assert set(est.communication) == {"data", "tensor", "pipeline"}
@@ -176,7 +176,7 @@ def test_compare_keeps_the_order_and_matches_plan(capsys):
     base, config = rows[0], load_config(cfg)
     options = P.PlanOptions(grad_reduce_bytes={"float32": 4, "bfloat16": 2}[config.parallel.grad_reduce_dtype])
     for row in rows:
-        lay = Layout(**{f.name: row[f.name] for f in dataclasses.fields(Layout)})
+        lay = ParallelLayout(**{f.name: row[f.name] for f in dataclasses.fields(ParallelLayout)})
         est = P.evaluate_layout(config.model, get_cluster("h100-80g"), lay, options)
         assert row["step_time_s"] == pytest.approx(est.step_time_s)
         assert row["relative_to_first"]["step_time"] == pytest.approx(row["step_time_s"] / base["step_time_s"])

@@ -2,7 +2,7 @@
 
 For every layout of the tiny model (configs/tiny.py) and of the ~1B model (configs/llama_1b.py) on
 the 8 simulated CPU devices of tests/conftest.py, the train step is compiled ahead of time from
-abstract arrays (:func:`jaxpar.analysis.plan.compile_layout`, the path of ``analyze_layout``) and:
+abstract arrays (:func:`jaxpar.analysis.compiled.analyze_layout`, the one compile path) and:
 
 * the estimated model-state arguments (``memory_estimate(..., "jaxpar")`` parameters + Adam state,
   plus the int32 batch and step count the step also takes) are within 5% of the compiled
@@ -31,7 +31,7 @@ import pytest
 from jaxpar.analysis import aot as A
 from jaxpar.analysis import plan as P
 from jaxpar.analysis.compiled import analyze_layout
-from jaxpar.analysis.estimate import Layout, communication, memory_estimate
+from jaxpar.analysis.estimate import ParallelLayout, communication, memory_estimate
 from jaxpar.config import ConfigDict, ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,40 +41,40 @@ MEMORY_TOLERANCE, COMM_TOLERANCE = 0.05, 0.10
 AXES = ("data", "tensor", "pipeline")
 
 
-def _tiny(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> Layout:
+def _tiny(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> ParallelLayout:
     """Tiny model, 8 devices, global batch 16 in 2 microbatches."""
     data = 8 // tensor
-    return Layout(data, tensor, 1, 1, zero, 2, 16 // (2 * data), SEQ, recompute, sp)
+    return ParallelLayout(data, tensor, 1, 1, zero, 2, 16 // (2 * data), SEQ, recompute, sp)
 
 
-def _1b(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> Layout:
+def _1b(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> ParallelLayout:
     """~1B model, 8 devices, one sequence per data shard per microbatch; 2 microbatches at ZeRO-2/3
     (their reductions run every microbatch)."""
-    return Layout(8 // tensor, tensor, 1, 1, zero, 2 if zero >= 2 else 1, 1, SEQ, recompute, sp)
+    return ParallelLayout(8 // tensor, tensor, 1, 1, zero, 2 if zero >= 2 else 1, 1, SEQ, recompute, sp)
 
 
 # name -> (model, layout). Recompute varies across the grid to cover the remat collectives too.
 RECOMPUTE = {0: "none", 1: "selective", 2: "full", 3: "none"}
-LAYOUTS: dict[str, tuple[str, Layout]] = {
+LAYOUTS: dict[str, tuple[str, ParallelLayout]] = {
     **{f"tiny_t{t}_z{z}": ("tiny", _tiny(t, z, RECOMPUTE[(z + t) % 4])) for t in (1, 2) for z in range(4)},
     "tiny_t2_z1_sp": ("tiny", _tiny(2, 1, "full", sp=True)),
     **{f"1b_t{t}_z{z}": ("1b", _1b(t, z, RECOMPUTE[z], sp=t == 4)) for t in (1, 2, 4) for z in range(4)},
     "1b_t8_z0": ("1b", _1b(8, 0, "selective")),  # data = 1: ZeRO has nothing to shard over
     # Pipeline layouts: the compiled report counts each collective exactly per stage from the
     # schedule table; the busiest stage on each axis is compared with the estimate's.
-    "tiny_p2_1f1b": ("tiny", Layout(2, 2, 2, 1, 1, 4, 2, SEQ, "full")),
-    "tiny_p2_interleaved_sp": ("tiny", Layout(2, 2, 2, 2, 0, 2, 4, SEQ, "selective", True, "interleaved")),
-    "tiny_p4_gpipe": ("tiny", Layout(2, 1, 4, 1, 1, 4, 2, SEQ, "none", False, "gpipe")),
-    "tiny_p4_1f1b_sp": ("tiny", Layout(1, 2, 4, 1, 0, 4, 4, SEQ, "full", True)),
-    "1b_p2_1f1b_sp": ("1b", Layout(2, 2, 2, 1, 1, 2, 1, SEQ, "selective", True)),
-    "1b_p4_interleaved": ("1b", Layout(1, 2, 4, 2, 0, 4, 1, SEQ, "full", False, "interleaved")),
+    "tiny_p2_1f1b": ("tiny", ParallelLayout(2, 2, 2, 1, 1, 4, 2, SEQ, "full")),
+    "tiny_p2_interleaved_sp": ("tiny", ParallelLayout(2, 2, 2, 2, 0, 2, 4, SEQ, "selective", True, "interleaved")),
+    "tiny_p4_gpipe": ("tiny", ParallelLayout(2, 1, 4, 1, 1, 4, 2, SEQ, "none", False, "gpipe")),
+    "tiny_p4_1f1b_sp": ("tiny", ParallelLayout(1, 2, 4, 1, 0, 4, 4, SEQ, "full", True)),
+    "1b_p2_1f1b_sp": ("1b", ParallelLayout(2, 2, 2, 1, 1, 2, 1, SEQ, "selective", True)),
+    "1b_p4_interleaved": ("1b", ParallelLayout(1, 2, 4, 2, 0, 4, 1, SEQ, "full", False, "interleaved")),
     # ZeRO-3 inside the pipeline: layers gathered over data in every tick that runs them
-    "tiny_p2_zero3": ("tiny", Layout(2, 2, 2, 1, 3, 2, 4, SEQ, "none")),
-    "tiny_p2_zero3_interleaved": ("tiny", Layout(2, 2, 2, 2, 3, 2, 4, SEQ, "selective", False, "interleaved")),
-    "1b_p2_zero3_remat": ("1b", Layout(4, 1, 2, 1, 3, 2, 1, SEQ, "full")),
+    "tiny_p2_zero3": ("tiny", ParallelLayout(2, 2, 2, 1, 3, 2, 4, SEQ, "none")),
+    "tiny_p2_zero3_interleaved": ("tiny", ParallelLayout(2, 2, 2, 2, 3, 2, 4, SEQ, "selective", False, "interleaved")),
+    "1b_p2_zero3_remat": ("1b", ParallelLayout(4, 1, 2, 1, 3, 2, 1, SEQ, "full")),
     # ZeRO-2 inside the pipeline: each backward tick reduce-scatters into a sharded accumulator
-    "tiny_p4_zero2": ("tiny", Layout(2, 1, 4, 1, 2, 4, 2, SEQ, "full")),
-    "1b_p2_zero2_interleaved": ("1b", Layout(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
+    "tiny_p4_zero2": ("tiny", ParallelLayout(2, 1, 4, 1, 2, 4, 2, SEQ, "full")),
+    "1b_p2_zero2_interleaved": ("1b", ParallelLayout(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
 }
 # ~2.5 s of compile per layout on 2 cores: these six 1B layouts (their (tensor, zero) pairs and
 # recompute policies are covered by the others) run only with JAXPAR_SLOW=1, keeping the file < 60 s.
@@ -139,7 +139,7 @@ def test_estimates_match_compiled_step(compiled, name):
 
 
 def test_plan_compiler_options_do_not_change_the_numbers(compiled):
-    """compile_layout skips LLVM optimisation; analyze_layout (default options) measures the same."""
+    """plan --aot skips LLVM optimisation (AOT_COMPILER_OPTIONS); the default options measure the same."""
     cfg, r = compiled("tiny_t2_z3")
     full = analyze_layout(cfg)
     assert full.memory.argument_bytes == r.argument_bytes
@@ -148,7 +148,7 @@ def test_plan_compiler_options_do_not_change_the_numbers(compiled):
 
 def test_layout_config_carries_the_layout():
     cfg = load_config(str(CONFIGS["1b"]))
-    layout = Layout(4, 2, 1, 1, 1, 4, 2, 4096, "full", True)
+    layout = ParallelLayout(4, 2, 1, 1, 1, 4, 2, 4096, "full", True)
     out = A.layout_config(cfg, layout, "bfloat16")
     assert (out.mesh.data, out.mesh.tensor, out.mesh.pipeline) == (4, 2, 1)
     parallel = out.parallel
@@ -156,10 +156,10 @@ def test_layout_config_carries_the_layout():
     assert (out.train.microbatches, out.train.global_batch, out.train.seq_len) == (4, 32, 4096)
     assert out.model.remat == "full" and out.model.max_seq_len == 4096  # RoPE: raised to the sequence
     assert cfg.mesh.data == 8 and cfg.train.seq_len == 2048  # the loaded config is untouched
-    zero3 = A.layout_config(cfg, Layout(8, 1, zero_stage=3, seq_len=256), "float32")
+    zero3 = A.layout_config(cfg, ParallelLayout(8, 1, zero_stage=3, seq_len=256), "float32")
     assert zero3.parallel.grad_reduce_dtype == zero3.model.compute_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="not divisible by mesh.tensor"):
-        A.layout_config(cfg, Layout(1, 3, seq_len=256))
+        A.layout_config(cfg, ParallelLayout(1, 3, seq_len=256))
 
 
 def test_run_plan_aot_json(capsys):
@@ -191,7 +191,7 @@ def test_aot_needs_a_fresh_process_for_more_devices():
 
 
 def test_unbuildable_layout_is_skipped_with_its_reason():
-    result = A.aot_compare(_config("tiny"), Layout(2, 4, seq_len=SEQ))  # 2 kv heads over tensor=4
+    result = A.aot_compare(_config("tiny"), ParallelLayout(2, 4, seq_len=SEQ))  # 2 kv heads over tensor=4
     assert "num_kv_heads=2 is not divisible by mesh.tensor=4" in result.skipped
     assert result.to_dict() == {"skipped": result.skipped}
 
@@ -200,7 +200,7 @@ def test_render_aot_table(compiled):
     from rich.console import Console
 
     _, done = compiled("tiny_t2_z1_sp")
-    skipped = A.AotComparison(Layout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
+    skipped = A.AotComparison(ParallelLayout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
     out = io.StringIO()
     A.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
     text = out.getvalue()

@@ -5,14 +5,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
 from jaxpar.train.state import Setup
 from tests.helpers import tiny_config
 
 
 def _setup(n, *overrides):
     cfg = tiny_config(*overrides)
-    return Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:n]))
+    return Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
 
 
 def test_megatron_rules_and_zero_dims():

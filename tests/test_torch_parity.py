@@ -140,7 +140,7 @@ def test_training_matches_torch_adamw(hf_dir, tmp_path):
         torch_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm))
         opt.step()
         sched.step()
-        params, opt_state, metrics = setup.train_step(params, opt_state, setup.make_batch(batch))
+        params, opt_state, metrics = setup.train_step(params, opt_state, setup.feed.make_batch(batch))
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         rel = abs(m["loss"] - loss.item()) / loss.item()
         clipped += torch_norm > o.clip_norm

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from jaxpar.config import ConfigError
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
 from jaxpar.models import llama
 from jaxpar.port import weights
 from jaxpar.train.state import Setup
@@ -86,7 +87,7 @@ def test_sharded_files_round_trip(tmp_path, model_cfg):
 def test_zero3_load_reads_only_slices(saved, model_cfg):
     """data=4 x tensor=2, ZeRO-3: every device's shard comes straight from the file."""
     cfg = tiny_config("--config.parallel.zero_stage=3")
-    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh)))
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
     params, path = saved
     reads: list[tuple[str, tuple[int, ...]]] = []
     loaded = weights.load_hf(path, cfg.model, setup.param_shardings, on_read=lambda n, s: reads.append((n, s)))
@@ -256,7 +257,7 @@ def test_init_from_hf_lands_in_the_layout(saved, layout):
     stage form with embedding and head in `ends`), bitwise, with a zero optimizer state."""
     params, path = saved
     cfg = tiny_config(*layout, f"--config.train.init_from={path}")
-    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh)))
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
     got, opt = setup.init_from_hf(cfg.train.init_from)
     assert jax.tree.structure(got) == jax.tree.structure(setup.abstract_params)
     for arr, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(setup.param_shardings)):
@@ -269,7 +270,7 @@ def test_init_from_hf_lands_in_the_layout(saved, layout):
 def test_init_from_hf_rejects_another_model(saved):
     _, path = saved
     cfg = tiny_config("--config.model.num_layers=2", f"--config.train.init_from={path}")
-    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh)))
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
     with pytest.raises(ConfigError, match=r"num_hidden_layers.*set --config.model.num_layers=4$") as e:
         setup.init_from_hf(cfg.train.init_from)
     assert "\n" not in str(e.value)

@@ -2,8 +2,8 @@
 beside the estimates.
 
 For each layout it builds the jaxpar config (:func:`layout_config`), compiles the real train step
-for that many simulated CPU devices from abstract arrays (:func:`compile_layout`; nothing is
-allocated or run), and compares per-device argument memory and per-axis collective bytes with the
+for that many simulated CPU devices from abstract arrays (:func:`jaxpar.analysis.compiled.analyze_layout`,
+the one compile path, with LLVM optimisation off; nothing is allocated or run), and compares per-device argument memory and per-axis collective bytes with the
 estimates (:class:`AotComparison`). JAX is imported only here, after the device count is set.
 """
 
@@ -16,17 +16,15 @@ from typing import Any
 
 from jaxpar.analysis.estimate import (
     DTYPE_BYTES,
-    Layout,
+    ParallelLayout,
     communication,
-    memory_estimate,
+    estimated_argument_bytes,
 )
+from jaxpar.axes import MESH_AXES
 from jaxpar.config import ConfigDict, ConfigError, validate
 
-AOT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}  # ~40% less CPU compile time, same numbers
-AXES = ("data", "tensor", "pipeline")
 
-
-def layout_config(cfg: ConfigDict, layout: Layout, grad_reduce_dtype: str | None = None) -> ConfigDict:
+def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: str | None = None) -> ConfigDict:
     """The jaxpar config that trains ``layout``: a copy of ``cfg`` with the layout's mesh, ZeRO stage,
     sequence parallelism, microbatches, global batch, sequence length, remat (= recompute) and
     pipeline schedule, validated (a one-line :class:`ConfigError` names what jaxpar cannot run).
@@ -36,7 +34,8 @@ def layout_config(cfg: ConfigDict, layout: Layout, grad_reduce_dtype: str | None
     to the sequence length if it is shorter (it sizes nothing then).
     """
     out = copy.deepcopy(cfg)
-    out.mesh.data, out.mesh.tensor, out.mesh.pipeline = layout.data, layout.tensor, layout.pipeline
+    for axis, size in layout.mesh.items():
+        out.mesh[axis.value] = size
     out.parallel.zero_stage, out.parallel.sequence_parallel = layout.zero_stage, layout.sequence_parallel
     out.parallel.grad_reduce_dtype = grad_reduce_dtype or cfg.parallel.grad_reduce_dtype
     if layout.zero_stage == 3:
@@ -82,34 +81,6 @@ def ensure_aot_devices(num_devices: int) -> None:
     )
 
 
-def compile_layout(cfg: ConfigDict, mesh: Any = None) -> Any:
-    """AOT-compile the config's train step from abstract arrays and return its measured
-    :class:`~jaxpar.analysis.compiled.CompiledReport` (collectives by kind and axes, memory).
-
-    The same path as :func:`jaxpar.analysis.compiled.analyze_layout` (``Setup``,
-    ``lower_train_step``, ``analyze_compiled``; the same numbers), without its formula columns and
-    with LLVM optimisation off (:data:`AOT_COMPILER_OPTIONS`). ``Setup`` raises
-    :class:`ConfigError` for a layout jaxpar cannot build.
-    """
-    from jaxpar.analysis.compiled import analyze_compiled, layout_summary, mesh_for
-    from jaxpar.train.state import Setup
-
-    setup = Setup(cfg, mesh if mesh is not None else mesh_for(cfg))
-    compiled = setup.lower_train_step().compile(compiler_options=AOT_COMPILER_OPTIONS)
-    report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
-    report.layout = layout_summary(cfg)
-    return report
-
-
-def estimated_argument_bytes(model: ConfigDict, layout: Layout, convention: str = "jaxpar") -> float:
-    """What the compiled step takes as arguments per device, estimated: parameters + optimizer state
-    of :func:`memory_estimate` (the gradients are not arguments) + the step count (int32) + this
-    data shard's batch (m x b x (s + 1) int32 tokens)."""
-    mem = memory_estimate(model, layout, convention)
-    batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
-    return mem.params_bytes + mem.optimizer_bytes + 4 + batch
-
-
 def _ratio(measured: float | None, estimated: float | None) -> float | None:
     return measured / estimated if measured is not None and estimated else None
 
@@ -118,7 +89,7 @@ def _ratio(measured: float | None, estimated: float | None) -> float | None:
 class AotComparison:
     """One layout's estimates beside its compiled train step (bytes per device; collectives per step)."""
 
-    layout: Layout
+    layout: ParallelLayout
     estimated_argument_bytes: float = 0.0
     estimated_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
     argument_bytes: int | None = None  # memory_analysis().argument_size_in_bytes
@@ -157,14 +128,14 @@ class AotComparison:
                     "estimated_bytes": self.estimated_bytes.get(axis, 0.0),
                     "ratio": self.ratio(axis),
                 }
-                for axis in AXES
+                for axis in MESH_AXES
             },
             **({"stages": self.stage_bytes} if self.stage_bytes else {}),
         }
 
 
 def aot_compare(
-    cfg: ConfigDict, layout: Layout, convention: str = "jaxpar", grad_reduce_dtype: str | None = None
+    cfg: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", grad_reduce_dtype: str | None = None
 ) -> AotComparison:
     """Compile ``layout`` of the model in ``cfg`` and compare it with the estimates.
 
@@ -178,7 +149,7 @@ def aot_compare(
         lcfg = layout_config(cfg, layout, grad_reduce_dtype)
     except ConfigError as e:
         return AotComparison(layout, skipped=str(e))
-    from jaxpar.analysis.compiled import mesh_for
+    from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
 
     try:
         mesh = mesh_for(lcfg)
@@ -189,7 +160,7 @@ def aot_compare(
         lcfg.model.compute_dtype, lcfg.parallel.grad_reduce_dtype = "float32", "float32"
     start = time.perf_counter()
     try:
-        report = compile_layout(lcfg, mesh)
+        report = analyze_layout(lcfg, mesh, compiler_options=AOT_COMPILER_OPTIONS)
     except ConfigError as e:
         return AotComparison(layout, skipped=str(e))
     except Exception as e:  # noqa: BLE001 - pipeline layouts may not build yet; anything else is a bug
@@ -203,7 +174,7 @@ def aot_compare(
     return AotComparison(
         layout=layout,
         estimated_argument_bytes=estimated_argument_bytes(lcfg.model, layout, convention),
-        estimated_bytes={axis: comm[axis].bytes for axis in AXES},
+        estimated_bytes={axis: comm[axis].bytes for axis in MESH_AXES},
         argument_bytes=mem.argument_bytes if mem else None,
         temp_bytes=mem.temp_bytes if mem else None,
         compiled_bytes=_compiled_axis_bytes(report),
@@ -219,12 +190,12 @@ def _compiled_axis_bytes(report: Any) -> dict[str, float]:
     """Bytes per device per step on each axis; with a pipeline, of the busiest stage on that axis
     (each stage counted exactly from the schedule, as the estimate's busiest stage)."""
     if report.stages:
-        return {axis: max(st.get(axis, 0.0) for st in report.stages) for axis in AXES}
-    return {axis: report.total_bytes(axis) for axis in AXES}
+        return {axis: max(st.get(axis, 0.0) for st in report.stages) for axis in MESH_AXES}
+    return {axis: report.total_bytes(axis) for axis in MESH_AXES}
 
 
 def run_aot(
-    cfg: ConfigDict, layouts: list[Layout], convention: str = "jaxpar", grad_reduce_dtype: str | None = None
+    cfg: ConfigDict, layouts: list[ParallelLayout], convention: str = "jaxpar", grad_reduce_dtype: str | None = None
 ) -> list[AotComparison]:
     """:func:`aot_compare` for each layout (all of one device count), after setting up the devices."""
     if not layouts:
@@ -258,7 +229,7 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
     console = console or wide_console()
     done = [(rank, r) for rank, r in zip(ranks, results) if not r.skipped]
     if done:
-        axes = [a for a in AXES if any(getattr(r.layout, a) > 1 for _, r in done)]
+        axes = [a for a in MESH_AXES if any(getattr(r.layout, a) > 1 for _, r in done)]
         dtypes = sorted({f"compute {r.compute_dtype}, reduce {r.grad_reduce_dtype} on {r.platform}" for _, r in done})
         table = Table(
             title=f"AOT: the compiled train step per device per step ({'; '.join(dtypes)})", title_justify="left"

@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxpar.config import ConfigError, load_config
 
-KEYS = {  # key -> (Layout field, parser)
+KEYS = {  # key -> (ParallelLayout field, parser)
     "data": ("data", int), "tensor": ("tensor", int), "pipeline": ("pipeline", int),
     "virtual": ("virtual_stages", int), "zero": ("zero_stage", int), "microbatches": ("microbatches", int),
     "recompute": ("recompute", str), "sp": ("sequence_parallel", str), "schedule": ("schedule", str),
@@ -29,7 +29,7 @@ KEYS = {  # key -> (Layout field, parser)
 
 
 def parse_compare_layout(text: str) -> dict[str, Any]:
-    """``data=2,tensor=4,zero=1,sp=1`` -> pinned Layout fields; a one-line ConfigError otherwise."""
+    """``data=2,tensor=4,zero=1,sp=1`` -> pinned ParallelLayout fields; a one-line ConfigError otherwise."""
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, raw = (part.strip() for part in item.partition("="))

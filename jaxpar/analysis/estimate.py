@@ -1,6 +1,6 @@
 """Closed-form estimates of memory, communication, FLOPs and step time for one layout.
 
-Pure functions of (model sub-config, :class:`Layout`[, :class:`Cluster`]): nothing is compiled or
+Pure functions of (model sub-config, :class:`ParallelLayout`[, :class:`Cluster`]): nothing is compiled or
 allocated, so any model can be planned for any cluster in microseconds. Each formula names its
 source; tests/test_estimate.py checks the published numbers. Units: bytes, GB = 1e9, seconds.
 ``b`` is sequences per data shard per microbatch and ``m`` microbatches per step, so
@@ -24,7 +24,7 @@ from jaxpar.analysis.inventory import (  # noqa: F401 - re-exported: the estimat
     DTYPE_BYTES,
     RECOMPUTE,
     TENSOR_DIMS,
-    Layout,
+    ParallelLayout,
     ParamTensor,
     _held_elements,
     count_params,
@@ -72,7 +72,7 @@ def zero_paper_states(num_params: float, zero_stage: int, data: int) -> ModelSta
     return ModelStates(2 * num_params / shard[0], 2 * num_params / shard[1], 12 * num_params / shard[2])
 
 
-def model_states(model: ConfigDict, layout: Layout, stage: str = "first", convention: str = "jaxpar") -> ModelStates:
+def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first", convention: str = "jaxpar") -> ModelStates:
     """Model-state bytes per device of one pipeline stage, under one of two stated conventions.
 
     ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
@@ -113,7 +113,7 @@ def korthikanti_activation_bytes(
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))  # t = 1 gives sbh(34 + 5as/h)
 
 
-def layer_activation_bytes(model: ConfigDict, layout: Layout) -> float:
+def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     """Activation bytes our layer keeps for its backward, per microbatch, derived like Korthikanti.
 
     With e bytes per activation (2 for bf16), q = heads*hd, k = kv_heads*hd, f = mlp_dim and no
@@ -146,7 +146,7 @@ def layer_activation_bytes(model: ConfigDict, layout: Layout) -> float:
     return outside + inside + scores
 
 
-def inflight_microbatches(layout: Layout, stage: str = "first") -> float:
+def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float:
     """Microbatches whose activations a stage holds at its peak (Narayanan 2021; Korthikanti 2022 sec. 4.2).
 
     p = 1: 1 (accumulation runs microbatches one after another). GPipe: m. 1F1B: min(p, m) on the
@@ -188,7 +188,7 @@ class MemoryEstimate:
         }
 
 
-def memory_estimate(model: ConfigDict, layout: Layout, convention: str = "jaxpar") -> MemoryEstimate:
+def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar") -> MemoryEstimate:
     """Model states + stored activations (+ logits on the last stage) + transients; the heavier stage wins."""
     per_layer = layer_activation_bytes(model, layout) * model.num_layers // layout.pipeline
     layer_params = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
@@ -298,7 +298,7 @@ class StepTime:
 
 def step_time(
     model: ConfigDict,
-    layout: Layout,
+    layout: ParallelLayout,
     cluster: Cluster,
     efficiency: float = 0.55,
     dp_exposed_fraction: float = 0.1,
@@ -336,3 +336,12 @@ def step_time(
     return StepTime(
         compute, tp, pp, data, data_exposed, bubble, busy * bubble / (1 - bubble), step, model_flops, achieved
     )
+
+
+def estimated_argument_bytes(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar") -> float:
+    """What the compiled step takes as arguments per device, estimated: parameters + optimizer state
+    of :func:`memory_estimate` (the gradients are not arguments) + the step count (int32) + this
+    data shard's batch (m x b x (s + 1) int32 tokens)."""
+    mem = memory_estimate(model, layout, convention)
+    batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
+    return mem.params_bytes + mem.optimizer_bytes + 4 + batch

@@ -1,6 +1,6 @@
 """The layout and the parameter inventory the estimates count with (no JAX, no allocation).
 
-:class:`Layout` (mesh sizes plus the choices that change memory and time), the model's parameter
+The layout is :class:`jaxpar.layout.ParallelLayout`; here: the model's parameter
 tensors with their logical dims and pipeline placement (:func:`param_tensors`), and how many
 elements of each a device holds under the jaxpar sharding rules (:func:`shard_elements`,
 :func:`stage_tensors`). Used by :mod:`jaxpar.analysis.estimate` and :mod:`jaxpar.analysis.traffic`.
@@ -11,74 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
-from jaxpar.config import SCHEDULES, ConfigDict, ConfigError
+from jaxpar.config import ConfigDict
+from jaxpar.layout import RECOMPUTE, ParallelLayout  # noqa: F401 - RECOMPUTE re-exported
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RECOMPUTE = ("none", "selective", "full")
 TENSOR_DIMS = frozenset({"heads", "kv_heads", "mlp", "vocab"})  # logical dims split over `tensor`
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout: mesh sizes plus the schedule choices that change memory and time."""
-
-    data: int = 1
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    zero_stage: int = 0
-    microbatches: int = 1  # m: microbatches per optimizer step (accumulation or pipeline)
-    microbatch_size: int = 1  # b: sequences per data shard per microbatch
-    seq_len: int = 2048
-    recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
-
-    @classmethod
-    def from_config(cls, cfg: ConfigDict) -> Layout:
-        """The layout a (validated) train config runs."""
-        m, t = cfg.mesh, cfg.train
-        return cls(m.data, m.tensor, m.pipeline, cfg.pipeline.virtual_stages if m.pipeline > 1 else 1,
-                   cfg.parallel.zero_stage, t.microbatches, t.global_batch // (t.microbatches * m.data), t.seq_len,
-                   cfg.model.remat, cfg.parallel.sequence_parallel, cfg.pipeline.schedule)
-
-    @property
-    def devices(self) -> int:
-        return self.data * self.tensor * self.pipeline
-
-    @property
-    def global_batch(self) -> int:
-        return self.microbatch_size * self.microbatches * self.data
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
-
-    def check(self, model: ConfigDict) -> None:
-        """Raise a one-line :class:`ConfigError` if the layout cannot run this model."""
-        for n in ("data", "tensor", "pipeline", "virtual_stages", "microbatches", "microbatch_size", "seq_len"):
-            _require(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
-        for n in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
-            _require(model[n] % self.tensor == 0, f"tensor={self.tensor} does not divide model.{n}={model[n]}")
-        stages = self.pipeline * self.virtual_stages
-        _require(model.num_layers % stages == 0, f"pipeline*virtual={stages} does not divide {model.num_layers} layers")
-        _require(self.zero_stage in (0, 1, 2, 3), f"zero={self.zero_stage}; use 0, 1, 2 or 3")
-        _require(self.recompute in RECOMPUTE, f"recompute='{self.recompute}'; use {', '.join(RECOMPUTE)}")
-        _require(self.schedule in SCHEDULES, f"schedule='{self.schedule}'; use {', '.join(SCHEDULES)}")
-        _require(self.virtual_stages == 1 or self.schedule == "interleaved", "virtual > 1 needs schedule=interleaved")
-        _require(
-            not self.sequence_parallel or self.seq_len % self.tensor == 0, "sequence parallel needs seq % tensor == 0"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"devices": self.devices, "global_batch": self.global_batch}
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"layout: {message}")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -157,7 +95,7 @@ def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard:
 
 
 def stage_tensors(
-    model: ConfigDict, layout: Layout, stage: str, shared_on_every_stage: bool = False
+    model: ConfigDict, layout: ParallelLayout, stage: str, shared_on_every_stage: bool = False
 ) -> list[tuple[ParamTensor, int]]:
     """(tensor, copies) held by the first or last pipeline stage (one stage holds all when p = 1).
 
@@ -180,6 +118,6 @@ def stage_tensors(
     return out
 
 
-def _held_elements(model: ConfigDict, layout: Layout, stage: str, zero_shard: bool, every_stage: bool = False) -> float:
+def _held_elements(model: ConfigDict, layout: ParallelLayout, stage: str, zero_shard: bool, every_stage: bool = False) -> float:
     held = stage_tensors(model, layout, stage, every_stage)
     return sum(c * shard_elements(t, layout.tensor, layout.data, zero_shard) for t, c in held)

@@ -1,4 +1,4 @@
-"""Layout search: every (data, tensor, pipeline) split and schedule choice, ranked by estimated step time.
+"""ParallelLayout search: every (data, tensor, pipeline) split and schedule choice, ranked by estimated step time.
 
 ``jaxpar plan`` answers "how should I lay out this model on that cluster?" from the closed-form
 estimates in :mod:`jaxpar.analysis.estimate` alone, so it runs in seconds for any cluster size.
@@ -36,8 +36,8 @@ from jaxpar.analysis.estimate import (
     DTYPE_BYTES,
     RECOMPUTE,
     AxisComm,
-    Layout,
     MemoryEstimate,
+    ParallelLayout,
     StepTime,
     communication,
     count_params,
@@ -70,7 +70,7 @@ class PlanOptions:
 class LayoutEstimate:
     """One evaluated layout: memory, communication and time, and whether it fits the budget."""
 
-    layout: Layout
+    layout: ParallelLayout
     memory: MemoryEstimate
     communication: dict[str, AxisComm]
     time: StepTime
@@ -112,10 +112,10 @@ class LayoutEstimate:
 
 
 def evaluate_layout(
-    model: ConfigDict, cluster: Cluster, layout: Layout, options: PlanOptions = PlanOptions()
+    model: ConfigDict, cluster: Cluster, layout: ParallelLayout, options: PlanOptions = PlanOptions()
 ) -> LayoutEstimate:
     """Memory, communication and step time of one layout (checked against the model first)."""
-    layout.check(model)
+    layout.validate(model)
     comm = communication(
         model, layout, cluster, options.grad_reduce_bytes, options.link_efficiency, convention=options.convention
     )
@@ -200,18 +200,19 @@ def search_layouts(
 ) -> list[LayoutEstimate]:
     """Every layout of ``num_devices`` for this batch, fitting ones first, ranked by step time.
 
-    ``fixed`` pins :class:`Layout` fields (e.g. ``{"tensor": 8, "zero_stage": 1}``). Layouts over
+    ``fixed`` pins :class:`ParallelLayout` fields (e.g. ``{"tensor": 8, "zero_stage": 1}``). Layouts over
     the memory budget are dropped unless ``keep_unfit``. Microbatch sizes are tried in ascending
     order and stop at the first one that does not fit, since memory grows with b. Raises
     :class:`ConfigError` when nothing fits, naming the smallest requirement found.
     """
     model = _Snapshot(model.to_dict() if isinstance(model, ConfigDict) else model)  # fast field access
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {f.name for f in dataclasses.fields(Layout)}
+    unknown = set(fixed) - {f.name for f in dataclasses.fields(ParallelLayout)}
     if unknown:
         raise ConfigError(f"plan: unknown layout field(s) {', '.join(sorted(unknown))}")
-    probe = {"schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b", "seq_len": seq_len} | fixed
-    Layout(**probe).check(model)  # a pinned field the model cannot take fails here, with its reason
+    probe = {"schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b", "seq_len": seq_len,
+             "microbatches": fixed.get("pipeline", 1)} | fixed  # unpinned choices: ones every mesh can take
+    ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
     results: list[LayoutEstimate] = []
     smallest: LayoutEstimate | None = None
     for data, t, p in _meshes(model, cluster, num_devices, global_batch, fixed):
@@ -224,15 +225,13 @@ def search_layouts(
             _schedules(model, p, fixed),
         )
         for zero, recompute, sp, (schedule, v) in choices:
-            if sp and seq_len % t:
-                continue
-            if p > 1 and zero == 2 and schedule == "gpipe" and "zero_stage" not in fixed:
-                continue  # jaxpar's GPipe refuses ZeRO-2 (jaxpar.parallel.pipeline.check_config)
             for b in sizes:
                 m = per_shard // b
-                if schedule == "interleaved" and m % p:
+                layout = ParallelLayout(data, t, p, v, zero, m, b, seq_len, recompute, sp, schedule)
+                try:
+                    layout.validate(model)  # only layouts the step runs are candidates
+                except ConfigError:
                     continue
-                layout = Layout(data, t, p, v, zero, m, b, seq_len, recompute, sp, schedule)
                 est = evaluate_layout(model, cluster, layout, options)
                 if smallest is None or est.memory.total_bytes < smallest.memory.total_bytes:
                     smallest = est
@@ -258,7 +257,7 @@ def search_layouts(
     return results
 
 
-def describe(layout: Layout) -> str:
+def describe(layout: ParallelLayout) -> str:
     """A short one-line name of a layout."""
     v = f",virtual={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
     sp = " +SP" if layout.sequence_parallel else ""
@@ -303,7 +302,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """``data=1,tensor=8,pipeline=8,virtual=3`` -> Layout fields; a one-line ConfigError otherwise."""
+    """``data=1,tensor=8,pipeline=8,virtual=3`` -> ParallelLayout fields; a one-line ConfigError otherwise."""
     out: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, raw = item.partition("=")

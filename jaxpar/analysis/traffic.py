@@ -16,7 +16,7 @@ from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.inventory import (
     DTYPE_BYTES,
     TENSOR_DIMS,
-    Layout,
+    ParallelLayout,
     ParamTensor,
     _held_elements,
     param_tensors,
@@ -56,7 +56,7 @@ class AxisComm:
         return dataclasses.asdict(self)
 
 
-def axis_link(layout: Layout, axis: str, cluster: Cluster) -> str:
+def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
     """The link a ring over ``axis`` uses. With devices ordered tensor, data, pipeline, a ring stays in
     a node when the span of device ids it touches (t, t*N, t*N*p) fits in one; else it crosses the NIC."""
     span = {"tensor": layout.tensor, "data": layout.tensor * layout.data, "pipeline": layout.devices}[axis]
@@ -65,7 +65,7 @@ def axis_link(layout: Layout, axis: str, cluster: Cluster) -> str:
 
 def communication(
     model: ConfigDict,
-    layout: Layout,
+    layout: ParallelLayout,
     cluster: Cluster | None = None,
     grad_reduce_bytes: int = 4,
     link_efficiency: float = 0.75,
@@ -130,7 +130,7 @@ def communication(
     return out
 
 
-def _held_by_place(model: ConfigDict, layout: Layout) -> tuple[float, float]:
+def _held_by_place(model: ConfigDict, layout: ParallelLayout) -> tuple[float, float]:
     """(layer, other) parameter elements per device after the tensor split, unsharded over data, on
     the stage holding the most parameters (jaxpar's pipeline: every stage holds the non-layer ones)."""
     best = (0.0, 0.0)
@@ -142,7 +142,7 @@ def _held_by_place(model: ConfigDict, layout: Layout) -> tuple[float, float]:
     return best
 
 
-def _jaxpar_data(model: ConfigDict, layout: Layout, grad_reduce_bytes: int) -> tuple[float, int]:
+def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: int) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of the jaxpar step (jaxpar/train/step.py), E the per-device
     parameter elements after the tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
 
@@ -170,7 +170,7 @@ def _jaxpar_data(model: ConfigDict, layout: Layout, grad_reduce_bytes: int) -> t
     return all_gather_bytes(gathered, n) + m * all_gather_bytes(full * a, n), 3 * m + 1
 
 
-def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
+def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
     """Tensor-axis (bytes, collectives) of the jaxpar model (jaxpar/models/llama.py), per microbatch:
 
     per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their
@@ -197,7 +197,7 @@ def _jaxpar_tensor(model: ConfigDict, layout: Layout) -> tuple[float, int]:
     return m * moved, m * calls
 
 
-def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int,
+def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
                          grad_reduce_bytes: int = 4) -> dict[str, tuple[float, int]]:
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
     executor (jaxpar/parallel/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
@@ -279,7 +279,7 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: Layout, stage: int,
     return {"tensor": (m * moved, m * calls), "pipeline": pipeline, **({"data": data} if data else {})}
 
 
-def _zero_gathered(model: ConfigDict, layout: Layout, tensors: list[ParamTensor], nbytes: int) -> float:
+def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:
     """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors."""
     n, t = layout.data, layout.tensor
     return sum(all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n) for x in tensors
@@ -295,7 +295,7 @@ def _stage_groups(model: ConfigDict) -> tuple[list[ParamTensor], list[ParamTenso
             table + [x for x in tensors if x.name.startswith("final_norm")])
 
 
-def _jaxpar_pipeline_zero2(model: ConfigDict, layout: Layout, stage: int,
+def _jaxpar_pipeline_zero2(model: ConfigDict, layout: ParallelLayout, stage: int,
                            grad_reduce_bytes: int = 4) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-2 (1F1B / interleaved): every
     backward tick reduce-scatters its chunk's layer gradients, and the first / last virtual stage's
@@ -313,7 +313,7 @@ def _jaxpar_pipeline_zero2(model: ConfigDict, layout: Layout, stage: int,
     return m * scattered + gathered, m + 1
 
 
-def _jaxpar_pipeline_zero3(model: ConfigDict, layout: Layout, stage: int) -> tuple[float, int]:
+def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/parallel/pipeline/executor.py).
 
     With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; a reduce-scatter

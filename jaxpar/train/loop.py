@@ -20,8 +20,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import ConfigDict, ConfigError, derive
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
 from jaxpar.train.state import Setup
 
@@ -62,11 +63,11 @@ class Trainer:
     def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True):
         self.cfg, self.show_progress = cfg, progress
         self.echo = echo if jax.process_index() == 0 else (lambda _: None)
-        self.derived = derive(cfg)
-        self.mesh = make_mesh(MeshSpec.from_config(cfg.mesh))
+        self.layout = ParallelLayout.from_config(cfg)
+        self.mesh = make_mesh(ParallelLayout.from_config(cfg))
         self.setup = Setup(cfg, self.mesh)
         t = cfg.train
-        pidx, pcount = self.setup.data_split  # the rows of this process's data shards
+        pidx, pcount = self.setup.feed.data_split  # the rows of this process's data shards
         self.batches = data_lib.make_batches(
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=t.global_batch,
             seed=t.seed, split="train", process_index=pidx, process_count=pcount,
@@ -77,9 +78,9 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=eval_rows,
             seed=t.seed, num_batches=t.eval_batches, process_index=pidx, process_count=pcount,
         )
-        peak, self.peak_source = device_peak_flops(self.derived.num_devices)
+        peak, self.peak_source = device_peak_flops(self.layout.devices)
         self.log = MetricsLog(
-            t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.derived.num_devices,
+            t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.layout.devices,
             t.warmup_steps_excluded, write=pidx == 0,
         )
         self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo)
@@ -124,7 +125,7 @@ class Trainer:
         """Mean validation loss over the fixed evaluation batches, in bits per byte/token."""
         total, count = 0.0, 0
         for rows in self.eval_data:
-            batch = self.setup.make_eval_batch(rows)
+            batch = self.setup.feed.make_eval_batch(rows)
             total += float(self.setup.eval_step(self.params, batch))
             count += batch.shape[0] * (batch.shape[1] - 1)
         return total / count / math.log(2)
@@ -132,7 +133,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         batch_number = self.batches.state()["step"] + 1  # the data position: a rollback does not rewind it
         rows = self.batches.next()
-        batch = self.setup.make_batch(rows)
+        batch = self.setup.feed.make_batch(rows)
         offset = float("nan") if batch_number in self.inject_bad else 0.0
         start = time.perf_counter()
         self.params, self.opt_state, metrics = self.setup.train_step(
@@ -142,7 +143,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.step += 1
         self.guard.observe(float(values["loss"]), bool(values["skipped"]))
-        row = self.log.record(self.step, elapsed, self.derived.tokens_per_step,
+        row = self.log.record(self.step, elapsed, self.layout.tokens_per_step,
                               {**values, "bad_steps_total": self.guard.total})
         if values["skipped"]:
             self.echo(f"step {self.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
@@ -179,10 +180,10 @@ class Trainer:
         cfg, unit = self.cfg, bits_unit(self.cfg.model)
         m = cfg.mesh
         self.echo(
-            f"jaxpar train: {self.derived.num_devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
+            f"jaxpar train: {self.layout.devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
             f"tensor={m.tensor} pipeline={m.pipeline}, zero_stage={cfg.parallel.zero_stage}, "
             f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
-            f"{self.derived.tokens_per_step} tokens"
+            f"{self.layout.tokens_per_step} tokens"
         )
         p = cfg.parallel
         if p.zero_stage == 3 and p.grad_reduce_dtype != cfg.model.compute_dtype:

@@ -24,14 +24,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigDict, ConfigError, derive
+from jaxpar.config import ConfigDict, ConfigError, validate
 from jaxpar.models import llama
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
-from jaxpar.train.step import BATCH_SPEC, StepBuilder, init_opt_state, opt_state_specs
-
-EVAL_SPEC = P("data", None)
+from jaxpar.train.batches import BATCH_SPEC, EVAL_SPEC, BatchFeed
+from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
 
 
 class Setup:
@@ -40,7 +39,7 @@ class Setup:
     def __init__(self, cfg: ConfigDict, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.pipeline = pipeline_lib.Pipeline.from_config(cfg) if cfg.mesh.pipeline > 1 else None
-        self.derived = derive(cfg)
+        self.layout = validate(cfg, mesh.devices.size)  # the step runs what validates
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.model_abstract_params = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
@@ -62,8 +61,7 @@ class Setup:
         self.opt_specs = opt_state_specs(self.layouts)
         self.param_shardings = named(mesh, self.param_specs)
         self.opt_shardings = named(mesh, self.opt_specs)
-        self.batch_sharding = NamedSharding(mesh, BATCH_SPEC)
-        self.eval_sharding = NamedSharding(mesh, EVAL_SPEC)
+        self.feed = BatchFeed(mesh, cfg.train)  # batch shapes, shardings, which rows this process feeds
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
         self.builder = StepBuilder(
             model_cfg=cfg.model,
@@ -72,7 +70,7 @@ class Setup:
             layouts=self.layouts,
             mesh=mesh,
             microbatches=cfg.train.microbatches,
-            global_tokens=self.derived.tokens_per_step,
+            global_tokens=self.layout.tokens_per_step,
             schedule=self.schedule,
             pipeline=self.pipeline,
         )
@@ -141,7 +139,7 @@ class Setup:
         replicated = NamedSharding(self.mesh, P())
         jitted = jax.jit(
             step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, replicated),
+            in_shardings=(self.param_shardings, self.opt_shardings, self.feed.batch_sharding, replicated),
             out_shardings=(self.param_shardings, self.opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
@@ -156,41 +154,7 @@ class Setup:
             return jax.lax.psum(llama.loss_sum(params, tokens, ctx), "data")
 
         fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
-        return jax.jit(fn, in_shardings=(self.param_shardings, self.eval_sharding))
-
-    # ------------------------------------------------------------------ data
-    @functools.cached_property
-    def data_split(self) -> tuple[int, int]:
-        """(index, count): which contiguous share of every batch's rows this process feeds. A process
-        feeds the rows of the ``data`` shards its devices hold; processes that hold the same ones
-        (e.g. different pipeline stages of one data shard: pipeline is the outermost axis, so it
-        is what splits over hosts first) feed the same rows."""
-        axis = self.mesh.axis_names.index("data")
-        groups: dict[int, set[int]] = {}
-        for index, device in np.ndenumerate(self.mesh.devices):
-            groups.setdefault(device.process_index, set()).add(index[axis])
-        shares = sorted({tuple(sorted(g)) for g in groups.values()})
-        sizes = {len(share) for share in shares}
-        if len(sizes) != 1 or sum(sizes) * len(shares) != self.mesh.shape["data"]:
-            raise ConfigError(f"mesh.data={self.mesh.shape['data']} does not split evenly over the {len(groups)} "
-                              "processes; choose a mesh whose data shards divide among the hosts")
-        return shares.index(tuple(sorted(groups[jax.process_index()]))), len(shares)
-
-    def batch_shape(self) -> tuple[int, int, int]:
-        t = self.cfg.train
-        return (t.microbatches, t.global_batch // t.microbatches, t.seq_len + 1)
-
-    def make_batch(self, local_rows: np.ndarray) -> jax.Array:
-        """Global (microbatches, sequences, seq+1) array from this process's rows."""
-        m = self.cfg.train.microbatches
-        local = np.asarray(local_rows, dtype=np.int32)
-        local = local.reshape(m, local.shape[0] // m, local.shape[1])
-        return jax.make_array_from_process_local_data(self.batch_sharding, local, self.batch_shape())
-
-    def make_eval_batch(self, local_rows: np.ndarray) -> jax.Array:
-        local = np.asarray(local_rows, dtype=np.int32)
-        global_shape = (local.shape[0] * self.data_split[1], local.shape[1])
-        return jax.make_array_from_process_local_data(self.eval_sharding, local, global_shape)
+        return jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))
 
     # ------------------------------------------------------------------ analysis
     def abstract_state(self, model_form: bool = False) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
@@ -201,7 +165,7 @@ class Setup:
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, p_sh)
         opt = jax.eval_shape(init_opt_state, tree)
         opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, o_sh)
-        batch = jax.ShapeDtypeStruct(self.batch_shape(), jnp.int32, sharding=self.batch_sharding)
+        batch = jax.ShapeDtypeStruct(self.feed.batch_shape(), jnp.int32, sharding=self.feed.batch_sharding)
         return params, opt, batch
 
     def lower_train_step(self):

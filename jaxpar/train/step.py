@@ -41,8 +41,6 @@ from jaxpar.models import llama
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamLayout, Strategy, is_layout
 
-BATCH_SPEC = P(None, "data", None)  # (microbatches, sequences, seq_len + 1)
-
 
 def _map_layouts(fn: Callable, layouts: Any, *trees: Any) -> Any:
     return jax.tree.map(lambda lay, *xs: fn(lay, *xs), layouts, *trees, is_leaf=is_layout)

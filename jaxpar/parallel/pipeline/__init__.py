@@ -92,7 +92,6 @@ from jaxpar.parallel.pipeline.schedule import (
     boundary_sends,
     bubble_fraction,
     build_schedule,
-    check_config,
     compile_program,
     expected_bubble_fraction,
     render_schedule,
@@ -101,7 +100,7 @@ from jaxpar.parallel.pipeline.schedule import (
 __all__ = [
     "AXIS", "BACKWARD", "ENDS", "FORWARD", "IDLE", "SCHEDULES", "SCOPE_BACKWARD", "SCOPE_ENDS", "SCOPE_FIRST",
     "SCOPE_FORWARD", "SCOPE_LAST", "SCOPE_SEND", "SCOPE_WORK", "Action", "Pipeline", "Program", "ScheduleTable",
-    "boundary_sends", "bubble_fraction", "build_schedule", "check_config", "compile_program", "eval_loss_sum",
+    "boundary_sends", "bubble_fraction", "build_schedule", "compile_program", "eval_loss_sum",
     "expected_bubble_fraction", "has_ends", "layer_order", "render_schedule", "stage_form_logical_axes",
     "to_model_form", "to_stage_form",
 ]

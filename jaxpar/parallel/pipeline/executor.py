@@ -20,7 +20,6 @@ from jaxpar.parallel.pipeline.schedule import (
     Program,
     ScheduleTable,
     build_schedule,
-    check_config,
     compile_program,
 )
 
@@ -417,8 +416,7 @@ class Pipeline:
 
     @classmethod
     def from_config(cls, cfg: ConfigDict) -> Pipeline:
-        """Validate the pipeline settings (:func:`check_config`) and build the schedule."""
-        check_config(cfg)
+        """Build the schedule of a validated config (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)."""
         table = build_schedule(
             cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
         )

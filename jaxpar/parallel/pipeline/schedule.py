@@ -10,9 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.layout import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 
@@ -51,35 +50,6 @@ class ScheduleTable:
             for d, a in enumerate(row)
             if a
         }
-
-
-def check_config(cfg: ConfigDict) -> None:
-    """Raise a one-line :class:`ConfigError` for pipeline settings the step cannot run."""
-    p, m, v, sched = cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages, cfg.pipeline.schedule
-    if p == 1:
-        return
-    per_step, layers, zero = m * cfg.mesh.data, cfg.model.num_layers, cfg.parallel.zero_stage
-    checks = [
-        (sched in SCHEDULES, f"pipeline.schedule='{sched}': use one of {', '.join(SCHEDULES)}"),
-        (sched != "interleaved" or v >= 2, f"pipeline.virtual_stages={v}: the interleaved schedule needs at least 2 "
-         "chunks per stage; set --config.pipeline.virtual_stages=2 or --config.pipeline.schedule=1f1b"),
-        (sched == "interleaved" or v == 1, f"pipeline.virtual_stages={v} is only used by the interleaved schedule; "
-         "set --config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1"),
-        (layers % (p * v) == 0, f"model.num_layers={layers} is not divisible by mesh.pipeline*pipeline.virtual_stages="
-         f"{p * v}; choose a pipeline size that divides the layers"),
-        (sched != "1f1b" or m >= p, f"train.microbatches={m} < mesh.pipeline={p}: 1F1B needs at least one microbatch "
-         f"per stage; set --config.train.microbatches={p} or more"),
-        (sched != "interleaved" or m % p == 0, f"train.microbatches={m} is not a multiple of mesh.pipeline={p} "
-         f"(interleaved runs microbatches in groups of p); set --config.train.microbatches={p * -(-m // p)}"),
-        (cfg.train.global_batch % per_step == 0, f"train.global_batch={cfg.train.global_batch} is not divisible by "
-         f"train.microbatches*mesh.data={per_step}; use a multiple of {per_step}"),
-        (zero != 2 or sched != "gpipe", "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported "
-         "(GPipe's gradient is the transpose of its whole forward scan, accumulated full size); use "
-         "--config.pipeline.schedule=1f1b, or --config.parallel.zero_stage=1 or 3"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
 
 
 def _sequences(schedule: str, p: int, m: int, v: int) -> list[list[Action]]:

@@ -1,0 +1,188 @@
+"""The parallel layout: one frozen type for "how the work is split", and the only home of its rules.
+
+A :class:`ParallelLayout` holds the mesh size of every :class:`~jaxpar.axes.MeshAxis` and the choices
+that change what each device holds and does: the ZeRO stage, sequence parallelism, the number and
+size of microbatches, the sequence length, the recompute policy and the pipeline schedule. The
+trainer (:mod:`jaxpar.train.state`), the pipeline executor, the planner, ``compare``, ``inspect``
+and the importers all build one and call :meth:`ParallelLayout.validate`: every cross-field rule
+and all batch arithmetic live here and nowhere else, so a layout that validates is one the step
+runs (field domains, such as "a mesh size is >= 1", are checked with the config schema).
+
+Batch arithmetic (as in DeepSpeed's ``train_batch_size = micro_batch * grad_accum * dp``):
+``global_batch = microbatch_size * microbatches * data``; tokens per step =
+``global_batch * seq_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from jaxpar.axes import MESH_AXES, MeshAxis
+from jaxpar.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+# Model dims split over `tensor` by the Megatron rules (jaxpar.sharding.TENSOR_RULES): each must divide.
+TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Mesh sizes (one field per :class:`MeshAxis`, read as a mapping with :attr:`mesh`) plus the
+    choices that change memory and time. Hashable: it keys caches and jit static arguments."""
+
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    zero_stage: int = 0
+    microbatches: int = 1  # m: microbatches per optimizer step (gradient accumulation or pipeline)
+    microbatch_size: int = 1  # b: sequences per data shard per microbatch
+    seq_len: int = 2048
+    recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipeline > 1)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ParallelLayout:
+        """The layout a train config (a ``ConfigDict``) runs: global_batch / (microbatches * data)
+        sequences per shard and microbatch."""
+        mesh, train = cfg.mesh, cfg.train
+        per_step = train.microbatches * mesh.data
+        return cls(
+            **{axis.value: mesh[axis.value] for axis in MESH_AXES},
+            virtual_stages=cfg.pipeline.virtual_stages,
+            zero_stage=cfg.parallel.zero_stage,
+            microbatches=train.microbatches,
+            microbatch_size=train.global_batch // per_step if per_step > 0 else 0,
+            seq_len=train.seq_len,
+            recompute=cfg.model.remat,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            schedule=cfg.pipeline.schedule,
+        )
+
+    # ------------------------------------------------------------------ derived quantities
+    @property
+    def mesh(self) -> dict[MeshAxis, int]:
+        """Size of every mesh axis, keyed by :class:`MeshAxis`."""
+        return {axis: getattr(self, axis.value) for axis in MESH_AXES}
+
+    def size(self, axis: MeshAxis | str) -> int:
+        return getattr(self, MeshAxis(axis).value)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.microbatch_size * self.microbatches * self.data
+
+    @property
+    def microbatch_sequences(self) -> int:
+        """Global sequences per microbatch."""
+        return self.microbatch_size * self.data
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def stages(self) -> int:
+        """Virtual pipeline stages: the number of layer chunks the layers are cut into."""
+        return self.pipeline * self.virtual_stages
+
+    def layers_per_stage(self, num_layers: int) -> int:
+        """Layers of one chunk (one pipeline rank holds ``virtual_stages`` chunks)."""
+        return num_layers // self.stages
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"devices": self.devices, "global_batch": self.global_batch}
+
+    # ------------------------------------------------------------------ rules
+    def validate(self, model: Mapping[str, Any], global_batch: int | None = None, num_devices: int | None = None
+                 ) -> ParallelLayout:
+        """Raise a one-line :class:`ConfigError` naming the field and the fix if the step cannot run
+        this layout for ``model`` (the ``model`` sub-config, or any mapping with its fields).
+
+        ``global_batch``: the configured sequences per step, which must split into ``microbatches``
+        x ``data`` equal shards (a layout alone cannot express a remainder). ``num_devices``: the
+        devices present, which must equal the product of the mesh sizes. Returns ``self``.
+        """
+        for axis in MESH_AXES:
+            _require(self.size(axis) >= 1, f"mesh.{axis}={self.size(axis)}: a mesh axis size must be >= 1")
+        if num_devices is not None:
+            sizes = "*".join(str(self.size(a)) for a in MESH_AXES)
+            names = "*".join(a.value for a in MESH_AXES)
+            _require(self.devices == num_devices,
+                     f"mesh: {names} = {sizes} = {self.devices} but {num_devices} devices are available; change "
+                     f"--config.mesh.data (or another mesh size) so the product is {num_devices}")
+        _require(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={self.zero_stage}: use 0, 1, 2 or 3")
+        _require(self.recompute in RECOMPUTE, f"model.remat='{self.recompute}': use one of {', '.join(RECOMPUTE)}")
+        _require(self.schedule in SCHEDULES,
+                 f"pipeline.schedule='{self.schedule}': use one of {', '.join(SCHEDULES)}")
+        _require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages}: must be >= 1")
+        _require(self.microbatches >= 1, f"train.microbatches={self.microbatches}: must be >= 1")
+        _require(self.seq_len >= 2, f"train.seq_len={self.seq_len}: must be >= 2")
+        self._validate_model(model)
+        self._validate_batch(global_batch)
+        self._validate_pipeline(model)
+        return self
+
+    def _validate_model(self, model: Mapping[str, Any]) -> None:
+        for name in TENSOR_SPLIT_FIELDS:
+            _require(model[name] % self.tensor == 0,
+                     f"model.{name}={model[name]} is not divisible by mesh.tensor={self.tensor}; "
+                     f"choose a tensor size that divides {model[name]}")
+        _require(model["num_layers"] % self.stages == 0,
+                 f"model.num_layers={model['num_layers']} is not divisible by mesh.pipeline*pipeline.virtual_stages="
+                 f"{self.stages}; choose a pipeline size that divides the layers")
+        _require(self.seq_len <= model["max_seq_len"],
+                 f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model['max_seq_len']}; lower train.seq_len")
+        if self.sequence_parallel:
+            _require(self.seq_len % self.tensor == 0,
+                     f"train.seq_len={self.seq_len} is not divisible by mesh.tensor={self.tensor} (parallel."
+                     "sequence_parallel); use a multiple of the tensor size")
+
+    def _validate_batch(self, global_batch: int | None) -> None:
+        per_step = self.microbatches * self.data
+        if global_batch is not None:
+            _require(global_batch >= 1, f"train.global_batch={global_batch}: must be >= 1")
+            _require(global_batch % per_step == 0,
+                     f"train.global_batch={global_batch} is not divisible by train.microbatches*mesh.data="
+                     f"{self.microbatches}*{self.data}={per_step}; use a multiple of {per_step}")
+        _require(self.microbatch_size >= 1,
+                 f"train.global_batch={self.global_batch} gives {self.microbatch_size} sequences per data shard "
+                 f"and microbatch; use at least train.microbatches*mesh.data={per_step} sequences")
+
+    def _validate_pipeline(self, model: Mapping[str, Any]) -> None:
+        p, m, v, schedule = self.pipeline, self.microbatches, self.virtual_stages, self.schedule
+        if p == 1:
+            _require(v == 1, f"pipeline.virtual_stages={v} needs mesh.pipeline > 1; set "
+                     "--config.pipeline.virtual_stages=1")
+            return
+        _require(schedule != "interleaved" or v >= 2,
+                 f"pipeline.virtual_stages={v}: the interleaved schedule needs at least 2 chunks per stage; set "
+                 "--config.pipeline.virtual_stages=2 or --config.pipeline.schedule=1f1b")
+        _require(schedule == "interleaved" or v == 1,
+                 f"pipeline.virtual_stages={v} is only used by the interleaved schedule; set "
+                 "--config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1")
+        _require(schedule != "1f1b" or m >= p,
+                 f"train.microbatches={m} < mesh.pipeline={p}: 1F1B needs at least one microbatch per stage; "
+                 f"set --config.train.microbatches={p} or more")
+        _require(schedule != "interleaved" or m % p == 0,
+                 f"train.microbatches={m} is not a multiple of mesh.pipeline={p} (interleaved runs microbatches "
+                 f"in groups of p); set --config.train.microbatches={p * -(-m // p)}")
+        _require(self.zero_stage != 2 or schedule != "gpipe",
+                 "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported (GPipe's gradient is the "
+                 "transpose of its whole forward scan, accumulated full size); use --config.pipeline.schedule=1f1b, "
+                 "or --config.parallel.zero_stage=1 or 3")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,109 @@
+"""The package's dependencies point one way (read from the source with ``ast``, no import runs).
+
+    cli -> train / analysis / port -> models / parallel / optim / sharding -> layout / mesh / config
+
+A module may import modules of its own tier or a lower one, never a higher one, and no two modules
+import each other, directly or around a cycle (function-local imports count: hiding an import in
+a function does not change which way the arrow runs).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
+
+# Top-level modules / packages of jaxpar, lowest tier first.
+TIERS: tuple[tuple[str, ...], ...] = (
+    ("axes", "errors", "compat", "console"),
+    ("layout",),  # the layout rules need no config: config.validate calls them
+    ("config",),
+    ("mesh", "distributed"),
+    ("sharding", "data", "data_megatron", "checkpoint"),
+    ("models", "parallel", "optim"),
+    ("train", "metrics"),
+    ("analysis", "port", "drill"),
+    ("cli", "__main__", "__init__"),
+)
+TIER = {name: rank for rank, names in enumerate(TIERS) for name in names}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path, name: str) -> set[str]:
+    """jaxpar modules ``path`` imports (absolute or relative, at any depth of the file)."""
+    out: set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "jaxpar")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "jaxpar":
+                continue
+            submodules = {f"{module}.{a.name}" for a in node.names}  # `from jaxpar import train`
+            out.update(submodules)
+            if module != "jaxpar":  # `from jaxpar import x` imports x, not the package's __init__
+                out.add(module)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        graph[name] = {m for m in _imports(path, name) if m in files and m != name}
+    return graph
+
+
+def _top(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_every_module_has_a_tier():
+    missing = sorted({_top(m) for m in _graph()} - set(TIER))
+    assert not missing, f"add {missing} to TIERS in tests/test_imports.py"
+
+
+def test_imports_point_down_the_tiers():
+    wrong = [
+        f"{module} (tier {TIER[_top(module)]}) imports {target} (tier {TIER[_top(target)]})"
+        for module, targets in _graph().items()
+        for target in targets
+        if TIER[_top(target)] > TIER[_top(module)]
+    ]
+    assert not wrong, "imports against the order:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # Package __init__ modules re-export their submodules; an edge into a package means "some
+    # submodule of it", so cycles are looked for between plain modules.
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
