@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from jaxpar.axes import MESH_AXES
+from jaxpar.errors import JaxparError
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -32,7 +33,7 @@ DATA_SOURCES = ("stdlib", "synthetic", "bin", "megatron")
 SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxparError, ValueError):
     """A user-facing configuration error: one line naming the field and the fix."""
 
 
