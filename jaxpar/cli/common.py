@@ -43,6 +43,19 @@ def needs(command: str, flag: str, given: bool, other: str, present: bool) -> No
         raise ConfigError(f"{command}: {flag} applies only with {other}; add {other} or drop {flag}")
 
 
+def at_least_one(**flags: int | None) -> None:
+    """Refuse an integer flag below 1 (``None``: not given); keyword names are the flags, ``_`` for ``-``."""
+    for name, value in flags.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: use an integer >= 1")
+
+
+def share(flag: str, value: float) -> None:
+    """Refuse a share of peak (efficiency) outside (0, 1]."""
+    if not 0 < value <= 1:
+        raise ConfigError(f"{flag} {value}: use a value in (0, 1]")
+
+
 def excludes(command: str, flag: str, given: bool, other: str, present: bool) -> None:
     """Refuse ``flag`` together with ``other`` (they say the same thing two ways)."""
     if given and present:

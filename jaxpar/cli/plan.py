@@ -17,7 +17,7 @@ from jaxpar.analysis.aot import AXES, AotComparison, run_aot
 from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
-from jaxpar.cli.common import excludes, needs, overrides
+from jaxpar.cli.common import at_least_one, excludes, needs, overrides, share
 from jaxpar.config import ConfigError, load_config
 from jaxpar.console import wide_console
 
@@ -155,6 +155,9 @@ def run_plan(args: argparse.Namespace) -> int:
     aot_top = getattr(args, "aot_top", None)
     needs("plan", "--aot-top", aot_top is not None, "--aot", getattr(args, "aot", False))
     excludes("plan", "--devices", args.devices is not None, "--nodes", args.nodes is not None)
+    at_least_one(devices=args.devices, nodes=args.nodes, global_batch=args.global_batch, seq=args.seq, top=args.top,
+                 microbatches=args.microbatches)
+    share("--efficiency", args.efficiency)
     cfg = load_config(args.config, overrides(args))
     model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
     cluster = get_cluster(args.cluster)

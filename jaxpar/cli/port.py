@@ -16,6 +16,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
+from jaxpar.cli.common import at_least_one
 from jaxpar.config import ConfigDict, ConfigError, default_config, flatten
 from jaxpar.port.recipe import SOURCES, config_source, port_recipe, write_atomic
 
@@ -59,6 +60,7 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
     """Check the flags against the recipe kind, then :func:`port_recipe` with them."""
     from jaxpar.port.report import parse_side_value, schema_has, suggest  # imports JAX: only when porting
 
+    at_least_one(world_size=args.world_size, tensor=args.tensor, pipeline=args.pipeline)
     sets = _pairs(args.sets, "--set")
     fields = {k: v for k, v in sets.items() if schema_has(k)}
     side = {k: parse_side_value(v) for k, v in sets.items() if k not in fields}
