@@ -1,4 +1,4 @@
-"""What every subcommand shares: the argparse class, the default config, flag-pair checks.
+"""What every subcommand shares: the argparse class, the default config, flag checks.
 
 Bad flags are user errors like bad config fields: :class:`~jaxpar.config.ConfigError`, one line
 (the CLI prints ``error: ...`` and exits with code 2).
@@ -20,11 +20,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # noqa: D102
         raise ConfigError(f"{self.prog}: {message} (see --help)")
-
-
-def add_config_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
-    """``--config FILE`` (``--config.x.y=v`` overrides are split off before argparse runs)."""
-    parser.add_argument("--config", default=None, help=help_text)
 
 
 def config_or_default(args: argparse.Namespace) -> str:
