@@ -5,11 +5,11 @@ One uninterrupted reference run, then one run killed ``--trials`` times (the who
 as a node failure would) and resumed from its newest complete checkpoint each time. Reported:
 the step each kill hit, the checkpoint it resumed from, the steps lost per failure, and whether the
 per-step losses and the final parameters and optimizer state match the reference bit for bit.
+:func:`run_drill` returns that as a dict; the flags and the printed lines are in :mod:`jaxpar.cli.drill`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pathlib
@@ -68,6 +68,8 @@ def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
 
 def run_drill(config: str, overrides: list[str], workdir: str, processes: int, trials: int, seed: int,
               timeout_s: float = 900.0) -> dict:
+    """Run the reference and the interrupted run under ``workdir``; returns ``failures`` (kill and
+    resume steps), ``losses_match``, ``state_match`` and ``seconds``."""
     cfg = load_config(config, overrides)
     if cfg.checkpoint.every <= 0:
         raise ConfigError("checkpoint.every=0: the drill needs checkpoints; pass e.g. --config.checkpoint.every=2")
@@ -135,29 +137,3 @@ def _same_final_state(cfg: ConfigDict, a: pathlib.Path, b: pathlib.Path) -> bool
     return all(
         np.array_equal(x, y) for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True)
     )
-
-
-def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="config file (default: configs/tiny.py)")
-    parser.add_argument("--processes", type=int, default=1, help="processes per run (scripts/launch_local.sh)")
-    parser.add_argument("--trials", type=int, default=3, help="kill/resume trials")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the kill times")
-    parser.add_argument("--workdir", default="runs/drill", help="where the two runs go")
-
-
-def run_drill_cli(args: argparse.Namespace) -> int:
-    config = args.config or str(ROOT / "configs" / "tiny.py")
-    if args.processes < 1 or 8 % args.processes:
-        raise ConfigError(f"--processes {args.processes}: use 1, 2, 4 or 8")
-    if args.trials < 1:
-        raise ConfigError(f"--trials {args.trials}: use at least 1")
-    result = run_drill(config, args.overrides, args.workdir, args.processes, args.trials, args.seed)
-    for i, f in enumerate(result["failures"], 1):
-        print(f"failure {i}: killed at step {f['killed_at_step']}, resumed from step {f['resumed_from_step']}, "
-              f"{f['steps_lost']} steps lost")
-    lost = [f["steps_lost"] for f in result["failures"]]
-    print(f"steps lost per failure: mean {sum(lost) / len(lost):.1f}, max {max(lost)}")
-    print(f"per-step losses match the uninterrupted run: {'yes' if result['losses_match'] else 'NO'}")
-    print(f"final parameters and optimizer state bitwise identical: {'yes' if result['state_match'] else 'NO'}")
-    print(f"drill took {result['seconds']:.0f} s")
-    return 0 if result["losses_match"] and result["state_match"] else 1

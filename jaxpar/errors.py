@@ -1,6 +1,15 @@
-"""The project's user-facing error type (a leaf module: every layer may raise it)."""
+"""The root of jaxpar's user-facing errors (a leaf module: every layer may raise them).
+
+:class:`JaxparError` is what the command line reports as ``error: <one line>`` with exit code 2
+(bad input: a config field, a flag, a recipe, a checkpoint, a weights file), as opposed to a bug,
+which it reports as an internal error with a traceback file.
+"""
 
 
-class ConfigError(ValueError):
+class JaxparError(Exception):
+    """A user-facing error: one line that names what is wrong and the fix."""
+
+
+class ConfigError(JaxparError, ValueError):
     """A user-facing error in a config, recipe, checkpoint, weights file or flag: one line naming the
-    field and the fix. The CLI prints it without a traceback and exits with code 2."""
+    field and the fix."""

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import compiled as ca
-from jaxpar.analysis.inspect_cli import render, run_inspect
+from jaxpar.cli.inspect import render, run_inspect
 from jaxpar.config import ConfigError, load_config, param_count_estimate
 from jaxpar.distributed import ensure_host_devices
 

@@ -13,6 +13,7 @@ import pytest
 from jaxpar.analysis import plan as P
 from jaxpar.analysis.clusters import get_cluster
 from jaxpar.analysis.estimate import ParallelLayout
+from jaxpar.cli import plan as plan_cli
 from jaxpar.config import ConfigError, load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -25,7 +26,7 @@ def model(name: str):
 
 def plan_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    P.add_plan_arguments(parser)
+    plan_cli.add_plan_arguments(parser)
     args, overrides = parser.parse_known_args(list(argv))
     args.overrides = overrides
     return args
@@ -85,16 +86,16 @@ def test_impossible_requests_raise_one_line_errors():
         lambda: P.search_layouts(model("llama2_70b"), get_cluster("a100-80g"), 8, 1024, 4096),
         lambda: P.search_layouts(model("llama2_70b"), H100, 64, 1024, 4096, fixed={"pipeline": 3}),
         lambda: P.search_layouts(model("llama2_7b"), H100, 8, 1024, 4096, fixed={"bogus": 1}),
-        lambda: P.parse_layout("data=1,tensor=eight"),
-        lambda: P.parse_layout("data=1,width=2"),
-        lambda: P.run_plan(plan_args("--config", str(CONFIGS / "llama2_7b.py"), "--devices", "12")),
-        lambda: P.run_plan(plan_args("--config", str(CONFIGS / "llama2_7b.py"), "--cluster", "v100")),
-        lambda: P.run_plan(
+        lambda: plan_cli.parse_layout("data=1,tensor=eight"),
+        lambda: plan_cli.parse_layout("data=1,width=2"),
+        lambda: plan_cli.run_plan(plan_args("--config", str(CONFIGS / "llama2_7b.py"), "--devices", "12")),
+        lambda: plan_cli.run_plan(plan_args("--config", str(CONFIGS / "llama2_7b.py"), "--cluster", "v100")),
+        lambda: plan_cli.run_plan(
             plan_args(
                 "--config", str(CONFIGS / "llama2_7b.py"), "--nodes", "1", "--layout", "data=2,tensor=2,pipeline=1"
             )
         ),
-        lambda: P.run_plan(plan_args("--config", str(CONFIGS / "gpt3_175b.py"), "--seq", "4096")),
+        lambda: plan_cli.run_plan(plan_args("--config", str(CONFIGS / "gpt3_175b.py"), "--seq", "4096")),
     ]
     for case in cases:
         with pytest.raises(ConfigError) as e:
@@ -103,7 +104,7 @@ def test_impossible_requests_raise_one_line_errors():
 
 
 def test_parse_layout():
-    assert P.parse_layout("data=1,tensor=8,pipeline=8,virtual=3") == {
+    assert plan_cli.parse_layout("data=1,tensor=8,pipeline=8,virtual=3") == {
         "data": 1,
         "tensor": 8,
         "pipeline": 8,
@@ -117,7 +118,7 @@ def test_run_plan_json(capsys):
         "--config", str(CONFIGS / "llama2_70b.py"), "--cluster", "h100-80g", "--nodes", "8",
         "--global-batch", "1024", "--seq", "4096", "--top", "3", "--json",
     )  # fmt: skip
-    assert P.run_plan(args) == 0
+    assert plan_cli.run_plan(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cluster"]["name"] == "h100-80g" and doc["devices"] == 64 and doc["options"]["headroom"] == 0.1
     assert len(doc["layouts"]) == 3
@@ -136,18 +137,18 @@ def test_run_plan_pinned_layout_and_overrides(capsys):
         "--layout", "data=1,tensor=8,pipeline=8,virtual=3", "--microbatches", "64", "--recompute", "selective",
         "--sequence-parallel", "--zero", "1", "--global-batch", "64", "--json",
     )  # fmt: skip
-    assert P.run_plan(args) == 0
+    assert plan_cli.run_plan(args) == 0
     (row,) = json.loads(capsys.readouterr().out)["layouts"]
     assert (row["tensor"], row["pipeline"], row["virtual_stages"], row["microbatches"]) == (8, 8, 3, 64)
     assert row["schedule"] == "interleaved" and row["sequence_parallel"] and row["zero_stage"] == 1
     args = plan_args("--config", str(CONFIGS / "llama2_7b.py"), "--config.model.num_layers=8", "--json", "--top", "1")
-    assert P.run_plan(args) == 0
+    assert plan_cli.run_plan(args) == 0
     assert json.loads(capsys.readouterr().out)["model"]["params"] < 3e9
 
 
 def test_run_plan_table(capsys):
     args = plan_args("--config", str(CONFIGS / "llama2_13b.py"), "--cluster", "a100-80g", "--nodes", "2", "--top", "5")
-    assert P.run_plan(args) == 0
+    assert plan_cli.run_plan(args) == 0
     out = capsys.readouterr().out
     assert "10% headroom" in out and "why #1" in out and "Searched in" in out
 

@@ -32,6 +32,7 @@ from jaxpar.analysis import aot as A
 from jaxpar.analysis import plan as P
 from jaxpar.analysis.compiled import analyze_layout
 from jaxpar.analysis.estimate import ParallelLayout, communication, memory_estimate
+from jaxpar.cli import plan as plan_cli
 from jaxpar.config import ConfigDict, ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -164,13 +165,13 @@ def test_layout_config_carries_the_layout():
 
 def test_run_plan_aot_json(capsys):
     parser = argparse.ArgumentParser()
-    P.add_plan_arguments(parser)
+    plan_cli.add_plan_arguments(parser)
     ns = parser.parse_args(["--config", str(CONFIGS["tiny"]), "--devices", "8", "--top", "2", "--aot", "--aot-top", "1",
                           "--layout", "data=4,tensor=2,pipeline=1", "--zero", "1", "--recompute", "none",
                           "--no-sequence-parallel", "--json"])  # fmt: skip
     ns.overrides = ["--config.model.compute_dtype=float32"]
     start = time.perf_counter()
-    assert P.run_plan(ns) == 0
+    assert plan_cli.run_plan(ns) == 0
     doc = json.loads(capsys.readouterr().out)
     print(f"\nplan --aot (1 layout): {time.perf_counter() - start:.1f} s, aot_s {doc['aot_s']:.1f}")
     first, *rest = doc["layouts"]
@@ -202,7 +203,7 @@ def test_render_aot_table(compiled):
     _, done = compiled("tiny_t2_z1_sp")
     skipped = A.AotComparison(ParallelLayout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
     out = io.StringIO()
-    A.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
+    plan_cli.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
     text = out.getvalue()
     assert "args: est -> AOT (ratio)" in text and "tensor: est -> AOT (ratio)" in text and "(1.000)" in text
     assert "#2 not compiled: layout: tensor=4" in text and "float32" in text

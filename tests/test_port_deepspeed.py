@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from jaxpar.cli.port import add_port_arguments, run_port
 from jaxpar.config import ConfigError, load_config
-from jaxpar.port.cli import add_port_arguments, run_port
 from jaxpar.port.deepspeed import port_deepspeed
 from jaxpar.port.report import schema_has
 

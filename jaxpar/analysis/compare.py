@@ -10,122 +10,43 @@ all of them on simulated CPU devices.
 
     jaxpar compare --config configs/llama2_7b.py --cluster h100-80g \\
         --layout data=8,zero=3 --layout data=2,tensor=4,zero=1 --layout tensor=8 --aot
+
+This module evaluates; the flags and the tables are in :mod:`jaxpar.cli.compare`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from typing import Any
 
-from jaxpar.config import ConfigError, load_config
-
-KEYS = {  # key -> (ParallelLayout field, parser)
-    "data": ("data", int), "tensor": ("tensor", int), "pipeline": ("pipeline", int),
-    "virtual": ("virtual_stages", int), "zero": ("zero_stage", int), "microbatches": ("microbatches", int),
-    "recompute": ("recompute", str), "sp": ("sequence_parallel", str), "schedule": ("schedule", str),
-}
+from jaxpar.analysis.clusters import Cluster
+from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, search_layouts
+from jaxpar.config import ConfigDict, ConfigError
 
 
-def parse_compare_layout(text: str) -> dict[str, Any]:
-    """``data=2,tensor=4,zero=1,sp=1`` -> pinned ParallelLayout fields; a one-line ConfigError otherwise."""
-    out: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, raw = (part.strip() for part in item.partition("="))
-        if not sep or key not in KEYS or not raw:
-            raise ConfigError(f"--layout '{text}': expected comma-separated KEY=VALUE with KEY in {'|'.join(KEYS)}, "
-                              "e.g. --layout data=2,tensor=4,zero=1,sp=1")
-        field, kind = KEYS[key]
-        if kind is int:
-            if not raw.isdigit() or (int(raw) < 1 and key != "zero"):
-                raise ConfigError(f"--layout '{text}': {key}={raw} must be an integer >= {0 if key == 'zero' else 1}")
-            out[field] = int(raw)
-        elif key == "sp":
-            if raw.lower() not in ("0", "1", "true", "false"):
-                raise ConfigError(f"--layout '{text}': sp={raw}: use 0 or 1")
-            out[field] = raw.lower() in ("1", "true")
-        else:
-            out[field] = raw
-    if not out:
-        raise ConfigError(f"--layout '{text}': empty; e.g. --layout data=8,zero=3")
-    if out.get("virtual_stages", 1) > 1:
-        out.setdefault("schedule", "interleaved")
-    return out
-
-
-def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``jaxpar compare`` (``--config.x.y=v`` overrides arrive in ``args.overrides``)."""
-    from jaxpar.analysis.clusters import PRESETS
-
-    parser.add_argument("--config", default=None, help="config file (default: the built-in tiny model)")
-    parser.add_argument("--layout", action="append", required=True, dest="layouts", metavar="SPEC",
-                        help=f"a layout, KEY=VALUE,... with KEY in {'|'.join(KEYS)}; repeat for each layout")
-    parser.add_argument("--cluster", default="h100-80g", help=f"cluster preset: {', '.join(PRESETS)}")
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: config)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: config train.seq_len)")
-    parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
-    parser.add_argument("--efficiency", type=float, default=0.55, help="achieved share of peak FLOP/s")
-    parser.add_argument("--aot", action="store_true", help="also compile every layout on simulated CPU devices")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def run_compare(args: argparse.Namespace) -> int:
-    """Evaluate each ``--layout`` (all on the same device count) and print them side by side."""
-    from jaxpar.analysis.clusters import GB, get_cluster
-    from jaxpar.analysis.estimate import DTYPE_BYTES
-    from jaxpar.analysis.plan import PlanOptions, plan_summary, render_table, search_layouts
-
-    cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
-    model, cluster = cfg.model, get_cluster(args.cluster)
-    pinned = [parse_compare_layout(text) for text in args.layouts]
+def device_count(pinned: list[dict[str, Any]]) -> int:
+    """The one device count (data*tensor*pipeline) of the pinned layouts; a ConfigError if they differ."""
     sizes = {p.get("data", 1) * p.get("tensor", 1) * p.get("pipeline", 1) for p in pinned}
     if len(sizes) != 1:
         raise ConfigError(f"--layout: the layouts use different device counts ({sorted(sizes)}); give each the same "
                           "data*tensor*pipeline")
-    num_devices = sizes.pop()
-    if not 0 <= args.headroom < 1:
-        raise ConfigError(f"--headroom {args.headroom}: use a value in [0, 1)")
-    options = PlanOptions(headroom=args.headroom, efficiency=args.efficiency,
-                          grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype])
-    global_batch, seq_len = args.global_batch or cfg.train.global_batch, args.seq or cfg.train.seq_len
+    return sizes.pop()
+
+
+def compare_layouts(model: ConfigDict, cluster: Cluster, pinned: list[dict[str, Any]], global_batch: int,
+                    seq_len: int, options: PlanOptions) -> list[LayoutEstimate]:
+    """One estimate per pinned layout, in the order given: the fastest variant that fits, or, if none
+    fits, the leanest (how far off it is)."""
+    num_devices = device_count(pinned)
     estimates = []
     for fixed in pinned:
         fixed = {"data": 1, "tensor": 1, "pipeline": 1, **fixed}
         found = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=True)
-        # the fastest variant that fits; if none does, the leanest (how far off it is)
         estimates.append(found[0] if found[0].fits else min(found, key=lambda e: e.memory.total_bytes))
-    aot, aot_s = [], 0.0
-    if args.aot:
-        from jaxpar.analysis.aot import run_aot
+    return estimates
 
-        start = time.perf_counter()
-        aot = run_aot(cfg, [e.layout for e in estimates], options.convention, cfg.parallel.grad_reduce_dtype)
-        aot_s = time.perf_counter() - start
+
+def relative_to_first(estimates: list[LayoutEstimate]) -> list[dict[str, float]]:
+    """Each layout's total memory and step time as a multiple of the first one's."""
     base = estimates[0]
-    relative = [{"memory": e.memory.total_bytes / base.memory.total_bytes, "step_time": e.step_time_s / base.step_time_s}
-                for e in estimates]
-    if args.json:
-        doc = plan_summary(model, cluster, num_devices, estimates, options)
-        doc |= {"global_batch": global_batch, "seq_len": seq_len}
-        for row, rel, i in zip(doc["layouts"], relative, range(len(estimates))):
-            row["relative_to_first"] = rel
-            if aot:
-                row["aot"] = aot[i].to_dict()
-        print(json.dumps(doc, indent=2))
-        return 0
-    from jaxpar.analysis.aot import render_aot
-    from jaxpar.console import wide_console
-
-    console = wide_console()
-    budget = cluster.memory_bytes * (1 - options.headroom) / GB
-    console.print(f"[bold]{model.name}[/] on {num_devices} x {cluster.name}; global batch {global_batch} x seq "
-                  f"{seq_len}; memory budget {budget:.1f} GB per device (red: does not fit)")
-    render_table(estimates, cluster, title="the layouts as given")
-    for i, (e, rel) in enumerate(zip(estimates, relative), 1):
-        console.print(f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"
-                      + ("" if e.fits else " (does not fit)"))
-    if aot:
-        render_aot(aot, list(range(1, len(aot) + 1)), console)
-        console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")
-    return 0
+    return [{"memory": e.memory.total_bytes / base.memory.total_bytes, "step_time": e.step_time_s / base.step_time_s}
+            for e in estimates]

@@ -11,29 +11,19 @@ exceeds device memory x (1 - headroom) are dropped; the rest are ranked by step 
 ``jaxpar plan --aot`` then checks the estimates against the compiler: for the top ``--aot-top``
 layouts shown :mod:`jaxpar.analysis.aot` builds the jaxpar config of each layout, compiles the
 real train step ahead of time from abstract arrays on as many simulated CPU devices (nothing is
-allocated or run) and prints, beside the estimates, the compiled
-per-device argument memory and collective bytes per mesh axis, with their ratios
-(:class:`~jaxpar.analysis.aot.AotComparison`). JAX is imported only then, after the device count is set.
+allocated or run) and compares the compiled per-device argument memory and collective bytes per
+mesh axis with the estimates (:class:`~jaxpar.analysis.aot.AotComparison`). JAX is imported only
+then, after the device count is set. The flags and the tables are in :mod:`jaxpar.cli.plan`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
-import time
 from typing import Any
 
-from jaxpar.analysis.aot import (  # the --aot half of plan
-    AotComparison,
-    render_aot,
-    run_aot,
-)
-from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
+from jaxpar.analysis.clusters import GB, Cluster
 from jaxpar.analysis.estimate import (
-    CONVENTIONS,
-    DTYPE_BYTES,
     RECOMPUTE,
     AxisComm,
     MemoryEstimate,
@@ -44,14 +34,11 @@ from jaxpar.analysis.estimate import (
     memory_estimate,
     step_time,
 )
-from jaxpar.config import ConfigDict, ConfigError, load_config
+from jaxpar.config import ConfigDict, ConfigError
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_VIRTUAL_STAGES = 8
-LAYOUT_KEYS = {"data": "data", "tensor": "tensor", "pipeline": "pipeline", "virtual": "virtual_stages"}
 AXES = ("data", "tensor", "pipeline")
-# The AOT executable is never run: skip LLVM's optimisation (about 40% of an XLA:CPU compile). Buffer
-# assignment, collectives and memory_analysis() come from the HLO passes and are unchanged.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,52 +288,6 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
     return "; ".join(parts) + "."
 
 
-def parse_layout(text: str) -> dict[str, int]:
-    """``data=1,tensor=8,pipeline=8,virtual=3`` -> ParallelLayout fields; a one-line ConfigError otherwise."""
-    out: dict[str, int] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, raw = item.partition("=")
-        if not sep or key.strip() not in LAYOUT_KEYS or not raw.strip().isdigit() or int(raw) < 1:
-            raise ConfigError(
-                f"--layout '{text}': expected comma-separated {'|'.join(LAYOUT_KEYS)}=<int >= 1>, "
-                "e.g. --layout data=1,tensor=8,pipeline=8,virtual=3"
-            )
-        out[LAYOUT_KEYS[key.strip()]] = int(raw)
-    if not out:
-        raise ConfigError(f"--layout '{text}': empty; e.g. --layout data=1,tensor=8,pipeline=8")
-    if out.get("virtual_stages", 1) > 1:
-        out["schedule"] = "interleaved"
-    return out
-
-
-# --------------------------------------------------------------------------- output
-
-
-def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str = "", console: Any = None) -> None:
-    """Print the ranked layouts as a rich table (the memory column is the busiest stage's peak)."""
-    from rich.table import Table
-
-    from jaxpar.console import wide_console
-
-    console = console or wide_console()
-    table = Table(title=title, title_justify="left")
-    for col in ("#", "data", "tensor", "pipe", "v", "ZeRO", "m", "b", "recompute", "SP", "schedule"):
-        table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
-    for col in ("states GB", "act GB", "total GB", "step s", "MFU", "bubble", "TP s", "PP s", "DP s*"):
-        table.add_column(col, justify="right")
-    for i, e in enumerate(estimates, 1):
-        lay, mem, t = e.layout, e.memory, e.time
-        style = None if e.fits else "red"
-        table.add_row(
-            str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), str(lay.virtual_stages), str(lay.zero_stage),
-            str(lay.microbatches), str(lay.microbatch_size), lay.recompute, "y" if lay.sequence_parallel else "",
-            lay.schedule, f"{mem.model_states_bytes / GB:.1f}", f"{(mem.activation_bytes + mem.transient_bytes) / GB:.1f}",
-            f"{mem.total_bytes / GB:.1f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}",
-            f"{t.tensor_s:.2f}", f"{t.pipeline_s:.2f}", f"{t.data_exposed_s:.2f}", style=style,
-        )  # fmt: skip
-    console.print(table)
-
-
 def plan_summary(
     model: ConfigDict, cluster: Cluster, num_devices: int, estimates: list[LayoutEstimate], options: PlanOptions
 ) -> dict[str, Any]:
@@ -360,126 +301,3 @@ def plan_summary(
         "memory_budget_bytes": cluster.memory_bytes * (1 - options.headroom),
         "layouts": [e.to_dict() for e in estimates],
     }
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``jaxpar plan`` (``--config.x.y=v`` overrides arrive separately in ``args.overrides``)."""
-    parser.add_argument("--config", default=None, help="config file (default: the built-in tiny model)")
-    parser.add_argument("--cluster", default="h100-80g", help=f"cluster preset: {', '.join(PRESETS)}")
-    parser.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the --layout product)")
-    parser.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: config)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: config train.seq_len)")
-    parser.add_argument("--top", type=int, default=10, help="rows to show")
-    parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--layout", default=None, help="pin mesh sizes, e.g. data=1,tensor=8,pipeline=8,virtual=3")
-    parser.add_argument("--microbatches", type=int, default=None, help="pin microbatches per step")
-    parser.add_argument("--recompute", choices=RECOMPUTE, default=None, help="pin the recompute policy")
-    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
-    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "gpipe"), default=None)
-    parser.add_argument("--convention", choices=CONVENTIONS, default="jaxpar", help="byte convention of the estimates")
-    parser.add_argument("--efficiency", type=float, default=0.55, help="achieved share of peak FLOP/s")
-    parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default=None)
-    parser.add_argument(
-        "--aot",
-        action="store_true",
-        help="compile the top --aot-top layouts shown on simulated devices and compare with the estimates",
-    )
-    parser.add_argument("--aot-top", type=int, default=3, help="layouts to compile with --aot")
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    """``jaxpar plan``: search (or evaluate the pinned) layouts and print a table or JSON. Returns 0."""
-    cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
-    model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
-    cluster = get_cluster(args.cluster)
-    fixed = parse_layout(args.layout) if args.layout else {}
-    for name, value in (
-        ("microbatches", args.microbatches),
-        ("recompute", args.recompute),
-        ("sequence_parallel", args.sequence_parallel),
-        ("zero_stage", args.zero),
-        ("schedule", args.schedule),
-    ):
-        if value is not None:
-            fixed[name] = value
-    dpn = cluster.devices_per_node
-    if args.devices is not None:
-        num_devices = args.devices
-    elif args.nodes is not None:
-        num_devices = args.nodes * dpn
-    elif {"data", "tensor", "pipeline"} <= set(fixed):
-        num_devices = fixed["data"] * fixed["tensor"] * fixed["pipeline"]
-    else:
-        num_devices = dpn
-    if num_devices < 1 or num_devices % dpn:
-        raise ConfigError(
-            f"plan: {num_devices} devices is not a multiple of {dpn} devices per node on {cluster.name}; "
-            f"use --nodes or a multiple of {dpn}"
-        )
-    if "pipeline" in fixed and "tensor" in fixed and "data" not in fixed:
-        fixed["data"] = num_devices // (fixed["tensor"] * fixed["pipeline"])
-    product = fixed.get("data", 1) * fixed.get("tensor", 1) * fixed.get("pipeline", 1)
-    if {"data", "tensor", "pipeline"} <= set(fixed) and product != num_devices:
-        raise ConfigError(f"--layout: data*tensor*pipeline = {product} but the plan has {num_devices} devices")
-    global_batch = args.global_batch or cfg.train.global_batch
-    seq_len = args.seq or cfg.train.seq_len
-    if model.position == "learned" and seq_len > model.max_seq_len:
-        raise ConfigError(f"--seq {seq_len} exceeds model.max_seq_len={model.max_seq_len} (learned positions)")
-    if not 0 <= args.headroom < 1:
-        raise ConfigError(f"--headroom {args.headroom}: use a value in [0, 1)")
-    grad_dtype = args.grad_reduce_dtype or cfg.parallel.grad_reduce_dtype
-    options = PlanOptions(
-        headroom=args.headroom,
-        convention=args.convention,
-        grad_reduce_bytes=DTYPE_BYTES[grad_dtype],
-        efficiency=args.efficiency,
-    )
-    start = time.perf_counter()
-    pinned = bool(args.layout)
-    estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=pinned)
-    elapsed = time.perf_counter() - start
-    shown = estimates[: args.top]
-    aot: list[AotComparison] = []
-    aot_s = 0.0
-    if getattr(args, "aot", False):
-        if args.aot_top < 1:
-            raise ConfigError(f"--aot-top {args.aot_top}: compile at least 1 layout")
-        start = time.perf_counter()
-        aot = run_aot(cfg, [e.layout for e in shown[: args.aot_top]], options.convention, grad_dtype)
-        aot_s = time.perf_counter() - start
-    if args.json:
-        doc = plan_summary(model, cluster, num_devices, shown, options)
-        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": len(estimates), "search_s": elapsed}
-        for row, result in zip(doc["layouts"], aot):
-            row["aot"] = result.to_dict()
-        if aot:
-            doc["aot_s"] = aot_s
-        print(json.dumps(doc, indent=2))
-        return 0
-    from jaxpar.console import wide_console
-
-    console = wide_console()
-    budget = cluster.memory_bytes * (1 - options.headroom) / GB
-    console.print(
-        f"[bold]{model.name}[/] ({count_params(model) / 1e9:.2f}B params) on {num_devices} x {cluster.name} "
-        f"({num_devices // dpn} nodes); global batch {global_batch} x seq {seq_len}; memory budget {budget:.1f} GB "
-        f"per device ({cluster.memory_gb:g} GB - {options.headroom:.0%} headroom); "
-        f"{options.convention} state convention; compute at {options.efficiency:.0%} of peak"
-    )
-    fitting = sum(e.fits for e in estimates)
-    render_table(shown, cluster, title=f"{fitting} of {len(estimates)} layouts fit; top {len(shown)} by step time")
-    if estimates[0].why:
-        console.print(f"[bold]why #1:[/] {estimates[0].why}")
-    elif pinned:
-        console.print("[red]the pinned layout does not fit the memory budget[/]")
-    console.print(f"* DP s = exposed data-axis time. Searched in {elapsed:.2f} s.")
-    if aot:
-        render_aot(aot, list(range(1, len(aot) + 1)), console)
-        console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")
-    return 0

@@ -9,34 +9,31 @@ parameters are restored onto one device: the host needs their size in memory.
     jaxpar export --config configs/tiny.py -o hf_tiny
     jaxpar export --config configs/llama_1b.py --step 2000 -o hf_1b --overwrite
 
-This module imports JAX lazily (the CLI builds its parser before JAX starts).
+This module imports JAX lazily (the CLI builds its parser before JAX starts); the flags are in
+:mod:`jaxpar.cli.export`.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 
-from jaxpar.config import ConfigError, load_config
-
-DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py"
-)
+from jaxpar.config import ConfigDict, ConfigError
 
 
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``jaxpar export`` (``--config.x.y=v`` overrides are split off by the CLI)."""
-    parser.add_argument("--config", default=None, help="the run's config file (default: configs/tiny.py)")
-    parser.add_argument("-o", "--output", required=True, help="directory to write (safetensors + config.json)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What :func:`export_checkpoint` wrote: the output directory, the step and the checkpoint folder read."""
+
+    output: str
+    step: int
+    checkpoints: str
 
 
-def run_export(args: argparse.Namespace) -> int:
-    """Export the checkpoint; :class:`ConfigError` (exit 2) for a missing checkpoint or output clash."""
-    cfg = load_config(args.config or DEFAULT_CONFIG, list(getattr(args, "overrides", []) or []))
-    if os.path.exists(args.output) and not args.overwrite:
-        raise ConfigError(f"-o {args.output}: exists; pass --overwrite to replace it or choose another directory")
+def export_checkpoint(cfg: ConfigDict, output: str, step: int | None = None, overwrite: bool = False) -> Exported:
+    """Write the parameters of checkpoint ``step`` (default: the newest) under ``cfg.train.workdir`` to
+    ``output`` as HF safetensors + config.json; :class:`ConfigError` for a model HF's LLaMA cannot hold or a
+    missing checkpoint (nothing is written then)."""
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.port import weights
     from jaxpar.train.state import one_device_checkpoint_state
@@ -50,13 +47,11 @@ def run_export(args: argparse.Namespace) -> int:
     params, _ = one_device_checkpoint_state(cfg)
     checkpoints = Checkpointer(cfg.train.workdir, 0, 1 << 20, echo=lambda _: None)
     try:
-        restored = checkpoints.restore_params(params, args.step)
+        restored = checkpoints.restore_params(params, step)
     finally:
         checkpoints.close()
     if restored is None:
         raise missing
     step, params = restored
-    out = weights.save_hf(params, cfg.model, args.output, overwrite=args.overwrite)
-    print(f"wrote {out}: checkpoint step {step} of {checkpoints.directory} as an HF LLaMA checkpoint")
-    return 0
-
+    out = weights.save_hf(params, cfg.model, output, overwrite=overwrite)
+    return Exported(str(out), step, str(checkpoints.directory))

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
+from jaxpar.cli.common import config_or_default, needs, overrides
 from jaxpar.config import load_config
 from jaxpar.distributed import ensure_host_devices
 
-DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py"
-)
+HELP = "compile a layout (AOT) and report its collectives and per-device memory against the formulas"
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +36,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     Raises :class:`~jaxpar.config.ConfigError` on bad input (the CLI turns it into exit code 2).
     """
-    cfg = load_config(args.config or DEFAULT_CONFIG, list(getattr(args, "overrides", []) or []))
+    needs("inspect", "--ops", getattr(args, "ops", False), "--json", getattr(args, "json", False))
+    cfg = load_config(config_or_default(args), overrides(args))
     ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
     from jaxpar.analysis.compiled import analyze_layout
 
@@ -52,7 +51,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             out["pipeline"] = schedule
         print(json.dumps(out))
     else:
-        render(report, title=f"{args.config or DEFAULT_CONFIG}  {_layout_text(report.layout)}")
+        render(report, title=f"{config_or_default(args)}  {_layout_text(report.layout)}")
         if schedule is not None:
             print(schedule["diagram"])
     return 0

@@ -4,29 +4,31 @@
 only the fields that differ), atomically; ``--json`` prints one JSON object ``{config,
 report}``. ``--set KEY=VALUE`` sets a jaxpar field (``model.vocab_size=128256``) after the port,
 or, for DeepSpeed, fills an ``"auto"`` value (``lr=3e-4``). Every bad input is a
-:class:`ConfigError`: one line naming the field and the fix.
+:class:`ConfigError`: one line naming the field and the fix. The port itself is
+:func:`jaxpar.port.recipe.port_recipe`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import pathlib
 import shlex
 import sys
-import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaxpar.config import ConfigDict, ConfigError, apply_overrides, default_config, flatten, validate
-from jaxpar.port.report import Report, parse_side_value, schema_has, suggest
+from jaxpar.cli.common import at_least_one
+from jaxpar.config import ConfigDict, ConfigError, default_config, flatten
+from jaxpar.port.recipe import SOURCES, config_source, port_recipe, write_atomic
 
-SOURCES = ("deepspeed", "megatron", "torchtitan", "fsdp")
+if TYPE_CHECKING:
+    from jaxpar.port.report import Report
+
+HELP = "import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe"
 
 
 def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``port`` sub-command to ``subparsers`` (from ``add_subparsers``); returns its parser."""
-    p = subparsers.add_parser("port", help="import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe",
+    p = subparsers.add_parser("port", help=HELP,
                               description="Import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe into a "
                               "jaxpar config and report what became of every setting.")
     p.add_argument("source", choices=SOURCES, help="recipe kind")
@@ -55,7 +57,10 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
-    """Run the importer ``args.source`` with the options in ``args``; apply jaxpar ``--set`` fields."""
+    """Check the flags against the recipe kind, then :func:`port_recipe` with them."""
+    from jaxpar.port.report import parse_side_value, schema_has, suggest  # imports JAX: only when porting
+
+    at_least_one(world_size=args.world_size, tensor=args.tensor, pipeline=args.pipeline)
     sets = _pairs(args.sets, "--set")
     fields = {k: v for k, v in sets.items() if schema_has(k)}
     side = {k: parse_side_value(v) for k, v in sets.items() if k not in fields}
@@ -71,38 +76,12 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
                               + (f"; did you mean '{close}'?" if close else "; use section.field, e.g. model.vocab_size"))
     if variables and args.source != "megatron":
         raise ConfigError("port: --var sets shell variables of Megatron launch recipes only")
-    if args.source == "deepspeed":
-        from jaxpar.port.deepspeed import port_deepspeed
-
-        cfg, report = port_deepspeed(args.file, world_size=args.world_size, tensor=args.tensor or 1,
-                                     pipeline=args.pipeline or 1, side_inputs=side,
-                                     allow_unresolved=args.allow_unresolved)
-    elif args.source == "megatron":
-        from jaxpar.port.megatron import port_megatron
-
-        if not pathlib.Path(args.file).is_file():
-            raise ConfigError(f"port megatron: file '{args.file}' not found; pass a .args recipe or launch script")
-        cfg, report = port_megatron(pathlib.Path(args.file), variables=variables, world_size=args.world_size,
-                                    allow_unresolved=args.allow_unresolved)
-    elif args.source == "torchtitan":
-        from jaxpar.port.torchtitan import port_torchtitan
-
-        cfg, report = port_torchtitan(args.file, world_size=args.world_size, allow_unresolved=args.allow_unresolved)
-    else:
-        from jaxpar.port.fsdp import port_fsdp
-
-        cfg, report = port_fsdp(args.file, world_size=args.world_size)
-    if fields:
-        apply_overrides(cfg, [f"--config.{k}={v}" for k, v in fields.items()])
-        for key, value in fields.items():
-            report.mapped(f"--set {key}", value, key, "set on the command line")
-            report.ported.append(key)
-        report.problems.clear()
-        try:
-            validate(cfg)
-        except ConfigError as e:
-            report.problems.append(str(e))
-    return cfg, report
+    if args.allow_unresolved and args.source == "fsdp":
+        raise ConfigError("port fsdp: --allow-unresolved applies to deepspeed, megatron and torchtitan recipes only "
+                          "(an FSDP config leaves no value open); drop it")
+    return port_recipe(args.source, args.file, world_size=args.world_size, tensor=args.tensor or 1,
+                       pipeline=args.pipeline or 1, variables=variables, side=side, fields=fields,
+                       allow_unresolved=args.allow_unresolved)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -115,34 +94,6 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--allow-unresolved"] if args.allow_unresolved else []
     parts += ["-o", args.output] if args.output else []
     return " ".join(shlex.quote(p) for p in parts)
-
-
-def config_source(cfg: ConfigDict, report: Report, command: str, output: str) -> str:
-    """Text of a jaxpar config file returning ``cfg`` as overrides of ``default_config()``."""
-    defaults = flatten(default_config().to_dict())
-    changed = {k: v for k, v in flatten(cfg.to_dict()).items() if defaults.get(k) != v or k in report.ported}
-    doc = (f"Ported from the {report.kind} recipe {report.source_path or '(inline)'}.\n\n"
-           f"Generated by:\n    {command}\n\nMapping: {report.summary()}; rerun the command to see the report.\n\n"
-           f"Run:\n    jaxpar train --config {output}\n")
-    doc = doc.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-    body = [f"    c.{key} = {value!r}" for key, value in changed.items()]
-    return (f'"""{doc}"""\n\nfrom jaxpar.config import default_config\n\n\ndef get_config():\n'
-            "    c = default_config()\n" + "\n".join(body) + ("\n" if body else "") + "    return c\n")
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    target = pathlib.Path(path)
-    if target.parent and not target.parent.exists():
-        raise ConfigError(f"port -o {path}: folder '{target.parent}' does not exist; create it or pick another path")
-    fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def run_port(args: argparse.Namespace) -> int:
