@@ -1,0 +1,404 @@
+"""Causal grouped-query attention: the reference path, a blockwise (flash-style) path, cuDNN.
+
+Shapes everywhere: ``q`` (b, sq, n, d), ``k``/``v`` (b, sk, kv, d) with ``n % kv == 0``
+(grouped-query attention: query head ``h`` reads key/value head ``h // (n // kv)``); outputs
+(b, sq, n, d); per-row log-sum-exp (b, sq, n) in fp32.
+
+* :func:`dot_product_attention`: the reference. It builds the (sq, sk) score matrix in fp32, as
+  ``jaxpar.models.llama._attention`` does, so its memory grows with ``s**2``.
+* :func:`blockwise_attention`: FlashAttention in pure JAX, any backend (Dao et al. 2022,
+  "FlashAttention", arXiv:2205.14135; Dao 2023, "FlashAttention-2", arXiv:2307.08691). An online
+  softmax over key/value blocks keeps an O(s * block) working set in the forward pass, and a
+  ``jax.custom_vjp`` recomputes the blocks in the backward pass from (q, k, v, out, logsumexp)
+  instead of saving probabilities. Positions are explicit arrays, and the per-row log-sum-exp is
+  exposed (:func:`blockwise_attention_with_lse`) so partial results over disjoint key sets merge
+  exactly (:func:`merge_partials`), as ring / context-parallel attention needs (Liu et al. 2023,
+  "Ring Attention with Blockwise Transformers", arXiv:2310.01889).
+* :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` behind the
+  shape checks of cuDNN's fused flash kernel, with :func:`resolve_attention` choosing for ``auto``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.errors import ConfigError
+
+ATTENTION_IMPLEMENTATIONS = ("auto", "dot_product", "blockwise", "cudnn")
+_F32 = jnp.float32
+_NEG_INF = -jnp.inf
+# Positions given to padding rows/columns: a padded query sees no key under the causal mask, a
+# padded key is seen by no query (it is also masked explicitly, for the non-causal case).
+_Q_PAD = jnp.iinfo(jnp.int32).min
+_KV_PAD = jnp.iinfo(jnp.int32).max
+
+
+# ----------------------------------------------------------------------------------- reference
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                          q_offset: int = 0, kv_offset: int = 0) -> jax.Array:
+    """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
+
+    The semantics of ``llama._attention`` (scores in fp32, scale ``1/sqrt(d)``, masked scores set
+    to ``finfo(float32).min``, probabilities cast to ``v.dtype`` before the value matmul).
+    Query ``i`` has position ``q_offset + i`` and key ``j`` position ``kv_offset + j``; the causal
+    mask keeps ``q_pos >= kv_pos``. A query row that sees no key at all gets the uniform average
+    of the values (every score equals ``finfo.min``), not zeros: this path never produces such rows
+    in the model (offsets 0, sq == sk).
+    """
+    b, sq, n, d = q.shape
+    sk, kv = k.shape[1], k.shape[2]
+    q = q.reshape(b, sq, kv, n // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=_F32) / math.sqrt(d)
+    if causal:
+        mask = (q_offset + jnp.arange(sq))[:, None] >= (kv_offset + jnp.arange(sk))[None, :]
+        scores = jnp.where(mask, scores, jnp.finfo(_F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, sq, n, d)
+
+
+# ----------------------------------------------------------------------------------- blockwise
+
+
+def _vma_union(*xs: jax.Array) -> frozenset:
+    """The mesh axes any of ``xs`` varies over (empty outside ``shard_map``)."""
+    out: frozenset = frozenset()
+    for x in xs:
+        out |= getattr(jax.typeof(x), "vma", frozenset())
+    return out
+
+
+def _varying(x: jax.Array, vma: frozenset) -> jax.Array:
+    """``x`` typed as varying over ``vma``: loop carries must have the type of the loop body's result."""
+    missing = tuple(sorted(vma - getattr(jax.typeof(x), "vma", frozenset())))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """(b, s, ...) -> (s_blocks, b, block, ...), zero-padded to a whole number of blocks."""
+    b, s = x.shape[:2]
+    nb = -(-s // block)
+    x = jnp.pad(x, [(0, 0), (0, nb * block - s)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, nb, block, *x.shape[2:]), 1, 0)
+
+
+def _unblock(x: jax.Array, s: int) -> jax.Array:
+    """Inverse of :func:`_blocks`: (s_blocks, b, block, ...) -> (b, s, ...)."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :s]
+
+
+def _position_blocks(pos: jax.Array, block: int, pad: int) -> jax.Array:
+    nb = -(-pos.shape[0] // block)
+    return jnp.pad(pos.astype(jnp.int32), (0, nb * block - pos.shape[0]), constant_values=pad).reshape(nb, block)
+
+
+def _schedule(needed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of a (rows, cols) block table: the needed column indices first (ascending), and their count."""
+    order = jnp.argsort(~needed, axis=1, stable=True).astype(jnp.int32)
+    return order, needed.sum(axis=1, dtype=jnp.int32)
+
+
+def _needed_blocks(qp: jax.Array, kp: jax.Array, sk: int, block_kv: int, causal: bool) -> jax.Array:
+    """(q_blocks, kv_blocks) bool: which blocks hold at least one unmasked (query, key) pair.
+
+    Under the causal mask a block is needed iff its largest query position reaches its smallest
+    key position (padding queries carry ``int32.min``, padding keys ``int32.max``, so neither
+    counts). Without the mask every block holding a real key is needed.
+    """
+    if not causal:
+        real = jnp.arange(kp.shape[0]) * block_kv < sk
+        return jnp.broadcast_to(real[None, :], (qp.shape[0], kp.shape[0]))
+    return qp.max(axis=1)[:, None] >= kp.min(axis=1)[None, :]
+
+
+def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
+    """(bq, bk) bool: the pairs a block keeps. Padding keys (position ``int32.max``) never pass."""
+    real = kp != _KV_PAD
+    return (qp[:, None] >= kp[None, :]) & real[None, :] if causal else jnp.broadcast_to(real[None, :], (
+        qp.shape[0], kp.shape[0]))
+
+
+def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
+    """Online-softmax forward pass. Returns out (b, sq, n, d) in q.dtype and lse (b, sq, n) fp32."""
+    b, sq, n, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    g = n // kvh
+    vma = _vma_union(q, k, v, q_pos, kv_pos)
+    qb = _blocks(q.reshape(b, sq, kvh, g, d), block_q)  # (nq, b, bq, kv, g, d)
+    kb, vb = _blocks(k, block_kv), _blocks(v, block_kv)  # (nk, b, bk, kv, d)
+    qp = _position_blocks(q_pos, block_q, _Q_PAD)
+    kp = _position_blocks(kv_pos, block_kv, _KV_PAD)
+    order, count = _schedule(_needed_blocks(qp, kp, sk, block_kv, causal))
+    scale = math.sqrt(d)
+
+    def q_block(xs):
+        qi, qpi, order_i, count_i = xs
+
+        def kv_step(t, carry):
+            m, total, acc = carry
+            j = order_i[t]
+            kj = lax.dynamic_index_in_dim(kb, j, keepdims=False)
+            vj = lax.dynamic_index_in_dim(vb, j, keepdims=False)
+            kpj = lax.dynamic_index_in_dim(kp, j, keepdims=False)
+            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=_F32) / scale
+            s = jnp.where(_mask(qpi, kpj, causal), s, _NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            total = alpha * total + p.sum(axis=-1)
+            pv = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=_F32)
+            return m_new, total, alpha[..., None] * acc + pv
+
+        init = (jnp.full((b, kvh, g, qi.shape[1]), _NEG_INF, _F32), jnp.zeros((b, kvh, g, qi.shape[1]), _F32),
+                jnp.zeros((b, kvh, g, qi.shape[1], d), _F32))
+        m, total, acc = lax.fori_loop(0, count_i, kv_step, tuple(_varying(x, vma) for x in init))
+        seen = total > 0
+        total_safe = jnp.where(seen, total, 1.0)
+        out = (acc / total_safe[..., None]).astype(q.dtype)
+        lse = jnp.where(seen, m + jnp.log(total_safe), _NEG_INF)
+        return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1)  # (b, bq, kv, g, d), (b, bq, kv, g)
+
+    out, lse = lax.map(q_block, (qb, qp, order, count))
+    return _unblock(out, sq).reshape(b, sq, n, d), _unblock(lse, sq).reshape(b, sq, n)
+
+
+def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal):
+    """FlashAttention-2 backward pass (Dao 2023, Algorithm 2): recompute each needed block's
+    probabilities from ``lse``; the outer loop runs over key/value blocks and keeps their dK, dV in
+    the carry, the inner loop over the query blocks that see them and adds into dQ.
+
+    A cotangent on ``lse`` enters through ``d lse_i / d s_ij = p_ij``: it is subtracted from
+    ``D_i = rowsum(dO_i * O_i)``, so ``dS = P * (dP - D + dlse)``.
+    """
+    b, sq, n, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    g = n // kvh
+    vma = _vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse)
+    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse  # (b, sq, n)
+    lse = jnp.where(jnp.isinf(lse), 0.0, lse)  # rows without keys: every score is -inf, so p = 0
+    qb = _blocks(q.reshape(b, sq, kvh, g, d), block_q)  # (nq, b, bq, kv, g, d)
+    dob = _blocks(dout.reshape(b, sq, kvh, g, d), block_q)
+    rowb = _blocks(jnp.stack([lse, delta], axis=-1).reshape(b, sq, kvh, g, 2), block_q)  # (nq, b, bq, kv, g, 2)
+    kb, vb = _blocks(k, block_kv), _blocks(v, block_kv)  # (nk, b, bk, kv, d)
+    qp = _position_blocks(q_pos, block_q, _Q_PAD)
+    kp = _position_blocks(kv_pos, block_kv, _KV_PAD)
+    order, count = _schedule(_needed_blocks(qp, kp, sk, block_kv, causal).T)  # per kv block: its q blocks
+    scale = math.sqrt(d)
+
+    def kv_block(dq, xs):
+        kj, vj, kpj, order_j, count_j = xs
+
+        def q_step(t, carry):
+            dq, dk, dv = carry
+            i = order_j[t]
+            qi = lax.dynamic_index_in_dim(qb, i, keepdims=False)
+            doi = lax.dynamic_index_in_dim(dob, i, keepdims=False)
+            rows = jnp.moveaxis(lax.dynamic_index_in_dim(rowb, i, keepdims=False), 1, 3)  # (b, kv, g, bq, 2)
+            qpi = lax.dynamic_index_in_dim(qp, i, keepdims=False)
+            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=_F32) / scale
+            s = jnp.where(_mask(qpi, kpj, causal), s, _NEG_INF)
+            p = jnp.exp(s - rows[..., 0:1])
+            dv = dv + jnp.einsum("bkgqt,bqkgd->btkd", p.astype(v.dtype), doi, preferred_element_type=_F32)
+            dp = jnp.einsum("bqkgd,btkd->bkgqt", doi, vj, preferred_element_type=_F32)
+            ds = (p * (dp - rows[..., 1:2]) / scale).astype(q.dtype)
+            dk = dk + jnp.einsum("bkgqt,bqkgd->btkd", ds, qi, preferred_element_type=_F32)
+            dqi = jnp.einsum("bkgqt,btkd->bqkgd", ds, kj, preferred_element_type=_F32)
+            dq = lax.dynamic_update_index_in_dim(dq, lax.dynamic_index_in_dim(dq, i, keepdims=False) + dqi, i, 0)
+            return dq, dk, dv
+
+        zeros = _varying(jnp.zeros(kj.shape, _F32), vma)
+        dq, dk, dv = lax.fori_loop(0, count_j, q_step, (dq, zeros, zeros))
+        return dq, (dk, dv)
+
+    dq0 = _varying(jnp.zeros(qb.shape, _F32), vma)
+    dq, (dk, dv) = lax.scan(kv_block, dq0, (kb, vb, kp, order, count))
+    dq = _unblock(dq, sq).reshape(b, sq, n, d).astype(q.dtype)
+    return dq, _unblock(dk, sk).astype(k.dtype), _unblock(dv, sk).astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
+    return _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
+
+
+def _flash_fwd(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
+    out, lse = _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
+    return (out, lse), (q, k, v, q_pos, kv_pos, out, lse)
+
+
+def _flash_bwd(block_q, block_kv, causal, res, cts):
+    q, k, v, q_pos, kv_pos, out, lse = res
+    dout, dlse = cts
+    dq, dk, dv = _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int, block_kv: int,
+                                 causal: bool = True, q_positions: jax.Array | None = None,
+                                 kv_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32.
+
+    ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero
+    output row, where it sees none). Both outputs are differentiable: a cotangent on ``lse`` is
+    folded into the backward pass, so :func:`merge_partials` of partial results differentiates
+    exactly like attention over the union of their keys.
+    """
+    b, sq, n, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
+        raise ValueError(f"attention shapes q {q.shape}, k {k.shape}, v {v.shape}: want (b,sq,n,d), (b,sk,kv,d), "
+                         "n % kv == 0")
+    sk = k.shape[1]
+    q_pos = jnp.arange(sq, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions, jnp.int32)
+    kv_pos = jnp.arange(sk, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
+    if q_pos.shape != (sq,) or kv_pos.shape != (sk,):
+        raise ValueError(f"positions {q_pos.shape}, {kv_pos.shape}: want ({sq},), ({sk},) (shared by the batch)")
+    return _flash(q, k, v, q_pos, kv_pos, min(block_q, sq), min(block_kv, sk), causal)
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int, block_kv: int,
+                        causal: bool = True, q_positions: jax.Array | None = None,
+                        kv_positions: jax.Array | None = None) -> jax.Array:
+    """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
+
+    Same result as :func:`dot_product_attention` (fp32 scores, fp32 online softmax: running max,
+    running sum and an fp32 accumulator per query block, probabilities cast to ``v.dtype`` for the
+    value matmul). Queries are grouped as (kv, n // kv) so each key/value block is read once per
+    group of query heads; K/V are never repeated. The backward pass is a ``jax.custom_vjp``
+    (FlashAttention-2) that recomputes each block from (q, k, v, out, lse): both passes hold
+    O(s * d) residuals and O(block_q * block_kv) scores, never O(s**2).
+
+    **Positions.** ``q_positions`` (sq,) and ``kv_positions`` (sk,) int arrays (default
+    ``arange``), shared by the batch, define the causal mask ``q_pos >= kv_pos``; they need not be
+    contiguous or sorted, so a context-parallel device holding query chunks ``i`` and ``2c-1-i``
+    passes their positions, and key chunks from other devices arrive with theirs. Use
+    :func:`blockwise_attention_with_lse` and :func:`merge_partials` to combine the partial results.
+
+    **Skipping masked blocks: trip counts, not ``lax.cond``.** Before the loops, a small
+    (q_blocks, kv_blocks) table says which blocks hold any unmasked pair (largest query position
+    >= smallest key position); each row is compacted to the list of its needed blocks and their
+    count. The inner loop is a ``fori_loop`` whose trip count is that count (a ``while`` loop: legal
+    here because the custom VJP means JAX never differentiates through it), indexing blocks through
+    the list. Fully masked blocks therefore cost nothing, for any positions (the default causal case
+    runs ``nb*(nb+1)/2`` of ``nb**2`` blocks), whereas ``lax.cond`` per block would still iterate over
+    every block, and becomes a ``select`` that computes both branches when batched with ``vmap``. The
+    backward pass uses the transposed table (per kv block, the query blocks that see it).
+
+    **Ragged lengths.** ``sq`` and ``sk`` need not be multiples of the blocks (blocks are clamped
+    to the lengths): the tail is zero-padded, padded keys are masked, padded query rows are dropped.
+
+    **Cost.** The loop over query blocks is sequential (``lax.map``), unlike a fused GPU kernel
+    that runs query blocks in parallel: this path trades speed for memory on any backend; on NVIDIA
+    GPUs :func:`cudnn_attention` is the fast path.
+    """
+    return blockwise_attention_with_lse(q, k, v, block_q=block_q, block_kv=block_kv, causal=causal,
+                                        q_positions=q_positions, kv_positions=kv_positions)[0]
+
+
+def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
+                   lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact attention over keys A ∪ B from attention over A and over B (disjoint key sets).
+
+    ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))`` and
+    ``lse = log(exp(lse_a) + exp(lse_b))``, computed relative to the larger lse (whose gradient is
+    stopped: the result does not depend on it). Rows with ``lse = -inf`` on both sides stay zero
+    with ``-inf``, without NaN in values or gradients. out: (b, s, n, d), lse: (b, s, n) fp32.
+    """
+    m = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
+    m = jnp.where(jnp.isinf(m), 0.0, m)
+    wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+    total = wa + wb
+    seen = total > 0
+    total_safe = jnp.where(seen, total, 1.0)
+    out = (out_a.astype(_F32) * (wa / total_safe)[..., None] + out_b.astype(_F32) * (wb / total_safe)[..., None])
+    return out.astype(out_a.dtype), jnp.where(seen, m + jnp.log(total_safe), _NEG_INF)
+
+
+# ----------------------------------------------------------------------------------- cuDNN
+
+
+def cudnn_unsupported_reason(head_dim: int, compute_dtype: str, compute_capability: str | None) -> str | None:
+    """Why cuDNN's fused flash attention cannot take these shapes (one line naming field and fix), or None.
+
+    The rules of ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``/``check_layout``:
+    fp16/bf16 inputs; head dim a multiple of 8 and at most 128, or 256 from Hopper (sm_90) on.
+    """
+    if compute_dtype not in ("bfloat16", "float16"):
+        return (f"model.compute_dtype={compute_dtype} is not supported by cuDNN attention (fp16/bf16 only); "
+                "set model.compute_dtype=bfloat16 or model.attention=blockwise")
+    hopper = compute_capability is not None and tuple(int(x) for x in compute_capability.split(".")) >= (9, 0)
+    limit = 256 if hopper else 128
+    if head_dim % 8 or head_dim > limit:
+        return (f"model.head_dim={head_dim} is not supported by cuDNN attention (a multiple of 8, at most {limit} on "
+                f"this GPU); use a head_dim like {min(limit, max(8, head_dim // 8 * 8))} or model.attention=blockwise")
+    return None
+
+
+def _gpu_compute_capability() -> str | None:
+    try:
+        return getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except RuntimeError:  # no GPU backend in this process
+        return None
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
+    """cuDNN fused flash attention (NVIDIA GPUs) through ``jax.nn.dot_product_attention``.
+
+    Layout (b, s, n, d) with grouped-query K/V, scale ``1/sqrt(d)``, causal mask on aligned
+    positions (no offsets). Refuses, with a :class:`ConfigError`, shapes and dtypes the kernel does
+    not take, instead of the backend's late ``NotImplementedError``.
+    """
+    reason = cudnn_unsupported_reason(q.shape[-1], jnp.dtype(q.dtype).name, _gpu_compute_capability())
+    if reason:
+        raise ConfigError(reason)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def resolve_attention(name: str, backend: str, head_dim: int, *, compute_dtype: str = "bfloat16",
+                      compute_capability: str | None = None) -> str:
+    """The implementation ``model.attention=name`` runs on ``backend`` (``jax.default_backend()``).
+
+    ``auto``: ``cudnn`` on a GPU when the kernel takes the head dim and dtype, ``blockwise``
+    otherwise. An explicit ``cudnn`` off GPU or with unsupported shapes is a :class:`ConfigError`.
+    ``compute_capability`` (e.g. "9.0") defaults to the first GPU's when one is present.
+    """
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    if name in ("dot_product", "blockwise"):
+        return name
+    on_gpu = backend in ("gpu", "cuda")
+    if name == "cudnn" and not on_gpu:
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU, the backend is {backend}; "
+                          "use model.attention=auto or blockwise")
+    if not on_gpu:
+        return "blockwise"
+    cc = compute_capability if compute_capability is not None else _gpu_compute_capability()
+    reason = cudnn_unsupported_reason(head_dim, compute_dtype, cc)
+    if reason is None:
+        return "cudnn"
+    if name == "cudnn":
+        raise ConfigError(reason)
+    return "blockwise"
+
+
+def make_attention(name: str, *, block_q: int = 512, block_kv: int = 512) -> Callable[..., jax.Array]:
+    """The causal attention function ``(q, k, v) -> out`` of a resolved implementation name."""
+    if name == "dot_product":
+        return dot_product_attention
+    if name == "blockwise":
+        return functools.partial(blockwise_attention, block_q=block_q, block_kv=block_kv)
+    if name == "cudnn":
+        return cudnn_attention
+    raise ConfigError(f"model.attention={name!r} must be resolved first (one of dot_product, blockwise, cudnn)")
