@@ -68,17 +68,22 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
 # ----------------------------------------------------------------------------------- blockwise
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+    """Mesh axes a traced value varies over under ``shard_map`` (empty outside): ``manual_axis_type``
+    from JAX 0.10, ``vma`` before."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
 def _vma_union(*xs: jax.Array) -> frozenset:
-    """The mesh axes any of ``xs`` varies over (empty outside ``shard_map``)."""
-    out: frozenset = frozenset()
-    for x in xs:
-        out |= getattr(jax.typeof(x), "vma", frozenset())
-    return out
+    """The mesh axes any of ``xs`` varies over."""
+    return frozenset().union(*(_varying_axes(x) for x in xs))
 
 
 def _varying(x: jax.Array, vma: frozenset) -> jax.Array:
     """``x`` typed as varying over ``vma``: loop carries must have the type of the loop body's result."""
-    missing = tuple(sorted(vma - getattr(jax.typeof(x), "vma", frozenset())))
+    missing = tuple(sorted(vma - _varying_axes(x)))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
