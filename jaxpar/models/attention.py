@@ -127,9 +127,10 @@ def _needed_blocks(qp: jax.Array, kp: jax.Array, sk: int, block_kv: int, causal:
 
 def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
     """(bq, bk) bool: the pairs a block keeps. Padding keys (position ``int32.max``) never pass."""
-    real = kp != _KV_PAD
-    return (qp[:, None] >= kp[None, :]) & real[None, :] if causal else jnp.broadcast_to(real[None, :], (
-        qp.shape[0], kp.shape[0]))
+    real = (kp != _KV_PAD)[None, :]
+    if causal:
+        return (qp[:, None] >= kp[None, :]) & real
+    return jnp.broadcast_to(real, (qp.shape[0], kp.shape[0]))
 
 
 def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
