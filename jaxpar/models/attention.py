@@ -165,8 +165,8 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
             pv = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=_F32)
             return m_new, total, alpha[..., None] * acc + pv
 
-        init = (jnp.full((b, kvh, g, qi.shape[1]), _NEG_INF, _F32), jnp.zeros((b, kvh, g, qi.shape[1]), _F32),
-                jnp.zeros((b, kvh, g, qi.shape[1], d), _F32))
+        rows = (b, kvh, g, qi.shape[1])
+        init = (jnp.full(rows, _NEG_INF, _F32), jnp.zeros(rows, _F32), jnp.zeros((*rows, d), _F32))
         m, total, acc = lax.fori_loop(0, count_i, kv_step, tuple(_varying(x, vma) for x in init))
         seen = total > 0
         total_safe = jnp.where(seen, total, 1.0)
@@ -243,10 +243,7 @@ def _flash_fwd(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
 
 
 def _flash_bwd(block_q, block_kv, causal, res, cts):
-    q, k, v, q_pos, kv_pos, out, lse = res
-    dout, dlse = cts
-    dq, dk, dv = _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal)
-    return dq, dk, dv, None, None
+    return (*_flash_backward(*res, *cts, block_q, block_kv, causal), None, None)  # no cotangent for positions
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -392,11 +389,9 @@ def resolve_attention(name: str, backend: str, head_dim: int, *, compute_dtype: 
         return "blockwise"
     cc = compute_capability if compute_capability is not None else _gpu_compute_capability()
     reason = cudnn_unsupported_reason(head_dim, compute_dtype, cc)
-    if reason is None:
-        return "cudnn"
-    if name == "cudnn":
+    if reason and name == "cudnn":
         raise ConfigError(reason)
-    return "blockwise"
+    return "blockwise" if reason else "cudnn"
 
 
 def make_attention(name: str, *, block_q: int = 512, block_kv: int = 512) -> Callable[..., jax.Array]:
