@@ -322,6 +322,9 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     _require(mo.mlp_activation in ("swiglu", "gelu"), f"model.mlp_activation='{mo.mlp_activation}': use swiglu or gelu")
     _require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
     _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
+    from jaxpar.models import validate_model  # model.name and the family's checks (lazy: models import config)
+
+    validate_model(mo)
     _require(
         t.seq_len <= mo.max_seq_len,
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={mo.max_seq_len}; lower train.seq_len",
@@ -380,15 +383,8 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
 
 
 def param_count_estimate(model: ConfigDict) -> int:
-    """Parameter count of the model config (exact for our LLaMA/GPT blocks)."""
-    h, f, v = model.embed_dim, model.mlp_dim, model.vocab_size
-    q = model.num_heads * model.head_dim
-    kv = model.num_kv_heads * model.head_dim
-    attn = h * q + 2 * h * kv + q * h
-    mlp = (3 if model.mlp_activation == "swiglu" else 2) * h * f
-    norms = 2 * h * (2 if model.norm == "layernorm" else 1)
-    per_layer = attn + mlp + norms
-    embed = v * h * (1 if model.tie_embeddings else 2)
-    final_norm = h * (2 if model.norm == "layernorm" else 1)
-    positions = model.max_seq_len * h if model.position == "learned" else 0
-    return model.num_layers * per_layer + embed + final_norm + positions
+    """Parameter count of the model config: exact, from the model's ``jax.eval_shape(init)``
+    (:func:`jaxpar.analysis.inventory.count_params`)."""
+    from jaxpar.analysis.inventory import count_params
+
+    return count_params(model)

@@ -101,7 +101,10 @@ class Trainer:
             restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
         if restored is None:
             if self.cfg.train.init_from:  # fine-tuning: start from HF weights, a fresh optimizer
-                self.params, self.opt_state = self.setup.init_from_hf(self.cfg.train.init_from)
+                from jaxpar.port.weights import load_checked  # the trainer's edge: HF import lives in port
+
+                hf = load_checked(self.cfg.train.init_from, self.cfg.model, self.setup.model_param_shardings)
+                self.params, self.opt_state = self.setup.init_from_hf(hf)
                 self.echo(f"initialised from HF weights in {self.cfg.train.init_from}")
             else:
                 self.params, self.opt_state = self.setup.init(self.cfg.train.seed)
