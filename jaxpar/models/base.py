@@ -126,15 +126,18 @@ class Model(abc.ABC):
 
     @abc.abstractmethod
     def embed(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
-        """Token (and position) embedding of ``tokens`` (b, s): the first layer's input."""
+        """Token (and position) embedding of ``tokens`` (b, s): the first layer's input, reduced
+        over ``ctx.tensor_axis`` (the same on every tensor rank; sequence-split with SP)."""
 
     @abc.abstractmethod
     def block(self, x: jax.Array, layer: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
-        """One layer; ``layer`` is one slice of the stacked subtree (already gathered under ZeRO-3)."""
+        """One layer; ``layer`` is one slice of the stacked subtree (already gathered under ZeRO-3).
+        The output, like the input, is reduced over ``ctx.tensor_axis`` (Megatron's "g")."""
 
     @abc.abstractmethod
     def head_loss(self, params: dict, x: jax.Array, targets: jax.Array, ctx: ShardContext) -> jax.Array:
-        """Final norm, logits and the summed next-token cross-entropy of ``targets`` (fp32 scalar)."""
+        """Final norm, logits and the summed next-token cross-entropy of ``targets``: an fp32
+        scalar reduced over ``ctx.tensor_axis`` (vocabulary-parallel), local to this data shard."""
 
     # ------------------------------------------------------------------ written once
     def gather_shared(self, params: dict, ctx: ShardContext) -> dict:
