@@ -110,7 +110,7 @@ def param_tensors(model: ConfigDict) -> tuple[ParamTensor, ...]:
     ``positions`` on the first pipeline stage; ``final_norm_scale``, ``output`` on the last).
     Cached per model config: the planner calls this for every layout it searches.
     """
-    return _param_tensors(tuple(sorted(model.to_dict().items())))
+    return _param_tensors(tuple(sorted(dict(model).items())))
 
 
 @functools.lru_cache(maxsize=64)
