@@ -322,9 +322,9 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     _require(mo.mlp_activation in ("swiglu", "gelu"), f"model.mlp_activation='{mo.mlp_activation}': use swiglu or gelu")
     _require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
     _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
-    from jaxpar.models import validate_model  # model.name and the family's checks (lazy: models import config)
+    from jaxpar.models import check_name  # lazy: jaxpar.models imports this module; imports no family
 
-    validate_model(mo)
+    check_name(mo.name)
     _require(
         t.seq_len <= mo.max_seq_len,
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={mo.max_seq_len}; lower train.seq_len",

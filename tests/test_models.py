@@ -32,7 +32,7 @@ def test_unknown_model_name_is_one_line_listing_the_known_ones():
 
 def test_gpt_family_pins_the_classic_block():
     with pytest.raises(ConfigError, match=r"model.norm='rmsnorm': model.name=gpt .* needs model.norm='layernorm'"):
-        tiny_config("--config.model.name=gpt")
+        models.get_model(tiny_config("--config.model.name=gpt").model)
     gpt = tiny_config("--config.model.name=gpt", "--config.model.norm=layernorm", "--config.model.mlp_activation=gelu",
                       "--config.model.position=learned").model
     assert type(models.get_model(gpt)).__name__ == "GptModel"

@@ -42,23 +42,26 @@ def unregister(name: str) -> None:
     _registered.pop(name, None)
 
 
+def check_name(name: str) -> None:
+    """An unknown ``model.name`` is a one-line :class:`ConfigError` listing the known ones (called by
+    :func:`jaxpar.config.validate`; imports no family, so loading a config stays light)."""
+    if name not in FAMILIES and name not in _registered:
+        raise ConfigError(f"model.name='{name}' is not a known model; use one of {', '.join(known_models())}")
+
+
 def model_class(name: str) -> type:
     """The family class of ``model.name``; unknown names are a one-line :class:`ConfigError`."""
+    check_name(name)
     if name in _registered:
         return _registered[name]
-    if name not in FAMILIES:
-        raise ConfigError(f"model.name='{name}' is not a known model; use one of {', '.join(known_models())}")
     module, _, attr = FAMILIES[name].partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def validate_model(model_cfg: ConfigDict) -> None:
-    """Known ``model.name`` and the family's own checks (one-line :class:`ConfigError`)."""
-    model_class(model_cfg.name).validate(model_cfg)
-
-
 def get_model(model_cfg: ConfigDict):
-    """The :class:`~jaxpar.models.base.Model` of a ``model`` config (validated by its family)."""
+    """The :class:`~jaxpar.models.base.Model` of a ``model`` config, after the family's own checks
+    (:meth:`~jaxpar.models.base.Model.validate`: one-line :class:`ConfigError`). The trainer's
+    ``Setup``, the planner's inventory and the HF importers all start here."""
     cls = model_class(model_cfg.name)
     cls.validate(model_cfg)
     return cls(model_cfg)
