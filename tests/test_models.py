@@ -161,21 +161,33 @@ def toy():
     models.unregister("toy_mlp")
 
 
-def test_a_third_family_trains_on_two_devices(toy):
-    """ZeRO-3 on data=2 through the interface: the first loss is the plain single-device loss of the
-    same parameters, and one step lands where the replicated (ZeRO-0) run lands."""
-    cfg = tiny_config(*toy, "--config.parallel.zero_stage=3")
+@pytest.fixture(scope="module")
+def toy_replicated(toy):
+    """Two steps of the toy family on data=2 without ZeRO: (history, params)."""
+    history, params, _ = run_steps(tiny_config(*toy), 2)  # step 1 runs at lr 0 (warm-up)
+    return history, params
+
+
+@pytest.mark.parametrize("layout", [("--config.parallel.zero_stage=3",),
+                                    ("--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.train.microbatches=2")],
+                         ids=["zero3_d2", "pipeline_p2_m2"])
+def test_a_third_family_trains_on_two_devices(toy, toy_replicated, layout):
+    """ZeRO-3 (data=2) and a 1F1B pipeline (2 stages) through the interface alone: the first loss is
+    the plain single-device loss of the same parameters, and two steps land where the replicated
+    data-parallel run lands."""
+    cfg = tiny_config(*toy, *layout)
     m = cfg.model
     assert inventory.count_params(m) == 2 * m.vocab_size * m.embed_dim + 2 * m.num_layers * m.embed_dim * m.mlp_dim
-    history, params, setup = run_steps(cfg, 2)  # step 1 runs at lr 0 (warm-up)
-    assert setup.builder.context().zero3  # the layers were gathered from their shards
+    history, params, setup = run_steps(cfg, 2)
+    assert setup.builder.context().zero3 == (cfg.parallel.zero_stage == 3)  # ZeRO-3: layers gathered from shards
+    assert (setup.pipeline is not None) == (cfg.mesh.pipeline == 2)
     model = models.get_model(m)
     rng = np.random.default_rng(0)  # the batch run_steps drew
     rows = rng.integers(0, m.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
     want = model.loss_sum(model.init(jax.random.key(0)), jnp.asarray(rows), model.context())
     assert history[0]["loss"] == pytest.approx(float(want) / rows[:, 1:].size, rel=1e-5)
-    _, replicated, _ = run_steps(tiny_config(*toy), 2)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(replicated)):
+    assert history[0]["loss"] == pytest.approx(toy_replicated[0][0]["loss"], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(toy_replicated[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert not np.allclose(params["head"], np.asarray(model.init(jax.random.key(0))["head"]))
 

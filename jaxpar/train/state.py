@@ -39,11 +39,11 @@ class Setup:
 
     def __init__(self, cfg: ConfigDict, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.pipeline = pipeline_lib.Pipeline.from_config(cfg) if cfg.mesh.pipeline > 1 else None
+        self.model = get_model(cfg.model)  # the model family (jaxpar.models), validated
+        self.pipeline = pipeline_lib.Pipeline.from_config(cfg, self.model) if cfg.mesh.pipeline > 1 else None
         self.derived = derive(cfg)
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
-        self.model = get_model(cfg.model)
         self.model_abstract_params = self.model.abstract_params()
         model_logical = self.model.logical_axes()
         self.abstract_params, self.logical = self.model_abstract_params, model_logical

@@ -419,13 +419,14 @@ class Pipeline:
     model: Model
 
     @classmethod
-    def from_config(cls, cfg: ConfigDict) -> Pipeline:
-        """Validate the pipeline settings (:func:`check_config`) and build the schedule."""
+    def from_config(cls, cfg: ConfigDict, model: Model | None = None) -> Pipeline:
+        """Validate the pipeline settings (:func:`check_config`) and build the schedule; ``model``
+        defaults to ``get_model(cfg.model)``."""
         check_config(cfg)
         table = build_schedule(
             cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
         )
-        return cls(table, compile_program(table), get_model(cfg.model))
+        return cls(table, compile_program(table), model or get_model(cfg.model))
 
     def loss_and_grads(self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float,
                        scatter: tuple[dict, Any] | None = None) -> tuple[jax.Array, dict]:
