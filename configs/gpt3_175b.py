@@ -21,7 +21,7 @@ def get_config():
     c.mesh.data, c.mesh.tensor, c.mesh.pipeline = 16, 8, 8  # 1024 devices
     c.parallel.zero_stage, c.parallel.sequence_parallel = 0, False  # the 2021 run predates both in Megatron
     m = c.model
-    m.name = "gpt3"
+    m.name = "gpt"
     m.vocab_size, m.embed_dim, m.num_layers = 51200, 12288, 96
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 96, 96, 128, 49152
     m.mlp_activation, m.norm, m.position = "gelu", "layernorm", "learned"

@@ -1,7 +1,7 @@
 """A MaxText-equivalent tiny LLaMA, with MaxText 0.2.5's compiled numbers for it on 8 devices.
 
 Model: embedding 256, 4 heads x 64 (4 KV heads), SwiGLU MLP 1024, 4 layers, vocabulary 1024,
-untied output layer, sequence 256: 4,720,896 parameters (``param_count_estimate``). fp32
+untied output layer, sequence 256: 4,720,896 parameters (``jaxpar.models.inventory.count_params``). fp32
 parameters and compute, full rematerialisation, one sequence per device (global batch 8, as
 MaxText's per_device_batch_size=1), one microbatch (two with the pipeline), synthetic tokens.
 

@@ -49,7 +49,8 @@ def main(argv: list[str]) -> int:
         os.environ["XLA_FLAGS"] = gpu_xla_flags()  # the cluster profile, after what the user set
     import jax
 
-    from jaxpar.config import ConfigError, load_config, param_count_estimate
+    from jaxpar.config import ConfigError, load_config
+    from jaxpar.models.inventory import count_params
     from jaxpar.train.loop import Trainer
 
     n = len(jax.devices())
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> int:
     steady = result["steady"] or {}
     summary = {
         "config": args.config, "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-        "devices": n, "params": param_count_estimate(cfg.model), "compute_dtype": cfg.model.compute_dtype,
+        "devices": n, "params": count_params(cfg.model), "compute_dtype": cfg.model.compute_dtype,
         "remat": cfg.model.remat, "zero_stage": cfg.parallel.zero_stage, "seq_len": cfg.train.seq_len,
         "global_batch": cfg.train.global_batch, "steps": args.steps, "steady_steps": steady.get("steps"),
         "step_time_s": steady.get("median_step_time_s"), "tokens_per_s": steady.get("tokens_per_s"),

@@ -23,7 +23,8 @@ def main() -> int:
 
     ensure_host_devices(8)
     from jaxpar.analysis.compiled import analyze_layout
-    from jaxpar.config import load_config, param_count_estimate
+    from jaxpar.config import load_config
+    from jaxpar.models.inventory import count_params
 
     print(f"{'layout':<13} {'jaxpar MB':>10} {'MaxText MB':>11} {'ratio':>6}   {'jaxpar MiB':>10} {'MaxText MiB':>11} "
           f"{'ratio':>6}")
@@ -35,7 +36,7 @@ def main() -> int:
         print(f"{name:<13} {mb:>10.2f} {mt_mb:>11.1f} {mb / mt_mb:>6.3f}   {mib:>10.2f} {mt_mib:>11.1f} {mib / mt_mib:>6.3f}")
         if cfg.parallel.zero_stage == 3 and cfg.mesh.tensor == 1:
             n = cfg.mesh.data
-            ideal = 3 * (n - 1) / n * param_count_estimate(cfg.model) * 4 / 1e6
+            ideal = 3 * (n - 1) / n * count_params(cfg.model) * 4 / 1e6
             print(f"{'':<13} ZeRO-3 ideal {ideal:.2f} MB: jaxpar at {mb / ideal:.3f} of it")
     return 0
 

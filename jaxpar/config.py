@@ -24,6 +24,7 @@ import ml_collections
 from jaxpar.axes import MESH_AXES
 from jaxpar.errors import ConfigError
 from jaxpar.layout import ParallelLayout
+from jaxpar.models.registry import check_name
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -266,6 +267,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     _require(mo.mlp_activation in ("swiglu", "gelu"), f"model.mlp_activation='{mo.mlp_activation}': use swiglu or gelu")
     _require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
     _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
+    check_name(mo.name)
     _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
     _require(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
@@ -306,18 +308,3 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def param_count_estimate(model: ConfigDict) -> int:
-    """Parameter count of the model config (exact for our LLaMA/GPT blocks)."""
-    h, f, v = model.embed_dim, model.mlp_dim, model.vocab_size
-    q = model.num_heads * model.head_dim
-    kv = model.num_kv_heads * model.head_dim
-    attn = h * q + 2 * h * kv + q * h
-    mlp = (3 if model.mlp_activation == "swiglu" else 2) * h * f
-    norms = 2 * h * (2 if model.norm == "layernorm" else 1)
-    per_layer = attn + mlp + norms
-    embed = v * h * (1 if model.tie_embeddings else 2)
-    final_norm = h * (2 if model.norm == "layernorm" else 1)
-    positions = model.max_seq_len * h if model.position == "learned" else 0
-    return model.num_layers * per_layer + embed + final_norm + positions

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.analysis.estimate import flops_per_token
 from jaxpar.config import ConfigDict
+from jaxpar.models.flops import flops_per_token
 
 # Dense bf16 peaks per device, TFLOP/s (FORMULAS.md section 6; vendor data sheets, no sparsity).
 PEAK_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0, "tpu v5p": 459.0, "tpu v5": 459.0}

@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import compiled as ca
 from jaxpar.cli.inspect import render, run_inspect
-from jaxpar.config import ConfigError, load_config, param_count_estimate
+from jaxpar.config import ConfigError, load_config
 from jaxpar.distributed import ensure_host_devices
+from jaxpar.models.inventory import count_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -195,7 +196,7 @@ def test_nested_loops_multiply_trip_counts():
 
 def test_dp_all_reduces_gradients_once_over_data(layout):
     cfg, r = layout("dp")
-    n, params = cfg.mesh.data, param_count_estimate(cfg.model)
+    n, params = cfg.mesh.data, count_params(cfg.model)
     assert r.bytes("all-reduce", "data") == pytest.approx(2 * (n - 1) / n * params * 4, rel=0.10)
     assert r.count("all-gather", "data") == 0 and r.count("reduce-scatter", "data") == 0
     # 4 microbatches, but the gradients are reduced once per step: no data collective in a loop.
@@ -205,7 +206,7 @@ def test_dp_all_reduces_gradients_once_over_data(layout):
 @pytest.mark.parametrize("name, reductions", [("zero1", 1), ("zero2", 4)])
 def test_zero1_zero2_reduce_scatter_then_all_gather(layout, name, reductions):
     cfg, r = layout(name)
-    n, params = cfg.mesh.data, param_count_estimate(cfg.model)
+    n, params = cfg.mesh.data, count_params(cfg.model)
     assert r.bytes("reduce-scatter", "data") == pytest.approx(reductions * (n - 1) / n * params * 4, rel=0.10)
     assert r.bytes("all-gather", "data") == pytest.approx((n - 1) / n * params * 4, rel=0.10)
     assert r.bytes("all-reduce", "data") < 1e3  # only scalars (loss, gradient norm) are all-reduced
@@ -213,7 +214,7 @@ def test_zero1_zero2_reduce_scatter_then_all_gather(layout, name, reductions):
 
 def test_unsplittable_parameters_fall_back_to_all_reduce_every_microbatch(layout):
     cfg, r = layout("zero2_fallback_data3")
-    n, m, params = cfg.mesh.data, cfg.train.microbatches, param_count_estimate(cfg.model)
+    n, m, params = cfg.mesh.data, cfg.train.microbatches, count_params(cfg.model)
     assert r.count("reduce-scatter", "data") == 0 and r.count("all-gather", "data") == 0
     assert r.bytes("all-reduce", "data") == pytest.approx(m * 2 * (n - 1) / n * params * 4, rel=0.10)
     assert r.memory.argument_bytes == ca.expected_memory(cfg)["argument_bytes"]  # nothing sharded
@@ -222,7 +223,7 @@ def test_unsplittable_parameters_fall_back_to_all_reduce_every_microbatch(layout
 def test_zero3_gathers_parameters_forward_and_backward(layout):
     cfg, r = layout("zero3")  # remat full, 4 microbatches
     n, m, layers = cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers
-    params = param_count_estimate(cfg.model)
+    params = count_params(cfg.model)
     top = 2 * cfg.model.vocab_size * cfg.model.embed_dim + cfg.model.embed_dim
     gathers = _ops(r, "all-gather", ("data",))
     in_layer_loop = sum(op.executions for op in gathers if op.executions >= layers)
@@ -337,7 +338,7 @@ def test_accumulated_gradient_sharded_with_microbatches(layout):
 
 
 def test_maxtext_tiny_parameter_count():
-    assert param_count_estimate(load_config(MAXTEXT).model) == 4_720_896
+    assert count_params(load_config(MAXTEXT).model) == 4_720_896
 
 
 @pytest.mark.parametrize("preset", list(MAXTEXT_REFERENCE))
@@ -355,7 +356,7 @@ def test_maxtext_layouts_at_or_below_maxtext(layout, preset):
 def test_maxtext_fsdp8_near_ideal_zero3(layout):
     """3(n-1)/n*P*4 = 49.6 MB; jaxpar gathers embedding and output layer once (kept for backward)."""
     cfg, r = layout("fsdp8")
-    params, n = param_count_estimate(cfg.model), cfg.mesh.data
+    params, n = count_params(cfg.model), cfg.mesh.data
     assert 3 * (n - 1) / n * params * 4 / 1e6 == pytest.approx(IDEAL_ZERO3_MB, abs=0.05)
     assert r.total_bytes() / 1e6 == pytest.approx(IDEAL_ZERO3_MB, rel=0.05)
 

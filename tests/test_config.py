@@ -55,11 +55,11 @@ def test_batch_arithmetic():
 
 
 def test_real_shapes_load_and_count():
-    from jaxpar.config import param_count_estimate
+    from jaxpar.models.inventory import count_params
 
     counts = {}
     for name in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b"):
-        counts[name] = param_count_estimate(load_config(str(TINY).replace("tiny", name)).model)
+        counts[name] = count_params(load_config(str(TINY).replace("tiny", name)).model)
     # Published parameter counts (Touvron et al. 2023; Meta LLaMA-3 model card).
     assert counts == {
         "llama2_7b": 6_738_415_616,

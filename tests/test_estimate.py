@@ -9,7 +9,8 @@ import pytest
 
 from jaxpar.analysis import estimate as E
 from jaxpar.analysis.clusters import PRESETS, Cluster, cluster_from_dict, get_cluster
-from jaxpar.config import ConfigError, load_config, param_count_estimate
+from jaxpar.config import ConfigError, load_config
+from jaxpar.models.inventory import count_params
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 GB = 1e9
@@ -61,7 +62,7 @@ def test_user_defined_cluster():
 
 @pytest.mark.parametrize("name", ["tiny", "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "gpt3_175b"])
 def test_exact_parameter_count(name):
-    assert E.count_params(model(name)) == param_count_estimate(model(name))
+    assert E.count_params(model(name)) == count_params(model(name))
 
 
 def test_gpt3_parameter_count_and_tensors():

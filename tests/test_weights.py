@@ -258,7 +258,7 @@ def test_init_from_hf_lands_in_the_layout(saved, layout):
     params, path = saved
     cfg = tiny_config(*layout, f"--config.train.init_from={path}")
     setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
-    got, opt = setup.init_from_hf(cfg.train.init_from)
+    got, opt = setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_param_shardings))
     assert jax.tree.structure(got) == jax.tree.structure(setup.abstract_params)
     for arr, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(setup.param_shardings)):
         assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
@@ -272,7 +272,7 @@ def test_init_from_hf_rejects_another_model(saved):
     cfg = tiny_config("--config.model.num_layers=2", f"--config.train.init_from={path}")
     setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
     with pytest.raises(ConfigError, match=r"num_hidden_layers.*set --config.model.num_layers=4$") as e:
-        setup.init_from_hf(cfg.train.init_from)
+        setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_param_shardings))
     assert "\n" not in str(e.value)
 
 
@@ -290,14 +290,14 @@ def test_trainer_starts_from_hf_then_resumes_its_own_checkpoint(saved, tmp_path)
     overrides = [f"--config.train.init_from={path}", f"--config.train.workdir={tmp_path}", "--config.data.source=synthetic",
                  "--config.checkpoint.every=1", "--config.train.steps=1"]
     messages: list[str] = []
-    trainer = Trainer(tiny_config(*overrides), echo=messages.append, progress=False)
+    trainer = Trainer(tiny_config(*overrides), echo=messages.append, progress=False, weights_loader=weights.load_checked)
     trainer.initialize()
     assert any(m == f"initialised from HF weights in {path}" for m in messages)
     assert_bitwise(params, jax.device_get(trainer.params))
     trainer.train_step()
     trainer.save()
     trainer.checkpoints.wait()
-    again = Trainer(tiny_config(*overrides), echo=messages.append, progress=False)
+    again = Trainer(tiny_config(*overrides), echo=messages.append, progress=False, weights_loader=weights.load_checked)
     again.initialize()
     assert again.step == 1 and messages[-1].startswith("resumed from checkpoint at step 1")
     again.checkpoints.close()

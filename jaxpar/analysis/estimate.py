@@ -9,7 +9,7 @@ Communication is ring "bytes on the wire" per device per step (nccl-tests PERFOR
 all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S, collective-permute S. Devices
 are ordered tensor innermost, then data, then pipeline outermost.
 
-The layout and parameter inventory live in :mod:`jaxpar.analysis.inventory`, communication per
+The layout and parameter inventory live in :mod:`jaxpar.models.inventory`, communication per
 axis in :mod:`jaxpar.analysis.traffic`; both are re-exported here, so ``estimate`` stays the one
 name for every closed-form number.
 """
@@ -20,7 +20,23 @@ import dataclasses
 from typing import Any
 
 from jaxpar.analysis.clusters import Cluster
-from jaxpar.analysis.inventory import (  # noqa: F401 - re-exported: the estimates' vocabulary
+from jaxpar.analysis.traffic import (  # noqa: F401 - re-exported
+    CONVENTIONS,
+    AxisComm,
+    all_gather_bytes,
+    all_reduce_bytes,
+    axis_link,
+    communication,
+    jaxpar_stage_traffic,
+)
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.models.flops import (  # noqa: F401 - re-exported
+    flops_params,
+    flops_per_token,
+    hardware_flops_per_token,
+    megatron_flops_per_iteration,
+)
+from jaxpar.models.inventory import (  # noqa: F401 - re-exported: the estimates' vocabulary
     DTYPE_BYTES,
     RECOMPUTE,
     TENSOR_DIMS,
@@ -32,16 +48,6 @@ from jaxpar.analysis.inventory import (  # noqa: F401 - re-exported: the estimat
     shard_elements,
     stage_tensors,
 )
-from jaxpar.analysis.traffic import (  # noqa: F401 - re-exported
-    CONVENTIONS,
-    AxisComm,
-    all_gather_bytes,
-    all_reduce_bytes,
-    axis_link,
-    communication,
-    jaxpar_stage_traffic,
-)
-from jaxpar.config import ConfigDict, ConfigError
 
 LOGITS_BYTES = 8  # per logit on the last stage: bf16 logits + fp32 log-softmax kept + bf16 gradient
 
@@ -205,47 +211,6 @@ def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str =
 
 
 # --------------------------------------------------------------------------- FLOPs and time
-
-
-def flops_params(model: ConfigDict) -> int:
-    """Parameters doing matmul work: all but the input-embedding lookup and the position table
-    (the output projection counts even when tied: the tied table does a V x h matmul)."""
-    lookup = 0 if model.tie_embeddings else model.vocab_size * model.embed_dim
-    positions = model.max_seq_len * model.embed_dim if model.position == "learned" else 0
-    return count_params(model) - lookup - positions
-
-
-def flops_per_token(model: ConfigDict, seq_len: int, causal: bool = False) -> float:
-    """Training FLOPs per token: 6N + 12*L*(heads*hd)*s (PaLM, Chowdhery et al. 2022, appendix B).
-
-    6N is Kaplan et al. 2020 (forward 2N, backward 4N). The attention term counts QK^T and AV
-    without the causal mask, as PaLM reports MFU: that is our default (and jaxpar/metrics.py's);
-    ``causal=True`` halves it as MaxText does.
-    """
-    attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
-    return 6 * flops_params(model) + attention * (0.5 if causal else 1.0)
-
-
-def hardware_flops_per_token(
-    model: ConfigDict, seq_len: int, recompute: str, causal: bool = False, model_flops: float | None = None
-) -> float:
-    """FLOPs actually executed (HFU numerator): full recompute reruns the forward (+2N + 4Lqs, the
-    8TP of Narayanan 2021), selective reruns the attention core (+4Lqs). ``model_flops`` skips a recount."""
-    attention_fwd = 4 * model.num_layers * model.num_heads * model.head_dim * seq_len * (0.5 if causal else 1.0)
-    extra = {"none": 0.0, "selective": attention_fwd, "full": 2 * flops_params(model) + attention_fwd}[recompute]
-    return (model_flops if model_flops is not None else flops_per_token(model, seq_len, causal)) + extra
-
-
-def megatron_flops_per_iteration(model: ConfigDict, global_batch: int, seq_len: int, recompute: bool = False) -> float:
-    """Megatron's count for a GPT layer (f = 4h, heads*hd = h), B in sequences, no causal discount.
-
-    Model FLOPs 72*B*s*L*h^2*(1 + s/(6h) + V/(12*h*L)) (Megatron-LM's num_floating_point_operations);
-    with the recomputed forward 96*B*s*L*h^2*(1 + s/(6h) + V/(16*h*L)) (Narayanan et al. 2021,
-    arXiv:2104.04473, sec. 5.1; the logit layer is not recomputed).
-    """
-    h, n_layers, v = model.embed_dim, model.num_layers, model.vocab_size
-    k, vocab_div = (96, 16) if recompute else (72, 12)
-    return k * global_batch * seq_len * n_layers * h * h * (1 + seq_len / (6 * h) + v / (vocab_div * h * n_layers))
 
 
 def bubble_fraction(pipeline: int, microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:

@@ -26,20 +26,19 @@ def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
 def param_leaves(cfg: ConfigDict, layouts: Any = None) -> list[tuple[str, tuple[int, ...], Any]]:
     """(path, global shape, :class:`~jaxpar.sharding.ParamLayout`) of every parameter, built from
     shapes alone (``layouts`` from a ``Setup`` may be passed to reuse them)."""
-    import functools
-
     import jax
 
-    from jaxpar.models import llama
+    from jaxpar.models import get_model
     from jaxpar.sharding import Strategy, is_layout, param_layout
 
-    abstract = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
+    model = get_model(cfg.model)
+    abstract = model.abstract_params()
     if layouts is None:
         strategy, shape = Strategy.from_config(cfg.parallel), dict(cfg.mesh)
         layouts = jax.tree.map(
             lambda a, n: param_layout(tuple(a.shape), tuple(n), strategy, shape),
             abstract,
-            llama.logical_axes(cfg.model),
+            model.logical_axes(),
             is_leaf=lambda x: isinstance(x, tuple),
         )
     flat = jax.tree.leaves(layouts, is_leaf=is_layout)
@@ -118,11 +117,14 @@ def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str
         else:
             row["terms"].append({"what": what, "count": count, "bytes_per_device": moved})
 
+    from jaxpar.models import model_class
+
     per_reduce = m if stage >= 2 else 1
+    stacked = model_class(cfg.model.name).stacked  # the scanned layers: gathered again in the backward
     for path, shape, lay in param_leaves(cfg, layouts):
         e = local_elements(shape, lay.compute, mesh_shape)
         if lay.sharded_storage:  # ZeRO-3
-            gathers = 2 if path.startswith("['blocks']") else 1
+            gathers = 2 if path.startswith(f"['{stacked}']") else 1
             add("all-gather", ("data",), e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
             add("reduce-scatter", ("data",), e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
         elif lay.sharded_optimizer:  # ZeRO-1/2

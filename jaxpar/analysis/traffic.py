@@ -13,7 +13,8 @@ import dataclasses
 from typing import Any
 
 from jaxpar.analysis.clusters import Cluster
-from jaxpar.analysis.inventory import (
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.models.inventory import (
     DTYPE_BYTES,
     TENSOR_DIMS,
     ParallelLayout,
@@ -23,7 +24,6 @@ from jaxpar.analysis.inventory import (
     shard_elements,
     stage_tensors,
 )
-from jaxpar.config import ConfigDict, ConfigError
 
 CONVENTIONS = ("jaxpar", "paper")
 

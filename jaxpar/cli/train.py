@@ -39,11 +39,12 @@ def run_train(args: argparse.Namespace) -> int:
     from jaxpar.distributed import ensure_host_devices, initialize_from_env
 
     ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    from jaxpar.port.weights import load_checked
     from jaxpar.train.loop import Trainer
 
     distributed = initialize_from_env()
     try:
-        Trainer(cfg, progress=not args.no_progress).run()
+        Trainer(cfg, progress=not args.no_progress, weights_loader=load_checked).run()
     except ConfigError:
         raise
     except Exception as e:

@@ -1,4 +1,4 @@
-"""LLaMA-style decoder in Flax NNX, written shard-locally (Megatron style).
+"""The ``llama`` family: a LLaMA-style decoder in Flax NNX, written shard-locally (Megatron style).
 
 Parameters are created by NNX modules, each ``nnx.Param`` carrying its logical dim names
 (``logical_axes`` metadata) that :mod:`jaxpar.sharding` maps to mesh axes. The layers' parameters
@@ -17,7 +17,12 @@ shapes, and the tensor-parallel collectives are explicit, as in Megatron-LM:
   ``tensor``);
 * ZeRO-3: each layer's parameters are gathered over ``data`` inside the scan body, and named so
   the remat policy never saves the gathered copy (gathered again in the backward pass, whose
-  transpose is the per-layer reduce-scatter of the gradient).
+  transpose is the per-layer reduce-scatter of the gradient): written once for every family in
+  :mod:`jaxpar.models.base` and :mod:`jaxpar.parallel.zero`.
+
+:class:`LlamaModel` is this module behind the :class:`~jaxpar.models.base.Model` interface, with
+the HF LLaMA tensor-name and ``config.json`` field maps (:data:`HF_LLAMA`). The module-level
+functions are its implementation (and what the parity tests call directly).
 
 Outside ``shard_map`` (no mesh axes bound), the same code runs as a plain single-device model.
 """
@@ -31,13 +36,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ConfigDict
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ZERO3_NAME = "zero3_gathered_param"
-
+from jaxpar.models import base
+from jaxpar.models.base import DTYPES, HFMap, HFTensor, Model
 
 # --------------------------------------------------------------------------- parameters
 
@@ -136,16 +138,9 @@ def logical_axes(model_cfg: ConfigDict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardContext:
-    """Static facts the shard-local forward pass needs (hashable: part of the jit cache key)."""
+class ShardContext(base.ShardContext):
+    """:class:`jaxpar.models.base.ShardContext` plus the block's static settings."""
 
-    tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
-    data_axis: str | None = None
-    sequence_parallel: bool = False
-    zero3: bool = False  # gather layer parameters over data inside the scan
-    zero3_dims: tuple = ()  # (leaf path in the full tree, dim split over data) pairs
-    remat: str = "none"
-    compute_dtype: str = "bfloat16"
     mlp_activation: str = "swiglu"
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
@@ -246,71 +241,9 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     return x + _reduce_tensor(jnp.einsum("bsf,fh->bsh", act, w(m["w_down"])), ctx)
 
 
-def _gather_data(p: jax.Array, dim: int, ctx: ShardContext) -> jax.Array:
-    """ZeRO-3 all-gather of one parameter over ``data``, in the compute dtype.
-
-    The cast comes first (on the shard), so nothing full-size but the gathered value itself
-    exists, and the remat policy refuses to keep that one: the backward pass gathers again.
-    The gradient's reduce-scatter (the gather's transpose) therefore runs in the compute dtype.
-    """
-    p = p.astype(DTYPES[ctx.compute_dtype])
-    return checkpoint_name(jax.lax.all_gather(p, ctx.data_axis, axis=dim, tiled=True), ZERO3_NAME)
-
-
-def gather_zero3(tree: dict, ctx: ShardContext, prefix: str = "", offset: int = 0) -> dict:
-    """ZeRO-3: gather the parameter shards of ``tree`` over ``data``.
-
-    ``prefix`` is the tree's path inside the full parameter tree and ``offset`` the number of
-    leading dims already sliced off (1 inside the layer scan). Leaves under ``blocks`` are
-    skipped at the top level: they are gathered one layer at a time inside the scan.
-    """
-    if not ctx.zero3:
-        return tree
-    dims = dict(ctx.zero3_dims)
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    out = []
-    for path, leaf in leaves:
-        key = prefix + jax.tree_util.keystr(path)
-        dim = dims.get(key)
-        skip = dim is None or (not prefix and key.startswith("['blocks']"))
-        out.append(leaf if skip else _gather_data(leaf, dim - offset, ctx))
-    return jax.tree.unflatten(jax.tree.structure(tree), out)
-
-
-def _is_zero3_gather(prim, params: dict) -> bool:
-    if prim.name == "name":
-        return params.get("name") == ZERO3_NAME
-    if "all_gather" in prim.name:
-        axes = params.get("axis_name", ())
-        return "data" in (axes if isinstance(axes, tuple) else (axes,))
-    return False
-
-
-def _save_all_but_zero3_gathers(prim, *_, **params) -> bool:
-    """Remat policy for ZeRO-3 without recomputation: keep every residual except gathered
-    parameters (the all-gather over ``data`` and its named output), which are gathered again."""
-    return not _is_zero3_gather(prim, params)
-
-
-def _remat_policy(ctx: ShardContext):
-    policies = jax.checkpoint_policies
-    if ctx.remat == "full":
-        return policies.nothing_saveable
-    if ctx.remat == "selective":  # keep weight-matmul outputs, recompute the attention core
-        return policies.dots_with_no_batch_dims_saveable
-    return _save_all_but_zero3_gathers
-
-
 def run_blocks(x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
-    """Scan the stacked blocks over their leading ``layers`` dim."""
-
-    def body(carry, layer):
-        return _block(carry, gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx), None
-
-    if ctx.remat != "none" or ctx.zero3:
-        body = jax.checkpoint(body, policy=_remat_policy(ctx), prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, blocks)
-    return x
+    """Scan the stacked blocks over their leading ``layers`` dim (:func:`jaxpar.models.base.scan_layers`)."""
+    return base.scan_layers(_block, x, blocks, positions, ctx)
 
 
 def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -358,14 +291,9 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, ctx: ShardContext) 
 
 
 def loss_sum(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
-    """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    seq = inputs.shape[1]
-    positions = jnp.arange(seq)
-    params = gather_zero3(params, ctx)
-    x = embed_tokens(params, inputs, ctx)
-    x = run_blocks(x, params["blocks"], positions, ctx)
-    return cross_entropy_sum(logits_local(params, x, ctx), targets, ctx)
+    """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows); ``ctx`` from
+    :func:`context_for` (the model config is not needed beyond it)."""
+    return LlamaModel(None).loss_sum(params, tokens, ctx)
 
 
 def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
@@ -380,3 +308,64 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         position=model_cfg.position,
         **overrides,
     )
+
+
+# --------------------------------------------------------------------------- the interface
+
+_L = "model.layers.{i}."
+HF_LLAMA = HFMap(
+    tensors=(
+        HFTensor(("embed",), "model.embed_tokens.weight", "copy", "(vocab_size, embed_dim)"),
+        HFTensor(("blocks", "attn", "wq"), _L + "self_attn.q_proj.weight", "heads_in",
+                 "(num_heads*head_dim, embed_dim)", rope=True),
+        HFTensor(("blocks", "attn", "wk"), _L + "self_attn.k_proj.weight", "heads_in",
+                 "(num_kv_heads*head_dim, embed_dim)", rope=True),
+        HFTensor(("blocks", "attn", "wv"), _L + "self_attn.v_proj.weight", "heads_in",
+                 "(num_kv_heads*head_dim, embed_dim)"),
+        HFTensor(("blocks", "attn", "wo"), _L + "self_attn.o_proj.weight", "heads_out",
+                 "(embed_dim, num_heads*head_dim)"),
+        HFTensor(("blocks", "mlp", "w_gate"), _L + "mlp.gate_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "mlp", "w_up"), _L + "mlp.up_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "mlp", "w_down"), _L + "mlp.down_proj.weight", "transpose", "(embed_dim, mlp_dim)"),
+        HFTensor(("blocks", "attn_norm", "scale"), _L + "input_layernorm.weight", "copy", "(embed_dim,)"),
+        HFTensor(("blocks", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight", "copy", "(embed_dim,)"),
+        HFTensor(("final_norm", "scale"), "model.norm.weight", "copy", "(embed_dim,)"),
+        HFTensor(("lm_head",), "lm_head.weight", "transpose", "(vocab_size, embed_dim)"),
+    ),
+    # model fields an HF config.json fixes: (jaxpar field, HF key in the message)
+    config_fields=(
+        ("vocab_size", "vocab_size"), ("embed_dim", "hidden_size"), ("num_layers", "num_hidden_layers"),
+        ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+        ("mlp_dim", "intermediate_size"), ("tie_embeddings", "tie_word_embeddings"), ("rope_theta", "rope_theta"),
+        ("norm_eps", "rms_norm_eps"), ("mlp_activation", "hidden_act"), ("norm", "model_type"),
+        ("position", "model_type"),
+    ),
+    requires=(("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope")),
+    label="HF LLaMA",
+)
+
+
+class LlamaModel(Model):
+    """The ``llama`` family (see the module docstring); every switch combination is allowed."""
+
+    name = "llama"
+    roles = {"embed": "embedding", "pos_embed": "positions", "final_norm": "final_norm", "lm_head": "output"}
+    hf = HF_LLAMA
+
+    def init(self, key: jax.Array) -> dict:
+        return init_params(self.cfg, key)
+
+    def logical_axes(self) -> dict:
+        return logical_axes(self.cfg)
+
+    def context(self, **parallel: Any) -> ShardContext:
+        return context_for(self.cfg, **parallel)
+
+    def embed(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
+        return embed_tokens(params, tokens, ctx)
+
+    def block(self, x: jax.Array, layer: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
+        return _block(x, layer, positions, ctx)
+
+    def head_loss(self, params: dict, x: jax.Array, targets: jax.Array, ctx: ShardContext) -> jax.Array:
+        return cross_entropy_sum(logits_local(params, x, ctx), targets, ctx)

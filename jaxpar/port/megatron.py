@@ -302,6 +302,8 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
         "model.mlp_activation": "swiglu" if swiglu else "gelu", "model.norm": "rmsnorm" if norm == "rmsnorm" else
         "layernorm", "model.norm_eps": a.get("--norm-epsilon", float) or a.get("--layernorm-epsilon", float, 1e-5),
         "model.position": "learned" if position == "learned_absolute" else "rope",
+        # the classic GPT block is its own family (jaxpar.models.gpt); any other mix runs as llama
+        "model.name": "gpt" if (not swiglu and norm != "rmsnorm" and position == "learned_absolute") else "llama",
         "model.rope_theta": a.get("--rotary-base", float, 10000.0), "model.max_seq_len": max(maxpos, seq),
         "model.tie_embeddings": not a.get("--untie-embeddings-and-output-weights", bool, False),
         "model.init_std": a.get("--init-method-std", float, 0.02), "train.seq_len": seq})

@@ -1,5 +1,9 @@
 """Hugging Face LLaMA-family checkpoints <-> jaxpar parameters, loaded shard by shard onto a mesh.
 
+The tensor names and layouts come from the model family's HF map
+(:attr:`jaxpar.models.base.Model.hf`; for ``llama``: :data:`jaxpar.models.llama.HF_LLAMA`); this
+module reads and writes the files. For the ``llama`` family:
+
 Names and layouts (HF ``nn.Linear`` weights are ``(out, in)``; jaxpar stacks the layers on a
 leading ``L`` dim; ``n``/``kv`` heads of size ``d``, width ``h``, MLP ``f``, vocabulary ``V``):
 
@@ -45,27 +49,11 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxpar.config import ConfigDict, ConfigError, default_config
-from jaxpar.models import llama
+from jaxpar.models import get_model
+from jaxpar.models.base import HFMap
 
 PathLike = str | os.PathLike
 ReadHook = Callable[[str, tuple[int, ...]], None]
-_L = "model.layers.{i}."
-# (jaxpar path, HF name, kind, HF shape in model terms). kind: copy | transpose | heads_in | heads_out.
-_TABLE = (
-    (("embed",), "model.embed_tokens.weight", "copy", "(vocab_size, embed_dim)"),
-    (("blocks", "attn", "wq"), _L + "self_attn.q_proj.weight", "heads_in", "(num_heads*head_dim, embed_dim)"),
-    (("blocks", "attn", "wk"), _L + "self_attn.k_proj.weight", "heads_in", "(num_kv_heads*head_dim, embed_dim)"),
-    (("blocks", "attn", "wv"), _L + "self_attn.v_proj.weight", "heads_in", "(num_kv_heads*head_dim, embed_dim)"),
-    (("blocks", "attn", "wo"), _L + "self_attn.o_proj.weight", "heads_out", "(embed_dim, num_heads*head_dim)"),
-    (("blocks", "mlp", "w_gate"), _L + "mlp.gate_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
-    (("blocks", "mlp", "w_up"), _L + "mlp.up_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
-    (("blocks", "mlp", "w_down"), _L + "mlp.down_proj.weight", "transpose", "(embed_dim, mlp_dim)"),
-    (("blocks", "attn_norm", "scale"), _L + "input_layernorm.weight", "copy", "(embed_dim,)"),
-    (("blocks", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight", "copy", "(embed_dim,)"),
-    (("final_norm", "scale"), "model.norm.weight", "copy", "(embed_dim,)"),
-    (("lm_head",), "lm_head.weight", "transpose", "(vocab_size, embed_dim)"),
-)
-_ROPE_PATHS = {("blocks", "attn", "wq"), ("blocks", "attn", "wk")}
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|^rope\.freqs)$")  # derived buffers, not parameters
 _META_NAMES = (  # Meta consolidated name -> HF name
     (r"^tok_embeddings\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^output\.", "lm_head."),
@@ -131,7 +119,7 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
 
 def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
     """The HF ``LlamaForCausalLM`` ``config.json`` for ``model_cfg`` (inverse of :func:`model_config_from_hf`)."""
-    _require_llama(model_cfg)
+    _hf_map(model_cfg)
     m = model_cfg
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -152,10 +140,40 @@ def _read_json(path: PathLike) -> dict:
     return json.loads(p.read_text())
 
 
-def _require_llama(m: ConfigDict) -> None:
-    for field, want in (("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope")):
+def _hf_map(m: ConfigDict) -> HFMap:
+    """The family's HF map, after checking that the configured settings fit the format."""
+    hf = type(get_model(m)).hf
+    if hf is None:
+        raise ConfigError(f"model.name='{m.name}' has no HF checkpoint format; use model.name=llama for HF weights")
+    for field, want in hf.requires:
         if m[field] != want:
-            raise ConfigError(f"model.{field}='{m[field]}': HF LLaMA checkpoints need model.{field}='{want}'")
+            raise ConfigError(f"model.{field}='{m[field]}': {hf.label} checkpoints need model.{field}='{want}'")
+    return hf
+
+
+def check_hf_model(path: PathLike, model_cfg: ConfigDict) -> None:
+    """Compare the configured model with the ``config.json`` next to HF weights (if there is one),
+    field by field as the family's HF map lists them (:attr:`jaxpar.models.base.HFMap.config_fields`);
+    the first difference is a one-line :class:`ConfigError` naming the override that fixes it."""
+    hf_map = _hf_map(model_cfg)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    config_json = os.path.join(directory, "config.json")
+    if not os.path.exists(config_json):
+        return
+    hf = model_config_from_hf(config_json)
+    for field, key in hf_map.config_fields:
+        want, have = hf[field], model_cfg[field]
+        if want != have:
+            raise ConfigError(
+                f"train.init_from: {config_json} has {key} giving model.{field}={want!r} but the config has "
+                f"{have!r}; set --config.model.{field}={want}"
+            )
+
+
+def load_checked(path: PathLike, model_cfg: ConfigDict, shardings: Any = None) -> dict:
+    """:func:`check_hf_model` then :func:`load_hf`: the model-form parameters of ``train.init_from``."""
+    check_hf_model(path, model_cfg)
+    return load_hf(path, model_cfg, shardings)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -208,16 +226,17 @@ class _Leaf:
 
 def _leaves(model_cfg: ConfigDict) -> tuple[list[_Leaf], Any]:
     """The leaves of jaxpar's parameter tree (in tree order) with their HF names, and the treedef."""
-    _require_llama(model_cfg)
-    abstract = jax.eval_shape(functools.partial(llama.init_params, model_cfg), jax.random.key(0))
-    table = {path: rest for path, *rest in _TABLE}
+    hf = _hf_map(model_cfg)
+    model = get_model(model_cfg)
+    abstract = model.abstract_params()
+    table = {t.path: t for t in hf.tensors}
     leaves = []
     for keys, a in jax.tree_util.tree_leaves_with_path(abstract):
         path = tuple(k.key for k in keys)
         if path not in table:
-            raise ConfigError(f"parameter {'.'.join(path)} has no HF LLaMA counterpart")
-        hf, kind, what = table[path]
-        leaves.append(_Leaf(path, hf, kind, what, tuple(a.shape), a.dtype, path[0] == "blocks", path in _ROPE_PATHS))
+            raise ConfigError(f"parameter {'.'.join(path)} has no {hf.label} counterpart")
+        t = table[path]
+        leaves.append(_Leaf(path, t.name, t.kind, t.what, tuple(a.shape), a.dtype, path[0] == model.stacked, t.rope))
     return leaves, jax.tree.structure(abstract)
 
 
@@ -427,7 +446,7 @@ def _hf_items(params: dict, model_cfg: ConfigDict) -> list[tuple[str, _Leaf, Cal
     """``(HF name, leaf, thunk)`` in HF order; each thunk fetches one (layer's) tensor to host."""
     leaves, treedef = _leaves(model_cfg)
     by_path = {leaf.path: (leaf, v) for leaf, v in zip(leaves, treedef.flatten_up_to(params))}
-    ordered = [by_path[path] for path, *_ in _TABLE if path in by_path]
+    ordered = [by_path[t.path] for t in _hf_map(model_cfg).tensors if t.path in by_path]
 
     def thunk(leaf: _Leaf, value: Any, layer: int | None) -> Callable[[], np.ndarray]:
         return lambda: _to_hf(leaf, np.asarray(value if layer is None else value[layer]))

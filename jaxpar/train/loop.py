@@ -60,11 +60,15 @@ class BadStepGuard:
 class Trainer:
     """Owns one run: the layout (:class:`Setup`), the data iterators, the state and the log."""
 
-    def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True):
-        self.cfg, self.show_progress = cfg, progress
+    def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True,
+                 weights_loader: Callable[[str, ConfigDict, Any], Any] | None = None):
+        """``weights_loader(path, model_cfg, shardings)``: reads ``train.init_from`` onto the mesh
+        (the CLI passes :func:`jaxpar.port.weights.load_checked`: the HF format lives with the
+        importers, and the trainer does not import them)."""
+        self.cfg, self.show_progress, self.weights_loader = cfg, progress, weights_loader
         self.echo = echo if jax.process_index() == 0 else (lambda _: None)
         self.layout = ParallelLayout.from_config(cfg)
-        self.mesh = make_mesh(ParallelLayout.from_config(cfg))
+        self.mesh = make_mesh(self.layout)
         self.setup = Setup(cfg, self.mesh)
         t = cfg.train
         pidx, pcount = self.setup.feed.data_split  # the rows of this process's data shards
@@ -102,7 +106,12 @@ class Trainer:
             restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
         if restored is None:
             if self.cfg.train.init_from:  # fine-tuning: start from HF weights, a fresh optimizer
-                self.params, self.opt_state = self.setup.init_from_hf(self.cfg.train.init_from)
+                if self.weights_loader is None:
+                    raise ConfigError("train.init_from is set but this trainer has no weights loader; run "
+                                      "`jaxpar train`, or pass Trainer(weights_loader=jaxpar.port.weights.load_checked)")
+
+                hf = self.weights_loader(self.cfg.train.init_from, self.cfg.model, self.setup.model_param_shardings)
+                self.params, self.opt_state = self.setup.init_from_hf(hf)
                 self.echo(f"initialised from HF weights in {self.cfg.train.init_from}")
             else:
                 self.params, self.opt_state = self.setup.init(self.cfg.train.seed)

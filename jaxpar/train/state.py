@@ -15,7 +15,6 @@ into ``ends`` split over ``pipeline``. ``init`` builds that form; checkpoints ho
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
@@ -24,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigDict, ConfigError, validate
-from jaxpar.models import llama
+from jaxpar.config import ConfigDict, validate
+from jaxpar.models import get_model
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
@@ -38,12 +37,13 @@ class Setup:
 
     def __init__(self, cfg: ConfigDict, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.pipeline = pipeline_lib.Pipeline.from_config(cfg) if cfg.mesh.pipeline > 1 else None
         self.layout = validate(cfg, mesh.devices.size)  # the step runs what validates
+        self.model = get_model(cfg.model)  # the model family (jaxpar.models), validated
+        self.pipeline = pipeline_lib.Pipeline.from_config(cfg, self.model) if cfg.mesh.pipeline > 1 else None
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
-        self.model_abstract_params = jax.eval_shape(functools.partial(llama.init_params, cfg.model), jax.random.key(0))
-        model_logical = llama.logical_axes(cfg.model)
+        self.model_abstract_params = self.model.abstract_params()
+        model_logical = self.model.logical_axes()
         self.abstract_params, self.logical = self.model_abstract_params, model_logical
         if stages > 1:  # the stage form (see the module docstring)
             self.abstract_params = jax.eval_shape(
@@ -80,11 +80,11 @@ class Setup:
     # ------------------------------------------------------------------ init
     def init(self, seed: int) -> tuple[Any, Any]:
         """Initialise parameters and optimizer state, each device creating only its shard."""
-        model_cfg, stages, virtual = self.cfg.model, self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
+        model, stages, virtual = self.model, self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
 
         @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
         def _init(key):
-            params = llama.init_params(model_cfg, key)
+            params = model.init(key)
             if stages > 1:
                 params = pipeline_lib.to_stage_form(params, stages, virtual)
             return params, init_opt_state(params)
@@ -92,17 +92,12 @@ class Setup:
         with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
             return _init(jax.random.key(seed))
 
-    def init_from_hf(self, path: str) -> tuple[Any, Any]:
-        """Parameters from an HF LLaMA checkpoint (each device reads only its shard) and a fresh
-        optimizer state, in this layout's form. A ``config.json`` beside the weights must describe
-        the configured model: the first differing field raises a one-line :class:`ConfigError`
-        naming the override that fixes it (missing or misshapen tensors raise one too)."""
-        from jaxpar.port import weights  # train -> port: the HF layout lives with the importers
-
-        check_hf_model(path, self.cfg.model)
-        params = weights.load_hf(path, self.cfg.model, self.model_param_shardings)
-        opt = jax.jit(init_opt_state, out_shardings=self.model_opt_shardings)(params)
-        return self.from_model_order(params, opt)
+    def init_from_hf(self, source: Any) -> tuple[Any, Any]:
+        """This layout's (parameters, fresh optimizer state) from HF weights: ``source`` holds the
+        model-form parameters loaded with :attr:`model_param_shardings` (the trainer's edge reads
+        them with ``jaxpar.port.weights.load_checked``, each device reading only its shard)."""
+        opt = jax.jit(init_opt_state, out_shardings=self.model_opt_shardings)(source)
+        return self.from_model_order(source, opt)
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
@@ -151,7 +146,7 @@ class Setup:
         def local_eval(params, tokens):
             if self.pipeline is not None:
                 return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), "data")
-            return jax.lax.psum(llama.loss_sum(params, tokens, ctx), "data")
+            return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), "data")
 
         fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
         return jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))
@@ -185,34 +180,6 @@ def one_device_checkpoint_state(cfg: ConfigDict) -> tuple[Any, Any]:
     one.pipeline.virtual_stages = 1
     params, opt, _ = Setup(one, single_device_mesh()).abstract_state(model_form=True)
     return params, opt
-
-
-# model fields an HF config.json fixes: (jaxpar field, HF key in the message)
-HF_MODEL_FIELDS = (
-    ("vocab_size", "vocab_size"), ("embed_dim", "hidden_size"), ("num_layers", "num_hidden_layers"),
-    ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
-    ("mlp_dim", "intermediate_size"), ("tie_embeddings", "tie_word_embeddings"), ("rope_theta", "rope_theta"),
-    ("norm_eps", "rms_norm_eps"), ("mlp_activation", "hidden_act"), ("norm", "model_type"),
-    ("position", "model_type"),
-)
-
-
-def check_hf_model(path: str, model_cfg: ConfigDict) -> None:
-    """Compare the configured model with the ``config.json`` next to HF weights (if there is one)."""
-    from jaxpar.port import weights
-
-    directory = path if os.path.isdir(path) else os.path.dirname(path)
-    config_json = os.path.join(directory, "config.json")
-    if not os.path.exists(config_json):
-        return
-    hf = weights.model_config_from_hf(config_json)
-    for field, key in HF_MODEL_FIELDS:
-        want, have = hf[field], model_cfg[field]
-        if want != have:
-            raise ConfigError(
-                f"train.init_from: {config_json} has {key} giving model.{field}={want!r} but the config has "
-                f"{have!r}; set --config.model.{field}={want}"
-            )
 
 
 class TrainStep:

@@ -16,7 +16,7 @@ stage      parameters          gradient reduction over ``data``            optim
 =========  ==================  =========================================  =====================
 
 Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path.
-Tensor parallelism lives in the model (:mod:`jaxpar.models.llama`). With ``mesh.pipeline > 1`` the
+Tensor parallelism lives in the model (:mod:`jaxpar.models`, reached through its interface). With ``mesh.pipeline > 1`` the
 microbatches run through :mod:`jaxpar.parallel.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
 also marked varying over ``pipeline`` and their stage-local gradients summed over it. Every ZeRO stage
@@ -27,6 +27,7 @@ combines with it: ZeRO-2 reduce-scatters each backward tick's gradients into a s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.compat import all_gather_invariant
 from jaxpar.config import ConfigDict
-from jaxpar.models import llama
+from jaxpar.models import get_model
+from jaxpar.models.base import Model, ShardContext
+from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamLayout, Strategy, is_layout
 
@@ -68,19 +71,18 @@ class StepBuilder:
     pipeline: Pipeline | None = None  # set when mesh.pipeline > 1
 
     # ------------------------------------------------------------------ helpers
-    def context(self) -> llama.ShardContext:
-        zero3_dims = tuple(
-            (jax.tree_util.keystr(path), lay.zero_dim)
-            for path, lay in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=is_layout)
-            if lay.sharded_storage
-        )
-        return llama.context_for(
-            self.model_cfg,
+    @functools.cached_property
+    def model(self) -> Model:
+        """The model family of ``model_cfg`` (:func:`jaxpar.models.get_model`)."""
+        return get_model(self.model_cfg)
+
+    def context(self) -> ShardContext:
+        """The model's shard context: mesh axes, sequence parallelism and ZeRO-3's tree of split dims."""
+        return self.model.context(
             tensor_axis="tensor",
             data_axis="data",
             sequence_parallel=self.strategy.sequence_parallel,
-            zero3=bool(zero3_dims),
-            zero3_dims=zero3_dims,
+            zero3_dims=zero.zero3_dims(self.layouts),
         )
 
     def _reduce_dtype(self):
@@ -136,7 +138,7 @@ class StepBuilder:
         local_params = _map_layouts(to_varying, self.layouts, params)
 
         def micro_grads(tokens):
-            return jax.value_and_grad(lambda p: llama.loss_sum(p, tokens, ctx) * scale)(local_params)
+            return jax.value_and_grad(lambda p: self.model.loss_sum(p, tokens, ctx) * scale)(local_params)
 
         if self.pipeline is not None:  # the schedule accumulates over microbatches
             scatter = None

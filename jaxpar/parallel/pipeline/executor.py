@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ConfigDict
-from jaxpar.models import llama
+from jaxpar.models import get_model
+from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel.pipeline.forms import ENDS
 from jaxpar.parallel.pipeline.schedule import (
     Program,
@@ -120,13 +121,14 @@ def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array) -> di
     return _cond(owner, _scoped(SCOPE_ENDS, scatter), skip, grads)
 
 
-def _view(shared: dict, ctx: llama.ShardContext) -> dict:
+def _view(model: Model, shared: dict, ctx: ShardContext) -> dict:
     """The model's view of a stage's non-block parameters: this stage's slot of ``ends`` (the
     embedding on the first stage, the transposed output layer on the last) serves as ``embed``,
-    which :func:`llama.logits_local` uses as ``[vocab, embed]`` output layer when there is no
-    ``lm_head`` (as for tied embeddings). With ZeRO-3 the shards are gathered over ``data`` here,
-    inside the first / last stage's branch, so only those stages gather them."""
-    shared = llama.gather_zero3(shared, ctx)
+    which the model's head uses as ``[vocab, embed]`` output layer when there is no ``lm_head``
+    (as for tied embeddings). With ZeRO-3 the shards are gathered over ``data`` here
+    (:meth:`~jaxpar.models.base.Model.gather_shared`), inside the first / last stage's branch, so
+    only those stages gather them."""
+    shared = model.gather_shared(shared, ctx)
     if ENDS not in shared:
         return shared
     return {**{k: val for k, val in shared.items() if k != ENDS}, "embed": shared[ENDS][0]}
@@ -140,22 +142,22 @@ def _chunk(blocks: dict, chunk: jax.Array, virtual_stages: int) -> dict:
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0), blocks)
 
 
-def _stage(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array, last: jax.Array | None,
-           ctx: llama.ShardContext, scale: float) -> tuple[jax.Array, jax.Array | None]:
+def _stage(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array, last: jax.Array | None,
+           ctx: ShardContext, scale: float) -> tuple[jax.Array, jax.Array | None]:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    x = _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(shared, ctx), inputs, ctx)), lambda x: x, x_in)
-    y = llama.run_blocks(x, chunk, jnp.arange(inputs.shape[1]), ctx)
+    x = _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, shared, ctx), inputs, ctx)), lambda x: x, x_in)
+    y = model.run_blocks(x, chunk, jnp.arange(inputs.shape[1]), ctx)
 
     def loss(y):
-        return llama.cross_entropy_sum(llama.logits_local(_view(shared, ctx), y, ctx), targets, ctx) * scale
+        return model.head_loss(_view(model, shared, ctx), y, targets, ctx) * scale
 
     return y, None if last is None else _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
 
-def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
-                             last: jax.Array, g_y: jax.Array, acc: dict, row: jax.Array, ctx: llama.ShardContext,
+def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
+                             last: jax.Array, g_y: jax.Array, acc: dict, row: jax.Array, ctx: ShardContext,
                              scale: float, dims: dict, dtype: Any) -> tuple[jax.Array, jax.Array, dict]:
     """The backward of :func:`_stage` layer by layer, for full rematerialisation: a forward scan keeps
     each layer's input, then a reverse scan recomputes one layer under ``jax.vjp`` and adds its
@@ -165,15 +167,14 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.arange(inputs.shape[1])
 
-    def block(x, layer):
-        return llama._block(x, llama.gather_zero3(layer, ctx, "['blocks']", 1), positions, ctx)
+    block = model.layer_step(positions, ctx)  # one stored layer, gathered under ZeRO-3
 
     def embed(sh, x):
-        return _cond(first, _scoped(SCOPE_FIRST, lambda x: llama.embed_tokens(_view(sh, ctx), inputs, ctx)), lambda x: x, x)
+        return _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, sh, ctx), inputs, ctx)), lambda x: x, x)
 
     def head(sh, y):
         def loss(y):
-            return llama.cross_entropy_sum(llama.logits_local(_view(sh, ctx), y, ctx), targets, ctx) * scale
+            return model.head_loss(_view(model, sh, ctx), y, targets, ctx) * scale
 
         return _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
@@ -206,13 +207,13 @@ def _stage_backward_by_layer(shared: dict, chunk: dict, x_in: jax.Array, tokens:
     return loss, d_x, {**acc_shared, "blocks": acc_blocks}
 
 
-def _boundary_types(shared: dict, blocks: dict, batch: jax.Array, ctx: llama.ShardContext, v: int,
+def _boundary_types(model: Model, shared: dict, blocks: dict, batch: jax.Array, ctx: ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
-    emb = jax.eval_shape(lambda: llama.embed_tokens(_view(shared, ctx), batch[0][:, :-1], ctx))
+    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, ctx), batch[0][:, :-1], ctx))
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
-    y, loss = jax.eval_shape(lambda: _stage(shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
+    y, loss = jax.eval_shape(lambda: _stage(model, shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
     return emb, axes | _varying(y), _varying(loss)
 
 
@@ -238,7 +239,7 @@ def _store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
     return buf.at[slot].set(x, mode="drop")
 
 
-def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContext, table: ScheduleTable,
+def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: ShardContext, table: ScheduleTable,
                              prog: Program, scale: float, scatter: tuple[dict, Any] | None) -> tuple[jax.Array, dict]:
     """1F1B / interleaved: one scan over the table's ticks, explicit ``jax.vjp`` per backward.
     ``scatter`` (ZeRO-2): (dims tree like ``params``, reduce dtype); each backward tick
@@ -246,7 +247,7 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
     p, v = table.stages, table.virtual_stages
     d = jax.lax.axis_index(AXIS)
     shared, blocks = _split(params)
-    act, act_axes, loss_axes = _boundary_types(shared, blocks, batch, ctx, v, scale)
+    act, act_axes, loss_axes = _boundary_types(model, shared, blocks, batch, ctx, v, scale)
     zeros_act = functools.partial(_zeros, act.shape, act.dtype, act_axes)
     # Full rematerialisation trades compute for memory: there the backward also runs the microbatch's
     # sequences one at a time (the same flops; the working set of one sequence) and layer by layer;
@@ -276,7 +277,7 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
             return zeros_act(), zeros_act(), acc, loss
 
         def forward(acc, loss):
-            y, _ = _stage(shared, _chunk(blocks, chunk, v), act_in(), tokens, first, None, ctx, scale)
+            y, _ = _stage(model, shared, _chunk(blocks, chunk, v), act_in(), tokens, first, None, ctx, scale)
             return y, zeros_act(), acc, loss
 
         def backward(acc, loss):
@@ -292,12 +293,12 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
                 x_in, g_y = act_in(j * rows, rows), grad_in(j * rows, rows)
                 if by_layer:
                     stage_loss, d_x, acc = _stage_backward_by_layer(
-                        shared, _chunk(blocks, chunk, v), x_in, part(tokens), first, last, g_y, acc, chunk * size,
+                        model, shared, _chunk(blocks, chunk, v), x_in, part(tokens), first, last, g_y, acc, chunk * size,
                         ctx, scale, dims, dtype
                     )
                 else:
                     def f(sh, ch, x):
-                        return _stage(sh, ch, x, part(tokens), first, last, ctx, scale)
+                        return _stage(model, sh, ch, x, part(tokens), first, last, ctx, scale)
 
                     (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
                     g_y = jnp.where(last, jnp.zeros_like(y), g_y)
@@ -343,7 +344,7 @@ def _explicit_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardCon
     return _reduce_shared(loss, grads)
 
 
-def _gpipe_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContext, table: ScheduleTable,
+def _gpipe_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: ShardContext, table: ScheduleTable,
                           prog: Program, scale: float) -> tuple[jax.Array, dict]:
     """GPipe: the forward ticks as a differentiated scan; JAX's transpose runs the backward ticks."""
     p, m = table.stages, table.microbatches
@@ -352,7 +353,7 @@ def _gpipe_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContex
 
     def forward(params):
         shared, blocks = _split(params)
-        act, act_axes, loss_axes = _boundary_types(shared, blocks, batch, ctx, 1, scale)
+        act, act_axes, loss_axes = _boundary_types(model, shared, blocks, batch, ctx, 1, scale)
 
         def tick(carry, xs):
             x, loss = carry
@@ -361,7 +362,7 @@ def _gpipe_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContex
             tokens = jax.lax.dynamic_index_in_dim(batch, jnp.clip(mb, 0, m - 1), 0, keepdims=False)
 
             def work(x):
-                return _stage(shared, blocks, x, tokens, d == 0, d == p - 1, ctx, scale)
+                return _stage(model, shared, blocks, x, tokens, d == 0, d == p - 1, ctx, scale)
 
             def skip(x):
                 return x, jnp.zeros((), jnp.float32)
@@ -378,7 +379,7 @@ def _gpipe_loss_and_grads(params: dict, batch: jax.Array, ctx: llama.ShardContex
     return _reduce_shared(loss, grads)
 
 
-def eval_loss_sum(params: dict, tokens: jax.Array, ctx: llama.ShardContext, stages: int,
+def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, stages: int,
                   virtual_stages: int) -> jax.Array:
     """Summed loss of ``tokens`` (b, s+1) through the pipeline, forward only: the microbatch walks
     the p*v virtual stages in order (one stage busy at a time); the loss is summed over stages."""
@@ -387,12 +388,12 @@ def eval_loss_sum(params: dict, tokens: jax.Array, ctx: llama.ShardContext, stag
     shared, blocks = _split(params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.arange(inputs.shape[1])
-    x = llama.embed_tokens(_view(shared, ctx), inputs, ctx)
+    x = model.embed(_view(model, shared, ctx), inputs, ctx)
     x = _vary(x, _varying(x) | {AXIS})
     ring = [(j, (j + 1) % p) for j in range(p)]
 
     def run(x, k):
-        return _cond(d == k % p, lambda x: llama.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx),
+        return _cond(d == k % p, lambda x: model.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx),
                      lambda x: x, x)
 
     def step(x, k):
@@ -402,27 +403,30 @@ def eval_loss_sum(params: dict, tokens: jax.Array, ctx: llama.ShardContext, stag
     x = run(x, p * v - 1)  # the last virtual stage is on the last device, which holds the head
 
     def loss(x):
-        return llama.cross_entropy_sum(llama.logits_local(_view(shared, ctx), x, ctx), targets, ctx)
+        return model.head_loss(_view(model, shared, ctx), x, targets, ctx)
 
     return jax.lax.psum(_cond(d == p - 1, loss, lambda x: jnp.zeros((), jnp.float32), x), AXIS)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pipeline:
-    """A layout's pipeline: the schedule table, its lowered program, and the executors."""
+    """A layout's pipeline: the schedule table, its lowered program, the model whose stages it
+    runs (:class:`~jaxpar.models.base.Model`), and the executors."""
 
     table: ScheduleTable
     program: Program
+    model: Model
 
     @classmethod
-    def from_config(cls, cfg: ConfigDict) -> Pipeline:
-        """Build the schedule of a validated config (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)."""
+    def from_config(cls, cfg: ConfigDict, model: Model | None = None) -> Pipeline:
+        """Build the schedule of a validated config (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`);
+        ``model`` defaults to ``get_model(cfg.model)``."""
         table = build_schedule(
             cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
         )
-        return cls(table, compile_program(table))
+        return cls(table, compile_program(table), model or get_model(cfg.model))
 
-    def loss_and_grads(self, params: dict, batch: jax.Array, ctx: llama.ShardContext, scale: float,
+    def loss_and_grads(self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float,
                        scatter: tuple[dict, Any] | None = None) -> tuple[jax.Array, dict]:
         """Inside the shard_map: the scaled loss summed over stages and microbatches, and the local
         gradients (block gradients of this stage's layers; embedding / head gradients summed over
@@ -430,8 +434,8 @@ class Pipeline:
         ``scatter`` (ZeRO-2, 1F1B / interleaved): (zero dim per parameter, -1 for none; reduce
         dtype): those gradients come back reduce-scattered over ``data``."""
         if self.table.schedule == "gpipe":
-            return _gpipe_loss_and_grads(params, batch, ctx, self.table, self.program, scale)
-        return _explicit_loss_and_grads(params, batch, ctx, self.table, self.program, scale, scatter)
+            return _gpipe_loss_and_grads(self.model, params, batch, ctx, self.table, self.program, scale)
+        return _explicit_loss_and_grads(self.model, params, batch, ctx, self.table, self.program, scale, scatter)
 
-    def eval_loss_sum(self, params: dict, tokens: jax.Array, ctx: llama.ShardContext) -> jax.Array:
-        return eval_loss_sum(params, tokens, ctx, self.table.stages, self.table.virtual_stages)
+    def eval_loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
+        return eval_loss_sum(self.model, params, tokens, ctx, self.table.stages, self.table.virtual_stages)

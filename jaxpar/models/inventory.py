@@ -1,7 +1,8 @@
-"""The layout and the parameter inventory the estimates count with (no JAX, no allocation).
+"""The layout and the parameter inventory the estimates count with (nothing allocated).
 
 The layout is :class:`jaxpar.layout.ParallelLayout`; here: the model's parameter
-tensors with their logical dims and pipeline placement (:func:`param_tensors`), and how many
+tensors with their logical dims and pipeline placement (:func:`param_tensors`, derived from the
+model interface with ``jax.eval_shape``), and how many
 elements of each a device holds under the jaxpar sharding rules (:func:`shard_elements`,
 :func:`stage_tensors`). Used by :mod:`jaxpar.analysis.estimate` and :mod:`jaxpar.analysis.traffic`.
 """
@@ -14,9 +15,10 @@ import math
 
 from jaxpar.config import ConfigDict
 from jaxpar.layout import RECOMPUTE, ParallelLayout  # noqa: F401 - RECOMPUTE re-exported
+from jaxpar.sharding import TENSOR_RULES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TENSOR_DIMS = frozenset({"heads", "kv_heads", "mlp", "vocab"})  # logical dims split over `tensor`
+TENSOR_DIMS = frozenset(TENSOR_RULES)  # logical dims split over `tensor` (heads, kv_heads, mlp, vocab)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -35,44 +37,44 @@ class ParamTensor:
         return math.prod(n for _, n in self.dims)
 
 
-_SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                 "max_seq_len", "tie_embeddings", "mlp_activation", "norm", "position")  # fmt: skip
-
-
 def param_tensors(model: ConfigDict) -> tuple[ParamTensor, ...]:
-    """Every parameter tensor of our block, per layer or per model, with logical dim names.
+    """Every parameter tensor of the model, per layer or per model, with logical dim names.
 
-    LLaMA block: q (embed, heads*hd), k/v (embed, kv_heads*hd), o (heads*hd, embed), SwiGLU gate/up
-    (embed, mlp) and down (mlp, embed), two RMSNorm scales (embed); final norm; embedding (vocab,
-    embed); untied output (embed, vocab). Classic GPT switches: ``gelu`` drops the gate, ``layernorm``
-    adds a bias to every norm, ``learned`` adds a (max_seq_len, embed) position table. Linear layers
-    have no biases (as in param_count_estimate). Cached per shape: the planner calls this a lot.
+    Derived from the model interface (:mod:`jaxpar.models`), not written by hand: the shapes of
+    ``jax.eval_shape(init)`` (abstract: nothing allocated, so 70B / 175B configs cost milliseconds)
+    and the logical axes. A leaf of the stacked (scanned) subtree is one ``layer`` tensor (its
+    leading ``layers`` dim dropped), named by its path inside the subtree (``attn_wq``,
+    ``attn_norm_bias``); every other leaf takes its top-level entry's role (``embedding``,
+    ``positions`` on the first pipeline stage; ``final_norm_scale``, ``output`` on the last).
+    Cached per model config: the planner calls this for every layout it searches.
     """
-    return _param_tensors(tuple(model[k] for k in _SHAPE_FIELDS))
+    return _param_tensors(tuple(sorted(dict(model).items())))
 
 
-@functools.lru_cache(maxsize=256)
-def _param_tensors(shape: tuple) -> tuple[ParamTensor, ...]:
-    m = dict(zip(_SHAPE_FIELDS, shape))
-    h, hd, f, vocab = ("embed", m["embed_dim"]), m["head_dim"], ("mlp", m["mlp_dim"]), ("vocab", m["vocab_size"])
-    q, kv = ("heads", m["num_heads"] * hd), ("kv_heads", m["num_kv_heads"] * hd)
-    norm = [("scale", (h,))] + ([("bias", (h,))] if m["norm"] == "layernorm" else [])
-    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "up": (h, f), "down": (f, h)}
-    if m["mlp_activation"] == "swiglu":
-        shapes["gate"] = (h, f)
-    out = [ParamTensor(name, dims, "layer") for name, dims in shapes.items()]
-    out += [ParamTensor(f"{n}_{k}", d, "layer") for n in ("attn_norm", "mlp_norm") for k, d in norm]
-    out.append(ParamTensor("embedding", (vocab, h), "first"))
-    if m["position"] == "learned":
-        out.append(ParamTensor("positions", (("pos", m["max_seq_len"]), h), "first"))
-    out += [ParamTensor(f"final_norm_{k}", d, "last") for k, d in norm]
-    if not m["tie_embeddings"]:
-        out.append(ParamTensor("output", (h, vocab), "last"))
+@functools.lru_cache(maxsize=64)
+def _param_tensors(items: tuple) -> tuple[ParamTensor, ...]:
+    import jax
+
+    from jaxpar.models import get_model
+    from jaxpar.models.base import ROLE_STAGE
+
+    m = get_model(ConfigDict(dict(items)))
+    abstract, logical = m.abstract_params(), m.logical_axes()
+    flat_names = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+    out = []
+    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract), flat_names):
+        keys = tuple(str(k.key) for k in path)
+        dims = tuple(zip(names, leaf.shape))
+        if keys[0] == m.stacked:
+            out.append(ParamTensor("_".join(keys[1:]), dims[1:], "layer"))
+        else:
+            role = m.roles[keys[0]]
+            out.append(ParamTensor("_".join((role, *keys[1:])), dims, ROLE_STAGE[role]))
     return tuple(out)
 
 
 def count_params(model: ConfigDict) -> int:
-    """Exact parameter count (equals jaxpar.config.param_count_estimate)."""
+    """Exact parameter count (the size of ``jax.eval_shape(init)``)."""
     return sum(t.size * (model.num_layers if t.place == "layer" else 1) for t in param_tensors(model))
 
 
@@ -84,7 +86,8 @@ def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard:
     (``zero_shard``) shards over ``data`` the largest dimension that the tensor rules do not map (a
     heads/kv_heads/mlp/vocab dim is never a ZeRO candidate, even at tensor=1) and whose size is
     divisible by ``data``; ties go to the first such dim. If none divides, the tensor stays
-    replicated over data. The stacked layer (scan) dimension is never sharded by ZeRO.
+    replicated over data. The stacked layer (scan) dimension is never sharded by ZeRO (it is not
+    among ``tensor.dims``). As :func:`jaxpar.sharding.zero_dim`, on the parameter's real dims.
     """
     elements = float(tensor.size)
     if any(name in TENSOR_DIMS for name, _ in tensor.dims):

@@ -1,0 +1,196 @@
+"""The model interface: what the train step, the pipeline, ZeRO-3, the planner and the importers use.
+
+A model family is a subclass of :class:`Model` registered under a ``model.name``
+(:mod:`jaxpar.models`). Everything outside ``jaxpar/models`` reaches the model only through it:
+
+* :meth:`Model.init` (parameters as a plain nested dict) and :meth:`Model.logical_axes` (the same
+  tree of logical dim names, which :mod:`jaxpar.sharding` maps to mesh axes);
+* the shard-local forward pieces, run inside ``shard_map`` with explicit collectives (Megatron
+  style, Shoeybi et al. 2019): :meth:`Model.embed`, :meth:`Model.block` (one layer: the layer scan
+  and the pipeline stages run it), :meth:`Model.head_loss` (final norm, logits and the
+  vocabulary-parallel cross-entropy sum) and their composition :meth:`Model.loss_sum`;
+* the name of the stacked (scanned) subtree (:attr:`Model.stacked`, leading ``layers`` dim) and the
+  role of every other top-level entry (:attr:`Model.roles`: ``embedding`` / ``positions`` on the
+  first pipeline stage, ``final_norm`` / ``output`` on the last), from which the planner's
+  parameter inventory (:mod:`jaxpar.models.inventory`) is derived with ``jax.eval_shape``;
+* :attr:`Model.hf`: the Hugging Face tensor-name map and ``config.json`` field map used by
+  :mod:`jaxpar.port.weights` (``None``: the family has no HF checkpoint format).
+
+ZeRO-3 reaches the model as a tree of split dims in :attr:`ShardContext.zero3_dims`
+(:mod:`jaxpar.parallel.zero`); :meth:`Model.gather_shared` and :meth:`Model.run_blocks` gather with
+it, so a family writes no ZeRO code and matches no parameter paths.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import ConfigDict
+from jaxpar.parallel import zero
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Role of a top-level (non-stacked) parameter -> the pipeline stage that uses it (Megatron's placement).
+ROLE_STAGE = {"embedding": "first", "positions": "first", "final_norm": "last", "output": "last"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardContext:
+    """Static facts the shard-local forward pass needs. Families subclass it to add their settings.
+
+    ``zero3_dims``: ZeRO-3's tree of split dims, like the parameter tree
+    (:func:`jaxpar.parallel.zero.zero3_dims`); ``None`` without ZeRO-3. Not hashed (a dict).
+    """
+
+    tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
+    data_axis: str | None = None
+    sequence_parallel: bool = False
+    zero3_dims: Any = dataclasses.field(default=None, hash=False)
+    remat: str = "none"
+    compute_dtype: str = "bfloat16"
+
+    @property
+    def zero3(self) -> bool:
+        """Whether parameters are gathered over ``data`` (ZeRO-3)."""
+        return self.zero3_dims is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One HF tensor <-> one jaxpar parameter.
+
+    ``kind``: ``copy``; ``transpose`` (HF ``nn.Linear`` is (out, in)); ``heads_in``: jaxpar
+    (h, n, d) <-> HF (n*d, h); ``heads_out``: jaxpar (n, d, h) <-> HF (h, n*d). ``name`` holds
+    ``{i}`` for the layers of the stacked subtree. ``what``: the HF shape in model-config terms (for
+    messages). ``rope``: rows rotated by RoPE (permuted for Meta's interleaved layout).
+    """
+
+    path: tuple[str, ...]
+    name: str
+    kind: str
+    what: str
+    rope: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMap:
+    """A family's HF checkpoint format: tensor names, config.json fields, required settings."""
+
+    tensors: tuple[HFTensor, ...]
+    config_fields: tuple[tuple[str, str], ...]  # (model.<field>, the HF config.json key naming it)
+    requires: tuple[tuple[str, Any], ...] = ()  # (model.<field>, value) the format can hold
+    label: str = "HF"  # in messages: "HF LLaMA checkpoints need ..."
+
+
+class Model(abc.ABC):
+    """A model family bound to one ``model`` config. Subclasses set the class attributes and
+    implement the abstract methods; the ZeRO-3 gathers, the layer scan with remat and the whole
+    loss are written here once."""
+
+    name: ClassVar[str]
+    stacked: ClassVar[str] = "blocks"  # the subtree whose leaves carry a leading `layers` dim
+    roles: ClassVar[Mapping[str, str]] = {}  # top-level key -> role (see ROLE_STAGE)
+    hf: ClassVar[HFMap | None] = None
+
+    def __init__(self, cfg: ConfigDict):
+        self.cfg = cfg
+
+    @classmethod
+    def validate(cls, cfg: ConfigDict) -> None:
+        """Raise a one-line :class:`~jaxpar.config.ConfigError` for settings the family cannot run
+        (the shared fields are checked by :func:`jaxpar.config.validate`; nothing more by default)."""
+        return None
+
+    # ------------------------------------------------------------------ parameters
+    @abc.abstractmethod
+    def init(self, key: jax.Array) -> dict:
+        """Parameters as a plain nested dict."""
+
+    @abc.abstractmethod
+    def logical_axes(self) -> dict:
+        """Logical dim names of every parameter: the :meth:`init` tree with tuples of str as leaves."""
+
+    def abstract_params(self) -> Any:
+        """Shapes and dtypes of :meth:`init` (``jax.eval_shape``: nothing allocated)."""
+        return jax.eval_shape(self.init, jax.random.key(0))
+
+    # ------------------------------------------------------------------ forward (shard-local)
+    @abc.abstractmethod
+    def context(self, **parallel: Any) -> ShardContext:
+        """The family's :class:`ShardContext` with its settings and the given parallel facts."""
+
+    @abc.abstractmethod
+    def embed(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
+        """Token (and position) embedding of ``tokens`` (b, s): the first layer's input, reduced
+        over ``ctx.tensor_axis`` (the same on every tensor rank; sequence-split with SP)."""
+
+    @abc.abstractmethod
+    def block(self, x: jax.Array, layer: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
+        """One layer; ``layer`` is one slice of the stacked subtree (already gathered under ZeRO-3).
+        The output, like the input, is reduced over ``ctx.tensor_axis`` (Megatron's "g")."""
+
+    @abc.abstractmethod
+    def head_loss(self, params: dict, x: jax.Array, targets: jax.Array, ctx: ShardContext) -> jax.Array:
+        """Final norm, logits and the summed next-token cross-entropy of ``targets``: an fp32
+        scalar reduced over ``ctx.tensor_axis`` (vocabulary-parallel), local to this data shard."""
+
+    # ------------------------------------------------------------------ written once
+    def gather_shared(self, params: dict, ctx: ShardContext) -> dict:
+        """ZeRO-3: gather the non-stacked entries of ``params`` (any subset of the top level);
+        the stacked subtree is gathered one layer at a time by :meth:`run_blocks`."""
+        if not ctx.zero3:
+            return params
+        dims, dt = ctx.zero3_dims, DTYPES[ctx.compute_dtype]
+        return {k: v if k == self.stacked else zero.gather_tree(v, dims[k], ctx.data_axis, dt)
+                for k, v in params.items()}
+
+    def run_blocks(self, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
+        """Scan :meth:`block` over the leading ``layers`` dim of ``blocks`` (gathering each layer
+        under ZeRO-3), rematerialised per ``ctx.remat`` (:func:`jaxpar.parallel.zero.remat_policy`)."""
+        return scan_layers(self.block, x, blocks, positions, ctx, self.stacked)
+
+    def layer_step(self, positions: jax.Array, ctx: ShardContext):
+        """``(x, layer) -> x`` for one stored layer (gathered first under ZeRO-3): what a
+        layer-by-layer backward (the pipeline's full-remat path) differentiates."""
+        return layer_step(self.block, positions, ctx, self.stacked)
+
+    def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
+        """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows)."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        params = self.gather_shared(params, ctx)
+        x = self.embed(params, inputs, ctx)
+        x = self.run_blocks(x, params[self.stacked], jnp.arange(inputs.shape[1]), ctx)
+        return self.head_loss(params, x, targets, ctx)
+
+
+def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
+    """``(x, layer) -> block(x, gathered layer)``: one stored layer, gathered under ZeRO-3."""
+    dims = zero.layer_dims(ctx.zero3_dims[stacked]) if ctx.zero3 else None
+    dt = DTYPES[ctx.compute_dtype]
+
+    def one(x: jax.Array, layer: dict) -> jax.Array:
+        if dims is not None:
+            layer = zero.gather_tree(layer, dims, ctx.data_axis, dt)
+        return block(x, layer, positions, ctx)
+
+    return one
+
+
+def scan_layers(block, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext,
+                stacked: str = "blocks") -> jax.Array:
+    """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or
+    ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters)."""
+    one = layer_step(block, positions, ctx, stacked)
+
+    def body(carry, layer):
+        return one(carry, layer), None
+
+    if ctx.remat != "none" or ctx.zero3:
+        body = jax.checkpoint(body, policy=zero.remat_policy(ctx.remat), prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, blocks)
+    return x
