@@ -28,19 +28,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
 
 # Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
 TENSOR_RULES: Mapping[str, str] = {
-    "vocab": "tensor",  # vocabulary-parallel embedding and logits / cross-entropy
-    "heads": "tensor",  # QKV column-parallel, attention output row-parallel
-    "kv_heads": "tensor",
-    "mlp": "tensor",  # MLP up/gate column-parallel, down row-parallel
+    "vocab": MeshAxis.TENSOR,  # vocabulary-parallel embedding and logits / cross-entropy
+    "heads": MeshAxis.TENSOR,  # QKV column-parallel, attention output row-parallel
+    "kv_heads": MeshAxis.TENSOR,
+    "mlp": MeshAxis.TENSOR,  # MLP up/gate column-parallel, down row-parallel
 }
 # Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
 # With an untied output layer the embedding and output layer share one table per stage
 # (jaxpar.parallel.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
-PIPELINE_RULES: Mapping[str, str] = {"layers": "pipeline", "stages": "pipeline"}
+PIPELINE_RULES: Mapping[str, str] = {"layers": MeshAxis.PIPELINE, "stages": MeshAxis.PIPELINE}
 NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 
 
@@ -80,18 +81,18 @@ class ParamLayout:
 
     @property
     def sharded_storage(self) -> bool:
-        return "data" in self.storage
+        return MeshAxis.DATA in self.storage
 
     @property
     def sharded_optimizer(self) -> bool:
-        return "data" in self.optimizer
+        return MeshAxis.DATA in self.optimizer
 
 
 def _with_data(spec: tuple, dim: int | None) -> P:
     if dim is None:
         return P(*spec)
     out = list(spec)
-    out[dim] = "data" if out[dim] is None else (out[dim], "data")
+    out[dim] = MeshAxis.DATA if out[dim] is None else (out[dim], MeshAxis.DATA)
     return P(*out)
 
 
@@ -118,7 +119,7 @@ def param_layout(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Str
                 f"choose mesh.{axis} that divides {size}"
             )
         compute.append(axis)
-    zdim = zero_dim(shape, logical, strategy.rules, mesh_shape["data"])
+    zdim = zero_dim(shape, logical, strategy.rules, mesh_shape[MeshAxis.DATA])
     stage = strategy.zero_stage
     return ParamLayout(
         logical=logical,

@@ -43,6 +43,7 @@ from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, shape_bytes: re-exp
     parse_replica_groups,
     shape_bytes,
 )
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -323,7 +324,7 @@ def _stage_rows(ops: list[CollectiveOp], pipeline: Any, stage: int, coords: np.n
                 names: tuple[str, ...]) -> dict[tuple[str, tuple[str, ...]], CollectiveRow]:
     """Rows of one pipeline stage (its device at data = tensor = 0)."""
     device = next(i for i, c in enumerate(coords) if all(
-        c[k] == (stage if name == "pipeline" else 0) for k, name in enumerate(names)))
+        c[k] == (stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names)))
     rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
     for op in ops:
         share = pipeline_fraction(op.op_name, pipeline, stage)
@@ -380,9 +381,9 @@ def layout_summary(cfg: ConfigDict) -> dict[str, Any]:
     """The fields that define a layout, for reports."""
     m, p, t = cfg.mesh, cfg.parallel, cfg.train
     return {
-        "data": m.data,
-        "tensor": m.tensor,
-        "pipeline": m.pipeline,
+        MeshAxis.DATA: m.data,
+        MeshAxis.TENSOR: m.tensor,
+        MeshAxis.PIPELINE: m.pipeline,
         "zero_stage": p.zero_stage,
         "sequence_parallel": p.sequence_parallel,
         "microbatches": t.microbatches,
@@ -460,12 +461,12 @@ def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledRep
     memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar")}
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, expected_memory=memory)
     grad_bytes = DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
-    data = communication(cfg.model, layout, None, grad_bytes, "jaxpar")["data"]
+    data = communication(cfg.model, layout, None, grad_bytes, "jaxpar")[MeshAxis.DATA]
     for st in report.stages:
         traffic = jaxpar_stage_traffic(cfg.model, layout, st["stage"], grad_bytes)  # ZeRO-2/3: per stage
-        st["expected"] = {"data": traffic.get("data", (data.bytes,))[0], "tensor": traffic["tensor"][0],
-                          "pipeline": traffic["pipeline"][0]}
-    axes = ("data", "tensor", "pipeline")
+        st["expected"] = {MeshAxis.DATA: traffic.get(MeshAxis.DATA, (data.bytes,))[0], MeshAxis.TENSOR: traffic[MeshAxis.TENSOR][0],
+                          MeshAxis.PIPELINE: traffic[MeshAxis.PIPELINE][0]}
+    axes = (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE)
     busiest = max(report.stages, key=lambda st: sum(st[a] for a in axes))["stage"]
     report.warnings.append(
         f"pipeline layout: the rows are the busiest stage ({busiest}), each collective counted exactly from the "

@@ -29,6 +29,7 @@ from jaxpar.analysis.traffic import (  # noqa: F401 - re-exported
     communication,
     jaxpar_stage_traffic,
 )
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.models.flops import (  # noqa: F401 - re-exported
     flops_params,
@@ -290,10 +291,10 @@ def step_time(
     )
     bwd = compute * (1 - model_fpt / 3 / hw)  # all but the forward (2N + 4Lqs)
     window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]
-    data = comm["data"].time_s
+    data = comm[MeshAxis.DATA].time_s
     data_exposed = max(dp_exposed_fraction * data, data - window)
     bubble = bubble_fraction(p, m, layout.virtual_stages, layout.schedule)
-    tp, pp = comm["tensor"].time_s, comm["pipeline"].time_s
+    tp, pp = comm[MeshAxis.TENSOR].time_s, comm[MeshAxis.PIPELINE].time_s
     busy = compute + tp + pp
     step = busy / (1 - bubble) + data_exposed
     model_flops = model_fpt * tokens

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
 
 
@@ -125,20 +126,20 @@ def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str
         e = local_elements(shape, lay.compute, mesh_shape)
         if lay.sharded_storage:  # ZeRO-3
             gathers = 2 if path.startswith(f"['{stacked}']") else 1
-            add("all-gather", ("data",), e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
-            add("reduce-scatter", ("data",), e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
+            add("all-gather", (MeshAxis.DATA,), e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
+            add("reduce-scatter", (MeshAxis.DATA,), e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
         elif lay.sharded_optimizer:  # ZeRO-1/2
-            add("reduce-scatter", ("data",), e * g, per_reduce, "gradient reduce-scatter")
-            add("all-gather", ("data",), e * pb, 1, "updated parameter all-gather")
+            add("reduce-scatter", (MeshAxis.DATA,), e * g, per_reduce, "gradient reduce-scatter")
+            add("all-gather", (MeshAxis.DATA,), e * pb, 1, "updated parameter all-gather")
         else:
-            add("all-reduce", ("data",), e * g, per_reduce, "gradient all-reduce")
-        split = tuple(a for a in ("data", "tensor") if a in _spec_axes(lay.optimizer))
+            add("all-reduce", (MeshAxis.DATA,), e * g, per_reduce, "gradient all-reduce")
+        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.TENSOR) if a in _spec_axes(lay.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
-    add("all-reduce", ("data",), 4, 1, "loss")
+    add("all-reduce", (MeshAxis.DATA,), 4, 1, "loss")
 
     x = b * s * h * act  # one microbatch's activations on a data shard
     remat = int(cfg.model.remat != "none")
-    tp = ("tensor",)
+    tp = (MeshAxis.TENSOR,)
     if cfg.parallel.sequence_parallel:
         add("all-gather", tp, x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)")
         add("reduce-scatter", tp, x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)")

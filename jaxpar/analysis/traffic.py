@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from jaxpar.analysis.clusters import Cluster
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.models.inventory import (
     DTYPE_BYTES,
@@ -59,7 +60,7 @@ class AxisComm:
 def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
     """The link a ring over ``axis`` uses. With devices ordered tensor, data, pipeline, a ring stays in
     a node when the span of device ids it touches (t, t*N, t*N*p) fits in one; else it crosses the NIC."""
-    span = {"tensor": layout.tensor, "data": layout.tensor * layout.data, "pipeline": layout.devices}[axis]
+    span = {MeshAxis.TENSOR: layout.tensor, MeshAxis.DATA: layout.tensor * layout.data, MeshAxis.PIPELINE: layout.devices}[axis]
     return "intra" if span <= cluster.devices_per_node else "inter"
 
 
@@ -101,9 +102,9 @@ def communication(
         stages = [jaxpar_stage_traffic(model, layout, d, grad_reduce_bytes) for d in range(p)]
         data = _jaxpar_data(model, layout, grad_reduce_bytes)
         traffic = {
-            "data": (n, *max((st.get("data", data) for st in stages), key=lambda x: x[0])),
-            "tensor": (t, *max((st["tensor"] for st in stages), key=lambda x: x[0])),
-            "pipeline": (p, *max((st["pipeline"] for st in stages), key=lambda x: x[0])),
+            MeshAxis.DATA: (n, *max((st.get(MeshAxis.DATA, data) for st in stages), key=lambda x: x[0])),
+            MeshAxis.TENSOR: (t, *max((st[MeshAxis.TENSOR] for st in stages), key=lambda x: x[0])),
+            MeshAxis.PIPELINE: (p, *max((st[MeshAxis.PIPELINE] for st in stages), key=lambda x: x[0])),
         }
     else:
         grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
@@ -115,9 +116,9 @@ def communication(
         }[z]
         tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
         traffic = {
-            "data": (n, *data),
-            "tensor": (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
-            "pipeline": pipeline,
+            MeshAxis.DATA: (n, *data),
+            MeshAxis.TENSOR: (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
+            MeshAxis.PIPELINE: pipeline,
         }
     out = {}
     for axis, (size, nbytes, calls) in traffic.items():
@@ -235,7 +236,7 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
     """
     t, p, v, m, sp = layout.tensor, layout.pipeline, layout.virtual_stages, layout.microbatches, layout.sequence_parallel
     if p == 1:
-        return {"tensor": _jaxpar_tensor(model, layout), "pipeline": (0.0, 0)}
+        return {MeshAxis.TENSOR: _jaxpar_tensor(model, layout), MeshAxis.PIPELINE: (0.0, 0)}
     data = None  # ZeRO 0/1: the same on every stage (see communication)
     if layout.zero_stage == 2:
         data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
@@ -252,7 +253,7 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
     summed = 4 + 4 * sum(shard_elements(x, t, layout.data, layout.zero_stage >= 2) for x in held)
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
-        return {"tensor": (0.0, 0), "pipeline": pipeline, **({"data": data} if data else {})}
+        return {MeshAxis.TENSOR: (0.0, 0), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
     a, c = all_reduce_bytes(bsh, t), model.num_layers // (p * v)
     remat = layout.recompute != "none"
     full = layout.recompute == "full" and layout.schedule != "gpipe"
@@ -276,7 +277,7 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
         if sp:  # norm-scale gradients: 2 per layer (+ the final norm on the last stage), per sequence
             moved += per_seq * (2 * c + last) * all_reduce_bytes(model.embed_dim * 4, t)
             calls += per_seq * (2 * c + last)
-    return {"tensor": (m * moved, m * calls), "pipeline": pipeline, **({"data": data} if data else {})}
+    return {MeshAxis.TENSOR: (m * moved, m * calls), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
 
 
 def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:

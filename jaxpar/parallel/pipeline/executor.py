@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict
 from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
@@ -24,7 +25,7 @@ from jaxpar.parallel.pipeline.schedule import (
     compile_program,
 )
 
-AXIS = "pipeline"
+AXIS = MeshAxis.PIPELINE
 
 
 # --------------------------------------------------------------------------- typing helpers
@@ -100,7 +101,7 @@ def _scatter(g: jax.Array, dim: int, dtype: Any) -> jax.Array:
     back in fp32 for the accumulator (``dim`` -1: the parameter is not sharded, keep it)."""
     if dim < 0:
         return g
-    return jax.lax.psum_scatter(g.astype(dtype), "data", scatter_dimension=dim, tiled=True).astype(jnp.float32)
+    return jax.lax.psum_scatter(g.astype(dtype), MeshAxis.DATA, scatter_dimension=dim, tiled=True).astype(jnp.float32)
 
 
 def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array) -> dict:
@@ -109,7 +110,7 @@ def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array) -> di
     other stages' are zero and move nothing."""
     if all(dim < 0 for dim in jax.tree.leaves(dims)):
         return grads
-    n = jax.lax.axis_size("data")
+    n = jax.lax.axis_size(MeshAxis.DATA)
 
     def scatter(g):
         return jax.tree.map(lambda x, dim: _scatter(x, dim, dtype), g, dims)
@@ -255,7 +256,7 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
     by_layer = ctx.remat == "full"
     splits = act.shape[0] if by_layer and not (ctx.zero3 or scatter) else 1
     dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
-    n_data = jax.lax.axis_size("data")
+    n_data = jax.lax.axis_size(MeshAxis.DATA)
 
     def acc_zeros(a, dim):  # ZeRO-2: sharded like the optimizer state
         shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
