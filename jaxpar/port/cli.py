@@ -1,10 +1,10 @@
 """``jaxpar port deepspeed|megatron|torchtitan|fsdp FILE``: import a recipe, print the report.
 
 ``-o out.py`` writes a runnable jaxpar config (``get_config()`` on top of ``default_config()``,
-only the fields that differ), atomically; ``--json`` prints one JSON object ``{config,
-report}``. ``--set KEY=VALUE`` sets a jaxpar field (``model.vocab_size=128256``) after the port,
-or, for DeepSpeed, fills an ``"auto"`` value (``lr=3e-4``). Every bad input is a
-:class:`ConfigError`: one line naming the field and the fix.
+only the fields that differ), atomically, and never over an existing file unless ``--overwrite``;
+``--json`` prints one JSON object ``{config, report}``. ``--set KEY=VALUE`` sets a jaxpar field
+(``model.vocab_size=128256``) after the port, or, for DeepSpeed, fills an ``"auto"`` value
+(``lr=3e-4``). Every bad input is a :class:`ConfigError`: one line naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="jaxpar field (model.vocab_size=128256) or DeepSpeed side input for \"auto\" (lr=3e-4)")
     p.add_argument("--allow-unresolved", action="store_true", help="use defaults for unresolved values (reported)")
     p.add_argument("-o", "--output", default=None, help="write a jaxpar config file (.py)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing -o file")
     p.add_argument("--json", action="store_true", help="print {config, report} as one JSON object")
     p.set_defaults(run=run_port)
     return p
@@ -114,6 +115,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts += [p for v in args.var for p in ("--var", v)] + [p for s in args.sets for p in ("--set", s)]
     parts += ["--allow-unresolved"] if args.allow_unresolved else []
     parts += ["-o", args.output] if args.output else []
+    parts += ["--overwrite"] if args.output and getattr(args, "overwrite", False) else []
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -130,23 +132,43 @@ def config_source(cfg: ConfigDict, report: Report, command: str, output: str) ->
             "    c = default_config()\n" + "\n".join(body) + ("\n" if body else "") + "    return c\n")
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+def _exists(path: str) -> ConfigError:
+    return ConfigError(f"port -o {path}: the file exists; pass --overwrite to replace it or choose another path")
+
+
+def write_atomic(path: str, text: str, overwrite: bool = False) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename.
+
+    An existing ``path`` is replaced only with ``overwrite``; otherwise :class:`ConfigError`, also when
+    the file appears while writing (the final step is a hard link, which never replaces a file).
+    """
     target = pathlib.Path(path)
     if target.parent and not target.parent.exists():
         raise ConfigError(f"port -o {path}: folder '{target.parent}' does not exist; create it or pick another path")
+    if not overwrite and os.path.lexists(target):
+        raise _exists(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
+        if overwrite:
+            os.replace(tmp, target)
+            return
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise _exists(path) from None
+        except OSError:  # a filesystem without hard links: the check above is all we have
+            os.replace(tmp, target)
+    finally:
         pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def run_port(args: argparse.Namespace) -> int:
-    """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate."""
+    """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate
+    or ``-o`` names an existing file without ``--overwrite``."""
+    if args.output and not getattr(args, "overwrite", False) and os.path.lexists(args.output):
+        raise _exists(args.output)  # before porting: the same answer, without printing a report first
     cfg, report = port_file(args)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "report": report.to_dict()}, indent=2))
@@ -158,7 +180,8 @@ def run_port(args: argparse.Namespace) -> int:
         raise ConfigError(f"port {args.source}: the ported config does not validate: {report.problems[0]}; adjust "
                           "it with --set KEY=VALUE")
     if args.output:
-        write_atomic(args.output, config_source(cfg, report, command_line(args), args.output))
+        write_atomic(args.output, config_source(cfg, report, command_line(args), args.output),
+                     overwrite=getattr(args, "overwrite", False))
         if not args.json:
             print(f"wrote {args.output}")
     return 0
