@@ -1,10 +1,14 @@
-"""DeepSpeed importer and the ``jaxpar port`` CLI, on the real configs in shared/recipes/deepspeed."""
+"""DeepSpeed importer and the ``jaxpar port`` CLI, on the recipes in tests/fixtures/recipes/deepspeed.
+
+The fixtures are hand-written in the shapes real projects ship: HF accelerate/Trainer configs full of
+``"auto"``, a launch-script template that is not strict JSON, a key with a typo that DeepSpeed ignores,
+batches that need the world size, ZeRO-1/2/3 with offload, ZeRO++ and MiCS, pipeline sections.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import re
 
 import pytest
@@ -13,57 +17,51 @@ from jaxpar.cli.port import add_port_arguments, run_port
 from jaxpar.config import ConfigError, load_config
 from jaxpar.port.deepspeed import port_deepspeed
 from jaxpar.port.report import schema_has
+from tests.port_recipes import EXTRA_WORLD, FIXTURES, recipe_params
 
-RECIPES = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "recipes"
-DS = RECIPES / "deepspeed"
-pytestmark = pytest.mark.skipif(not DS.is_dir(), reason=f"recipes not found at {DS} (clone shared/ beside the repo)")
-
+DS = FIXTURES / "deepspeed"
 _WORLD = r"world_size \(needed to split the batch"
-# What each recipe does with no side inputs: None = ports; else a regex of its one-line error.
+# What each fixture does with no side inputs: None = ports; else a regex of its one-line error.
 EXPECTED = {
-    "DeepSpeed-docs__mics_zero3_rst_snippet_CONVERTED.json": None,
-    "DeepSpeed-docs__zeropp_tutorial_snippet.json": None,
-    "DeepSpeed-tests__test_pipe_config_dict_CONVERTED.json": _WORLD,
-    "DeepSpeedExamples__imagenet_ds_fp16_z1_config.json": _WORLD,
-    "DeepSpeedExamples__pipeline_parallelism_ds_config.json": _WORLD,
-    "Megatron-DeepSpeed__offload_pp_ds_config_gpt_TEMPLATE.json": r"not strict JSON: placeholder\(s\) CONFIG_BATCH_SIZE, "
-    "CONFIG_BF16_ENABLED, CONFIG_FP16_ENABLED, CONFIG_MBSIZE, LOG_INTERVAL",
-    "bigscience-Megatron-DeepSpeed__tests_ds_config_bf16.json": _WORLD,
-    "bigscience__tr11-176B-ml_ds_config_EXTRACTED.json": _WORLD,
-    "hf-accelerate__tests_ds_config_zero3.json": r"bf16\.enabled .*fp16\.enabled .*optimizer\.params\.lr",
-    "hf-accelerate__zero_stage2_config.json": r"scheduler\.params\.total_num_steps",
-    "hf-accelerate__zero_stage3_offload_config.json": r"optimizer\.params\.weight_decay",
-    "stanford_alpaca__configs_default_offload_opt_param.json": r"optimizer\.params\.betas",
+    "adam_l2_cosine_autocast.json": _WORLD,
+    "finetune_zero3_offload_bf16_auto.json": r"bf16\.enabled .*gradient_accumulation_steps .*optimizer\.params\.betas",
+    "hf_zero2_fp16.json": r"scheduler\.params\.total_num_steps",
+    "hf_zero3_all_auto.json": r"bf16\.enabled .*fp16\.enabled .*optimizer\.params\.lr",
+    "hf_zero3_offload_fp16.json": r"optimizer\.params\.weight_decay",
+    "megatron_ds_bf16_zero1.json": _WORLD,
+    "mics_zero3.json": None,
+    "offload_pp_TEMPLATE.json": r"not strict JSON: placeholder\(s\) BF16_ON, FP16_ON, GBSIZE, MBSIZE, PRINT_EVERY, "
+    "ZERO_STAGE",
+    "pipe_module_typo.json": _WORLD,
+    "pipeline_parallel_micro.json": _WORLD,
+    "smoke_bf16_zero0.json": _WORLD,
+    "vision_fp16_zero1.json": _WORLD,
+    "zeropp_hpz_qwz_qgz.json": None,
 }
 HF_SIDE = {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8, "warmup_num_steps": 100,
            "total_num_steps": 1000, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 2,
            "gradient_accumulation_steps": 2, "fp16": False, "bf16": True, "world_size": 8}
 
 
-def _files() -> list[str]:
-    return sorted(p.name for p in DS.iterdir() if p.suffix == ".json") if DS.is_dir() else []
-
-
-@pytest.mark.parametrize("name", _files())
-def test_every_recipe_ports_or_fails_with_its_message(name):
-    expected = EXPECTED.get(name, "any")
+@pytest.mark.parametrize("path, expected", recipe_params("deepspeed", (".json",), EXPECTED))
+def test_every_recipe_ports_or_fails_with_its_message(path, expected):
     try:
-        cfg, report = port_deepspeed(DS / name)
+        cfg, report = port_deepspeed(path)
     except ConfigError as e:
         assert "\n" not in str(e) and str(e).startswith("deepspeed: ")
-        assert expected is not None, f"{name} should port but failed: {e}"
+        assert expected is not None, f"{path.name} should port but failed: {e}"
         if expected != "any":
             assert re.search(expected, str(e)), str(e)
         return
-    assert expected in (None, "any"), f"{name} should fail with /{expected}/"
+    assert expected in (None, "any"), f"{path.name} should fail with /{expected}/"
     assert report.entries and not report.problems
 
 
-@pytest.mark.parametrize("name", [n for n in _files() if "TEMPLATE" not in n])
-def test_every_recipe_ports_with_side_inputs_and_reports_every_key(name):
-    world = 4 if "test_pipe" in name else 8
-    raw = json.loads((DS / name).read_text())
-    cfg, report = port_deepspeed(DS / name, world_size=world, side_inputs=HF_SIDE)
+@pytest.mark.parametrize("path, expected", recipe_params("deepspeed", (".json",), EXPECTED,
+                                                         keep=lambda name: "TEMPLATE" not in name))
+def test_every_recipe_ports_with_side_inputs_and_reports_every_key(path, expected):
+    raw = json.loads(path.read_text())
+    cfg, report = port_deepspeed(path, world_size=EXTRA_WORLD.get(path.name, 8), side_inputs=HF_SIDE)
     sources = {e.source.split(" ")[0] for e in report.entries}
     for key, value in raw.items():
         leaves = [f"{key}.{k}" for k in value] if isinstance(value, dict) and key != "activation_checkpointing" else [key]
@@ -72,26 +70,34 @@ def test_every_recipe_ports_with_side_inputs_and_reports_every_key(name):
     assert not report.problems
 
 
-def test_tr11_batch_arithmetic_uses_data_parallel_size():
-    cfg, report = port_deepspeed(DS / "bigscience__tr11-176B-ml_ds_config_EXTRACTED.json", world_size=384, tensor=4,
-                                 pipeline=12)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline) == (8, 4, 12)
-    assert (cfg.train.global_batch, cfg.train.microbatches) == (2048, 128)  # 2048 = 2 * 128 * 8
-    assert cfg.model.compute_dtype == "bfloat16" and cfg.optim.clip_norm == 1.0 and cfg.parallel.zero_stage == 0
+def test_every_fixture_has_an_expectation():
+    assert sorted(p.name for p in DS.iterdir()) == sorted(EXPECTED)
+
+
+def test_megatron_deepspeed_batch_arithmetic_uses_data_parallel_size():
+    cfg, report = port_deepspeed(DS / "megatron_ds_bf16_zero1.json", world_size=256, tensor=4, pipeline=8)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline) == (8, 4, 8)  # DP = 256 / (4 * 8)
+    assert (cfg.train.global_batch, cfg.train.microbatches) == (1024, 128)  # 1024 = 1 * 128 * 8
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.optim.clip_norm == 1.0 and cfg.parallel.zero_stage == 1
+    assert cfg.parallel.grad_reduce_dtype == "float32" and cfg.model.remat == "full"  # fp32 comm; checkpointing
+    assert report.find("activation_checkpointing.partition_activations").status == "approximated"  # false: no-op
+    assert report.find("zero_optimization.allgather_bucket_size").status == "approximated"
+    with pytest.raises(ConfigError, match="world size 250 is not divisible by tensor\\*pipeline = 4\\*8 = 32"):
+        port_deepspeed(DS / "megatron_ds_bf16_zero1.json", world_size=250, tensor=4, pipeline=8)
 
 
 def test_typo_key_is_reported_unknown_with_suggestion():
-    cfg, report = port_deepspeed(DS / "DeepSpeed-tests__test_pipe_config_dict_CONVERTED.json", world_size=2)
-    entry = report.find("grandient_accumulation_steps")
+    cfg, report = port_deepspeed(DS / "pipe_module_typo.json", world_size=2)
+    entry = report.find("gradient_accumulation_step")
     assert entry.status == "unknown" and "did you mean 'gradient_accumulation_steps'" in entry.note
-    assert cfg.train.microbatches == 1 and cfg.train.global_batch == 4  # DeepSpeed ignores the typo too
+    assert cfg.train.microbatches == 1 and cfg.train.global_batch == 8  # DeepSpeed ignores the typo (2) too
     assert cfg.model.remat == "full"  # pipeline.activation_checkpoint_interval = 1
     assert cfg.optim.decoupled_weight_decay and cfg.optim.b2 == 0.999  # "Adam" is AdamW by default
 
 
 def test_auto_values_are_listed_as_unresolved():
     with pytest.raises(ConfigError) as e:
-        port_deepspeed(DS / "hf-accelerate__tests_ds_config_zero3.json", side_inputs={"lr": 3e-4, "world_size": 8})
+        port_deepspeed(DS / "hf_zero3_all_auto.json", side_inputs={"lr": 3e-4, "world_size": 8})
     message = str(e.value)
     for name in ("bf16.enabled", "fp16.enabled", "gradient_clipping", "optimizer.params.weight_decay",
                  "scheduler.params.warmup_num_steps", "train_micro_batch_size_per_gpu"):
@@ -100,7 +106,7 @@ def test_auto_values_are_listed_as_unresolved():
 
 
 def test_auto_values_filled_from_side_inputs_and_offload_reported():
-    cfg, report = port_deepspeed(DS / "hf-accelerate__zero_stage3_offload_config.json", side_inputs=HF_SIDE)
+    cfg, report = port_deepspeed(DS / "hf_zero3_offload_fp16.json", side_inputs=HF_SIDE)
     assert cfg.optim.lr == 3e-4 and cfg.optim.weight_decay == 0.1 and cfg.optim.clip_norm == 1.0
     assert (cfg.mesh.data, cfg.train.global_batch, cfg.train.microbatches) == (8, 16, 1)  # its gas is 1, not "auto"
     assert cfg.parallel.zero_stage == 3 and cfg.model.compute_dtype == "float16"
@@ -110,11 +116,14 @@ def test_auto_values_filled_from_side_inputs_and_offload_reported():
         assert entry.status == "unsupported" and "ZeRO-3" in entry.note
     assert report.find("fp16.loss_scale_window").status == "unsupported"
     assert report.find("zero_optimization.reduce_bucket_size").status == "approximated"
+    cfg, report = port_deepspeed(DS / "hf_zero3_all_auto.json", side_inputs=HF_SIDE)
+    assert report.find("zero_optimization.offload_param").status == "approximated"  # device "none"
+    assert report.find("zero_optimization.offload_optimizer").status == "unsupported"
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.optim.schedule == "constant"  # bf16 side input; WarmupLR
 
 
 def test_allow_unresolved_uses_defaults_and_reports_each():
-    cfg, report = port_deepspeed(DS / "stanford_alpaca__configs_default_offload_opt_param.json", world_size=4,
-                                 allow_unresolved=True)
+    cfg, report = port_deepspeed(DS / "finetune_zero3_offload_bf16_auto.json", world_size=4, allow_unresolved=True)
     assert cfg.optim.lr == 5e-5 and cfg.train.global_batch == 32  # HF defaults: lr 5e-5, 8 per device
     for key in ("optimizer.params.lr", "optimizer.params.betas", "bf16.enabled", "gradient_clipping"):
         entry = report.find(key)
@@ -122,27 +131,44 @@ def test_allow_unresolved_uses_defaults_and_reports_each():
 
 
 def test_template_placeholder_error_names_the_fix():
-    with pytest.raises(ConfigError, match="CONFIG_MBSIZE.*substitute real values"):
-        port_deepspeed(DS / "Megatron-DeepSpeed__offload_pp_ds_config_gpt_TEMPLATE.json")
+    with pytest.raises(ConfigError, match="MBSIZE.*substitute real values"):
+        port_deepspeed(DS / "offload_pp_TEMPLATE.json")
 
 
 def test_zero_plus_plus_and_mics_are_never_dropped():
-    cfg, report = port_deepspeed(DS / "DeepSpeed-docs__zeropp_tutorial_snippet.json")
+    cfg, report = port_deepspeed(DS / "zeropp_hpz_qwz_qgz.json")
     assert cfg.parallel.zero_stage == 3 and cfg.parallel.grad_reduce_dtype == "bfloat16"  # qgZ -> bf16 reduction
     assert report.find("zero_optimization.zero_quantized_gradients").status == "approximated"
     assert report.find("zero_optimization.zero_quantized_weights").status == "unsupported"
     assert report.find("zero_optimization.zero_hpz_partition_size").status == "unsupported"
-    cfg, report = port_deepspeed(DS / "DeepSpeed-docs__mics_zero3_rst_snippet_CONVERTED.json")
+    cfg, report = port_deepspeed(DS / "mics_zero3.json")
     assert cfg.parallel.zero_stage == 3
     assert report.find("zero_optimization.mics_shard_size").status == "approximated"
     assert report.find("zero_optimization.mics_hierarchical_params_gather") is not None
 
 
-def test_fp16_and_unknown_keys_in_imagenet_config():
-    cfg, report = port_deepspeed(DS / "DeepSpeedExamples__imagenet_ds_fp16_z1_config.json", world_size=8)
+def test_fp16_and_unknown_keys_in_vision_config():
+    cfg, report = port_deepspeed(DS / "vision_fp16_zero1.json", world_size=8)
     assert cfg.model.compute_dtype == "float16" and cfg.parallel.zero_stage == 1 and cfg.optim.clip_norm == 0.0
-    assert (cfg.train.global_batch, cfg.train.microbatches, cfg.optim.b1) == (256, 1, 0.8)
-    assert report.find("cuda_visible_devices").status == "unknown"
+    assert (cfg.train.global_batch, cfg.train.microbatches, cfg.optim.b1) == (128, 1, 0.85)
+    assert report.find("local_rank").status == "unknown"
+    assert report.find("fp16.auto_cast").status == "approximated"
+
+
+def test_pipeline_section_and_stages_from_the_command_line():
+    cfg, report = port_deepspeed(DS / "pipeline_parallel_micro.json", world_size=8, pipeline=2)
+    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.train.global_batch, cfg.train.microbatches) == (4, 2, 64, 4)
+    assert report.find("pipeline.stages").status == "approximated" and cfg.model.remat == "none"  # interval 0
+    assert report.find("(scheduler)").status == "approximated" and cfg.optim.schedule == "constant"
+
+
+def test_warmup_cosine_adam_l2_and_torch_autocast_from_a_file():
+    cfg, report = port_deepspeed(DS / "adam_l2_cosine_autocast.json", world_size=8)
+    assert (cfg.mesh.data, cfg.train.global_batch, cfg.train.microbatches) == (8, 64, 2)  # 4 * 2 * 8
+    assert not cfg.optim.decoupled_weight_decay and cfg.optim.schedule == "cosine" and cfg.train.steps == 2000
+    assert cfg.optim.min_lr_ratio == 0.01 and cfg.optim.warmup_init_lr == pytest.approx(1e-5)  # 0.1 * lr
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.parallel.zero_stage == 2 and cfg.optim.clip_norm == 0.5
+    assert report.find("torch_autocast.dtype").status == "mapped"
 
 
 @pytest.mark.parametrize("cfg_dict, world, match", [
@@ -187,19 +213,39 @@ def _run(argv: list[str]) -> int:
 
 
 def test_cli_writes_a_config_that_loads_and_validates(tmp_path, capsys):
-    out = tmp_path / "tr11.py"
-    assert _run(["deepspeed", str(DS / "bigscience__tr11-176B-ml_ds_config_EXTRACTED.json"), "--world-size", "384",
-                 "--tensor", "4", "--pipeline", "12", "--set", "model.num_layers=72", "-o", str(out)]) == 0
+    out = tmp_path / "mds.py"
+    argv = ["deepspeed", str(DS / "megatron_ds_bf16_zero1.json"), "--world-size", "256", "--tensor", "4",
+            "--pipeline", "8", "--set", "model.num_layers=48", "-o", str(out)]
+    assert _run(argv) == 0
     cfg = load_config(str(out))
-    assert (cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers) == (8, 128, 72)
+    assert (cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers) == (8, 128, 48)
     text = out.read_text()
-    assert "bigscience__tr11-176B-ml_ds_config_EXTRACTED.json" in text and "jaxpar train --config" in text
+    assert "megatron_ds_bf16_zero1.json" in text and "jaxpar train --config" in text
     assert "mapped" in capsys.readouterr().out
     assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temporary file
 
 
+def test_cli_output_is_not_overwritten_without_the_flag(tmp_path, capsys):
+    out = tmp_path / "mds.py"
+    out.write_text("# the user's own file\n")
+    argv = ["port", "deepspeed", str(DS / "megatron_ds_bf16_zero1.json"), "--world-size", "256", "--tensor", "4",
+            "--pipeline", "8", "--set", "model.num_layers=48", "-o", str(out)]
+    from jaxpar.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2  # the CLI's exit code for bad input
+    captured = capsys.readouterr()
+    assert captured.err == f"error: port -o {out}: the file exists; pass --overwrite to replace it or choose " \
+        "another path\n"
+    assert captured.out == ""  # refused before porting: no report printed
+    assert out.read_text() == "# the user's own file\n" and not list(tmp_path.glob(".*.tmp"))
+    assert main([*argv, "--overwrite"]) == 0
+    assert load_config(str(out)).model.num_layers == 48 and "--overwrite" in out.read_text()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_cli_json_and_side_inputs(capsys):
-    name = "hf-accelerate__zero_stage2_config.json"
+    name = "hf_zero2_fp16.json"
     sets = [x for k, v in HF_SIDE.items() for x in ("--set", f"{k}={json.dumps(v)}")]
     assert _run(["deepspeed", str(DS / name), "--json", *sets]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -212,7 +258,7 @@ def test_cli_json_and_side_inputs(capsys):
     (["torchtitan", "x.toml", "--set", "modl.vocab_size=3"], "did you mean 'model.vocab_size'"),
     (["fsdp", "x.yaml", "--var", "A=1"], "Megatron"),
     (["deepspeed", "missing.json"], "not found"),
-    (["deepspeed", "{DS}/DeepSpeed-tests__test_pipe_config_dict_CONVERTED.json", "--set", "lr"], "NAME=VALUE"),
+    (["deepspeed", "{DS}/pipe_module_typo.json", "--set", "lr"], "NAME=VALUE"),
 ])
 def test_cli_bad_input_is_one_line_config_error(argv, match):
     argv = [a.replace("{DS}", str(DS)) for a in argv]
@@ -226,12 +272,12 @@ def test_report_renders_as_text_rich_and_json():
 
     from rich.console import Console
 
-    cfg, report = port_deepspeed(DS / "DeepSpeed-tests__test_pipe_config_dict_CONVERTED.json", world_size=2)
+    cfg, report = port_deepspeed(DS / "pipe_module_typo.json", world_size=2)
     text = report.render_text()
-    assert "unknown      grandient_accumulation_steps = 1" in text and "mapped       train_batch_size = 4" in text
+    assert "unknown      gradient_accumulation_step = 2" in text and "mapped       train_batch_size = 8" in text
     buffer = io.StringIO()
     report.render_rich(Console(file=buffer, width=200))
-    assert "grandient_accumulation_steps" in buffer.getvalue()
+    assert "gradient_accumulation_step" in buffer.getvalue()
     doc = json.loads(report.to_json())
     assert doc["counts"]["unknown"] == 1 and {e["status"] for e in doc["entries"]} <= {"mapped", "approximated",
                                                                                       "unsupported", "unknown"}

@@ -1,9 +1,15 @@
-"""Megatron-LM importer on the real recipes in shared/recipes/megatron, plus launch-script parsing."""
+"""Megatron-LM importer on the recipes in tests/fixtures/recipes/megatron, plus launch-script parsing.
+
+The ``.args`` format: the shell variable assignments a launch script makes, a ``# flags`` line, then
+one command-line flag per line (``$VAR`` / ``${VAR}`` / ``${VAR:-default}`` / ``$((...))`` expand as
+bash would; a variable nobody sets must come from ``--var``). The fixtures are hand-written in the
+shapes of real launch scripts: a sweep template whose sizes are all variables, SLURM node counts,
+``$(scontrol ...)`` command substitutions, an unbalanced quote, MoE flags, fp8, sample-based schedules.
+"""
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import re
 
 import pytest
@@ -13,102 +19,106 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.port import Shell, show, split_assignment
 from jaxpar.port.megatron import port_megatron
 from jaxpar.port.report import schema_type
+from tests.port_recipes import FIXTURES, recipe_params
 
-RECIPES = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "recipes"
-MEG = RECIPES / "megatron"
-pytestmark = pytest.mark.skipif(not MEG.is_dir(), reason=f"recipes not found at {MEG} (clone shared/ beside the repo)")
-
-GPT3 = "NVIDIA-Megatron-LM__examples_gpt3_train_gpt3_175b_distributed.args"
-LLAMA3 = "NVIDIA-Megatron-LM__examples_llama_train_llama3_8b_h100_fp8.args"
-MIXTRAL = "NVIDIA-Megatron-LM__examples_mixtral_train_mixtral_8x7b_distributed.args"
-SC21 = "NVIDIA-Megatron-LM__examples_academic_paper_scripts_sc21_CONFIG.args"
-TR11 = "bigscience__train_tr11-176B-ml_tr11-176B-ml.args"
-LLAMA2 = "microsoft-Megatron-DeepSpeed__examples_deepspeed_pretrain_llama2_distributed.args"
+MEG = FIXTURES / "megatron"
+GPT13 = "gpt3_13b_distributed.args"
+LLAMA3 = "llama3_8b_fp8_single_node.args"
+MIXTRAL = "mixtral_8x22b_moe.args"
+SWEEP = "sweep_CONFIG.args"
+BLOOM = "bloom_style_104b_slurm.args"
+LLAMA2 = "megatron_ds_llama2_tp2_pp2.args"
+INTERLEAVED = "gpt_1b_interleaved_sp.args"
 # What each recipe does with no --var: None = ports; else a regex of its one-line error.
 EXPECTED = {
-    SC21: r"unresolved shell variables: TP .*PP .*MBS .*GBS .*WORLD_SIZE .*NLS .*HS .*NAH ",
-    GPT3: r"world size 8 \(--nproc_per_node 8 \* --nnodes 1\) is not divisible by TP\*PP\*CP = 8\*16\*1 = 128",
+    SWEEP: r"unresolved shell variables: TP .*PP .*MBS .*GBS .*WORLD_SIZE .*NLS .*HS .*NAH ",
+    GPT13: r"world size 8 \(--nproc_per_node 8 \* --nnodes 1\) is not divisible by TP\*PP\*CP = 4\*4\*1 = 16",
     LLAMA3: None,
     MIXTRAL: None,
-    TR11: r"NNODES \(needs SLURM_NNODES; used by --nnodes\)",
+    BLOOM: r"NNODES \(needs SLURM_NNODES; used by --nnodes\)",
     LLAMA2: None,
+    INTERLEAVED: None,
 }
 
 
-def _files() -> list[str]:
-    return sorted(p.name for p in MEG.iterdir() if p.suffix == ".args") if MEG.is_dir() else []
-
-
-def _flag_names(name: str) -> list[str]:
-    lines = (MEG / name).read_text().split("# flags", 1)[1].splitlines()
+def _flag_names(path) -> list[str]:
+    lines = path.read_text().split("# flags", 1)[1].splitlines()
     return [line.split()[0].split("=")[0] for line in lines if line.strip().startswith("--")]
 
 
-@pytest.mark.parametrize("name", _files())
-def test_every_recipe_ports_or_fails_with_its_message(name):
-    expected = EXPECTED.get(name, "any")
+@pytest.mark.parametrize("path, expected", recipe_params("megatron", (".args",), EXPECTED))
+def test_every_recipe_ports_or_fails_with_its_message(path, expected):
     try:
-        cfg, report = port_megatron(MEG / name)
+        cfg, report = port_megatron(path)
     except ConfigError as e:
         assert "\n" not in str(e) and str(e).startswith("megatron: ")
-        assert expected is not None, f"{name} should port but failed: {e}"
+        assert expected is not None, f"{path.name} should port but failed: {e}"
         assert expected == "any" or re.search(expected, str(e)), str(e)
         return
-    assert expected in (None, "any"), f"{name} should fail with /{expected}/"
+    assert expected in (None, "any"), f"{path.name} should fail with /{expected}/"
     sources = {e.source for e in report.entries}
-    missing = [f for f in _flag_names(name) if f not in sources]
+    missing = [f for f in _flag_names(path) if f not in sources]
     assert not missing, f"flags not reported: {missing}"
     assert not report.problems, report.problems
 
 
-def test_bloom_tr11_layout_on_384_gpus():
-    cfg, report = port_megatron(MEG / TR11, variables={"SLURM_NNODES": "48"})
-    assert (cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.data) == (4, 12, 8)  # 384 / (4 * 12)
-    assert (cfg.train.global_batch, cfg.train.microbatches) == (2048, 128)  # 2048 / (2 * 8)
+def test_every_fixture_has_an_expectation():
+    assert sorted(p.name for p in MEG.iterdir()) == sorted(EXPECTED)
+
+
+def test_bloom_style_layout_on_256_gpus():
+    cfg, report = port_megatron(MEG / BLOOM, variables={"SLURM_NNODES": "32"})
+    assert (cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.data) == (4, 8, 8)  # 256 / (4 * 8)
+    assert (cfg.train.global_batch, cfg.train.microbatches) == (1024, 128)  # 1024 / (1 * 8)
     m = cfg.model
-    assert (m.num_layers, m.embed_dim, m.num_heads, m.head_dim, m.vocab_size) == (70, 14336, 112, 128, 250880)
-    assert (m.mlp_dim, m.mlp_activation, m.norm, m.tie_embeddings, m.remat) == (57344, "gelu", "layernorm", True, "full")
-    assert cfg.train.steps == 220_000_000 // 2048 and cfg.optim.lr == 6e-5 and cfg.optim.b2 == 0.95
+    assert (m.num_layers, m.embed_dim, m.num_heads, m.head_dim, m.vocab_size) == (66, 11600, 80, 145, 250880)
+    assert (m.mlp_dim, m.mlp_activation, m.norm, m.tie_embeddings, m.remat) == (46400, "gelu", "layernorm", True, "full")
+    assert cfg.train.steps == 150_000_000 // 1024 and cfg.optim.lr == 6e-5 and cfg.optim.b2 == 0.95
+    assert cfg.parallel.zero_stage == 1 and cfg.train.seed == 43  # --deepspeed --zero-stage ${ZERO_STAGE}
     assert report.find("--position-embedding-type").status == "unsupported"  # ALiBi
     assert report.find("--rampup-batch-size").status == "approximated"
-    assert any("num_layers=70" in p for p in report.problems)  # 70 layers do not split over 12 stages
-    cfg, report = port_megatron(MEG / TR11, world_size=384)  # an explicit world size makes NNODES unnecessary
+    assert report.find("--embed-layernorm").status == "unsupported"
+    assert any("num_layers=66" in p for p in report.problems)  # 66 layers do not split over 8 stages
+    cfg, report = port_megatron(MEG / BLOOM, world_size=256)  # an explicit world size makes NNODES unnecessary
     assert (cfg.mesh.data, cfg.train.microbatches) == (8, 128) and "overridden" in report.find("--nnodes").note
 
 
-def test_gpt3_175b_shape_and_schedule():
-    cfg, report = port_megatron(MEG / GPT3, variables={"NUM_NODES": "16"})
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (1, 8, 16, 1536)
+def test_gpt3_13b_shape_and_schedule():
+    cfg, report = port_megatron(MEG / GPT13, variables={"NUM_NODES": "4"})
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 4, 4, 256)
     m = cfg.model
-    assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (96, 12288, 96, 96, 128)
-    assert (m.mlp_dim, m.mlp_activation, m.norm, m.position, m.tie_embeddings) == (49152, "gelu", "layernorm",
+    assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (40, 5120, 40, 40, 128)
+    assert (m.mlp_dim, m.mlp_activation, m.norm, m.position, m.tie_embeddings) == (20480, "gelu", "layernorm",
                                                                                    "learned", True)
-    assert m.vocab_size == 51200 and m.compute_dtype == "float16" and m.init_std == 0.006  # GPT-2 BPE padded to 8*128
+    assert m.vocab_size == 50688 and m.compute_dtype == "float16" and m.init_std == 0.008  # 50257 padded to 128*4
     o = cfg.optim
-    assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr, o.b2) == ("cosine", 430, 430000, 6e-5, 0.95)
-    assert o.min_lr_ratio == pytest.approx(0.1) and cfg.train.steps == 500000
-    assert report.find("--lr-decay-style").status == "mapped"  # .001 * 430000 = 430 whole iterations: exact
+    assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr, o.b2) == ("cosine", 1000, 100000, 1e-4, 0.95)
+    assert o.min_lr_ratio == pytest.approx(0.1) and cfg.train.steps == 150000
+    assert report.find("--lr-decay-style").status == "mapped"  # .01 * 100000 = 1000 whole iterations: exact
     assert report.find("--attention-dropout (default)").status == "approximated"
+    assert report.find("--step-batch-size-schedule").status == "approximated"
     assert not report.problems
 
 
-def test_llama3_8b_shape_and_sample_based_schedule():
+def test_llama3_8b_fp8_shape_and_sample_based_schedule():
     cfg, report = port_megatron(MEG / LLAMA3)
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (32, 4096, 32, 8, 128,
                                                                                                14336)
     assert (m.mlp_activation, m.norm, m.position, m.rope_theta, m.tie_embeddings) == ("swiglu", "rmsnorm", "rope",
-                                                                                      1e6, False)
-    assert (cfg.mesh.data, cfg.train.microbatches, cfg.parallel.zero_stage) == (8, 16, 1)
+                                                                                      5e5, False)
+    assert (cfg.mesh.data, cfg.train.microbatches, cfg.parallel.zero_stage) == (8, 4, 1)  # 64 / (2 * 8)
     assert not cfg.parallel.sequence_parallel and report.find("--sequence-parallel").status == "approximated"
-    assert cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 1953125000 // 128
-    warmup = 3906252 / 128  # samples / global batch = 30517.59375 iterations
+    assert cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 6400000 // 64
+    assert cfg.data.source == "synthetic"  # --mock-data
+    warmup = 10000 / 64  # samples / global batch = 156.25 iterations
     if schema_type("optim.warmup_steps") is float:
         assert cfg.optim.warmup_steps == warmup
     else:
         assert cfg.optim.warmup_steps == round(warmup)
         assert "rounded" in report.find("--lr-decay-style").note
-    assert report.find("--decoupled-lr").status == "unsupported"
+    for flag in ("--decoupled-lr", "--fp8-format", "--fp8-amax-history-len"):
+        assert report.find(flag).status == "unsupported"
     assert report.find("(vocabulary)").status == "approximated"
 
 
@@ -117,24 +127,38 @@ def test_mixtral_moe_flags_are_unsupported():
     for flag in ("--num-experts", "--moe-router-topk", "--moe-grouped-gemm", "--expert-model-parallel-size"):
         entry = report.find(flag)
         assert entry.status == "unsupported" and "mixture-of-experts" in entry.note
-    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 4, 128)
+    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 4, 64)  # 8 / 4; 128 / (1 * 2)
     assert cfg.model.vocab_size == 32000 and cfg.optim.b2 == 0.999  # Megatron's default beta2
 
 
 def test_megatron_deepspeed_llama2():
     cfg, report = port_megatron(MEG / LLAMA2)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 2, 2, 4)
-    assert (cfg.model.num_kv_heads, cfg.model.mlp_dim, cfg.model.norm) == (4, 5504, "rmsnorm")
-    assert (cfg.data.source, cfg.data.path) == ("megatron", "./tmp/data/bookcorpus_train_1m_text_sentence")
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 2, 2, 4)  # 16/(2*2)
+    assert (cfg.model.num_kv_heads, cfg.model.mlp_dim, cfg.model.norm) == (4, 5632, "rmsnorm")
+    assert (cfg.data.source, cfg.data.path) == ("megatron", "./work/data/wiki_text_document")  # "1 PREFIX" blend
+    assert cfg.data.val_fraction == pytest.approx(0.02)  # --split 98,1,1
+    assert "given more than once" in report.find("--nproc_per_node").note
 
 
-def test_sc21_ports_once_its_variables_are_given():
+def test_sweep_template_ports_once_its_variables_are_given():
     variables = {"TP": "2", "PP": "2", "MBS": "1", "GBS": "64", "NLS": "24", "HS": "2048", "NAH": "16",
                  "WORLD_SIZE": "16"}
-    cfg, report = port_megatron(MEG / SC21, variables=variables)
-    assert (cfg.mesh.data, cfg.train.microbatches, cfg.optim.schedule) == (4, 16, "cosine")
+    cfg, report = port_megatron(MEG / SWEEP, variables=variables)
+    assert (cfg.mesh.data, cfg.train.microbatches, cfg.optim.schedule) == (4, 16, "cosine")  # 16/(2*2); 64/(1*4)
     assert cfg.model.compute_dtype == "float16" and report.find("--loss-scale").status == "unsupported"
-    assert report.find("(line 36)").note == "unbalanced quote removed"
+    lines = (MEG / SWEEP).read_text().splitlines()
+    unbalanced = next(i for i, line in enumerate(lines, 1) if line.startswith("--loss-scale"))
+    assert report.find(f"(line {unbalanced})").note == "unbalanced quote removed"
+
+
+def test_interleaved_pipeline_with_sequence_parallel_and_selective_recompute():
+    cfg, report = port_megatron(MEG / INTERLEAVED)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 2, 2, 32)
+    assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved", 4)  # 24 / (2 * 3)
+    assert cfg.parallel.sequence_parallel and cfg.model.remat == "selective"
+    assert cfg.model.vocab_size == 50304  # NullTokenizer: 50257 + 1, padded to a multiple of 64 * TP 2
+    assert (cfg.data.path, cfg.train.seed) == ("/data/pile/pile_text_document", 1234)
+    assert not report.problems
 
 
 def _text(*flags: str, world: int = 8) -> str:
@@ -210,7 +234,8 @@ def test_cli_megatron_output_loads(tmp_path):
                               "-o", str(out)])
     assert run_port(args) == 0
     cfg = load_config(str(out))
-    assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.train.microbatches == 16
-    args = parser.parse_args(["port", "megatron", str(MEG / TR11), "--var", "SLURM_NNODES=48", "-o", str(out)])
-    with pytest.raises(ConfigError, match="does not validate: model.num_layers=70"):
+    assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.train.microbatches == 4
+    args = parser.parse_args(["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o",
+                              str(tmp_path / "bloom.py")])
+    with pytest.raises(ConfigError, match="does not validate: model.num_layers=66"):
         run_port(args)

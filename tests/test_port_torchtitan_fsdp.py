@@ -1,37 +1,39 @@
-"""torchtitan and accelerate-FSDP importers on the real configs in shared/recipes."""
+"""torchtitan and accelerate-FSDP importers on the recipes in tests/fixtures/recipes/{torchtitan,fsdp}.
+
+The torchtitan fixtures are job TOMLs in the shape of torchtitan's presets: FSDP over the remaining
+ranks (``data_parallel_shard_degree = -1``, so the world size must be given), tensor and pipeline
+degrees, float8 converters, MoE models, gradient accumulation. The FSDP fixtures are accelerate
+``config.yaml`` files: FULL_SHARD, HYBRID_SHARD across nodes, FSDP2's reshard flag.
+"""
 
 from __future__ import annotations
 
-import pathlib
+import tomllib
 
 import pytest
 
 from jaxpar.config import ConfigError
 from jaxpar.port.fsdp import port_fsdp
 from jaxpar.port.torchtitan import ffn_dim, port_torchtitan
+from tests.port_recipes import EXTRA_WORLD, FIXTURES, recipe_params
 
-RECIPES = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "recipes"
-TT, FSDP = RECIPES / "torchtitan", RECIPES / "fsdp"
-pytestmark = pytest.mark.skipif(not RECIPES.is_dir(), reason=f"recipes not found at {RECIPES} (clone shared/ beside "
-                                "the repo)")
-FSDP_YAML = "hf-accelerate__examples_config_yaml_templates_fsdp.yaml"
-# world sizes the presets were written for (their comments), where given
-WORLD = {"llama3_8b.toml": 64, "llama3_70b.toml": 64, "llama3_405b.toml": 128, "llama4_17bx128e.toml": 64,
-         "deepseek_v3_16b.toml": 8}
+TT, FSDP = FIXTURES / "torchtitan", FIXTURES / "fsdp"
+# world sizes the fixture jobs were written for (their comments); None: the degrees fix it
+WORLD = {"llama3_8b_32gpu.toml": 32, "llama3_70b_tp8_64gpu.toml": 64, "llama3_405b_fp8_128gpu.toml": 128,
+         "llama4_moe_pp4_tp8.toml": 64, "deepseek_v3_moe_ep8.toml": 16, "llama3_8b_pp2_interleaved_16gpu.toml": None}
 
 
-def _files(folder: pathlib.Path, suffixes: tuple[str, ...]) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.suffix in suffixes) if folder.is_dir() else []
-
-
-@pytest.mark.parametrize("name", _files(TT, (".toml",)))
-def test_every_torchtitan_recipe_needs_the_world_size_then_ports(name):
-    with pytest.raises(ConfigError, match="data_parallel_shard_degree = -1 takes the remaining ranks") as e:
-        port_torchtitan(TT / name)
-    assert "\n" not in str(e.value)
-    cfg, report = port_torchtitan(TT / name, world_size=WORLD.get(name, 64))
-    assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == WORLD.get(name, 64)
-    raw = __import__("tomllib").loads((TT / name).read_text())
+@pytest.mark.parametrize("path, expected", recipe_params("torchtitan", (".toml",), WORLD))
+def test_every_torchtitan_recipe_ports_and_reports_every_key(path, expected):
+    world = expected if expected != "any" else EXTRA_WORLD.get(path.name, 64)  # extra files: the preset's size
+    raw = tomllib.loads(path.read_text())
+    if raw.get("parallelism", {}).get("data_parallel_shard_degree", -1) == -1:
+        with pytest.raises(ConfigError, match="data_parallel_shard_degree = -1 takes the remaining ranks") as e:
+            port_torchtitan(path)
+        assert "\n" not in str(e.value)
+    cfg, report = port_torchtitan(path, world_size=world)
+    if world is not None:
+        assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == world
     sources = [e.source for e in report.entries]
     for section, body in raw.items():
         keys = [f"{section}.{k}" for k in body] if section in ("parallelism", "training", "optimizer", "model") \
@@ -40,10 +42,16 @@ def test_every_torchtitan_recipe_needs_the_world_size_then_ports(name):
             assert any(s.split(" ")[0] == key or s.startswith(key) for s in sources), f"{key} not reported"
 
 
-@pytest.mark.parametrize("name", _files(FSDP, (".yaml", ".yml")))
-def test_every_fsdp_recipe_ports(name):
-    cfg, report = port_fsdp(FSDP / name)
-    assert cfg.parallel.zero_stage in (0, 2, 3) and not report.problems
+@pytest.mark.parametrize("path, expected", recipe_params("fsdp", (".yaml", ".yml"), {
+    "accelerate_fsdp_full_shard.yaml": 3, "accelerate_fsdp_hybrid_2nodes.yaml": 3, "accelerate_fsdp2_no_reshard.yaml": 2}))
+def test_every_fsdp_recipe_ports(path, expected):
+    cfg, report = port_fsdp(path)
+    assert cfg.parallel.zero_stage == expected if expected != "any" else cfg.parallel.zero_stage in (0, 2, 3)
+    assert not report.problems
+
+
+def test_every_fixture_is_listed():
+    assert sorted(p.name for p in TT.iterdir()) == sorted(WORLD)
 
 
 @pytest.mark.parametrize("flavor, dim, mult, multiple, ffn", [("8B", 4096, 1.3, 1024, 14336),
@@ -53,34 +61,54 @@ def test_llama3_ffn_sizes(flavor, dim, mult, multiple, ffn):
     assert ffn_dim(dim, mult, multiple) == ffn
 
 
-def test_llama3_8b_on_64_gpus():
-    cfg, report = port_torchtitan(TT / "llama3_8b.toml", world_size=64)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.zero_stage) == (64, 1, 3)  # FSDP over all 64 ranks
-    assert (cfg.train.global_batch, cfg.train.microbatches, cfg.train.seq_len, cfg.train.steps) == (64, 1, 8192, 1000)
+def test_llama3_8b_on_32_gpus():
+    cfg, report = port_torchtitan(TT / "llama3_8b_32gpu.toml", world_size=32)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.zero_stage) == (32, 1, 3)  # FSDP over all 32 ranks
+    assert (cfg.train.global_batch, cfg.train.microbatches, cfg.train.seq_len, cfg.train.steps) == (64, 1, 4096, 2000)
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size) == (32, 4096, 32, 8,
                                                                                                  14336, 128256)
     assert m.rope_theta == 500000.0 and m.remat == "selective" and m.compute_dtype == "bfloat16"
     o = cfg.optim
-    assert (o.lr, o.eps, o.b2, o.weight_decay, o.schedule, o.min_lr_ratio) == (3e-4, 1e-8, 0.95, 0.1, "linear", 0.0)
-    assert (o.warmup_steps, o.warmup_init_lr) == (199, pytest.approx(3e-4 / 200))  # (k + 1) / 200 over 199 steps
+    assert (o.lr, o.eps, o.b2, o.weight_decay, o.schedule, o.min_lr_ratio) == (2e-4, 1e-8, 0.95, 0.1, "linear", 0.0)
+    assert (o.warmup_steps, o.warmup_init_lr) == (99, pytest.approx(2e-4 / 100))  # (k + 1) / 100 over 99 steps
     assert report.find("optimizer.weight_decay (default)").status == "approximated"
+    assert (cfg.checkpoint.every, cfg.train.workdir) == (250, "./outputs/llama3_8b")
+    assert report.find("quantize").status == "approximated"  # float8 settings, but no converter enables them
 
 
 def test_llama3_70b_and_405b_tensor_parallel():
-    cfg, _ = port_torchtitan(TT / "llama3_70b.toml", world_size=64)
+    cfg, report = port_torchtitan(TT / "llama3_70b_tp8_64gpu.toml", world_size=64)
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.model.mlp_dim, cfg.model.num_layers) == (8, 8, 28672, 80)
-    assert cfg.train.global_batch == 64 and cfg.model.remat == "full"
-    cfg, report = port_torchtitan(TT / "llama3_405b.toml", world_size=128)
+    assert cfg.train.global_batch == 32 and cfg.model.remat == "full" and cfg.optim.weight_decay == 0.05
+    o = cfg.optim  # warmup 300, then stable, then cosine decay over the last half (decay_ratio 0.5) to 0.1 * lr
+    assert (o.schedule, o.decay_start_step, o.decay_steps, o.min_lr_ratio) == ("cosine", 1500, 3000, 0.1)
+    assert (cfg.train.eval_every, cfg.train.eval_batches) == (250, 50)
+    cfg, report = port_torchtitan(TT / "llama3_405b_fp8_128gpu.toml", world_size=128)
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.model.mlp_dim, cfg.model.num_heads) == (16, 8, 53248, 128)
     assert report.find("model.converters").status == "unsupported"  # float8
     assert report.find("quantize").status == "unsupported"
 
 
-@pytest.mark.parametrize("name", ["llama4_17bx128e.toml", "deepseek_v3_16b.toml"])
+@pytest.mark.parametrize("name", ["llama4_moe_pp4_tp8.toml", "deepseek_v3_moe_ep8.toml"])
 def test_moe_models_are_reported_unsupported(name):
     cfg, report = port_torchtitan(TT / name, world_size=WORLD[name])
     assert report.find("model.name").status == "unsupported" and "mixture-of-experts" in report.find("model.name").note
+    degree = "expert_tensor_parallel_degree" if "llama4" in name else "expert_parallel_degree"
+    assert report.find(f"parallelism.{degree}").status == "unsupported"
+
+
+def test_pipeline_interleaved_with_accumulation():
+    path = TT / "llama3_8b_pp2_interleaved_16gpu.toml"
+    cfg, report = port_torchtitan(path)  # explicit degrees: no world size needed
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.parallel.zero_stage) == (4, 2, 2, 3)
+    # 64 = 4 per rank * 4 ranks * 4 accumulation steps; each step's 4 sequences run as 4 pipeline microbatches
+    assert (cfg.train.global_batch, cfg.train.microbatches) == (64, 16)
+    assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved", 2)
+    assert (cfg.train.seed, cfg.model.remat, cfg.parallel.grad_reduce_dtype) == (7, "none", "float32")
+    assert report.find("parallelism.pipeline_parallel_schedule").status == "approximated"
+    with pytest.raises(ConfigError, match="multiply to 16 but the world size is 8"):
+        port_torchtitan(path, world_size=8)
 
 
 def test_torchtitan_degrees_must_multiply_to_the_world_size(tmp_path):
@@ -96,14 +124,26 @@ def test_torchtitan_degrees_must_multiply_to_the_world_size(tmp_path):
     assert report.find("trainig").status == "unknown" and "'training'" in report.find("trainig").note
 
 
-def test_fsdp_full_shard_template():
-    cfg, report = port_fsdp(FSDP / FSDP_YAML)
-    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (2, 3, "bfloat16",
+def test_fsdp_full_shard():
+    cfg, report = port_fsdp(FSDP / "accelerate_fsdp_full_shard.yaml")
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (4, 3, "bfloat16",
                                                                                                   "none")
     for key in ("fsdp_config.fsdp_auto_wrap_policy", "fsdp_config.fsdp_state_dict_type",
-                "fsdp_config.fsdp_backward_prefetch"):
+                "fsdp_config.fsdp_backward_prefetch", "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                "compute_environment", "rdzv_backend"):
         assert report.find(key).status == "approximated"
     assert report.find("fsdp_config.fsdp_sharding_strategy").status == "mapped"
+
+
+def test_fsdp_hybrid_across_nodes_and_fsdp2_reshard_flag():
+    cfg, report = port_fsdp(FSDP / "accelerate_fsdp_hybrid_2nodes.yaml")
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (16, 3, "float16",
+                                                                                                  "full")
+    entry = report.find("fsdp_config.fsdp_sharding_strategy")
+    assert entry.status == "approximated" and "replicated across 2 node(s)" in entry.note
+    cfg, report = port_fsdp(FSDP / "accelerate_fsdp2_no_reshard.yaml")
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype) == (8, 2, "float32")  # SHARD_GRAD_OP
+    assert report.find("fsdp_config.fsdp_version").status == "approximated"
 
 
 @pytest.mark.parametrize("strategy, stage, status", [("FULL_SHARD", 3, "mapped"), ("SHARD_GRAD_OP", 2, "mapped"),

@@ -1,24 +1,25 @@
 """``jaxpar port deepspeed|megatron|torchtitan|fsdp FILE``: import a recipe, print the report.
 
 ``-o out.py`` writes a runnable jaxpar config (``get_config()`` on top of ``default_config()``,
-only the fields that differ), atomically; ``--json`` prints one JSON object ``{config,
-report}``. ``--set KEY=VALUE`` sets a jaxpar field (``model.vocab_size=128256``) after the port,
-or, for DeepSpeed, fills an ``"auto"`` value (``lr=3e-4``). Every bad input is a
-:class:`ConfigError`: one line naming the field and the fix. The port itself is
-:func:`jaxpar.port.recipe.port_recipe`.
+only the fields that differ), atomically, and never over an existing file unless ``--overwrite``;
+``--json`` prints one JSON object ``{config, report}``. ``--set KEY=VALUE`` sets a jaxpar field
+(``model.vocab_size=128256``) after the port, or, for DeepSpeed, fills an ``"auto"`` value
+(``lr=3e-4``). Every bad input is a :class:`ConfigError`: one line naming the field and the fix.
+The port itself is :func:`jaxpar.port.recipe.port_recipe`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
 from jaxpar.cli.common import at_least_one
 from jaxpar.config import ConfigDict, ConfigError, default_config, flatten
-from jaxpar.port.recipe import SOURCES, config_source, port_recipe, write_atomic
+from jaxpar.port.recipe import SOURCES, config_source, output_exists, port_recipe, write_atomic
 
 if TYPE_CHECKING:
     from jaxpar.port.report import Report
@@ -41,6 +42,7 @@ def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="jaxpar field (model.vocab_size=128256) or DeepSpeed side input for \"auto\" (lr=3e-4)")
     p.add_argument("--allow-unresolved", action="store_true", help="use defaults for unresolved values (reported)")
     p.add_argument("-o", "--output", default=None, help="write a jaxpar config file (.py)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing -o file")
     p.add_argument("--json", action="store_true", help="print {config, report} as one JSON object")
     p.set_defaults(run=run_port)
     return p
@@ -93,11 +95,15 @@ def command_line(args: argparse.Namespace) -> str:
     parts += [p for v in args.var for p in ("--var", v)] + [p for s in args.sets for p in ("--set", s)]
     parts += ["--allow-unresolved"] if args.allow_unresolved else []
     parts += ["-o", args.output] if args.output else []
+    parts += ["--overwrite"] if args.output and getattr(args, "overwrite", False) else []
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def run_port(args: argparse.Namespace) -> int:
-    """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate."""
+    """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate
+    or ``-o`` names an existing file without ``--overwrite``."""
+    if args.output and not getattr(args, "overwrite", False) and os.path.lexists(args.output):
+        raise output_exists(args.output)  # before porting: the same answer, without printing a report first
     cfg, report = port_file(args)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "report": report.to_dict()}, indent=2))
@@ -109,7 +115,8 @@ def run_port(args: argparse.Namespace) -> int:
         raise ConfigError(f"port {args.source}: the ported config does not validate: {report.problems[0]}; adjust "
                           "it with --set KEY=VALUE")
     if args.output:
-        write_atomic(args.output, config_source(cfg, report, command_line(args), args.output))
+        write_atomic(args.output, config_source(cfg, report, command_line(args), args.output),
+                     overwrite=getattr(args, "overwrite", False))
         if not args.json:
             print(f"wrote {args.output}")
     return 0

@@ -1,7 +1,7 @@
 """Import a Megatron-LM (or Megatron-DeepSpeed) launch recipe into a jaxpar config, with a report.
 
-Input: the ``.args`` format of ``shared/recipes/megatron`` (shell assignments, a ``# flags``
-line, then one flag per line) or a raw launch script (assignments, then the command running
+Input: the ``.args`` format (shell assignments, a ``# flags`` line, then one flag per line; examples
+in ``tests/fixtures/recipes/megatron``) or a raw launch script (assignments, then the command running
 ``pretrain_*.py``). Variables expand as bash would (``--var NAME=VALUE`` wins over the
 script); a variable a *needed* flag uses but nobody sets stops the port with one line naming it.
 
@@ -178,7 +178,7 @@ def _flags(text: str, shell: Shell, report: Report) -> list[tuple[str, list[str]
     flags, stray, repaired = launch_flags(text, shell)
     if not flags and not stray:
         raise ConfigError("megatron: no '# flags' section and no pretrain_*.py command found; pass a .args recipe "
-                          "(see shared/recipes/README.md) or the launch script")
+                          "(assignments, a '# flags' line, one flag per line) or the launch script")
     for number, line in repaired:
         report.approximated(f"(line {number})", line, "", "unbalanced quote removed")
     for word in stray:

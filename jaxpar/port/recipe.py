@@ -81,16 +81,34 @@ def config_source(cfg: ConfigDict, report: Report, command: str, output: str) ->
             "    c = default_config()\n" + "\n".join(body) + ("\n" if body else "") + "    return c\n")
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+def output_exists(path: str) -> ConfigError:
+    """The one-line refusal to write ``-o`` over an existing file."""
+    return ConfigError(f"port -o {path}: the file exists; pass --overwrite to replace it or choose another path")
+
+
+def write_atomic(path: str, text: str, overwrite: bool = False) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename.
+
+    An existing ``path`` is replaced only with ``overwrite``; otherwise :class:`ConfigError`, also when
+    the file appears while writing (the final step is a hard link, which never replaces a file).
+    """
     target = pathlib.Path(path)
     if target.parent and not target.parent.exists():
         raise ConfigError(f"port -o {path}: folder '{target.parent}' does not exist; create it or pick another path")
+    if not overwrite and os.path.lexists(target):
+        raise output_exists(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
+        if overwrite:
+            os.replace(tmp, target)
+            return
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise output_exists(path) from None
+        except OSError:  # a filesystem without hard links: the check above is all we have
+            os.replace(tmp, target)
+    finally:
         pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
