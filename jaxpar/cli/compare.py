@@ -41,7 +41,7 @@ def parse_compare_layout(text: str) -> dict[str, Any]:
         if field in out:
             raise ConfigError(f"--layout '{text}': {key} given twice; give each key once")
         if kind is int:
-            if not raw.isdigit() or (int(raw) < 1 and key != "zero"):
+            if not (raw.isascii() and raw.isdigit()) or (int(raw) < 1 and key != "zero"):
                 raise ConfigError(f"--layout '{text}': {key}={raw} must be an integer >= {0 if key == 'zero' else 1}")
             out[field] = int(raw)
         elif key == "sp":

@@ -32,7 +32,7 @@ def parse_layout(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, raw = item.partition("=")
-        if not sep or key.strip() not in LAYOUT_KEYS or not raw.strip().isdigit() or int(raw) < 1:
+        if not sep or key.strip() not in LAYOUT_KEYS or not (raw.strip().isascii() and raw.strip().isdigit()) or int(raw) < 1:
             raise ConfigError(
                 f"--layout '{text}': expected comma-separated {'|'.join(LAYOUT_KEYS)}=<int >= 1>, "
                 "e.g. --layout data=1,tensor=8,pipeline=8,virtual=3"
