@@ -129,7 +129,7 @@ def _same_final_state(cfg: ConfigDict, a: pathlib.Path, b: pathlib.Path) -> bool
     abstract = {"params": params, "opt_state": opt}
     states = []
     for workdir in (a, b):
-        ckpt = Checkpointer(str(workdir), 0, 100, echo=lambda _: None)
+        ckpt = Checkpointer(str(workdir), 0, 100, echo=lambda _: None, model=cfg.model)
         step = cfg.train.steps
         restored = ckpt.restore(abstract, step=step)
         ckpt.close()
