@@ -36,6 +36,23 @@ class Failure:
         return self.killed_at_step - self.resumed_from_step
 
 
+MARKER = ".jaxpar-drill"  # in each run folder the drill made: only those are replaced
+
+
+def _check_workdir(base: pathlib.Path, runs: tuple[pathlib.Path, ...]) -> None:
+    """ConfigError unless ``base`` can hold the drill's runs without losing anything: it is a folder
+    (or absent), and each run folder is absent, empty or one an earlier drill made."""
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"--workdir {base}: is a file, not a folder; pick another path")
+    for run in runs:
+        if run.exists() and not (run.is_dir() and ((run / MARKER).is_file() or not any(run.iterdir()))):
+            raise ConfigError(f"--workdir {base}: {run.name} exists and was not made by jaxpar drill; "
+                              "pick another --workdir (the drill replaces its run folders)")
+    probe = base if base.exists() else next(p for p in base.parents if p.exists())
+    if not os.access(probe, os.W_OK):
+        raise ConfigError(f"--workdir {base}: {probe} is not writable; pick another path")
+
+
 def _logged_step(workdir: pathlib.Path) -> int:
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -78,9 +95,11 @@ def run_drill(config: str, overrides: list[str], workdir: str, processes: int, t
         raise ConfigError(f"train.steps={steps}: too few steps for {trials} kills; use at least {trials + 2}")
     base = pathlib.Path(workdir).resolve()
     reference, interrupted = base / "reference", base / "interrupted"
+    _check_workdir(base, (reference, interrupted))  # every check before anything is deleted
     for d in (reference, interrupted):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
+        (d / MARKER).write_text("made by jaxpar drill; the next drill in this folder replaces it\n")
     start = time.time()
     if _finish(_launch(config, overrides, reference, processes), timeout_s) != 0:
         raise RuntimeError(f"the reference run failed; see {reference}.log")
