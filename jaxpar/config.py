@@ -141,8 +141,8 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
 def _load_file(spec: str) -> ConfigDict:
     path_str, _, arg = spec.partition(":")
     path = pathlib.Path(path_str)
-    if not path.is_file():
-        raise ConfigError(f"--config: file '{path_str}' not found; pass a path such as configs/tiny.py")
+    if not _is_file(path):
+        raise ConfigError(f"--config: file '{path_str[:200]}' not found; pass a path such as configs/tiny.py")
     module_spec = importlib.util.spec_from_file_location(f"jaxpar_config_{path.stem}", path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"--config: '{path_str}' is not a Python file; pass a .py file defining get_config()")
@@ -174,6 +174,14 @@ def _load_file(spec: str) -> ConfigDict:
         raise ConfigError(f"--config: '{path_str}': get_config() returned {type(cfg).__name__}, not a ConfigDict; "
                           "return jaxpar.config.default_config() with your changes")
     return merge_into_defaults(cfg, source=path_str)
+
+
+def _is_file(path: pathlib.Path) -> bool:
+    """``path.is_file()``, False for a name the OS refuses (too long, a NUL byte) instead of raising."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _first_line(error: BaseException) -> str:
@@ -283,6 +291,9 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     product of the mesh sizes.
     """
     p, mo, o, t, d = cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.data
+    for key, value in flatten(cfg.to_dict()).items():
+        _require(not (isinstance(value, str) and "\x00" in value),
+                 f"config.{key}: the value holds a NUL byte, which no path or name may; retype it")
     for axis in MESH_AXES:
         _require(1 <= cfg.mesh[axis.value] <= MAX_DEVICES,
                  f"mesh.{axis.value}={cfg.mesh[axis.value]}: use a size in [1, {MAX_DEVICES}]")
@@ -358,6 +369,7 @@ def _validate_optim(o: ConfigDict) -> None:
 
 def _validate_train(t: ConfigDict) -> None:
     _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
+    _require(t.global_batch <= MAX_DIM, f"train.global_batch={t.global_batch}: use at most {MAX_DIM} sequences")
     _require(0 <= t.seed < 2**32, f"train.seed={t.seed}: use an integer in [0, 2**32)")
     _require(bool(t.workdir.strip()), "train.workdir is empty; give a folder for checkpoints and metrics")
     _require(not os.path.exists(t.workdir) or os.path.isdir(t.workdir),

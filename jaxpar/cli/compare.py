@@ -16,9 +16,9 @@ from jaxpar.analysis.clusters import GB, PRESETS, get_cluster
 from jaxpar.analysis.compare import compare_layouts, device_count, relative_to_first
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.plan import PlanOptions, plan_summary
-from jaxpar.cli.common import at_least_one, overrides, share
+from jaxpar.cli.common import at_least_one, at_most, overrides, share
 from jaxpar.cli.plan import render_aot, render_table
-from jaxpar.config import MAX_DEVICES, ConfigError, load_config
+from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
 HELP = "chosen layouts side by side: memory, step time, MFU, communication (--aot: compiled too)"
@@ -75,6 +75,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 def run_compare(args: argparse.Namespace) -> int:
     """Evaluate each ``--layout`` (all on the same device count) and print them side by side."""
     at_least_one(global_batch=args.global_batch, seq=args.seq)
+    at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq)
     share("--efficiency", args.efficiency)
     cfg = load_config(args.config, overrides(args))
     model, cluster = cfg.model, get_cluster(args.cluster)

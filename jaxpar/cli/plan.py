@@ -18,8 +18,8 @@ from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import at_least_one, excludes, needs, overrides, share
-from jaxpar.config import MAX_DEVICES, ConfigError, load_config
+from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
+from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
 HELP = "estimate and rank layouts for a cluster before renting it"
@@ -160,6 +160,7 @@ def run_plan(args: argparse.Namespace) -> int:
     excludes("plan", "--devices", args.devices is not None, "--nodes", args.nodes is not None)
     at_least_one(devices=args.devices, nodes=args.nodes, global_batch=args.global_batch, seq=args.seq, top=args.top,
                  microbatches=args.microbatches)
+    at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq, microbatches=args.microbatches)
     share("--efficiency", args.efficiency)
     cfg = load_config(args.config, overrides(args))
     model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
