@@ -18,8 +18,10 @@ naming the field, and nothing is removed.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +92,7 @@ class Checkpointer:
             except ConfigError:  # another model's checkpoint: the user's, not damaged
                 raise
             except Exception as e:  # damaged: report, fall back to an older one
+                _quiet_failed_reads()
                 self.echo(f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); "
                           "trying an older one")
                 damaged.append(candidate)
@@ -147,6 +150,7 @@ class Checkpointer:
                 except ConfigError:
                     raise
                 except Exception as e:  # damaged: name it; without --step, fall back to an older one
+                    _quiet_failed_reads()
                     if step is not None:
                         raise ConfigError(f"--step {step}: checkpoint {step} in {self.directory} is damaged "
                                           f"({_first_line(e)}); pick another step") from e
@@ -172,6 +176,26 @@ class Checkpointer:
 # model fields that fix the parameter shapes (a checkpoint of another value cannot be restored)
 MODEL_SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                       "tie_embeddings", "norm", "mlp_activation", "position", "max_seq_len")
+
+
+def _quiet_failed_reads() -> None:
+    """After a failed restore, orbax leaves the reads of the other arrays pending; when they end (or
+    their event loop is closed under them) Python prints each as "Exception ignored in ..." with a
+    traceback: dozens of lines that say nothing the one-line note has not. Those are dropped
+    (installed once per process); every other unraisable exception still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "jaxpar_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        text = f"{unraisable.exc_value!r} {unraisable.object!r}"
+        if "Event loop is closed" in text or "_read_array_index_and_device_put" in text:
+            return
+        previous(unraisable)
+
+    hook.jaxpar_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+    gc.collect()  # finalise the abandoned reads now, under the hook
 
 
 def _first_line(error: BaseException) -> str:
