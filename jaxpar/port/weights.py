@@ -433,6 +433,11 @@ def _read_one(src: _Source, name: str, leaf: _Leaf, idx: tuple[slice, ...], meta
 def _read_leaf(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, index: tuple) -> np.ndarray:
     """``make_array_from_callback``'s callback: the block ``index`` of ``leaf``, read slice by slice."""
     idx = tuple(slice(*s.indices(n)) for s, n in zip(index, leaf.shape))
+    with np.errstate(over="ignore"):  # a value past param_dtype's range becomes inf, which _finite refuses
+        return _read_block(src, leaf, meta, on_read, idx)
+
+
+def _read_block(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, idx: tuple) -> np.ndarray:
     if not leaf.stacked:
         return _finite(leaf.hf, np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read),
                                                      dtype=leaf.dtype))
