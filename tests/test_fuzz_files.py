@@ -136,12 +136,17 @@ def test_damaged_bytes_and_shards(tmp_path):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A workdir with checkpoints at steps 1 and 2 of the small model on one device."""
+    return make_checkpoints(tmp_path_factory)
+
+
+def make_checkpoints(tmp_path_factory, *extra: str) -> pathlib.Path:
+    """A workdir with checkpoints at steps 1 and 2 of the small model, written from one device
+    (checkpoints hold the model form: any layout restores them)."""
     from jaxpar.mesh import single_device_mesh
     from jaxpar.train.state import Setup
 
     workdir = tmp_path_factory.mktemp("ckpt") / "run"
-    cfg = _small(f"--config.train.workdir={workdir}")
+    cfg = _small(f"--config.train.workdir={workdir}", *extra)
     setup = Setup(cfg, single_device_mesh())
     params, opt = setup.init(0)
     ckpt = Checkpointer(str(workdir), 1, 5)

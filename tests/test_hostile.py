@@ -21,7 +21,7 @@ from jaxpar.train.loop import Trainer, TrainingDiverged
 from tests import fuzzkit
 from tests.fuzzkit import cli_refused, run_cli
 from tests.helpers import ROOT, TINY
-from tests.test_fuzz_files import SMALL, _hf_tensors, _small, _write_hf
+from tests.test_fuzz_files import SMALL, _hf_tensors, _small, _write_hf, make_checkpoints
 from tests.test_fuzz_recipes import SEEDS
 
 # the small model trained on the 8 simulated devices (the Trainer uses them all)
@@ -192,10 +192,8 @@ def _damage(step_dir: pathlib.Path) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 2-step run of the small model with checkpoints at steps 1 and 2 (keep=2)."""
-    workdir = tmp_path_factory.mktemp("hostile") / "run"
-    _run(workdir).run()
-    return workdir
+    """Checkpoints at steps 1 and 2 of the small model (saved directly: no train step compiled)."""
+    return make_checkpoints(tmp_path_factory)
 
 
 def test_keep_2_with_a_damaged_newest_keeps_only_restorable_checkpoints(trained, tmp_path):
