@@ -100,8 +100,8 @@ class Checkpointer:
             if damaged and prune_damaged:
                 for bad in damaged:
                     self.manager.delete(bad)
-                self.echo(f"removed damaged checkpoint(s) {sorted(damaged)} from {self.directory}; resumed from "
-                          f"step {candidate}, which keep-N retention now keeps")
+                self.echo(f"removed damaged checkpoint(s) {sorted(damaged)} from {self.directory} (resumed from "
+                          f"step {candidate}; keep-N retention counts only restorable ones now)")
             return candidate, restored["state"], restored["meta"]
         raise ConfigError(
             f"no usable checkpoint in {self.directory} (tried {candidates}); "
