@@ -53,6 +53,16 @@ def _check_workdir(base: pathlib.Path, runs: tuple[pathlib.Path, ...]) -> None:
         raise ConfigError(f"--workdir {base}: {probe} is not writable; pick another path")
 
 
+def _raise_run_failure(what: str, workdir: pathlib.Path, code: int) -> None:
+    """A run of the drill failed: its own one-line refusal (exit code 2) is the drill's, as a ConfigError;
+    anything else is a RuntimeError pointing at the run's log."""
+    log = workdir.parent / f"{workdir.name}.log"
+    errors = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("error: ")] if log.exists() else []
+    if code == 2 and errors:
+        raise ConfigError(f"{what} refused its input ({errors[-1][len('error: '):]}); see {log}")
+    raise RuntimeError(f"{what} failed with exit code {code}; see {log}")
+
+
 def _logged_step(workdir: pathlib.Path) -> int:
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -101,15 +111,17 @@ def run_drill(config: str, overrides: list[str], workdir: str, processes: int, t
         d.mkdir(parents=True)
         (d / MARKER).write_text("made by jaxpar drill; the next drill in this folder replaces it\n")
     start = time.time()
-    if _finish(_launch(config, overrides, reference, processes), timeout_s) != 0:
-        raise RuntimeError(f"the reference run failed; see {reference}.log")
+    code = _finish(_launch(config, overrides, reference, processes), timeout_s)
+    if code != 0:
+        _raise_run_failure("the reference run", reference, code)
     rng = random.Random(seed)
     failures: list[Failure] = []
     while True:
         proc = _launch(config, overrides, interrupted, processes)
         if len(failures) == trials:
-            if _finish(proc, timeout_s) != 0:
-                raise RuntimeError(f"the resumed run failed; see {interrupted}.log")
+            code = _finish(proc, timeout_s)
+            if code != 0:
+                _raise_run_failure("the resumed run", interrupted, code)
             break
         done = _logged_step(interrupted)
         target = rng.randint(done + 1, max(done + 1, steps - 1))

@@ -269,3 +269,17 @@ def test_internal_errors_stay_exit_1(monkeypatch):
     code, _, err = run_cli(["plan"])
     fuzzkit.COUNTS["hostile: internal error"] += 1
     assert code == 1 and "internal error (KeyError" in err
+
+
+def test_drill_reports_a_refused_run_in_one_line(tmp_path):
+    """The drill's training run refuses NaN weights (exit 2): the drill says so in one line, exit 2."""
+    model = _small().model
+    tensors = _hf_tensors(model)
+    tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.inf)
+    _write_hf(tmp_path / "hf", tensors, model)
+    args = ["drill", "--config", TINY, "--workdir", str(tmp_path / "drill"), "--trials", "1", *SMALL, *EIGHT,
+            "--config.checkpoint.every=1", "--config.train.steps=3", f"--config.train.init_from={tmp_path / 'hf'}"]
+    done = _subprocess(args, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    err = [x for x in done.stderr.splitlines() if x.strip()]
+    assert len(err) == 1 and err[0].startswith("error: the reference run refused its input (tensor 'model.norm.weight'")
