@@ -9,13 +9,19 @@ Restoring passes abstract arrays that carry the *current* layout's shardings, so
 written at one layout (say data=8, ZeRO-3) restores at another (data=2, tensor=2) with identical
 values, each device reading only its own shard. A checkpoint that fails to restore (truncated
 file, missing item, shapes that do not fit this model) is reported in one line and the previous
-one is tried; with none left, a :class:`ConfigError` (exit code 2).
+one is tried; with none left, a :class:`ConfigError` (exit code 2). When an older one restores, the
+damaged newer ones are removed (one line says which): kept, they would stay the newest and keep-N
+retention would delete the good checkpoints instead. A checkpoint written for another model (a
+shape field of ``model`` differs in its saved config) is not damaged: it is refused in one line
+naming the field, and nothing is removed.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +34,10 @@ from jaxpar.config import ConfigDict, ConfigError
 class Checkpointer:
     """Save / restore the training state under ``<workdir>/checkpoints``."""
 
-    def __init__(self, workdir: str, every: int, keep: int, echo: Callable[[str], None] = print):
+    def __init__(self, workdir: str, every: int, keep: int, echo: Callable[[str], None] = print,
+                 model: ConfigDict | None = None):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        self.every, self.echo = every, echo
+        self.every, self.echo, self.model = every, echo, model
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
@@ -56,9 +63,11 @@ class Checkpointer:
         """Block until every started save is durable on disk."""
         self.manager.wait_until_finished()
 
-    def restore(self, abstract_state: dict, step: int | None = None) -> tuple[int, dict, dict] | None:
+    def restore(self, abstract_state: dict, step: int | None = None,
+                prune_damaged: bool = True) -> tuple[int, dict, dict] | None:
         """Restore ``step`` (default: the newest that restores cleanly) onto ``abstract_state``'s
-        shardings. Returns (step, state, meta), or None when there is no checkpoint at all."""
+        shardings. Returns (step, state, meta), or None when there is no checkpoint at all. With
+        ``prune_damaged``, damaged checkpoints newer than the one restored are deleted."""
         candidates = self.steps()
         if step is not None:
             if step not in candidates:
@@ -69,47 +78,90 @@ class Checkpointer:
             candidates = [step]
         if not candidates:
             return None
+        damaged: list[int] = []
         for candidate in reversed(candidates):
             try:
+                self._check_model(candidate)
                 restored = self.manager.restore(
                     candidate,
                     args=ocp.args.Composite(
                         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
                     ),
                 )
-                _check_shapes(restored["state"], abstract_state)
-                return candidate, restored["state"], restored["meta"]
-            except Exception as e:  # damaged or incompatible: report, fall back to an older one
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                self.echo(f"checkpoint {candidate} in {self.directory} is unusable ({first_line}); trying an older one")
+                _check_shapes(restored["state"], abstract_state, candidate)
+            except ConfigError:  # another model's checkpoint: the user's, not damaged
+                raise
+            except Exception as e:  # damaged: report, fall back to an older one
+                _quiet_failed_reads()
+                self.echo(f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); "
+                          "trying an older one")
+                damaged.append(candidate)
+                continue
+            if damaged and prune_damaged:
+                for bad in damaged:
+                    self.manager.delete(bad)
+                self.echo(f"removed damaged checkpoint(s) {sorted(damaged)} from {self.directory} (resumed from "
+                          f"step {candidate}; keep-N retention counts only restorable ones now)")
+            return candidate, restored["state"], restored["meta"]
         raise ConfigError(
             f"no usable checkpoint in {self.directory} (tried {candidates}); "
             "remove the directory or set --config.train.resume=never"
         )
 
+    def _check_model(self, step: int) -> None:
+        """ConfigError naming the first model field whose saved value (the checkpoint's config) differs
+        from this run's; reading the small meta item first spares a failing restore of every array."""
+        if self.model is None:
+            return
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved = (meta.get("config") or {}).get("model") or {}
+        for field in MODEL_SHAPE_FIELDS:
+            if field in saved and saved[field] != self.model[field]:
+                raise ConfigError(
+                    f"checkpoint {step} in {self.directory} was written with model.{field}={saved[field]!r} but the "
+                    f"config has {self.model[field]!r}; set --config.model.{field}={saved[field]} to use it, or "
+                    "point train.workdir at another folder"
+                )
+
     def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[int, Any] | None:
         """Only the parameters of ``step`` (default: the newest), onto ``abstract_params``'
         shardings; the optimizer state is not read (exports need a third of the memory). None when
-        there is no checkpoint."""
+        there is no checkpoint. Without ``step``, damaged checkpoints are reported (``echo``) and skipped;
+        a damaged ``step`` is a ConfigError naming it."""
         candidates = self.steps()
         if step is not None and step not in candidates:
             raise ConfigError(f"--step {step}: no checkpoint at step {step} in {self.directory} (available: "
                               f"{candidates or 'none'}); pick one of those")
         if not candidates:
             return None
-        step = candidates[-1] if step is None else step
+        tried = candidates[::-1] if step is None else [step]
         item = {"params": abstract_params}
         args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
                             item)
         # a read-only manager of its own: a partial restore needs the PyTree handler for "state"
         reader = ocp.CheckpointManager(self.directory, item_names=("state", "meta"))
         try:
-            restored = reader.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)))
+            for candidate in tried:
+                try:
+                    self._check_model(candidate)
+                    restored = reader.restore(candidate, args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)))
+                    _check_shapes(restored["state"], item, candidate)
+                except ConfigError:
+                    raise
+                except Exception as e:  # damaged: name it; without --step, fall back to an older one
+                    _quiet_failed_reads()
+                    if step is not None:
+                        raise ConfigError(f"--step {step}: checkpoint {step} in {self.directory} is damaged "
+                                          f"({_first_line(e)}); pick another step") from e
+                    self.echo(f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); "
+                              "trying an older one")
+                    continue
+                return candidate, restored["state"]["params"]
         finally:
             reader.close()
-        _check_shapes(restored["state"], item)
-        return step, restored["state"]["params"]
+        raise ConfigError(f"no usable checkpoint in {self.directory} (tried {tried}, all damaged); "
+                          "pass --step with a good one or train again")
 
     def discard_after(self, step: int) -> None:
         """Delete the checkpoints newer than ``step`` (a rollback makes them history)."""
@@ -121,9 +173,39 @@ class Checkpointer:
         self.manager.close()
 
 
-def _check_shapes(state: Any, abstract: Any) -> None:
+# model fields that fix the parameter shapes (a checkpoint of another value cannot be restored)
+MODEL_SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                      "tie_embeddings", "norm", "mlp_activation", "position", "max_seq_len")
+
+
+def _quiet_failed_reads() -> None:
+    """After a failed restore, orbax leaves the reads of the other arrays pending; when they end (or
+    their event loop is closed under them) Python prints each as "Exception ignored in ..." with a
+    traceback: dozens of lines that say nothing the one-line note has not. Those are dropped
+    (installed once per process); every other unraisable exception still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "jaxpar_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        text = f"{unraisable.exc_value!r} {unraisable.object!r}"
+        if "Event loop is closed" in text or "_read_array_index_and_device_put" in text:
+            return
+        previous(unraisable)
+
+    hook.jaxpar_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+    gc.collect()  # finalise the abandoned reads now, under the hook
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def _check_shapes(state: Any, abstract: Any, step: int) -> None:
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(abstract), strict=True):
         if tuple(got.shape) != tuple(want.shape):
-            raise ValueError(
-                f"{jax.tree_util.keystr(path)} has shape {tuple(got.shape)}, this model needs {tuple(want.shape)}"
+            raise ConfigError(
+                f"checkpoint {step}: {jax.tree_util.keystr(path)} has shape {tuple(got.shape)}, this model needs "
+                f"{tuple(want.shape)}; train this config in another train.workdir"
             )

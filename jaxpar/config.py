@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
+import math
 import os
 import pathlib
 from typing import Any
@@ -31,6 +33,10 @@ ConfigDict = ml_collections.ConfigDict
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "synthetic", "bin", "megatron")
 SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
+FILE_SOURCES = ("bin", "megatron")  # the data sources that read data.path
+MAX_DEVICES = 1 << 20  # more accelerators than any cluster has: a larger mesh is a typo, not a plan
+MAX_PARAMS = 10**13  # parameters: beyond any model a cluster of MAX_DEVICES trains
+MAX_DIM = 1 << 24  # one model dimension (vocabulary, width, heads, layers, sequence length)
 
 
 def default_config() -> ConfigDict:
@@ -136,24 +142,61 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
 def _load_file(spec: str) -> ConfigDict:
     path_str, _, arg = spec.partition(":")
     path = pathlib.Path(path_str)
-    if not path.is_file():
-        raise ConfigError(f"--config: file '{path_str}' not found; pass a path such as configs/tiny.py")
+    if not _is_file(path):
+        raise ConfigError(f"--config: file '{path_str[:200]}' not found; pass a path such as configs/tiny.py")
     module_spec = importlib.util.spec_from_file_location(f"jaxpar_config_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"--config: '{path_str}' is not a Python file; pass a .py file defining get_config()")
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # a broken config file is bad input, not a crash
-        raise ConfigError(f"--config: '{path_str}' failed to load ({type(e).__name__}: {e})") from e
-    if not hasattr(module, "get_config"):
+    except BaseException as e:  # a broken config file is bad input, not a crash (SystemExit included)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ConfigError(f"--config: '{path_str}' failed to load ({_first_line(e)})") from e
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
         raise ConfigError(f"--config: '{path_str}' defines no get_config(); add one returning a ConfigDict")
-    cfg = module.get_config(arg) if arg else module.get_config()
+    args = (arg,) if arg else ()
+    try:
+        inspect.signature(get_config).bind(*args)
+    except (TypeError, ValueError):
+        want = "get_config(arg)" if arg else "get_config()"
+        raise ConfigError(f"--config: '{path_str}': get_config does not accept the call {want}; "
+                          + ("drop ':" + arg + "' from --config" if arg else "give its argument as --config FILE:ARG")
+                          ) from None
+    try:
+        cfg = get_config(*args)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ConfigError(f"--config: '{path_str}': get_config() raised {_first_line(e)}; fix the config file") from e
+    if not isinstance(cfg, (ConfigDict, dict)):
+        raise ConfigError(f"--config: '{path_str}': get_config() returned {type(cfg).__name__}, not a ConfigDict; "
+                          "return jaxpar.config.default_config() with your changes")
     return merge_into_defaults(cfg, source=path_str)
+
+
+def _is_file(path: pathlib.Path) -> bool:
+    """``path.is_file()``, False for a name the OS refuses (too long, a NUL byte) instead of raising."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _first_line(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def merge_into_defaults(cfg: ConfigDict | dict, source: str = "config") -> ConfigDict:
     """Overlay a (possibly partial) config on the defaults, rejecting unknown keys."""
     base = default_config()
-    flat = flatten(cfg.to_dict() if isinstance(cfg, ConfigDict) else cfg)
+    try:
+        flat = flatten(cfg.to_dict() if isinstance(cfg, ConfigDict) else cfg)
+    except RecursionError:
+        raise ConfigError(f"{source}: the config nests too deeply; use section.field keys") from None
     for key, value in flat.items():
         _set(base, key, value, origin=source)
     return base
@@ -162,6 +205,8 @@ def merge_into_defaults(cfg: ConfigDict | dict, source: str = "config") -> Confi
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"config key {prefix}{k!r}: keys must be strings (section.field names)")
         key = f"{prefix}{k}"
         if isinstance(v, (dict, ConfigDict)):
             out.update(flatten(dict(v), key + "."))
@@ -247,6 +292,15 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     product of the mesh sizes.
     """
     p, mo, o, t, d = cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.data
+    for key, value in flatten(cfg.to_dict()).items():
+        _require(not (isinstance(value, str) and "\x00" in value),
+                 f"config.{key}: the value holds a NUL byte, which no path or name may; retype it")
+    for axis in MESH_AXES:
+        _require(1 <= cfg.mesh[axis.value] <= MAX_DEVICES,
+                 f"mesh.{axis.value}={cfg.mesh[axis.value]}: use a size in [1, {MAX_DEVICES}]")
+    devices = math.prod(cfg.mesh[axis.value] for axis in MESH_AXES)
+    _require(devices <= MAX_DEVICES, f"mesh: {devices} devices in all is more than any cluster has "
+             f"(at most {MAX_DEVICES}); check the mesh sizes")
     _require(
         p.grad_reduce_dtype in ("float32", "bfloat16"),
         f"parallel.grad_reduce_dtype='{p.grad_reduce_dtype}': use float32 or bfloat16",
@@ -255,8 +309,26 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
         0.0 <= p.max_replicated_fraction <= 1.0,
         f"parallel.max_replicated_fraction={p.max_replicated_fraction}: use a value in [0, 1]",
     )
-    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-        _require(mo[name] >= 1, f"model.{name}={mo[name]}: must be >= 1")
+    _validate_model(mo)
+    _validate_optim(o)
+    _validate_train(t)
+    _require(d.source in DATA_SOURCES, f"data.source='{d.source}': use one of {', '.join(DATA_SOURCES)}")
+    _require(d.token_dtype in ("uint16", "uint32"), f"data.token_dtype='{d.token_dtype}': use uint16 or uint32")
+    if d.source in FILE_SOURCES:
+        _require(bool(d.path.strip()), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
+    else:
+        _require(not d.path, f"data.path='{d.path}' is not read by data.source='{d.source}'; set data.source to "
+                 f"{' or '.join(FILE_SOURCES)} to train on it, or clear data.path")
+    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    return ParallelLayout.from_config(cfg).validate(mo, t.global_batch, num_devices)
+
+
+def _validate_model(mo: ConfigDict) -> None:
+    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                 "max_seq_len"):
+        _require(1 <= mo[name] <= MAX_DIM, f"model.{name}={mo[name]}: use a value in [1, {MAX_DIM}]")
     _require(
         mo.num_heads % mo.num_kv_heads == 0,
         f"model.num_heads={mo.num_heads} is not a multiple of model.num_kv_heads={mo.num_kv_heads}; "
@@ -268,8 +340,26 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     _require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
     _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
     check_name(mo.name)
-    _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
-    _require(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
+    if mo.position == "rope":  # RoPE rotates pairs of dims
+        _require(mo.head_dim % 2 == 0, f"model.head_dim={mo.head_dim}: RoPE needs an even head dim; use e.g. "
+                 f"{mo.head_dim + 1}")
+        _positive_finite("model.rope_theta", mo.rope_theta)
+    _positive_finite("model.norm_eps", mo.norm_eps)
+    _positive_finite("model.init_std", mo.init_std)
+    count = _rough_param_count(mo)
+    _require(count <= MAX_PARAMS, f"model: {count:.3g} parameters is beyond any cluster (at most {MAX_PARAMS:.0e}); "
+             "check the model sizes")
+
+
+def _rough_param_count(mo: ConfigDict) -> int:
+    """Parameters of a decoder of these sizes, to within norms and biases: enough to refuse what no
+    cluster could hold without importing the model (the exact count: ``jaxpar.models.inventory``)."""
+    attention = mo.embed_dim * mo.head_dim * (2 * mo.num_heads + 2 * mo.num_kv_heads)
+    return mo.num_layers * (attention + 3 * mo.embed_dim * mo.mlp_dim) + 2 * mo.vocab_size * mo.embed_dim
+
+
+def _validate_optim(o: ConfigDict) -> None:
+    _positive_finite("optim.lr", o.lr)
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     _require(
         o.schedule in SCHEDULE_TYPES,
@@ -279,14 +369,26 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
     _require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
     _require(o.name == "adamw", f"optim.name='{o.name}': only adamw is supported")
-    _require(d.source in DATA_SOURCES, f"data.source='{d.source}': use one of {', '.join(DATA_SOURCES)}")
-    _require(d.token_dtype in ("uint16", "uint32"), f"data.token_dtype='{d.token_dtype}': use uint16 or uint32")
-    if d.source in ("bin", "megatron"):
-        _require(bool(d.path), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
-    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
+    for name in ("b1", "b2"):  # Adam's moment decay rates (Kingma & Ba 2015): in [0, 1)
+        _require(0 <= o[name] < 1, f"optim.{name}={o[name]}: use a value in [0, 1), e.g. 0.9")
+    _require(math.isfinite(o.eps) and o.eps >= 0, f"optim.eps={o.eps}: use a finite value >= 0, e.g. 1e-8")
+    _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+             f"optim.weight_decay={o.weight_decay}: use a finite value >= 0")
+
+
+def _validate_train(t: ConfigDict) -> None:
+    _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
+    _require(t.global_batch <= MAX_DIM, f"train.global_batch={t.global_batch}: use at most {MAX_DIM} sequences")
+    _require(0 <= t.seed < 2**32, f"train.seed={t.seed}: use an integer in [0, 2**32)")
+    _require(bool(t.workdir.strip()), "train.workdir is empty; give a folder for checkpoints and metrics")
+    _require(not os.path.exists(t.workdir) or os.path.isdir(t.workdir),
+             f"train.workdir='{t.workdir}' is a file, not a folder; pick another path")
+    for name in ("log_every", "eval_every", "warmup_steps_excluded"):
+        _require(t[name] >= 0, f"train.{name}={t[name]}: must be >= 0")
+    _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1 (validation needs a batch)")
     resume = str(t.resume)
     _require(
-        resume in ("auto", "never") or resume.isdigit(),
+        resume in ("auto", "never") or _is_count(resume),
         f"train.resume='{resume}': use auto, never or a step number",
     )
     _require(
@@ -294,15 +396,22 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
         f"train.init_from='{t.init_from}': no such file or directory; give an HF checkpoint directory, a "
         ".safetensors / .index.json file or a torch state dict",
     )
-    _require(t.spike_factor == 0 or t.spike_factor > 1, f"train.spike_factor={t.spike_factor}: use 0 (off) or > 1")
+    _require(t.spike_factor == 0 or 1 < t.spike_factor < math.inf,
+             f"train.spike_factor={t.spike_factor}: use 0 (off) or a finite value > 1")
     _require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
     _require(
-        all(x.strip().isdigit() for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,
+        all(_is_count(x.strip()) for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,
         f"train.inject_bad_steps='{t.inject_bad_steps}': give comma-separated step numbers, e.g. 3,4",
     )
-    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    return ParallelLayout.from_config(cfg).validate(mo, t.global_batch, num_devices)
+
+
+def _is_count(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` also takes '²', which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
+
+
+def _positive_finite(name: str, value: float) -> None:
+    _require(math.isfinite(value) and value > 0, f"{name}={value}: use a finite value > 0")
 
 
 def _require(ok: bool, message: str) -> None:

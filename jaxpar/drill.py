@@ -36,6 +36,33 @@ class Failure:
         return self.killed_at_step - self.resumed_from_step
 
 
+MARKER = ".jaxpar-drill"  # in each run folder the drill made: only those are replaced
+
+
+def _check_workdir(base: pathlib.Path, runs: tuple[pathlib.Path, ...]) -> None:
+    """ConfigError unless ``base`` can hold the drill's runs without losing anything: it is a folder
+    (or absent), and each run folder is absent, empty or one an earlier drill made."""
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"--workdir {base}: is a file, not a folder; pick another path")
+    for run in runs:
+        if run.exists() and not (run.is_dir() and ((run / MARKER).is_file() or not any(run.iterdir()))):
+            raise ConfigError(f"--workdir {base}: {run.name} exists and was not made by jaxpar drill; "
+                              "pick another --workdir (the drill replaces its run folders)")
+    probe = base if base.exists() else next(p for p in base.parents if p.exists())
+    if not os.access(probe, os.W_OK):
+        raise ConfigError(f"--workdir {base}: {probe} is not writable; pick another path")
+
+
+def _raise_run_failure(what: str, workdir: pathlib.Path, code: int) -> None:
+    """A run of the drill failed: its own one-line refusal (exit code 2) is the drill's, as a ConfigError;
+    anything else is a RuntimeError pointing at the run's log."""
+    log = workdir.parent / f"{workdir.name}.log"
+    errors = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("error: ")] if log.exists() else []
+    if code == 2 and errors:
+        raise ConfigError(f"{what} refused its input ({errors[-1][len('error: '):]}); see {log}")
+    raise RuntimeError(f"{what} failed with exit code {code}; see {log}")
+
+
 def _logged_step(workdir: pathlib.Path) -> int:
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -78,19 +105,23 @@ def run_drill(config: str, overrides: list[str], workdir: str, processes: int, t
         raise ConfigError(f"train.steps={steps}: too few steps for {trials} kills; use at least {trials + 2}")
     base = pathlib.Path(workdir).resolve()
     reference, interrupted = base / "reference", base / "interrupted"
+    _check_workdir(base, (reference, interrupted))  # every check before anything is deleted
     for d in (reference, interrupted):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
+        (d / MARKER).write_text("made by jaxpar drill; the next drill in this folder replaces it\n")
     start = time.time()
-    if _finish(_launch(config, overrides, reference, processes), timeout_s) != 0:
-        raise RuntimeError(f"the reference run failed; see {reference}.log")
+    code = _finish(_launch(config, overrides, reference, processes), timeout_s)
+    if code != 0:
+        _raise_run_failure("the reference run", reference, code)
     rng = random.Random(seed)
     failures: list[Failure] = []
     while True:
         proc = _launch(config, overrides, interrupted, processes)
         if len(failures) == trials:
-            if _finish(proc, timeout_s) != 0:
-                raise RuntimeError(f"the resumed run failed; see {interrupted}.log")
+            code = _finish(proc, timeout_s)
+            if code != 0:
+                _raise_run_failure("the resumed run", interrupted, code)
             break
         done = _logged_step(interrupted)
         target = rng.randint(done + 1, max(done + 1, steps - 1))
@@ -129,7 +160,7 @@ def _same_final_state(cfg: ConfigDict, a: pathlib.Path, b: pathlib.Path) -> bool
     abstract = {"params": params, "opt_state": opt}
     states = []
     for workdir in (a, b):
-        ckpt = Checkpointer(str(workdir), 0, 100, echo=lambda _: None)
+        ckpt = Checkpointer(str(workdir), 0, 100, echo=lambda _: None, model=cfg.model)
         step = cfg.train.steps
         restored = ckpt.restore(abstract, step=step)
         ckpt.close()

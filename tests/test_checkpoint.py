@@ -101,7 +101,8 @@ def test_damaged_checkpoint_falls_back_then_fails(tmp_path):
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncate every data file
     p, o, _ = setup.abstract_state()
     step, _, _ = ckpt.restore({"params": p, "opt_state": o})
-    assert step == 1 and len(messages) == 1 and "checkpoint 2" in messages[0] and "\n" not in messages[0]
+    assert step == 1 and len(messages) == 2 and "checkpoint 2" in messages[0] and "\n" not in messages[0]
+    assert messages[1].startswith("removed damaged checkpoint(s) [2]") and ckpt.steps() == [1]
     wrong = _setup(["--config.mesh.data=8", "--config.mesh.tensor=1", "--config.model.embed_dim=64"], 8)
     p, o, _ = wrong.abstract_state()
     with pytest.raises(ConfigError, match="no usable checkpoint"):

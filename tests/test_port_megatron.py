@@ -78,7 +78,9 @@ def test_bloom_style_layout_on_256_gpus():
     assert report.find("--position-embedding-type").status == "unsupported"  # ALiBi
     assert report.find("--rampup-batch-size").status == "approximated"
     assert report.find("--embed-layernorm").status == "unsupported"
-    assert any("num_layers=66" in p for p in report.problems)  # 66 layers do not split over 8 stages
+    # ALiBi is unsupported, so the port keeps RoPE, whose head dim must be even: the first problem validation
+    # names (66 layers over 8 stages would be the next)
+    assert any("model.head_dim=145: RoPE needs an even head dim" in p for p in report.problems)
     cfg, report = port_megatron(MEG / BLOOM, world_size=256)  # an explicit world size makes NNODES unnecessary
     assert (cfg.mesh.data, cfg.train.microbatches) == (8, 128) and "overridden" in report.find("--nnodes").note
 
@@ -237,5 +239,5 @@ def test_cli_megatron_output_loads(tmp_path):
     assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.train.microbatches == 4
     args = parser.parse_args(["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o",
                               str(tmp_path / "bloom.py")])
-    with pytest.raises(ConfigError, match="does not validate: model.num_layers=66"):
+    with pytest.raises(ConfigError, match="does not validate: model.head_dim=145: RoPE needs an even head dim"):
         run_port(args)

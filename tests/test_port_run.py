@@ -78,7 +78,8 @@ RECIPES = {
     "megatron/mixtral_8x22b_moe.args": [],
     "megatron/sweep_CONFIG.args": [f"--var={kv}" for kv in ("TP=2", "PP=2", "MBS=1", "GBS=32", "NLS=24", "HS=1024",
                                                              "NAH=16", "WORLD_SIZE=8")],
-    "megatron/bloom_style_104b_slurm.args": ["--var", "SLURM_NNODES=32", "--set", "model.num_layers=64"],
+    "megatron/bloom_style_104b_slurm.args": ["--var", "SLURM_NNODES=32", "--set", "model.num_layers=64",
+                                             "--set", "model.head_dim=144"],  # ALiBi unsupported: RoPE, even dims
     "megatron/megatron_ds_llama2_tp2_pp2.args": [],
     "megatron/gpt_1b_interleaved_sp.args": [],
     "torchtitan/llama3_8b_32gpu.toml": ["--world-size", "32"],

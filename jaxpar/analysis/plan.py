@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 from jaxpar.analysis.clusters import GB, Cluster
@@ -34,7 +35,7 @@ from jaxpar.analysis.estimate import (
     memory_estimate,
     step_time,
 )
-from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_VIRTUAL_STAGES = 8
@@ -51,6 +52,16 @@ class PlanOptions:
     efficiency: float = 0.55  # achieved share of peak FLOP/s in matmuls
     link_efficiency: float = 0.75  # achieved share of nominal link bandwidth
     dp_exposed_fraction: float = 0.1  # share of the data-axis reduction never hidden behind compute
+
+    def __post_init__(self) -> None:
+        """Shares outside their range give negative or infinite step times: refused here, whoever builds it."""
+        for name in ("efficiency", "link_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"plan: {name}={getattr(self, name)}: use a share of peak in (0, 1]")
+        if not 0 <= self.headroom < 1:
+            raise ConfigError(f"plan: headroom={self.headroom}: use a value in [0, 1)")
+        if not 0 <= self.dp_exposed_fraction <= 1:
+            raise ConfigError(f"plan: dp_exposed_fraction={self.dp_exposed_fraction}: use a value in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +154,19 @@ def _meshes(model: ConfigDict, cluster: Cluster, num_devices: int, global_batch:
     """(data, tensor, pipeline) with pipeline dividing the layers and data dividing the global batch."""
     for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
         rest = num_devices // t if num_devices % t == 0 else 0
-        pipelines = [fixed["pipeline"]] if "pipeline" in fixed else [p for p in range(1, rest + 1) if rest % p == 0]
+        pipelines = [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest)
+                                                                     if model.num_layers % p == 0]
         for p in pipelines:
             if rest and rest % p == 0 and model.num_layers % p == 0:
                 data = rest // p
                 if fixed.get("data", data) == data and global_batch % data == 0:
                     yield data, t, p
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in ascending order, in O(sqrt(n)) steps (n <= MAX_DEVICES: at most ~1000)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _schedules(model: ConfigDict, pipeline: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
@@ -192,6 +210,8 @@ def search_layouts(
     order and stop at the first one that does not fit, since memory grows with b. Raises
     :class:`ConfigError` when nothing fits, naming the smallest requirement found.
     """
+    if not 1 <= num_devices <= MAX_DEVICES:  # bounds the search; no cluster has more
+        raise ConfigError(f"plan: {num_devices} devices: use between 1 and {MAX_DEVICES} (more than any cluster has)")
     model = _Snapshot(model.to_dict() if isinstance(model, ConfigDict) else model)  # fast field access
     fixed = dict(fixed or {})
     unknown = set(fixed) - {f.name for f in dataclasses.fields(ParallelLayout)}

@@ -16,7 +16,7 @@ import sys
 
 from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, train
 from jaxpar.cli.common import Parser
-from jaxpar.errors import JaxparError
+from jaxpar.errors import ConfigError, JaxparError
 
 EXIT_BAD_INPUT = errors.EXIT_BAD_INPUT
 EXIT_PEER_FAILURE = train.EXIT_PEER_FAILURE
@@ -44,6 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An empty flag value (``-o ''``, ``--config=``) names nothing: refused, never read as "not given";
+    a NUL byte cannot be in a path (the OS raises ValueError): refused here, once, for every flag."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        if action.option_strings and "" in values:
+            raise ConfigError(f"{args.command} {action.option_strings[-1]}: empty value; give one or drop the flag")
+        if any(isinstance(v, str) and "\x00" in v for v in values):
+            raise ConfigError(f"{args.command} {action.option_strings[-1] if action.option_strings else action.dest}: "
+                              "the value holds a NUL byte, which no path or name may; retype it")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``jaxpar ARGV``; returns the exit code (0 ok, 1 internal error, 2 bad input, 130 Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -52,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     rest = [a for a in argv if not a.startswith("--config.")]
     errors.note_workdir(None)
     try:
-        args = build_parser().parse_args(rest)
+        parser = build_parser()
+        args = parser.parse_args(rest)
+        _refuse_empty(parser, args)
         args.overrides = overrides
         return int(args.run(args) or 0)
     except JaxparError as e:
         return errors.bad_input(e)
+    except OSError as e:
+        if e.filename is None:  # not about a path the user gave: a bug
+            return errors.internal_error(e, argv)
+        return errors.bad_path(e)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return errors.EXIT_INTERRUPTED

@@ -45,6 +45,13 @@ def at_least_one(**flags: int | None) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: use an integer >= 1")
 
 
+def at_most(limit: int, **flags: int | None) -> None:
+    """Refuse an integer flag above ``limit`` (sizes no machine or batch has); names as in :func:`at_least_one`."""
+    for name, value in flags.items():
+        if value is not None and value > limit:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: more than any run uses; give at most {limit}")
+
+
 def share(flag: str, value: float) -> None:
     """Refuse a share of peak (efficiency) outside (0, 1]."""
     if not 0 < value <= 1:

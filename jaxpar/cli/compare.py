@@ -16,9 +16,9 @@ from jaxpar.analysis.clusters import GB, PRESETS, get_cluster
 from jaxpar.analysis.compare import compare_layouts, device_count, relative_to_first
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.plan import PlanOptions, plan_summary
-from jaxpar.cli.common import at_least_one, overrides, share
+from jaxpar.cli.common import at_least_one, at_most, overrides, share
 from jaxpar.cli.plan import render_aot, render_table
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
 HELP = "chosen layouts side by side: memory, step time, MFU, communication (--aot: compiled too)"
@@ -41,8 +41,9 @@ def parse_compare_layout(text: str) -> dict[str, Any]:
         if field in out:
             raise ConfigError(f"--layout '{text}': {key} given twice; give each key once")
         if kind is int:
-            if not raw.isdigit() or (int(raw) < 1 and key != "zero"):
-                raise ConfigError(f"--layout '{text}': {key}={raw} must be an integer >= {0 if key == 'zero' else 1}")
+            if not (raw.isascii() and raw.isdigit() and len(raw) < 19) or not (key == "zero" or 1 <= int(raw) <= MAX_DEVICES):
+                raise ConfigError(f"--layout '{text}': {key}={raw} must be an integer in "
+                                  f"[{0 if key == 'zero' else 1}, {MAX_DEVICES}]")
             out[field] = int(raw)
         elif key == "sp":
             if raw.lower() not in ("0", "1", "true", "false"):
@@ -74,6 +75,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 def run_compare(args: argparse.Namespace) -> int:
     """Evaluate each ``--layout`` (all on the same device count) and print them side by side."""
     at_least_one(global_batch=args.global_batch, seq=args.seq)
+    at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq)
     share("--efficiency", args.efficiency)
     cfg = load_config(args.config, overrides(args))
     model, cluster = cfg.model, get_cluster(args.cluster)

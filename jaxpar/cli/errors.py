@@ -6,6 +6,8 @@
   written to <path>`` on stderr, exit code 1, the full traceback in ``<path>``: a file in the run's
   workdir when the subcommand has named one (:func:`note_workdir`) and it exists, else
   ``<tmp>/jaxpar-error-<pid>.log``;
+- an :class:`OSError` that names a file (a path the OS refuses: missing, too long, not
+  readable, a folder where a file belongs) is bad input too: ``error: <reason>: '<path>'``, exit 2;
 - Ctrl-C: ``interrupted``, exit code 130.
 
 (``jaxpar train`` in a multi-process job has one more: a failed collective exits with code 3,
@@ -42,6 +44,15 @@ def one_line(text: str) -> str:
 def bad_input(error: BaseException) -> int:
     """Print ``error: <one line>`` on stderr; returns the exit code 2."""
     print(f"error: {one_line(str(error))}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
+
+
+def bad_path(error: OSError) -> int:
+    """Print ``error: <reason>: '<path>'; check the path`` on stderr; returns the exit code 2."""
+    name = str(error.filename)
+    name = name if len(name) <= 200 else name[:200] + "..."
+    reason = error.strerror or type(error).__name__
+    print(f"error: {reason}: '{name}'; check the path", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
 
 

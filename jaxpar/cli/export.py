@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from jaxpar.cli.common import config_or_default, overrides
 from jaxpar.cli.errors import note_workdir
@@ -31,6 +32,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"-o {args.output}: exists; pass --overwrite to replace it or choose another directory")
     from jaxpar.port.export import export_checkpoint
 
-    done = export_checkpoint(cfg, args.output, args.step, args.overwrite)
+    done = export_checkpoint(cfg, args.output, args.step, args.overwrite,
+                             echo=lambda line: print(f"note: {line}", file=sys.stderr))
     print(f"wrote {done.output}: checkpoint step {done.step} of {done.checkpoints} as an HF LLaMA checkpoint")
     return 0

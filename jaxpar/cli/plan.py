@@ -18,8 +18,8 @@ from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import at_least_one, excludes, needs, overrides, share
-from jaxpar.config import ConfigError, load_config
+from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
+from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
 HELP = "estimate and rank layouts for a cluster before renting it"
@@ -32,7 +32,9 @@ def parse_layout(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, raw = item.partition("=")
-        if not sep or key.strip() not in LAYOUT_KEYS or not raw.strip().isdigit() or int(raw) < 1:
+        number = raw.strip()
+        if (not sep or key.strip() not in LAYOUT_KEYS or not (number.isascii() and number.isdigit() and len(number) < 19)
+                or int(number) < 1):
             raise ConfigError(
                 f"--layout '{text}': expected comma-separated {'|'.join(LAYOUT_KEYS)}=<int >= 1>, "
                 "e.g. --layout data=1,tensor=8,pipeline=8,virtual=3"
@@ -158,6 +160,7 @@ def run_plan(args: argparse.Namespace) -> int:
     excludes("plan", "--devices", args.devices is not None, "--nodes", args.nodes is not None)
     at_least_one(devices=args.devices, nodes=args.nodes, global_batch=args.global_batch, seq=args.seq, top=args.top,
                  microbatches=args.microbatches)
+    at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq, microbatches=args.microbatches)
     share("--efficiency", args.efficiency)
     cfg = load_config(args.config, overrides(args))
     model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
@@ -181,6 +184,9 @@ def run_plan(args: argparse.Namespace) -> int:
         num_devices = fixed["data"] * fixed["tensor"] * fixed["pipeline"]
     else:
         num_devices = dpn
+    if num_devices > MAX_DEVICES:
+        raise ConfigError(f"plan: {num_devices} devices is more than any cluster has; use at most {MAX_DEVICES} "
+                          f"({MAX_DEVICES // dpn} nodes of {dpn})")
     if num_devices < 1 or num_devices % dpn:
         raise ConfigError(
             f"plan: {num_devices} devices is not a multiple of {dpn} devices per node on {cluster.name}; "

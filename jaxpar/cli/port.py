@@ -17,8 +17,8 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
-from jaxpar.cli.common import at_least_one
-from jaxpar.config import ConfigDict, ConfigError, default_config, flatten
+from jaxpar.cli.common import at_least_one, overrides
+from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError, default_config, flatten
 from jaxpar.port.recipe import SOURCES, config_source, output_exists, port_recipe, write_atomic
 
 if TYPE_CHECKING:
@@ -62,7 +62,14 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
     """Check the flags against the recipe kind, then :func:`port_recipe` with them."""
     from jaxpar.port.report import parse_side_value, schema_has, suggest  # imports JAX: only when porting
 
+    given = overrides(args)
+    if given:
+        key = given[0].split("=", 1)[0][len("--config."):]
+        raise ConfigError(f"port: {given[0]}: port does not take --config overrides; use --set {key}=VALUE")
     at_least_one(world_size=args.world_size, tensor=args.tensor, pipeline=args.pipeline)
+    for flag, value in (("--world-size", args.world_size), ("--tensor", args.tensor), ("--pipeline", args.pipeline)):
+        if value is not None and value > MAX_DEVICES:
+            raise ConfigError(f"{flag} {value}: more GPUs than any cluster has; use at most {MAX_DEVICES}")
     sets = _pairs(args.sets, "--set")
     fields = {k: v for k, v in sets.items() if schema_has(k)}
     side = {k: parse_side_value(v) for k, v in sets.items() if k not in fields}

@@ -13,7 +13,8 @@ import sys
 
 from jaxpar.cli.common import DEFAULT_CONFIG, overrides
 from jaxpar.cli.errors import note_workdir
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import load_config
+from jaxpar.errors import JaxparError
 
 HELP = "train a config on the devices present (CPU: simulated devices)"
 EXIT_PEER_FAILURE = 3
@@ -45,7 +46,7 @@ def run_train(args: argparse.Namespace) -> int:
     distributed = initialize_from_env()
     try:
         Trainer(cfg, progress=not args.no_progress, weights_loader=load_checked).run()
-    except ConfigError:
+    except JaxparError:  # bad input (a config value, a diverged run): exit 2 on every process
         raise
     except Exception as e:
         if not distributed:

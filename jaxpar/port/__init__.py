@@ -54,6 +54,7 @@ class Shell:
         self.user = {k: str(v) for k, v in (variables or {}).items()}
         self.env: dict[str, str] = dict(self.user)
         self.why: dict[str, str] = {}
+        self.read: set[str] = set()  # variables whose value an expansion asked for (unused --var is refused)
 
     def assign(self, name: str, raw: str, words: bool = False) -> None:
         """``NAME=raw`` as bash would do it (quote removal, expansion, no word splitting).
@@ -184,6 +185,7 @@ class Shell:
 
     def var(self, name: str) -> str:
         """The value of ``name``, or its marker when it is not known."""
+        self.read.add(name)
         if name in self.env:
             return self.env[name]
         self.why.setdefault(name, "script argument, not given" if name.isdigit() else "not set")
@@ -201,6 +203,7 @@ class Shell:
             self.why[label] = "unsupported expansion"
             return mark(label)
         length, name, _, op, word = m.groups()
+        self.read.add(name)
         value = self.env.get(name)
         if op:
             empty = value is None or (op.startswith(":") and value == "")

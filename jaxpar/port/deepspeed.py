@@ -109,6 +109,7 @@ class _Ctx:
         self.values: dict[str, Any] = {}
         self.unresolved: list[str] = []
         self.defaulted: dict[str, Any] = {}  # "auto" paths filled with defaults (--allow-unresolved)
+        self.used: set[str] = {"world_size"}  # side inputs that filled a value (the rest are refused)
 
     def get(self, path: str, default: Any = None) -> Any:
         """The value at a dotted path with ``"auto"`` resolved (side input, HF default, or unresolved)."""
@@ -122,6 +123,7 @@ class _Ctx:
         names, hf_default = AUTO_ALIASES.get(path, ((path.rsplit(".", 1)[-1],), None))
         for name in (path, *names):
             if name in self.side:
+                self.used.add(name)
                 return self.side[name]
         if path == "scheduler.params.warmup_min_lr":
             return 0.0  # the HF Trainer always fills 0 here
@@ -170,10 +172,27 @@ def port_deepspeed(path_or_dict: str | pathlib.Path | dict, *, world_size: int |
                           f"{n} (\"auto\", filled by the HF Trainer)" for n in sorted(set(ctx.unresolved)))
         raise ConfigError(f"deepspeed: unresolved values: {names}; give each with --set NAME=VALUE (e.g. --set "
                           "lr=3e-4 --set world_size=8) or pass --allow-unresolved for defaults")
+    known = {"world_size", *AUTO_ALIASES, *(n for names, _ in AUTO_ALIASES.values() for n in names)}
+    for name in [n for n in side if n not in ctx.used]:
+        if name not in known and not _is_auto(raw, name):  # a typo would otherwise vanish
+            raise ConfigError(f"deepspeed: --set {name}: neither a jaxpar config key (section.field) nor a side input "
+                              "for an \"auto\" value (lr, betas, eps, weight_decay, warmup_num_steps, "
+                              "train_micro_batch_size_per_gpu, ...); check the name or drop it")
+        report.approximated(f"--set {name}", side[name], "", "not used: no \"auto\" value of this recipe takes it")
     for path, value in ctx.defaulted.items():
         entry = report.find(path) or report.approximated(path, "auto")
         entry.status, entry.note = "approximated", f"unresolved \"auto\": default {value!r} used (--allow-unresolved)"
     return build_config(ctx.values, report), report
+
+
+def _is_auto(raw: dict, path: str) -> bool:
+    """Whether the dotted ``path`` of the recipe holds ``"auto"``."""
+    node: Any = raw
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return node == "auto"
 
 
 def _load(path_or_dict: str | pathlib.Path | dict) -> tuple[dict, str]:

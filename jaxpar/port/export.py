@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 from jaxpar.config import ConfigDict, ConfigError
 
@@ -30,10 +31,12 @@ class Exported:
     checkpoints: str
 
 
-def export_checkpoint(cfg: ConfigDict, output: str, step: int | None = None, overwrite: bool = False) -> Exported:
-    """Write the parameters of checkpoint ``step`` (default: the newest) under ``cfg.train.workdir`` to
-    ``output`` as HF safetensors + config.json; :class:`ConfigError` for a model HF's LLaMA cannot hold or a
-    missing checkpoint (nothing is written then)."""
+def export_checkpoint(cfg: ConfigDict, output: str, step: int | None = None, overwrite: bool = False,
+                      echo: Callable[[str], None] = print) -> Exported:
+    """Write the parameters of checkpoint ``step`` (default: the newest that restores) under
+    ``cfg.train.workdir`` to ``output`` as HF safetensors + config.json; :class:`ConfigError` for a model
+    HF's LLaMA cannot hold, a missing checkpoint, a damaged ``step`` or another model's checkpoint
+    (nothing is written then). Damaged newer checkpoints skipped without ``step`` are reported to ``echo``."""
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.port import weights
     from jaxpar.train.state import one_device_checkpoint_state
@@ -45,7 +48,7 @@ def export_checkpoint(cfg: ConfigDict, output: str, step: int | None = None, ove
     if not os.path.isdir(directory):
         raise missing
     params, _ = one_device_checkpoint_state(cfg)
-    checkpoints = Checkpointer(cfg.train.workdir, 0, 1 << 20, echo=lambda _: None)
+    checkpoints = Checkpointer(cfg.train.workdir, 0, 1 << 20, echo=echo, model=cfg.model)
     try:
         restored = checkpoints.restore_params(params, step)
     finally:

@@ -160,7 +160,15 @@ def port_megatron(path_or_text: str | pathlib.Path, *, variables: dict[str, str]
         raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
     _layout(a, values, sizes, layers)
     a.finish()
+    unused = [n for n in (variables or {}) if n not in shell.read and n not in SIZE_VARIABLES]
+    if unused:
+        raise ConfigError(f"megatron: --var {unused[0]}: the recipe never uses ${unused[0]}; check the name "
+                          "(case matters) or drop it")
     return build_config(values, report), report
+
+
+# variables the world size is read from even when no expansion names them (see _sizes)
+SIZE_VARIABLES = ("WORLD_SIZE", "NNODES", "NUM_NODES", "N_NODES", "GPUS_PER_NODE")
 
 
 def _read(path_or_text: str | pathlib.Path) -> tuple[str, str]:

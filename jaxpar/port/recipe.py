@@ -15,7 +15,7 @@ import pathlib
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from jaxpar.config import ConfigDict, ConfigError, apply_overrides, default_config, flatten, validate
+from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError, apply_overrides, default_config, flatten, validate
 
 if TYPE_CHECKING:  # jaxpar.port.report imports JAX (through jaxpar.optim): not at the CLI's start
     from jaxpar.port.report import Report
@@ -33,6 +33,48 @@ def port_recipe(source: str, file: str, *, world_size: int | None = None, tensor
     ``variables`` (shell variables) Megatron's; ``allow_unresolved`` uses defaults for values the
     recipe leaves open (not for FSDP, which leaves none).
     """
+    if world_size is not None and not 1 <= world_size <= MAX_DEVICES:
+        raise ConfigError(f"--world-size {world_size}: use a number of GPUs in [1, {MAX_DEVICES}]")
+    try:
+        cfg, report = _port(source, file, world_size=world_size, tensor=tensor, pipeline=pipeline,
+                            variables=variables, side=side, allow_unresolved=allow_unresolved)
+    except ConfigError:
+        raise
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError,
+            RecursionError, MemoryError) as e:  # the recipe's content: bad input, never a traceback
+        raise ConfigError(f"port {source}: '{file}' {_why(e)}; fix the recipe") from e
+    except OSError as e:
+        raise ConfigError(f"port {source}: '{file}' cannot be read ({e.strerror or type(e).__name__}); pass a "
+                          "readable recipe file") from e
+    if fields:
+        apply_overrides(cfg, [f"--config.{k}={v}" for k, v in fields.items()])
+        for key, value in fields.items():
+            report.mapped(f"--set {key}", value, key, "set on the command line")
+            report.ported.append(key)
+        report.problems.clear()
+        try:
+            validate(cfg)
+        except ConfigError as e:
+            report.problems.append(str(e))
+    return cfg, report
+
+
+def _why(error: BaseException) -> str:
+    """What a non-ConfigError failure of an importer says about the recipe, in a few words."""
+    if isinstance(error, UnicodeDecodeError):
+        return f"is not UTF-8 text (byte {error.start}); pass the recipe file itself, not a binary"
+    if isinstance(error, RecursionError):
+        return "nests too deeply"
+    if isinstance(error, MemoryError):
+        return "is too large"
+    first = (str(error).strip().splitlines() or [""])[0][:160]
+    return f"has a value of the wrong type or form ({type(error).__name__}: {first})"
+
+
+def _port(source: str, file: str, *, world_size: int | None, tensor: int, pipeline: int,
+          variables: dict[str, str] | None, side: dict[str, Any] | None,
+          allow_unresolved: bool) -> tuple[ConfigDict, Report]:
+    """The importer of ``source`` on ``file``."""
     if source == "deepspeed":
         from jaxpar.port.deepspeed import port_deepspeed
 
@@ -55,16 +97,6 @@ def port_recipe(source: str, file: str, *, world_size: int | None = None, tensor
         cfg, report = port_fsdp(file, world_size=world_size)
     else:
         raise ConfigError(f"port: unknown recipe kind '{source}'; use one of {', '.join(SOURCES)}")
-    if fields:
-        apply_overrides(cfg, [f"--config.{k}={v}" for k, v in fields.items()])
-        for key, value in fields.items():
-            report.mapped(f"--set {key}", value, key, "set on the command line")
-            report.ported.append(key)
-        report.problems.clear()
-        try:
-            validate(cfg)
-        except ConfigError as e:
-            report.problems.append(str(e))
     return cfg, report
 
 

@@ -88,6 +88,10 @@ def port_torchtitan(path: str | pathlib.Path, *, world_size: int | None = None,
     report = Report("torchtitan", str(path))
     values: dict[str, Any] = {}
     sec = {name: raw.get(name, {}) for name in KNOWN}
+    for name, table in sec.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"torchtitan: [{name}] is a {type(table).__name__}, not a table; write it as [{name}] "
+                              "with key = value lines")
     _parallel(sec["parallelism"], sec["training"], world_size, allow_unresolved, values, report)
     _model(sec["model"], sec["training"], values, report)
     _optim(sec["optimizer"], sec["lr_scheduler"], sec["training"], values, report)
@@ -95,10 +99,22 @@ def port_torchtitan(path: str | pathlib.Path, *, world_size: int | None = None,
     return build_config(values, report), report
 
 
+def _count(section: dict, key: str, default: int, auto: bool = False, zero: bool = False) -> int:
+    """``section[key]`` (``key`` is ``table.field``) as an integer >= 1 (-1 too with ``auto``, 0 with ``zero``);
+    a one-line ConfigError naming the field otherwise (a degree of -2 is the recipe's error, not mesh.data's)."""
+    value = section.get(key.split(".", 1)[1], default)
+    allowed = ">= 1" + (" or -1 (the rest)" if auto else "") + (" or 0" if zero else "")
+    ok = type(value) is int and (value >= 1 or (auto and value == -1) or (zero and value == 0))
+    if not ok:
+        raise ConfigError(f"torchtitan: {key} = {value!r}: use an integer {allowed}")
+    return value
+
+
 def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, report: Report) -> None:
-    rep, shard = int(p.get("data_parallel_replicate_degree", 1)), int(p.get("data_parallel_shard_degree", -1))
-    tp, pp = int(p.get("tensor_parallel_degree", 1)), int(p.get("pipeline_parallel_degree", 1))
-    cp = int(p.get("context_parallel_degree", 1))
+    rep, shard = _count(p, "parallelism.data_parallel_replicate_degree", 1), _count(
+        p, "parallelism.data_parallel_shard_degree", -1, auto=True)
+    tp, pp = _count(p, "parallelism.tensor_parallel_degree", 1), _count(p, "parallelism.pipeline_parallel_degree", 1)
+    cp = _count(p, "parallelism.context_parallel_degree", 1)
     fixed = rep * tp * pp * cp
     if shard == -1:
         if world is None and not allow:
@@ -113,14 +129,14 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
         raise ConfigError(f"torchtitan: the parallelism degrees multiply to {fixed * shard} but the world size is "
                           f"{world}; make their product equal the world size (or set data_parallel_shard_degree=-1)")
     dp = rep * shard
-    local = int(t.get("local_batch_size", t.get("batch_size", 8)))
-    global_batch = int(t.get("global_batch_size", -1))
+    local = _count(t, "training.local_batch_size", _count(t, "training.batch_size", 8))
+    global_batch = _count(t, "training.global_batch_size", -1, auto=True, zero=True)
     global_batch = local * dp if global_batch in (-1, 0) else global_batch
     if global_batch % (local * dp):
         raise ConfigError(f"torchtitan: training.global_batch_size {global_batch} is not a multiple of "
                           f"local_batch_size {local} * data-parallel degree {dp}; fix one of them")
     accum = global_batch // (local * dp)
-    pp_micro = int(p.get("pipeline_parallel_microbatch_size", 1))
+    pp_micro = _count(p, "parallelism.pipeline_parallel_microbatch_size", 1)
     micro = accum * (local // pp_micro if pp > 1 and local % pp_micro == 0 else 1)
     values.update({"mesh.data": dp * cp, "mesh.tensor": tp, "mesh.pipeline": pp, "train.global_batch": global_batch,
                    "train.microbatches": micro, "parallel.zero_stage": 3 if shard > 1 else 0})
@@ -165,7 +181,7 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
 
 def _model(m: dict, t: dict, values: dict, report: Report) -> None:
     name, flavor = str(m.get("name", "llama3")), str(m.get("flavor", "debugmodel"))
-    seq = int(t.get("seq_len", 2048))
+    seq = _count(t, "training.seq_len", 2048)
     values.update({"train.seq_len": seq, "model.max_seq_len": seq})
     report.mapped("training.seq_len", seq, "train.seq_len, model.max_seq_len")
     if name == "llama3" and flavor in LLAMA3_FLAVORS:

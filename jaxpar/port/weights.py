@@ -78,6 +78,16 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
     checkpoint's ``torch_dtype`` is not copied: parameters stay in ``param_dtype`` (fp32 masters).
     """
     hf = dict(config) if isinstance(config, Mapping) else _read_json(config)
+    try:
+        return _model_config(hf)
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config.json: a value has the wrong type ({type(e).__name__}: {e}); replace it with the "
+                          "checkpoint's original") from None
+
+
+def _model_config(hf: dict) -> ConfigDict:
     where = "config.json"
     model_type = hf.get("model_type", "llama")
     if model_type not in ("llama", "mistral"):
@@ -137,7 +147,21 @@ def _read_json(path: PathLike) -> dict:
     p = p / "config.json" if p.is_dir() else p
     if not p.is_file():
         raise ConfigError(f"{p}: no such file; pass the checkpoint directory holding config.json")
-    return json.loads(p.read_text())
+    return _json_object(p)
+
+
+def _json_object(p: pathlib.Path) -> dict:
+    """The JSON object in file ``p``; ConfigError (one line) for unreadable bytes, bad JSON or another type."""
+    try:
+        value = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(f"{p}: not a readable JSON file ({type(e).__name__}: {first}); replace it with the "
+                          "checkpoint's original") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{p}: holds a JSON {type(value).__name__}, not an object; replace it with the checkpoint's "
+                          "original")
+    return value
 
 
 def _hf_map(m: ConfigDict) -> HFMap:
@@ -251,8 +275,13 @@ class _Source:
         self.tensors: dict[str, Any] = {}  # HF name -> (file handle or torch tensor, stored name)
         for f in files:
             if kind == "safetensors":
-                handle = safe_open(str(f), framework="numpy")
-                self.tensors.update({k: (handle, k) for k in handle.keys()})
+                try:
+                    handle = safe_open(str(f), framework="numpy")
+                    names = list(handle.keys())
+                except Exception as e:  # noqa: BLE001 - truncated or garbage bytes are bad input
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                    raise ConfigError(f"{f}: not a readable safetensors file ({first}); download it again") from None
+                self.tensors.update({k: (handle, k) for k in names})
             else:
                 self.tensors.update({k: (t, k) for k, t in _torch_load(f).items()})
         self.meta_names = "tok_embeddings.weight" in self.tensors
@@ -262,6 +291,11 @@ class _Source:
     def shape(self, name: str) -> tuple[int, ...]:
         obj, key = self.tensors[name]
         return tuple(obj.shape) if not hasattr(obj, "get_slice") else tuple(obj.get_slice(key).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype's name (``F32``, ``BF16``, ``I32`` for safetensors; ``torch.float32``, ...)."""
+        obj, key = self.tensors[name]
+        return str(obj.get_slice(key).get_dtype()) if hasattr(obj, "get_slice") else str(obj.dtype)
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         obj, key = self.tensors[name]
@@ -297,8 +331,17 @@ def _find_files(p: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     if not p.is_file():
         raise ConfigError(f"{p}: no such checkpoint file or directory")
     if p.name.endswith(".index.json"):
-        files = sorted(set(json.loads(p.read_text())["weight_map"].values()))
-        return ("safetensors" if "safetensors" in p.name else "torch"), [p.parent / f for f in files]
+        weight_map = _json_object(p).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"{p}: no 'weight_map' of tensor name -> file name; replace it with the checkpoint's "
+                              "original")
+        files = [p.parent / f for f in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not f.is_file()]
+        if absent:
+            raise ConfigError(f"{p} names shard '{absent[0].name}' which is missing"
+                              + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+                              + "; download every shard of the checkpoint")
+        return ("safetensors" if "safetensors" in p.name else "torch"), files
     return ("safetensors" if p.suffix == ".safetensors" else "torch"), [p]
 
 
@@ -326,6 +369,17 @@ def _torch_load(path: pathlib.Path) -> dict:
 # --------------------------------------------------------------------------- load
 
 
+# float dtypes as safetensors (F32, ...) and torch (FLOAT32, ...) name them, upper case
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "FLOAT16", "BFLOAT16", "FLOAT32", "FLOAT64", "HALF", "FLOAT", "DOUBLE")
+
+
+def _finite(name: str, block: np.ndarray) -> np.ndarray:
+    """``block`` unchanged, or a ConfigError when it holds NaN or Inf (training from it would diverge at step 0)."""
+    if not np.isfinite(np.asarray(block, np.float32)).all():
+        raise ConfigError(f"tensor '{name}' holds NaN or Inf values; the checkpoint is damaged, download it again")
+    return block
+
+
 def _check(src: _Source, leaves: list[_Leaf], model_cfg: ConfigDict) -> None:
     """Every expected tensor present, nothing unexpected, every shape right; else ConfigError."""
     expected = {name: leaf for leaf in leaves for name in leaf.names(model_cfg.num_layers)}
@@ -345,6 +399,10 @@ def _check(src: _Source, leaves: list[_Leaf], model_cfg: ConfigDict) -> None:
                           f"that model_cfg (num_layers={model_cfg.num_layers}, "
                           f"tie_embeddings={model_cfg.tie_embeddings}) has no place for{hint}")
     for name, leaf in expected.items():
+        stored = src.dtype(name)
+        if stored.upper().removeprefix("TORCH.") not in FLOAT_DTYPES:
+            raise ConfigError(f"tensor '{name}' is stored as {stored}, not a float dtype; weights must be float "
+                              "(F32, BF16, F16, F64): is this a quantized or corrupted checkpoint?")
         if src.shape(name) != leaf.hf_shape:
             raise ConfigError(f"tensor '{name}' has shape {src.shape(name)} but model_cfg expects "
                               f"{leaf.what} = {leaf.hf_shape}{hint}")
@@ -394,10 +452,17 @@ def _read_one(src: _Source, name: str, leaf: _Leaf, idx: tuple[slice, ...], meta
 def _read_leaf(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, index: tuple) -> np.ndarray:
     """``make_array_from_callback``'s callback: the block ``index`` of ``leaf``, read slice by slice."""
     idx = tuple(slice(*s.indices(n)) for s, n in zip(index, leaf.shape))
+    with np.errstate(over="ignore"):  # a value past param_dtype's range becomes inf, which _finite refuses
+        return _read_block(src, leaf, meta, on_read, idx)
+
+
+def _read_block(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, idx: tuple) -> np.ndarray:
     if not leaf.stacked:
-        return np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read), dtype=leaf.dtype)
+        return _finite(leaf.hf, np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read),
+                                                     dtype=leaf.dtype))
     layers = range(idx[0].start, idx[0].stop)
-    out = [np.asarray(_read_one(src, leaf.hf.format(i=i), leaf, idx[1:], meta, on_read), leaf.dtype) for i in layers]
+    out = [_finite(leaf.hf.format(i=i), np.asarray(_read_one(src, leaf.hf.format(i=i), leaf, idx[1:], meta, on_read),
+                                                   leaf.dtype)) for i in layers]
     return np.stack(out)
 
 

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.errors import JaxparError
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
@@ -57,6 +58,10 @@ class BadStepGuard:
             self.history.append(loss)
 
 
+class TrainingDiverged(JaxparError):
+    """A run that ended without a finite loss: bad input (a config value, the data or the weights)."""
+
+
 class Trainer:
     """Owns one run: the layout (:class:`Setup`), the data iterators, the state and the log."""
 
@@ -87,12 +92,14 @@ class Trainer:
             t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.layout.devices,
             t.warmup_steps_excluded, write=pidx == 0,
         )
-        self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo)
+        self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo,
+                                        model=cfg.model)
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0
         self.stop_signal: int | None = None
         self.guard = BadStepGuard(t.spike_factor)
+        self.good_steps = 0  # steps of this process with a finite loss whose update was applied
         self.inject_bad = {int(x) for x in t.inject_bad_steps.split(",") if x.strip()}
 
     # ------------------------------------------------------------------ pieces
@@ -102,7 +109,7 @@ class Trainer:
         restored = None
         if resume != "never":
             params, opt, _ = self.setup.abstract_state(model_form=True)
-            step = int(resume) if resume.isdigit() else None
+            step = int(resume) if resume.isascii() and resume.isdigit() else None
             restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
         if restored is None:
             if self.cfg.train.init_from:  # fine-tuning: start from HF weights, a fresh optimizer
@@ -152,6 +159,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.step += 1
         self.guard.observe(float(values["loss"]), bool(values["skipped"]))
+        self.good_steps += int(not values["skipped"] and np.isfinite(values["loss"]))
         row = self.log.record(self.step, elapsed, self.layout.tokens_per_step,
                               {**values, "bad_steps_total": self.guard.total})
         if values["skipped"]:
@@ -237,6 +245,7 @@ class Trainer:
             self.save()
         val_end = self.evaluate()
         self.log.record_event({"step": self.step, "val_bits": val_end, "unit": unit})
+        self._require_finite(val_start, val_end, ran=bool(last))
         steady = self.log.steady_state()
         drop = 1 - val_end / val_start
         self.echo(f"validation at step {self.step}: {val_end:.3f} {unit} (start {val_start:.3f}, {drop:.1%} lower)")
@@ -248,6 +257,18 @@ class Trainer:
             )
         self.echo(f"metrics: {self.log.path}")
         return {"val_start": val_start, "val_end": val_end, "final": last, "steady": steady, "unit": unit}
+
+    def _require_finite(self, val_start: float, val_end: float, ran: bool) -> None:
+        """A run that trained steps but applied none with a finite loss, or ends with a non-finite
+        validation loss, failed: a :class:`TrainingDiverged` (exit code 2), never a quiet exit 0."""
+        if ran and self.good_steps == 0:
+            raise TrainingDiverged(
+                f"training produced no finite loss in {self.guard.total} steps (validation {val_end:.4g}); "
+                "check the config values (optim.lr, model.init_std) and the data, or train.init_from's weights")
+        if not math.isfinite(val_end):
+            raise TrainingDiverged(
+                f"validation loss at step {self.step} is {val_end} (start {val_start:.4g}): the run diverged; lower "
+                "optim.lr or check train.init_from's weights")
 
     def _progress(self) -> Progress:
         return Progress(
