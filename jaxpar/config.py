@@ -71,7 +71,7 @@ def default_config() -> ConfigDict:
     c.model.init_std = 0.02
 
     c.optim = ConfigDict()
-    c.optim.name = "adamw"
+    c.optim.name = "adamw"  # adamw | lion | sgd | adafactor | muon | path/to/file.py:fn (jaxpar.optim.registry)
     c.optim.lr = 3e-3  # peak learning rate
     c.optim.min_lr_ratio = 0.1  # end of cosine decay, as a fraction of lr
     c.optim.warmup_steps = 20
@@ -87,6 +87,8 @@ def default_config() -> ConfigDict:
     c.optim.weight_decay = 0.1  # not applied to norms (1-D params)
     c.optim.decoupled_weight_decay = True  # AdamW; False = L2 added to the gradient (Adam)
     c.optim.clip_norm = 1.0  # global-norm clipping; 0 disables
+    c.optim.momentum = 0.9  # sgd momentum (0: none), muon's beta, adafactor's momentum (0: none)
+    c.optim.nesterov = False  # sgd, muon
 
     c.train = ConfigDict()
     c.train.steps = 300
@@ -351,7 +353,9 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
     _require(o.warmup_type in ("linear", "log"), f"optim.warmup_type='{o.warmup_type}': use linear or log")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
     _require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
-    _require(o.name == "adamw", f"optim.name='{o.name}': only adamw is supported")
+    from jaxpar.optim import registry  # the optimizers and the fields each one reads
+
+    registry.check_fields(o, default_config().optim)
     _require(d.source in DATA_SOURCES, f"data.source='{d.source}': use one of {', '.join(DATA_SOURCES)}")
     _require(d.token_dtype in ("uint16", "uint32"), f"data.token_dtype='{d.token_dtype}': use uint16 or uint32")
     if d.source in ("bin", "megatron"):
