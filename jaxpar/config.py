@@ -87,7 +87,7 @@ def default_config() -> ConfigDict:
     c.optim.weight_decay = 0.1  # not applied to norms (1-D params)
     c.optim.decoupled_weight_decay = True  # AdamW; False = L2 added to the gradient (Adam)
     c.optim.clip_norm = 1.0  # global-norm clipping; 0 disables
-    c.optim.momentum = 0.9  # sgd momentum (0: none), muon's beta, adafactor's momentum (0: none)
+    c.optim.momentum = -1.0  # sgd momentum, muon's beta, adafactor's momentum (0: none); -1: 0.9 / 0.95 / none
     c.optim.nesterov = False  # sgd, muon
 
     c.train = ConfigDict()

@@ -14,15 +14,15 @@ Built in:
   bad step by multiplying by exactly 1 and adding 0. ``build`` gives ``optax.adamw`` with the
   same fields, which tests/test_optim.py checks it against (relative error < 1e-6).
 * ``lion``: ``optax.lion`` (Chen et al. 2023, arXiv:2302.06675).
-* ``sgd``: ``optax.sgd`` with ``optim.momentum`` / ``optim.nesterov``; weight decay decoupled
+* ``sgd``: ``optax.sgd`` with ``optim.momentum`` (default 0.9) / ``optim.nesterov``; weight decay decoupled
   (``optax.add_decayed_weights`` before the learning rate, AdamW-style) or, with
   ``decoupled_weight_decay=False``, added to the gradient (L2, as ``torch.optim.SGD``).
 * ``adafactor``: ``optax.adafactor`` (Shazeer & Stern 2018, arXiv:1804.04235) per tensor
   (:func:`jaxpar.optim.transforms.per_tensor`: stacked layers are separate tensors), optax's
   defaults (factored when the second-largest dim is >= 128, update clipping 1.0, parameter scale),
-  ``optim.momentum`` > 0 adds its momentum; weight decay ``lr(k) * weight_decay * p`` (decoupled).
+  ``optim.momentum`` > 0 adds its momentum (default none); weight decay ``lr(k) * weight_decay * p`` (decoupled).
 * ``muon``: ``optax.contrib.muon`` (Jordan et al. 2024; Liu et al. 2025, arXiv:2502.16982) when the
-  installed optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``,
+  installed optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default 0.95,
   ``optim.nesterov``) for the block weight matrices, the stacked layer dim a batch dim (optax's
   ``MuonDimensionNumbers``: input dims = ``embed`` or all but the last, output dims = the rest); AdamW
   (``b1``, ``b2``, ``eps``) for the embedding, output layer, norms. Weight decay:
@@ -126,17 +126,24 @@ def _state_momentum(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, .
 # --------------------------------------------------------------------------- sgd
 
 
+DEFAULT_MOMENTUM = {"sgd": 0.9, "muon": 0.95, "adafactor": 0.0}  # optim.momentum = -1 picks these
+
+
+def momentum(o: ConfigDict) -> float:
+    return DEFAULT_MOMENTUM[o.name] if o.momentum < 0 else o.momentum
+
+
 def _build_sgd(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
-    momentum = o.momentum or None
+    momentum_ = momentum(o) or None
     decay = optax.add_decayed_weights(o.weight_decay, _mask(layouts))
     if not o.decoupled_weight_decay:  # L2: torch.optim.SGD's weight_decay
-        return optax.chain(decay, optax.sgd(schedule, momentum=momentum, nesterov=o.nesterov))
-    parts = [optax.trace(decay=momentum, nesterov=o.nesterov)] if momentum else []
+        return optax.chain(decay, optax.sgd(schedule, momentum=momentum_, nesterov=o.nesterov))
+    parts = [optax.trace(decay=momentum_, nesterov=o.nesterov)] if momentum_ else []
     return optax.chain(*parts, decay, optax.scale_by_learning_rate(schedule))
 
 
 def _state_sgd(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    return [_full(shape)] if o.momentum else []
+    return [_full(shape)] if momentum(o) else []
 
 
 # --------------------------------------------------------------------------- adafactor
@@ -148,7 +155,7 @@ def _build_adafactor(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.G
 
     # optax.adafactor adds weight_decay_rate * p after the learning rate: a schedule makes it lr(k) * wd.
     inner = lambda wd: optax.adafactor(  # noqa: E731
-        schedule, momentum=o.momentum or None, weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd
+        schedule, momentum=momentum(o) or None, weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd
         else None)
     dims = jax.tree.map(lambda lay: batch_dims(lay.logical), layouts, is_leaf=is_layout)
     labels = jax.tree.map(lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", layouts,
@@ -174,7 +181,7 @@ def _state_adafactor(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, 
     else:
         out += [one, one, _full(shape)]
     out.append(_scalar_per_batch(shape, b))  # scale_by_learning_rate's count
-    if o.momentum:
+    if momentum(o):
         out += [_scalar_per_batch(shape, b), _full(shape)]  # ema count, ema
     return out
 
@@ -204,7 +211,7 @@ def _build_muon(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.Gradie
     from jaxpar.sharding import is_layout
 
     dims = jax.tree.map(lambda lay: muon_dims(lay.logical), layouts, is_leaf=is_layout)
-    tx = muon(schedule, beta=o.momentum, eps=o.eps, nesterov=o.nesterov, adam_b1=o.b1, adam_b2=o.b2,
+    tx = muon(schedule, beta=momentum(o), eps=o.eps, nesterov=o.nesterov, adam_b1=o.b1, adam_b2=o.b2,
               muon_weight_dimension_numbers=dims)
     if not o.weight_decay:
         return tx
@@ -306,8 +313,8 @@ def check_fields(o: ConfigDict, defaults: ConfigDict) -> None:
                           f"remove it or keep the default {defaults[key]!r}")
     if o.name in ("lion", "adafactor") and o.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay={o.weight_decay}: must be >= 0")
-    if o.name in ("sgd", "adafactor", "muon") and not 0 <= o.momentum < 1:
-        raise ConfigError(f"optim.momentum={o.momentum}: use a value in [0, 1)")
+    if o.name in ("sgd", "adafactor", "muon") and not (o.momentum == -1 or 0 <= o.momentum < 1):
+        raise ConfigError(f"optim.momentum={o.momentum}: use a value in [0, 1) or -1 (the optimizer's default)")
 
 
 def state_leaves(optim_cfg: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
@@ -319,3 +326,26 @@ def state_elements_per_param(optim_cfg: ConfigDict, shape: tuple[int, ...], logi
     """State elements per parameter element (2 for AdamW; ~0 for factored Adafactor leaves)."""
     total = sum(math.prod(s) for s, _ in state_leaves(optim_cfg, shape, logical))
     return total / max(math.prod(shape), 1)
+
+
+def local_state_bytes(optim_cfg: ConfigDict, shape: tuple[int, ...], layout: Any, mesh_shape: dict) -> int:
+    """Bytes of one parameter's fp32 state on one device: each leaf of :func:`state_leaves` under the
+    spec :mod:`jaxpar.optim.state` derives from the parameter's optimizer spec."""
+    from jaxpar.optim.state import local_size, spec_for
+
+    return sum(local_size(s, spec_for(kept, layout.optimizer), mesh_shape) * 4
+               for s, kept in state_leaves(optim_cfg, shape, layout.logical))
+
+
+def state_elements_ratio(optim_cfg: ConfigDict, model_cfg: ConfigDict) -> float:
+    """State elements per parameter over the whole model (AdamW 2.0; Adafactor far less)."""
+    import functools
+
+    from jaxpar.models import llama
+
+    abstract = jax.eval_shape(functools.partial(llama.init_params, model_cfg), jax.random.key(0))
+    logical = jax.tree.leaves(llama.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(abstract)]
+    state = sum(math.prod(s) for shape, names in zip(shapes, logical, strict=True)
+                for s, _ in state_leaves(optim_cfg, shape, names))
+    return state / sum(math.prod(s) for s in shapes)
