@@ -9,6 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis.expected import expected_memory
 from jaxpar.checkpoint import Checkpointer
@@ -71,10 +72,18 @@ def test_layout_matches_single_device(name, layout):
     ref_losses, ref_params, ref_opt, _ = _reference(name)
     losses, params, opt, setup = _run(_cfg(name, *LAYOUTS[layout]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_rel_error(params, ref_params) < 1e-5
+    if name == "lion":  # sign(update): a coordinate within roundoff of 0 may flip (a 2*lr step apart)
+        lr = setup.cfg.optim.lr
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+            off = np.abs(a - b) > 1e-5 * np.max(np.abs(b))
+            assert off.mean() < 1e-4 and np.max(np.abs(a - b)) <= 2 * lr * STEPS
+    else:
+        assert max_rel_error(params, ref_params) < 1e-5
     # the state, in the model form (pipeline: converted from the stage form), matches too
     assert jax.tree.structure(opt) == jax.tree.structure(ref_opt)
-    assert max_rel_error(jax.tree.map(np.float64, opt), jax.tree.map(np.float64, ref_opt)) < 1e-5
+    # (lion: the flipped coordinates above change the next gradients a little)
+    tol = 1e-2 if name == "lion" else 1e-5
+    assert max_rel_error(jax.tree.map(np.float64, opt), jax.tree.map(np.float64, ref_opt)) < tol
     assert setup.train_step._cache_size() == 1
 
 
@@ -88,38 +97,40 @@ def test_adafactor_state_is_factored_and_sharded():
 
 
 @pytest.mark.parametrize("name", ["adamw", *OPTIMIZERS])
-def test_argument_memory_matches_formula_and_skip_is_cheap(name):
-    """Compiled argument bytes per device = the registry's state formula (within 1%); the bad-step skip
-    adds at most one parameter-sized temporary (this device's parameter bytes)."""
+def test_state_memory_and_skipped_step(name):
+    """Compiled argument bytes per device = the registry's state formula (within 1%); a skipped step
+    leaves parameters and state bitwise; the skip adds at most one parameter-sized temporary (this
+    device's parameter bytes) to the compiled step."""
     cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1")
     setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:8]))
     compiled = setup.lower_train_step().compile()
     expected = expected_memory(cfg, setup.layouts)
     got = compiled.memory_analysis().argument_size_in_bytes
     assert got == pytest.approx(expected["argument_bytes"], rel=0.01), (got, expected)
+
     no_skip = setup._make_train_step(dataclasses.replace(setup.builder, skip_bad_steps=False))
-    args = setup.abstract_state()
-    guard = jax.ShapeDtypeStruct((2,), np.float32, sharding=setup.batch_sharding.with_spec(jax.sharding.PartitionSpec()))
-    base = no_skip.lower(*args, guard).compile().memory_analysis().temp_size_in_bytes
+    guard = jax.ShapeDtypeStruct((2,), np.float32, sharding=jax.sharding.NamedSharding(setup.mesh, P()))
+    base = no_skip.lower(*setup.abstract_state(), guard).compile().memory_analysis().temp_size_in_bytes
     extra = compiled.memory_analysis().temp_size_in_bytes - base
-    print(f"{name}: skip costs {extra} temp bytes; parameter bytes per device {expected['param_bytes']}")
+    print(f"{name}: the skip costs {extra} temporary bytes; parameter bytes per device {expected['param_bytes']}")
     assert extra <= expected["param_bytes"]
 
-
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_skipped_step_leaves_state_bitwise(name):
-    cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=2")
-    setup = Setup(cfg, make_mesh(MeshSpec.from_config(cfg.mesh), jax.devices()[:8]))
     params, opt = setup.init(0)
-    rows = np.random.default_rng(0).integers(0, 256, size=(8, 65))
-    params, opt, _ = setup.train_step(params, opt, setup.make_batch(rows))  # non-zero state first
+    batch = setup.make_batch(np.random.default_rng(0).integers(0, 256, size=(8, 65)))
+
+    def step(params, opt, max_loss=np.inf, offset=0.0):
+        values = np.array([max_loss, offset], np.float32)
+        return compiled(params, opt, batch, jax.device_put(values, guard.sharding))
+
+    for _ in range(2):  # non-zero state first (step 0's learning rate is 0 in warmup)
+        params, opt, _ = step(params, opt)
     before = jax.device_get((params, opt))
-    for kwargs in ({"max_loss": 0.0}, {"loss_offset": float("nan")}):
-        params, opt, metrics = setup.train_step(params, opt, setup.make_batch(rows), **kwargs)
+    for kwargs in ({"max_loss": 0.0}, {"offset": np.nan}):
+        params, opt, metrics = step(params, opt, **kwargs)
         assert int(metrics["skipped"]) == 1
         for a, b in zip(jax.tree.leaves(jax.device_get((params, opt))), jax.tree.leaves(before), strict=True):
             np.testing.assert_array_equal(a, b)
-    assert int(opt["count"]) == 1
+    assert int(opt["count"]) == 2
 
 
 def test_checkpoint_round_trip_pipeline_adafactor(tmp_path):

@@ -105,7 +105,8 @@ def _build_adamw(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.Gradi
     mask = _mask(layouts)
     if o.decoupled_weight_decay:
         return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
-    return optax.chain(optax.add_decayed_weights(o.weight_decay, mask), optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps))
+    adam = optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps)
+    return optax.chain(optax.add_decayed_weights(o.weight_decay, mask), adam)  # L2 (Adam)
 
 
 def _state_adamw(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:

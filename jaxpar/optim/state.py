@@ -114,9 +114,11 @@ def local_size(shape: tuple[int, ...], spec: P, mesh_shape: dict) -> int:
 # --------------------------------------------------------------------------- pipeline forms
 
 
-def convert_state(state: Any, target: Any, dst_params: Any, to_model: bool, permute: Callable[[jax.Array, int], jax.Array], has_ends: bool) -> Any:
+def convert_state(state: Any, target: Any, dst_params: Any, to_model: bool,
+                  permute: Callable[[jax.Array, int], jax.Array], has_ends: bool) -> Any:
     """Move optimizer ``state`` from one form to the layout of ``target`` (an abstract state for
-    ``dst_params``, the parameters in the other form). ``permute(x, dim)`` reorders the stacked layer dim ``dim`` of ``x``
+    ``dst_params``, the parameters in the other form). ``permute(x, dim)`` reorders the stacked
+    layer dim ``dim`` of ``x``
     the way the parameters' layers move."""
     dst_index = _param_paths(dst_params)
     src = {tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
