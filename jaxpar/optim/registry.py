@@ -32,7 +32,8 @@ Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"pac
 with ``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation``;
 ``learning_rate`` is jaxpar's schedule (:mod:`jaxpar.optim.lr`), ``weight_decay_mask`` a tree of
 bools shaped like the parameters (False for norms). It sees the parameter tree as stored (stacked
-layers are one tensor); it reads whichever fields it likes, so none is refused. Global-norm clipping
+layers are one tensor); it reads whichever fields it likes, so none is refused, and the planner
+does not price its state (its formula is unknown: :func:`state_leaves` gives none). Global-norm clipping
 (``optim.clip_norm``) is applied before every optimizer, mesh-aware (:mod:`jaxpar.train.step`).
 """
 

@@ -22,6 +22,11 @@ layers are split over ``pipeline``, parameters not split over it (embedding, fin
 also marked varying over ``pipeline`` and their stage-local gradients summed over it. Every ZeRO stage
 combines with it: ZeRO-2 reduce-scatters each backward tick's gradients into a sharded accumulator
 (1F1B / interleaved), ZeRO-3 gathers each layer over ``data`` inside the ticks that run it.
+
+The optimizer: jaxpar's AdamW (``optim.name='adamw'``) updates each device's shard inside the
+``shard_map`` (:meth:`StepBuilder.local_step`); every optax optimizer of :mod:`jaxpar.optim.registry`
+updates the global arrays under GSPMD right after it, in the same jit (:meth:`StepBuilder.global_step`;
+why: :mod:`jaxpar.optim`). Global-norm clipping is the ``shard_map``'s, before either.
 """
 
 from __future__ import annotations
