@@ -27,6 +27,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.errors import ConfigError
 from jaxpar.layout import ParallelLayout
 from jaxpar.models.registry import check_name
+from jaxpar.optim.fields import check_fields
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -74,7 +75,7 @@ def default_config() -> ConfigDict:
     c.model.init_std = 0.02
 
     c.optim = ConfigDict()
-    c.optim.name = "adamw"
+    c.optim.name = "adamw"  # adamw | lion | sgd | adafactor | muon | path/to/file.py:fn (jaxpar.optim.registry)
     c.optim.lr = 3e-3  # peak learning rate
     c.optim.min_lr_ratio = 0.1  # end of cosine decay, as a fraction of lr
     c.optim.warmup_steps = 20
@@ -90,6 +91,8 @@ def default_config() -> ConfigDict:
     c.optim.weight_decay = 0.1  # not applied to norms (1-D params)
     c.optim.decoupled_weight_decay = True  # AdamW; False = L2 added to the gradient (Adam)
     c.optim.clip_norm = 1.0  # global-norm clipping; 0 disables
+    c.optim.momentum = -1.0  # sgd momentum, muon's beta, adafactor's momentum (0: none); -1: 0.9 / 0.95 / none
+    c.optim.nesterov = False  # sgd, muon
 
     c.train = ConfigDict()
     c.train.steps = 300
@@ -368,7 +371,7 @@ def _validate_optim(o: ConfigDict) -> None:
     _require(o.warmup_type in ("linear", "log"), f"optim.warmup_type='{o.warmup_type}': use linear or log")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
     _require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
-    _require(o.name == "adamw", f"optim.name='{o.name}': only adamw is supported")
+    check_fields(o, default_config().optim)  # a known optimizer; no field it would ignore
     for name in ("b1", "b2"):  # Adam's moment decay rates (Kingma & Ba 2015): in [0, 1)
         _require(0 <= o[name] < 1, f"optim.{name}={o[name]}: use a value in [0, 1), e.g. 0.9")
     _require(math.isfinite(o.eps) and o.eps >= 0, f"optim.eps={o.eps}: use a finite value >= 0, e.g. 1e-8")

@@ -28,7 +28,7 @@ BAD: dict[str, list] = {
     "model.norm_eps": [0.0, -1e-5, NAN, INF], "model.tie_embeddings": [], "model.mlp_activation": ["relu"],
     "model.norm": ["batchnorm"], "model.position": ["alibi"], "model.remat": ["sometimes"],
     "model.compute_dtype": ["int8"], "model.param_dtype": ["float64"], "model.init_std": [0.0, -0.02, NAN, INF],
-    "optim.name": ["sgd"], "optim.lr": [0.0, -1.0, NAN, INF], "optim.min_lr_ratio": [-0.1, 1.5, NAN],
+    "optim.name": ["rmsprop", "no/such/file.py:make"], "optim.momentum": [0.5, NAN], "optim.nesterov": [True], "optim.lr": [0.0, -1.0, NAN, INF], "optim.min_lr_ratio": [-0.1, 1.5, NAN],
     "optim.warmup_steps": [-1], "optim.schedule": ["bogus"], "optim.warmup_type": ["bogus"],
     "optim.b1": [-0.1, 1.0, NAN, INF], "optim.b2": [-0.1, 1.0, 1.5, NAN], "optim.eps": [-1.0, NAN, INF],
     "optim.weight_decay": [-0.1, NAN, INF], "optim.decoupled_weight_decay": [], "optim.clip_norm": [-1.0, NAN],

@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
 # lowest tier first.
 TIERS: tuple[tuple[str, ...], ...] = (
     ("axes", "errors", "compat", "console"),
-    ("layout", "models.registry"),  # need no config: config.validate calls them
+    ("layout", "models.registry", "optim.fields"),  # need no config: config.validate calls them
     ("config",),
     ("mesh", "distributed"),
     ("sharding", "data", "data_megatron", "checkpoint"),

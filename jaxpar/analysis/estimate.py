@@ -49,6 +49,7 @@ from jaxpar.models.inventory import (  # noqa: F401 - re-exported: the estimates
     shard_elements,
     stage_tensors,
 )
+from jaxpar.optim import registry
 
 LOGITS_BYTES = 8  # per logit on the last stage: bf16 logits + fp32 log-softmax kept + bf16 gradient
 
@@ -79,14 +80,16 @@ def zero_paper_states(num_params: float, zero_stage: int, data: int) -> ModelSta
     return ModelStates(2 * num_params / shard[0], 2 * num_params / shard[1], 12 * num_params / shard[2])
 
 
-def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first", convention: str = "jaxpar") -> ModelStates:
+def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first", convention: str = "jaxpar",
+                 optim: ConfigDict | None = None) -> ModelStates:
     """Model-state bytes per device of one pipeline stage, under one of two stated conventions.
 
     ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
     tensor/pipeline splitting (norms replicated over tensor), divided by N = data as the paper does.
     ``jaxpar``: what our trainer holds (with a pipeline: every stage holds one V x h table, the
     final norm and positions, see :func:`stage_tensors`): fp32 master params (model.param_dtype) sharded over data only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
-    gradients (not step arguments, but live at the update) sharded at ZeRO >= 2; sharding follows
+    gradients (not step arguments, but live at the update) sharded at ZeRO >= 2; ``optim`` given: its
+    optimizer's state elements per parameter instead of Adam's 2; sharding follows
     :func:`shard_elements`.
     """
     if convention not in CONVENTIONS:
@@ -96,7 +99,10 @@ def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first"
     full = _held_elements(model, layout, stage, False, every_stage=True)
     zero = _held_elements(model, layout, stage, True, every_stage=True)
     pb, z = DTYPE_BYTES[model.param_dtype], layout.zero_stage
-    return ModelStates(pb * (zero if z >= 3 else full), pb * (zero if z >= 2 else full), 2 * pb * (zero if z else full))
+    # optimizer state per parameter: jaxpar.optim.registry's formula (None: AdamW's mu + nu)
+    per_param = 2.0 if optim is None else registry.state_elements_ratio(optim, model)
+    return ModelStates(pb * (zero if z >= 3 else full), pb * (zero if z >= 2 else full),
+                       per_param * pb * (zero if z else full))
 
 
 # --------------------------------------------------------------------------- activations
@@ -195,7 +201,8 @@ class MemoryEstimate:
         }
 
 
-def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar") -> MemoryEstimate:
+def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar",
+                    optim: ConfigDict | None = None) -> MemoryEstimate:
     """Model states + stored activations (+ logits on the last stage) + transients; the heavier stage wins."""
     per_layer = layer_activation_bytes(model, layout) * model.num_layers // layout.pipeline
     layer_params = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
@@ -205,7 +212,7 @@ def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str =
     logits = LOGITS_BYTES * layout.seq_len * layout.microbatch_size * model.vocab_size / layout.tensor
     candidates = []
     for stage in ("first", "last") if layout.pipeline > 1 else ("first",):
-        states, inflight = model_states(model, layout, stage, convention), inflight_microbatches(layout, stage)
+        states, inflight = model_states(model, layout, stage, convention, optim), inflight_microbatches(layout, stage)
         act = (per_layer + (logits if stage == "last" or layout.pipeline == 1 else 0)) * inflight
         candidates.append(MemoryEstimate(convention, stage, *dataclasses.astuple(states), act, transient, inflight))
     return max(candidates, key=lambda c: c.total_bytes)

@@ -15,6 +15,7 @@ from typing import Any
 from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.optim import registry
 
 
 def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
@@ -161,8 +162,9 @@ def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str
 def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
     """Per-device argument and output bytes of the train step, and the gradient buffer.
 
-    argument = parameters under their storage spec (param dtype, 4 bytes) + Adam mu and nu under
-    the optimizer spec (8 bytes) + the step count (4) + this device's batch rows
+    argument = parameters under their storage spec (param dtype, 4 bytes) + the optimizer's state
+    (:func:`jaxpar.optim.registry.local_state_bytes`; AdamW: mu and nu under the optimizer spec, 8
+    bytes) + the step count (4) + this device's batch rows
     (m x b x (s+1) int32) + the bad-step guard (2 fp32); output = the same state + 4 metrics
     (loss, grad norm, lr, skipped). ``grad_buffer_bytes`` is the
     fp32 gradient (accumulation) buffer: compute spec at stages 0-1, optimizer spec (sharded
@@ -173,7 +175,7 @@ def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
     params = opt = grads = 0
     for _, shape, lay in param_leaves(cfg, layouts):
         params += local_elements(shape, lay.storage, mesh_shape) * pb
-        opt += local_elements(shape, lay.optimizer, mesh_shape) * 8
+        opt += registry.local_state_bytes(cfg.optim, shape, lay, mesh_shape)  # AdamW: mu + nu, 8 bytes
         grads += local_elements(shape, lay.optimizer if cfg.parallel.zero_stage >= 2 else lay.compute, mesh_shape) * 4
     t = cfg.train
     batch = t.global_batch // cfg.mesh.data * (t.seq_len + 1) * 4

@@ -341,7 +341,8 @@ def _optimizer(ctx: _Ctx) -> float | None:
     kind = str(opt.get("type", ""))
     params = opt.get("params", {}) or {}
     if kind.lower() not in ("adam", "adamw"):
-        ctx.report.unsupported("optimizer.type", kind, "jaxpar has AdamW only; optim.* left at jaxpar defaults")
+        ctx.report.unsupported("optimizer.type", kind,
+                               "this port maps Adam/AdamW only; optim.* left at defaults, pick optim.name by hand")
         for key, value in params.items():
             ctx.report.unsupported(f"optimizer.params.{key}", value, f"belongs to the {kind} optimizer")
         return None
@@ -367,9 +368,9 @@ def _optimizer(ctx: _Ctx) -> float | None:
         if key in targets:
             ctx.report.mapped(src, value, targets[key], f"= {ctx.get(src)!r}" if value == "auto" else "")
         elif key in ("torch_adam", "fused", "capturable", "foreach", "set_grad_none"):
-            ctx.report.approximated(src, value, "", _NOOP + "implementation choice; optax runs inside the XLA step")
+            ctx.report.approximated(src, value, "", _NOOP + "implementation choice; jaxpar's AdamW runs inside the XLA step")
         elif key in ("amsgrad", "bias_correction") and bool(value) == (key == "amsgrad"):
-            ctx.report.unsupported(src, value, f"optax AdamW in jaxpar has no {key} switch")
+            ctx.report.unsupported(src, value, f"jaxpar's AdamW has no {key} switch")
         elif key in ("amsgrad", "bias_correction"):
             ctx.report.mapped(src, value, "", "jaxpar's behaviour")
         else:

@@ -403,7 +403,8 @@ def schedule_fields(lr: float, min_lr: float, style: str, warmup: float, decay: 
 def _optim(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> None:
     optimizer = a.get("--optimizer", str, "adam")
     if optimizer != "adam":
-        a.note("--optimizer", "unsupported", "optim.name", f"jaxpar has AdamW only ({optimizer} requested)")
+        a.note("--optimizer", "unsupported", "optim.name",
+               f"this port maps Adam only ({optimizer} requested); pick optim.name by hand")
     a.note("--optimizer", "mapped", "optim.name", "Megatron's adam is AdamW (decoupled weight decay)")
     for name, key, default in (("--adam-beta1", "optim.b1", 0.9), ("--adam-beta2", "optim.b2", 0.999),
                                ("--adam-eps", "optim.eps", 1e-8), ("--weight-decay", "optim.weight_decay", 0.01),

@@ -215,7 +215,8 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
 def _optim(o: dict, s: dict, t: dict, values: dict, report: Report) -> None:
     name = str(o.get("name", "AdamW"))
     if name not in ("AdamW", "Adam"):
-        report.unsupported("optimizer.name", name, "jaxpar has AdamW only; optim.* left at jaxpar defaults")
+        report.unsupported("optimizer.name", name,
+                           "this port maps AdamW/Adam only; optim.* left at jaxpar defaults, pick optim.name by hand")
         return
     lr = float(o.get("lr", 8e-4))
     values.update({"optim.decoupled_weight_decay": name == "AdamW", "optim.lr": lr,

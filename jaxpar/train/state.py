@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigDict, validate
 from jaxpar.models import get_model
+from jaxpar.optim import registry
+from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
@@ -54,15 +56,23 @@ class Setup:
         self.layouts = param_layouts(self.abstract_params, self.logical, self.strategy, mesh)
         model_layouts = self.layouts if stages == 1 else param_layouts(
             self.model_abstract_params, model_logical, self.strategy, mesh)
+        self.model_layouts = model_layouts
+        self.schedule = make_schedule(cfg.optim, cfg.train.steps)
+        self.optimizer = registry.get(cfg.optim.name)
+        # optax path (every optimizer but adamw): one transformation per parameter form (the weight-decay
+        # mask and the per-tensor batch dims follow the form's tree)
+        self.tx = self.model_tx = None
+        if not self.optimizer.in_shard_map:
+            self.tx = self.optimizer.build(cfg.optim, self.schedule, self.layouts)
+            self.model_tx = self.tx if stages == 1 else self.optimizer.build(cfg.optim, self.schedule, model_layouts)
         self.model_param_shardings = named(mesh, specs(model_layouts, "storage"))
-        self.model_opt_shardings = named(mesh, opt_state_specs(model_layouts))
+        self.model_opt_shardings = named(mesh, self._opt_specs(model_form=True))
         self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.layouts, self.strategy)
         self.param_specs = specs(self.layouts, "storage")
-        self.opt_specs = opt_state_specs(self.layouts)
+        self.opt_specs = self._opt_specs()
         self.param_shardings = named(mesh, self.param_specs)
         self.opt_shardings = named(mesh, self.opt_specs)
         self.feed = BatchFeed(mesh, cfg.train)  # batch shapes, shardings, which rows this process feeds
-        self.schedule = make_schedule(cfg.optim, cfg.train.steps)
         self.builder = StepBuilder(
             model_cfg=cfg.model,
             optim_cfg=cfg.optim,
@@ -73,6 +83,7 @@ class Setup:
             global_tokens=self.layout.tokens_per_step,
             schedule=self.schedule,
             pipeline=self.pipeline,
+            tx=self.tx,
         )
         self.train_step = self._make_train_step()
         self.eval_step = self._make_eval_step()
@@ -87,7 +98,7 @@ class Setup:
             params = model.init(key)
             if stages > 1:
                 params = pipeline_lib.to_stage_form(params, stages, virtual)
-            return params, init_opt_state(params)
+            return params, self.init_opt_state(params)
 
         with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
             return _init(jax.random.key(seed))
@@ -96,8 +107,27 @@ class Setup:
         """This layout's (parameters, fresh optimizer state) from HF weights: ``source`` holds the
         model-form parameters loaded with :attr:`model_param_shardings` (the trainer's edge reads
         them with ``jaxpar.port.weights.load_checked``, each device reading only its shard)."""
-        opt = jax.jit(init_opt_state, out_shardings=self.model_opt_shardings)(source)
+        opt = jax.jit(functools.partial(self.init_opt_state, model_form=True),
+                      out_shardings=self.model_opt_shardings)(source)
         return self.from_model_order(source, opt)
+
+    # ------------------------------------------------------------------ optimizer state
+    def init_opt_state(self, params: Any, model_form: bool = False) -> Any:
+        """The optimizer's initial state for ``params`` (stage form, or the model form): jaxpar AdamW's
+        {count, mu, nu}, else {count, tx: the optax state}."""
+        if self.optimizer.in_shard_map:
+            return init_opt_state(params)
+        tx = self.model_tx if model_form else self.tx
+        return {"count": jnp.zeros((), jnp.int32), "tx": tx.init(params)}
+
+    def _opt_specs(self, model_form: bool = False) -> Any:
+        """Optimizer-state specs derived from the state's shapes (:mod:`jaxpar.optim.state`)."""
+        layouts = self.model_layouts if model_form else self.layouts
+        if self.optimizer.in_shard_map:
+            return opt_state_specs(layouts)
+        params = self.model_abstract_params if model_form else self.abstract_params
+        abstract = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), params)
+        return opt_state_lib.state_specs(abstract, params, specs(layouts, "optimizer"))
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
@@ -107,15 +137,21 @@ class Setup:
         move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
         out = (self.model_param_shardings, self.model_opt_shardings) if to_model else (
             self.param_shardings, self.opt_shardings)
+        dst = self.model_abstract_params if to_model else self.abstract_params
+        target = jax.eval_shape(functools.partial(self.init_opt_state, model_form=to_model), dst)
+        order = pipeline_lib.layer_order(self.cfg.model.num_layers, p, v)
+        permute = opt_state_lib.layer_permuter(np.argsort(order) if to_model else order)
+        ends = pipeline_lib.has_ends(self.cfg.model, p)
 
         @functools.partial(jax.jit, out_shardings=out)
         def reorder(params, opt):
-            return move(params, p, v), {**opt, "mu": move(opt["mu"], p, v), "nu": move(opt["nu"], p, v)}
+            # every state leaf moves like its parameter (jaxpar.optim.state.convert_state)
+            return move(params, p, v), opt_state_lib.convert_state(opt, target, dst, to_model, permute, ends)
 
         return reorder(params, opt)
 
     def to_model_order(self, params: Any, opt: Any) -> tuple[Any, Any]:
-        """Stage form -> model form (parameters and Adam moments). Checkpoints hold the model form
+        """Stage form -> model form (parameters and optimizer state). Checkpoints hold the model form
         (layers in the model's order, separate embedding and output layer), so they restore onto
         any layout; :meth:`from_model_order` is the inverse."""
         return self._reorder(params, opt, to_model=True)
@@ -124,13 +160,18 @@ class Setup:
         return self._reorder(params, opt, to_model=False)
 
     # ------------------------------------------------------------------ steps
-    def _make_train_step(self) -> TrainStep:
-        step = jax.shard_map(
-            self.builder.local_step,
-            mesh=self.mesh,
-            in_specs=(self.param_specs, self.opt_specs, BATCH_SPEC, P()),
-            out_specs=(self.param_specs, self.opt_specs, P()),
-        )
+    def _make_train_step(self, builder: StepBuilder | None = None) -> TrainStep:
+        """``builder``: another StepBuilder for this layout (tests compile without the bad-step skip)."""
+        builder = builder or self.builder
+        if self.optimizer.in_shard_map:  # jaxpar AdamW: the whole step in one shard_map
+            step = jax.shard_map(
+                builder.local_step,
+                mesh=self.mesh,
+                in_specs=(self.param_specs, self.opt_specs, BATCH_SPEC, P()),
+                out_specs=(self.param_specs, self.opt_specs, P()),
+            )
+        else:  # gradients in a shard_map, the optax update under GSPMD (StepBuilder.global_step)
+            step = builder.global_step
         replicated = NamedSharding(self.mesh, P())
         jitted = jax.jit(
             step,
@@ -158,7 +199,7 @@ class Setup:
         tree, p_sh, o_sh = (self.model_abstract_params, self.model_param_shardings, self.model_opt_shardings) if (
             model_form) else (self.abstract_params, self.param_shardings, self.opt_shardings)
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, p_sh)
-        opt = jax.eval_shape(init_opt_state, tree)
+        opt = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), tree)
         opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, o_sh)
         batch = jax.ShapeDtypeStruct(self.feed.batch_shape(), jnp.int32, sharding=self.feed.batch_sharding)
         return params, opt, batch

@@ -1,4 +1,4 @@
-"""The training step: loss, gradients, accumulation, ZeRO reduction, clipping, AdamW.
+"""The training step: loss, gradients, accumulation, ZeRO reduction, clipping, the optimizer.
 
 The whole step runs in one ``shard_map`` over every mesh axis, so each collective is written
 down where it belongs (and shows up as exactly that collective in the compiled HLO):
@@ -22,6 +22,11 @@ layers are split over ``pipeline``, parameters not split over it (embedding, fin
 also marked varying over ``pipeline`` and their stage-local gradients summed over it. Every ZeRO stage
 combines with it: ZeRO-2 reduce-scatters each backward tick's gradients into a sharded accumulator
 (1F1B / interleaved), ZeRO-3 gathers each layer over ``data`` inside the ticks that run it.
+
+The optimizer: jaxpar's AdamW (``optim.name='adamw'``) updates each device's shard inside the
+``shard_map`` (:meth:`StepBuilder.local_step`); every optax optimizer of :mod:`jaxpar.optim.registry`
+updates the global arrays under GSPMD right after it, in the same jit (:meth:`StepBuilder.global_step`;
+why: :mod:`jaxpar.optim`). Global-norm clipping is the ``shard_map``'s, before either.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+import optax
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.compat import all_gather_invariant
@@ -43,6 +49,7 @@ from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamLayout, Strategy, is_layout
+from jaxpar.train.batches import BATCH_SPEC
 
 
 def _map_layouts(fn: Callable, layouts: Any, *trees: Any) -> Any:
@@ -69,6 +76,8 @@ class StepBuilder:
     global_tokens: int  # target tokens per optimizer step (loss normaliser)
     schedule: Callable[[jax.Array], jax.Array]
     pipeline: Pipeline | None = None  # set when mesh.pipeline > 1
+    tx: Any = None  # optax.GradientTransformation for global_step (None: jaxpar AdamW in local_step)
+    skip_bad_steps: bool = True  # False only to measure what the skip costs
 
     # ------------------------------------------------------------------ helpers
     @functools.cached_property
@@ -115,11 +124,9 @@ class StepBuilder:
         return jnp.sqrt(sum(jax.tree.leaves(_map_layouts(sq, self.layouts, grads))))
 
     # ------------------------------------------------------------------ step
-    def local_step(self, params: Any, opt_state: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, Any, dict]:
-        """One optimizer step on this shard. ``guard`` = (max_loss, loss_offset): the update is
-        skipped (parameters and optimizer state returned unchanged) when the loss or the gradient
-        norm is not finite or the loss exceeds max_loss; loss_offset is added to the reported loss
-        (0 in training; NaN injects a bad step for fault drills)."""
+    def local_grads(self, params: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+        """This shard's reduced, clipped gradients (laid out like the optimizer state), the loss
+        (+ ``guard[1]``) and the global gradient norm (before clipping)."""
         ctx = self.context()
         stage = self.strategy.zero_stage
         scale = 1.0 / self.global_tokens
@@ -169,14 +176,55 @@ class StepBuilder:
         if clip > 0:  # optax.clip_by_global_norm semantics
             factor = jnp.where(grad_norm < clip, 1.0, clip / grad_norm)
             grads = jax.tree.map(lambda g: g * factor, grads)
+        return grads, loss, grad_norm
 
+    def _ok(self, loss: jax.Array, grad_norm: jax.Array, guard: jax.Array) -> jax.Array:
+        if not self.skip_bad_steps:  # measuring what the skip costs (tests/test_optim.py)
+            return jnp.bool_(True)
+        return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= guard[0])
+
+    def local_step(self, params: Any, opt_state: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, Any, dict]:
+        """One AdamW step on this shard (``optim.name='adamw'``). ``guard`` = (max_loss, loss_offset):
+        the update is skipped (parameters and optimizer state returned unchanged) when the loss or
+        the gradient norm is not finite or the loss exceeds max_loss; loss_offset is added to the
+        reported loss (0 in training; NaN injects a bad step for fault drills)."""
+        grads, loss, grad_norm = self.local_grads(params, batch, guard)
         step = opt_state["count"]
         lr = self.schedule(step)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= guard[0])
+        ok = self._ok(loss, grad_norm, guard)
         new_params, mu, nu = self._adamw(params, grads, opt_state, lr, ok)
         new_state = {"count": jnp.where(ok, step + 1, step), "mu": mu, "nu": nu}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
         return new_params, new_state, metrics
+
+    def global_step(self, params: Any, opt_state: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, Any, dict]:
+        """One step of an optax optimizer: gradients from the ``shard_map`` (:meth:`local_grads`),
+        then ``tx.update`` on the global arrays under GSPMD, in the same jit. XLA partitions the
+        update and inserts the reductions a non-elementwise optimizer needs (Adafactor's factored
+        means and RMS, Muon's Newton-Schulz matmuls) over whatever mesh axes the state is split
+        on, so every optimizer computes exactly what it computes on one device. Parameters are read
+        under their optimizer spec (ZeRO-1/2: this device's shard; no data moves) and written back
+        under their storage spec (ZeRO-1/2: the all-gather). A bad step selects the old values."""
+        grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.layouts, is_leaf=is_layout)
+        grads, loss, grad_norm = jax.shard_map(
+            self.local_grads, mesh=self.mesh, in_specs=(self.param_specs(), BATCH_SPEC, P()),
+            out_specs=(grad_specs, P(), P()))(params, batch, guard)
+        step = opt_state["count"]
+        lr = self.schedule(step)
+        ok = self._ok(loss, grad_norm, guard)
+        view = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)),
+                            params, grad_specs)
+        updates, tx_state = self.tx.update(grads, opt_state["tx"], view)
+        new_params = optax.apply_updates(view, updates)
+        if self.skip_bad_steps:
+            new_params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_params, view)
+            tx_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), tx_state, opt_state["tx"])
+        new_state = {"count": jnp.where(ok, step + 1, step), "tx": tx_state}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
+        return new_params, new_state, metrics
+
+    def param_specs(self) -> Any:
+        return jax.tree.map(lambda lay: lay.storage, self.layouts, is_leaf=is_layout)
 
     def _adamw(self, params: Any, grads: Any, opt_state: Any, lr: jax.Array, ok: jax.Array):
         """AdamW on each parameter's (local) shard; ``ok`` false keeps every value as it was."""
@@ -225,5 +273,6 @@ def opt_state_specs(layouts: Any) -> dict:
 
 
 def init_opt_state(params: Any) -> dict:
+    """jaxpar AdamW's state (``optim.name='adamw'``); other optimizers: :meth:`Setup.init_opt_state`."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return {"count": jnp.zeros((), jnp.int32), "mu": zeros, "nu": jax.tree.map(jnp.copy, zeros)}

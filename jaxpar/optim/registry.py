@@ -1,0 +1,325 @@
+"""The optimizer registry: ``optim.name`` -> how to build it, which fields it reads, its state size.
+
+Adding an optimizer is one :class:`Optimizer` entry in :data:`OPTIMIZERS`: a ``build`` function
+``(optim_cfg, schedule, layouts) -> optax.GradientTransformation``, the optim fields it reads
+(every other field must keep its default, else a one-line :class:`ConfigError`), and ``state``:
+the formula of its per-parameter state leaves (shapes and which parameter dims each keeps), which
+the planner prices (:func:`state_leaves`, used by :mod:`jaxpar.analysis.expected` and
+:mod:`jaxpar.analysis.estimate`).
+
+Built in:
+
+* ``adamw`` (default): jaxpar's own AdamW inside the step's ``shard_map``
+  (:meth:`jaxpar.train.step.StepBuilder._adamw`): it keeps the compiled step as it was and skips a
+  bad step by multiplying by exactly 1 and adding 0. ``build`` gives ``optax.adamw`` with the
+  same fields, which tests/test_optim.py checks it against (relative error < 1e-6).
+* ``lion``: ``optax.lion`` (Chen et al. 2023, arXiv:2302.06675).
+* ``sgd``: ``optax.sgd`` with ``optim.momentum`` (default 0.9) / ``optim.nesterov``; weight decay decoupled
+  (``optax.add_decayed_weights`` before the learning rate, AdamW-style) or, with
+  ``decoupled_weight_decay=False``, added to the gradient (L2, as ``torch.optim.SGD``).
+* ``adafactor``: ``optax.adafactor`` (Shazeer & Stern 2018, arXiv:1804.04235) per tensor
+  (:func:`jaxpar.optim.transforms.per_tensor`: stacked layers are separate tensors), optax's
+  defaults (factored when the second-largest dim is >= 128, update clipping 1.0, parameter scale),
+  ``optim.momentum`` > 0 adds its momentum (default none); weight decay ``lr(k) * weight_decay * p`` (decoupled).
+* ``muon``: ``optax.contrib.muon`` (Jordan et al. 2024; Liu et al. 2025, arXiv:2502.16982) when the
+  installed optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default 0.95,
+  ``optim.nesterov``) for the block weight matrices, the stacked layer dim a batch dim (optax's
+  ``MuonDimensionNumbers``: input dims = ``embed`` or all but the last, output dims = the rest); AdamW
+  (``b1``, ``b2``, ``eps``) for the embedding, output layer, norms. Weight decay:
+  :func:`~jaxpar.optim.transforms.decoupled_weight_decay` on every leaf ParamLayout decays.
+
+Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``)
+with ``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation``;
+``learning_rate`` is jaxpar's schedule (:mod:`jaxpar.optim.lr`), ``weight_decay_mask`` a tree of
+bools shaped like the parameters (False for norms). It sees the parameter tree as stored (stacked
+layers are one tensor); it reads whichever fields it likes, so none is refused, and the planner
+does not price its state (its formula is unknown: :func:`state_leaves` gives none). Global-norm clipping
+(``optim.clip_norm``) is applied before every optimizer, mesh-aware (:mod:`jaxpar.train.step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.optim.fields import OPTIMIZER_FIELDS, is_custom
+
+STACKED = ("layers", "stages")  # leading stacked dims: batch dims of per-tensor statistics
+ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default
+
+# A state leaf of one parameter: (shape, kept) where kept[i] is the parameter dim that leaf dim i
+# runs along (None: a dim of its own, e.g. a size-1 placeholder). Same shape: kept = all dims.
+StateLeaf = tuple[tuple[int, ...], tuple[int | None, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """One registry entry (see the module docstring)."""
+
+    name: str
+    build: Callable[[ConfigDict, Callable, Any], optax.GradientTransformation]
+    fields: frozenset[str]  # optim fields it reads beyond COMMON_FIELDS
+    state: Callable[[ConfigDict, tuple[int, ...], tuple[str, ...]], list[StateLeaf]]
+    in_shard_map: bool = False  # jaxpar's own update inside the step's shard_map (adamw)
+
+
+def batch_dims(logical: tuple[str, ...]) -> int:
+    """Number of leading stacked dims (``layers``, ``stages``)."""
+    n = 0
+    while n < len(logical) and logical[n] in STACKED:
+        n += 1
+    return n
+
+
+def _mask(layouts: Any) -> Any:
+    from jaxpar.sharding import is_layout
+
+    return jax.tree.map(lambda lay: lay.weight_decay, layouts, is_leaf=is_layout)
+
+
+def _full(shape: tuple[int, ...]) -> StateLeaf:
+    return tuple(shape), tuple(range(len(shape)))
+
+
+def _scalar_per_batch(shape: tuple[int, ...], b: int) -> StateLeaf:
+    return tuple(shape[:b]), tuple(range(b))
+
+
+# --------------------------------------------------------------------------- adamw
+
+
+def _build_adamw(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+    mask = _mask(layouts)
+    if o.decoupled_weight_decay:
+        return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    adam = optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps)
+    return optax.chain(optax.add_decayed_weights(o.weight_decay, mask), adam)  # L2 (Adam)
+
+
+def _state_adamw(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+    return [_full(shape), _full(shape)]  # mu, nu (fp32)
+
+
+# --------------------------------------------------------------------------- lion
+
+
+def _build_lion(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_mask(layouts))
+
+
+def _state_momentum(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+    return [_full(shape)]
+
+
+# --------------------------------------------------------------------------- sgd
+
+
+DEFAULT_MOMENTUM = {"sgd": 0.9, "muon": 0.95, "adafactor": 0.0}  # optim.momentum = -1 picks these
+
+
+def momentum(o: ConfigDict) -> float:
+    return DEFAULT_MOMENTUM[o.name] if o.momentum < 0 else o.momentum
+
+
+def _build_sgd(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+    momentum_ = momentum(o) or None
+    decay = optax.add_decayed_weights(o.weight_decay, _mask(layouts))
+    if not o.decoupled_weight_decay:  # L2: torch.optim.SGD's weight_decay
+        return optax.chain(decay, optax.sgd(schedule, momentum=momentum_, nesterov=o.nesterov))
+    parts = [optax.trace(decay=momentum_, nesterov=o.nesterov)] if momentum_ else []
+    return optax.chain(*parts, decay, optax.scale_by_learning_rate(schedule))
+
+
+def _state_sgd(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+    return [_full(shape)] if momentum(o) else []
+
+
+# --------------------------------------------------------------------------- adafactor
+
+
+def _build_adafactor(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+    from jaxpar.optim.transforms import per_tensor
+    from jaxpar.sharding import is_layout
+
+    # optax.adafactor adds weight_decay_rate * p after the learning rate: a schedule makes it lr(k) * wd.
+    inner = lambda wd: optax.adafactor(  # noqa: E731
+        schedule, momentum=momentum(o) or None, weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd
+        else None)
+    dims = jax.tree.map(lambda lay: batch_dims(lay.logical), layouts, is_leaf=is_layout)
+    labels = jax.tree.map(lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", layouts,
+                          is_leaf=is_layout)
+    return per_tensor({"decay": inner(True), "plain": inner(False)}, labels, dims)
+
+
+def _state_adafactor(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+    """optax.scale_by_factored_rms per layer: factored over the two largest dims d1 (second) and d0
+    (largest) of the per-layer tensor when d1 >= 128: v_row drops d0, v_col drops d1; else a full v."""
+    b = batch_dims(logical)
+    inner = shape[b:]
+    batch = tuple(range(b))
+    one = (tuple(shape[:b]) + (1,), batch + (None,))  # optax's (1,) placeholder, per layer
+    out = [_scalar_per_batch(shape, b)]  # factored-rms count
+    order = np.argsort(inner) if len(inner) >= 2 else None
+    if order is not None and inner[order[-2]] >= ADAFACTOR_MIN_DIM_TO_FACTOR:
+        d1, d0 = b + int(order[-2]), b + int(order[-1])
+        for drop in (d0, d1):
+            kept = tuple(i for i in range(len(shape)) if i != drop)
+            out.append((tuple(shape[i] for i in kept), kept))
+        out.append(one)
+    else:
+        out += [one, one, _full(shape)]
+    out.append(_scalar_per_batch(shape, b))  # scale_by_learning_rate's count
+    if momentum(o):
+        out += [_scalar_per_batch(shape, b), _full(shape)]  # ema count, ema
+    return out
+
+
+# --------------------------------------------------------------------------- muon
+
+
+def muon_dims(logical: tuple[str, ...]) -> Any:
+    """optax.contrib.muon's dimension numbers for one parameter, None where AdamW applies: weight
+    matrices of the blocks (>= 2 dims besides the stacked ones, no vocabulary dim)."""
+    from optax.contrib import MuonDimensionNumbers
+
+    b = batch_dims(logical)
+    rest = logical[b:]
+    if len(rest) < 2 or "vocab" in rest:
+        return None
+    n = len(logical)
+    if rest[0] == "embed":  # input features first: x @ W
+        return MuonDimensionNumbers(reduction_axis=(b,), output_axis=tuple(range(b + 1, n)))
+    return MuonDimensionNumbers(reduction_axis=tuple(range(b, n - 1)), output_axis=(n - 1,))
+
+
+def _build_muon(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+    from optax.contrib import muon
+
+    from jaxpar.optim.transforms import decoupled_weight_decay
+    from jaxpar.sharding import is_layout
+
+    dims = jax.tree.map(lambda lay: muon_dims(lay.logical), layouts, is_leaf=is_layout)
+    tx = muon(schedule, beta=momentum(o), eps=o.eps, nesterov=o.nesterov, adam_b1=o.b1, adam_b2=o.b2,
+              muon_weight_dimension_numbers=dims)
+    if not o.weight_decay:
+        return tx
+    return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, _mask(layouts)))
+
+
+def _state_muon(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+    if muon_dims(logical) is not None:
+        return [_full(shape)]  # momentum
+    return [_full(shape), _full(shape)]  # AdamW mu, nu
+
+
+def has_muon() -> bool:
+    try:
+        from optax.contrib import muon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+F = OPTIMIZER_FIELDS  # the fields each one reads: jaxpar.optim.fields (checked with the config)
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer("adamw", _build_adamw, F["adamw"], _state_adamw, in_shard_map=True),
+    "lion": Optimizer("lion", _build_lion, F["lion"], _state_momentum),
+    "sgd": Optimizer("sgd", _build_sgd, F["sgd"], _state_sgd),
+    "adafactor": Optimizer("adafactor", _build_adafactor, F["adafactor"], _state_adafactor),
+}
+if has_muon():
+    OPTIMIZERS["muon"] = Optimizer("muon", _build_muon, F["muon"], _state_muon)
+
+
+# --------------------------------------------------------------------------- custom factories
+
+
+def _load_factory(spec: str) -> Callable:
+    where, _, fn = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = pathlib.Path(where)
+        if not path.is_file():
+            raise ConfigError(f"optim.name='{spec}': file '{where}' not found; give path/to/file.py:function")
+        module_spec = importlib.util.spec_from_file_location(f"jaxpar_optimizer_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise ConfigError(f"optim.name='{spec}': '{where}' failed to load ({type(e).__name__}: {e})") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(f"optim.name='{spec}': cannot import '{where}' ({e})") from e
+    if not callable(getattr(module, fn, None)):
+        raise ConfigError(f"optim.name='{spec}': '{where}' defines no function '{fn}'")
+    return getattr(module, fn)
+
+
+def _custom(spec: str) -> Optimizer:
+    factory = _load_factory(spec)
+
+    def build(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+        tx = factory(o, learning_rate=schedule, weight_decay_mask=_mask(layouts))
+        if not isinstance(tx, optax.GradientTransformation):
+            raise ConfigError(f"optim.name='{spec}': returned {type(tx).__name__}, not an optax.GradientTransformation")
+        return tx
+
+    return Optimizer(spec, build, frozenset(), state=lambda o, shape, logical: [])
+
+
+# --------------------------------------------------------------------------- public
+
+
+def get(name: str) -> Optimizer:
+    """The registry entry (or a custom factory's) for ``optim.name``; unknown -> ConfigError."""
+    if is_custom(name):
+        return _custom(name)
+    if name not in OPTIMIZERS:  # muon without optax.contrib.muon, or an unknown name
+        raise ConfigError(f"optim.name='{name}': this optax offers {', '.join(OPTIMIZERS)}; use one of them or {', '.join(OPTIMIZERS)} or path/to/file.py:function "
+                          "returning an optax.GradientTransformation")
+    return OPTIMIZERS[name]
+
+
+def state_leaves(optim_cfg: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+    """The formula: fp32 state leaves one parameter adds (shapes, kept parameter dims)."""
+    return get(optim_cfg.name).state(optim_cfg, tuple(shape), tuple(logical))
+
+
+def state_elements_per_param(optim_cfg: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> float:
+    """State elements per parameter element (2 for AdamW; ~0 for factored Adafactor leaves)."""
+    total = sum(math.prod(s) for s, _ in state_leaves(optim_cfg, shape, logical))
+    return total / max(math.prod(shape), 1)
+
+
+def local_state_bytes(optim_cfg: ConfigDict, shape: tuple[int, ...], layout: Any, mesh_shape: dict) -> int:
+    """Bytes of one parameter's fp32 state on one device: each leaf of :func:`state_leaves` under the
+    spec :mod:`jaxpar.optim.state` derives from the parameter's optimizer spec."""
+    from jaxpar.optim.state import local_size, spec_for
+
+    return sum(local_size(s, spec_for(kept, layout.optimizer), mesh_shape) * 4
+               for s, kept in state_leaves(optim_cfg, shape, layout.logical))
+
+
+def state_elements_ratio(optim_cfg: ConfigDict, model_cfg: ConfigDict) -> float:
+    """State elements per parameter over the whole model (AdamW 2.0; Adafactor far less)."""
+    import functools
+
+    from jaxpar.models import llama
+
+    abstract = jax.eval_shape(functools.partial(llama.init_params, model_cfg), jax.random.key(0))
+    logical = jax.tree.leaves(llama.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(abstract)]
+    state = sum(math.prod(s) for shape, names in zip(shapes, logical, strict=True)
+                for s, _ in state_leaves(optim_cfg, shape, names))
+    return state / sum(math.prod(s) for s in shapes)

@@ -1,0 +1,179 @@
+"""Optimizers from the registry (jaxpar.optim): every layout computes the one-device step, the state is
+laid out and priced as the formula says, a skipped step leaves it bitwise and costs at most one
+parameter-sized temporary, checkpoints move it between pipeline forms; jaxpar's AdamW equals optax's."""
+
+import dataclasses
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.analysis.expected import expected_memory
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import ConfigError
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
+from jaxpar.optim import registry
+from jaxpar.train.state import Setup
+from tests.helpers import max_rel_error, tiny_config
+
+SLOW = os.environ.get("JAXPAR_SLOW") == "1"
+STEPS = 3
+SMALL = ["--config.model.num_layers=2"]  # fast compiles; adafactor still factors (dims 128, 256, 384)
+OPTIMIZERS = [n for n in ("lion", "sgd", "adafactor", "muon") if n in registry.OPTIMIZERS]
+LAYOUTS = {
+    "zero1_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=1"],
+    "zero2_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=2"],
+    "zero3_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=3"],
+    "zero3_d4_t2": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"],
+    "d2_t2_p2": ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
+                 "--config.parallel.zero_stage=1", "--config.train.microbatches=2"],
+}
+# The fast grid: every optimizer on a layout that splits its non-elementwise statistics; the full
+# optimizer x layout grid under JAXPAR_SLOW=1.
+FAST = [("lion", "zero1_d8"), ("sgd", "zero2_d8"), ("adafactor", "zero3_d4_t2"), ("adafactor", "d2_t2_p2"),
+        ("muon", "zero3_d4_t2")]
+GRID = [(o, lay) for o in OPTIMIZERS for lay in LAYOUTS] if SLOW else [c for c in FAST if c[0] in OPTIMIZERS]
+
+
+def _cfg(name, *overrides):
+    mesh = [] if any("mesh.data" in o for o in overrides) else ["--config.mesh.data=1"]
+    return tiny_config("--config.mesh.tensor=1", *mesh, *SMALL, f"--config.optim.name={name}", *overrides)
+
+
+def _run(cfg, steps=STEPS, seed=0):
+    """``steps`` steps on fixed random batches; returns (losses, model-form params and state on host, setup)."""
+    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
+    params, opt = setup.init(seed)
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        rows = rng.integers(0, cfg.model.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
+        params, opt, metrics = setup.train_step(params, opt, setup.feed.make_batch(rows))
+        losses.append(float(metrics["loss"]))
+    model_params, model_opt = setup.to_model_order(params, opt)
+    return losses, jax.device_get(model_params), jax.device_get(model_opt), setup
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(name):
+    if name not in _REFERENCES:
+        _REFERENCES[name] = _run(_cfg(name))
+    return _REFERENCES[name]
+
+
+@pytest.mark.parametrize("name, layout", GRID, ids=[f"{o}-{lay}" for o, lay in GRID])
+def test_layout_matches_single_device(name, layout):
+    ref_losses, ref_params, ref_opt, _ = _reference(name)
+    losses, params, opt, setup = _run(_cfg(name, *LAYOUTS[layout]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    if name == "lion":  # sign(update): a coordinate within roundoff of 0 may flip (a 2*lr step apart)
+        lr = setup.cfg.optim.lr
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+            off = np.abs(a - b) > 1e-5 * np.max(np.abs(b))
+            assert off.mean() < 1e-4 and np.max(np.abs(a - b)) <= 2 * lr * STEPS
+    else:
+        assert max_rel_error(params, ref_params) < 1e-5
+    # the state, in the model form (pipeline: converted from the stage form), matches too
+    assert jax.tree.structure(opt) == jax.tree.structure(ref_opt)
+    # (lion: the flipped coordinates above change the next gradients a little)
+    tol = 1e-2 if name == "lion" else 1e-5
+    assert max_rel_error(jax.tree.map(np.float64, opt), jax.tree.map(np.float64, ref_opt)) < tol
+    assert setup.train_step._cache_size() == 1
+
+
+def test_adafactor_state_is_factored_and_sharded():
+    cfg = _cfg("adafactor", *LAYOUTS["zero3_d4_t2"])
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
+    up = setup.opt_specs["tx"]["blocks"]["mlp"]["w_up"][0]  # [L, embed, mlp]: embed over data, mlp over tensor
+    shapes = jax.eval_shape(setup.init_opt_state, setup.abstract_params)["tx"]["blocks"]["mlp"]["w_up"][0]
+    assert shapes.v_row.shape == (2, 128) and shapes.v_col.shape == (2, 384)  # per layer: mlp, embed averaged away
+    assert (tuple(up.v_row), tuple(up.v_col), tuple(up.count)) == ((None, "data"), (None, "tensor"), (None,))
+
+
+@pytest.mark.parametrize("name", ["adamw", *OPTIMIZERS])
+def test_state_memory_and_skipped_step(name):
+    """Compiled argument bytes per device = the registry's state formula (within 1%); a skipped step
+    leaves parameters and state bitwise; the skip adds at most one parameter-sized temporary (this
+    device's parameter bytes) to the compiled step."""
+    cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1")
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
+    compiled = setup.lower_train_step().compile()
+    expected = expected_memory(cfg, setup.layouts)
+    got = compiled.memory_analysis().argument_size_in_bytes
+    assert got == pytest.approx(expected["argument_bytes"], rel=0.01), (got, expected)
+
+    no_skip = setup._make_train_step(dataclasses.replace(setup.builder, skip_bad_steps=False))
+    guard = jax.ShapeDtypeStruct((2,), np.float32, sharding=jax.sharding.NamedSharding(setup.mesh, P()))
+    base = no_skip.lower(*setup.abstract_state(), guard).compile().memory_analysis().temp_size_in_bytes
+    extra = compiled.memory_analysis().temp_size_in_bytes - base
+    print(f"{name}: the skip costs {extra} temporary bytes; parameter bytes per device {expected['param_bytes']}")
+    assert extra <= expected["param_bytes"]
+
+    params, opt = setup.init(0)
+    batch = setup.feed.make_batch(np.random.default_rng(0).integers(0, 256, size=(8, 65)))
+
+    def step(params, opt, max_loss=np.inf, offset=0.0):
+        values = np.array([max_loss, offset], np.float32)
+        return compiled(params, opt, batch, jax.device_put(values, guard.sharding))
+
+    for _ in range(2):  # non-zero state first (step 0's learning rate is 0 in warmup)
+        params, opt, _ = step(params, opt)
+    before = jax.device_get((params, opt))
+    for kwargs in ({"max_loss": 0.0}, {"offset": np.nan}):
+        params, opt, metrics = step(params, opt, **kwargs)
+        assert int(metrics["skipped"]) == 1
+        for a, b in zip(jax.tree.leaves(jax.device_get((params, opt))), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert int(opt["count"]) == 2
+
+
+def test_checkpoint_round_trip_pipeline_adafactor(tmp_path):
+    """Adafactor's state (factored moments of the stage form's ``ends`` included) saved in the model
+    form from a pipeline layout restores bitwise onto it and equals the one-device state."""
+    cfg = _cfg("adafactor", *LAYOUTS["d2_t2_p2"])
+    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
+    params, opt = setup.init(0)
+    rows = np.random.default_rng(1).integers(0, 256, size=(8, 65))
+    for _ in range(2):
+        params, opt, _ = setup.train_step(params, opt, setup.feed.make_batch(rows))
+    before = jax.device_get((params, opt))
+    ckpt = Checkpointer(str(tmp_path), 1, 2)
+    ckpt.save(2, *setup.to_model_order(params, opt), {"step": 2}, cfg)
+    ckpt.wait()
+    p, o, _ = setup.abstract_state(model_form=True)
+    _, state, _ = ckpt.restore({"params": p, "opt_state": o})
+    back = setup.from_model_order(state["params"], state["opt_state"])
+    for a, b in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_jaxpar_adamw_equals_optax_adamw(tmp_path):
+    """The default adamw (jaxpar's, in the shard_map) and optax.adamw through a config factory."""
+    factory = pathlib.Path(tmp_path) / "factory.py"
+    factory.write_text(
+        "import optax\n"
+        "def get_optimizer(o, learning_rate, weight_decay_mask):\n"
+        "    return optax.adamw(learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,\n"
+        "                       mask=weight_decay_mask)\n")
+    _, ref_params, _, _ = _run(_cfg("adamw"))
+    _, params, _, _ = _run(_cfg(f"{factory}:get_optimizer"))
+    assert max_rel_error(params, ref_params) < 1e-6
+
+
+def test_fields_act_or_are_refused():
+    with pytest.raises(ConfigError, match="optim.name='rmsprop': use one of adamw, lion, sgd, adafactor"):
+        _cfg("rmsprop")
+    with pytest.raises(ConfigError, match="optim.b2=0.9 has no effect with optim.name='sgd'"):
+        _cfg("sgd", "--config.optim.b2=0.9")
+    with pytest.raises(ConfigError, match="optim.nesterov=True has no effect with optim.name='adamw'"):
+        _cfg("adamw", "--config.optim.nesterov=true")
+    with pytest.raises(ConfigError, match="defines no function"):
+        _cfg(f"{__file__}:nothing_here")
+    _cfg("sgd", "--config.optim.momentum=0.5", "--config.optim.nesterov=true")  # read by sgd
