@@ -1,4 +1,4 @@
-"""``jaxpar`` command line: train | inspect | plan | compare | port | export | drill.
+"""``jaxpar`` command line: train | inspect | plan | compare | sweep | port | export | drill.
 
 Configuration errors print one line naming the field and the fix and exit with code 2, no
 traceback. On CPU, the number of simulated devices is set from the config's mesh
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "estimate and rank layouts for a cluster before renting it")
     _add_optional(sub, "compare", "jaxpar.analysis.compare", "add_compare_arguments", "run_compare",
                   "chosen layouts side by side: memory, step time, MFU, communication (--aot: compiled too)")
+    _add_optional(sub, "sweep", "jaxpar.analysis.sweep_cli", "add_sweep_arguments", "run_sweep",
+                  "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots")
     _add_port(sub)
     _add_optional(sub, "export", "jaxpar.port.export", "add_export_arguments", "run_export",
                   "write a training checkpoint's parameters as an HF LLaMA checkpoint (safetensors + config.json)")
