@@ -104,6 +104,7 @@ def default_config() -> ConfigDict:
     c.train.spike_factor = 5.0  # skip an update whose loss exceeds this x the running median (0: off)
     c.train.max_bad_steps = 3  # consecutive skipped steps before rolling back to the last checkpoint
     c.train.inject_bad_steps = ""  # fault drills: comma-separated batch numbers (from 1) whose loss is made NaN
+    c.train.profile_steps = ""  # "a,b": jax.profiler trace of steps a..b (from 1) into <workdir>/profile
 
     c.data = ConfigDict()
     c.data.source = "stdlib"  # stdlib | synthetic | bin | megatron
@@ -374,9 +375,19 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> Derived:
         all(x.strip().isdigit() for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,
         f"train.inject_bad_steps='{t.inject_bad_steps}': give comma-separated step numbers, e.g. 3,4",
     )
+    _require(_profile_steps_ok(t.profile_steps),
+             f"train.profile_steps='{t.profile_steps}': give the first and last step to trace as a,b with "
+             "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     return derive(cfg)
+
+
+def _profile_steps_ok(text: str) -> bool:
+    if not text:
+        return True
+    parts = [x.strip() for x in text.split(",")]
+    return len(parts) == 2 and all(x.isdigit() for x in parts) and 1 <= int(parts[0]) <= int(parts[1])
 
 
 def param_count_estimate(model: ConfigDict) -> int:
