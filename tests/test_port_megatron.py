@@ -214,3 +214,15 @@ def test_cli_megatron_output_loads(tmp_path):
     args = parser.parse_args(["port", "megatron", str(MEG / TR11), "--var", "SLURM_NNODES=48", "-o", str(out)])
     with pytest.raises(ConfigError, match="does not validate: model.num_layers=70"):
         run_port(args)
+
+
+def test_profile_and_tensorboard_flags_map_to_a_trace_and_events():
+    cfg, report = port_megatron(MEG / LLAMA3)  # --profile --profile-step-start 4 --profile-step-end 6
+    assert cfg.train.profile_steps == "5,6"  # Megatron traces iterations 4, 5 counted from 0
+    assert report.find("--profile").status == "mapped"
+    assert report.find("--profile-step-start").target == "train.profile_steps"
+    tb = report.find("--tensorboard-dir")
+    assert (tb.status, tb.target) == ("approximated", "train.workdir") and "TensorBoard event files" in tb.note
+    cfg, report = port_megatron(MEG / TR11, variables={"SLURM_NNODES": "48"}, allow_unresolved=True)
+    assert cfg.train.profile_steps == ""
+    assert "TensorBoard event files" in report.find("--log-timers-to-tensorboard").note
