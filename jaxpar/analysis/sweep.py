@@ -15,7 +15,11 @@ Per layout (:class:`SweepRecord`): compile time; step time median / min / max ov
 argument and temporary bytes per device and collective bytes per axis, each beside the planner's
 estimate; every step's loss and the largest relative difference from the reference layout (the
 first one run: pure data parallelism). A layout whose losses differ by more than the tolerance is a
-``mismatch``; one that raises is ``crashed`` with its one-line error, and the sweep goes on.
+``mismatch``; one that raises is ``crashed`` with its one-line error, and the sweep goes on. The
+layouts run in a child process (:class:`Workers`): an XLA check failure aborts a process outright,
+and XLA:CPU's in-process collectives did abort once in a long sweep on an overloaded host
+("Check failed: id < num_threads" in a reduce-scatter rendezvous, not reproducible with the layout
+alone), so a dead child is recorded as that layout's crash and a new child goes on.
 
 The planner's time estimate needs a cluster: on a GPU the data-sheet preset of that GPU; on CPU a
 "cluster" of simulated devices (:func:`cpu_cluster`) whose peak is the measured matmul rate and whose
@@ -43,6 +47,7 @@ from jaxpar.config import ConfigDict, ConfigError
 AXES = tuple(axis.value for axis in (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE))
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}  # relative loss difference from the reference
 STATUSES = ("ok", "mismatch", "crashed")
+ABORT_ENV = "JAXPAR_SWEEP_ABORT"  # a layout name: its worker process aborts (tests of crash recording)
 
 
 def layout_name(layout: Layout) -> str:
@@ -250,8 +255,11 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: Layout, batches: list, st
         batch = setup.make_batch(batches[k])
         tick = time.perf_counter()
         params, opt, metrics = compiled(params, opt, batch, guard)
-        loss = float(jax.device_get(metrics["loss"]))  # blocks: the time includes the device work
+        # wait for every output, not only the loss: the time then covers the whole update, and no
+        # collective of this step is still running when the next one (or the next layout) starts
+        params, opt, metrics = jax.block_until_ready((params, opt, metrics))
         times.append(time.perf_counter() - tick)
+        loss = float(metrics["loss"])
         record.losses.append(loss)
         if on_step is not None:
             on_step(k + 1, loss)
@@ -316,15 +324,14 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     batches = [stream.next() for _ in range(steps)]
     tolerance = TOLERANCE[cfg.model.compute_dtype] if tolerance is None else tolerance
     records: list[SweepRecord] = []
-    with _progress(progress) as bar:
+    with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster) as workers:
         over = bar.add_task("layouts", total=len(layouts), name="", loss=float("nan"))
         inner = bar.add_task("steps", total=steps, name="", loss=float("nan"))
         for lay in layouts:
             name = layout_name(lay)
             bar.reset(inner, total=steps, name=name, loss=float("nan"))
             bar.update(over, name=name)
-            record = run_layout(cfg, lay, batches, steps=steps, warmup=warmup, peak_flops=peak, cluster=cluster,
-                                on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
+            record = workers.run(lay, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
             records.append(record)
             if record.status == "crashed":
                 bar.console.print(f"[red]{name} crashed:[/] {record.error}")
@@ -335,7 +342,7 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "platform": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind,
         "host_cores": os.cpu_count(),
-        "host": platform.processor() or platform.machine(),
+        "host": _cpu_model() or platform.machine(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "jax_version": jax.__version__,
@@ -356,6 +363,107 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
     }
     return records, meta
+
+
+# --------------------------------------------------------------------------- the worker process
+
+
+class Workers:
+    """Runs layouts in a child process, one after another; when a layout kills it (an XLA check
+    failure aborts the whole process, no exception to catch), the layout is recorded as crashed with
+    the first fatal line of the child's stderr, and a fresh child takes the next layout."""
+
+    def __init__(self, cfg: ConfigDict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
+                 cluster: Cluster):
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("spawn")  # a fresh JAX per child (fork would copy the parent's)
+        self.args = (cfg.to_dict(), num_devices, batches, steps, warmup, peak, cluster.to_dict())
+        self.proc: Any = None
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        import tempfile
+
+        self.errors = tempfile.NamedTemporaryFile("w+", prefix="jaxpar-sweep-", suffix=".err", delete=False)
+        self.tasks, self.results = self.ctx.Queue(), self.ctx.Queue()
+        self.proc = self.ctx.Process(target=_worker, args=(*self.args, self.tasks, self.results, self.errors.name),
+                                     daemon=True)
+        self.proc.start()
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.tasks.put(None)
+                self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc = None
+            import os
+
+            os.unlink(self.errors.name)
+
+    def run(self, layout: Layout, on_step: Callable[[int, float], None]) -> SweepRecord:
+        import queue
+
+        if self.proc is None:
+            self._start()
+        self.tasks.put(dataclasses.asdict(layout))
+        while True:
+            try:
+                kind, *payload = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if self.proc.is_alive():
+                    continue
+                record = SweepRecord(layout_name(layout), layout.to_dict(), status="crashed",
+                                     error=f"the process died (exit code {self.proc.exitcode}): {self._fatal_line()}")
+                self._stop()
+                return record
+            if kind == "step":
+                on_step(*payload)
+            else:
+                fields = {f.name for f in dataclasses.fields(SweepRecord)}
+                return SweepRecord(**{k: v for k, v in payload[0].items() if k in fields})
+
+    def _fatal_line(self) -> str:
+        with open(self.errors.name) as f:
+            lines = [line.strip() for line in f if line.strip()]
+        fatal = [line for line in lines if "Check failed" in line or line.startswith(("F", "Fatal"))]
+        return ((fatal or lines or ["no output"])[0])[:300]
+
+
+def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
+            cluster_dict: dict, tasks: Any, results: Any, errors: str) -> None:
+    """The child: stderr into ``errors``, then layouts from ``tasks`` until None."""
+    import os
+
+    fd = os.open(errors, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    from jaxpar.analysis.aot import ensure_aot_devices
+    from jaxpar.config import merge_into_defaults
+
+    ensure_aot_devices(num_devices)
+    cfg, cluster = merge_into_defaults(cfg_dict), Cluster(**cluster_dict)
+    while (item := tasks.get()) is not None:
+        if os.environ.get(ABORT_ENV) == layout_name(Layout(**item)):  # the crash drill of the tests
+            os.write(2, f"Fatal: {ABORT_ENV} drill aborts this process\n".encode())
+            os.abort()
+        record = run_layout(cfg, Layout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
+                            cluster=cluster, on_step=lambda k, loss: results.put(("step", k, loss)))
+        results.put(("done", record.to_dict()))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def _progress(enabled: bool):
