@@ -68,6 +68,7 @@ def test_a_process_abort_is_recorded_and_the_sweep_goes_on(two_layouts):
     assert code == 1  # not every layout is ok
     assert [r["name"] for r in crashed] == ["d8t1p1-z3-m1"]
     assert crashed[0]["error"] == "the process died (exit code -6): Fatal: JAXPAR_SWEEP_ABORT drill aborts this process"
+    assert crashed[0]["retried"] == crashed[0]["error"]  # tried twice, in two processes
     report = (out / "report.md").read_text()
     assert "2 ok, 0 loss mismatches, 1 crashed" in report and "| d8t1p1-z3-m1 | **crashed** |" in report
 

@@ -19,7 +19,9 @@ first one run: pure data parallelism). A layout whose losses differ by more than
 layouts run in a child process (:class:`Workers`): an XLA check failure aborts a process outright,
 and XLA:CPU's in-process collectives did abort once in a long sweep on an overloaded host
 ("Check failed: id < num_threads" in a reduce-scatter rendezvous, not reproducible with the layout
-alone), so a dead child is recorded as that layout's crash and a new child goes on.
+alone; "Termination timeout ... of 40 seconds exceeded" in another run). The child allows
+collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`); a layout whose child dies anyway is
+tried once more in a new child, then recorded as crashed with the fatal line, and the sweep goes on.
 
 The planner's time estimate needs a cluster: on a GPU the data-sheet preset of that GPU; on CPU a
 "cluster" of simulated devices (:func:`cpu_cluster`) whose peak is the measured matmul rate and whose
@@ -47,6 +49,8 @@ from jaxpar.config import ConfigDict, ConfigError
 AXES = tuple(axis.value for axis in (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE))
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}  # relative loss difference from the reference
 STATUSES = ("ok", "mismatch", "crashed")
+COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",
+                            "--xla_cpu_collective_timeout_seconds=600")
 ABORT_ENV = "JAXPAR_SWEEP_ABORT"  # a layout name: its worker process aborts (tests of crash recording)
 
 
@@ -177,6 +181,7 @@ class SweepRecord:
     losses: list[float] = dataclasses.field(default_factory=list)
     final_loss: float = float("nan")
     loss_rel_diff: float = float("nan")  # max over steps of |loss - reference| / |reference|
+    retried: str = ""  # why the first attempt's process died, when a second attempt ran
 
     @property
     def ok(self) -> bool:
@@ -408,7 +413,9 @@ class Workers:
 
             os.unlink(self.errors.name)
 
-    def run(self, layout: Layout, on_step: Callable[[int, float], None]) -> SweepRecord:
+    def run(self, layout: Layout, on_step: Callable[[int, float], None], retry: bool = True) -> SweepRecord:
+        """The layout's record; a layout whose process dies is tried once more in a new one
+        (``retried`` keeps the first death), then recorded as crashed."""
         import queue
 
         if self.proc is None:
@@ -420,10 +427,13 @@ class Workers:
             except queue.Empty:
                 if self.proc.is_alive():
                     continue
-                record = SweepRecord(layout_name(layout), layout.to_dict(), status="crashed",
-                                     error=f"the process died (exit code {self.proc.exitcode}): {self._fatal_line()}")
+                error = f"the process died (exit code {self.proc.exitcode}): {self._fatal_line()}"
                 self._stop()
-                return record
+                if retry:  # a fresh process, once: overloaded hosts make XLA:CPU collectives time out
+                    record = self.run(layout, on_step, retry=False)
+                    record.retried = error
+                    return record
+                return SweepRecord(layout_name(layout), layout.to_dict(), status="crashed", error=error)
             if kind == "step":
                 on_step(*payload)
             else:
@@ -444,6 +454,9 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
 
     fd = os.open(errors, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
+    # XLA:CPU aborts a collective whose participants do not all arrive within 40 s; 8 simulated
+    # devices on 2 busy cores can be that late: allow 10 minutes before JAX starts
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *COLLECTIVE_TIMEOUT_FLAGS]).strip()
     from jaxpar.analysis.aot import ensure_aot_devices
     from jaxpar.config import merge_into_defaults
 

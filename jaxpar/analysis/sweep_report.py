@@ -202,6 +202,10 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
     ]
     if failures:
         parts += ["## Failures", ""] + [f"- {r.name}: {r.status}: {r.error}" for r in failures] + [""]
+    retried = [r for r in records if r.retried]
+    if retried:
+        parts += ["## Retried in a new process", ""] + [f"- {r.name} ({r.status} on the second attempt); the first "
+                                                         f"attempt: {r.retried}" for r in retried] + [""]
     if comparison:
         parts += ["## Re-run against the earlier results", ""] + [f"- {line}" for line in comparison] + [""]
     parts += ["## Figures", ""] + [f"![{title}]({name}.png)\n" for name, title in PLOTS.items()]
