@@ -110,6 +110,7 @@ def default_config() -> ConfigDict:
     c.train.spike_factor = 5.0  # skip an update whose loss exceeds this x the running median (0: off)
     c.train.max_bad_steps = 3  # consecutive skipped steps before rolling back to the last checkpoint
     c.train.inject_bad_steps = ""  # fault drills: comma-separated batch numbers (from 1) whose loss is made NaN
+    c.train.profile_steps = ""  # "a,b": jax.profiler trace of steps a..b (from 1) into <workdir>/profile
 
     c.data = ConfigDict()
     c.data.source = "stdlib"  # stdlib | synthetic | bin | megatron
@@ -389,6 +390,9 @@ def _validate_train(t: ConfigDict) -> None:
     for name in ("log_every", "eval_every", "warmup_steps_excluded"):
         _require(t[name] >= 0, f"train.{name}={t[name]}: must be >= 0")
     _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1 (validation needs a batch)")
+    _require(_profile_steps_ok(t.profile_steps),
+             f"train.profile_steps='{t.profile_steps}': give the first and last step to trace as a,b with "
+             "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)")
     resume = str(t.resume)
     _require(
         resume in ("auto", "never") or _is_count(resume),
@@ -420,3 +424,10 @@ def _positive_finite(name: str, value: float) -> None:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _profile_steps_ok(text: str) -> bool:
+    if not text:
+        return True
+    parts = [x.strip() for x in text.split(",")]
+    return len(parts) == 2 and all(_is_count(x) for x in parts) and 1 <= int(parts[0]) <= int(parts[1])

@@ -5,6 +5,10 @@ N = parameters that do matmul work (all but the input embedding table, which is 
 attention term counted non-causally as in PaLM (Chowdhery et al. 2022, appendix B; nanoGPT's
 ``estimate_mfu`` uses the same). MFU = achieved model FLOP/s per device / peak FLOP/s per
 device; recomputation is not counted (that would be HFU).
+
+Every step's row goes to ``<workdir>/metrics.jsonl`` (the record of the run) and, as scalars, to
+TensorBoard event files in the workdir (:class:`TensorBoardWriter`, tensorboardX), so
+``tensorboard --logdir <workdir>`` plots the same numbers; :func:`read_event_scalars` reads them back.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import struct
 import time
 from typing import Any
 
@@ -73,8 +78,9 @@ class MetricsLog:
     the steady-state figures (steps after ``warmup_excluded`` and excluding evaluation)."""
 
     def __init__(self, workdir: str, flops_per_token: float, peak_flops: float, num_devices: int,
-                 warmup_excluded: int, write: bool = True):
+                 warmup_excluded: int, write: bool = True, tensorboard: bool = True):
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tensorboard = TensorBoardWriter(workdir) if write and tensorboard else None
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.num_devices = num_devices
@@ -103,12 +109,22 @@ class MetricsLog:
         if self.write:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.scalars(step, row, "train/")
         return row
 
     def record_event(self, row: dict[str, Any]) -> None:
         if self.write:
             with open(self.path, "a") as f:
                 f.write(json.dumps({**row, "time": time.time()}) + "\n")
+        if self.tensorboard is not None and "val_bits" in row:
+            unit = str(row.get("unit", "bits")).replace("/", "_per_")
+            self.tensorboard.scalars(row["step"], {unit: row["val_bits"]}, "val/")
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (metrics.jsonl is written line by line)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def steady_state(self) -> dict[str, float]:
         """Median step time and mean throughput over the steps after warm-up."""
@@ -125,6 +141,53 @@ class MetricsLog:
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak_flops,
         }
+
+
+class TensorBoardWriter:
+    """Scalars of each step into TensorBoard event files in ``logdir`` (tensorboardX's
+    ``SummaryWriter``), tagged ``train/<metric>`` and ``val/<unit>``."""
+
+    SKIP = frozenset({"step", "time"})
+
+    def __init__(self, logdir: str):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(logdir=logdir, flush_secs=10)
+
+    def scalars(self, step: int, row: dict[str, Any], prefix: str) -> None:
+        for key, value in row.items():
+            if key not in self.SKIP and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(prefix + key, float(value), global_step=int(step))
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def read_event_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files of ``logdir``: tag -> [(step, value)] in file
+    order. Reads the TFRecord framing (length, CRC, record, CRC) and parses each record with
+    tensorboardX's ``Event`` protocol buffer; values are float32 as stored."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    files = sorted(f for f in os.listdir(logdir) if f.startswith("events.out.tfevents"))
+    for name in files:
+        with open(os.path.join(logdir, name), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            record = data[pos + 12 : pos + 12 + length]
+            pos += 12 + length + 4
+            if len(record) < length:
+                break  # a record cut short by a crash
+            event = Event.FromString(record)
+            for value in event.summary.value:
+                number = value.simple_value if value.HasField("simple_value") else (
+                    value.tensor.float_val[0] if value.tensor.float_val else float("nan"))
+                out.setdefault(value.tag, []).append((int(event.step), float(number)))
+    return out
 
 
 def _end_partial_line(path: str) -> None:

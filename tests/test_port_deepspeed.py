@@ -281,3 +281,16 @@ def test_report_renders_as_text_rich_and_json():
     doc = json.loads(report.to_json())
     assert doc["counts"]["unknown"] == 1 and {e["status"] for e in doc["entries"]} <= {"mapped", "approximated",
                                                                                       "unsupported", "unknown"}
+
+
+def test_tensorboard_and_flops_profiler_map_to_events_and_a_trace():
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}
+    cfg, report = port_deepspeed({**base, "tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "x"},
+                                  "flops_profiler": {"enabled": True, "profile_step": 3, "top_modules": 1}},
+                                 world_size=8)
+    assert cfg.train.profile_steps == "4,4"  # DeepSpeed's profile_step counts steps done from 0
+    fp, tb = report.find("flops_profiler"), report.find("tensorboard")
+    assert (fp.status, fp.target) == ("approximated", "train.profile_steps") and "jax.profiler" in fp.note
+    assert (tb.status, tb.target) == ("approximated", "train.workdir") and "TensorBoard event files" in tb.note
+    cfg, report = port_deepspeed({**base, "flops_profiler": {"enabled": False}}, world_size=8)
+    assert cfg.train.profile_steps == "" and report.find("flops_profiler").note.endswith("disabled")

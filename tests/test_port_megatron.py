@@ -241,3 +241,15 @@ def test_cli_megatron_output_loads(tmp_path):
                               str(tmp_path / "bloom.py")])
     with pytest.raises(ConfigError, match="does not validate: model.head_dim=145: RoPE needs an even head dim"):
         run_port(args)
+
+
+def test_profile_and_tensorboard_flags_map_to_a_trace_and_events():
+    cfg, report = port_megatron(MEG / LLAMA3)  # --profile --profile-step-start 4 --profile-step-end 6
+    assert cfg.train.profile_steps == "5,6"  # Megatron traces iterations 4, 5 counted from 0
+    assert report.find("--profile").status == "mapped"
+    assert report.find("--profile-step-start").target == "train.profile_steps"
+    tb = report.find("--tensorboard-dir")
+    assert (tb.status, tb.target) == ("approximated", "train.workdir") and "TensorBoard event files" in tb.note
+    cfg, report = port_megatron(MEG / BLOOM, variables={"SLURM_NNODES": "32"})
+    assert cfg.train.profile_steps == ""
+    assert "TensorBoard event files" in report.find("--log-timers-to-tensorboard").note

@@ -168,3 +168,13 @@ def test_fsdp_bad_strategy_is_one_line_error(tmp_path):
     path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 9\n")
     with pytest.raises(ConfigError, match="fsdp_sharding_strategy=9: use one of FULL_SHARD"):
         port_fsdp(path)
+
+
+def test_profiling_and_tensorboard_sections_map_to_a_trace_and_events():
+    cfg, report = port_torchtitan(TT / "llama3_405b_fp8_128gpu.toml", world_size=128)  # profile_freq = 100
+    assert cfg.train.profile_steps == "100,100"
+    assert report.find("profiling.enable_profiling").target == "train.profile_steps"
+    cfg, report = port_torchtitan(TT / "llama3_8b_32gpu.toml", world_size=32)  # enable_profiling = false
+    assert cfg.train.profile_steps == ""
+    tb = report.find("metrics.enable_tensorboard")
+    assert (tb.status, tb.target) == ("approximated", "train.workdir") and "TensorBoard event files" in tb.note

@@ -1,6 +1,6 @@
-"""``jaxpar`` command line: train | inspect | plan | compare | port | export | drill.
+"""``jaxpar`` command line: train | inspect | plan | compare | sweep | port | export | drill.
 
-One module per subcommand (:mod:`jaxpar.cli.train`, ``inspect``, ``plan``, ``compare``, ``port``,
+One module per subcommand (:mod:`jaxpar.cli.train`, ``inspect``, ``plan``, ``compare``, ``sweep``, ``port``,
 ``export``, ``drill``) holds its flags and its output (tables, text, JSON); the modules it calls
 return data and raise :class:`~jaxpar.config.ConfigError` on bad input. Errors take one path
 (:mod:`jaxpar.cli.errors`): bad input prints one line and exits with code 2, anything else is an
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, train
+from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, sweep, train
 from jaxpar.cli.common import Parser
 from jaxpar.errors import ConfigError, JaxparError
 
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         (inspect, "inspect", inspect.add_inspect_arguments, inspect.run_inspect),
         (plan, "plan", plan.add_plan_arguments, plan.run_plan),
         (compare, "compare", compare.add_compare_arguments, compare.run_compare),
+        (sweep, "sweep", sweep.add_sweep_arguments, sweep.run_sweep),
         (port, "port", None, None),
         (export, "export", export.add_export_arguments, export.run_export),
         (drill, "drill", drill.add_drill_arguments, drill.run_drill),

@@ -23,7 +23,7 @@ _LOGGING = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
 _BUCKET = _NOOP + "XLA schedules, fuses and overlaps the collectives; there are no buckets to size"
 TOP_NOOP = {
     "steps_per_print": None, "wall_clock_breakdown": _LOGGING, "memory_breakdown": _LOGGING,
-    "dump_state": _LOGGING, "flops_profiler": _LOGGING, "tensorboard": _LOGGING, "wandb": _LOGGING,
+    "dump_state": _LOGGING, "wandb": _LOGGING,
     "csv_monitor": _LOGGING, "comet": _LOGGING, "timers": _LOGGING,
     "zero_allow_untested_optimizer": _NOOP + "jaxpar's ZeRO works with its one optimizer (AdamW)",
     "zero_force_ds_cpu_optimizer": _NOOP + "no CPU optimizer in jaxpar",
@@ -82,7 +82,8 @@ SECTION_KEYS = {  # key -> (status, jaxpar target, note)
 TOP_HANDLED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
                "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast", "zero_optimization", "gradient_clipping",
                "activation_checkpointing", "pipeline", "communication_data_type", "tensor_parallel")
-KNOWN_TOP = tuple(TOP_HANDLED) + tuple(TOP_NOOP) + tuple(TOP_UNSUPPORTED)
+TOP_OBSERVABILITY = ("tensorboard", "flops_profiler")  # mapped by _observability
+KNOWN_TOP = tuple(TOP_HANDLED) + TOP_OBSERVABILITY + tuple(TOP_NOOP) + tuple(TOP_UNSUPPORTED)
 # "auto" values the HF Trainer fills, by side-input name (first found wins) and its default.
 AUTO_ALIASES = {
     "optimizer.params.lr": (("lr", "learning_rate"), 5e-5),
@@ -150,7 +151,7 @@ def port_deepspeed(path_or_dict: str | pathlib.Path | dict, *, world_size: int |
     report = Report("deepspeed", source)
     ctx = _Ctx(raw, report, side, allow_unresolved)
     for key, value in raw.items():
-        if key in TOP_HANDLED:
+        if key in TOP_HANDLED or key in TOP_OBSERVABILITY:
             continue
         if key == "steps_per_print":
             ctx.values["train.log_every"] = int(value)
@@ -167,6 +168,7 @@ def port_deepspeed(path_or_dict: str | pathlib.Path | dict, *, world_size: int |
     _scheduler(ctx, opt_lr)
     _zero(ctx)
     _misc(ctx)
+    _observability(ctx)
     if ctx.unresolved:
         names = ", ".join(f"{n} (needed to split the batch; --world-size N)" if n == "world_size" else
                           f"{n} (\"auto\", filled by the HF Trainer)" for n in sorted(set(ctx.unresolved)))
@@ -536,3 +538,27 @@ def _misc(ctx: _Ctx) -> None:
     if "tensor_parallel" in ctx.raw:
         ctx.report.approximated("tensor_parallel", ctx.raw["tensor_parallel"], "mesh.tensor",
                                 "AutoTP: jaxpar's tensor size comes from --tensor")
+
+
+def _observability(ctx: _Ctx) -> None:
+    """``tensorboard`` -> the event files jaxpar always writes in train.workdir; ``flops_profiler`` ->
+    a jax.profiler trace of its ``profile_step`` (train.profile_steps)."""
+    tb = ctx.raw.get("tensorboard")
+    if isinstance(tb, dict) and tb.get("enabled", False):
+        ctx.report.approximated("tensorboard", tb, "train.workdir", "jaxpar always writes TensorBoard event files "
+                                "(loss, grad norm, lr, step time, tokens/s, MFU, validation) into train.workdir beside "
+                                "metrics.jsonl; output_path/job_name are not used")
+    elif "tensorboard" in ctx.raw:
+        ctx.report.approximated("tensorboard", tb, "", _NOOP + "disabled (jaxpar writes TensorBoard events to "
+                                "train.workdir anyway)")
+    fp = ctx.raw.get("flops_profiler")
+    if isinstance(fp, dict) and fp.get("enabled", False):
+        # DeepSpeed profiles while engine.global_steps (steps done, from 0) == profile_step (default 1):
+        # the (profile_step + 1)-th step, jaxpar's step numbers start at 1
+        step = int(fp.get("profile_step", 1)) + 1
+        ctx.values["train.profile_steps"] = f"{step},{step}"
+        ctx.report.approximated("flops_profiler", fp, "train.profile_steps", f"a jax.profiler trace of step {step} "
+                                "(per-op times in TensorBoard/Perfetto) instead of DeepSpeed's per-module FLOPs table; "
+                                "model FLOPs and MFU are logged every step in metrics.jsonl")
+    elif "flops_profiler" in ctx.raw:
+        ctx.report.approximated("flops_profiler", fp, "", _NOOP + "disabled")

@@ -26,6 +26,11 @@ _PERF = _NOOP + "kernel/runtime detail that XLA decides"
 _LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
 _DATA = _NOOP + "data loading detail"
 _CKPT = _NOOP + "checkpoint detail; orbax saves sharded checkpoints under train.workdir"
+_TB = ("jaxpar always writes TensorBoard event files into train.workdir, every step: loss, grad norm, lr, step "
+       "time, tokens/s, MFU (and validation at each evaluation)")
+TENSORBOARD_FLAGS = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+                     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+                     "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "--tensorboard-log-interval")
 NOOP = {**dict.fromkeys(("--node_rank", "--master_addr", "--master_port", "--rdzv_endpoint", "--rdzv_backend",
                          "--rdzv_id", "--max_restarts", "--tee", "--wait", "--kill-on-bad-exit", "--standalone",
                          "--node-rank", "--master-addr", "--master-port"), _LAUNCH),
@@ -37,12 +42,8 @@ NOOP = {**dict.fromkeys(("--node_rank", "--master_addr", "--master_port", "--rdz
                          "--exit-duration-in-mins", "--exit-interval", "--abort-on-unmet-fused-kernel-constraints",
                          "--kill-switch-path", "--no-query-key-layer-scaling", "--apply-query-key-layer-scaling",
                          "--attention-softmax-in-fp32", "--no-position-embedding", "--use-legacy-models"), _PERF),
-        **dict.fromkeys(("--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
-                         "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-                         "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard", "--tensorboard-dir",
-                         "--tensorboard-queue-size", "--tensorboard-log-interval", "--wandb-project",
-                         "--wandb-exp-name", "--wandb-save-dir", "--profile", "--profile-step-start",
-                         "--profile-step-end", "--profile-ranks", "--timing-log-level", "--log-progress"), _LOG),
+        **dict.fromkeys(("--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--wandb-project",
+                         "--wandb-exp-name", "--wandb-save-dir", "--timing-log-level", "--log-progress"), _LOG),
         **dict.fromkeys(("--num-workers", "--valid-num-workers", "--data-impl", "--dataloader-type",
                          "--no-create-attention-mask-in-dataloader", "--tokenizer-model", "--tokenizer-name-or-path",
                          "--vocab-file", "--merge-file", "--data-cache-path"), _DATA),
@@ -154,6 +155,7 @@ def port_megatron(path_or_text: str | pathlib.Path, *, variables: dict[str, str]
     layers = _model(a, values)
     _optim(a, values, sizes)
     _misc(a, values)
+    _observability(a, values)
     if a.unresolved and not allow_unresolved:
         names = ", ".join(f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
                           for v, fs in a.unresolved.items())
@@ -449,6 +451,30 @@ def _optim(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> None:
                "--train-iters": "train.steps", "--train-samples": "train.steps"}
     for name, target in targets.items():
         a.note(name, status if name != "--lr" else "mapped", target, "samples / global batch" if "sample" in name else "")
+
+
+def _observability(a: _Args, values: dict[str, Any]) -> None:
+    """--tensorboard-dir and the --log-*-to-tensorboard flags -> jaxpar's event files in train.workdir;
+    --profile with --profile-step-start/-end -> train.profile_steps (a jax.profiler trace)."""
+    a.note("--tensorboard-dir", "approximated", "train.workdir", _TB + "; the directory given is not used")
+    for name in TENSORBOARD_FLAGS:
+        a.note(name, "approximated", "", _TB)
+    start, end = a.get("--profile-step-start", int, 10, soft=True), a.get("--profile-step-end", int, 12, soft=True)
+    if a.get("--profile", bool, False):
+        # Megatron starts the profiler when `iteration` (steps done, from 0) reaches start and stops it once
+        # it reaches end: steps start+1 .. end in jaxpar's numbering (from 1); nothing when end <= start
+        if end > start:
+            values["train.profile_steps"] = f"{start + 1},{end}"
+            a.note("--profile", "mapped", "train.profile_steps", f"a jax.profiler trace of steps {start + 1}-{end}")
+        else:
+            a.note("--profile", "approximated", "", _NOOP + f"--profile-step-end {end} <= start {start}: Megatron "
+                   "traces nothing")
+        for name in ("--profile-step-start", "--profile-step-end"):
+            a.note(name, "mapped", "train.profile_steps", "Megatron counts steps done from 0: jaxpar steps start+1..end")
+        a.note("--profile-ranks", "approximated", "train.profile_steps", "every jaxpar process traces its own devices")
+    else:
+        for name in ("--profile-step-start", "--profile-step-end", "--profile-ranks"):
+            a.note(name, "approximated", "", _NOOP + "without --profile Megatron traces nothing")
 
 
 def _misc(a: _Args, values: dict[str, Any]) -> None:

@@ -23,7 +23,11 @@ LLAMA3_FLAVORS = {"8B": (4096, 32, 32, 8, 1.3, 1024, 500000.0), "70B": (8192, 80
 LLAMA3_VOCAB = 128256
 _NOOP = "no-op in jaxpar: "
 _LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
-NOOP_SECTIONS = {"profiling": _LOG, "comm": _NOOP + "XLA manages collectives and their timeouts",
+_TB = ("jaxpar always writes TensorBoard event files into train.workdir, every step (loss, grad norm, lr, step time, "
+       "tokens/s, MFU, validation)")
+PROFILING_KEYS = ("enable_profiling", "save_traces_folder", "profile_freq", "enable_memory_snapshot",
+                  "save_memory_snapshot_folder")
+NOOP_SECTIONS = {"comm": _NOOP + "XLA manages collectives and their timeouts",
                  "memory_estimation": _NOOP + "use `jaxpar plan` for memory estimates",
                  "compile": _NOOP + "XLA always compiles the whole step"}
 UNSUPPORTED_SECTIONS = {"fault_tolerance": "no fault-tolerant replica groups in jaxpar",
@@ -301,13 +305,17 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
             src = f"{section}.{key}"
             if src in mapped:
                 report.mapped(src, value, mapped[src])
+            elif src in ("metrics.enable_tensorboard", "metrics.save_tb_folder"):
+                report.approximated(src, value, "train.workdir" if value else "", _TB + (
+                    "; the folder given is not used" if key == "save_tb_folder" else ""))
             elif key in KNOWN[section]:
                 report.approximated(src, value, "", _LOG if section in ("job", "metrics") else _NOOP + "detail")
             else:
                 report.unknown(src, value, [f"{section}.{k}" for k in KNOWN[section]], "torchtitan")
+    _profiling(raw.get("profiling"), values, report)
     converters = sec["model"].get("converters", [])
     for name, value in raw.items():
-        if name in KNOWN:
+        if name in KNOWN or name == "profiling":
             continue
         if name in NOOP_SECTIONS:
             report.approximated(name, value, "", NOOP_SECTIONS[name])
@@ -318,4 +326,33 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
                        "no float8/MX training in jaxpar" if converters else _NOOP + "model.converters does not "
                        "enable it")
         else:
-            report.unknown(name, value, [*KNOWN, *NOOP_SECTIONS, *UNSUPPORTED_SECTIONS, "quantize"], "torchtitan")
+            report.unknown(name, value, [*KNOWN, "profiling", *NOOP_SECTIONS, *UNSUPPORTED_SECTIONS, "quantize"], "torchtitan")
+
+
+def _profiling(prof: Any, values: dict[str, Any], report: Report) -> None:
+    """[profiling] -> train.profile_steps: torchtitan's torch.profiler schedule (wait = profile_freq - 4,
+    warmup 3, active 1) traces step ``profile_freq`` and every ``profile_freq`` steps after; jaxpar
+    traces that first one."""
+    if prof is None:
+        return
+    if not isinstance(prof, dict):
+        report.unknown("profiling", prof, list(PROFILING_KEYS), "torchtitan")
+        return
+    enabled = bool(prof.get("enable_profiling", False))
+    freq = int(prof.get("profile_freq", 10))
+    if enabled:
+        values["train.profile_steps"] = f"{freq},{freq}"
+    for key, value in prof.items():
+        src = f"profiling.{key}"
+        if key in ("enable_profiling", "profile_freq") and enabled:
+            report.approximated(src, value, "train.profile_steps", f"a jax.profiler trace of step {freq}, once "
+                                "(torchtitan repeats it every profile_freq steps)")
+        elif key == "save_traces_folder" and enabled:
+            report.approximated(src, value, "train.profile_steps", "the trace goes to <train.workdir>/profile")
+        elif key in ("enable_memory_snapshot", "save_memory_snapshot_folder") and value:
+            report.unsupported(src, value, "no CUDA memory snapshots in jaxpar; nearest: `jaxpar inspect` "
+                               "(compiled per-device memory)")
+        elif key in PROFILING_KEYS:
+            report.approximated(src, value, "", _NOOP + "profiling is disabled")
+        else:
+            report.unknown(src, value, [f"profiling.{k}" for k in PROFILING_KEYS], "torchtitan")

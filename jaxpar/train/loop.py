@@ -1,15 +1,27 @@
 """The training loop: data -> step -> metrics (-> checkpoint), with evaluation at start and end.
 
 Validation loss is reported in bits per byte when the vocabulary is bytes (``vocab_size`` 256:
-one token is one byte, so bits/byte = nats/token / ln 2), otherwise in bits per token.
+one token is one byte, so bits/byte = nats/token / ln 2), otherwise in bits per token; the training
+loss (progress bar, metrics.jsonl) is the mean cross-entropy in nats per token.
+
+What a run leaves in ``train.workdir`` besides checkpoints: ``config.json`` (the resolved config,
+written at start; reload with ``jaxpar.config.merge_into_defaults``), ``command.txt`` (the command
+line), ``metrics.jsonl`` and TensorBoard event files of the same per-step numbers
+(:class:`jaxpar.metrics.TensorBoardWriter`), and with ``train.profile_steps=a,b`` a
+``jax.profiler`` trace of steps a..b under ``profile/`` (open it in TensorBoard's profile plugin
+or Perfetto).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import math
+import os
+import shlex
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +42,28 @@ from jaxpar.train.state import Setup
 
 def bits_unit(model_cfg: ConfigDict) -> str:
     return "bits/byte" if model_cfg.vocab_size == 256 else "bits/token"
+
+
+LOSS_UNIT = "nats/token"  # the training loss: mean cross-entropy, natural log
+
+
+def profile_range(train_cfg: ConfigDict) -> tuple[int, int] | None:
+    """``train.profile_steps`` ("a,b", validated by :func:`jaxpar.config.validate`) as (a, b), or None."""
+    if not train_cfg.profile_steps:
+        return None
+    first, last = (int(x) for x in train_cfg.profile_steps.split(","))
+    return first, last
+
+
+def write_run_config(cfg: ConfigDict, workdir: str, argv: list[str] | None = None) -> str:
+    """``<workdir>/config.json`` (the resolved config) and ``command.txt`` (the command line)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1, sort_keys=True)
+    with open(os.path.join(workdir, "command.txt"), "w") as f:
+        f.write(shlex.join(sys.argv if argv is None else argv) + "\n")
+    return path
 
 
 class BadStepGuard:
@@ -101,6 +135,8 @@ class Trainer:
         self.guard = BadStepGuard(t.spike_factor)
         self.good_steps = 0  # steps of this process with a finite loss whose update was applied
         self.inject_bad = {int(x) for x in t.inject_bad_steps.split(",") if x.strip()}
+        self.profile = profile_range(t)
+        self.profiling = False
 
     # ------------------------------------------------------------------ pieces
     def initialize(self) -> None:
@@ -151,6 +187,7 @@ class Trainer:
         rows = self.batches.next()
         batch = self.setup.feed.make_batch(rows)
         offset = float("nan") if batch_number in self.inject_bad else 0.0
+        self._profile_start(self.step + 1)
         start = time.perf_counter()
         self.params, self.opt_state, metrics = self.setup.train_step(
             self.params, self.opt_state, batch, max_loss=self.guard.max_loss(), loss_offset=offset
@@ -158,6 +195,7 @@ class Trainer:
         values = jax.device_get(metrics)  # blocks: the step time includes the device work
         elapsed = time.perf_counter() - start
         self.step += 1
+        self._profile_stop(self.step)
         self.guard.observe(float(values["loss"]), bool(values["skipped"]))
         self.good_steps += int(not values["skipped"] and np.isfinite(values["loss"]))
         row = self.log.record(self.step, elapsed, self.layout.tokens_per_step,
@@ -168,6 +206,18 @@ class Trainer:
         if self.guard.consecutive >= self.cfg.train.max_bad_steps:
             self.rollback()
         return row
+
+    def _profile_start(self, step: int) -> None:
+        if self.profile and not self.profiling and self.profile[0] <= step <= self.profile[1]:
+            jax.profiler.start_trace(os.path.join(self.cfg.train.workdir, "profile"))
+            self.profiling = True
+
+    def _profile_stop(self, step: int, force: bool = False) -> None:
+        if self.profiling and (force or step >= self.profile[1]):
+            jax.profiler.stop_trace()
+            self.profiling = False
+            self.echo(f"profile of steps {self.profile[0]}-{min(step, self.profile[1])}: "
+                      f"{os.path.join(self.cfg.train.workdir, 'profile')}")
 
     def rollback(self) -> None:
         """Too many bad steps in a row: restore the newest checkpoint, keep the data position (the
@@ -207,6 +257,8 @@ class Trainer:
             self.echo(f"note: ZeRO-3 gathers parameters and reduce-scatters their gradients in {cfg.model.compute_dtype} "
                       f"(model.compute_dtype); parallel.grad_reduce_dtype={p.grad_reduce_dtype} applies to the "
                       "parameters ZeRO cannot split")
+        if jax.process_index() == 0:
+            write_run_config(cfg, cfg.train.workdir)
         self.initialize()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -214,6 +266,8 @@ class Trainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._profile_stop(self.step, force=True)
+            self.log.close()
             self.checkpoints.close()
 
     def _run(self, unit: str) -> dict[str, Any]:
@@ -238,7 +292,7 @@ class Trainer:
                 if not np.isfinite(last["loss"]):
                     self.echo(f"step {self.step}: loss is {last['loss']}")
                 if cfg.train.log_every and self.step % cfg.train.log_every == 0 and not self.show_progress:
-                    self.echo(f"step {self.step}: loss {last['loss']:.4f} {last['tokens_per_s']:.0f} tok/s")
+                    self.echo(f"step {self.step}: loss {last['loss']:.4f} {LOSS_UNIT} {last['tokens_per_s']:.0f} tok/s")
                 if eval_every and self.step % eval_every == 0 and self.step < cfg.train.steps:
                     self.log.record_event({"step": self.step, "val_bits": self.evaluate(), "unit": unit})
         if cfg.checkpoint.every:
@@ -274,7 +328,7 @@ class Trainer:
         return Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+            TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f} " + LOSS_UNIT),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             disable=not self.show_progress or jax.process_index() != 0,

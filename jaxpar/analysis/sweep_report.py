@@ -1,0 +1,241 @@
+"""A sweep's output: results.csv, results.json, report.md and matplotlib figures.
+
+The figures (:func:`render_plots`, each function returning its ``Figure`` so tests can check the
+axes): memory per device vs collective bytes per step (one labelled point per layout), step time
+per layout (bars at the median, whiskers from min to max of the steady-state steps), and the
+planner's estimates against the measurements (memory and step time, with the y = x line).
+:func:`compare_runs` checks a re-run against an earlier results.json: memory and collective bytes
+must match exactly, each median step time should fall inside the earlier run's min-max spread.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Any
+
+from jaxpar.analysis.sweep import AXES, SweepRecord
+
+MIB = 2**20
+PLOTS = {"memory_vs_bytes": "memory per device vs collective bytes per step",
+         "step_time": "step time per layout (median, min-max whiskers)",
+         "estimate_vs_measured": "planner estimate vs measured (memory, step time)"}
+CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "virtual_stages", "zero_stage", "sequence_parallel",
+              "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s", "step_time_max_s",
+              "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
+              *(f"{a}_bytes" for a in AXES), *(f"est_{a}_bytes" for a in AXES), "est_step_time_s", "final_loss",
+              "loss_rel_diff", "error")
+
+
+def csv_row(r: SweepRecord) -> dict[str, Any]:
+    row = {k: r.layout.get(k) for k in CSV_FIELDS if k in r.layout} | {
+        k: getattr(r, k) for k in CSV_FIELDS if hasattr(r, k)}
+    for a in AXES:
+        row[f"{a}_bytes"], row[f"est_{a}_bytes"] = r.collective_bytes.get(a, 0.0), r.est_collective_bytes.get(a, 0.0)
+    return row
+
+
+def _ran(records: list[SweepRecord]) -> list[SweepRecord]:
+    return [r for r in records if r.status != "crashed"]
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def plot_memory_vs_bytes(records: list[SweepRecord]):
+    """Per-device memory (compiled arguments + temporaries) against collective bytes per step."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    ax = fig.add_subplot()
+    for r in _ran(records):
+        x, y = r.bytes_per_step / MIB, (r.argument_bytes + r.temp_bytes) / MIB
+        ax.scatter(x, y, s=18, color="tab:red" if r.status == "mismatch" else "tab:blue")
+        ax.annotate(r.name, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.set_xlabel("collective bytes per device per step (MiB, ring traffic, busiest stage)")
+    ax.set_ylabel("compiled memory per device (MiB, arguments + temporaries)")
+    ax.set_title("memory vs communication per layout")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_step_times(records: list[SweepRecord]):
+    """Median step time per layout with min-max whiskers over the steady-state steps."""
+    from matplotlib.figure import Figure
+
+    ran = _ran(records)
+    fig = Figure(figsize=(max(8, 0.28 * len(ran) + 2), 6), layout="constrained")
+    ax = fig.add_subplot()
+    med = [r.step_time_median_s * 1e3 for r in ran]
+    low = [m - r.step_time_min_s * 1e3 for m, r in zip(med, ran)]
+    high = [r.step_time_max_s * 1e3 - m for m, r in zip(med, ran)]
+    colors = ["tab:red" if r.status == "mismatch" else "tab:blue" for r in ran]
+    ax.bar(range(len(ran)), med, yerr=[low, high], capsize=2, color=colors)
+    ax.set_xticks(range(len(ran)), [r.name for r in ran], rotation=90, fontsize=6)
+    ax.set_xlabel("layout")
+    ax.set_ylabel("step time (ms): median, whiskers min-max")
+    ax.set_title("step time per layout")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def plot_estimate_vs_measured(records: list[SweepRecord]):
+    """Two panels: planner memory estimate vs compiled memory, estimated vs measured step time; y = x."""
+    from matplotlib.figure import Figure
+
+    ran = _ran(records)
+    fig = Figure(figsize=(12, 5.5), layout="constrained")
+    panels = (
+        ("memory per device (MiB)", [(r.est_argument_bytes + r.est_temp_bytes) / MIB for r in ran],
+         [(r.argument_bytes + r.temp_bytes) / MIB for r in ran]),
+        ("step time (ms)", [r.est_step_time_s * 1e3 for r in ran], [r.step_time_median_s * 1e3 for r in ran]),
+    )
+    for k, (what, est, measured) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, k + 1)
+        ax.scatter(est, measured, s=14)
+        for r, x, y in zip(ran, est, measured):
+            ax.annotate(r.name, (x, y), fontsize=5, xytext=(2, 2), textcoords="offset points")
+        finite = [v for v in est + measured if v > 0 and math.isfinite(v)]
+        if finite:
+            lo, hi = min(finite) * 0.8, max(finite) * 1.25
+            ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="y = x")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.legend(loc="upper left")
+        ax.set_xlabel(f"planner estimate: {what}")
+        ax.set_ylabel(f"measured: {what}")
+        ax.set_title(f"estimate vs measured: {what.split(' (')[0]}")
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def render_plots(records: list[SweepRecord], outdir: str) -> dict[str, tuple[str, Any]]:
+    """Write the three PNGs into ``outdir``; returns name -> (path, Figure)."""
+    os.makedirs(outdir, exist_ok=True)
+    out = {}
+    for name, make in (("memory_vs_bytes", plot_memory_vs_bytes), ("step_time", plot_step_times),
+                       ("estimate_vs_measured", plot_estimate_vs_measured)):
+        fig = make(records)
+        path = os.path.join(outdir, f"{name}.png")
+        fig.savefig(path, dpi=130)
+        out[name] = (path, fig)
+    return out
+
+
+# --------------------------------------------------------------------------- tables and files
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:.2f}"
+
+
+def markdown_table(records: list[SweepRecord]) -> str:
+    head = ("layout", "status", "compile s", "step ms med [min, max]", "tokens/s", "MFU", "args MiB (est)",
+            "temps MiB (est)", *(f"{a} MiB (est)" for a in AXES), "est step ms", "final loss", "rel. diff")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        if r.status == "crashed":
+            lines.append(f"| {r.name} | **crashed** | " + " | ".join(["-"] * (len(head) - 3)) + f" | {r.error} |")
+            continue
+        status = "ok" if r.ok else f"**{r.status}**"
+        axes = [f"{_mib(r.collective_bytes.get(a, 0))} ({_mib(r.est_collective_bytes.get(a, 0))})" for a in AXES]
+        lines.append(
+            f"| {r.name} | {status} | {r.compile_s:.1f} | {r.step_time_median_s * 1e3:.0f} "
+            f"[{r.step_time_min_s * 1e3:.0f}, {r.step_time_max_s * 1e3:.0f}] | {r.tokens_per_s:.0f} | {r.mfu:.1%} | "
+            f"{_mib(r.argument_bytes)} ({_mib(r.est_argument_bytes)}) | {_mib(r.temp_bytes)} ({_mib(r.est_temp_bytes)})"
+            f" | {' | '.join(axes)} | {r.est_step_time_s * 1e3:.1f} | {r.final_loss:.7f} | {r.loss_rel_diff:.1e} |")
+    return "\n".join(lines)
+
+
+def write_results(records: list[SweepRecord], meta: dict[str, Any], outdir: str,
+                  comparison: list[str] | None = None) -> dict[str, str]:
+    """results.csv, results.json, the PNGs and report.md in ``outdir``; returns name -> path."""
+    os.makedirs(outdir, exist_ok=True)
+    paths = {"csv": os.path.join(outdir, "results.csv"), "json": os.path.join(outdir, "results.json"),
+             "md": os.path.join(outdir, "report.md")}
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for r in records:
+            writer.writerow(csv_row(r))
+    with open(paths["json"], "w") as f:
+        json.dump({"meta": meta, "layouts": [r.to_dict() for r in records]}, f, indent=1)
+    plots = render_plots(records, outdir)
+    with open(paths["md"], "w") as f:
+        f.write(report_markdown(records, meta, comparison))
+    return paths | {name: path for name, (path, _) in plots.items()}
+
+
+def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison: list[str] | None = None) -> str:
+    c = meta.get("counts", {})
+    failures = [r for r in records if not r.ok]
+    cluster = meta.get("cluster_for_estimates", {})
+    parts = [
+        "# jaxpar sweep",
+        "",
+        f"Command: `{meta.get('command', '')}`",
+        "",
+        f"{meta['layouts']} layouts of {meta['devices']} {meta['platform']} devices ({meta['device_kind']}), "
+        f"{meta['steps']} steps each of {meta['tokens_per_step']} tokens (global batch {meta['global_batch']} x seq "
+        f"{meta['seq_len']}), {meta['compute_dtype']} compute; all from the same initialisation on the same batches. "
+        f"Step times: median, min and max over steps {meta['warmup_steps_excluded'] + 1}-{meta['steps']} (the first "
+        f"{meta['warmup_steps_excluded']} excluded). Reference layout: {meta['reference']}; tolerance "
+        f"{meta['tolerance']:g} relative on every step's loss.",
+        "",
+        f"Result: {c.get('ok', 0)} ok, {c.get('mismatch', 0)} loss mismatches, {c.get('crashed', 0)} crashed; "
+        f"{meta['wall_s'] / 60:.1f} min wall.",
+        "",
+        f"Conditions: {meta['host_cores']} host cores ({meta['host']}), load average {_load(meta['load_average_before'])}"
+        f" before and {_load(meta['load_average_after'])} after (other jobs shared the machine), jax "
+        f"{meta['jax_version']}, {meta['date_utc']} UTC. MFU peak: {meta['peak_flops_per_device'] / 1e9:.2f} GFLOP/s "
+        f"per device ({meta['peak_source']}). Time estimates use the planner's model on cluster "
+        f"'{cluster.get('name')}' ({cluster.get('intra_node_gbps', 0):.2f} GB/s links).",
+        "",
+        "Columns: compiled per-device arguments (parameters, optimizer state, batch) and temporaries "
+        "(`memory_analysis`), collective ring bytes per device per step by mesh axis (pipelines: the busiest stage), "
+        "each with the planner's estimate in parentheses (temporaries: gradients + activations + transients).",
+        "",
+        markdown_table(records),
+        "",
+    ]
+    if failures:
+        parts += ["## Failures", ""] + [f"- {r.name}: {r.status}: {r.error}" for r in failures] + [""]
+    retried = [r for r in records if r.retried]
+    if retried:
+        parts += ["## Retried in a new process", ""] + [f"- {r.name} ({r.status} on the second attempt); the first "
+                                                         f"attempt: {r.retried}" for r in retried] + [""]
+    if comparison:
+        parts += ["## Re-run against the earlier results", ""] + [f"- {line}" for line in comparison] + [""]
+    parts += ["## Figures", ""] + [f"![{title}]({name}.png)\n" for name, title in PLOTS.items()]
+    return "\n".join(parts)
+
+
+def _load(values: Any) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
+def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[str]:
+    """A re-run against an earlier results.json: memory and collective bytes must be identical; the
+    median step time should fall inside the earlier min-max spread (reported, noisy machines differ)."""
+    before = {row["name"]: row for row in previous["layouts"]}
+    lines, same, inside, common = [], 0, 0, 0
+    for r in records:
+        old = before.get(r.name)
+        if old is None or r.status == "crashed" or old["status"] == "crashed":
+            continue
+        common += 1
+        exact = (old["argument_bytes"], old["temp_bytes"], old["collective_bytes"]) == (
+            r.argument_bytes, r.temp_bytes, r.collective_bytes)
+        same += exact
+        if not exact:
+            lines.append(f"{r.name}: memory or collective bytes differ from the earlier run")
+        if old["step_time_min_s"] <= r.step_time_median_s <= old["step_time_max_s"]:
+            inside += 1
+        else:
+            lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms outside the earlier spread "
+                         f"[{old['step_time_min_s'] * 1e3:.0f}, {old['step_time_max_s'] * 1e3:.0f}] ms")
+    head = [f"{same} of {common} layouts have identical memory and collective bytes",
+            f"{inside} of {common} median step times fall inside the earlier run's min-max spread"]
+    return head + lines

@@ -1,0 +1,90 @@
+"""``jaxpar sweep``: arguments and printing only (the work is in :mod:`jaxpar.analysis.sweep`, the
+files in :mod:`jaxpar.analysis.sweep_report`). No JAX at import.
+
+    jaxpar sweep --config configs/tiny.py --devices 8 -o runs/sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from jaxpar.config import ConfigError, load_config
+
+HELP = "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots"
+
+# The sweep's problem unless the command line overrides it: fp32 (the 1e-5 loss check is then
+# meaningful), a short sequence and a small batch so every layout compiles and runs in seconds.
+SWEEP_DEFAULTS = ("--config.model.compute_dtype=float32", "--config.train.seq_len=64",
+                  "--config.train.global_batch=16", "--config.optim.warmup_steps=2")
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``jaxpar sweep`` (``--config.x.y=v`` overrides arrive in ``args.overrides``)."""
+    parser.add_argument("--config", default=None, help="config file (default: configs/tiny.py)")
+    parser.add_argument("--devices", type=int, default=8, help="devices (CPU: simulated) to lay out")
+    parser.add_argument("--steps", type=int, default=8, help="steps per layout")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time statistics")
+    parser.add_argument("--only", action="append", default=[], metavar="REGEX",
+                        help="run only layouts whose name matches (repeatable), e.g. --only 'z3' --only '^d2t2'")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="relative loss tolerance vs the reference (default: fp32 1e-5, bf16 2e-2)")
+    parser.add_argument("--baseline", default=None, help="an earlier results.json to check this run against")
+    parser.add_argument("--list", action="store_true", help="list the layouts and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("-o", "--output", default="runs/sweep", help="output directory")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Run the sweep, write DIR/{results.csv,results.json,report.md,*.png}; exit 1 if any layout
+    crashed or missed the reference loss."""
+    from jaxpar.analysis import sweep as sweep_lib
+    from jaxpar.analysis import sweep_report
+
+    config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
+    cfg = load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])])
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices}: must be >= 1")
+    previous = None
+    if args.baseline:
+        try:
+            with open(args.baseline) as f:
+                previous = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--baseline {args.baseline}: cannot read it ({e})") from None
+    if args.list:
+        from jaxpar.analysis.sweep import cpu_cluster, layout_name, select, sweep_layouts
+
+        cluster = cpu_cluster(args.devices, 1e9, 1.0)  # layouts do not depend on the cluster's speeds
+        t = cfg.train
+        for lay in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
+            print(layout_name(lay))
+        return 0
+    records, meta = sweep_lib.run_sweep_layouts(
+        cfg, args.devices, steps=args.steps, warmup=args.warmup, only=args.only, tolerance=args.tolerance,
+        progress=not args.no_progress)
+    meta["command"] = "jaxpar " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith(("jaxpar", "__main__.py")) else (
+        shlex.join(["jaxpar", "sweep", *_argv(args)]))
+    meta["config"] = config
+    comparison = sweep_report.compare_runs(previous, records) if previous else None
+    paths = sweep_report.write_results(records, meta, args.output, comparison)
+    c = meta["counts"]
+    print(f"{meta['layouts']} layouts: {c['ok']} ok, {c['mismatch']} loss mismatches, {c['crashed']} crashed "
+          f"({meta['wall_s'] / 60:.1f} min); reference {meta['reference']}, tolerance {meta['tolerance']:g}")
+    for r in records:
+        if not r.ok:
+            print(f"  {r.name}: {r.status}: {r.error}")
+    for line in comparison or []:
+        print(f"  re-run: {line}")
+    print(f"report: {paths['md']}")
+    return 0 if c["ok"] == meta["layouts"] else 1
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out = ["--config", args.config or "configs/tiny.py", "--devices", str(args.devices), "--steps", str(args.steps)]
+    for pattern in args.only:
+        out += ["--only", pattern]
+    return [*out, *(getattr(args, "overrides", None) or []), "-o", args.output]
