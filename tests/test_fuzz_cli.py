@@ -44,6 +44,7 @@ def _bases(tmp_path) -> dict[str, list[str]]:
         "port": ["port", "deepspeed", str(recipe), "--json", "--world-size", "8"],
         "export": ["export", "-o", str(tmp_path / "out"), f"--config.train.workdir={tmp_path / 'empty'}"],
         "drill": ["drill", "--config.checkpoint.every=0", f"--workdir={tmp_path / 'drill'}"],
+        "sweep": ["sweep", "--list"],  # lists layouts from the planner, compiles nothing
     }
 
 

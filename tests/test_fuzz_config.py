@@ -37,7 +37,7 @@ BAD: dict[str, list] = {
     "train.log_every": [-1], "train.eval_every": [-1], "train.eval_batches": [0, -1],
     "train.resume": ["latest", "-1", "\u00b2"], "train.init_from": ["/nonexistent/weights"],
     "train.warmup_steps_excluded": [-1], "train.spike_factor": [0.5, 1.0, -1.0, NAN, INF],
-    "train.max_bad_steps": [0], "train.inject_bad_steps": ["a", "1,,x", "-1", "\u00b2"],
+    "train.max_bad_steps": [0], "train.profile_steps": ["5", "3,2", "0,1", "a,b", "1,2,3"], "train.inject_bad_steps": ["a", "1,,x", "-1", "\u00b2"],
     "data.source": ["web"], "data.path": ["/tmp/tokens.bin"], "data.token_dtype": ["int8"],
     "data.val_fraction": [0.0, 1.0, NAN, -0.5],
     "pipeline.schedule": ["zigzag"], "pipeline.virtual_stages": [0, -1],

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
 
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
 HELP = "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots"
 
@@ -46,8 +47,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
     cfg = load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])])
-    if args.devices < 1:
-        raise ConfigError(f"--devices {args.devices}: must be >= 1")
+    _check_flags(args)
     previous = None
     if args.baseline:
         try:
@@ -81,6 +81,30 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"  re-run: {line}")
     print(f"report: {paths['md']}")
     return 0 if c["ok"] == meta["layouts"] else 1
+
+
+MAX_STEPS = 10**6
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every flag in its domain, and none that ``--list`` would ignore: one-line errors."""
+    if not 1 <= args.devices <= MAX_DEVICES:
+        raise ConfigError(f"--devices {args.devices}: use a device count in [1, {MAX_DEVICES}]")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise ConfigError(f"--steps {args.steps}: use a step count in [1, {MAX_STEPS}]")
+    if not 0 <= args.warmup < args.steps:
+        raise ConfigError(f"--warmup {args.warmup}: use a value in [0, --steps) so some steps are timed")
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
+        raise ConfigError(f"--tolerance {args.tolerance}: use a finite relative tolerance > 0, e.g. 1e-5")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ConfigError(f"-o {args.output}: is a file, not a folder; pick another path")
+    if args.list:
+        defaults = {"steps": 8, "warmup": 2, "tolerance": None, "baseline": None, "output": "runs/sweep",
+                    "no_progress": False}
+        for name, default in defaults.items():
+            if getattr(args, name) != default:
+                flag = "-o" if name == "output" else f"--{name.replace('_', '-')}"
+                raise ConfigError(f"sweep {flag} has no effect with --list (it only lists the layouts); drop one of them")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
