@@ -69,14 +69,15 @@ class Strategy:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamLayout:
-    """Sharding facts of one parameter (global shape)."""
+class ParamPlacement:
+    """Where one parameter (global shape) lives: the specs it is computed, stored and optimized with
+    and the dim ZeRO splits (a tree of these, one per parameter, is a layout's "placements")."""
 
     logical: tuple[str, ...]
     compute: P  # spec seen by the shard-local model (tensor split only)
     zero_dim: int | None  # dim split over `data` by ZeRO, if any
     storage: P  # parameter storage spec
-    optimizer: P  # Adam moments spec (and the sharded gradient at ZeRO >= 2)
+    optimizer: P  # optimizer-state spec (and the sharded gradient at ZeRO >= 2)
     weight_decay: bool  # norms (and biases) are not decayed
 
     @property
@@ -107,7 +108,7 @@ def zero_dim(shape: tuple[int, ...], logical: tuple[str, ...], rules: Mapping[st
     return best if data > 1 else None
 
 
-def param_layout(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, mesh_shape: Mapping[str, int]) -> ParamLayout:
+def param_placement(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, mesh_shape: Mapping[str, int]) -> ParamPlacement:
     if len(shape) != len(logical):
         raise ValueError(f"shape {shape} and logical axes {logical} differ in rank")
     compute = []
@@ -121,7 +122,7 @@ def param_layout(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Str
         compute.append(axis)
     zdim = zero_dim(shape, logical, strategy.rules, mesh_shape[MeshAxis.DATA])
     stage = strategy.zero_stage
-    return ParamLayout(
+    return ParamPlacement(
         logical=logical,
         compute=P(*compute),
         zero_dim=zdim,
@@ -131,38 +132,38 @@ def param_layout(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Str
     )
 
 
-def param_layouts(abstract_params: Any, logical_axes: Any, strategy: Strategy, mesh: Mesh) -> Any:
-    """A tree of :class:`ParamLayout` matching the parameter tree."""
+def param_placements(abstract_params: Any, logical_axes: Any, strategy: Strategy, mesh: Mesh) -> Any:
+    """A tree of :class:`ParamPlacement` matching the parameter tree."""
     mesh_shape = dict(mesh.shape)
     return jax.tree.map(
-        lambda a, names: param_layout(tuple(a.shape), tuple(names), strategy, mesh_shape),
+        lambda a, names: param_placement(tuple(a.shape), tuple(names), strategy, mesh_shape),
         abstract_params,
         logical_axes,
         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x),
     )
 
 
-def is_layout(x: Any) -> bool:
-    return isinstance(x, ParamLayout)
+def is_placement(x: Any) -> bool:
+    return isinstance(x, ParamPlacement)
 
 
-def specs(layouts: Any, field: str) -> Any:
-    """Pull one spec field (``compute``, ``storage``, ``optimizer``) out of a layout tree."""
-    return jax.tree.map(lambda lay: getattr(lay, field), layouts, is_leaf=is_layout)
+def specs(placements: Any, field: str) -> Any:
+    """Pull one spec field (``compute``, ``storage``, ``optimizer``) out of a placement tree."""
+    return jax.tree.map(lambda lay: getattr(lay, field), placements, is_leaf=is_placement)
 
 
 def named(mesh: Mesh, spec_tree: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def check_sufficiently_sharded(abstract_params: Any, layouts: Any, strategy: Strategy) -> float:
+def check_sufficiently_sharded(abstract_params: Any, placements: Any, strategy: Strategy) -> float:
     """ZeRO-3 guard against silent under-sharding (cf. MaxText's
     ``assert_params_sufficiently_sharded``): fail if more than ``max_replicated_fraction`` of the
     parameter bytes stay replicated over ``data``. Returns the replicated fraction."""
     total, replicated = 0, 0
     worst: list[tuple[int, str]] = []
     flat_p = jax.tree_util.tree_leaves_with_path(abstract_params)
-    flat_l = jax.tree.leaves(layouts, is_leaf=is_layout)
+    flat_l = jax.tree.leaves(placements, is_leaf=is_placement)
     for (path, a), lay in zip(flat_p, flat_l):
         nbytes = int(np.prod(a.shape)) * a.dtype.itemsize
         total += nbytes

@@ -92,12 +92,12 @@ def test_zero3_dims_tree_matches_the_layouts():
 
     cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3")
     setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
-    dims = zero.zero3_dims(setup.layouts)
+    dims = zero.zero3_dims(setup.placements)
     assert jax.tree.structure(dims) == jax.tree.structure(setup.abstract_params)
     assert dims["blocks"]["attn"]["wq"] == 1 and dims["embed"] == 1  # embed dim (tensor splits heads / vocab)
     assert zero.layer_dims(dims["blocks"])["attn"]["wq"] == 0
     assert setup.builder.context().zero3
-    assert zero.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).layouts) is None
+    assert zero.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).placements) is None
 
 
 def test_no_module_outside_models_imports_a_family():

@@ -13,12 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis.expected import expected_memory
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, load_config
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
 from jaxpar.optim import registry
 from jaxpar.train.state import Setup
-from tests.helpers import max_rel_error, tiny_config
+from tests.helpers import ROOT, max_rel_error, tiny_config
 
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
 STEPS = 3
@@ -105,7 +105,7 @@ def test_state_memory_and_skipped_step(name):
     cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1")
     setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
     compiled = setup.lower_train_step().compile()
-    expected = expected_memory(cfg, setup.layouts)
+    expected = expected_memory(cfg, setup.placements)
     got = compiled.memory_analysis().argument_size_in_bytes
     assert got == pytest.approx(expected["argument_bytes"], rel=0.01), (got, expected)
 
@@ -177,3 +177,20 @@ def test_fields_act_or_are_refused():
     with pytest.raises(ConfigError, match="defines no function"):
         _cfg(f"{__file__}:nothing_here")
     _cfg("sgd", "--config.optim.momentum=0.5", "--config.optim.nesterov=true")  # read by sgd
+
+
+def test_plan_and_compare_price_the_configured_optimizer():
+    """plan / compare / plan --aot take the config's optimizer: its state, not Adam's, is in the estimate."""
+    from jaxpar.analysis.clusters import get_cluster
+    from jaxpar.analysis.plan import PlanOptions, evaluate_layout
+
+    layout = ParallelLayout(data=8, zero_stage=1, seq_len=4096)
+    states = {}
+    for name in ("adamw", "lion", "sgd", "adafactor"):
+        cfg = load_config(str(ROOT / "configs" / "llama2_7b.py"), [f"--config.optim.name={name}"])
+        est = evaluate_layout(cfg.model, get_cluster("h100-80g"), layout, PlanOptions(optim=cfg.optim))
+        states[name] = est.memory.optimizer_bytes
+    assert states["adamw"] == pytest.approx(2 * states["lion"]) and states["lion"] == pytest.approx(states["sgd"])
+    assert states["adafactor"] < 0.01 * states["adamw"]  # factored second moments, no momentum
+    default = evaluate_layout(cfg.model, get_cluster("h100-80g"), layout, PlanOptions())
+    assert default.memory.optimizer_bytes == pytest.approx(states["adamw"])  # None prices AdamW

@@ -173,7 +173,7 @@ def aot_compare(
     mem = report.memory
     return AotComparison(
         layout=layout,
-        estimated_argument_bytes=estimated_argument_bytes(lcfg.model, layout, convention),
+        estimated_argument_bytes=estimated_argument_bytes(lcfg.model, layout, convention, lcfg.optim),
         estimated_bytes={axis: comm[axis].bytes for axis in MESH_AXES},
         argument_bytes=mem.argument_bytes if mem else None,
         temp_bytes=mem.temp_bytes if mem else None,

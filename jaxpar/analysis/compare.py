@@ -16,16 +16,18 @@ This module evaluates; the flags and the tables are in :mod:`jaxpar.cli.compare`
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, search_layouts
+from jaxpar.axes import MESH_AXES
 from jaxpar.config import ConfigDict, ConfigError
 
 
 def device_count(pinned: list[dict[str, Any]]) -> int:
     """The one device count (data*tensor*pipeline) of the pinned layouts; a ConfigError if they differ."""
-    sizes = {p.get("data", 1) * p.get("tensor", 1) * p.get("pipeline", 1) for p in pinned}
+    sizes = {math.prod(p.get(axis, 1) for axis in MESH_AXES) for p in pinned}
     if len(sizes) != 1:
         raise ConfigError(f"--layout: the layouts use different device counts ({sorted(sizes)}); give each the same "
                           "data*tensor*pipeline")
@@ -39,7 +41,7 @@ def compare_layouts(model: ConfigDict, cluster: Cluster, pinned: list[dict[str, 
     num_devices = device_count(pinned)
     estimates = []
     for fixed in pinned:
-        fixed = {"data": 1, "tensor": 1, "pipeline": 1, **fixed}
+        fixed = {**{axis.value: 1 for axis in MESH_AXES}, **fixed}
         found = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=True)
         estimates.append(found[0] if found[0].fits else min(found, key=lambda e: e.memory.total_bytes))
     return estimates

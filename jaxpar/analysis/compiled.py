@@ -377,8 +377,9 @@ def _flops(compiled: Any) -> float | None:
 # --------------------------------------------------------------------------- one layout
 
 
-def layout_summary(cfg: ConfigDict) -> dict[str, Any]:
-    """The fields that define a layout, for reports."""
+def report_fields(cfg: ConfigDict) -> dict[str, Any]:
+    """The config fields a compiled report is about (its JSON "layout" object: mesh sizes, ZeRO, SP,
+    batch, remat, dtypes)."""
     m, p, t = cfg.mesh, cfg.parallel, cfg.train
     return {
         MeshAxis.DATA: m.data,
@@ -431,10 +432,10 @@ def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str
         report = analyze_compiled(
             compiled,
             setup.mesh,
-            expected=expected_collectives(cfg, setup.layouts),
-            expected_memory=expected_memory(cfg, setup.layouts),
+            expected=expected_collectives(cfg, setup.placements),
+            expected_memory=expected_memory(cfg, setup.placements),
         )
-    report.layout = layout_summary(cfg)
+    report.layout = report_fields(cfg)
     half = {cfg.model.compute_dtype, cfg.parallel.grad_reduce_dtype} & {"bfloat16", "float16"}
     if half and setup.mesh.devices.flat[0].platform == "cpu":
         report.warnings.append(
@@ -458,7 +459,7 @@ def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledRep
     )
 
     layout = ParallelLayout.from_config(cfg)
-    memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar")}
+    memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)}
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, expected_memory=memory)
     grad_bytes = DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
     data = communication(cfg.model, layout, None, grad_bytes, "jaxpar")[MeshAxis.DATA]

@@ -311,10 +311,11 @@ def step_time(
     )
 
 
-def estimated_argument_bytes(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar") -> float:
+def estimated_argument_bytes(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar",
+                             optim: ConfigDict | None = None) -> float:
     """What the compiled step takes as arguments per device, estimated: parameters + optimizer state
-    of :func:`memory_estimate` (the gradients are not arguments) + the step count (int32) + this
-    data shard's batch (m x b x (s + 1) int32 tokens)."""
-    mem = memory_estimate(model, layout, convention)
+    of :func:`memory_estimate` (``optim``'s state; None: AdamW's; the gradients are not arguments) +
+    the step count (int32) + this data shard's batch (m x b x (s + 1) int32 tokens)."""
+    mem = memory_estimate(model, layout, convention, optim)
     batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
     return mem.params_bytes + mem.optimizer_bytes + 4 + batch

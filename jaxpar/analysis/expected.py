@@ -1,7 +1,7 @@
 """The formulas' side of ``jaxpar inspect``: expected collectives and memory of a layout.
 
 Bytes per device per step for each (collective kind, mesh axes), computed from the real
-per-parameter layouts (:mod:`jaxpar.sharding`) and the dtypes the step uses, priced as ring
+per-parameter placements (:mod:`jaxpar.sharding`) and the dtypes the step uses, priced as ring
 traffic (FORMULAS.md section 3, nccl-tests PERFORMANCE.md), and the per-device argument memory
 (parameters by storage spec, fp32 Adam moments by optimizer spec, the step count and the batch).
 :mod:`jaxpar.analysis.compiled` puts these beside what the compiler emitted.
@@ -25,25 +25,25 @@ def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
     return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
 
 
-def param_leaves(cfg: ConfigDict, layouts: Any = None) -> list[tuple[str, tuple[int, ...], Any]]:
-    """(path, global shape, :class:`~jaxpar.sharding.ParamLayout`) of every parameter, built from
-    shapes alone (``layouts`` from a ``Setup`` may be passed to reuse them)."""
+def param_leaves(cfg: ConfigDict, placements: Any = None) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(path, global shape, :class:`~jaxpar.sharding.ParamPlacement`) of every parameter, built from
+    shapes alone (``placements`` from a ``Setup`` may be passed to reuse them)."""
     import jax
 
     from jaxpar.models import get_model
-    from jaxpar.sharding import Strategy, is_layout, param_layout
+    from jaxpar.sharding import Strategy, is_placement, param_placement
 
     model = get_model(cfg.model)
     abstract = model.abstract_params()
-    if layouts is None:
+    if placements is None:
         strategy, shape = Strategy.from_config(cfg.parallel), dict(cfg.mesh)
-        layouts = jax.tree.map(
-            lambda a, n: param_layout(tuple(a.shape), tuple(n), strategy, shape),
+        placements = jax.tree.map(
+            lambda a, n: param_placement(tuple(a.shape), tuple(n), strategy, shape),
             abstract,
             model.logical_axes(),
             is_leaf=lambda x: isinstance(x, tuple),
         )
-    flat = jax.tree.leaves(layouts, is_leaf=is_layout)
+    flat = jax.tree.leaves(placements, is_leaf=is_placement)
     return [
         (jax.tree_util.keystr(path), tuple(a.shape), lay)
         for (path, a), lay in zip(jax.tree_util.tree_leaves_with_path(abstract), flat)
@@ -60,7 +60,7 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]
     return math.prod(shape) // math.prod(mesh_shape[a] for a in _spec_axes(spec))
 
 
-def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
+def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
     """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
 
     Accounting (FORMULAS.md section 3; per device, per step; m microbatches of b sequences of s
@@ -89,10 +89,10 @@ def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
 
     ``count`` is the number of logical collectives; XLA may combine several into one op.
-    Pipeline layouts are not modelled (``ConfigError``).
+    Pipeline placements are not modelled (``ConfigError``).
     """
     if cfg.mesh.pipeline > 1:
-        raise ConfigError("expected_collectives: pipeline layouts are not modelled; use mesh.pipeline=1")
+        raise ConfigError("expected_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
     mesh_shape = dict(cfg.mesh)
     m, s = cfg.train.microbatches, cfg.train.seq_len
     b = cfg.train.global_batch // (m * cfg.mesh.data)
@@ -123,7 +123,7 @@ def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str
 
     per_reduce = m if stage >= 2 else 1
     stacked = model_class(cfg.model.name).stacked  # the scanned layers: gathered again in the backward
-    for path, shape, lay in param_leaves(cfg, layouts):
+    for path, shape, lay in param_leaves(cfg, placements):
         e = local_elements(shape, lay.compute, mesh_shape)
         if lay.sharded_storage:  # ZeRO-3
             gathers = 2 if path.startswith(f"['{stacked}']") else 1
@@ -159,7 +159,7 @@ def expected_collectives(cfg: ConfigDict, layouts: Any = None) -> dict[tuple[str
     return out
 
 
-def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
+def expected_memory(cfg: ConfigDict, placements: Any = None) -> dict[str, float]:
     """Per-device argument and output bytes of the train step, and the gradient buffer.
 
     argument = parameters under their storage spec (param dtype, 4 bytes) + the optimizer's state
@@ -173,7 +173,7 @@ def expected_memory(cfg: ConfigDict, layouts: Any = None) -> dict[str, float]:
     mesh_shape = dict(cfg.mesh)
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     params = opt = grads = 0
-    for _, shape, lay in param_leaves(cfg, layouts):
+    for _, shape, lay in param_leaves(cfg, placements):
         params += local_elements(shape, lay.storage, mesh_shape) * pb
         opt += registry.local_state_bytes(cfg.optim, shape, lay, mesh_shape)  # AdamW: mu + nu, 8 bytes
         grads += local_elements(shape, lay.optimizer if cfg.parallel.zero_stage >= 2 else lay.compute, mesh_shape) * 4

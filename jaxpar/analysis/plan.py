@@ -35,11 +35,11 @@ from jaxpar.analysis.estimate import (
     memory_estimate,
     step_time,
 )
+from jaxpar.axes import MeshAxis
 from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_VIRTUAL_STAGES = 8
-AXES = ("data", "tensor", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,9 @@ class PlanOptions:
     efficiency: float = 0.55  # achieved share of peak FLOP/s in matmuls
     link_efficiency: float = 0.75  # achieved share of nominal link bandwidth
     dp_exposed_fraction: float = 0.1  # share of the data-axis reduction never hidden behind compute
+    # the ``optim`` sub-config whose state is priced (jaxpar.optim.registry's formula); None: AdamW's
+    # two fp32 moments
+    optim: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         """Shares outside their range give negative or infinite step times: refused here, whoever builds it."""
@@ -119,7 +122,7 @@ def evaluate_layout(
     )
     return LayoutEstimate(
         layout=layout,
-        memory=memory_estimate(model, layout, options.convention),
+        memory=memory_estimate(model, layout, options.convention, options.optim),
         communication=comm,
         time=step_time(
             model,
@@ -287,7 +290,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
     else:
         parts.append("no tensor parallelism is needed: the model states and activations fit without splitting layers")
     if lay.pipeline > 1:
-        where = "across nodes" if est.communication["pipeline"].link == "inter" else "inside the node"
+        where = "across nodes" if est.communication[MeshAxis.PIPELINE].link == "inter" else "inside the node"
         v = f", {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else ""
         parts.append(
             f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "

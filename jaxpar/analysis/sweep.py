@@ -43,10 +43,10 @@ from jaxpar.analysis.aot import estimated_argument_bytes, layout_config
 from jaxpar.analysis.clusters import GB, PRESETS, Cluster
 from jaxpar.analysis.estimate import ParallelLayout
 from jaxpar.analysis.plan import PlanOptions, evaluate_layout, search_layouts
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MESH_AXES
 from jaxpar.config import ConfigDict, ConfigError
 
-AXES = tuple(axis.value for axis in (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE))
+AXES = tuple(axis.value for axis in MESH_AXES)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}  # relative loss difference from the reference
 STATUSES = ("ok", "mismatch", "crashed")
 COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",
@@ -235,8 +235,9 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
     lcfg = layout_config(cfg, layout)
     lcfg.train.steps = steps
     grad_bytes = DTYPE_BYTES[lcfg.parallel.grad_reduce_dtype]
-    est = evaluate_layout(lcfg.model, cluster, layout, PlanOptions(headroom=0.0, grad_reduce_bytes=grad_bytes))
-    record.est_argument_bytes = estimated_argument_bytes(lcfg.model, layout)
+    est = evaluate_layout(lcfg.model, cluster, layout, PlanOptions(headroom=0.0, grad_reduce_bytes=grad_bytes,
+                                                                   optim=lcfg.optim))
+    record.est_argument_bytes = estimated_argument_bytes(lcfg.model, layout, optim=lcfg.optim)
     mem = est.memory
     record.est_temp_bytes = mem.gradient_bytes + mem.activation_bytes + mem.transient_bytes
     record.est_collective_bytes = {axis: est.communication[axis].bytes for axis in AXES}

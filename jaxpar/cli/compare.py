@@ -16,6 +16,7 @@ from jaxpar.analysis.clusters import GB, PRESETS, get_cluster
 from jaxpar.analysis.compare import compare_layouts, device_count, relative_to_first
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.plan import PlanOptions, plan_summary
+from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import at_least_one, at_most, overrides, share
 from jaxpar.cli.plan import render_aot, render_table
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
@@ -23,7 +24,7 @@ from jaxpar.console import wide_console
 
 HELP = "chosen layouts side by side: memory, step time, MFU, communication (--aot: compiled too)"
 KEYS = {  # key -> (ParallelLayout field, parser)
-    "data": ("data", int), "tensor": ("tensor", int), "pipeline": ("pipeline", int),
+    **{axis.value: (axis.value, int) for axis in MESH_AXES},  # one mesh size per axis
     "virtual": ("virtual_stages", int), "zero": ("zero_stage", int), "microbatches": ("microbatches", int),
     "recompute": ("recompute", str), "sp": ("sequence_parallel", str), "schedule": ("schedule", str),
 }
@@ -84,7 +85,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom}: use a value in [0, 1)")
     options = PlanOptions(headroom=args.headroom, efficiency=args.efficiency,
-                          grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype])
+                          grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype], optim=cfg.optim)
     global_batch, seq_len = args.global_batch or cfg.train.global_batch, args.seq or cfg.train.seq_len
     estimates = compare_layouts(model, cluster, pinned, global_batch, seq_len, options)
     aot, aot_s = [], 0.0

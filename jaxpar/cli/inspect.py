@@ -17,6 +17,7 @@ import argparse
 import json
 from typing import Any
 
+from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import config_or_default, needs, overrides
 from jaxpar.config import load_config
 from jaxpar.distributed import ensure_host_devices
@@ -152,11 +153,11 @@ def render(report: Any, title: str = "", console: Any = None) -> None:
     if report.stages:
         st = Table(title="pipeline stages: ring MB per device per step, measured / estimated (ratio)")
         st.add_column("stage", justify="right")
-        for axis in ("data", "tensor", "pipeline"):
+        for axis in MESH_AXES:
             st.add_column(axis, justify="right", no_wrap=True)
         for stage in report.stages:
             cells = []
-            for axis in ("data", "tensor", "pipeline"):
+            for axis in MESH_AXES:
                 measured, expected = stage[axis], stage.get("expected", {}).get(axis)
                 ratio = measured / expected if expected else None
                 cells.append(f"{_fmt(measured, MB)} / {_fmt(expected, MB)} ({_fmt_ratio(ratio, measured, expected)})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -17,13 +18,13 @@ from jaxpar.analysis.aot import AotComparison, run_aot
 from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
-from jaxpar.axes import MESH_AXES
+from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
 HELP = "estimate and rank layouts for a cluster before renting it"
-LAYOUT_KEYS = {"data": "data", "tensor": "tensor", "pipeline": "pipeline", "virtual": "virtual_stages"}
+LAYOUT_KEYS = {**{axis.value: axis.value for axis in MESH_AXES}, "virtual": "virtual_stages"}
 DEFAULT_AOT_TOP = 3
 
 
@@ -180,8 +181,8 @@ def run_plan(args: argparse.Namespace) -> int:
         num_devices = args.devices
     elif args.nodes is not None:
         num_devices = args.nodes * dpn
-    elif {"data", "tensor", "pipeline"} <= set(fixed):
-        num_devices = fixed["data"] * fixed["tensor"] * fixed["pipeline"]
+    elif set(MESH_AXES) <= set(fixed):
+        num_devices = math.prod(fixed[axis] for axis in MESH_AXES)
     else:
         num_devices = dpn
     if num_devices > MAX_DEVICES:
@@ -192,11 +193,12 @@ def run_plan(args: argparse.Namespace) -> int:
             f"plan: {num_devices} devices is not a multiple of {dpn} devices per node on {cluster.name}; "
             f"use --nodes or a multiple of {dpn}"
         )
-    if "pipeline" in fixed and "tensor" in fixed and "data" not in fixed:
-        fixed["data"] = num_devices // (fixed["tensor"] * fixed["pipeline"])
-    product = fixed.get("data", 1) * fixed.get("tensor", 1) * fixed.get("pipeline", 1)
-    if {"data", "tensor", "pipeline"} <= set(fixed) and product != num_devices:
-        raise ConfigError(f"--layout: data*tensor*pipeline = {product} but the plan has {num_devices} devices")
+    others = [axis for axis in MESH_AXES if axis != MeshAxis.DATA]
+    if all(axis in fixed for axis in others) and MeshAxis.DATA not in fixed:
+        fixed[MeshAxis.DATA.value] = num_devices // math.prod(fixed[axis] for axis in others)
+    product = math.prod(fixed.get(axis, 1) for axis in MESH_AXES)
+    if set(MESH_AXES) <= set(fixed) and product != num_devices:
+        raise ConfigError(f"--layout: {'*'.join(MESH_AXES)} = {product} but the plan has {num_devices} devices")
     global_batch = args.global_batch or cfg.train.global_batch
     seq_len = args.seq or cfg.train.seq_len
     if model.position == "learned" and seq_len > model.max_seq_len:
@@ -209,6 +211,7 @@ def run_plan(args: argparse.Namespace) -> int:
         convention=args.convention,
         grad_reduce_bytes=DTYPE_BYTES[grad_dtype],
         efficiency=args.efficiency,
+        optim=cfg.optim,
     )
     start = time.perf_counter()
     pinned = bool(args.layout)

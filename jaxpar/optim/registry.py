@@ -1,7 +1,7 @@
 """The optimizer registry: ``optim.name`` -> how to build it, which fields it reads, its state size.
 
 Adding an optimizer is one :class:`Optimizer` entry in :data:`OPTIMIZERS`: a ``build`` function
-``(optim_cfg, schedule, layouts) -> optax.GradientTransformation``, the optim fields it reads
+``(optim_cfg, schedule, placements) -> optax.GradientTransformation``, the optim fields it reads
 (every other field must keep its default, else a one-line :class:`ConfigError`), and ``state``:
 the formula of its per-parameter state leaves (shapes and which parameter dims each keeps), which
 the planner prices (:func:`state_leaves`, used by :mod:`jaxpar.analysis.expected` and
@@ -26,7 +26,7 @@ Built in:
   ``optim.nesterov``) for the block weight matrices, the stacked layer dim a batch dim (optax's
   ``MuonDimensionNumbers``: input dims = ``embed`` or all but the last, output dims = the rest); AdamW
   (``b1``, ``b2``, ``eps``) for the embedding, output layer, norms. Weight decay:
-  :func:`~jaxpar.optim.transforms.decoupled_weight_decay` on every leaf ParamLayout decays.
+  :func:`~jaxpar.optim.transforms.decoupled_weight_decay` on every leaf ParamPlacement decays.
 
 Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``)
 with ``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation``;
@@ -81,10 +81,10 @@ def batch_dims(logical: tuple[str, ...]) -> int:
     return n
 
 
-def _mask(layouts: Any) -> Any:
-    from jaxpar.sharding import is_layout
+def _mask(placements: Any) -> Any:
+    from jaxpar.sharding import is_placement
 
-    return jax.tree.map(lambda lay: lay.weight_decay, layouts, is_leaf=is_layout)
+    return jax.tree.map(lambda lay: lay.weight_decay, placements, is_leaf=is_placement)
 
 
 def _full(shape: tuple[int, ...]) -> StateLeaf:
@@ -98,8 +98,8 @@ def _scalar_per_batch(shape: tuple[int, ...], b: int) -> StateLeaf:
 # --------------------------------------------------------------------------- adamw
 
 
-def _build_adamw(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
-    mask = _mask(layouts)
+def _build_adamw(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
+    mask = _mask(placements)
     if o.decoupled_weight_decay:
         return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
     adam = optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps)
@@ -113,8 +113,8 @@ def _state_adamw(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]
 # --------------------------------------------------------------------------- lion
 
 
-def _build_lion(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
-    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_mask(layouts))
+def _build_lion(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
+    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_mask(placements))
 
 
 def _state_momentum(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
@@ -131,9 +131,9 @@ def momentum(o: ConfigDict) -> float:
     return DEFAULT_MOMENTUM[o.name] if o.momentum < 0 else o.momentum
 
 
-def _build_sgd(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+def _build_sgd(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     momentum_ = momentum(o) or None
-    decay = optax.add_decayed_weights(o.weight_decay, _mask(layouts))
+    decay = optax.add_decayed_weights(o.weight_decay, _mask(placements))
     if not o.decoupled_weight_decay:  # L2: torch.optim.SGD's weight_decay
         return optax.chain(decay, optax.sgd(schedule, momentum=momentum_, nesterov=o.nesterov))
     parts = [optax.trace(decay=momentum_, nesterov=o.nesterov)] if momentum_ else []
@@ -147,17 +147,17 @@ def _state_sgd(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) 
 # --------------------------------------------------------------------------- adafactor
 
 
-def _build_adafactor(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+def _build_adafactor(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     from jaxpar.optim.transforms import per_tensor
-    from jaxpar.sharding import is_layout
+    from jaxpar.sharding import is_placement
 
     # optax.adafactor adds weight_decay_rate * p after the learning rate: a schedule makes it lr(k) * wd.
     inner = lambda wd: optax.adafactor(  # noqa: E731
         schedule, momentum=momentum(o) or None, weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd
         else None)
-    dims = jax.tree.map(lambda lay: batch_dims(lay.logical), layouts, is_leaf=is_layout)
-    labels = jax.tree.map(lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", layouts,
-                          is_leaf=is_layout)
+    dims = jax.tree.map(lambda lay: batch_dims(lay.logical), placements, is_leaf=is_placement)
+    labels = jax.tree.map(lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", placements,
+                          is_leaf=is_placement)
     return per_tensor({"decay": inner(True), "plain": inner(False)}, labels, dims)
 
 
@@ -202,18 +202,18 @@ def muon_dims(logical: tuple[str, ...]) -> Any:
     return MuonDimensionNumbers(reduction_axis=tuple(range(b, n - 1)), output_axis=(n - 1,))
 
 
-def _build_muon(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
+def _build_muon(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     from optax.contrib import muon
 
     from jaxpar.optim.transforms import decoupled_weight_decay
-    from jaxpar.sharding import is_layout
+    from jaxpar.sharding import is_placement
 
-    dims = jax.tree.map(lambda lay: muon_dims(lay.logical), layouts, is_leaf=is_layout)
+    dims = jax.tree.map(lambda lay: muon_dims(lay.logical), placements, is_leaf=is_placement)
     tx = muon(schedule, beta=momentum(o), eps=o.eps, nesterov=o.nesterov, adam_b1=o.b1, adam_b2=o.b2,
               muon_weight_dimension_numbers=dims)
     if not o.weight_decay:
         return tx
-    return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, _mask(layouts)))
+    return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, _mask(placements)))
 
 
 def _state_muon(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
@@ -269,8 +269,8 @@ def _load_factory(spec: str) -> Callable:
 def _custom(spec: str) -> Optimizer:
     factory = _load_factory(spec)
 
-    def build(o: ConfigDict, schedule: Callable, layouts: Any) -> optax.GradientTransformation:
-        tx = factory(o, learning_rate=schedule, weight_decay_mask=_mask(layouts))
+    def build(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
+        tx = factory(o, learning_rate=schedule, weight_decay_mask=_mask(placements))
         if not isinstance(tx, optax.GradientTransformation):
             raise ConfigError(f"optim.name='{spec}': returned {type(tx).__name__}, not an optax.GradientTransformation")
         return tx
@@ -312,14 +312,15 @@ def local_state_bytes(optim_cfg: ConfigDict, shape: tuple[int, ...], layout: Any
 
 
 def state_elements_ratio(optim_cfg: ConfigDict, model_cfg: ConfigDict) -> float:
-    """State elements per parameter over the whole model (AdamW 2.0; Adafactor far less)."""
-    import functools
+    """State elements per parameter over the whole model (AdamW 2.0; Adafactor far less), from the
+    model's parameter inventory (a stacked layer tensor counts as ``num_layers`` separate tensors,
+    as :func:`state_leaves` treats the ``layers`` dim)."""
+    from jaxpar.models.inventory import param_tensors
 
-    from jaxpar.models import llama
-
-    abstract = jax.eval_shape(functools.partial(llama.init_params, model_cfg), jax.random.key(0))
-    logical = jax.tree.leaves(llama.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
-    shapes = [tuple(a.shape) for a in jax.tree.leaves(abstract)]
-    state = sum(math.prod(s) for shape, names in zip(shapes, logical, strict=True)
-                for s, _ in state_leaves(optim_cfg, shape, names))
-    return state / sum(math.prod(s) for s in shapes)
+    state = params = 0
+    for tensor in param_tensors(model_cfg):
+        copies = model_cfg.num_layers if tensor.place == "layer" else 1
+        shape, logical = tuple(n for _, n in tensor.dims), tuple(name for name, _ in tensor.dims)
+        state += copies * sum(math.prod(s) for s, _ in state_leaves(optim_cfg, shape, logical))
+        params += copies * math.prod(shape)
+    return state / params

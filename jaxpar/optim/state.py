@@ -8,7 +8,7 @@ Derived from the state's *shapes* (``jax.eval_shape(tx.init, params)``), never f
   Leaves that belong to no parameter (step counts) are replicated.
 * :func:`kept_dims`: which parameter dim each leaf dim runs along (greedy, left to right, by size;
   size-1 dims may stand alone). Same shape: all dims, so the leaf takes the parameter's optimizer
-  spec (ParamLayout.optimizer: ZeRO >= 1 splits it over ``data``); a factored leaf (Adafactor's
+  spec (ParamPlacement.optimizer: ZeRO >= 1 splits it over ``data``); a factored leaf (Adafactor's
   v_row / v_col: one dim averaged away) keeps the spec entries of the dims it keeps; a scalar is
   replicated. (A square per-layer matrix makes v_row and v_col the same shape: the greedy match then
   names the first dim; the spec only decides where the bytes live, the update is exact either way.)

@@ -1,4 +1,18 @@
-"""ZeRO-3 on the forward side: gathering parameter shards over ``data`` and the remat policy.
+"""ZeRO over ``data``, driven by the per-parameter placements (:class:`jaxpar.sharding.ParamPlacement`).
+
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models") shards, over the ``data`` axis, the optimizer state (stage 1), the gradients (stage 2)
+and the parameters (stage 3) of every parameter that has a ZeRO dim. Two halves live here:
+
+* **the gradient side** (:func:`vary_replicated`, :func:`reduce_grads`, :func:`local_shard`,
+  :func:`gather_update`): parameters replicated over ``data`` are marked varying so their
+  gradients stay local; one reduction per step (stage 0: all-reduce; stage 1: reduce-scatter;
+  stage 2: reduce-scatter per microbatch into a sharded accumulator) leaves each gradient laid out
+  like its optimizer state; the optimizer updates this rank's shard and, at stages 1 and 2, the
+  updated shards are all-gathered into the replicated parameter;
+* **the forward side of stage 3** (below).
+
+Stage 3 on the forward side:
 
 ZeRO-3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", stage P_os+g+p; PyTorch FSDP's full sharding) stores each parameter split over ``data`` on
@@ -8,29 +22,31 @@ per leaf, :data:`NOT_GATHERED` for a parameter stored whole), so nothing matches
 
 The gathered copies are named :data:`ZERO3_NAME`; the remat policy (:func:`remat_policy`) never
 keeps them, so the backward pass gathers each layer again and the gather's transpose
-reduce-scatters its gradient, one layer at a time. The gradient side of the step (the reductions
-over ``data`` of the other stages) lives in :mod:`jaxpar.train.step`.
+reduce-scatters its gradient, one layer at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.axes import MeshAxis
-from jaxpar.sharding import is_layout
+from jaxpar.compat import all_gather_invariant
+from jaxpar.sharding import ParamPlacement, is_placement
 
 ZERO3_NAME = "zero3_gathered_param"  # checkpoint_name of a gathered parameter (the remat policy's key)
 NOT_GATHERED = -1  # entry of a dims tree: the parameter is stored whole, nothing to gather
 
 
-def zero3_dims(layouts: Any) -> Any | None:
+def zero3_dims(placements: Any) -> Any | None:
     """Tree of the dims ZeRO-3 splits over ``data`` (one int per parameter, ``NOT_GATHERED`` for
-    those stored whole), from a tree of :class:`~jaxpar.sharding.ParamLayout`; ``None`` when no
+    those stored whole), from a tree of :class:`~jaxpar.sharding.ParamPlacement`; ``None`` when no
     parameter is stored sharded (ZeRO 0-2)."""
-    dims = jax.tree.map(lambda lay: lay.zero_dim if lay.sharded_storage else NOT_GATHERED, layouts, is_leaf=is_layout)
+    dims = jax.tree.map(lambda lay: lay.zero_dim if lay.sharded_storage else NOT_GATHERED, placements, is_leaf=is_placement)
     return dims if any(d != NOT_GATHERED for d in jax.tree.leaves(dims)) else None
 
 
@@ -80,3 +96,68 @@ def remat_policy(remat: str) -> Any:
     if remat == "selective":  # keep weight-matmul outputs, recompute the attention core
         return policies.dots_with_no_batch_dims_saveable
     return _save_all_but_zero3_gathers
+
+
+# --------------------------------------------------------------------------- gradient side
+
+
+def map_placements(fn: Callable, placements: Any, *trees: Any) -> Any:
+    """``fn(layout, *leaves)`` over a tree of :class:`ParamPlacement` and trees of the same structure."""
+    return jax.tree.map(lambda lay, *xs: fn(lay, *xs), placements, *trees, is_leaf=is_placement)
+
+
+def is_split_over(lay: ParamPlacement, axis: MeshAxis) -> bool:
+    """Whether the gradient (laid out like the optimizer state) is split over ``axis``."""
+    return axis in jax.tree.leaves(tuple(lay.optimizer))
+
+
+def vary_replicated(placements: Any, params: Any, over_pipeline: bool) -> Any:
+    """Mark every parameter replicated over ``data`` (and, in a pipeline, over ``pipeline``) as
+    varying there, so that its gradient is this shard's local, unreduced one: the reduction of
+    :func:`reduce_grads` (pipeline: the schedule's sum) is then the only collective on gradients
+    (the gradient with respect to the replicated value would carry the cast's transpose, an
+    all-reduce)."""
+
+    def one(lay: ParamPlacement, p):
+        axes = () if lay.sharded_storage else (MeshAxis.DATA,)
+        if over_pipeline and not is_split_over(lay, MeshAxis.PIPELINE):
+            axes += (MeshAxis.PIPELINE,)
+        return jax.lax.pcast(p, axes, to="varying") if axes else p
+
+    return map_placements(one, placements, params)
+
+
+def reduce_grads(placements: Any, grads: Any, scatter: bool, reduce_dtype: Any, prescattered: bool = False) -> Any:
+    """Reduce local gradients over ``data`` in ``reduce_dtype``: reduce-scatter on the ZeRO dim where
+    the optimizer state (or the accumulation buffer) is sharded and ``scatter`` is set, all-reduce
+    otherwise. Stage-3 gradients arrive reduce-scattered (the gather's transpose), and so do the
+    optimizer-sharded ones when ``prescattered`` (the pipeline's ZeRO-2 ticks). Returns fp32."""
+
+    def one(lay: ParamPlacement, g):
+        if lay.sharded_storage or (prescattered and lay.sharded_optimizer):
+            return g.astype(jnp.float32)
+        g = g.astype(reduce_dtype)
+        if scatter and lay.sharded_optimizer:
+            g = jax.lax.psum_scatter(g, MeshAxis.DATA, scatter_dimension=lay.zero_dim, tiled=True)
+        else:
+            g = jax.lax.psum(g, MeshAxis.DATA)
+        return g.astype(jnp.float32)
+
+    return map_placements(one, placements, grads)
+
+
+def local_shard(x: jax.Array, lay: ParamPlacement) -> jax.Array:
+    """This data rank's ZeRO shard of a parameter replicated over ``data`` (stages 1 and 2)."""
+    size = x.shape[lay.zero_dim] // jax.lax.axis_size(MeshAxis.DATA)
+    start = jax.lax.axis_index(MeshAxis.DATA) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=lay.zero_dim)
+
+
+def gather_update(new_shard: jax.Array, lay: ParamPlacement) -> jax.Array:
+    """Stages 1 and 2: the updated shards all-gathered into the replicated parameter."""
+    return all_gather_invariant(new_shard, MeshAxis.DATA, axis=lay.zero_dim)
+
+
+def shards_locally(lay: ParamPlacement) -> bool:
+    """The optimizer updates a shard of a parameter stored whole (stages 1 and 2)."""
+    return lay.sharded_optimizer and not lay.sharded_storage

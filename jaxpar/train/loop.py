@@ -31,6 +31,7 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jaxpar import data as data_lib
+from jaxpar.axes import MeshAxis
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.errors import JaxparError
@@ -115,7 +116,7 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=t.global_batch,
             seed=t.seed, split="train", process_index=pidx, process_count=pcount,
         )
-        unit_rows = math.lcm(self.mesh.shape["data"], pcount)  # eval rows must split over both
+        unit_rows = math.lcm(self.mesh.shape[MeshAxis.DATA], pcount)  # eval rows must split over both
         eval_rows = unit_rows * max(1, (t.global_batch // t.microbatches) // unit_rows)
         self.eval_data = data_lib.eval_batches(
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=eval_rows,

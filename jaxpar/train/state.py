@@ -1,7 +1,7 @@
 """Shapes first, then specs, then ``jit(init, out_shardings=...)``: one layout's compiled pieces.
 
 :class:`Setup` holds, for a validated config and a mesh, the abstract parameter tree, the
-per-parameter layouts (:mod:`jaxpar.sharding`), the shardings of parameters, optimizer state and
+per-parameter placements (:mod:`jaxpar.sharding`), the shardings of parameters, optimizer state and
 batches, and the jitted ``init``, ``train_step`` and ``eval_step``. Nothing here allocates until
 ``init`` runs, so the same object serves AOT analysis (``lower_train_step``) on abstract arrays.
 
@@ -23,13 +23,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, validate
 from jaxpar.models import get_model
 from jaxpar.optim import registry
 from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_layouts, specs
+from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_placements, specs
 from jaxpar.train.batches import BATCH_SPEC, EVAL_SPEC, BatchFeed
 from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
 
@@ -53,22 +54,22 @@ class Setup:
                 self.model_abstract_params,
             )
             self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
-        self.layouts = param_layouts(self.abstract_params, self.logical, self.strategy, mesh)
-        model_layouts = self.layouts if stages == 1 else param_layouts(
+        self.placements = param_placements(self.abstract_params, self.logical, self.strategy, mesh)
+        model_placements = self.placements if stages == 1 else param_placements(
             self.model_abstract_params, model_logical, self.strategy, mesh)
-        self.model_layouts = model_layouts
+        self.model_placements = model_placements
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
         self.optimizer = registry.get(cfg.optim.name)
         # optax path (every optimizer but adamw): one transformation per parameter form (the weight-decay
         # mask and the per-tensor batch dims follow the form's tree)
         self.tx = self.model_tx = None
         if not self.optimizer.in_shard_map:
-            self.tx = self.optimizer.build(cfg.optim, self.schedule, self.layouts)
-            self.model_tx = self.tx if stages == 1 else self.optimizer.build(cfg.optim, self.schedule, model_layouts)
-        self.model_param_shardings = named(mesh, specs(model_layouts, "storage"))
+            self.tx = self.optimizer.build(cfg.optim, self.schedule, self.placements)
+            self.model_tx = self.tx if stages == 1 else self.optimizer.build(cfg.optim, self.schedule, model_placements)
+        self.model_param_shardings = named(mesh, specs(model_placements, "storage"))
         self.model_opt_shardings = named(mesh, self._opt_specs(model_form=True))
-        self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.layouts, self.strategy)
-        self.param_specs = specs(self.layouts, "storage")
+        self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.placements, self.strategy)
+        self.param_specs = specs(self.placements, "storage")
         self.opt_specs = self._opt_specs()
         self.param_shardings = named(mesh, self.param_specs)
         self.opt_shardings = named(mesh, self.opt_specs)
@@ -77,7 +78,7 @@ class Setup:
             model_cfg=cfg.model,
             optim_cfg=cfg.optim,
             strategy=self.strategy,
-            layouts=self.layouts,
+            placements=self.placements,
             mesh=mesh,
             microbatches=cfg.train.microbatches,
             global_tokens=self.layout.tokens_per_step,
@@ -122,12 +123,12 @@ class Setup:
 
     def _opt_specs(self, model_form: bool = False) -> Any:
         """Optimizer-state specs derived from the state's shapes (:mod:`jaxpar.optim.state`)."""
-        layouts = self.model_layouts if model_form else self.layouts
+        placements = self.model_placements if model_form else self.placements
         if self.optimizer.in_shard_map:
-            return opt_state_specs(layouts)
+            return opt_state_specs(placements)
         params = self.model_abstract_params if model_form else self.abstract_params
         abstract = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), params)
-        return opt_state_lib.state_specs(abstract, params, specs(layouts, "optimizer"))
+        return opt_state_lib.state_specs(abstract, params, specs(placements, "optimizer"))
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
@@ -186,8 +187,8 @@ class Setup:
 
         def local_eval(params, tokens):
             if self.pipeline is not None:
-                return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), "data")
-            return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), "data")
+                return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), MeshAxis.DATA)
+            return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), MeshAxis.DATA)
 
         fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
         return jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))

@@ -15,7 +15,8 @@ stage      parameters          gradient reduction over ``data``            optim
                                bwd), its transpose reduce-scatters grads
 =========  ==================  =========================================  =====================
 
-Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path.
+Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path. The
+ZeRO pieces (marking, reduction, local shards, gathers) live in :mod:`jaxpar.parallel.zero`.
 Tensor parallelism lives in the model (:mod:`jaxpar.models`, reached through its interface). With ``mesh.pipeline > 1`` the
 microbatches run through :mod:`jaxpar.parallel.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
@@ -42,35 +43,25 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.compat import all_gather_invariant
+from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict
 from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.sharding import ParamLayout, Strategy, is_layout
+from jaxpar.sharding import ParamPlacement, Strategy, is_placement
 from jaxpar.train.batches import BATCH_SPEC
-
-
-def _map_layouts(fn: Callable, layouts: Any, *trees: Any) -> Any:
-    return jax.tree.map(lambda lay, *xs: fn(lay, *xs), layouts, *trees, is_leaf=is_layout)
-
-
-def _local_shard(x: jax.Array, lay: ParamLayout) -> jax.Array:
-    """This data rank's ZeRO shard of a parameter replicated over ``data``."""
-    size = x.shape[lay.zero_dim] // jax.lax.axis_size("data")
-    start = jax.lax.axis_index("data") * size
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=lay.zero_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepBuilder:
-    """Static description of one layout's step; ``build`` returns the shard_map'ed function."""
+    """Static description of one layout's step: :meth:`local_step` (jaxpar AdamW) or
+    :meth:`global_step` (optax) is what ``Setup`` jits (inside ``shard_map`` for the former)."""
 
     model_cfg: ConfigDict
     optim_cfg: ConfigDict
     strategy: Strategy
-    layouts: Any  # tree of ParamLayout
+    placements: Any  # tree of ParamPlacement
     mesh: Mesh
     microbatches: int
     global_tokens: int  # target tokens per optimizer step (loss normaliser)
@@ -88,40 +79,25 @@ class StepBuilder:
     def context(self) -> ShardContext:
         """The model's shard context: mesh axes, sequence parallelism and ZeRO-3's tree of split dims."""
         return self.model.context(
-            tensor_axis="tensor",
-            data_axis="data",
+            tensor_axis=MeshAxis.TENSOR,
+            data_axis=MeshAxis.DATA,
             sequence_parallel=self.strategy.sequence_parallel,
-            zero3_dims=zero.zero3_dims(self.layouts),
+            zero3_dims=zero.zero3_dims(self.placements),
         )
 
     def _reduce_dtype(self):
         return jnp.bfloat16 if self.strategy.grad_reduce_dtype == "bfloat16" else jnp.float32
 
     def _reduce(self, grads: Any, scatter: bool, prescattered: bool = False) -> Any:
-        """Reduce local gradients over ``data``: reduce-scatter where the optimizer (or the
-        accumulation buffer) is sharded and ``scatter`` is set, all-reduce otherwise.
-        ``prescattered``: the pipeline already reduce-scattered the optimizer-sharded ones (ZeRO-2)."""
-        dt = self._reduce_dtype()
-
-        def one(lay: ParamLayout, g):
-            if lay.sharded_storage or (prescattered and lay.sharded_optimizer):
-                return g.astype(jnp.float32)  # ZeRO-3: the gather's transpose already reduce-scattered
-            g = g.astype(dt)
-            if scatter and lay.sharded_optimizer:
-                g = jax.lax.psum_scatter(g, "data", scatter_dimension=lay.zero_dim, tiled=True)
-            else:
-                g = jax.lax.psum(g, "data")
-            return g.astype(jnp.float32)
-
-        return _map_layouts(one, self.layouts, grads)
+        return zero.reduce_grads(self.placements, grads, scatter, self._reduce_dtype(), prescattered)
 
     def _grad_norm(self, grads: Any) -> jax.Array:
-        def sq(lay: ParamLayout, g):
-            axes = tuple(a for a in ("tensor", "data", "pipeline") if _is_sharded(lay, a))
+        def sq(lay: ParamPlacement, g):
+            axes = tuple(a for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE) if zero.is_split_over(lay, a))
             s = jnp.sum(jnp.square(g))
             return jax.lax.psum(s, axes) if axes else s
 
-        return jnp.sqrt(sum(jax.tree.leaves(_map_layouts(sq, self.layouts, grads))))
+        return jnp.sqrt(sum(jax.tree.leaves(zero.map_placements(sq, self.placements, grads))))
 
     # ------------------------------------------------------------------ step
     def local_grads(self, params: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
@@ -131,18 +107,8 @@ class StepBuilder:
         stage = self.strategy.zero_stage
         scale = 1.0 / self.global_tokens
 
-        # Parameters replicated over data are marked varying so their gradients stay local and
-        # unreduced: the reduction below is then the only data-axis collective on gradients.
-        def to_varying(lay: ParamLayout, p):
-            if self.pipeline is not None:  # pipeline: parameters not split over stages vary too
-                axes = () if lay.sharded_storage else ("data",)
-                axes += () if _is_sharded(lay, "pipeline") else ("pipeline",)
-                return jax.lax.pcast(p, axes, to="varying") if axes else p
-            return p if lay.sharded_storage else jax.lax.pcast(p, "data", to="varying")
-
-        # Differentiate with respect to the varying copy: its gradient is the local, unreduced one
-        # (the gradient with respect to `params` would carry the cast's transpose, an all-reduce).
-        local_params = _map_layouts(to_varying, self.layouts, params)
+        # Differentiate with respect to the varying copy: its gradient is the local, unreduced one.
+        local_params = zero.vary_replicated(self.placements, params, over_pipeline=self.pipeline is not None)
 
         def micro_grads(tokens):
             return jax.value_and_grad(lambda p: self.model.loss_sum(p, tokens, ctx) * scale)(local_params)
@@ -150,7 +116,7 @@ class StepBuilder:
         if self.pipeline is not None:  # the schedule accumulates over microbatches
             scatter = None
             if stage == 2:  # reduce-scattered in every backward tick, accumulated sharded
-                dims = _map_layouts(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.layouts)
+                dims = zero.map_placements(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.placements)
                 scatter = (dims, self._reduce_dtype())
             loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale, scatter)
         else:
@@ -169,7 +135,7 @@ class StepBuilder:
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), batch[1:])
         if stage < 2:
             grads = self._reduce(grads, scatter=stage == 1)
-        loss = jax.lax.psum(loss, "data") + guard[1]
+        loss = jax.lax.psum(loss, MeshAxis.DATA) + guard[1]
 
         grad_norm = self._grad_norm(grads)
         clip = self.optim_cfg.clip_norm
@@ -205,7 +171,7 @@ class StepBuilder:
         on, so every optimizer computes exactly what it computes on one device. Parameters are read
         under their optimizer spec (ZeRO-1/2: this device's shard; no data moves) and written back
         under their storage spec (ZeRO-1/2: the all-gather). A bad step selects the old values."""
-        grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.layouts, is_leaf=is_layout)
+        grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.placements, is_leaf=is_placement)
         grads, loss, grad_norm = jax.shard_map(
             self.local_grads, mesh=self.mesh, in_specs=(self.param_specs(), BATCH_SPEC, P()),
             out_specs=(grad_specs, P(), P()))(params, batch, guard)
@@ -224,7 +190,7 @@ class StepBuilder:
         return new_params, new_state, metrics
 
     def param_specs(self) -> Any:
-        return jax.tree.map(lambda lay: lay.storage, self.layouts, is_leaf=is_layout)
+        return jax.tree.map(lambda lay: lay.storage, self.placements, is_leaf=is_placement)
 
     def _adamw(self, params: Any, grads: Any, opt_state: Any, lr: jax.Array, ok: jax.Array):
         """AdamW on each parameter's (local) shard; ``ok`` false keeps every value as it was."""
@@ -239,10 +205,10 @@ class StepBuilder:
         b2, c2 = jnp.where(ok, o.b2, 1.0), jnp.where(ok, 1 - o.b2, 0.0)
         step_lr = jnp.where(ok, lr, 0.0)
 
-        def one(lay: ParamLayout, p, g, m, v):
+        def one(lay: ParamPlacement, p, g, m, v):
             local = p
-            if lay.sharded_optimizer and not lay.sharded_storage:
-                local = _local_shard(p, lay)
+            if zero.shards_locally(lay):
+                local = zero.local_shard(p, lay)
             decay = o.weight_decay if lay.weight_decay else 0.0
             if not o.decoupled_weight_decay and decay:
                 g = g + decay * local
@@ -253,22 +219,17 @@ class StepBuilder:
             if o.decoupled_weight_decay and decay:
                 update = update + decay * local
             new = local - step_lr * update
-            if lay.sharded_optimizer and not lay.sharded_storage:  # ZeRO-1/2: gather the update
-                new = all_gather_invariant(new, "data", axis=lay.zero_dim)
+            if zero.shards_locally(lay):  # ZeRO-1/2: gather the update
+                new = zero.gather_update(new, lay)
             return new, m, v
 
-        out = _map_layouts(one, self.layouts, params, grads, opt_state["mu"], opt_state["nu"])
+        out = zero.map_placements(one, self.placements, params, grads, opt_state["mu"], opt_state["nu"])
         pick = [jax.tree.map(lambda t, i=i: t[i], out, is_leaf=lambda t: isinstance(t, tuple)) for i in range(3)]
         return pick[0], pick[1], pick[2]
 
 
-def _is_sharded(lay: ParamLayout, axis: str) -> bool:
-    """Whether the gradient (laid out like the optimizer state) is split over ``axis``."""
-    return axis in jax.tree.leaves(tuple(lay.optimizer))
-
-
-def opt_state_specs(layouts: Any) -> dict:
-    moments = jax.tree.map(lambda lay: lay.optimizer, layouts, is_leaf=is_layout)
+def opt_state_specs(placements: Any) -> dict:
+    moments = jax.tree.map(lambda lay: lay.optimizer, placements, is_leaf=is_placement)
     return {"count": P(), "mu": moments, "nu": moments}
 
 
