@@ -8,15 +8,44 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".s
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001 - pytest's hook signature
-    """Print how many hostile-input cases each fuzz family ran (tests/fuzzkit.py), when any ran."""
+_WORKER_COUNTS: dict[str, int] = {}  # pytest-xdist: the fuzz counts the workers sent back
+
+
+def _fuzz_counts() -> dict[str, int]:
     import sys
 
     fuzzkit = sys.modules.get("tests.fuzzkit")
-    if fuzzkit is None or not fuzzkit.COUNTS:
+    return dict(fuzzkit.COUNTS) if fuzzkit is not None else {}
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest's hook signature
+    """In a pytest-xdist worker: hand this worker's fuzz counts to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fuzz_counts"] = _fuzz_counts()
+
+
+def pytest_configure(config):
+    """Register the xdist hook only where pytest-xdist runs (its hook spec is needed)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistCounts(), "jaxpar-fuzz-counts")
+
+
+class _XdistCounts:
+    def pytest_testnodedown(self, node, error):  # noqa: ARG002 - pytest-xdist's hook signature
+        for family, count in getattr(node, "workeroutput", {}).get("fuzz_counts", {}).items():
+            _WORKER_COUNTS[family] = _WORKER_COUNTS.get(family, 0) + count
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001 - pytest's hook signature
+    """Print how many hostile-input cases each fuzz family ran (tests/fuzzkit.py), when any ran."""
+    counts = dict(_fuzz_counts())
+    for family, count in _WORKER_COUNTS.items():
+        counts[family] = counts.get(family, 0) + count
+    if not counts:
         return
-    mode = "all cases (JAXPAR_SLOW=1)" if fuzzkit.FULL else f"seeded sample, seed {fuzzkit.SEED}"
+    full = os.environ.get("JAXPAR_SLOW") == "1"
+    mode = "all cases (JAXPAR_SLOW=1)" if full else f"seeded sample, seed {os.environ.get('JAXPAR_FUZZ_SEED', '0')}"
     terminalreporter.section(f"hostile-input fuzz: generated cases per family ({mode})")
-    for family, count in sorted(fuzzkit.COUNTS.items()):
+    for family, count in sorted(counts.items()):
         terminalreporter.write_line(f"{family:<40} {count:>5}")
-    terminalreporter.write_line(f"{'total':<40} {sum(fuzzkit.COUNTS.values()):>5}")
+    terminalreporter.write_line(f"{'total':<40} {sum(counts.values()):>5}")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from jaxpar.drill import run_drill
 from tests.helpers import ROOT, TINY
 
@@ -24,12 +26,18 @@ def _check(result, workdir):
     assert "unusable" not in log  # no half-written checkpoint was ever listed
 
 
+SLOW = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: the two-process pipeline drill "
+                          "below covers SIGKILL + resume in the default suite")
+
+
+@SLOW
 def test_sigkill_resume_single_process_saving_every_step(tmp_path):
     # A checkpoint every step: most kills land while an asynchronous save is in flight.
     result = run_drill(TINY, [*SMALL, "--config.checkpoint.every=1"], str(tmp_path), processes=1, trials=2, seed=1)
     _check(result, tmp_path)
 
 
+@SLOW
 def test_sigkill_resume_two_processes(tmp_path):
     result = run_drill(TINY, [*SMALL, "--config.checkpoint.every=2"], str(tmp_path), processes=2, trials=2, seed=2)
     _check(result, tmp_path)

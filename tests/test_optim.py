@@ -34,8 +34,7 @@ LAYOUTS = {
 }
 # The fast grid: every optimizer on a layout that splits its non-elementwise statistics; the full
 # optimizer x layout grid under JAXPAR_SLOW=1.
-FAST = [("lion", "zero1_d8"), ("sgd", "zero2_d8"), ("adafactor", "zero3_d4_t2"), ("adafactor", "d2_t2_p2"),
-        ("muon", "zero3_d4_t2")]
+FAST = [("lion", "zero1_d8"), ("sgd", "zero2_d8"), ("adafactor", "zero3_d4_t2"), ("adafactor", "d2_t2_p2")]
 GRID = [(o, lay) for o in OPTIMIZERS for lay in LAYOUTS] if SLOW else [c for c in FAST if c[0] in OPTIMIZERS]
 
 
@@ -97,7 +96,12 @@ def test_adafactor_state_is_factored_and_sharded():
     assert (tuple(up.v_row), tuple(up.v_col), tuple(up.count)) == ((None, "data"), (None, "tensor"), (None,))
 
 
-@pytest.mark.parametrize("name", ["adamw", *OPTIMIZERS])
+# the skip's cost per optimizer: jaxpar's AdamW, one optax optimizer elementwise and one factored by
+# default; every optimizer under JAXPAR_SLOW=1
+SKIP_CHECKED = ["adamw", *OPTIMIZERS] if SLOW else ["adamw", "lion", "adafactor"]
+
+
+@pytest.mark.parametrize("name", SKIP_CHECKED)
 def test_state_memory_and_skipped_step(name):
     """Compiled argument bytes per device = the registry's state formula (within 1%); a skipped step
     leaves parameters and state bitwise; the skip adds at most one parameter-sized temporary (this

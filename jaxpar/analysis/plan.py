@@ -320,7 +320,8 @@ def plan_summary(
         "cluster": cluster.to_dict(),
         "devices": num_devices,
         "nodes": num_devices // cluster.devices_per_node,
-        "options": dataclasses.asdict(options),
+        "options": {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "optim"},
+                    "optimizer": options.optim.name if options.optim is not None else "adamw"},
         "memory_budget_bytes": cluster.memory_bytes * (1 - options.headroom),
         "layouts": [e.to_dict() for e in estimates],
     }
