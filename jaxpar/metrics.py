@@ -27,7 +27,7 @@ import numpy as np
 from jaxpar.config import ConfigDict
 from jaxpar.models.flops import flops_per_token
 
-# Dense bf16 peaks per device, TFLOP/s (FORMULAS.md section 6; vendor data sheets, no sparsity).
+# Dense bf16 peaks per device, TFLOP/s (NVIDIA A100 / H100 / H200 and Google TPU v5p data sheets, dense, no sparsity).
 PEAK_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0, "tpu v5p": 459.0, "tpu v5": 459.0}
 
 

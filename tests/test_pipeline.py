@@ -344,7 +344,7 @@ def pipeline_permutes(text: str, setup: Setup) -> list[tuple[int, frozenset]]:
 def test_permutes_carry_bsh_per_microbatch_per_boundary(name):
     """Each permute over ``pipeline`` carries one microbatch's b*s*h activations (or their
     gradient); the compiled program holds exactly the table's send patterns, chosen per tick by
-    ``lax.switch``, so a link carries v*b*s*h bytes per microbatch each way (FORMULAS.md section 3)."""
+    ``lax.switch``, so a link carries v*b*s*h bytes per microbatch each way (Narayanan et al. 2021, arXiv:2104.04473)."""
     setup, comp = compiled(*DEFAULT[name])
     cfg = setup.cfg
     schedule, p, m = cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches

@@ -5,7 +5,7 @@ the fast link inside a node (NVLink, or ICI for TPU) and the per-device network 
 nodes. The planner puts a collective on the fast link only when its ring stays inside a node
 (see :func:`jaxpar.analysis.estimate.axis_link`).
 
-Numbers come from vendor data sheets as collected in the design notes (FORMULAS.md section 6).
+Numbers come from vendor data sheets (NVIDIA A100 / H100 / H200, Google TPU v5p; dense bf16, no sparsity).
 Peak FLOP/s are the dense figures: the 1,979 TFLOP/s quoted for H100/H200 is the 2:4-sparse number, and MFU is
 defined against dense peak. Memory is the data-sheet size in decimal GB (1e9 bytes), which is
 slightly below what the GPUs report (80 GB A100/H100 show ~80 GiB), so it errs on the safe side.
@@ -69,7 +69,7 @@ class Cluster:
         return dataclasses.asdict(self)
 
 
-# FORMULAS.md section 6. NVLink numbers are per GPU per direction (A100 NVLink3 600 GB/s
+# Vendor data sheets. NVLink numbers are per GPU per direction (A100 NVLink3 600 GB/s
 # bidirectional, H100/H200 NVLink4 900 GB/s bidirectional); the network is one NIC per GPU
 # (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s).
 # TPU v5p (cloud.google.com/tpu/docs/v5p): 1,200 GB/s bidirectional ICI per chip over 6 torus

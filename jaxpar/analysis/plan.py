@@ -278,7 +278,8 @@ def describe(layout: ParallelLayout) -> str:
 
 
 def explain(est: LayoutEstimate, cluster: Cluster) -> str:
-    """Why the winner wins, in the seed's terms: TP inside a node, PP across nodes, DP/ZeRO outermost."""
+    """Why the winner wins, in the usual terms (Narayanan et al. 2021, section 3.3): TP inside a node, PP
+    across nodes, DP/ZeRO outermost."""
     lay, parts = est.layout, []
     node = f"one {cluster.devices_per_node}-device node ({cluster.intra_node_gbps:g} GB/s links)"
     if lay.tensor > 1:

@@ -3,7 +3,7 @@
 ``communication`` gives the bytes one device sends per step on each axis (ring "bytes on the wire",
 nccl-tests PERFORMANCE.md: all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S,
 collective-permute S) and, with a cluster, the time over its links, under the ``paper`` convention
-(FORMULAS.md section 3) or the ``jaxpar`` one: what jaxpar's train step compiles to, per pipeline
+(ring costs from NCCL's nccl-tests PERFORMANCE.md) or the ``jaxpar`` one: what jaxpar's train step compiles to, per pipeline
 stage, checked against the compiled HLO by tests/test_plan_aot.py.
 """
 
@@ -72,7 +72,7 @@ def communication(
     link_efficiency: float = 0.75,
     convention: str = "paper",
 ) -> dict[str, AxisComm]:
-    """Bytes per device per step on each mesh axis (FORMULAS.md section 3), with times if a cluster is given.
+    """Bytes per device per step on each mesh axis (ring costs from NCCL's nccl-tests PERFORMANCE.md), with times if a cluster is given.
 
     ``paper`` (the published formulas, the default):
     data (ZeRO paper sec. 7): DP all-reduces gradients once per step; ZeRO-1 reduce-scatters them
@@ -90,7 +90,7 @@ def communication(
     tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`jaxpar_stage_traffic` (tensor and
     pipeline axes of each pipeline stage; the busiest stage counts).
 
-    Times use ``link_efficiency`` x the nominal bandwidth (the seed plans with 70-80% of nominal).
+    Times use ``link_efficiency`` x the nominal bandwidth (bus bandwidths measured by nccl-tests are typically 70-80% of nominal).
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")

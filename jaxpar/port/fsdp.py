@@ -1,6 +1,6 @@
 """Import an HF accelerate FSDP config (``accelerate config`` YAML) into a jaxpar config.
 
-FSDP sharding strategies map onto ZeRO stages over jaxpar's data axis (FORMULAS.md section 7):
+FSDP sharding strategies map onto ZeRO stages over jaxpar's data axis (PyTorch FSDP's ShardingStrategy docs; Rajbhandari et al. 2020, ZeRO):
 FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, NO_SHARD ~ DDP (ZeRO-0), HYBRID_SHARD ~ ZeRO-3
 inside a node and replicated across nodes (approximated: jaxpar shards over the whole data
 axis). accelerate also accepts the torch enum numbers 1..5 for the strategies. The YAML holds

@@ -12,7 +12,7 @@ its input was produced on the neighbouring stage, every action taking one tick:
   2(p-1-d) + (v-1)p forwards, then 1F1B (Narayanan et al. 2021, section 2.2).
 
 :func:`bubble_fraction` counts idle (tick, stage) slots: (p-1)/(m+p-1) for gpipe and 1f1b,
-(p-1)/(v*m+p-1) interleaved (FORMULAS.md section 4); :func:`render_schedule` prints the table.
+(p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021, arXiv:2104.04473; Huang et al. 2019, GPipe); :func:`render_schedule` prints the table.
 
 **Layers on stages.** The stacked ``layers`` dim is split over the ``pipeline`` axis in blocks. With
 v virtual stages device d runs chunks d, d+p, d+2p, ... (L/(p*v) layers each), so the stored order
