@@ -17,7 +17,7 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--config.mesh.data=2"], "mesh: data*tensor*pipeline = 2*2*1 = 4 but 8 devices"),
+        (["--config.mesh.data=2"], "mesh: data*tensor*pipeline*context = 2*2*1*1 = 4 but 8 devices"),
         (["--config.mesh.tensor=8", "--config.mesh.data=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
         (["--config.model.num_kv_heads=3"], "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
         (["--config.train.global_batch=6"], "train.global_batch=6 is not divisible by train.microbatches*mesh.data"),

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ConfigDict
-from jaxpar.parallel import zero
+from jaxpar.parallel import context, zero
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Role of a top-level (non-stacked) parameter -> the pipeline stage that uses it (Megatron's placement).
@@ -48,7 +48,11 @@ class ShardContext:
     """
 
     tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
-    data_axis: str | None = None
+    data_axis: str | tuple[str, ...] | None = None  # the ZeRO group: data, or (data, context)
+    context_axis: str | None = None  # set when mesh.context > 1 (jaxpar.parallel.context)
+    context_exchange: str = "ring"  # ring | all_gather
+    attention: str = "dot_product"  # resolved implementation: dot_product | blockwise | cudnn
+    attention_block: int = 512
     sequence_parallel: bool = False
     zero3_dims: Any = dataclasses.field(default=None, hash=False)
     remat: str = "none"
@@ -161,10 +165,10 @@ class Model(abc.ABC):
 
     def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
         """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows)."""
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        inputs, targets, positions = context.split_tokens(tokens, ctx.context_axis)
         params = self.gather_shared(params, ctx)
         x = self.embed(params, inputs, ctx)
-        x = self.run_blocks(x, params[self.stacked], jnp.arange(inputs.shape[1]), ctx)
+        x = self.run_blocks(x, params[self.stacked], positions, ctx)
         return self.head_loss(params, x, targets, ctx)
 
 
