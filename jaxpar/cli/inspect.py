@@ -20,8 +20,8 @@ from typing import Any
 from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import config_or_default, needs, overrides
 from jaxpar.config import load_config
-from jaxpar.layout import ParallelLayout
 from jaxpar.distributed import ensure_host_devices
+from jaxpar.layout import ParallelLayout
 
 HELP = "compile a layout (AOT) and report its collectives and per-device memory against the formulas"
 

@@ -14,8 +14,8 @@ import sys
 from jaxpar.cli.common import DEFAULT_CONFIG, overrides
 from jaxpar.cli.errors import note_workdir
 from jaxpar.config import load_config
-from jaxpar.layout import ParallelLayout
 from jaxpar.errors import JaxparError
+from jaxpar.layout import ParallelLayout
 
 HELP = "train a config on the devices present (CPU: simulated devices)"
 EXIT_PEER_FAILURE = 3
