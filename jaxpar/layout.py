@@ -181,6 +181,13 @@ class ParallelLayout:
                  f"model.attention={self.attention} with mesh.context={c}: context parallelism runs the blockwise "
                  "kernel on every exchanged key/value block (it merges partial results by their log-sum-exp); set "
                  "--config.model.attention=blockwise")
+        # The pipeline runs each stage's layers inside a per-stage branch (lax.switch); the ring's
+        # collective-permutes inside it exchange wrong blocks on XLA:CPU (forward loss off in the 3rd
+        # digit) or abort there. The all-gather exchange is exact inside the branches.
+        _require(self.pipeline == 1 or self.context_exchange == "all_gather",
+                 f"parallel.context_exchange=ring with mesh.pipeline={self.pipeline}: the ring's collective-permutes "
+                 "cannot run inside the pipeline's per-stage branches; set --config.parallel.context_exchange="
+                 "all_gather")
 
     def _validate_batch(self, global_batch: int | None) -> None:
         per_step = self.microbatches * self.data

@@ -211,7 +211,7 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
 def _boundary_types(model: Model, shared: dict, blocks: dict, batch: jax.Array, ctx: ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
-    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, ctx), batch[0][:, :-1], ctx))
+    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, ctx), split_tokens(batch[0], ctx.context_axis)[0], ctx))
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(model, shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
