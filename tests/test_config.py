@@ -27,6 +27,13 @@ def _run(capsys, *argv):
         (["--config.train.steps=-5"], "train.steps=-5: must be >= 0"),
         (["--config.train.steps=ten"], "--config.train.steps: 'ten' is not a valid int"),
         (["--config.model.remat=some"], "model.remat='some'"),
+        (["--config.mesh.data=1", "--config.mesh.context=4", "--config.train.seq_len=60",
+          "--config.model.attention=blockwise"], "train.seq_len=60 is not divisible by 2*mesh.context=8"),
+        (["--config.mesh.data=2", "--config.mesh.context=2"], "model.attention=dot_product with mesh.context=2"),
+        (["--config.mesh.data=1", "--config.mesh.context=2", "--config.mesh.pipeline=2",
+          "--config.model.attention=blockwise"], "parallel.context_exchange=ring with mesh.pipeline=2"),
+        (["--config.parallel.context_exchange=ulysses"], "parallel.context_exchange='ulysses'"),
+        (["--config.model.attention=flash"], "model.attention='flash'"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(capsys, argv, needle):
