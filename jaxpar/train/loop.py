@@ -273,6 +273,8 @@ class Trainer:
 
     def _run(self, unit: str) -> dict[str, Any]:
         cfg = self.cfg
+        if cfg.model.attention != self.setup.attention:  # auto: say what it picked on this backend
+            self.echo(f"attention: {self.setup.attention} (model.attention={cfg.model.attention})")
         val_start = self.evaluate()
         self.echo(f"validation at step {self.step}: {val_start:.3f} {unit}")
         self.log.record_event({"step": self.step, "val_bits": val_start, "unit": unit})
