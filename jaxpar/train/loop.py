@@ -249,7 +249,9 @@ class Trainer:
         m = cfg.mesh
         self.echo(
             f"jaxpar train: {self.layout.devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
-            f"tensor={m.tensor} pipeline={m.pipeline}, zero_stage={cfg.parallel.zero_stage}, "
+            f"tensor={m.tensor} pipeline={m.pipeline}"
+            + (f" context={m.context} ({cfg.parallel.context_exchange})" if m.context > 1 else "")
+            + f", zero_stage={cfg.parallel.zero_stage}, "
             f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
             f"{self.layout.tokens_per_step} tokens"
         )
