@@ -145,13 +145,16 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv):
         kv_pos = chunk_positions((me - j) % c, c, n_local)
         return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32)
 
-    out, lse = hop(0, k, v)
-    vma = attn._vma_union(q, k, v, positions, out, lse)
     kk, vv = k, v
-    for j in range(1, c):  # c is static inside shard_map; c - 1 sends
-        kk, vv = _send((kk, vv), axis, c)
+    out = lse = None
+    for j in range(c):  # c is static inside shard_map; c - 1 sends
+        if j < c - 1:  # issued before this hop's attention, which does not depend on it: they can overlap
+            nk, nv = _send((kk, vv), axis, c)
         o, l_o = hop(j, kk, vv)
-        out, lse = _merge(out, lse, o, l_o)
+        out, lse = (o, l_o) if out is None else _merge(out, lse, o, l_o)
+        if j < c - 1:
+            kk, vv = nk, nv
+    vma = attn._vma_union(q, k, v, positions, out, lse)
     out = attn._varying(out.astype(q.dtype), vma)
     return out, (q, k, v, positions, out, attn._varying(lse, vma))
 
@@ -166,14 +169,15 @@ def _ring_bwd(axis, block_q, block_kv, res, dout):
     kk, vv = k, v
     dk, dv = jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)
     for j in range(c):
+        if j < c - 1:  # the next block's keys and values travel while this one's gradients are computed
+            nk, nv = _send((kk, vv), axis, c)
         kv_pos = chunk_positions((me - j) % c, c, n_local)
         dq_j, dk_j, dv_j = attn._flash_backward(q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse,
                                                 block_q, block_kv, True, out_dtype=_F32)
         dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
+        dk, dv = _send((dk, dv), axis, c)  # with their block: after c hops they are home
         if j < c - 1:
-            kk, vv, dk, dv = _send((kk, vv, dk, dv), axis, c)
-        else:  # the gradients of the block in hand go home: one more hop
-            dk, dv = _send((dk, dv), axis, c)
+            kk, vv = nk, nv
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
