@@ -3,7 +3,8 @@
 For sequence lengths 2048 -> 32768 of the tiny LLaMA (fp32, one sequence per data shard), each
 layout is AOT-compiled (``memory_analysis()``: arguments and temporaries per device, nothing
 allocated) and, where its arguments + temporaries fit the ``--budget-gib`` per device, trained for a
-few steps to measure tokens/s (median of the steps after the first). Layouts:
+few steps to measure tokens/s (median of the steps after the first; only up to ``--max-run-seq``:
+on two CPU cores a step at 32k tokens takes minutes). Layouts:
 
 * ``d8 dot_product``: today's attention, the (s, s) score matrix per head;
 * ``d8 blockwise``: flash-style attention (``model.attention=blockwise``), no s x s buffer;
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default="2048,4096,8192,16384,32768")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget-gib", type=float, default=2.5, help="arguments + temporaries per device to run a layout")
+    ap.add_argument("--max-run-seq", type=int, default=8192,
+                    help="measure tokens/s only up to this length (on 2 CPU cores a 32k step takes minutes)")
     ap.add_argument("--only", default="", help="comma-separated layout names")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"layout": name, "seq_len": seq, **compiled_memory(cfg)}
             peak = row["argument_bytes"] + row["temp_bytes"]
             row["fits"] = peak <= args.budget_gib * GIB
-            row["tokens_per_s"] = tokens_per_second(cfg, args.steps) if row["fits"] and args.steps else None
+            run = row["fits"] and args.steps and seq <= args.max_run_seq
+            row["tokens_per_s"] = tokens_per_second(cfg, args.steps) if run else None
             rows.append(row)
             tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
             print(f"{name:18s} seq {seq:6d}  temp {row['temp_bytes'] / GIB:8.3f} GiB  tokens/s {tps}", flush=True)
