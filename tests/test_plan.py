@@ -73,7 +73,8 @@ def test_headroom_and_budget():
 
 def test_evaluate_layout_and_pins():
     m = model("llama2_70b")
-    lay = ParallelLayout(1, 8, 8, 1, 1, 64, 16, 4096, "selective", True, "1f1b")
+    lay = ParallelLayout(data=1, tensor=8, pipeline=8, virtual_stages=1, zero_stage=1, microbatches=64, microbatch_size=16,
+                         seq_len=4096, recompute="selective", sequence_parallel=True, schedule="1f1b")
     est = P.evaluate_layout(m, H100, lay)
     assert est.layout == lay and est.bubble_fraction == pytest.approx(7 / 71)
     assert set(est.communication) == {"data", "tensor", "pipeline"}

@@ -237,7 +237,9 @@ def search_layouts(
         for zero, recompute, sp, (schedule, v) in choices:
             for b in sizes:
                 m = per_shard // b
-                layout = ParallelLayout(data, t, p, v, zero, m, b, seq_len, recompute, sp, schedule)
+                layout = ParallelLayout(data=data, tensor=t, pipeline=p, virtual_stages=v, zero_stage=zero, microbatches=m,
+                                        microbatch_size=b, seq_len=seq_len, recompute=recompute,
+                                        sequence_parallel=sp, schedule=schedule)
                 try:
                     layout.validate(model)  # only layouts the step runs are candidates
                 except ConfigError:
