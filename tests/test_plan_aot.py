@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"tiny": ROOT / "configs" / "tiny.py", "1b": ROOT / "configs" / "llama_1b.py"}
 SEQ = 256
 MEMORY_TOLERANCE, COMM_TOLERANCE = 0.05, 0.10
-AXES = ("data", "tensor", "pipeline")
+AXES = ("data", "tensor", "pipeline", "context")
 
 
 def _lay(data: int, tensor: int, pipeline: int, virtual: int, zero: int, m: int, b: int, seq: int,
@@ -84,10 +84,19 @@ LAYOUTS: dict[str, tuple[str, ParallelLayout]] = {
     # ZeRO-2 inside the pipeline: each backward tick reduce-scatters into a sharded accumulator
     "tiny_p4_zero2": ("tiny", _lay(2, 1, 4, 1, 2, 4, 2, SEQ, "full")),
     "1b_p2_zero2_interleaved": ("1b", _lay(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
+    # Context parallelism: the ring's permutes / the all-gather exchange on `context`, the gradient
+    # all-reduce over (data, context) on `data` (ZeRO 0: the memory estimate shards over data only)
+    "tiny_c4_ring_full": ("tiny", ParallelLayout(data=2, context=4, microbatches=2, microbatch_size=4, seq_len=SEQ,
+                                                 recompute="full", attention="blockwise", attention_block=32)),
+    "tiny_c2_t2_gather_sp": ("tiny", ParallelLayout(data=2, tensor=2, context=2, microbatches=2, microbatch_size=4,
+                                                    seq_len=SEQ, recompute="selective", sequence_parallel=True,
+                                                    attention="blockwise", attention_block=32,
+                                                    context_exchange="all_gather")),
 }
 # ~2.5 s of compile per layout on 2 cores: these six 1B layouts (their (tensor, zero) pairs and
 # recompute policies are covered by the others) run only with JAXPAR_SLOW=1, keeping the file < 60 s.
-SLOW = {"1b_t1_z1", "1b_t1_z2", "1b_t2_z0", "1b_t2_z3", "1b_t4_z1", "1b_t4_z2"}
+SLOW = {"1b_t1_z1", "1b_t1_z2", "1b_t2_z0", "1b_t2_z3", "1b_t4_z1", "1b_t4_z2",
+        "tiny_c2_t2_gather_sp"}  # the all-gather exchange's compiled bytes: also tests/test_context_hlo.py
 slow = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="slow: set JAXPAR_SLOW=1")
 
 
