@@ -109,3 +109,32 @@ def test_inspect_lists_the_ring_under_context(compiled, capsys, monkeypatch):
     row = next(c for c in out["collectives"] if c["kind"] == "collective-permute")
     assert row["axes"] == ["context"] and row["bytes_per_device"] == r.bytes("collective-permute", CONTEXT)
     assert out["layout"]["context"] == 2 and row["ratio"] == pytest.approx(1.0)
+
+
+def test_handwritten_hlo_context_attribution_and_unknown_trip_counts():
+    """Device ids over a (pipeline, data, context, tensor) mesh: a pair that differs in the third
+    coordinate is a context permute, groups are named in device order. A loop
+    with a bound carried in its state (blockwise attention's causal loops) warns only if a
+    collective runs inside it."""
+    import types
+
+    import numpy as np
+
+    from tests.test_compiled import HANDWRITTEN_HLO
+
+    mesh = types.SimpleNamespace(axis_names=("pipeline", "data", "context", "tensor"), devices=np.empty((1, 2, 2, 2)))
+    text = HANDWRITTEN_HLO.replace("source_target_pairs={{0,4},{4,0},{1,5},{5,1}}",
+                                   "source_target_pairs={{0,2},{2,0},{1,3},{3,1}}")
+    r = ca.analyze_compiled(types.SimpleNamespace(as_text=lambda: text, memory_analysis=lambda: None,
+                                                  cost_analysis=dict), mesh)
+    assert r.bytes("collective-permute", CONTEXT) == 32 and not r.warnings
+    assert r.count("all-gather", ("context", "tensor")) == 1  # [2,4]<=[8]: ids 0-3 and 4-7 at data 0 and 1
+    assert r.count("all-reduce", ("data",)) == 3  # {0,4},{1,5},...: pairs that differ in data only
+    dynamic = text.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%p), index=0")
+    quiet = dynamic.replace("%ars = f32[8]{0} all-reduce-start(%x), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
+                            "use_global_device_ids=true, to_apply=%add\n", "").replace(
+        "%ard = f32[8]{0} all-reduce-done(%ars)", "%ard = f32[8]{0} negate(%x)")
+    for hlo, warned in ((dynamic, True), (quiet, False)):
+        r = ca.analyze_compiled(types.SimpleNamespace(as_text=lambda h=hlo: h, memory_analysis=lambda: None,
+                                                      cost_analysis=dict), mesh)
+        assert bool(r.warnings) == warned and all("trip count unknown" in w for w in r.warnings)
