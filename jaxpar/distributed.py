@@ -86,7 +86,7 @@ def ensure_host_devices(count: int) -> bool:
     """Ask XLA for at least ``count`` simulated CPU devices, if JAX has not started its backends
     yet and the platform may be CPU. Returns whether ``XLA_FLAGS`` was changed.
 
-    Why: ``inspect`` compiles the layout for data*tensor*pipeline devices; on a laptop those are
+    Why: ``inspect`` compiles the layout for data*tensor*pipeline*context devices; on a laptop those are
     simulated CPU devices, and XLA reads the flag only once, when the first backend starts.
     """
     platforms = os.environ.get("JAX_PLATFORMS", "")

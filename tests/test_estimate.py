@@ -333,7 +333,8 @@ def test_mfu_definition():
 def test_megatron_gpt3_layout_step_time_is_plausible():
     """Megatron's 175B layout (t8 p8 d16, b1, m96, full recompute) on A100: paper reports 140 TFLOP/s/GPU."""
     gpt, a100 = model("gpt3_175b"), get_cluster("a100-80g")
-    lay = E.ParallelLayout(16, 8, 8, 1, 0, 96, 1, 2048, "full", False, "1f1b")
+    lay = E.ParallelLayout(data=16, tensor=8, pipeline=8, virtual_stages=1, zero_stage=0, microbatches=96,
+                           microbatch_size=1, seq_len=2048, recompute="full", sequence_parallel=False, schedule="1f1b")
     st = E.step_time(gpt, lay, a100)
     hardware = E.hardware_flops_per_token(gpt, 2048, "full") * lay.tokens_per_step
     achieved_tflops = hardware / st.step_s / lay.devices / 1e12

@@ -73,10 +73,12 @@ def test_headroom_and_budget():
 
 def test_evaluate_layout_and_pins():
     m = model("llama2_70b")
-    lay = ParallelLayout(1, 8, 8, 1, 1, 64, 16, 4096, "selective", True, "1f1b")
+    lay = ParallelLayout(data=1, tensor=8, pipeline=8, virtual_stages=1, zero_stage=1, microbatches=64, microbatch_size=16,
+                         seq_len=4096, recompute="selective", sequence_parallel=True, schedule="1f1b")
     est = P.evaluate_layout(m, H100, lay)
     assert est.layout == lay and est.bubble_fraction == pytest.approx(7 / 71)
-    assert set(est.communication) == {"data", "tensor", "pipeline"}
+    assert set(est.communication) == {"data", "tensor", "pipeline", "context"}
+    assert est.communication["context"].bytes == 0 and est.context_s == 0
     pinned = P.search_layouts(m, H100, 64, 1024, 4096, fixed={"tensor": 8, "pipeline": 8, "zero_stage": 1})
     assert {(e.layout.tensor, e.layout.pipeline, e.layout.zero_stage) for e in pinned} == {(8, 8, 1)}
 
@@ -110,7 +112,9 @@ def test_parse_layout():
         "pipeline": 8,
         "virtual_stages": 3,
         "schedule": "interleaved",
+        "context": 1,  # the three classic axes pin the mesh: no context unless given
     }
+    assert plan_cli.parse_layout("data=1,tensor=4,context=2") == {"data": 1, "tensor": 4, "context": 2}
 
 
 def test_run_plan_json(capsys):
@@ -127,7 +131,7 @@ def test_run_plan_json(capsys):
                 "recompute", "sequence_parallel", "schedule", "step_time_s", "mfu", "bubble_fraction"):  # fmt: skip
         assert key in row, key
     assert {"model_states_bytes", "activation_bytes", "total_bytes"} <= set(row["memory"])
-    assert set(row["communication"]) == {"data", "tensor", "pipeline"}
+    assert set(row["communication"]) == {"data", "tensor", "pipeline", "context"}
     assert row["communication"]["tensor"]["bytes"] >= 0 and row["why"]
 
 

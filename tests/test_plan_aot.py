@@ -39,19 +39,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"tiny": ROOT / "configs" / "tiny.py", "1b": ROOT / "configs" / "llama_1b.py"}
 SEQ = 256
 MEMORY_TOLERANCE, COMM_TOLERANCE = 0.05, 0.10
-AXES = ("data", "tensor", "pipeline")
+AXES = ("data", "tensor", "pipeline", "context")
+
+
+def _lay(data: int, tensor: int, pipeline: int, virtual: int, zero: int, m: int, b: int, seq: int,
+         recompute: str = "none", sp: bool = False, schedule: str = "1f1b") -> ParallelLayout:
+    """A layout (no context axis) from its fields in the order these tables list them."""
+    return ParallelLayout(data=data, tensor=tensor, pipeline=pipeline, virtual_stages=virtual, zero_stage=zero,
+                          microbatches=m, microbatch_size=b, seq_len=seq, recompute=recompute, sequence_parallel=sp,
+                          schedule=schedule)
 
 
 def _tiny(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> ParallelLayout:
     """Tiny model, 8 devices, global batch 16 in 2 microbatches."""
     data = 8 // tensor
-    return ParallelLayout(data, tensor, 1, 1, zero, 2, 16 // (2 * data), SEQ, recompute, sp)
+    return _lay(data, tensor, 1, 1, zero, 2, 16 // (2 * data), SEQ, recompute, sp)
 
 
 def _1b(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> ParallelLayout:
     """~1B model, 8 devices, one sequence per data shard per microbatch; 2 microbatches at ZeRO-2/3
     (their reductions run every microbatch)."""
-    return ParallelLayout(8 // tensor, tensor, 1, 1, zero, 2 if zero >= 2 else 1, 1, SEQ, recompute, sp)
+    return _lay(8 // tensor, tensor, 1, 1, zero, 2 if zero >= 2 else 1, 1, SEQ, recompute, sp)
 
 
 # name -> (model, layout). Recompute varies across the grid to cover the remat collectives too.
@@ -63,23 +71,32 @@ LAYOUTS: dict[str, tuple[str, ParallelLayout]] = {
     "1b_t8_z0": ("1b", _1b(8, 0, "selective")),  # data = 1: ZeRO has nothing to shard over
     # Pipeline layouts: the compiled report counts each collective exactly per stage from the
     # schedule table; the busiest stage on each axis is compared with the estimate's.
-    "tiny_p2_1f1b": ("tiny", ParallelLayout(2, 2, 2, 1, 1, 4, 2, SEQ, "full")),
-    "tiny_p2_interleaved_sp": ("tiny", ParallelLayout(2, 2, 2, 2, 0, 2, 4, SEQ, "selective", True, "interleaved")),
-    "tiny_p4_gpipe": ("tiny", ParallelLayout(2, 1, 4, 1, 1, 4, 2, SEQ, "none", False, "gpipe")),
-    "tiny_p4_1f1b_sp": ("tiny", ParallelLayout(1, 2, 4, 1, 0, 4, 4, SEQ, "full", True)),
-    "1b_p2_1f1b_sp": ("1b", ParallelLayout(2, 2, 2, 1, 1, 2, 1, SEQ, "selective", True)),
-    "1b_p4_interleaved": ("1b", ParallelLayout(1, 2, 4, 2, 0, 4, 1, SEQ, "full", False, "interleaved")),
+    "tiny_p2_1f1b": ("tiny", _lay(2, 2, 2, 1, 1, 4, 2, SEQ, "full")),
+    "tiny_p2_interleaved_sp": ("tiny", _lay(2, 2, 2, 2, 0, 2, 4, SEQ, "selective", True, "interleaved")),
+    "tiny_p4_gpipe": ("tiny", _lay(2, 1, 4, 1, 1, 4, 2, SEQ, "none", False, "gpipe")),
+    "tiny_p4_1f1b_sp": ("tiny", _lay(1, 2, 4, 1, 0, 4, 4, SEQ, "full", True)),
+    "1b_p2_1f1b_sp": ("1b", _lay(2, 2, 2, 1, 1, 2, 1, SEQ, "selective", True)),
+    "1b_p4_interleaved": ("1b", _lay(1, 2, 4, 2, 0, 4, 1, SEQ, "full", False, "interleaved")),
     # ZeRO-3 inside the pipeline: layers gathered over data in every tick that runs them
-    "tiny_p2_zero3": ("tiny", ParallelLayout(2, 2, 2, 1, 3, 2, 4, SEQ, "none")),
-    "tiny_p2_zero3_interleaved": ("tiny", ParallelLayout(2, 2, 2, 2, 3, 2, 4, SEQ, "selective", False, "interleaved")),
-    "1b_p2_zero3_remat": ("1b", ParallelLayout(4, 1, 2, 1, 3, 2, 1, SEQ, "full")),
+    "tiny_p2_zero3": ("tiny", _lay(2, 2, 2, 1, 3, 2, 4, SEQ, "none")),
+    "tiny_p2_zero3_interleaved": ("tiny", _lay(2, 2, 2, 2, 3, 2, 4, SEQ, "selective", False, "interleaved")),
+    "1b_p2_zero3_remat": ("1b", _lay(4, 1, 2, 1, 3, 2, 1, SEQ, "full")),
     # ZeRO-2 inside the pipeline: each backward tick reduce-scatters into a sharded accumulator
-    "tiny_p4_zero2": ("tiny", ParallelLayout(2, 1, 4, 1, 2, 4, 2, SEQ, "full")),
-    "1b_p2_zero2_interleaved": ("1b", ParallelLayout(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
+    "tiny_p4_zero2": ("tiny", _lay(2, 1, 4, 1, 2, 4, 2, SEQ, "full")),
+    "1b_p2_zero2_interleaved": ("1b", _lay(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
+    # Context parallelism: the ring's permutes / the all-gather exchange on `context`, the gradient
+    # all-reduce over (data, context) on `data` (ZeRO 0: the memory estimate shards over data only)
+    "tiny_c4_ring_full": ("tiny", ParallelLayout(data=2, context=4, microbatches=2, microbatch_size=4, seq_len=SEQ,
+                                                 recompute="full", attention="blockwise", attention_block=32)),
+    "tiny_c2_t2_gather_sp": ("tiny", ParallelLayout(data=2, tensor=2, context=2, microbatches=2, microbatch_size=4,
+                                                    seq_len=SEQ, recompute="selective", sequence_parallel=True,
+                                                    attention="blockwise", attention_block=32,
+                                                    context_exchange="all_gather")),
 }
 # ~2.5 s of compile per layout on 2 cores: these six 1B layouts (their (tensor, zero) pairs and
 # recompute policies are covered by the others) run only with JAXPAR_SLOW=1, keeping the file < 60 s.
-SLOW = {"1b_t1_z1", "1b_t1_z2", "1b_t2_z0", "1b_t2_z3", "1b_t4_z1", "1b_t4_z2"}
+SLOW = {"1b_t1_z1", "1b_t1_z2", "1b_t2_z0", "1b_t2_z3", "1b_t4_z1", "1b_t4_z2",
+        "tiny_c2_t2_gather_sp"}  # the all-gather exchange's compiled bytes: also tests/test_context_hlo.py
 slow = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="slow: set JAXPAR_SLOW=1")
 
 
@@ -149,7 +166,7 @@ def test_plan_compiler_options_do_not_change_the_numbers(compiled):
 
 def test_layout_config_carries_the_layout():
     cfg = load_config(str(CONFIGS["1b"]))
-    layout = ParallelLayout(4, 2, 1, 1, 1, 4, 2, 4096, "full", True)
+    layout = _lay(4, 2, 1, 1, 1, 4, 2, 4096, "full", True)
     out = A.layout_config(cfg, layout, "bfloat16")
     assert (out.mesh.data, out.mesh.tensor, out.mesh.pipeline) == (4, 2, 1)
     parallel = out.parallel

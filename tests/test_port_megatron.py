@@ -180,11 +180,33 @@ def test_virtual_pipeline_sequence_and_context_parallel():
                                       "--context-parallel-size 2", world=16))
     assert (cfg.pipeline.virtual_stages, cfg.pipeline.schedule) == (4, "interleaved")  # 32 / (2 * 4)
     assert cfg.parallel.sequence_parallel and cfg.mesh.tensor == 2
-    assert cfg.mesh.data == 4 and report.find("--context-parallel-size").status == "unsupported"  # DP 2 * CP 2
+    assert (cfg.mesh.data, cfg.mesh.context) == (2, 2) and cfg.train.microbatches == 32  # DP = 16 / (2*2*2)
+    assert report.find("--context-parallel-size").status == "mapped" and cfg.model.attention == "blockwise"
+    assert cfg.parallel.context_exchange == "ring" and not report.problems
     with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage 5"):
         port_megatron(_text("--pipeline-model-parallel-size 2", "--num-layers-per-virtual-pipeline-stage 5"))
     with pytest.raises(ConfigError, match="--global-batch-size 12 is not divisible"):
         port_megatron(_text("--global-batch-size 12", "--micro-batch-size 1"))
+
+
+@pytest.mark.parametrize("kind, exchange, status", [("p2p", "ring", "mapped"), ("all_gather", "all_gather", "mapped"),
+                                                    ("a2a", "ring", "approximated"),
+                                                    ("a2a+p2p", "ring", "approximated")])
+def test_context_parallel_comm_types(kind, exchange, status):
+    cfg, report = port_megatron(_text("--context-parallel-size 4", f"--cp-comm-type {kind}", world=8))
+    assert (cfg.mesh.data, cfg.mesh.context, cfg.parallel.context_exchange) == (2, 4, exchange)
+    row = report.find("--cp-comm-type")
+    assert row.status == status and row.target == "parallel.context_exchange"
+    assert status == "mapped" or "ring (p2p) runs instead" in row.note
+
+
+def test_context_parallel_sequence_must_split_in_2cp_chunks():
+    text = _text("--context-parallel-size 4", world=8).replace("--seq-length 1024", "--seq-length 1028")
+    with pytest.raises(ConfigError, match=r"--seq-length 1028 is not divisible by 2 \* --context-parallel-size 4") as e:
+        port_megatron(text)
+    assert "\n" not in str(e.value)
+    cfg, report = port_megatron(_text("--cp-comm-type all_gather"))  # no CP: the type changes nothing
+    assert cfg.mesh.context == 1 and report.find("--cp-comm-type").status == "approximated"
 
 
 def test_unknown_flag_gets_a_suggestion():

@@ -33,7 +33,7 @@ def test_every_torchtitan_recipe_ports_and_reports_every_key(path, expected):
         assert "\n" not in str(e.value)
     cfg, report = port_torchtitan(path, world_size=world)
     if world is not None:
-        assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == world
+        assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline * cfg.mesh.context == world
     sources = [e.source for e in report.entries]
     for section, body in raw.items():
         keys = [f"{section}.{k}" for k in body] if section in ("parallelism", "training", "optimizer", "model") \
@@ -122,6 +122,27 @@ def test_torchtitan_degrees_must_multiply_to_the_world_size(tmp_path):
     path.write_text("[parallelism]\ndata_parallel_shard_degree = 3\n[trainig]\nsteps = 10\n")
     cfg, report = port_torchtitan(path)
     assert report.find("trainig").status == "unknown" and "'training'" in report.find("trainig").note
+
+
+@pytest.mark.parametrize("rotate, exchange, status", [(None, "all_gather", "mapped"),
+                                                      ("allgather", "all_gather", "mapped"),
+                                                      ("alltoall", "ring", "approximated")])
+def test_torchtitan_context_parallel(tmp_path, rotate, exchange, status):
+    path = tmp_path / "job.toml"
+    method = "" if rotate is None else f'context_parallel_rotate_method = "{rotate}"\n'
+    path.write_text(f"[parallelism]\ndata_parallel_shard_degree = -1\ncontext_parallel_degree = 4\n{method}"
+                    "[training]\nlocal_batch_size = 2\nseq_len = 8192\nsteps = 10\n")
+    cfg, report = port_torchtitan(path, world_size=16)
+    assert (cfg.mesh.data, cfg.mesh.context, cfg.train.global_batch, cfg.parallel.zero_stage) == (4, 4, 8, 3)
+    assert cfg.model.attention == "blockwise" and cfg.parallel.context_exchange == exchange and not report.problems
+    assert report.find("parallelism.context_parallel_degree").status == "mapped"
+    row = report.find("parallelism.context_parallel_rotate_method" + (" (default)" if rotate is None else ""))
+    assert row.status == status and row.target == "parallel.context_exchange"
+    assert status == "mapped" or "the ring" in row.note
+    path.write_text(path.read_text().replace("seq_len = 8192", "seq_len = 8196"))
+    with pytest.raises(ConfigError, match="training.seq_len 8196 is not divisible by 2 \\* parallelism") as e:
+        port_torchtitan(path, world_size=16)
+    assert "\n" not in str(e.value)
 
 
 def test_fsdp_full_shard():

@@ -20,14 +20,14 @@ from jaxpar.analysis.estimate import (
     communication,
     estimated_argument_bytes,
 )
-from jaxpar.axes import MESH_AXES
+from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.config import ConfigDict, ConfigError, validate
 
 
 def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: str | None = None) -> ConfigDict:
     """The jaxpar config that trains ``layout``: a copy of ``cfg`` with the layout's mesh, ZeRO stage,
-    sequence parallelism, microbatches, global batch, sequence length, remat (= recompute) and
-    pipeline schedule, validated (a one-line :class:`ConfigError` names what jaxpar cannot run).
+    sequence parallelism, microbatches, global batch, sequence length, remat (= recompute),
+    pipeline schedule and attention (kernel, block, context exchange), validated (a one-line :class:`ConfigError` names what jaxpar cannot run).
 
     ``grad_reduce_dtype`` (default: the config's) is the data-axis reduction dtype; ZeRO-3 reduces
     in ``model.compute_dtype`` (the config requires it). With RoPE, ``model.max_seq_len`` is raised
@@ -46,6 +46,8 @@ def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: st
     out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
     out.train.seq_len = layout.seq_len
     out.pipeline.schedule, out.pipeline.virtual_stages = layout.schedule, layout.virtual_stages
+    out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
+    out.parallel.context_exchange = layout.context_exchange
     validate(out)
     return out
 
@@ -174,10 +176,10 @@ def aot_compare(
     return AotComparison(
         layout=layout,
         estimated_argument_bytes=estimated_argument_bytes(lcfg.model, layout, convention, lcfg.optim),
-        estimated_bytes={axis: comm[axis].bytes for axis in MESH_AXES},
+        estimated_bytes=_estimated_axis_bytes(comm, layout),
         argument_bytes=mem.argument_bytes if mem else None,
         temp_bytes=mem.temp_bytes if mem else None,
-        compiled_bytes=_compiled_axis_bytes(report),
+        compiled_bytes=_compiled_axis_bytes(report, layout),
         stage_bytes=list(report.stages),
         compile_s=elapsed,
         compute_dtype=lcfg.model.compute_dtype,
@@ -186,12 +188,29 @@ def aot_compare(
     )
 
 
-def _compiled_axis_bytes(report: Any) -> dict[str, float]:
+def _estimated_axis_bytes(comm: dict[str, Any], layout: ParallelLayout) -> dict[str, float]:
+    """The estimate's bytes per axis as :func:`_compiled_axis_bytes` splits the compiled ones: with
+    ``data = 1`` and context, the gradient reduction runs over ``context`` alone, in the same rows as
+    the exchange, so both count under ``context``."""
+    out = {axis: comm[axis].bytes for axis in MESH_AXES}
+    if layout.context > 1 and layout.data == 1:
+        out[MeshAxis.CONTEXT] += out[MeshAxis.DATA]
+        out[MeshAxis.DATA] = 0.0
+    return out
+
+
+def _compiled_axis_bytes(report: Any, layout: ParallelLayout | None = None) -> dict[str, float]:
     """Bytes per device per step on each axis; with a pipeline, of the busiest stage on that axis
-    (each stage counted exactly from the schedule, as the estimate's busiest stage)."""
+    (each stage counted exactly from the schedule, as the estimate's busiest stage). With context
+    and data > 1, a row over both ``data`` and ``context`` (the gradient reduction's group) counts
+    under ``data`` only: the estimate's ``context`` is the attention exchange."""
     if report.stages:
         return {axis: max(st.get(axis, 0.0) for st in report.stages) for axis in MESH_AXES}
-    return {axis: report.total_bytes(axis) for axis in MESH_AXES}
+    out = {axis: report.total_bytes(axis) for axis in MESH_AXES}
+    if layout is not None and layout.context > 1 and layout.data > 1:
+        out[MeshAxis.CONTEXT] = sum(r.bytes_per_device for r in report.rows
+                                    if MeshAxis.CONTEXT in r.axes and MeshAxis.DATA not in r.axes)
+    return out
 
 
 def run_aot(

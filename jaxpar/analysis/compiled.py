@@ -385,6 +385,8 @@ def report_fields(cfg: ConfigDict) -> dict[str, Any]:
         MeshAxis.DATA: m.data,
         MeshAxis.TENSOR: m.tensor,
         MeshAxis.PIPELINE: m.pipeline,
+        MeshAxis.CONTEXT: m.context,
+        "context_exchange": p.context_exchange,
         "zero_stage": p.zero_stage,
         "sequence_parallel": p.sequence_parallel,
         "microbatches": t.microbatches,
@@ -397,7 +399,7 @@ def report_fields(cfg: ConfigDict) -> dict[str, Any]:
 
 
 def mesh_for(cfg: ConfigDict) -> Any:
-    """The config's mesh on the first data*tensor*pipeline devices (CPU ones if the default
+    """The config's mesh on the first data*tensor*pipeline*context devices (CPU ones if the default
     backend has too few)."""
     import jax
 

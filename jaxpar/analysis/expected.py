@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.optim import registry
 
@@ -87,6 +87,17 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
       forward pair's transposes in the backward); recomputation repeats both gathers and the
       attention reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
+    * ``context`` (``mesh.context`` = c > 1, :mod:`jaxpar.parallel.context`): "``data``" above
+      reads (``data``, ``context``), one group of n = data*c (every context rank's gradient is a
+      partial sum), and s reads s/c (each rank holds s/c tokens of every sequence). With kvb =
+      one rank's keys and values (2*b*s/c*kv_heads/t*head_dim*a), per layer per microbatch:
+      ``ring`` collective-permutes (:func:`~jaxpar.parallel.context.ring_bytes_per_layer`, keys and
+      values sent separately): forward c-1 hops (2(c-1) permutes of kvb/2), backward c-1
+      key/value hops and c hops of the fp32 key/value gradients (2c permutes of kvb/2*4/a); not
+      repeated under remat (the ring is a ``custom_vjp``, whose residuals JAX's checkpoint keeps:
+      measured, jax 0.10); ``all_gather``: the keys and values all-gathered over ``context`` (2
+      all-gathers of c*kvb/2: (c-1)*kvb), again in the recomputed forward with remat, and their
+      gradients reduce-scattered in the backward (the same bytes).
 
     ``count`` is the number of logical collectives; XLA may combine several into one op.
     Pipeline placements are not modelled (``ConfigError``).
@@ -94,7 +105,9 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
     if cfg.mesh.pipeline > 1:
         raise ConfigError("expected_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
     mesh_shape = dict(cfg.mesh)
-    m, s = cfg.train.microbatches, cfg.train.seq_len
+    c = cfg.mesh.context
+    group = group_axes(data_group(c))  # ZeRO and gradient reductions: data, or (data, context)
+    m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
     b = cfg.train.global_batch // (m * cfg.mesh.data)
     h, layers = cfg.model.embed_dim, cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
@@ -103,7 +116,7 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
     out: dict[tuple[str, tuple[str, ...]], dict] = {}
 
     def add(kind: str, axes: tuple[str, ...], size: float, count: int, what: str) -> None:
-        axes = tuple(a for a in axes if mesh_shape[a] > 1)  # size-1 axes move nothing
+        axes = tuple(a for a in DEVICE_ORDER if a in axes and mesh_shape[a] > 1)  # size-1 axes move nothing
         n = math.prod(mesh_shape[a] for a in axes)
         if count == 0 or (n <= 1 and kind != "collective-permute"):
             return
@@ -127,16 +140,16 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
         e = local_elements(shape, lay.compute, mesh_shape)
         if lay.sharded_storage:  # ZeRO-3
             gathers = 2 if path.startswith(f"['{stacked}']") else 1
-            add("all-gather", (MeshAxis.DATA,), e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
-            add("reduce-scatter", (MeshAxis.DATA,), e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
+            add("all-gather", group, e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
+            add("reduce-scatter", group, e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
         elif lay.sharded_optimizer:  # ZeRO-1/2
-            add("reduce-scatter", (MeshAxis.DATA,), e * g, per_reduce, "gradient reduce-scatter")
-            add("all-gather", (MeshAxis.DATA,), e * pb, 1, "updated parameter all-gather")
+            add("reduce-scatter", group, e * g, per_reduce, "gradient reduce-scatter")
+            add("all-gather", group, e * pb, 1, "updated parameter all-gather")
         else:
-            add("all-reduce", (MeshAxis.DATA,), e * g, per_reduce, "gradient all-reduce")
-        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.TENSOR) if a in _spec_axes(lay.optimizer))
+            add("all-reduce", group, e * g, per_reduce, "gradient all-reduce")
+        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR) if a in _spec_axes(lay.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
-    add("all-reduce", (MeshAxis.DATA,), 4, 1, "loss")
+    add("all-reduce", group, 4, 1, "loss")
 
     x = b * s * h * act  # one microbatch's activations on a data shard
     remat = int(cfg.model.remat != "none")
@@ -156,7 +169,27 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
         add("all-reduce", tp, x, m, "vocab-parallel embedding (fwd)")
         add("all-reduce", tp, x, m, "output layer input gradient (bwd)")
     add("all-reduce", tp, b * s * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)")
+    if c > 1:
+        kv = 2 * b * s * cfg.model.num_kv_heads // cfg.mesh.tensor * cfg.model.head_dim * act  # kvb
+        for kind, count, size, what in context_collectives(kv, c, cfg.parallel.context_exchange, act, remat):
+            add(kind, (MeshAxis.CONTEXT,), size, m * layers * count, what)
     return out
+
+
+def context_collectives(kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
+                        ) -> list[tuple[str, int, float, str]]:
+    """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
+    ``context`` (:mod:`jaxpar.parallel.context`): ``kv_block_bytes`` = one rank's keys and values in
+    the compute dtype (``act`` bytes), ``remat`` = 1 if the layer's forward is recomputed (it repeats
+    the all-gather; the ring, a ``custom_vjp`` whose residuals remat keeps, is not re-run). Keys and
+    values travel as two arrays of half the block; the ring's gradients travel in fp32."""
+    half = kv_block_bytes / 2
+    if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
+        return [("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
+                ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)")]
+    return [("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
+            ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
+            ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)")]
 
 
 def expected_memory(cfg: ConfigDict, placements: Any = None) -> dict[str, float]:

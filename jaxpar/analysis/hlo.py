@@ -170,10 +170,15 @@ def executions(
 
     ``all_branches``: every branch runs once per execution of its conditional; the pipeline report
     then scales each collective by the share of ticks in which the schedule takes its branch.
+
+    A while loop whose trip count is neither annotated nor read from its condition (a bound carried
+    in the loop state, as blockwise attention's causal block loops) is counted once, with a warning
+    only when a collective runs inside it (``cost``): elsewhere the count changes no number.
     """
     cost = cost or {}
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
     branches: dict[str, list[list[str]]] = defaultdict(list)  # caller -> branch lists of its conditionals
+    unknown: list[tuple[str, list[str], str]] = []  # (while, its callees, the warning) of unknown trip counts
     for comp, instrs in comps.items():
         for ins in instrs:
             if ins.opcode.endswith("-done") or ins.opcode == "async-update":
@@ -186,7 +191,9 @@ def executions(
                 if callees:
                     branches[comp].append(callees)
                 continue
-            trips = _trip_count(ins, comps, warnings) if ins.opcode == "while" else 1
+            found: list[str] = []
+            trips = _trip_count(ins, comps, found) if ins.opcode == "while" else 1
+            unknown += [(ins.name, callees, line) for line in found]
             edges[comp] += [(callee, trips) for callee in callees]
     order, seen = [], set()
 
@@ -206,6 +213,7 @@ def executions(
             chosen = [max(group, key=lambda b: total[b]) for group in branches[comp]]  # first of the largest
         edges[comp] += [(b, 1) for b in chosen]
         total[comp] = cost.get(comp, 0.0) + sum(total[c] * n for c, n in edges[comp])
+    warnings += [line for _, callees, line in unknown if any(total.get(c, 0.0) for c in callees)]
     runs = defaultdict(int, {entry: 1})
     for comp in reversed(order):
         for callee, trips in edges[comp]:

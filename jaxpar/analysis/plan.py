@@ -1,9 +1,11 @@
-"""ParallelLayout search: every (data, tensor, pipeline) split and schedule choice, ranked by estimated step time.
+"""ParallelLayout search: every (data, tensor, pipeline, context) split and schedule choice, ranked by estimated step time.
 
 ``jaxpar plan`` answers "how should I lay out this model on that cluster?" from the closed-form
 estimates in :mod:`jaxpar.analysis.estimate` alone, so it runs in seconds for any cluster size.
 It enumerates tensor sizes that are powers of two inside one node and divide heads, kv-heads,
-mlp and vocab; pipeline sizes that divide the layers; data = devices / (tensor * pipeline);
+mlp and vocab; pipeline sizes that divide the layers; context sizes (powers of two, see
+:func:`_context_sizes`: only where each of the 2c sequence chunks fills a blockwise-attention block);
+data = devices / (tensor * pipeline * context);
 ZeRO 0-3; microbatch sizes (powers of two, ascending until memory runs out); recompute
 none/selective/full; sequence parallel on/off; 1F1B or interleaved. Layouts whose peak memory
 exceeds device memory x (1 - headroom) are dropped; the rest are ranked by step time.
@@ -77,6 +79,7 @@ class LayoutEstimate:
     time: StepTime
     budget_bytes: float
     why: str = ""
+    context_s: float = 0.0  # the attention exchange over `context` (exposed, in step_time_s)
 
     @property
     def fits(self) -> bool:
@@ -106,7 +109,7 @@ class LayoutEstimate:
             "bubble_fraction": self.bubble_fraction,
             "tokens_per_s": self.tokens_per_s,
             "fits": self.fits,
-            "time": self.time.to_dict(),
+            "time": self.time.to_dict() | {"context_s": self.context_s},
             "communication": {axis: c.to_dict() for axis, c in self.communication.items()},
             **({"why": self.why} if self.why else {}),
         }
@@ -120,19 +123,24 @@ def evaluate_layout(
     comm = communication(
         model, layout, cluster, options.grad_reduce_bytes, options.link_efficiency, convention=options.convention
     )
+    c = layout.context
+    # step_time divides the step's compute by data*tensor; each device also holds only s/c tokens of
+    # every sequence, which is the same as c x the FLOP rate (compute and its backward window scale alike)
+    time = step_time(model, layout, cluster, efficiency=options.efficiency * c,
+                     dp_exposed_fraction=options.dp_exposed_fraction, comm=comm)
+    context_s = comm[MeshAxis.CONTEXT].time_s
+    if context_s:  # exposed like the tensor traffic: the ring's sends wait on the previous hop's attention
+        exposed = context_s / (1 - time.bubble_fraction)
+        step = time.step_s + exposed
+        time = dataclasses.replace(time, step_s=step, bubble_s=time.bubble_s + exposed - context_s,
+                                   mfu=time.mfu * time.step_s / step)
     return LayoutEstimate(
         layout=layout,
         memory=memory_estimate(model, layout, options.convention, options.optim),
         communication=comm,
-        time=step_time(
-            model,
-            layout,
-            cluster,
-            efficiency=options.efficiency,
-            dp_exposed_fraction=options.dp_exposed_fraction,
-            comm=comm,
-        ),
+        time=time,
         budget_bytes=cluster.memory_bytes * (1 - options.headroom),
+        context_s=context_s,
     )
 
 
@@ -153,17 +161,38 @@ def _tensor_sizes(model: ConfigDict, cluster: Cluster, num_devices: int) -> list
     return out
 
 
-def _meshes(model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any]):
-    """(data, tensor, pipeline) with pipeline dividing the layers and data dividing the global batch."""
+def _context_sizes(seq_len: int, fixed: dict[str, Any]) -> list[int]:
+    """Context sizes c: the pinned one, else 1 and the powers of two whose 2c chunks of the sequence
+    each fill at least one blockwise-attention block (``seq_len / 2c >= attention_block``): shorter
+    chunks leave the ring's per-hop kernels mostly padding, and the sequence is short enough to fit
+    without splitting it."""
+    if "context" in fixed:
+        return [fixed["context"]]
+    block = fixed.get("attention_block", ParallelLayout.attention_block)
+    out, c = [1], 2
+    while seq_len % (2 * c) == 0 and seq_len // (2 * c) >= block:
+        out.append(c)
+        c *= 2
+    return out
+
+
+def _meshes(model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any],
+            seq_len: int = 0):
+    """(data, tensor, pipeline, context) with pipeline dividing the layers, context from
+    :func:`_context_sizes` and data dividing the global batch."""
     for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
         rest = num_devices // t if num_devices % t == 0 else 0
         pipelines = [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest)
                                                                      if model.num_layers % p == 0]
         for p in pipelines:
-            if rest and rest % p == 0 and model.num_layers % p == 0:
-                data = rest // p
+            if not (rest and rest % p == 0 and model.num_layers % p == 0):
+                continue
+            for c in _context_sizes(seq_len, fixed):
+                if (rest // p) % c:
+                    continue
+                data = rest // (p * c)
                 if fixed.get("data", data) == data and global_batch % data == 0:
-                    yield data, t, p
+                    yield data, t, p, c
 
 
 def _divisors(n: int) -> list[int]:
@@ -222,10 +251,14 @@ def search_layouts(
         raise ConfigError(f"plan: unknown layout field(s) {', '.join(sorted(unknown))}")
     probe = {"schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b", "seq_len": seq_len,
              "microbatches": fixed.get("pipeline", 1)} | fixed  # unpinned choices: ones every mesh can take
+    if probe.get("context", 1) > 1 and "attention" not in fixed:
+        probe["attention"] = "blockwise"
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
     results: list[LayoutEstimate] = []
     smallest: LayoutEstimate | None = None
-    for data, t, p in _meshes(model, cluster, num_devices, global_batch, fixed):
+    for data, t, p, c in _meshes(model, cluster, num_devices, global_batch, fixed, seq_len):
+        attention = {"attention": "blockwise"} if c > 1 and "attention" not in fixed else {}  # what the ring runs
+        attention |= {k: fixed[k] for k in ("attention", "attention_block", "context_exchange") if k in fixed}
         per_shard = global_batch // data
         sizes = _microbatch_sizes(per_shard, p, fixed)
         choices = itertools.product(
@@ -237,7 +270,9 @@ def search_layouts(
         for zero, recompute, sp, (schedule, v) in choices:
             for b in sizes:
                 m = per_shard // b
-                layout = ParallelLayout(data, t, p, v, zero, m, b, seq_len, recompute, sp, schedule)
+                layout = ParallelLayout(data=data, tensor=t, pipeline=p, virtual_stages=v, zero_stage=zero, microbatches=m,
+                                        microbatch_size=b, seq_len=seq_len, recompute=recompute,
+                                        sequence_parallel=sp, schedule=schedule, context=c, **attention)
                 try:
                     layout.validate(model)  # only layouts the step runs are candidates
                 except ConfigError:
@@ -270,6 +305,7 @@ def search_layouts(
 def describe(layout: ParallelLayout) -> str:
     """A short one-line name of a layout."""
     v = f",virtual={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+    v += f",context={layout.context} ({layout.context_exchange})" if layout.context > 1 else ""
     sp = " +SP" if layout.sequence_parallel else ""
     return (
         f"data={layout.data},tensor={layout.tensor},pipeline={layout.pipeline}{v} ZeRO-{layout.zero_stage} "
@@ -296,6 +332,13 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
         parts.append(
             f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
             f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v})"
+        )
+    if lay.context > 1:
+        where = "inside the node" if est.communication[MeshAxis.CONTEXT].link == "intra" else "across nodes"
+        how = "passes keys and values around a ring" if lay.context_exchange == "ring" else "all-gathers keys and values"
+        parts.append(
+            f"context={lay.context} splits each sequence into {2 * lay.context} chunks and {how} {where} every layer "
+            f"({est.context_s / est.step_time_s:.1%} of the step exposed)"
         )
     if lay.data > 1:
         zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "plain DP"

@@ -55,9 +55,12 @@ ABORT_ENV = "JAXPAR_SWEEP_ABORT"  # a layout name: its worker process aborts (te
 
 
 def layout_name(layout: ParallelLayout) -> str:
-    """A short unique name: ``d2t2p2v2-z1-sp-interleaved-m4`` (mesh, ZeRO, +SP, schedule, microbatches)."""
+    """A short unique name: ``d2t2p2v2-z1-sp-interleaved-m4`` (mesh, ZeRO, +SP, schedule, microbatches);
+    with context parallelism ``c<size>`` after the mesh (``c<size>ag`` for the all-gather exchange)."""
     name = f"d{layout.data}t{layout.tensor}p{layout.pipeline}"
     name += f"v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+    if layout.context > 1:
+        name += f"c{layout.context}" + ("ag" if layout.context_exchange == "all_gather" else "")
     name += f"-z{layout.zero_stage}" + ("-sp" if layout.sequence_parallel else "")
     if layout.pipeline > 1:
         name += f"-{layout.schedule}"

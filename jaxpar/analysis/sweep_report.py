@@ -22,9 +22,9 @@ MIB = 2**20
 PLOTS = {"memory_vs_bytes": "memory per device vs collective bytes per step",
          "step_time": "step time per layout (median, min-max whiskers)",
          "estimate_vs_measured": "planner estimate vs measured (memory, step time)"}
-CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "virtual_stages", "zero_stage", "sequence_parallel",
-              "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s", "step_time_max_s",
-              "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
+CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage",
+              "sequence_parallel", "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s",
+              "step_time_max_s", "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
               *(f"{a}_bytes" for a in AXES), *(f"est_{a}_bytes" for a in AXES), "est_step_time_s", "final_loss",
               "loss_rel_diff", "error")
 

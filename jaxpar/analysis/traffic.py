@@ -5,6 +5,11 @@ nccl-tests PERFORMANCE.md: all-reduce 2(n-1)/n * S, all-gather / reduce-scatter 
 collective-permute S) and, with a cluster, the time over its links, under the ``paper`` convention
 (ring costs from NCCL's nccl-tests PERFORMANCE.md) or the ``jaxpar`` one: what jaxpar's train step compiles to, per pipeline
 stage, checked against the compiled HLO by tests/test_plan_aot.py.
+
+With context parallelism (``mesh.context`` = c > 1) the ``data`` entry is the gradient reduction
+over (data, context), a group of data*c devices, every activation term holds s/c tokens
+(:attr:`ParallelLayout.seq_local`), and the ``context`` entry is the attention exchange of
+:mod:`jaxpar.parallel.context` (:func:`context_traffic`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jaxpar.models.inventory import (
     shard_elements,
     stage_tensors,
 )
+from jaxpar.parallel.context import ring_bytes_per_layer
 
 CONVENTIONS = ("jaxpar", "paper")
 
@@ -58,10 +64,43 @@ class AxisComm:
 
 
 def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
-    """The link a ring over ``axis`` uses. With devices ordered tensor, data, pipeline, a ring stays in
-    a node when the span of device ids it touches (t, t*N, t*N*p) fits in one; else it crosses the NIC."""
-    span = {MeshAxis.TENSOR: layout.tensor, MeshAxis.DATA: layout.tensor * layout.data, MeshAxis.PIPELINE: layout.devices}[axis]
+    """The link a ring over ``axis`` uses. With devices ordered tensor, context, data, pipeline
+    (innermost first, :data:`jaxpar.axes.DEVICE_ORDER`), a ring stays in a node when the span of
+    device ids it touches (t, t*c, t*c*N, all) fits in one; else it crosses the NIC. ``data`` is the
+    gradient reduction over (data, context): its span includes the context ranks."""
+    t, c = layout.tensor, layout.context
+    span = {MeshAxis.TENSOR: t, MeshAxis.CONTEXT: t * c, MeshAxis.DATA: t * c * layout.data,
+            MeshAxis.PIPELINE: layout.devices}[axis]
     return "intra" if span <= cluster.devices_per_node else "inter"
+
+
+def reduce_group(layout: ParallelLayout) -> int:
+    """Devices the gradients are reduced (and ZeRO shards) over: data x context (:func:`jaxpar.axes.data_group`)."""
+    return layout.data * layout.context
+
+
+def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
+    """Context-axis (bytes, collectives) per step and device of the attention exchange
+    (:mod:`jaxpar.parallel.context`), the busiest pipeline stage's L/p layers, m microbatches, with
+    kvb = one rank's keys and values, 2*b*s/c*kv_heads/t*head_dim*a:
+
+    ``ring``: per layer :func:`~jaxpar.parallel.context.ring_bytes_per_layer` (forward c-1 hops of
+    kvb, backward c-1 hops of kvb and c of the fp32 gradients), keys and values as separate
+    permutes; not repeated under recompute (the ring's custom VJP keeps its residuals, measured in
+    tests/test_context_hlo.py). ``all_gather``: per layer the keys and values gathered ((c-1)*kvb),
+    again in the recomputed forward, and their gradients reduce-scattered ((c-1)*kvb).
+    """
+    c = layout.context
+    if c == 1:
+        return 0.0, 0
+    a = DTYPE_BYTES[model.compute_dtype]
+    kvb = 2 * layout.microbatch_size * layout.seq_local * model.num_kv_heads // layout.tensor * model.head_dim * a
+    layers, remat = model.num_layers // layout.pipeline, int(layout.recompute != "none")
+    if layout.context_exchange == "all_gather":
+        per_layer, calls = (2 + remat) * (c - 1) * kvb, 2 * (2 + remat)
+    else:
+        per_layer, calls = sum(ring_bytes_per_layer(kvb, c, 4 / a)), 2 * (c - 1) * 2 + 2 * c
+    return layout.microbatches * layers * per_layer, layout.microbatches * layers * calls
 
 
 def communication(
@@ -85,6 +124,8 @@ def communication(
     microbatch are ignored (< 1/(2L/p) of the layer traffic). pipeline (Narayanan 2021): one
     activation forward and one gradient backward of b*s*h per microbatch per boundary, x v when
     interleaved, /t with SP (Megatron's scatter-gather: each rank sends its sequence shard).
+    context (Liu et al. 2023; Megatron-LM context parallelism): :func:`context_traffic` in both
+    conventions; s reads s/c everywhere, and N reads data*c for the gradient reduction.
 
     ``jaxpar``: what the jaxpar train step compiles to (checked against the compiled HLO by
     tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`jaxpar_stage_traffic` (tensor and
@@ -94,8 +135,8 @@ def communication(
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
-    n, t, p, m, z = layout.data, layout.tensor, layout.pipeline, layout.microbatches, layout.zero_stage
-    bsh = layout.microbatch_size * layout.seq_len * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    n, t, p, m, z = reduce_group(layout), layout.tensor, layout.pipeline, layout.microbatches, layout.zero_stage
+    bsh = layout.microbatch_size * layout.seq_local * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
     pp_calls = 2 * m * layout.virtual_stages
     pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
     if convention == "jaxpar":
@@ -105,6 +146,7 @@ def communication(
             MeshAxis.DATA: (n, *max((st.get(MeshAxis.DATA, data) for st in stages), key=lambda x: x[0])),
             MeshAxis.TENSOR: (t, *max((st[MeshAxis.TENSOR] for st in stages), key=lambda x: x[0])),
             MeshAxis.PIPELINE: (p, *max((st[MeshAxis.PIPELINE] for st in stages), key=lambda x: x[0])),
+            MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
         }
     else:
         grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
@@ -119,6 +161,7 @@ def communication(
             MeshAxis.DATA: (n, *data),
             MeshAxis.TENSOR: (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
             MeshAxis.PIPELINE: pipeline,
+            MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
         }
     out = {}
     for axis, (size, nbytes, calls) in traffic.items():
@@ -157,7 +200,7 @@ def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: i
     and every gradient is reduce-scattered per microbatch. Parameters whose dims ``data`` divides
     none of are all-reduced instead; their share is ignored here (the loss and gradient-norm scalars too).
     """
-    n, m, z = layout.data, layout.microbatches, layout.zero_stage
+    n, m, z = reduce_group(layout), layout.microbatches, layout.zero_stage
     layer, other = _held_by_place(model, layout)
     full, pb = layer + other, DTYPE_BYTES[model.param_dtype]
     if z == 0:
@@ -185,7 +228,7 @@ def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, in
     SP the norm scales' gradients (2L/p + 1 fp32 vectors of h). The busiest stage (the last) counts.
     """
     t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
-    bs = layout.microbatch_size * layout.seq_len
+    bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
     layers, remat = model.num_layers // p, layout.recompute != "none"
     per_layer = 4 + (1.5 if sp else 1.0) * remat
@@ -243,14 +286,14 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
     elif layout.zero_stage == 3:
         data = _jaxpar_pipeline_zero3(model, layout, stage)
     v = v if layout.schedule == "interleaved" else 1
-    bs = layout.microbatch_size * layout.seq_len
+    bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
     send = m * ((v - (stage == p - 1)) + (v - (stage == 0)))
     # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
     # table), summed over pipeline, and the loss
     held = [x for x in param_tensors(model) if x.name.startswith("final_norm") or x.name == "positions"
             or (model.tie_embeddings and x.name == "embedding")]
-    summed = 4 + 4 * sum(shard_elements(x, t, layout.data, layout.zero_stage >= 2) for x in held)
+    summed = 4 + 4 * sum(shard_elements(x, t, reduce_group(layout), layout.zero_stage >= 2) for x in held)
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
         return {MeshAxis.TENSOR: (0.0, 0), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
@@ -282,7 +325,7 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
 
 def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:
     """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors."""
-    n, t = layout.data, layout.tensor
+    n, t = reduce_group(layout), layout.tensor
     return sum(all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n) for x in tensors
                if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS))
 

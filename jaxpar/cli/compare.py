@@ -27,6 +27,7 @@ KEYS = {  # key -> (ParallelLayout field, parser)
     **{axis.value: (axis.value, int) for axis in MESH_AXES},  # one mesh size per axis
     "virtual": ("virtual_stages", int), "zero": ("zero_stage", int), "microbatches": ("microbatches", int),
     "recompute": ("recompute", str), "sp": ("sequence_parallel", str), "schedule": ("schedule", str),
+    "exchange": ("context_exchange", str),  # with context > 1: ring | all_gather
 }
 
 

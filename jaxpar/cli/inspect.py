@@ -80,7 +80,10 @@ def pipeline_schedule(cfg: Any) -> dict[str, Any] | None:
 
 
 def _layout_text(layout: dict[str, Any]) -> str:
-    text = f"data={layout['data']} x tensor={layout['tensor']} x pipeline={layout['pipeline']}, ZeRO-{layout['zero_stage']}"
+    text = f"data={layout['data']} x tensor={layout['tensor']} x pipeline={layout['pipeline']}"
+    if layout.get("context", 1) > 1:
+        text += f" x context={layout['context']} ({layout['context_exchange']})"
+    text += f", ZeRO-{layout['zero_stage']}"
     if layout["sequence_parallel"]:
         text += ", SP"
     return text + f", {layout['microbatches']} microbatch(es), remat {layout['remat']}"

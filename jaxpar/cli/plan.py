@@ -47,6 +47,8 @@ def parse_layout(text: str) -> dict[str, int]:
         raise ConfigError(f"--layout '{text}': empty; e.g. --layout data=1,tensor=8,pipeline=8")
     if out.get("virtual_stages", 1) > 1:
         out["schedule"] = "interleaved"
+    if {MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE} <= set(out):
+        out.setdefault(MeshAxis.CONTEXT.value, 1)  # the three classic axes pin the mesh, as before context existed
     return out
 
 
@@ -59,19 +61,25 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
 
     console = console or wide_console()
     table = Table(title=title, title_justify="left")
-    for col in ("#", "data", "tensor", "pipe", "v", "ZeRO", "m", "b", "recompute", "SP", "schedule"):
+    context = any(e.layout.context > 1 for e in estimates)  # the columns appear only when a layout uses it
+    for col in ("#", "data", "tensor", "pipe", *(("ctx",) if context else ()), "v", "ZeRO", "m", "b", "recompute",
+                "SP", "schedule"):
         table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
-    for col in ("states GB", "act GB", "total GB", "step s", "MFU", "bubble", "TP s", "PP s", "DP s*"):
+    for col in ("states GB", "act GB", "total GB", "step s", "MFU", "bubble", "TP s", "PP s",
+                *(("CP s",) if context else ()), "DP s*"):
         table.add_column(col, justify="right")
     for i, e in enumerate(estimates, 1):
         lay, mem, t = e.layout, e.memory, e.time
         style = None if e.fits else "red"
+        ctx = ((f"{lay.context}{'ag' if lay.context_exchange == 'all_gather' else ''}",) if context else ())
         table.add_row(
-            str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), str(lay.virtual_stages), str(lay.zero_stage),
-            str(lay.microbatches), str(lay.microbatch_size), lay.recompute, "y" if lay.sequence_parallel else "",
-            lay.schedule, f"{mem.model_states_bytes / GB:.1f}", f"{(mem.activation_bytes + mem.transient_bytes) / GB:.1f}",
-            f"{mem.total_bytes / GB:.1f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}",
-            f"{t.tensor_s:.2f}", f"{t.pipeline_s:.2f}", f"{t.data_exposed_s:.2f}", style=style,
+            str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), *ctx, str(lay.virtual_stages),
+            str(lay.zero_stage), str(lay.microbatches), str(lay.microbatch_size), lay.recompute,
+            "y" if lay.sequence_parallel else "", lay.schedule, f"{mem.model_states_bytes / GB:.1f}",
+            f"{(mem.activation_bytes + mem.transient_bytes) / GB:.1f}", f"{mem.total_bytes / GB:.1f}",
+            f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}", f"{t.tensor_s:.2f}",
+            f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()), f"{t.data_exposed_s:.2f}",
+            style=style,
         )  # fmt: skip
     console.print(table)
 
@@ -137,7 +145,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, help="rows to show")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--layout", default=None, help="pin mesh sizes, e.g. data=1,tensor=8,pipeline=8,virtual=3")
+    parser.add_argument("--layout", default=None,
+                        help="pin mesh sizes, e.g. data=1,tensor=8,pipeline=8,virtual=3 (context=1 unless given)")
     parser.add_argument("--microbatches", type=int, default=None, help="pin microbatches per step")
     parser.add_argument("--recompute", choices=RECOMPUTE, default=None, help="pin the recompute policy")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)

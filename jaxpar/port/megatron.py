@@ -240,16 +240,12 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         raise ConfigError(f"megatron: --global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} * DP "
                           f"{dp}; use a multiple of {mbs * dp}")
     data, micro = dp, gbs // (mbs * dp)
-    if cp > 1 and gbs % (mbs * dp * cp) == 0:
-        data, micro = dp * cp, gbs // (mbs * dp * cp)
-    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.pipeline": pp, "train.global_batch": gbs,
-                   "train.microbatches": micro})
+    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.context": cp,
+                   "train.global_batch": gbs, "train.microbatches": micro})
     a.note("--tensor-model-parallel-size", "mapped", "mesh.tensor")
     a.note("--micro-batch-size", "mapped", "train.microbatches", f"microbatches = GBS / (MBS * DP) = {micro}")
     a.note("--global-batch-size", "mapped", "train.global_batch", f"DP = {world} / (TP*PP*CP) = {dp}")
-    a.note("--context-parallel-size", "mapped" if cp == 1 else "unsupported", "mesh.data", "" if cp == 1 else
-           f"no context parallelism in jaxpar; CP ranks join the data axis (mesh.data = {data}), each holding "
-           "whole sequences: more activation memory per device")
+    _context(a, values, cp)
     virtual = a.get("--virtual-pipeline-model-parallel-size", int, 1)
     per_stage = a.get("--num-layers-per-virtual-pipeline-stage", int)
     if per_stage:
@@ -284,6 +280,39 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
                        ("--step-batch-size-schedule", "constant global batch (the --global-batch-size value); "
                         "Megatron steps the batch up at token thresholds")):
         a.note(name, "approximated", "train.global_batch", note)
+
+
+# --cp-comm-type -> parallel.context_exchange (jaxpar.parallel.context): exact counterparts
+CP_COMM_TYPES = {"p2p": "ring", "all_gather": "all_gather"}
+
+
+def _context(a: _Args, values: dict[str, Any], cp: int) -> None:
+    """Context parallelism: ``--context-parallel-size`` -> ``mesh.context`` (blockwise attention, the
+    sequence in 2*CP load-balanced chunks as Megatron-LM's), ``--cp-comm-type`` -> the exchange:
+    ``p2p`` the ring, ``all_gather`` the all-gather; ``a2a`` (Ulysses) and ``a2a+p2p`` (hierarchical)
+    have no jaxpar counterpart and run as the ring (approximated). A per-layer list of types maps
+    when every layer uses the same one."""
+    seq = values.get("train.seq_len", 0)
+    if cp > 1 and seq and seq % (2 * cp):
+        raise ConfigError(f"megatron: --seq-length {seq} is not divisible by 2 * --context-parallel-size {cp} = "
+                          f"{2 * cp} (each CP rank holds two chunks of the sequence); use a multiple of {2 * cp}")
+    a.note("--context-parallel-size", "mapped", "mesh.context, model.attention", "" if cp == 1 else
+           f"the sequence split over {cp} context ranks, {2 * cp} load-balanced chunks; blockwise attention")
+    kinds = str(a.get("--cp-comm-type", str, "p2p")).split()
+    exchange = CP_COMM_TYPES.get(kinds[0], "ring") if len(set(kinds)) == 1 else "ring"
+    if cp > 1:
+        values.update({"model.attention": "blockwise", "parallel.context_exchange": exchange})
+    exact = len(set(kinds)) == 1 and kinds[0] in CP_COMM_TYPES
+    if cp == 1:
+        note = "no effect without --context-parallel-size > 1"
+    elif exact:
+        note = "ring: keys and values passed rank to rank" if exchange == "ring" else "keys and values all-gathered"
+    else:
+        note = (f"{' '.join(kinds)}: jaxpar has no all-to-all (Ulysses) or hierarchical or per-layer exchange; the "
+                "ring (p2p) runs instead: the same attention, different messages")
+    a.note("--cp-comm-type", "mapped" if exact and cp > 1 else "approximated", "parallel.context_exchange", note)
+    a.note("--hierarchical-context-parallel-sizes", "approximated", "parallel.context_exchange",
+           "one flat ring over all context ranks")
 
 
 def _model(a: _Args, values: dict[str, Any]) -> int:

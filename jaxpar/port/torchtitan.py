@@ -142,18 +142,22 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
     accum = global_batch // (local * dp)
     pp_micro = _count(p, "parallelism.pipeline_parallel_microbatch_size", 1)
     micro = accum * (local // pp_micro if pp > 1 and local % pp_micro == 0 else 1)
-    values.update({"mesh.data": dp * cp, "mesh.tensor": tp, "mesh.pipeline": pp, "train.global_batch": global_batch,
-                   "train.microbatches": micro, "parallel.zero_stage": 3 if shard > 1 else 0})
+    values.update({"mesh.data": dp, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.context": cp,
+                   "train.global_batch": global_batch, "train.microbatches": micro,
+                   "parallel.zero_stage": 3 if shard > 1 else 0})
+    rotate = _context(p, t, cp, values, report)
     note = {"data_parallel_shard_degree": f"FSDP over {shard} ranks = ZeRO-3 on mesh.data" if shard > 1 else
             "no FSDP sharding: ZeRO-0", "data_parallel_replicate_degree": "" if rep == 1 or shard == 1 else
             f"HSDP: jaxpar shards over all {dp} data ranks instead of {shard} and replicating {rep}x",
-            "context_parallel_degree": "" if cp == 1 else f"no context parallelism in jaxpar; its {cp} ranks join "
-            "mesh.data and hold whole sequences", "pipeline_parallel_microbatch_size":
+            "context_parallel_degree": "" if cp == 1 else f"the sequence split over {cp} context ranks in {2 * cp} "
+            "load-balanced chunks; blockwise attention; FSDP and gradients over data x context",
+            "context_parallel_rotate_method": rotate, "pipeline_parallel_microbatch_size":
             f"microbatches = local/microbatch size * accumulation = {micro}"}
     target = {"data_parallel_replicate_degree": "mesh.data", "data_parallel_shard_degree": "mesh.data, "
               "parallel.zero_stage", "tensor_parallel_degree": "mesh.tensor", "pipeline_parallel_degree":
-              "mesh.pipeline", "context_parallel_degree": "mesh.data", "pipeline_parallel_microbatch_size":
-              "train.microbatches"}
+              "mesh.pipeline", "context_parallel_degree": "mesh.context, model.attention",
+              "context_parallel_rotate_method": "parallel.context_exchange",
+              "pipeline_parallel_microbatch_size": "train.microbatches"}
     schedule = str(p.get("pipeline_parallel_schedule", "1F1B"))
     if pp > 1 and schedule in SCHEDULES:
         values["pipeline.schedule"] = SCHEDULES[schedule]
@@ -162,8 +166,8 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
     for key, value in p.items():
         src = f"parallelism.{key}"
         if key in target:
-            bad = (key == "context_parallel_degree" and cp > 1) or (key == "data_parallel_replicate_degree"
-                                                                     and note[key])
+            bad = (key == "context_parallel_rotate_method" and (cp == 1 or str(value) not in ROTATE_METHODS)) or (
+                key == "data_parallel_replicate_degree" and note[key])
             report.add(src, value, "approximated" if bad else "mapped", target[key], note.get(key, ""))
         elif key == "pipeline_parallel_schedule":
             ok = pp == 1 or schedule in ("1F1B", "GPipe")
@@ -178,9 +182,37 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
             report.approximated(src, value, "", _NOOP + "XLA decides this (or it is off)")
         else:
             report.unknown(src, value, [f"parallelism.{k}" for k in KNOWN["parallelism"]], "torchtitan")
-    report.mapped("(world size)", dp * cp * tp * pp, "mesh.data", f"data = replicate*shard*context = {dp * cp}")
+    report.mapped("(world size)", dp * cp * tp * pp, "mesh.data", f"data = replicate*shard = {dp}")
     report.mapped("training.local_batch_size", local, "train.global_batch", f"global batch = {global_batch} "
                   f"({accum} accumulation step(s))")
+
+
+# parallelism.context_parallel_rotate_method -> parallel.context_exchange (jaxpar.parallel.context)
+ROTATE_METHODS = {"allgather": "all_gather"}
+
+
+def _context(p: dict, t: dict, cp: int, values: dict, report: Report) -> str:
+    """Context parallelism: ``context_parallel_degree`` -> ``mesh.context`` with blockwise attention;
+    the rotate method -> the exchange: ``allgather`` (torchtitan's default) the all-gather,
+    ``alltoall`` (keys and values passed on by all-to-all) the ring, its nearest counterpart.
+    Returns the rotate method's report note."""
+    seq = _count(t, "training.seq_len", 2048)
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(f"torchtitan: training.seq_len {seq} is not divisible by 2 * "
+                          f"parallelism.context_parallel_degree {cp} = {2 * cp} (each context rank holds two chunks "
+                          f"of the sequence); use a multiple of {2 * cp}")
+    method = str(p.get("context_parallel_rotate_method", "allgather"))
+    exchange = ROTATE_METHODS.get(method, "ring")
+    if cp == 1:
+        return "no effect: context_parallel_degree = 1"
+    values.update({"model.attention": "blockwise", "parallel.context_exchange": exchange})
+    if "context_parallel_rotate_method" not in p:
+        report.mapped("parallelism.context_parallel_rotate_method (default)", method, "parallel.context_exchange",
+                      "torchtitan's default: keys and values all-gathered")
+    if method in ROTATE_METHODS:
+        return "keys and values all-gathered over the context ranks"
+    return (f"{method}: no all-to-all rotation in jaxpar; the ring (keys and values passed rank to rank by "
+            "collective-permute) runs instead: the same attention, different messages")
 
 
 def _model(m: dict, t: dict, values: dict, report: Report) -> None:
