@@ -196,6 +196,15 @@ def _microbatch_sizes(per_shard: int, pipeline: int, fixed: dict[str, Any]) -> l
     return [b for b in MICROBATCH_SIZES if per_shard % b == 0 and per_shard // b >= pipeline]
 
 
+class SearchResult(list):
+    """The ranked :class:`LayoutEstimate` list of :func:`search_layouts`, with the counts taken before
+    layouts over the budget were dropped: ``considered`` (every layout the step can run) and
+    ``fitting`` (those within the budget)."""
+
+    considered: int = 0
+    fitting: int = 0
+
+
 def search_layouts(
     model: ConfigDict,
     cluster: Cluster,
@@ -223,7 +232,9 @@ def search_layouts(
     probe = {"schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b", "seq_len": seq_len,
              "microbatches": fixed.get("pipeline", 1)} | fixed  # unpinned choices: ones every mesh can take
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
-    results: list[LayoutEstimate] = []
+    # pinned fields the search does not vary (context, attention) are carried into every layout
+    extra = {k: fixed[k] for k in ("context", "attention", "attention_block", "context_exchange") if k in fixed}
+    results = SearchResult()
     smallest: LayoutEstimate | None = None
     for data, t, p in _meshes(model, cluster, num_devices, global_batch, fixed):
         per_shard = global_batch // data
@@ -235,20 +246,27 @@ def search_layouts(
             _schedules(model, p, fixed),
         )
         for zero, recompute, sp, (schedule, v) in choices:
+            over_budget = False
             for b in sizes:
                 m = per_shard // b
-                layout = ParallelLayout(data, t, p, v, zero, m, b, seq_len, recompute, sp, schedule)
+                layout = ParallelLayout(data=data, tensor=t, pipeline=p, virtual_stages=v, zero_stage=zero,
+                                        microbatches=m, microbatch_size=b, seq_len=seq_len, recompute=recompute,
+                                        sequence_parallel=sp, schedule=schedule, **extra)
                 try:
                     layout.validate(model)  # only layouts the step runs are candidates
                 except ConfigError:
                     continue
+                results.considered += 1
+                if over_budget:  # larger microbatches only need more memory: counted, not evaluated
+                    continue
                 est = evaluate_layout(model, cluster, layout, options)
+                results.fitting += est.fits
                 if smallest is None or est.memory.total_bytes < smallest.memory.total_bytes:
                     smallest = est
                 if est.fits or keep_unfit:
                     results.append(est)
-                elif not keep_unfit:
-                    break  # larger microbatches only need more memory
+                else:
+                    over_budget = True
     if smallest is None:
         raise ConfigError(
             f"plan: no layout of {num_devices} devices matches global batch {global_batch} and the pinned choices "
@@ -261,7 +279,7 @@ def search_layouts(
             f"layout (smallest needs {need:.1f} GB of {smallest.budget_bytes / GB:.1f} GB per device at "
             f"{describe(smallest.layout)}); add devices, lower --seq or --global-batch, or lower --headroom"
         )
-    results.sort(key=lambda e: (not e.fits, e.step_time_s, e.memory.total_bytes))
+    results.sort(key=lambda e: (not e.fits, e.step_time_s, e.memory.total_bytes))  # in place: keeps the counts
     if results[0].fits:
         results[0] = dataclasses.replace(results[0], why=explain(results[0], cluster))
     return results
