@@ -23,7 +23,7 @@ import itertools
 import math
 from typing import Any
 
-from jaxpar.analysis.clusters import GB, Cluster
+from jaxpar.analysis.clusters import GIB, Cluster
 from jaxpar.analysis.estimate import (
     RECOMPUTE,
     AxisComm,
@@ -273,10 +273,10 @@ def search_layouts(
             f"{fixed or '{}'}; make the global batch a multiple of data*microbatches or relax the pins"
         )
     if not results:
-        need = smallest.memory.total_bytes / GB
+        need = smallest.memory.total_bytes / GIB
         raise ConfigError(
             f"plan: model of {count_params(model) / 1e9:.1f}B params does not fit {num_devices} x {cluster.name} at any "
-            f"layout (smallest needs {need:.1f} GB of {smallest.budget_bytes / GB:.1f} GB per device at "
+            f"layout (smallest needs {need:.1f} GiB of {smallest.budget_bytes / GIB:.1f} GiB per device at "
             f"{describe(smallest.layout)}); add devices, lower --seq or --global-batch, or lower --headroom"
         )
     results.sort(key=lambda e: (not e.fits, e.step_time_s, e.memory.total_bytes))  # in place: keeps the counts
@@ -324,7 +324,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
             f"({exposed:.1%} of the step exposed)"
         )
     parts.append(
-        f"it needs {est.memory.total_bytes / GB:.1f} of {est.budget_bytes / GB:.1f} GB per device "
+        f"it needs {est.memory.total_bytes / GIB:.1f} of {est.budget_bytes / GIB:.1f} GiB per device "
         f"(recompute={lay.recompute}) and reaches {est.mfu:.1%} MFU"
     )
     return "; ".join(parts) + "."

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from jaxpar.analysis.aot import AotComparison, run_aot
-from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
+from jaxpar.analysis.clusters import GIB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES, MeshAxis
@@ -61,7 +61,7 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
     table = Table(title=title, title_justify="left")
     for col in ("#", "data", "tensor", "pipe", "v", "ZeRO", "m", "b", "recompute", "SP", "schedule"):
         table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
-    for col in ("states GB", "act GB", "total GB", "step s", "MFU", "bubble", "TP s", "PP s", "DP s*"):
+    for col in ("states GiB", "act GiB", "total GiB", "step s", "MFU", "bubble", "TP s", "PP s", "DP s*"):
         table.add_column(col, justify="right")
     for i, e in enumerate(estimates, 1):
         lay, mem, t = e.layout, e.memory, e.time
@@ -69,11 +69,16 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
         table.add_row(
             str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), str(lay.virtual_stages), str(lay.zero_stage),
             str(lay.microbatches), str(lay.microbatch_size), lay.recompute, "y" if lay.sequence_parallel else "",
-            lay.schedule, f"{mem.model_states_bytes / GB:.1f}", f"{(mem.activation_bytes + mem.transient_bytes) / GB:.1f}",
-            f"{mem.total_bytes / GB:.1f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}",
+            lay.schedule, gib(mem.model_states_bytes), gib(mem.activation_bytes + mem.transient_bytes),
+            gib(mem.total_bytes), f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}",
             f"{t.tensor_s:.2f}", f"{t.pipeline_s:.2f}", f"{t.data_exposed_s:.2f}", style=style,
         )  # fmt: skip
     console.print(table)
+
+
+def gib(value: float | None) -> str:
+    """A per-device memory figure in GiB, three significant digits (every memory table uses it)."""
+    return "-" if value is None else f"{value / GIB:.3g}"
 
 
 def _human_bytes(value: float | None) -> str:
@@ -229,7 +234,8 @@ def run_plan(args: argparse.Namespace) -> int:
         aot_s = time.perf_counter() - start
     if args.json:
         doc = plan_summary(model, cluster, num_devices, shown, options)
-        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": len(estimates), "search_s": elapsed}
+        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": getattr(estimates, "considered", len(estimates)),
+                "fitting": getattr(estimates, "fitting", sum(e.fits for e in estimates)), "search_s": elapsed}
         for row, result in zip(doc["layouts"], aot):
             row["aot"] = result.to_dict()
         if aot:
@@ -237,15 +243,16 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     console = wide_console()
-    budget = cluster.memory_bytes * (1 - options.headroom) / GB
+    budget = cluster.memory_bytes * (1 - options.headroom) / GIB
     console.print(
         f"[bold]{model.name}[/] ({count_params(model) / 1e9:.2f}B params) on {num_devices} x {cluster.name} "
-        f"({num_devices // dpn} nodes); global batch {global_batch} x seq {seq_len}; memory budget {budget:.1f} GB "
-        f"per device ({cluster.memory_gb:g} GB - {options.headroom:.0%} headroom); "
+        f"({num_devices // dpn} nodes); global batch {global_batch} x seq {seq_len}; memory budget {budget:.1f} GiB "
+        f"per device ({cluster.memory_gb:g} GB data sheet - {options.headroom:.0%} headroom); "
         f"{options.convention} state convention; compute at {options.efficiency:.0%} of peak"
     )
-    fitting = sum(e.fits for e in estimates)
-    render_table(shown, cluster, title=f"{fitting} of {len(estimates)} layouts fit; top {len(shown)} by step time")
+    considered = getattr(estimates, "considered", len(estimates))  # counted before those over budget are dropped
+    fitting = getattr(estimates, "fitting", sum(e.fits for e in estimates))
+    render_table(shown, cluster, title=f"{fitting} of {considered} layouts fit; top {len(shown)} by step time")
     if estimates[0].why:
         console.print(f"[bold]why #1:[/] {estimates[0].why}")
     elif pinned:
