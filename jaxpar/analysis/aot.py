@@ -27,7 +27,7 @@ from jaxpar.config import ConfigDict, ConfigError, validate
 def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: str | None = None) -> ConfigDict:
     """The jaxpar config that trains ``layout``: a copy of ``cfg`` with the layout's mesh, ZeRO stage,
     sequence parallelism, microbatches, global batch, sequence length, remat (= recompute) and
-    pipeline schedule, validated (a one-line :class:`ConfigError` names what jaxpar cannot run).
+    pipeline schedule, attention implementation and context exchange, validated (a one-line :class:`ConfigError` names what jaxpar cannot run).
 
     ``grad_reduce_dtype`` (default: the config's) is the data-axis reduction dtype; ZeRO-3 reduces
     in ``model.compute_dtype`` (the config requires it). With RoPE, ``model.max_seq_len`` is raised
@@ -41,6 +41,8 @@ def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: st
     if layout.zero_stage == 3:
         out.parallel.grad_reduce_dtype = out.model.compute_dtype
     out.model.remat = layout.recompute  # none | selective | full: the same names
+    out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
+    out.parallel.context_exchange = layout.context_exchange
     if out.model.position == "rope":
         out.model.max_seq_len = max(out.model.max_seq_len, layout.seq_len)
     out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
