@@ -131,6 +131,7 @@ def evaluate_layout(
             efficiency=options.efficiency,
             dp_exposed_fraction=options.dp_exposed_fraction,
             comm=comm,
+            convention=options.convention,
         ),
         budget_bytes=cluster.memory_bytes * (1 - options.headroom),
     )
