@@ -224,6 +224,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     layer's :func:`layer_working_bytes` (or, if larger, the head's :func:`head_working_bytes`); the
     backward scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N) and, with
     m > 1, the accumulation sum is a second buffer (ZeRO-2/3: sharded, :mod:`jaxpar.train.step`).
+    With m = 2 the accumulation scan (microbatches 2..m) has a single iteration, which XLA inlines;
+    the two microbatches are then independent until the sum and both residual stacks are live.
 
     1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
     L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
@@ -242,6 +244,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     if p == 1:
         layers = model.num_layers
         residual = layers * layer_residual_bytes(model, layout)
+        if layout.microbatches == 2:  # the accumulation scan has one iteration: XLA inlines it and runs both
+            residual *= 2  # microbatches' forwards before their backwards (measured: tiny, b=1, ZeRO-1)
         working = max(layer_working_bytes(model, layout, layers=layers), head_working_bytes(model, layout))
         grads = full_grads / n if zero3 else full_grads
         if layout.microbatches > 1:

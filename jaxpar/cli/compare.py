@@ -59,6 +59,13 @@ def parse_compare_layout(text: str) -> dict[str, Any]:
     return out
 
 
+def _compiled_fit(aot: list, index: int, budget_bytes: float) -> str:
+    """`` (does not fit (compiled))`` when the compiled peak of layout ``index`` exceeds the budget."""
+    if not aot or aot[index].skipped or aot[index].fits_compiled(budget_bytes):
+        return ""
+    return " (does not fit (compiled))"
+
+
 def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
     """``from the config: zero=1, recompute=none; chosen: microbatches=4`` for one layout."""
     lay, parts = estimate.layout, []
@@ -99,6 +106,10 @@ def run_compare(args: argparse.Namespace) -> int:
     options = PlanOptions(headroom=args.headroom, efficiency=args.efficiency,
                           grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype], optim=cfg.optim)
     global_batch, seq_len = args.global_batch or cfg.train.global_batch, args.seq or cfg.train.seq_len
+    if args.aot:  # before the estimates: the parameter inventory starts JAX
+        from jaxpar.analysis.aot import ensure_aot_devices
+
+        ensure_aot_devices(num_devices)
     defaults = config_choices(cfg)
     estimates = compare_layouts(model, cluster, pinned, global_batch, seq_len, options, defaults)
     sources = [choice_sources(p, e, defaults) for p, e in zip(pinned, estimates)]
@@ -118,6 +129,8 @@ def run_compare(args: argparse.Namespace) -> int:
             row["choices"] = sources[i]
             if aot:
                 row["aot"] = aot[i].to_dict()
+                if not aot[i].skipped:
+                    row["aot"]["fits_compiled"] = aot[i].fits_compiled(doc["memory_budget_bytes"])
         print(json.dumps(doc, indent=2))
         return 0
     console = wide_console()
@@ -127,8 +140,9 @@ def run_compare(args: argparse.Namespace) -> int:
     render_table(estimates, cluster, title="the layouts as given")
     for i, (e, rel) in enumerate(zip(estimates, relative), 1):
         console.print(f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"
-                      + ("" if e.fits else " (does not fit)") + "; " + _choices_text(e, sources[i - 1]))
+                      + ("" if e.fits else " (does not fit)") + _compiled_fit(aot, i - 1, budget * GIB) + "; "
+                      + _choices_text(e, sources[i - 1]))
     if aot:
-        render_aot(aot, list(range(1, len(aot) + 1)), console)
+        render_aot(aot, list(range(1, len(aot) + 1)), console, budget * GIB)
         console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")
     return 0

@@ -96,9 +96,18 @@ def _versus(estimated: float | None, compiled: float | None) -> str:
     return f"{_human_bytes(estimated)} -> {_human_bytes(compiled)} ({'-' if ratio is None else f'{ratio:.3f}'})"
 
 
-def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None) -> None:
-    """The AOT check as a rich table: estimated vs compiled argument bytes and collective bytes per
-    axis (per device per step), with compiled / estimated ratios; skipped layouts with their reason."""
+def _versus_gib(estimated: float | None, compiled: float | None) -> str:
+    """``est -> compiled (ratio)`` of a memory figure, in GiB per device."""
+    ratio = compiled / estimated if compiled is not None and estimated else None
+    return f"{gib(estimated)} -> {gib(compiled)} ({'-' if ratio is None else f'{ratio:.3f}'})"
+
+
+def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None,
+               budget_bytes: float | None = None) -> None:
+    """The AOT check as a rich table: estimated vs compiled arguments, temporaries and peak (GiB per
+    device) and collective bytes per axis (per device per step), with compiled / estimated ratios;
+    a layout whose compiled peak exceeds ``budget_bytes`` is marked "does not fit (compiled)";
+    skipped layouts with their reason."""
     from rich.table import Table
 
     console = console or wide_console()
@@ -109,14 +118,26 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
         table = Table(
             title=f"AOT: the compiled train step per device per step ({'; '.join(dtypes)})", title_justify="left"
         )
-        for col in ("#", "compile s", "args: est -> AOT (ratio)", *(f"{a}: est -> AOT (ratio)" for a in axes)):
+        memory_cols = ("args GiB: est -> AOT (ratio)", "temp GiB: est -> AOT (ratio)", "peak GiB: est -> AOT (ratio)")
+        for col in ("#", "compile s", *memory_cols, *(f"{a} bytes: est -> AOT (ratio)" for a in axes)):
             table.add_column(col, justify="right")
-        table.add_column("temp AOT", justify="right")
+        if budget_bytes is not None:
+            table.add_column("compiled peak", justify="left")
         for rank, r in done:
-            cells = [str(rank), f"{r.compile_s:.1f}", _versus(r.estimated_argument_bytes, r.argument_bytes)]
+            cells = [str(rank), f"{r.compile_s:.1f}", _versus_gib(r.estimated_argument_bytes, r.argument_bytes),
+                     _versus_gib(r.estimated_temp_bytes, r.temp_bytes),
+                     _versus_gib(r.estimated_peak_bytes, r.peak_bytes)]
             cells += [_versus(r.estimated_bytes.get(axis), r.compiled_bytes.get(axis)) for axis in axes]
-            table.add_row(*cells, _human_bytes(r.temp_bytes))
+            if budget_bytes is not None:
+                fits = r.fits_compiled(budget_bytes)
+                cells.append("fits" if fits else "[red]does not fit (compiled)[/]")
+            table.add_row(*cells)
         console.print(table)
+        staged = [(rank, r) for rank, r in done if r.estimated_stage_temp_bytes]
+        for rank, r in staged:
+            console.print(f"#{rank} estimated temp GiB per pipeline stage: "
+                          + ", ".join(gib(t) for t in r.estimated_stage_temp_bytes)
+                          + f" (compiled: one buffer for every stage, {gib(r.temp_bytes)})")
     for rank, r in zip(ranks, results):
         if r.skipped:
             console.print(f"[yellow]#{rank} not compiled:[/] {r.skipped}")
@@ -124,7 +145,7 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
         console.print(
             "AOT ran on simulated CPU devices with float32 compute and reductions (XLA:CPU runs bf16 collectives "
             "in fp32); the est columns use the same dtypes. args = parameters + optimizer state + batch; temp = "
-            "XLA:CPU temporaries."
+            "XLA:CPU temporaries (activations in fp32: a bf16 step on GPU holds less); peak = args + temp."
         )
 
 
@@ -218,6 +239,10 @@ def run_plan(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
         optim=cfg.optim,
     )
+    if getattr(args, "aot", False):  # before the search: the parameter inventory starts JAX
+        from jaxpar.analysis.aot import ensure_aot_devices
+
+        ensure_aot_devices(num_devices)
     start = time.perf_counter()
     pinned = bool(args.layout)
     estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=pinned)
@@ -238,6 +263,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 "fitting": getattr(estimates, "fitting", sum(e.fits for e in estimates)), "search_s": elapsed}
         for row, result in zip(doc["layouts"], aot):
             row["aot"] = result.to_dict()
+            if not result.skipped:
+                row["aot"]["fits_compiled"] = result.fits_compiled(doc["memory_budget_bytes"])
         if aot:
             doc["aot_s"] = aot_s
         print(json.dumps(doc, indent=2))
@@ -259,6 +286,6 @@ def run_plan(args: argparse.Namespace) -> int:
         console.print("[red]the pinned layout does not fit the memory budget[/]")
     console.print(f"* DP s = exposed data-axis time. Searched in {elapsed:.2f} s.")
     if aot:
-        render_aot(aot, list(range(1, len(aot) + 1)), console)
+        render_aot(aot, list(range(1, len(aot) + 1)), console, cluster.memory_bytes * (1 - options.headroom))
         console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")
     return 0
