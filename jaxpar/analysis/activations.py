@@ -145,8 +145,9 @@ def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
 WORKING_SET = {"none": 1.0, "selective": 1.0, "full": 3.5}
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3: gathered layers (compute dtype) live beside the residuals at the backward peak: the layer in use
-# plus what XLA schedules around it; measured on XLA:CPU between ~0.5 (tiny) and ~2.4 (~1B, s = 1024)
-ZERO3_GATHERED_LAYERS = 1.5
+# and the next one, gathered ahead. Measured on XLA:CPU: ~0.5 extra layers (tiny, whose gathers reuse
+# freed activation space) to ~2.4 (~1B, s = 1024); 2 keeps both within the test bounds
+ZERO3_GATHERED_LAYERS = 2.0
 
 
 def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2) -> float:
