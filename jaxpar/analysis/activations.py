@@ -207,17 +207,26 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     """The optimizer phase (:mod:`jaxpar.train.step`), with ``grads`` the full local fp32 gradient bytes.
 
     Stage 0: the data all-reduce writes a second gradient buffer (XLA:CPU does not reduce in place),
-    except for the embedding's scatter-add gradient: 2G - 4*V*h/t. Stages 1-2: the full gradient, its
-    reduce-scattered shard, this rank's parameter shard and the updated shard (3G/N), and the
-    embedding gradient. Stage 3: three shards. Measured for the ~1B config at data=8 to 0.1%.
+    except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%).
+    Stages 1-2: the full gradient and, per parameter, the updated shard all-gathered into a fresh
+    full-size buffer before it is written out: two of the largest (stacked) parameter, 2*P_max
+    (~1B at data=8 x tensor=1 and data=4 x tensor=2: +3%). Stage 3: three shards of the gradient.
     """
     n = layout.data * layout.context
-    table = DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout)
+    pb = DTYPE_BYTES[model.param_dtype]
     if layout.zero_stage == 0:
-        return 2 * grads - table
+        return 2 * grads - pb * shared_tables(model, layout)
     if layout.zero_stage in (1, 2):
-        return grads + 3 * grads / n + table
+        return grads + 2 * pb * largest_param(model, layout)
     return 3 * grads / n
+
+
+def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of the largest parameter array one device holds (a stacked layer weight holds the
+    stage's layers)."""
+    layers = model.num_layers // layout.pipeline
+    return max(shard_elements(t, layout.tensor, 1, False) * (layers if t.place == "layer" else 1)
+               for t in param_tensors(model))
 
 
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
