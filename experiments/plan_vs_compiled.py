@@ -3,9 +3,12 @@
 For a grid of layouts of ``configs/tiny.py`` and ``configs/llama_1b.py`` on 8 simulated CPU devices
 (DP, ZeRO-1/2/3, TP, SP, and 1F1B / interleaved / GPipe pipelines) it compiles the step from
 abstract arrays (nothing is allocated) and prints compiled / estimated for the per-device argument
-memory and the ring bytes on each mesh axis (pipeline layouts: the busiest stage on each axis,
-counted exactly from the schedule). The tests (tests/test_plan_aot.py) hold the same numbers to 5%
-(memory) and 10% (bytes); this prints them all.
+memory, the temporaries (:mod:`jaxpar.analysis.activations`; pipelines: the busiest stage), the peak
+(arguments + temporaries, GiB per device beside the ratio) and the ring bytes on each mesh axis
+(pipeline layouts: the busiest stage on each axis, counted exactly from the schedule). On CPU the
+compile and the estimates are in fp32 (plan --aot's dtypes). The tests (tests/test_plan_aot.py,
+tests/test_memory_estimate.py) hold the same numbers to 5% (arguments), 15% (temporaries), 10% (peak,
+bytes); this prints them all.
 
     python experiments/plan_vs_compiled.py          # ~1 min on 2 cores
 """
@@ -49,16 +52,20 @@ def main() -> int:
     from jaxpar.analysis import aot, plan
     from jaxpar.config import load_config
 
-    print(f"{'model':<9} {'layout':<78} {'args':>7} {'data':>7} {'tensor':>7} {'pipeline':>8}")
+    print(f"{'model':<9} {'layout':<78} {'args':>7} {'temp':>7} {'peak':>7} {'peak GiB c/e':>15} {'data':>7} "
+          f"{'tensor':>7} {'pipeline':>8}")
     for model, layout in layouts():
         cfg = load_config(str(ROOT / "configs" / f"{model}.py"))
         r = aot.aot_compare(cfg, layout, "jaxpar")
         if r.skipped:
             print(f"{model:<9} {plan.describe(layout):<78} skipped: {r.skipped}")
             continue
-        ratios = [r.argument_ratio] + [r.ratio(axis) for axis in ("data", "tensor", "pipeline")]
-        cells = " ".join(f"{'-' if x is None else f'{x:.4f}':>7}" for x in ratios)
-        print(f"{model:<9} {plan.describe(layout):<78} {cells}")
+        def fmt(values):
+            return " ".join(f"{'-' if x is None else f'{x:.4f}':>7}" for x in values)
+
+        peak = f"{r.peak_bytes / 2**30:.3f}/{r.estimated_peak_bytes / 2**30:.3f}"
+        print(f"{model:<9} {plan.describe(layout):<78} {fmt([r.argument_ratio, r.temp_ratio, r.peak_ratio])} "
+              f"{peak:>15} {fmt([r.ratio(axis) for axis in ('data', 'tensor', 'pipeline')])}")
     return 0
 
 

@@ -39,7 +39,6 @@ class ParallelLayout:
     data: int = 1
     tensor: int = 1
     pipeline: int = 1
-    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.parallel.context)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     zero_stage: int = 0
     microbatches: int = 1  # m: microbatches per optimizer step (gradient accumulation or pipeline)
@@ -48,6 +47,9 @@ class ParallelLayout:
     recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipeline > 1)
+    # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
+    # calls (planner, tests, experiments) keep their meaning
+    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.parallel.context)
     attention: str = "dot_product"  # auto | dot_product | blockwise | cudnn (model.attention)
     attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
     context_exchange: str = "ring"  # ring | all_gather (used when context > 1)

@@ -220,9 +220,11 @@ def test_render_aot_table(compiled):
     _, done = compiled("tiny_t2_z1_sp")
     skipped = A.AotComparison(ParallelLayout(2, 4, seq_len=SEQ), skipped="layout: tensor=4 does not divide 2 kv heads")
     out = io.StringIO()
-    plan_cli.render_aot([done, skipped], [1, 2], Console(file=out, width=200))
+    plan_cli.render_aot([done, skipped], [1, 2], Console(file=out, width=300), budget_bytes=1.0)
     text = out.getvalue()
-    assert "args: est -> AOT (ratio)" in text and "tensor: est -> AOT (ratio)" in text and "(1.000)" in text
+    assert "args GiB: est -> AOT (ratio)" in text and "tensor bytes: est -> AOT (ratio)" in text and "(1.000)" in text
+    assert "temp GiB: est -> AOT" in text and "peak GiB: est -> AOT" in text
+    assert f"({done.temp_ratio:.3f})" in text and "does not fit (compiled)" in text  # a 1-byte budget
     assert "#2 not compiled: layout: tensor=4" in text and "float32" in text
 
 

@@ -41,6 +41,8 @@ def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: st
     if layout.zero_stage == 3:
         out.parallel.grad_reduce_dtype = out.model.compute_dtype
     out.model.remat = layout.recompute  # none | selective | full: the same names
+    out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
+    out.parallel.context_exchange = layout.context_exchange
     if out.model.position == "rope":
         out.model.max_seq_len = max(out.model.max_seq_len, layout.seq_len)
     out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
@@ -96,6 +98,8 @@ class AotComparison:
     estimated_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
     argument_bytes: int | None = None  # memory_analysis().argument_size_in_bytes
     temp_bytes: int | None = None
+    estimated_temp_bytes: float = 0.0  # jaxpar.analysis.activations, in the dtypes compiled (busiest stage)
+    estimated_stage_temp_bytes: list[float] = dataclasses.field(default_factory=list)  # pipeline: every stage
     compiled_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
     stage_bytes: list[dict[str, float]] = dataclasses.field(default_factory=list)  # pipeline: per stage, by axis
     compile_s: float = 0.0
@@ -107,6 +111,27 @@ class AotComparison:
     @property
     def argument_ratio(self) -> float | None:
         return _ratio(self.argument_bytes, self.estimated_argument_bytes)
+
+    @property
+    def temp_ratio(self) -> float | None:
+        return _ratio(self.temp_bytes, self.estimated_temp_bytes)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The compiled peak: arguments + temporaries (what memory_analysis() says the step needs)."""
+        return None if self.argument_bytes is None or self.temp_bytes is None else self.argument_bytes + self.temp_bytes
+
+    @property
+    def estimated_peak_bytes(self) -> float:
+        return self.estimated_argument_bytes + self.estimated_temp_bytes
+
+    @property
+    def peak_ratio(self) -> float | None:
+        return _ratio(self.peak_bytes, self.estimated_peak_bytes)
+
+    def fits_compiled(self, budget_bytes: float) -> bool | None:
+        """Whether the compiled peak is within ``budget_bytes`` (None: not compiled)."""
+        return None if self.peak_bytes is None else self.peak_bytes <= budget_bytes
 
     def ratio(self, axis: str) -> float | None:
         """compiled / estimated bytes on ``axis`` (None when nothing is estimated)."""
@@ -124,6 +149,16 @@ class AotComparison:
             "estimated_argument_bytes": self.estimated_argument_bytes,
             "argument_ratio": self.argument_ratio,
             "temp_bytes": self.temp_bytes,
+            "estimated_temp_bytes": self.estimated_temp_bytes,
+            "temp_ratio": self.temp_ratio,
+            "memory": {
+                "argument_bytes": self.argument_bytes, "expected_argument_bytes": self.estimated_argument_bytes,
+                "temp_bytes": self.temp_bytes, "expected_temp_bytes": self.estimated_temp_bytes,
+                "temp_ratio": self.temp_ratio, "peak_bytes": self.peak_bytes,
+                "expected_peak_bytes": self.estimated_peak_bytes, "peak_ratio": self.peak_ratio,
+                **({"expected_stage_temp_bytes": self.estimated_stage_temp_bytes}
+                   if self.estimated_stage_temp_bytes else {}),
+            },
             "collectives": {
                 axis: {
                     "bytes": self.compiled_bytes.get(axis, 0.0),
@@ -144,7 +179,8 @@ def aot_compare(
     On simulated CPU devices half-precision compute and reductions are compiled in float32 (XLA:CPU
     runs bf16 collectives in fp32, which would double the measured bytes), and the estimates in the
     comparison use the same dtypes; the argument memory (fp32 parameters and Adam state, int32
-    batch) does not depend on it. A layout jaxpar cannot build (a :class:`ConfigError`, or any
+    batch) does not depend on it, the temporaries do (activations in fp32: up to 2x a bf16 step's),
+    and both the compiled and the estimated temporaries are the fp32 ones. A layout jaxpar cannot build (a :class:`ConfigError`, or any
     failure of a pipeline layout while pipelining is in progress) comes back with ``skipped`` set.
     """
     try:
@@ -179,6 +215,8 @@ def aot_compare(
         estimated_bytes=_estimated_axis_bytes(comm, layout),
         argument_bytes=mem.argument_bytes if mem else None,
         temp_bytes=mem.temp_bytes if mem else None,
+        estimated_temp_bytes=(mem.expected_temp_bytes or 0.0) if mem else 0.0,
+        estimated_stage_temp_bytes=list(mem.expected_stage_temp_bytes) if mem else [],
         compiled_bytes=_compiled_axis_bytes(report, layout),
         stage_bytes=list(report.stages),
         compile_s=elapsed,

@@ -22,6 +22,7 @@ from typing import Any
 from jaxpar.config import ConfigDict, ConfigError
 
 GB = 1e9  # decimal gigabyte: bandwidths and memory sizes below use it
+GIB = 2**30  # binary gibibyte: every memory figure jaxpar prints per device is in GiB (links stay in GB/s)
 
 
 @dataclasses.dataclass(frozen=True)

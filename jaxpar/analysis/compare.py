@@ -4,9 +4,11 @@ Where ``jaxpar plan`` searches, ``compare`` answers "which of these?": each ``--
 layout (``data=8,zero=3`` / ``data=2,tensor=4,sp=1`` / ``tensor=8,pipeline=8,virtual=3,recompute=full``),
 and the table shows them in the order given, whether or not they fit, with memory, step time, MFU
 and the exposed communication per axis, then each one's memory and step time relative to the
-first. A choice a layout leaves open (ZeRO stage, microbatches, recompute, SP, schedule) is the
-fastest variant that fits, as ``plan`` would pick (if none fits, the leanest). ``--aot`` compiles
-all of them on simulated CPU devices.
+first. A choice a layout leaves open (ZeRO stage, microbatches, recompute, SP, schedule) keeps the
+config's value (:func:`config_choices`) when the layout can take it; only a choice neither given nor
+takeable from the config is searched: the fastest variant that fits, as ``plan`` would pick (if none
+fits, the leanest). :func:`choice_sources` says, per field, which of the three it was. ``--aot``
+compiles all of them on simulated CPU devices.
 
     jaxpar compare --config configs/llama2_7b.py --cluster h100-80g \\
         --layout data=8,zero=3 --layout data=2,tensor=4,zero=1 --layout tensor=8 --aot
@@ -34,17 +36,77 @@ def device_count(pinned: list[dict[str, Any]]) -> int:
     return sizes.pop()
 
 
+CHOICES = ("zero_stage", "recompute", "sequence_parallel", "microbatches", "schedule", "virtual_stages")
+
+
+def config_choices(cfg: ConfigDict) -> dict[str, Any]:
+    """The layout choices a train config makes besides the mesh (what ``compare`` keeps when a
+    ``--layout`` leaves them open)."""
+    return {"zero_stage": cfg.parallel.zero_stage, "recompute": cfg.model.remat,
+            "sequence_parallel": cfg.parallel.sequence_parallel, "microbatches": cfg.train.microbatches,
+            "schedule": cfg.pipeline.schedule, "virtual_stages": cfg.pipeline.virtual_stages}
+
+
+def _applicable(fixed: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The config choices that mean something on this mesh: ZeRO needs data > 1, SP tensor > 1, a
+    schedule and virtual stages a pipeline."""
+    keep = {}
+    for name, value in defaults.items():
+        if name in fixed:
+            continue
+        if name == "zero_stage" and fixed.get("data", 1) == 1 and value:
+            continue
+        if name == "sequence_parallel" and fixed.get("tensor", 1) == 1 and value:
+            continue
+        if name in ("schedule", "virtual_stages") and fixed.get("pipeline", 1) == 1:
+            continue
+        keep[name] = value
+    return keep
+
+
 def compare_layouts(model: ConfigDict, cluster: Cluster, pinned: list[dict[str, Any]], global_batch: int,
-                    seq_len: int, options: PlanOptions) -> list[LayoutEstimate]:
-    """One estimate per pinned layout, in the order given: the fastest variant that fits, or, if none
-    fits, the leanest (how far off it is)."""
+                    seq_len: int, options: PlanOptions, defaults: dict[str, Any] | None = None
+                    ) -> list[LayoutEstimate]:
+    """One estimate per pinned layout, in the order given.
+
+    ``defaults`` (:func:`config_choices`) fill the choices a layout leaves open, as long as the layout
+    can take them (dropped one at a time, microbatches first, while the search finds no layout). The
+    rest is searched: the fastest variant that fits, or, if none fits, the leanest (how far off it is).
+    """
     num_devices = device_count(pinned)
     estimates = []
-    for fixed in pinned:
-        fixed = {**{axis.value: 1 for axis in MESH_AXES}, **fixed}
-        found = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=True)
+    for given in pinned:
+        given = {**{axis.value: 1 for axis in MESH_AXES}, **given}
+        taken = _applicable(given, defaults or {})
+        order = [k for k in ("microbatches", "virtual_stages", "schedule", "sequence_parallel", "recompute",
+                             "zero_stage") if k in taken]
+        while True:
+            try:
+                found = search_layouts(model, cluster, num_devices, global_batch, seq_len, options,
+                                       {**given, **taken}, keep_unfit=True)
+                break
+            except ConfigError:
+                if not order:
+                    raise
+                taken.pop(order.pop(0))
         estimates.append(found[0] if found[0].fits else min(found, key=lambda e: e.memory.total_bytes))
     return estimates
+
+
+def choice_sources(pinned: dict[str, Any], estimate: LayoutEstimate, defaults: dict[str, Any] | None = None
+                   ) -> dict[str, str]:
+    """For each open choice of a layout: ``given`` (in ``--layout``), ``config`` (the config's value,
+    kept) or ``chosen`` (searched: the config's value did not apply or is not known)."""
+    out = {}
+    lay = estimate.layout
+    for name in CHOICES:
+        if name in pinned:
+            out[name] = "given"
+        elif defaults is not None and defaults.get(name) == getattr(lay, name):
+            out[name] = "config"
+        else:
+            out[name] = "chosen"
+    return out
 
 
 def relative_to_first(estimates: list[LayoutEstimate]) -> list[dict[str, float]]:

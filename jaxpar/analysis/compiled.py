@@ -88,7 +88,12 @@ class CollectiveRow:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """``compiled.memory_analysis()`` per device, bytes; expected values from the formulas."""
+    """``compiled.memory_analysis()`` per device, bytes; expected values from the formulas.
+
+    ``expected_temp_bytes``: :func:`jaxpar.analysis.activations.expected_temp_bytes` (the busiest
+    pipeline stage: every device runs the same program, whose temp buffer fits all stages);
+    ``expected_stage_temp_bytes``: each stage's. The peak is arguments + temporaries.
+    """
 
     argument_bytes: int
     output_bytes: int
@@ -97,10 +102,30 @@ class MemoryReport:
     generated_code_bytes: int
     expected_argument_bytes: float | None = None
     expected_output_bytes: float | None = None
+    expected_temp_bytes: float | None = None
+    expected_stage_temp_bytes: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def argument_ratio(self) -> float | None:
         return _ratio(self.argument_bytes, self.expected_argument_bytes)
+
+    @property
+    def temp_ratio(self) -> float | None:
+        return _ratio(self.temp_bytes, self.expected_temp_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.temp_bytes
+
+    @property
+    def expected_peak_bytes(self) -> float | None:
+        if self.expected_argument_bytes is None or self.expected_temp_bytes is None:
+            return None
+        return self.expected_argument_bytes + self.expected_temp_bytes
+
+    @property
+    def peak_ratio(self) -> float | None:
+        return _ratio(self.peak_bytes, self.expected_peak_bytes)
 
     @property
     def output_ratio(self) -> float | None:
@@ -149,7 +174,9 @@ class CompiledReport:
         mem = None
         if self.memory is not None:
             mem = dataclasses.asdict(self.memory)
-            mem.update(argument_ratio=self.memory.argument_ratio, output_ratio=self.memory.output_ratio)
+            mem.update(argument_ratio=self.memory.argument_ratio, output_ratio=self.memory.output_ratio,
+                       temp_ratio=self.memory.temp_ratio, peak_bytes=self.memory.peak_bytes,
+                       expected_peak_bytes=self.memory.expected_peak_bytes, peak_ratio=self.memory.peak_ratio)
         return {
             "collectives": [dataclasses.asdict(r) | {"axes": list(r.axes), "ratio": r.ratio} for r in self.rows],
             "memory": mem,
@@ -438,6 +465,8 @@ def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str
             expected_memory=expected_memory(cfg, setup.placements),
         )
     report.layout = report_fields(cfg)
+    if report.memory is not None:
+        _expect_temps(report.memory, cfg)
     half = {cfg.model.compute_dtype, cfg.parallel.grad_reduce_dtype} & {"bfloat16", "float16"}
     if half and setup.mesh.devices.flat[0].platform == "cpu":
         report.warnings.append(
@@ -446,6 +475,17 @@ def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str
             "--config.parallel.grad_reduce_dtype=float32 for exact ratios"
         )
     return report
+
+
+def _expect_temps(memory: MemoryReport, cfg: ConfigDict) -> None:
+    """Put the estimated temporaries (:mod:`jaxpar.analysis.activations`, in the dtypes compiled) beside
+    the measured ones."""
+    from jaxpar.analysis import activations
+    from jaxpar.layout import ParallelLayout
+
+    temps = activations.stage_temps(cfg.model, ParallelLayout.from_config(cfg))
+    memory.expected_temp_bytes = max(t.total_bytes for t in temps)
+    memory.expected_stage_temp_bytes = [t.total_bytes for t in temps] if len(temps) > 1 else []
 
 
 def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledReport:

@@ -175,7 +175,14 @@ def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes per device on the busiest pipeline stage."""
+    """Peak bytes per device on the busiest pipeline stage.
+
+    ``jaxpar`` convention: ``activation_bytes`` is what the step keeps for the backward pass and
+    ``gradient_bytes + activation_bytes + transient_bytes`` = ``temp_bytes``, the estimate of the
+    compiled step's temporaries (:mod:`jaxpar.analysis.activations`), so ``total_bytes`` = parameters +
+    optimizer state + temporaries, the compiled peak without the batch. ``paper``: Korthikanti's
+    activations x in-flight microbatches (Narayanan 2021) and two gathered layers as transients.
+    """
 
     convention: str
     stage: str  # first | last (the heavier one; "first" when p = 1)
@@ -183,8 +190,10 @@ class MemoryEstimate:
     gradient_bytes: float
     optimizer_bytes: float
     activation_bytes: float
-    transient_bytes: float  # gathered/cast weights of 2 layers + the full-recompute working set
+    transient_bytes: float  # jaxpar: the temporaries beyond gradients and residuals; paper: 2 layers + recompute
     inflight_microbatches: float
+    temp_bytes: float = 0.0  # jaxpar: estimated memory_analysis().temp_size_in_bytes of the busiest stage
+    stage_temp_bytes: tuple[float, ...] = ()  # jaxpar: every pipeline stage's estimated temporaries
 
     @property
     def model_states_bytes(self) -> float:
@@ -196,6 +205,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
+            "stage_temp_bytes": list(self.stage_temp_bytes),
             "model_states_bytes": self.model_states_bytes,
             "total_bytes": self.total_bytes,
         }
@@ -203,7 +213,33 @@ class MemoryEstimate:
 
 def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar",
                     optim: ConfigDict | None = None) -> MemoryEstimate:
-    """Model states + stored activations (+ logits on the last stage) + transients; the heavier stage wins."""
+    """Model states + activations + temporaries per device; the heavier pipeline stage wins.
+
+    ``jaxpar``: the temporaries of our own step, term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
+    held against the compiled ``temp_size_in_bytes`` by tests/test_memory_estimate.py). ``paper``: the
+    published formulas (:func:`_paper_memory_estimate`).
+    """
+    if convention == "paper":
+        return _paper_memory_estimate(model, layout, optim)
+    from jaxpar.analysis import activations
+
+    temps = activations.stage_temps(model, layout)
+    candidates = []
+    for stage, index in (("first", 0), ("last", layout.pipeline - 1)) if layout.pipeline > 1 else (("first", 0),):
+        states, temp = model_states(model, layout, stage, convention, optim), temps[index]
+        act = temp.residual_bytes
+        transient = max(0.0, temp.total_bytes - act - states.gradient_bytes)
+        candidates.append(MemoryEstimate(convention, stage, *dataclasses.astuple(states), act, transient,
+                                         inflight_microbatches(layout, stage), temp.total_bytes,
+                                         tuple(t.total_bytes for t in temps)))
+    return max(candidates, key=lambda c: c.total_bytes)
+
+
+def _paper_memory_estimate(model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None
+                           ) -> MemoryEstimate:
+    """The published picture: ZeRO-paper states + Korthikanti-style stored activations (+ logits on
+    the last stage) x in-flight microbatches + the gathered/cast weights of 2 layers (+ one layer's
+    activations under full recompute); the heavier stage wins."""
     per_layer = layer_activation_bytes(model, layout) * model.num_layers // layout.pipeline
     layer_params = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
     transient = 2 * layer_params * DTYPE_BYTES[model.compute_dtype]
@@ -212,9 +248,9 @@ def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str =
     logits = LOGITS_BYTES * layout.seq_len * layout.microbatch_size * model.vocab_size / layout.tensor
     candidates = []
     for stage in ("first", "last") if layout.pipeline > 1 else ("first",):
-        states, inflight = model_states(model, layout, stage, convention, optim), inflight_microbatches(layout, stage)
+        states, inflight = model_states(model, layout, stage, "paper", optim), inflight_microbatches(layout, stage)
         act = (per_layer + (logits if stage == "last" or layout.pipeline == 1 else 0)) * inflight
-        candidates.append(MemoryEstimate(convention, stage, *dataclasses.astuple(states), act, transient, inflight))
+        candidates.append(MemoryEstimate("paper", stage, *dataclasses.astuple(states), act, transient, inflight))
     return max(candidates, key=lambda c: c.total_bytes)
 
 
@@ -280,6 +316,7 @@ def step_time(
     link_efficiency: float = 0.75,
     causal: bool = False,
     comm: dict[str, AxisComm] | None = None,
+    convention: str = "jaxpar",
 ) -> StepTime:
     """step = (compute + TP + PP p2p) / (1 - bubble) + exposed data-axis time.
 
@@ -288,11 +325,18 @@ def step_time(
     exposed. The data-axis reduction overlaps with backward compute except ``dp_exposed_fraction``:
     DP/ZeRO-1 reduce once, after the last microbatch, so only that microbatch's backward can hide
     them; ZeRO-2 overlaps with every backward, ZeRO-3 (prefetched all-gathers) with the forward too.
+
+    ``jaxpar`` convention: a 1F1B / interleaved backward tick recomputes its stage's forward from the
+    stored stage input (:mod:`jaxpar.parallel.pipeline`), so those layouts execute full-recompute FLOPs
+    whatever ``recompute`` says (it only sets what the recomputed forward keeps); ``paper``: as given.
     """
     comm = comm if comm is not None else communication(model, layout, cluster, grad_reduce_bytes, link_efficiency)
     p, m, tokens = layout.pipeline, layout.microbatches, layout.tokens_per_step
     model_fpt = flops_per_token(model, layout.seq_len, causal)
-    hw = hardware_flops_per_token(model, layout.seq_len, layout.recompute, causal, model_fpt)
+    recompute = layout.recompute
+    if convention == "jaxpar" and p > 1 and layout.schedule != "gpipe":
+        recompute = "full"
+    hw = hardware_flops_per_token(model, layout.seq_len, recompute, causal, model_fpt)
     out_layer = 6 * model.vocab_size * model.embed_dim if p > 1 else 0.0  # runs on the last stage only
     compute = (
         ((hw - out_layer) / p + out_layer) * tokens / (layout.data * layout.tensor) / (cluster.peak_flops * efficiency)

@@ -25,7 +25,7 @@ import itertools
 import math
 from typing import Any
 
-from jaxpar.analysis.clusters import GB, Cluster
+from jaxpar.analysis.clusters import GIB, Cluster
 from jaxpar.analysis.estimate import (
     RECOMPUTE,
     AxisComm,
@@ -127,7 +127,7 @@ def evaluate_layout(
     # step_time divides the step's compute by data*tensor; each device also holds only s/c tokens of
     # every sequence, which is the same as c x the FLOP rate (compute and its backward window scale alike)
     time = step_time(model, layout, cluster, efficiency=options.efficiency * c,
-                     dp_exposed_fraction=options.dp_exposed_fraction, comm=comm)
+                     dp_exposed_fraction=options.dp_exposed_fraction, comm=comm, convention=options.convention)
     context_s = comm[MeshAxis.CONTEXT].time_s
     if context_s:  # exposed like the tensor traffic: the ring's sends wait on the previous hop's attention
         exposed = context_s / (1 - time.bubble_fraction)
@@ -225,6 +225,15 @@ def _microbatch_sizes(per_shard: int, pipeline: int, fixed: dict[str, Any]) -> l
     return [b for b in MICROBATCH_SIZES if per_shard % b == 0 and per_shard // b >= pipeline]
 
 
+class SearchResult(list):
+    """The ranked :class:`LayoutEstimate` list of :func:`search_layouts`, with the counts taken before
+    layouts over the budget were dropped: ``considered`` (every layout the step can run) and
+    ``fitting`` (those within the budget)."""
+
+    considered: int = 0
+    fitting: int = 0
+
+
 def search_layouts(
     model: ConfigDict,
     cluster: Cluster,
@@ -254,7 +263,7 @@ def search_layouts(
     if probe.get("context", 1) > 1 and "attention" not in fixed:
         probe["attention"] = "blockwise"
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
-    results: list[LayoutEstimate] = []
+    results = SearchResult()
     smallest: LayoutEstimate | None = None
     for data, t, p, c in _meshes(model, cluster, num_devices, global_batch, fixed, seq_len):
         attention = {"attention": "blockwise"} if c > 1 and "attention" not in fixed else {}  # what the ring runs
@@ -268,35 +277,40 @@ def search_layouts(
             _schedules(model, p, fixed),
         )
         for zero, recompute, sp, (schedule, v) in choices:
+            over_budget = False
             for b in sizes:
                 m = per_shard // b
-                layout = ParallelLayout(data=data, tensor=t, pipeline=p, virtual_stages=v, zero_stage=zero, microbatches=m,
-                                        microbatch_size=b, seq_len=seq_len, recompute=recompute,
+                layout = ParallelLayout(data=data, tensor=t, pipeline=p, virtual_stages=v, zero_stage=zero,
+                                        microbatches=m, microbatch_size=b, seq_len=seq_len, recompute=recompute,
                                         sequence_parallel=sp, schedule=schedule, context=c, **attention)
                 try:
                     layout.validate(model)  # only layouts the step runs are candidates
                 except ConfigError:
                     continue
+                results.considered += 1
+                if over_budget:  # larger microbatches only need more memory: counted, not evaluated
+                    continue
                 est = evaluate_layout(model, cluster, layout, options)
+                results.fitting += est.fits
                 if smallest is None or est.memory.total_bytes < smallest.memory.total_bytes:
                     smallest = est
                 if est.fits or keep_unfit:
                     results.append(est)
-                elif not keep_unfit:
-                    break  # larger microbatches only need more memory
+                else:
+                    over_budget = True
     if smallest is None:
         raise ConfigError(
             f"plan: no layout of {num_devices} devices matches global batch {global_batch} and the pinned choices "
             f"{fixed or '{}'}; make the global batch a multiple of data*microbatches or relax the pins"
         )
     if not results:
-        need = smallest.memory.total_bytes / GB
+        need = smallest.memory.total_bytes / GIB
         raise ConfigError(
             f"plan: model of {count_params(model) / 1e9:.1f}B params does not fit {num_devices} x {cluster.name} at any "
-            f"layout (smallest needs {need:.1f} GB of {smallest.budget_bytes / GB:.1f} GB per device at "
+            f"layout (smallest needs {need:.1f} GiB of {smallest.budget_bytes / GIB:.1f} GiB per device at "
             f"{describe(smallest.layout)}); add devices, lower --seq or --global-batch, or lower --headroom"
         )
-    results.sort(key=lambda e: (not e.fits, e.step_time_s, e.memory.total_bytes))
+    results.sort(key=lambda e: (not e.fits, e.step_time_s, e.memory.total_bytes))  # in place: keeps the counts
     if results[0].fits:
         results[0] = dataclasses.replace(results[0], why=explain(results[0], cluster))
     return results
@@ -349,7 +363,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
             f"({exposed:.1%} of the step exposed)"
         )
     parts.append(
-        f"it needs {est.memory.total_bytes / GB:.1f} of {est.budget_bytes / GB:.1f} GB per device "
+        f"it needs {est.memory.total_bytes / GIB:.1f} of {est.budget_bytes / GIB:.1f} GiB per device "
         f"(recompute={lay.recompute}) and reaches {est.mfu:.1%} MFU"
     )
     return "; ".join(parts) + "."

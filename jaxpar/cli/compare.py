@@ -12,8 +12,8 @@ import json
 import time
 from typing import Any
 
-from jaxpar.analysis.clusters import GB, PRESETS, get_cluster
-from jaxpar.analysis.compare import compare_layouts, device_count, relative_to_first
+from jaxpar.analysis.clusters import GIB, PRESETS, get_cluster
+from jaxpar.analysis.compare import choice_sources, compare_layouts, config_choices, device_count, relative_to_first
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.plan import PlanOptions, plan_summary
 from jaxpar.axes import MESH_AXES
@@ -60,6 +60,25 @@ def parse_compare_layout(text: str) -> dict[str, Any]:
     return out
 
 
+def _compiled_fit(aot: list, index: int, budget_bytes: float) -> str:
+    """`` (does not fit (compiled))`` when the compiled peak of layout ``index`` exceeds the budget."""
+    if not aot or aot[index].skipped or aot[index].fits_compiled(budget_bytes):
+        return ""
+    return " (does not fit (compiled))"
+
+
+def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
+    """``from the config: zero=1, recompute=none; chosen: microbatches=4`` for one layout."""
+    lay, parts = estimate.layout, []
+    short = {"zero_stage": "zero", "sequence_parallel": "sp", "virtual_stages": "virtual"}
+    for kind, label in (("config", "from the config"), ("chosen", "chosen by the search")):
+        names = [n for n, src in sources.items() if src == kind
+                 and (lay.pipeline > 1 or n not in ("schedule", "virtual_stages"))]
+        if names:
+            parts.append(f"{label}: " + ", ".join(f"{short.get(n, n)}={getattr(lay, n)}" for n in names))
+    return "; ".join(parts) or "all choices given"
+
+
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``jaxpar compare`` (``--config.x.y=v`` overrides arrive in ``args.overrides``)."""
     parser.add_argument("--config", default=None, help="config file (default: the built-in tiny model)")
@@ -88,7 +107,13 @@ def run_compare(args: argparse.Namespace) -> int:
     options = PlanOptions(headroom=args.headroom, efficiency=args.efficiency,
                           grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype], optim=cfg.optim)
     global_batch, seq_len = args.global_batch or cfg.train.global_batch, args.seq or cfg.train.seq_len
-    estimates = compare_layouts(model, cluster, pinned, global_batch, seq_len, options)
+    if args.aot:  # before the estimates: the parameter inventory starts JAX
+        from jaxpar.analysis.aot import ensure_aot_devices
+
+        ensure_aot_devices(num_devices)
+    defaults = config_choices(cfg)
+    estimates = compare_layouts(model, cluster, pinned, global_batch, seq_len, options, defaults)
+    sources = [choice_sources(p, e, defaults) for p, e in zip(pinned, estimates)]
     aot, aot_s = [], 0.0
     if args.aot:
         from jaxpar.analysis.aot import run_aot
@@ -102,19 +127,23 @@ def run_compare(args: argparse.Namespace) -> int:
         doc |= {"global_batch": global_batch, "seq_len": seq_len}
         for row, rel, i in zip(doc["layouts"], relative, range(len(estimates))):
             row["relative_to_first"] = rel
+            row["choices"] = sources[i]
             if aot:
                 row["aot"] = aot[i].to_dict()
+                if not aot[i].skipped:
+                    row["aot"]["fits_compiled"] = aot[i].fits_compiled(doc["memory_budget_bytes"])
         print(json.dumps(doc, indent=2))
         return 0
     console = wide_console()
-    budget = cluster.memory_bytes * (1 - options.headroom) / GB
+    budget = cluster.memory_bytes * (1 - options.headroom) / GIB
     console.print(f"[bold]{model.name}[/] on {num_devices} x {cluster.name}; global batch {global_batch} x seq "
-                  f"{seq_len}; memory budget {budget:.1f} GB per device (red: does not fit)")
+                  f"{seq_len}; memory budget {budget:.1f} GiB per device (red: does not fit)")
     render_table(estimates, cluster, title="the layouts as given")
     for i, (e, rel) in enumerate(zip(estimates, relative), 1):
         console.print(f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"
-                      + ("" if e.fits else " (does not fit)"))
+                      + ("" if e.fits else " (does not fit)") + _compiled_fit(aot, i - 1, budget * GIB) + "; "
+                      + _choices_text(e, sources[i - 1]))
     if aot:
-        render_aot(aot, list(range(1, len(aot) + 1)), console)
+        render_aot(aot, list(range(1, len(aot) + 1)), console, budget * GIB)
         console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")
     return 0

@@ -102,10 +102,11 @@ def _fmt_ratio(ratio: float | None, measured: float = 0.0, expected: float | Non
 
 
 def render(report: Any, title: str = "", console: Any = None) -> None:
-    """Rich tables: collectives (MB = 1e6 bytes per device per step) and memory (MiB per device)."""
+    """Rich tables: collectives (MB = 1e6 bytes per device per step) and memory (GiB per device)."""
     from rich.table import Table
 
-    from jaxpar.analysis.compiled import MB, MIB
+    from jaxpar.analysis.clusters import GIB
+    from jaxpar.analysis.compiled import MB
     from jaxpar.console import wide_console
 
     console = console or wide_console()
@@ -136,23 +137,18 @@ def render(report: Any, title: str = "", console: Any = None) -> None:
     console.print(table)
     mem = report.memory
     if mem is not None:
-        mt = Table(title="memory per device (memory_analysis)")
-        for name in ("", "MiB", "expected", "ratio"):
+        mt = Table(title="memory per device (memory_analysis), GiB")
+        for name in ("", "GiB", "expected", "ratio"):
             mt.add_column(name, justify="left" if not name else "right")
-        mt.add_row(
-            "argument",
-            _fmt(mem.argument_bytes, MIB, 2),
-            _fmt(mem.expected_argument_bytes, MIB, 2),
-            _fmt_ratio(mem.argument_ratio),
-        )
-        mt.add_row("temp", _fmt(mem.temp_bytes, MIB, 2), "-", "-")
-        mt.add_row(
-            "output",
-            _fmt(mem.output_bytes, MIB, 2),
-            _fmt(mem.expected_output_bytes, MIB, 2),
-            _fmt_ratio(mem.output_ratio),
-        )
-        mt.add_row("argument + temp", f"{mem.args_plus_temps_mib:,.2f}", "-", "-")
+        for label, measured, expected, ratio in (
+            ("argument", mem.argument_bytes, mem.expected_argument_bytes, mem.argument_ratio),
+            ("temp", mem.temp_bytes, mem.expected_temp_bytes, mem.temp_ratio),
+            ("output", mem.output_bytes, mem.expected_output_bytes, mem.output_ratio),
+            ("peak (argument + temp)", mem.peak_bytes, mem.expected_peak_bytes, mem.peak_ratio),
+        ):
+            mt.add_row(label, _fmt(measured, GIB, 4), _fmt(expected, GIB, 4), _fmt_ratio(ratio))
+        for stage, expected in enumerate(mem.expected_stage_temp_bytes):
+            mt.add_row(f"  temp, stage {stage}", "", _fmt(expected, GIB, 4), "")
         console.print(mt)
     if report.stages:
         st = Table(title="pipeline stages: ring MB per device per step, measured / estimated (ratio)")

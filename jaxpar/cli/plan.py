@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from jaxpar.analysis.aot import AotComparison, run_aot
-from jaxpar.analysis.clusters import GB, PRESETS, Cluster, get_cluster
+from jaxpar.analysis.clusters import GIB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES, MeshAxis
@@ -65,7 +65,7 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
     for col in ("#", "data", "tensor", "pipe", *(("ctx",) if context else ()), "v", "ZeRO", "m", "b", "recompute",
                 "SP", "schedule"):
         table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
-    for col in ("states GB", "act GB", "total GB", "step s", "MFU", "bubble", "TP s", "PP s",
+    for col in ("states GiB", "act GiB", "total GiB", "step s", "MFU", "bubble", "TP s", "PP s",
                 *(("CP s",) if context else ()), "DP s*"):
         table.add_column(col, justify="right")
     for i, e in enumerate(estimates, 1):
@@ -75,13 +75,18 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
         table.add_row(
             str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), *ctx, str(lay.virtual_stages),
             str(lay.zero_stage), str(lay.microbatches), str(lay.microbatch_size), lay.recompute,
-            "y" if lay.sequence_parallel else "", lay.schedule, f"{mem.model_states_bytes / GB:.1f}",
-            f"{(mem.activation_bytes + mem.transient_bytes) / GB:.1f}", f"{mem.total_bytes / GB:.1f}",
+            "y" if lay.sequence_parallel else "", lay.schedule, gib(mem.model_states_bytes),
+            gib(mem.activation_bytes + mem.transient_bytes), gib(mem.total_bytes),
             f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}", f"{t.tensor_s:.2f}",
             f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()), f"{t.data_exposed_s:.2f}",
             style=style,
         )  # fmt: skip
     console.print(table)
+
+
+def gib(value: float | None) -> str:
+    """A per-device memory figure in GiB, three significant digits (every memory table uses it)."""
+    return "-" if value is None else f"{value / GIB:.3g}"
 
 
 def _human_bytes(value: float | None) -> str:
@@ -99,9 +104,18 @@ def _versus(estimated: float | None, compiled: float | None) -> str:
     return f"{_human_bytes(estimated)} -> {_human_bytes(compiled)} ({'-' if ratio is None else f'{ratio:.3f}'})"
 
 
-def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None) -> None:
-    """The AOT check as a rich table: estimated vs compiled argument bytes and collective bytes per
-    axis (per device per step), with compiled / estimated ratios; skipped layouts with their reason."""
+def _versus_gib(estimated: float | None, compiled: float | None) -> str:
+    """``est -> compiled (ratio)`` of a memory figure, in GiB per device."""
+    ratio = compiled / estimated if compiled is not None and estimated else None
+    return f"{gib(estimated)} -> {gib(compiled)} ({'-' if ratio is None else f'{ratio:.3f}'})"
+
+
+def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None,
+               budget_bytes: float | None = None) -> None:
+    """The AOT check as a rich table: estimated vs compiled arguments, temporaries and peak (GiB per
+    device) and collective bytes per axis (per device per step), with compiled / estimated ratios;
+    a layout whose compiled peak exceeds ``budget_bytes`` is marked "does not fit (compiled)";
+    skipped layouts with their reason."""
     from rich.table import Table
 
     console = console or wide_console()
@@ -112,14 +126,26 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
         table = Table(
             title=f"AOT: the compiled train step per device per step ({'; '.join(dtypes)})", title_justify="left"
         )
-        for col in ("#", "compile s", "args: est -> AOT (ratio)", *(f"{a}: est -> AOT (ratio)" for a in axes)):
+        memory_cols = ("args GiB: est -> AOT (ratio)", "temp GiB: est -> AOT (ratio)", "peak GiB: est -> AOT (ratio)")
+        for col in ("#", "compile s", *memory_cols, *(f"{a} bytes: est -> AOT (ratio)" for a in axes)):
             table.add_column(col, justify="right")
-        table.add_column("temp AOT", justify="right")
+        if budget_bytes is not None:
+            table.add_column("compiled peak", justify="left")
         for rank, r in done:
-            cells = [str(rank), f"{r.compile_s:.1f}", _versus(r.estimated_argument_bytes, r.argument_bytes)]
+            cells = [str(rank), f"{r.compile_s:.1f}", _versus_gib(r.estimated_argument_bytes, r.argument_bytes),
+                     _versus_gib(r.estimated_temp_bytes, r.temp_bytes),
+                     _versus_gib(r.estimated_peak_bytes, r.peak_bytes)]
             cells += [_versus(r.estimated_bytes.get(axis), r.compiled_bytes.get(axis)) for axis in axes]
-            table.add_row(*cells, _human_bytes(r.temp_bytes))
+            if budget_bytes is not None:
+                fits = r.fits_compiled(budget_bytes)
+                cells.append("fits" if fits else "[red]does not fit (compiled)[/]")
+            table.add_row(*cells)
         console.print(table)
+        staged = [(rank, r) for rank, r in done if r.estimated_stage_temp_bytes]
+        for rank, r in staged:
+            console.print(f"#{rank} estimated temp GiB per pipeline stage: "
+                          + ", ".join(gib(t) for t in r.estimated_stage_temp_bytes)
+                          + f" (compiled: one buffer for every stage, {gib(r.temp_bytes)})")
     for rank, r in zip(ranks, results):
         if r.skipped:
             console.print(f"[yellow]#{rank} not compiled:[/] {r.skipped}")
@@ -127,7 +153,7 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
         console.print(
             "AOT ran on simulated CPU devices with float32 compute and reductions (XLA:CPU runs bf16 collectives "
             "in fp32); the est columns use the same dtypes. args = parameters + optimizer state + batch; temp = "
-            "XLA:CPU temporaries."
+            "XLA:CPU temporaries (activations in fp32: a bf16 step on GPU holds less); peak = args + temp."
         )
 
 
@@ -222,6 +248,10 @@ def run_plan(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
         optim=cfg.optim,
     )
+    if getattr(args, "aot", False):  # before the search: the parameter inventory starts JAX
+        from jaxpar.analysis.aot import ensure_aot_devices
+
+        ensure_aot_devices(num_devices)
     start = time.perf_counter()
     pinned = bool(args.layout)
     estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=pinned)
@@ -238,29 +268,33 @@ def run_plan(args: argparse.Namespace) -> int:
         aot_s = time.perf_counter() - start
     if args.json:
         doc = plan_summary(model, cluster, num_devices, shown, options)
-        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": len(estimates), "search_s": elapsed}
+        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": getattr(estimates, "considered", len(estimates)),
+                "fitting": getattr(estimates, "fitting", sum(e.fits for e in estimates)), "search_s": elapsed}
         for row, result in zip(doc["layouts"], aot):
             row["aot"] = result.to_dict()
+            if not result.skipped:
+                row["aot"]["fits_compiled"] = result.fits_compiled(doc["memory_budget_bytes"])
         if aot:
             doc["aot_s"] = aot_s
         print(json.dumps(doc, indent=2))
         return 0
     console = wide_console()
-    budget = cluster.memory_bytes * (1 - options.headroom) / GB
+    budget = cluster.memory_bytes * (1 - options.headroom) / GIB
     console.print(
         f"[bold]{model.name}[/] ({count_params(model) / 1e9:.2f}B params) on {num_devices} x {cluster.name} "
-        f"({num_devices // dpn} nodes); global batch {global_batch} x seq {seq_len}; memory budget {budget:.1f} GB "
-        f"per device ({cluster.memory_gb:g} GB - {options.headroom:.0%} headroom); "
+        f"({num_devices // dpn} nodes); global batch {global_batch} x seq {seq_len}; memory budget {budget:.1f} GiB "
+        f"per device ({cluster.memory_gb:g} GB data sheet - {options.headroom:.0%} headroom); "
         f"{options.convention} state convention; compute at {options.efficiency:.0%} of peak"
     )
-    fitting = sum(e.fits for e in estimates)
-    render_table(shown, cluster, title=f"{fitting} of {len(estimates)} layouts fit; top {len(shown)} by step time")
+    considered = getattr(estimates, "considered", len(estimates))  # counted before those over budget are dropped
+    fitting = getattr(estimates, "fitting", sum(e.fits for e in estimates))
+    render_table(shown, cluster, title=f"{fitting} of {considered} layouts fit; top {len(shown)} by step time")
     if estimates[0].why:
         console.print(f"[bold]why #1:[/] {estimates[0].why}")
     elif pinned:
         console.print("[red]the pinned layout does not fit the memory budget[/]")
     console.print(f"* DP s = exposed data-axis time. Searched in {elapsed:.2f} s.")
     if aot:
-        render_aot(aot, list(range(1, len(aot) + 1)), console)
+        render_aot(aot, list(range(1, len(aot) + 1)), console, cluster.memory_bytes * (1 - options.headroom))
         console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")
     return 0

@@ -1,0 +1,316 @@
+"""Activations and temporaries of jaxpar's own train step, term by term: the other half of the peak.
+
+``memory_analysis()`` of the compiled step reports ``argument`` bytes (parameters, optimizer state,
+batch: :func:`jaxpar.analysis.estimate.estimated_argument_bytes`, exact to ~1e-5) and ``temp``
+bytes: everything the step allocates while it runs. This module estimates the temporaries of one
+device, closed-form (microseconds, so the planner can call it for every layout), from what the
+step keeps for the backward pass and what it holds at its peak:
+
+    temp = residual stack + gradient buffers + max(layer working set, head working set)
+           (+ pipeline slot buffers; ZeRO-3 gathered layers)
+
+* **Residuals** (:func:`layer_residual_bytes`): what ``jax.vjp`` of one llama block saves, per
+  recompute policy and attention implementation. Counted from the block's code
+  (:mod:`jaxpar.models.llama`) under JAX's linearization rules, and checked against
+  ``jax.ad_checkpoint``'s saved residuals and the stacks in the compiled forward loop
+  (tests/test_memory_estimate.py). The layer scan (:func:`jaxpar.models.base.scan_layers`) stacks
+  them over the stage's layers; nothing of that stack is freed before the backward loop ends.
+* **Gradient buffers** (:func:`gradient_buffer_bytes`): the backward scan writes each layer's fp32
+  (param dtype) weight gradient into a stacked output; accumulation (m > 1, no pipeline) adds a
+  second buffer for the running sum (ZeRO-2: sharded over data, :mod:`jaxpar.train.step`); ZeRO-3
+  reduce-scatters inside the loop, so its gradients are sharded.
+* **Layer working set** (:func:`layer_working_bytes`): the backward of one layer has that layer's
+  complete residual set live (sliced out of the stack with no recompute; recomputed with
+  ``selective`` / ``full``) plus the gradient temporaries of its largest op.
+* **Head working set** (:func:`head_working_bytes`): the vocabulary-parallel cross-entropy keeps
+  fp32 logits (b, s, V/t) and exp(z) for its backward and builds the fp32 logit gradient.
+
+Conventions: bytes per device; ``e`` = compute-dtype bytes, fp32 = 4 for what the code computes in
+fp32 (norm statistics, scores, softmax, logits). ``s`` is the sequence slice one context rank holds
+(``ParallelLayout.seq_local``); with sequence parallelism the tensors outside the tensor-parallel
+region (layer input, residual adds, norms) hold s/t rows, the matmul inputs the gathered s rows.
+The working-set constants were measured on XLA:CPU (the AOT path): see :data:`WORKING_SET`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar.config import ConfigDict
+from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
+
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Per-device sizes of one microbatch through one layer."""
+
+    e: int  # compute-dtype bytes
+    b: int  # sequences per microbatch
+    s: int  # tokens per sequence on this context rank
+    so: float  # rows outside the tensor-parallel region: s / t with sequence parallelism, else s
+    h: int
+    q: float  # heads * head_dim / t
+    k: float  # kv_heads * head_dim / t
+    n: float  # heads / t
+    f: float  # mlp_dim / t
+    v: float  # vocab / t
+
+    @classmethod
+    def of(cls, model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> Dims:
+        t = layout.tensor
+        s = layout.seq_len // layout.context
+        return cls(DTYPE_BYTES[model.compute_dtype], layout.microbatch_size if b is None else b, s,
+                   s / t if layout.sequence_parallel else s, model.embed_dim, model.num_heads * model.head_dim / t,
+                   model.num_kv_heads * model.head_dim / t, model.num_heads / t, model.mlp_dim / t,
+                   model.vocab_size / t)
+
+
+def _attention(layout: ParallelLayout) -> str:
+    """The implementation the step runs (``auto`` resolves to blockwise on CPU; the context axis
+    requires blockwise)."""
+    return "dot_product" if layout.attention == "dot_product" and layout.context == 1 else "blockwise"
+
+
+def layer_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: str | None = None,
+                         b: int | None = None) -> float:
+    """Bytes one llama block saves for its backward, per microbatch (``b`` sequences), on one device.
+
+    ``none`` (JAX keeps every residual the block's linearization needs; counted from the code):
+
+    - layer input x and the post-attention residual sum: 2 e*b*so*h (outside the TP region);
+    - each RMSNorm keeps its fp32 normalised input (the scale's gradient needs it): 2 * 4*b*so*h,
+      and its rsqrt statistics 2 * 2 * 4*b*so;
+    - the inputs of the column-parallel matmuls (the two norm outputs, gathered over the sequence
+      with SP: jaxpar keeps the gathered copy, Megatron re-gathers it): 2 e*b*s*h;
+    - attention: q and k after RoPE, v, and the attention output before W_o: e*b*s*(2q + 2k);
+    - ``dot_product``: the masked fp32 scores and the fp32 probabilities (b, n, s, s): 2 * 4*b*n*s^2,
+      and two softmax row statistics 2 * 4*b*n*s; ``blockwise``: only the fp32 log-sum-exp
+      4*b*s*n (Dao et al. 2022: the backward recomputes the blocks);
+    - SwiGLU MLP: gate and up outputs, silu's three jvp residuals (x, sigmoid, silu) and the
+      product fed to W_down: 6 e*b*s*f. GeLU (tanh): up output, its cube term, tanh and the
+      activation: 4 e*b*s*f (from JAX's jvp rules; not compiled-checked).
+
+    Korthikanti et al. 2022 (arXiv:2205.05198) count 34sbh + 5as^2b for a GPT layer with dropout in
+    2-byte activations; this step has no dropout, keeps fp32 norms, scores and probabilities, and
+    JAX keeps more of the SwiGLU than a hand-written backward would.
+
+    ``selective`` (:func:`jaxpar.parallel.zero.remat_policy`: ``dots_with_no_batch_dims_saveable``):
+    the layer input e*b*so*h and every weight-matmul output: q, k, v e*b*s*(q + 2k), W_o's (b, s, h)
+    partial sum before the tensor reduction e*b*s*h, gate and up e*b*s*2f (GeLU: up only).
+
+    ``full`` (``nothing_saveable``): the layer input only, e*b*so*h (the scan carry).
+    """
+    d = Dims.of(model, layout, b)
+    recompute = recompute or layout.recompute
+    swiglu = model.mlp_activation == "swiglu"
+    if recompute == "full":
+        return d.e * d.b * d.so * d.h
+    if recompute == "selective":
+        return d.e * d.b * (d.so * d.h + d.s * (d.q + 2 * d.k + d.h + (2 if swiglu else 1) * d.f))
+    outside = d.b * d.so * (2 * d.e * d.h + 2 * F32 * d.h + 4 * F32)
+    inputs = 2 * d.e * d.b * d.s * d.h
+    attention = d.e * d.b * d.s * (2 * d.q + 2 * d.k)
+    if _attention(layout) == "dot_product":
+        attention += 2 * F32 * d.b * d.n * d.s * (d.s + 1)
+    else:
+        attention += F32 * d.b * d.s * d.n
+    mlp = (6 if swiglu else 4) * d.e * d.b * d.s * d.f
+    return outside + inputs + attention + mlp
+
+
+def layer_params(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of one layer's parameters on one device (split over tensor, not over data)."""
+    return sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
+
+
+def shared_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> float:
+    """Elements of the parameters outside the layers one device holds (embedding, head, norms)."""
+    places = ("first", "last") if layout.pipeline == 1 else (stage,)
+    return sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place in places)
+
+
+def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of the embedding table on one device (V/t x h): its gradient is a scatter-add."""
+    return model.vocab_size * model.embed_dim / layout.tensor
+
+
+# Working-set constants, in units of one (b, s, mlp_dim / t) fp32-or-compute-dtype tensor e*b*s*f: the
+# backward temporaries of one layer beyond its residuals (the gradient of the MLP's widest
+# activation, the recomputed forward's duplicates under full remat). Measured on XLA:CPU (AOT,
+# fp32) for the tiny and ~1B llama configs (tests/test_memory_estimate.py): none ~1, selective ~1,
+# full 3.5 (tiny b*s = 512 and 1B s = 1024 agree to ~10%).
+WORKING_SET = {"none": 1.0, "selective": 1.0, "full": 3.5}
+HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
+# ZeRO-3: gathered layers (compute dtype) live beside the residuals at the backward peak: the layer in use
+# and the next one, gathered ahead. Measured on XLA:CPU: ~0.5 extra layers (tiny, whose gathers reuse
+# freed activation space) to ~2.4 (~1B, s = 1024); 2 keeps both within the test bounds
+ZERO3_GATHERED_LAYERS = 2.0
+
+
+def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2) -> float:
+    """One layer's backward working set on top of the residual stack: the complete residual set of
+    that layer (sliced out of the stack into fresh buffers with no recompute, recomputed with
+    ``selective`` / ``full``; a stage of one layer has no loop, hence no copy when nothing is
+    recomputed) plus :data:`WORKING_SET` e*b*s*f of gradient temporaries."""
+    d = Dims.of(model, layout, b)
+    live = layer_residual_bytes(model, layout, "none", b)
+    if layout.recompute == "none" and layers <= 1:
+        live = 0.0
+    return live + WORKING_SET[layout.recompute] * d.e * d.b * d.s * d.f
+
+
+def head_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """The vocabulary-parallel cross-entropy of one microbatch (:func:`jaxpar.models.llama.cross_entropy_sum`):
+    fp32 logits of this tensor rank's V/t columns, exp(z) kept for the backward, and the fp32 logit
+    gradient: :data:`HEAD_COPIES` * 4*b*s*V/t (the final norm's input and output: 2 e*b*s*h)."""
+    d = Dims.of(model, layout, b)
+    return HEAD_COPIES * F32 * d.b * d.s * d.v + 2 * d.e * d.b * d.s * d.h
+
+
+@dataclasses.dataclass(frozen=True)
+class TempEstimate:
+    """Estimated ``memory_analysis().temp_size_in_bytes`` of one device (one pipeline stage), by term."""
+
+    stage: int
+    residual_bytes: float  # saved for the backward: the layer stack x in-flight microbatches
+    working_bytes: float  # one layer's (or the head's) backward working set at the peak
+    gradient_bytes: float  # fp32 gradient buffers: stacked layer gradients, accumulators
+    gather_bytes: float  # ZeRO-3: gathered layers in flight
+    pipeline_bytes: float  # stage-input and gradient slot buffers of the schedule
+    update_bytes: float  # the optimizer phase's peak (reductions, ZeRO shards), when it is the larger
+    phase: str  # backward | update: which phase sets the peak
+
+    @property
+    def total_bytes(self) -> float:
+        backward = (self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes
+                    + self.pipeline_bytes)
+        return max(backward, self.update_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"total_bytes": self.total_bytes}
+
+
+def _grad_elements(model: ConfigDict, layout: ParallelLayout, stage: int) -> tuple[float, float]:
+    """(layer, shared) gradient elements one device writes per backward (stage ``stage``)."""
+    layers = model.num_layers // layout.pipeline
+    if layout.pipeline == 1:
+        return layers * layer_params(model, layout), shared_params(model, layout)
+    where = "first" if stage == 0 else "last" if stage == layout.pipeline - 1 else "none"
+    shared = shared_params(model, layout, where) if where != "none" else shared_tables(model, layout)
+    return layers * layer_params(model, layout), shared
+
+
+def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> float:
+    """The optimizer phase (:mod:`jaxpar.train.step`), with ``grads`` the full local fp32 gradient bytes.
+
+    Stage 0: the data all-reduce writes a second gradient buffer (XLA:CPU does not reduce in place),
+    except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%).
+    Stages 1-2: the full gradient and, per parameter, the updated shard all-gathered into a fresh
+    full-size buffer before it is written out: two of the largest (stacked) parameter, 2*P_max
+    (~1B at data=8 x tensor=1 and data=4 x tensor=2: +3%). Stage 3: three shards of the gradient.
+    """
+    n = layout.data * layout.context
+    pb = DTYPE_BYTES[model.param_dtype]
+    if layout.zero_stage == 0:
+        return 2 * grads - pb * shared_tables(model, layout)
+    if layout.zero_stage in (1, 2):
+        return grads + 2 * pb * largest_param(model, layout)
+    return 3 * grads / n
+
+
+def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of the largest parameter array one device holds (a stacked layer weight holds the
+    stage's layers)."""
+    layers = model.num_layers // layout.pipeline
+    return max(shard_elements(t, layout.tensor, 1, False) * (layers if t.place == "layer" else 1)
+               for t in param_tensors(model))
+
+
+def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
+    """Estimated temporaries of one device on pipeline stage ``stage`` (0 without a pipeline).
+
+    Without a pipeline: the layer scan keeps L x :func:`layer_residual_bytes`; the backward holds one
+    layer's :func:`layer_working_bytes` (or, if larger, the head's :func:`head_working_bytes`); the
+    backward scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N) and, with
+    m > 1, the accumulation sum is a second buffer (ZeRO-2/3: sharded, :mod:`jaxpar.train.step`).
+    With m = 2 the accumulation scan (microbatches 2..m) has a single iteration, which XLA inlines;
+    the two microbatches are then independent until the sum and both residual stacks are live.
+
+    1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
+    L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
+    ZeRO < 2 one sequence at a time, layer by layer), plus the chunk's gradient before it is added
+    to the fp32 accumulator of the stage, plus the act/grad slot buffers of the schedule
+    (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for 1F1B); the
+    last stage runs the head inside the same backward. GPipe: the forward scan over m + p - 1 ticks
+    is differentiated as a whole, so every tick's residuals (bubbles included) stay live.
+    """
+    p, pb, n = layout.pipeline, DTYPE_BYTES[model.param_dtype], layout.data * layout.context
+    d = Dims.of(model, layout)
+    layer_el, shared_el = _grad_elements(model, layout, stage)
+    full_grads = pb * (layer_el + shared_el)
+    zero3 = layout.zero_stage == 3
+    gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 else 0.0
+    if p == 1:
+        layers = model.num_layers
+        residual = layers * layer_residual_bytes(model, layout)
+        if layout.microbatches == 2:  # the accumulation scan has one iteration: XLA inlines it and runs both
+            residual *= 2  # microbatches' forwards before their backwards (measured: tiny, b=1, ZeRO-1)
+        working = max(layer_working_bytes(model, layout, layers=layers), head_working_bytes(model, layout))
+        grads = full_grads / n if zero3 else full_grads
+        if layout.microbatches > 1:
+            grads += full_grads / n if layout.zero_stage >= 2 else full_grads
+        update = update_bytes(model, layout, full_grads)
+        return TempEstimate(0, residual, working, grads, gather, 0.0, update,
+                            "update" if update > residual + working + grads + gather else "backward")
+    from jaxpar.parallel.pipeline.schedule import build_schedule, compile_program
+
+    chunk = model.num_layers // layout.stages
+    last = stage == p - 1
+    if layout.schedule == "gpipe":
+        ticks = layout.microbatches + p - 1
+        per_tick = (model.num_layers // p) * layer_residual_bytes(model, layout) + head_working_bytes(model, layout)
+        residual, working, slots = ticks * per_tick, layer_working_bytes(model, layout, layers=chunk), 0.0
+        chunk_grads = full_grads
+    else:
+        prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages, build_schedule,
+                        compile_program)
+        slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h
+        by_layer = layout.recompute == "full" and layout.zero_stage < 2
+        rows = 1 if by_layer else None
+        residual = chunk * layer_residual_bytes(model, layout, b=rows)
+        working = layer_working_bytes(model, layout, b=rows, layers=chunk)
+        if last:
+            working += head_working_bytes(model, layout, b=rows)
+        chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
+    acc = full_grads / n if layout.zero_stage >= 2 else full_grads
+    grads = acc + chunk_grads
+    update = update_bytes(model, layout, full_grads)
+    backward = residual + working + grads + gather + slots
+    return TempEstimate(stage, residual, working, grads, gather, slots, update,
+                        "update" if update > backward else "backward")
+
+
+_PROGRAMS: dict[tuple, tuple[int, int]] = {}
+
+
+def _program(schedule: str, p: int, m: int, v: int, build: Any, compile_: Any) -> tuple[int, int]:
+    """(act_slots, grad_slots) of a schedule, cached: the planner asks for the same few many times."""
+    key = (schedule, p, m, v)
+    if key not in _PROGRAMS:
+        prog = compile_(build(schedule, p, m, v))
+        _PROGRAMS[key] = (prog.act_slots, prog.grad_slots)
+    return _PROGRAMS[key]
+
+
+def stage_temps(model: ConfigDict, layout: ParallelLayout) -> list[TempEstimate]:
+    """:func:`temp_estimate` of every pipeline stage (one entry without a pipeline)."""
+    return [temp_estimate(model, layout, stage) for stage in range(layout.pipeline)]
+
+
+def expected_temp_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """The largest stage's estimated temporaries: what ``memory_analysis().temp_size_in_bytes`` reports
+    (every device compiles the same SPMD program, so its temp buffer fits the busiest stage)."""
+    return max(t.total_bytes for t in stage_temps(model, layout))

@@ -1,0 +1,169 @@
+"""The estimated peak against the compiled one: arguments + temporaries of jaxpar's own step.
+
+Each layout of the tiny config (fp32, short sequences) is AOT-compiled on the 8 simulated CPU devices
+of ``tests/conftest.py`` (:func:`jaxpar.analysis.compiled.analyze_layout`) and its
+``memory_analysis()`` is held against :mod:`jaxpar.analysis.activations` (temporaries) and
+:func:`jaxpar.analysis.estimate.estimated_argument_bytes` (arguments): the peak (arguments +
+temporaries) within 10%, the temporaries alone within 15%. The default suite runs a dozen layouts
+(DP, ZeRO-1/2/3, TP, TP+SP, 1F1B and interleaved pipelines, every recompute policy, accumulation 1
+and 4, dot-product and blockwise attention, context=2); ``JAXPAR_SLOW=1`` adds the rest of the grid
+and the ~1B config. Two families miss the bound and are checked against their measured ratios
+instead, so a change either way is seen: GPipe, under-estimated (:data:`KNOWN_UNDER`), and ZeRO-3
+with full recompute on the tiny model, over-estimated (:data:`KNOWN_OVER`). ``pytest -s`` prints
+every ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxpar.analysis import activations as A
+from jaxpar.analysis.aot import layout_config
+from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
+from jaxpar.config import load_config
+from jaxpar.layout import ParallelLayout
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SLOW = os.environ.get("JAXPAR_SLOW") == "1"
+PEAK_BOUND, TEMP_BOUND = 0.10, 0.15
+S = 128  # tokens per sequence: compiles in a few seconds
+
+
+def _lay(**kw) -> ParallelLayout:
+    return ParallelLayout(**{"seq_len": S, "microbatch_size": 2, **kw})
+
+
+DEFAULT = {
+    "dp_none": _lay(data=8),
+    "zero1_selective_m4": _lay(data=8, zero_stage=1, recompute="selective", microbatches=4),
+    "zero2_full_m4": _lay(data=8, zero_stage=2, recompute="full", microbatches=4),
+    "zero3_none": _lay(data=8, zero_stage=3),
+    "dp_blockwise": _lay(data=8, attention="blockwise", attention_block=32),
+    "tp2_none": _lay(data=4, tensor=2),
+    "tp2_sp_full": _lay(data=4, tensor=2, sequence_parallel=True, recompute="full"),
+    "tp2_zero1_selective": _lay(data=4, tensor=2, zero_stage=1, recompute="selective"),
+    "context2_blockwise": _lay(data=4, context=2, attention="blockwise", attention_block=32),
+    "pp2_1f1b_none": _lay(data=2, tensor=2, pipeline=2, microbatches=4),
+    "pp2_1f1b_full": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="full", zero_stage=1),
+    "pp2_interleaved": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
+}
+SLOW_GRID = {
+    "dp_selective": _lay(data=8, recompute="selective"),
+    "dp_full": _lay(data=8, recompute="full"),
+    "dp_m2_zero1": _lay(data=8, zero_stage=1, microbatches=2, microbatch_size=1),
+    "zero2_none": _lay(data=8, zero_stage=2),
+    "zero3_m4": _lay(data=8, zero_stage=3, microbatches=4),
+    "blockwise_full": _lay(data=8, attention="blockwise", attention_block=32, recompute="full"),
+    "tp2_sp_none": _lay(data=4, tensor=2, sequence_parallel=True),
+    "pp2_1f1b_selective": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="selective"),
+    "pp2_1f1b_zero2": _lay(data=2, tensor=2, pipeline=2, microbatches=4, zero_stage=2),
+    "pp4_1f1b": _lay(data=2, pipeline=4, microbatches=4),
+    "1b_zero3_none": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512),
+    "1b_zero3_full": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="full"),
+    "1b_zero3_selective": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="selective"),
+    "1b_dp_none": _lay(data=8, microbatch_size=1, seq_len=256),
+}
+# GPipe differentiates its tick scan as a whole; every tick (bubbles included) keeps more than the
+# per-tick terms of activations.temp_estimate: measured compiled / estimated 1.27-1.31 (tiny, s=256).
+KNOWN_UNDER = {"pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, schedule="gpipe")}
+# ZeRO-3's gathered layers (activations.ZERO3_GATHERED_LAYERS = 2) are a measured constant: the ~1B
+# config needs ~2.4-2.8 layers beside its residuals, the tiny one ~0.5 (its gathers reuse freed
+# activation space). With full recompute on tiny the estimate is high: temp 0.865, peak 0.883.
+KNOWN_OVER = {"zero3_full": _lay(data=8, zero_stage=3, recompute="full")}
+
+
+def _config(name: str, layout: ParallelLayout):
+    cfg = load_config(str(ROOT / "configs" / ("llama_1b.py" if name.startswith("1b_") else "tiny.py")))
+    cfg = layout_config(cfg, layout)
+    cfg.model.compute_dtype = cfg.parallel.grad_reduce_dtype = "float32"  # what plan --aot compiles on CPU
+    return cfg
+
+
+_CACHE: dict[str, object] = {}
+
+
+def _memory(name: str, layout: ParallelLayout):
+    if name not in _CACHE:
+        cfg = _config(name, layout)
+        _CACHE[name] = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
+    return _CACHE[name]
+
+
+def _check(name: str, layout: ParallelLayout) -> tuple[float, float]:
+    mem = _memory(name, layout)
+    print(f"\n  {name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.expected_temp_bytes / 2**20:.2f} "
+          f"(ratio {mem.temp_ratio:.3f}); peak ratio {mem.peak_ratio:.3f}; args ratio {mem.argument_ratio:.4f}")
+    return mem.temp_ratio, mem.peak_ratio
+
+
+@pytest.mark.parametrize("name", list(DEFAULT))
+def test_estimated_peak_matches_compiled(name):
+    temp, peak = _check(name, DEFAULT[name])
+    assert temp == pytest.approx(1, abs=TEMP_BOUND)
+    assert peak == pytest.approx(1, abs=PEAK_BOUND)
+
+
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: the full grid and the ~1B config")
+@pytest.mark.parametrize("name", list(SLOW_GRID))
+def test_estimated_peak_matches_compiled_full_grid(name):
+    temp, peak = _check(name, SLOW_GRID[name])
+    assert temp == pytest.approx(1, abs=TEMP_BOUND)
+    assert peak == pytest.approx(1, abs=PEAK_BOUND)
+
+
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1")
+@pytest.mark.parametrize("name", list(KNOWN_OVER))
+def test_zero3_small_model_is_a_known_overestimate(name):
+    temp, peak = _check(name, KNOWN_OVER[name])
+    assert 0.8 < temp < 0.9 and peak < 0.9  # over-estimated (the safe side): when this fails, revisit the constant
+
+
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1")
+@pytest.mark.parametrize("name", list(KNOWN_UNDER))
+def test_gpipe_is_a_known_underestimate(name):
+    temp, _ = _check(name, KNOWN_UNDER[name])
+    assert 1.1 < temp < 1.5  # under-estimated by 10-50%: when this fails, update the model or the bound
+
+
+def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:
+    """Bytes JAX saves for the backward of one block (no mesh: t = 1), from ``saved_residuals``."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxpar.models import get_model
+    from jaxpar.parallel import zero
+
+    m = get_model(model_cfg)
+    ctx = m.context(attention=layout.attention, attention_block=layout.attention_block)
+    layer = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), m.abstract_params()["blocks"])
+    b, s, h = layout.microbatch_size, layout.seq_len, model_cfg.embed_dim
+    pos = jnp.arange(s)
+
+    def f(x, lay):
+        return m.block(x, lay, pos, ctx)
+
+    if policy != "none":
+        f = jax.checkpoint(f, policy=zero.remat_policy(policy), prevent_cse=False)
+    total = 0.0
+    for aval, why in saved_residuals(lambda x, lay: jnp.sum(f(x, lay)), jnp.zeros((b, s, h)), layer):
+        why = str(why)
+        if why.startswith("from the argument") and not why.endswith("argument x"):
+            continue  # the layer's parameters: arguments of the step, not activations
+        if aval.ndim < 2:  # the positions constant
+            continue
+        total += aval.size * aval.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_residual_count_matches_jax(policy):
+    """The closed-form residuals of a block (no tensor parallelism) are what JAX saves under the
+    step's remat policies (``none`` saves duplicates that XLA merges: checked by the compiled grid)."""
+    cfg = load_config(str(ROOT / "configs" / "tiny.py"))
+    cfg.model.compute_dtype = "float32"
+    lay = ParallelLayout(seq_len=64, microbatch_size=2, recompute=policy)
+    assert A.layer_residual_bytes(cfg.model, lay) == pytest.approx(_saved(cfg.model, lay, policy))
