@@ -160,12 +160,22 @@ class Model(abc.ABC):
         return layer_step(self.block, positions, ctx, self.stacked)
 
     def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
-        """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows)."""
+        """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows).
+
+        The entries used only after the layers (roles ``final_norm`` / ``output``) pass through the
+        layer scan's carry, unchanged, and are gathered (ZeRO-3) after it: so every collective of
+        the head reads the scan's result in the forward pass, and the backward scan reads the
+        head's reduced gradients. XLA:CPU needs that data order (:mod:`jaxpar.analysis.collective_order`:
+        a collective that does not depend on a loop may run concurrently with the loop's collectives,
+        and in-process rendezvous then pair different operations); the numbers are unchanged.
+        """
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        params = self.gather_shared(params, ctx)
-        x = self.embed(params, inputs, ctx)
-        x = self.run_blocks(x, params[self.stacked], jnp.arange(inputs.shape[1]), ctx)
-        return self.head_loss(params, x, targets, ctx)
+        late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
+        early = self.gather_shared({k: v for k, v in params.items() if k not in late}, ctx)
+        x = self.embed(early, inputs, ctx)
+        x, late = scan_layers(self.block, x, params[self.stacked], jnp.arange(inputs.shape[1]), ctx, self.stacked,
+                              carried=late)
+        return self.head_loss({**early, **self.gather_shared(late, ctx)}, x, targets, ctx)
 
 
 def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
@@ -182,15 +192,22 @@ def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
 
 
 def scan_layers(block, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext,
-                stacked: str = "blocks") -> jax.Array:
+                stacked: str = "blocks", carried: Any = None) -> Any:
     """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or
-    ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters)."""
+    ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters).
+
+    ``carried`` (a tree, optional): passed through the carry unchanged and returned beside ``x``
+    (``(x, carried)``), so that what uses it afterwards depends on the loop (see :meth:`Model.loss_sum`).
+    """
     one = layer_step(block, positions, ctx, stacked)
 
     def body(carry, layer):
-        return one(carry, layer), None
+        h, passed = carry
+        # a barrier per leaf (one leaf: no varying-axes mismatch) so that JAX does not forward the
+        # unchanged carry around the loop, which would drop the data dependency it exists for
+        return (one(h, layer), jax.tree.map(lambda v: jax.lax.optimization_barrier(v), passed)), None
 
     if ctx.remat != "none" or ctx.zero3:
         body = jax.checkpoint(body, policy=zero.remat_policy(ctx.remat), prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, blocks)
-    return x
+    (x, out), _ = jax.lax.scan(body, (x, carried), blocks)
+    return x if carried is None else (x, out)

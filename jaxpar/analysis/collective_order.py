@@ -1,0 +1,80 @@
+"""Collectives that XLA:CPU may run concurrently with a loop's collectives: the hazard this module finds.
+
+XLA:CPU's thunk executor orders the collectives of one computation by *scheduling* edges only (the
+shared "collective communicator" resource, ``xla/backends/cpu/runtime/thunk_executor.cc``): a
+collective may start once its predecessor has *started*. A ``while`` (or ``conditional``) thunk
+whose body runs asynchronously returns before its last iteration is done, so the next collective in
+the schedule starts while the loop's collectives are still running, unless it reads the loop's
+result (a data edge waits for completion). JAX gives every collective ``channel_id=1``, so XLA:CPU's
+in-process rendezvous key of such a collective (run, devices of the group, kind, channel) equals that
+of a same-kind collective over the same group inside the loop: devices pair different operations
+and the step hangs ("Termination timeout ... 40 seconds exceeded"), aborts ("Check failed: id <
+num_threads") or reads a buffer of another size (segmentation fault).
+
+:func:`unordered_collectives` reads optimized HLO (its instructions are printed in schedule order)
+and lists every collective-bearing instruction scheduled after such a loop in the same computation
+that does not depend on the loop's result. The train step keeps this list empty by passing the
+parameters used after the layer scan through its carry (:func:`jaxpar.models.base.scan_layers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxpar.analysis.hlo import _CALLEE_LISTS, _CALLEES, Instr, parse_hlo
+
+COLLECTIVE_OPCODES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+                      "ragged-all-to-all", "collective-broadcast")
+NESTED_EXECUTORS = ("while", "conditional")  # thunks that run a nested thunk sequence, possibly asynchronously
+_NAME = re.compile(r"%?([\w.\-]+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class UnorderedCollective:
+    """``collective`` (in ``computation``) is scheduled after ``loop`` but does not read its result."""
+
+    computation: str
+    loop: str
+    collective: str
+
+
+def _callees(ins: Instr, comps: dict[str, list[Instr]]) -> list[str]:
+    names = _CALLEES.findall(ins.attrs)
+    for group in _CALLEE_LISTS.findall(ins.attrs):
+        names += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+    return [n for n in names if n in comps]
+
+
+def _is_collective(ins: Instr) -> bool:
+    return ins.opcode.removesuffix("-start") in COLLECTIVE_OPCODES
+
+
+def unordered_collectives(hlo_text: str) -> list[UnorderedCollective]:
+    """Every collective-bearing instruction (a collective, or a call / loop / conditional that holds
+    one) scheduled after a ``while`` / ``conditional`` holding collectives in the same computation,
+    without a data path from it. Empty: XLA:CPU runs each computation's collectives in one order."""
+    _, comps = parse_hlo(hlo_text)
+    bearing: dict[str, bool] = {}
+
+    def holds_collectives(comp: str) -> bool:
+        if comp not in bearing:
+            bearing[comp] = False  # HLO call graphs are acyclic; this only guards the recursion
+            bearing[comp] = any(_is_collective(i) or any(holds_collectives(c) for c in _callees(i, comps))
+                                for i in comps[comp])
+        return bearing[comp]
+
+    found = []
+    for comp, instrs in comps.items():
+        ancestors: dict[str, frozenset[str]] = {}
+        loops: list[str] = []
+        for ins in instrs:
+            operands = [m.group(1) for o in ins.operands if (m := _NAME.search(o)) and m.group(1) in ancestors]
+            ancestors[ins.name] = frozenset(operands).union(*(ancestors[o] for o in operands))
+            bears = _is_collective(ins) or any(holds_collectives(c) for c in _callees(ins, comps))
+            if not bears:
+                continue
+            found += [UnorderedCollective(comp, loop, ins.name) for loop in loops if loop not in ancestors[ins.name]]
+            if ins.opcode in NESTED_EXECUTORS:
+                loops.append(ins.name)
+    return found
