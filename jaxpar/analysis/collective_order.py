@@ -54,7 +54,11 @@ def unordered_collectives(hlo_text: str) -> list[UnorderedCollective]:
     """Every collective-bearing instruction (a collective, or a call / loop / conditional that holds
     one) scheduled after a ``while`` / ``conditional`` holding collectives in the same computation,
     without a data path from it. Empty: XLA:CPU runs each computation's collectives in one order."""
-    _, comps = parse_hlo(hlo_text)
+    return unordered_in(parse_hlo(hlo_text)[1])
+
+
+def unordered_in(comps: dict[str, list[Instr]]) -> list[UnorderedCollective]:
+    """:func:`unordered_collectives` of parsed computations (:func:`jaxpar.analysis.hlo.parse_hlo`)."""
     bearing: dict[str, bool] = {}
 
     def holds_collectives(comp: str) -> bool:
