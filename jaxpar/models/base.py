@@ -162,15 +162,21 @@ class Model(abc.ABC):
     def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
         """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows).
 
-        The entries used only after the layers (roles ``final_norm`` / ``output``) pass through the
-        layer scan's carry, unchanged, and are gathered (ZeRO-3) after it: so every collective of
-        the head reads the scan's result in the forward pass, and the backward scan reads the
-        head's reduced gradients. XLA:CPU needs that data order (:mod:`jaxpar.analysis.collective_order`:
-        a collective that does not depend on a loop may run concurrently with the loop's collectives,
+        Where those parameters meet collectives inside the loss (ZeRO-3's gathers and their
+        reduce-scatters; sequence parallelism's all-reduce of the final norm's gradient), the
+        entries used only after the layers (roles ``final_norm`` / ``output``) pass through the
+        layer scan's carry, unchanged, and are gathered after it: so every collective of the head
+        reads the scan's result in the forward pass, and the backward scan reads the head's reduced
+        gradients. XLA:CPU needs that data order (:mod:`jaxpar.analysis.collective_order`: a
+        collective that does not depend on a loop may run concurrently with the loop's collectives,
         and in-process rendezvous then pair different operations); the numbers are unchanged.
+        Elsewhere nothing is carried (a carried copy costs temporaries; the gradient reductions of
+        ZeRO 0-2 follow the loss and were found ordered in every compiled layout tested).
         """
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
+        late = {}
+        if ctx.zero3 or ctx.sequence_parallel:
+            late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
         early = self.gather_shared({k: v for k, v in params.items() if k not in late}, ctx)
         x = self.embed(early, inputs, ctx)
         x, late = scan_layers(self.block, x, params[self.stacked], jnp.arange(inputs.shape[1]), ctx, self.stacked,
