@@ -46,6 +46,39 @@ def _callees(ins: Instr, comps: dict[str, list[Instr]]) -> list[str]:
     return [n for n in names if n in comps]
 
 
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _passed_through(ins: Instr, by_name: dict[str, Instr], comps: dict[str, list[Instr]]) -> str | None:
+    """For ``get-tuple-element(while), index=k`` where the body returns element k of its parameter
+    unchanged (directly or through bitcasts, which alias): the while's operand, the value's real
+    producer. XLA:CPU orders thunks by the buffers they touch, and no thunk of the body touches
+    that element, so reading it does not wait for the loop. Otherwise None."""
+    if ins.opcode != "get-tuple-element" or not ins.operands:
+        return None
+    loop = by_name.get(_NAME.search(ins.operands[0]).group(1))
+    index = _INDEX.search(ins.attrs)
+    body = re.search(r"\bbody=%?([\w.\-]+)", loop.attrs) if loop is not None and loop.opcode == "while" else None
+    if body is None or index is None or body.group(1) not in comps:
+        return None
+    body_instrs = comps[body.group(1)]
+    names = {i.name: i for i in body_instrs}
+    root = body_instrs[-1]
+    k = int(index.group(1))
+    if root.opcode != "tuple" or k >= len(root.operands):
+        return None
+    value = names.get(_NAME.search(root.operands[k]).group(1))
+    while value is not None and value.opcode == "bitcast":
+        value = names.get(_NAME.search(value.operands[0]).group(1))
+    if (value is None or value.opcode != "get-tuple-element" or _INDEX.search(value.attrs) is None
+            or int(_INDEX.search(value.attrs).group(1)) != k):
+        return None
+    source = names.get(_NAME.search(value.operands[0]).group(1))
+    if source is None or source.opcode != "parameter":
+        return None
+    return _NAME.search(loop.operands[0]).group(1)
+
+
 def _is_collective(ins: Instr) -> bool:
     return ins.opcode.removesuffix("-start") in COLLECTIVE_OPCODES
 
@@ -71,9 +104,13 @@ def unordered_in(comps: dict[str, list[Instr]]) -> list[UnorderedCollective]:
     found = []
     for comp, instrs in comps.items():
         ancestors: dict[str, frozenset[str]] = {}
+        by_name = {i.name: i for i in instrs}
         loops: list[str] = []
         for ins in instrs:
             operands = [m.group(1) for o in ins.operands if (m := _NAME.search(o)) and m.group(1) in ancestors]
+            looped = _passed_through(ins, by_name, comps)
+            if looped is not None:  # an element the loop body never writes: no edge from the loop at run time
+                operands = [looped]
             ancestors[ins.name] = frozenset(operands).union(*(ancestors[o] for o in operands))
             bears = _is_collective(ins) or any(holds_collectives(c) for c in _callees(ins, comps))
             if not bears:

@@ -202,18 +202,30 @@ def scan_layers(block, x: jax.Array, blocks: dict, positions: jax.Array, ctx: Sh
     """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or
     ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters).
 
-    ``carried`` (a tree, optional): passed through the carry unchanged and returned beside ``x``
-    (``(x, carried)``), so that what uses it afterwards depends on the loop (see :meth:`Model.loss_sum`).
+    ``carried`` (a tree, optional): carried through the loop, its values unchanged, and returned
+    beside ``x`` (``(x, carried)``), so that what uses it afterwards depends on the loop at run time
+    (see :meth:`Model.loss_sum`).
     """
     one = layer_step(block, positions, ctx, stacked)
+    rewrite = bool(jax.tree.leaves(carried))
 
     def body(carry, layer):
-        h, passed = carry
-        # a barrier per leaf (one leaf: no varying-axes mismatch) so that JAX does not forward the
-        # unchanged carry around the loop, which would drop the data dependency it exists for
-        return (one(h, layer), jax.tree.map(lambda v: jax.lax.optimization_barrier(v), passed)), None
+        if not rewrite:
+            return one(carry, layer), None
+        h, passed, step = carry
+        # Rewrite the carried leaves in every iteration: select(step >= 0, v, 0) is v, but neither
+        # JAX (which forwards an unchanged carry around the loop) nor XLA removes it, so the loop
+        # body writes their buffers and XLA:CPU makes their readers after the loop (and, in the
+        # backward pass, the loop after their writers) wait for it. A pass-through element is
+        # touched by no thunk of the body: its readers would not wait. The step counter varies over
+        # no mesh axis, so the leaves keep their varying axes.
+        passed = jax.tree.map(lambda v: jnp.where(step >= 0, v, jnp.zeros_like(v)), passed)
+        return (one(h, layer), passed, step + 1), None
 
     if ctx.remat != "none" or ctx.zero3:
         body = jax.checkpoint(body, policy=zero.remat_policy(ctx.remat), prevent_cse=False)
-    (x, out), _ = jax.lax.scan(body, (x, carried), blocks)
-    return x if carried is None else (x, out)
+    if not rewrite:
+        x, _ = jax.lax.scan(body, x, blocks)
+        return x if carried is None else (x, carried)
+    (x, out, _), _ = jax.lax.scan(body, (x, carried, jnp.int32(0)), blocks)
+    return x, out
