@@ -13,8 +13,11 @@ num_threads") or reads a buffer of another size (segmentation fault).
 
 :func:`unordered_collectives` reads optimized HLO (its instructions are printed in schedule order)
 and lists every collective-bearing instruction scheduled after such a loop in the same computation
-that does not depend on the loop's result. The train step keeps this list empty by passing the
-parameters used after the layer scan through its carry (:func:`jaxpar.models.base.scan_layers`).
+that does not depend on the loop's result. XLA:CPU orders thunks by the buffers they touch, so a
+loop element the body passes through unchanged is no dependency on the loop (no thunk of the body
+writes it). The train step keeps this list empty: under ZeRO-3 or SP the head's parameters are
+carried through the layer scan and rewritten in its body (:meth:`jaxpar.models.base.Model.loss_sum`),
+and every microbatch runs inside the accumulation loop (:mod:`jaxpar.train.step`).
 """
 
 from __future__ import annotations
