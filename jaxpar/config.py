@@ -52,6 +52,7 @@ def default_config() -> ConfigDict:
     c.parallel.grad_reduce_dtype = "float32"  # gradient reduction over `data` (ZeRO 0-2); ZeRO-3
     # gathers parameters and reduce-scatters their gradients in model.compute_dtype (FSDP-style)
     c.parallel.max_replicated_fraction = 0.05  # ZeRO-3 guard: share of param bytes replicated
+    c.parallel.context_exchange = "ring"  # mesh.context > 1: ring (ppermute K/V) | all_gather (gather K/V)
 
     c.model = ConfigDict()
     c.model.name = "llama"
@@ -69,6 +70,8 @@ def default_config() -> ConfigDict:
     c.model.mlp_activation = "swiglu"  # swiglu | gelu (classic GPT)
     c.model.norm = "rmsnorm"  # rmsnorm | layernorm (classic GPT)
     c.model.position = "rope"  # rope | learned (classic GPT)
+    c.model.attention = "dot_product"  # dot_product (s x s scores) | blockwise (flash, any backend) | cudnn | auto
+    c.model.attention_block = 512  # blockwise: query and key/value block length
     c.model.remat = "none"  # none | full | selective (keep weight-matmul outputs, recompute attention core)
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters

@@ -25,6 +25,8 @@ from jaxpar.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.models.attention)
+CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.parallel.context)
 # Model dims split over `tensor` by the Megatron rules (jaxpar.sharding.TENSOR_RULES): each must divide.
 TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
 
@@ -37,6 +39,7 @@ class ParallelLayout:
     data: int = 1
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.parallel.context)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     zero_stage: int = 0
     microbatches: int = 1  # m: microbatches per optimizer step (gradient accumulation or pipeline)
@@ -45,6 +48,9 @@ class ParallelLayout:
     recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipeline > 1)
+    attention: str = "dot_product"  # auto | dot_product | blockwise | cudnn (model.attention)
+    attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
+    context_exchange: str = "ring"  # ring | all_gather (used when context > 1)
 
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelLayout:
@@ -62,6 +68,9 @@ class ParallelLayout:
             recompute=cfg.model.remat,
             sequence_parallel=cfg.parallel.sequence_parallel,
             schedule=cfg.pipeline.schedule,
+            attention=cfg.model.attention,
+            attention_block=cfg.model.attention_block,
+            context_exchange=cfg.parallel.context_exchange,
         )
 
     # ------------------------------------------------------------------ derived quantities
@@ -90,6 +99,11 @@ class ParallelLayout:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    @property
+    def seq_local(self) -> int:
+        """Tokens of each sequence one context rank holds (two chunks of ``seq_len / (2 * context)``)."""
+        return self.seq_len // self.context
 
     @property
     def stages(self) -> int:
@@ -128,6 +142,12 @@ class ParallelLayout:
         _require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages}: must be >= 1")
         _require(self.microbatches >= 1, f"train.microbatches={self.microbatches}: must be >= 1")
         _require(self.seq_len >= 2, f"train.seq_len={self.seq_len}: must be >= 2")
+        _require(self.attention in ATTENTION,
+                 f"model.attention='{self.attention}': use one of {', '.join(ATTENTION)}")
+        _require(self.attention_block >= 1, f"model.attention_block={self.attention_block}: must be >= 1, e.g. 512")
+        _require(self.context_exchange in CONTEXT_EXCHANGES,
+                 f"parallel.context_exchange='{self.context_exchange}': use one of {', '.join(CONTEXT_EXCHANGES)}")
+        self._validate_context()
         self._validate_model(model)
         self._validate_batch(global_batch)
         self._validate_pipeline(model)
@@ -144,9 +164,30 @@ class ParallelLayout:
         _require(self.seq_len <= model["max_seq_len"],
                  f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model['max_seq_len']}; lower train.seq_len")
         if self.sequence_parallel:
-            _require(self.seq_len % self.tensor == 0,
-                     f"train.seq_len={self.seq_len} is not divisible by mesh.tensor={self.tensor} (parallel."
-                     "sequence_parallel); use a multiple of the tensor size")
+            split = self.tensor * self.context
+            what = "mesh.tensor" if self.context == 1 else "mesh.context*mesh.tensor"
+            _require(self.seq_len % split == 0,
+                     f"train.seq_len={self.seq_len} is not divisible by {what}={split} (parallel."
+                     f"sequence_parallel); use a multiple of {split}")
+
+    def _validate_context(self) -> None:
+        c = self.context
+        if c == 1:
+            return
+        _require(self.seq_len % (2 * c) == 0,
+                 f"train.seq_len={self.seq_len} is not divisible by 2*mesh.context={2 * c} (each context rank holds "
+                 f"two chunks, i and 2c-1-i, to balance the causal mask); use a multiple of {2 * c}")
+        _require(self.attention in ("blockwise", "auto"),
+                 f"model.attention={self.attention} with mesh.context={c}: context parallelism runs the blockwise "
+                 "kernel on every exchanged key/value block (it merges partial results by their log-sum-exp); set "
+                 "--config.model.attention=blockwise")
+        # The pipeline runs each stage's layers inside a per-stage branch (lax.switch); the ring's
+        # collective-permutes inside it exchange wrong blocks on XLA:CPU (forward loss off in the 3rd
+        # digit) or abort there. The all-gather exchange is exact inside the branches.
+        _require(self.pipeline == 1 or self.context_exchange == "all_gather",
+                 f"parallel.context_exchange=ring with mesh.pipeline={self.pipeline}: the ring's collective-permutes "
+                 "cannot run inside the pipeline's per-stage branches; set --config.parallel.context_exchange="
+                 "all_gather")
 
     def _validate_batch(self, global_batch: int | None) -> None:
         per_step = self.microbatches * self.data

@@ -15,11 +15,16 @@ From (strategy, mesh, parameter shapes and logical names) follow, per parameter:
   divisible by the ``data`` size; ``None`` (replicated) if no dim qualifies;
 * the **storage spec** (parameters: ZeRO-3 adds ``data`` on the ZeRO dim) and the
   **optimizer spec** (ZeRO >= 1 adds ``data`` on the ZeRO dim).
+
+With context parallelism (``mesh.context > 1``) "``data``" above reads "``data`` x ``context``"
+(:func:`jaxpar.axes.data_group`, the placement's :attr:`ParamPlacement.zero_axes`): every context
+rank computes a partial gradient, so ZeRO shards and reduces over the pair as one group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 
 # Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
@@ -79,21 +84,28 @@ class ParamPlacement:
     storage: P  # parameter storage spec
     optimizer: P  # optimizer-state spec (and the sharded gradient at ZeRO >= 2)
     weight_decay: bool  # norms (and biases) are not decayed
+    # The group ZeRO shards and gradients are reduced over: `data`, or (`data`, `context`)
+    # (jaxpar.axes.data_group); a collective's axis argument as it is written.
+    zero_axes: str | tuple[str, ...] = MeshAxis.DATA
 
     @property
     def sharded_storage(self) -> bool:
-        return MeshAxis.DATA in self.storage
+        return MeshAxis.DATA in _spec_axes(self.storage)
 
     @property
     def sharded_optimizer(self) -> bool:
-        return MeshAxis.DATA in self.optimizer
+        return MeshAxis.DATA in _spec_axes(self.optimizer)
 
 
-def _with_data(spec: tuple, dim: int | None) -> P:
+def _spec_axes(spec: P) -> set[str]:
+    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def _with_data(spec: tuple, dim: int | None, group: str | tuple[str, ...] = MeshAxis.DATA) -> P:
     if dim is None:
         return P(*spec)
     out = list(spec)
-    out[dim] = MeshAxis.DATA if out[dim] is None else (out[dim], MeshAxis.DATA)
+    out[dim] = group if out[dim] is None else (out[dim], *group_axes(group))
     return P(*out)
 
 
@@ -120,15 +132,17 @@ def param_placement(shape: tuple[int, ...], logical: tuple[str, ...], strategy: 
                 f"choose mesh.{axis} that divides {size}"
             )
         compute.append(axis)
-    zdim = zero_dim(shape, logical, strategy.rules, mesh_shape[MeshAxis.DATA])
+    group = data_group(mesh_shape.get(MeshAxis.CONTEXT, 1))
+    zdim = zero_dim(shape, logical, strategy.rules, math.prod(mesh_shape[a] for a in group_axes(group)))
     stage = strategy.zero_stage
     return ParamPlacement(
         logical=logical,
         compute=P(*compute),
         zero_dim=zdim,
-        storage=_with_data(compute, zdim if stage >= 3 else None),
-        optimizer=_with_data(compute, zdim if stage >= 1 else None),
+        storage=_with_data(compute, zdim if stage >= 3 else None, group),
+        optimizer=_with_data(compute, zdim if stage >= 1 else None, group),
         weight_decay="norm" not in logical and "bias" not in logical,
+        zero_axes=group,
     )
 
 

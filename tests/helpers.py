@@ -31,10 +31,10 @@ def tiny_config(*overrides: str):
 
 
 def run_steps(cfg, steps: int, seed: int = 0):
-    """Train ``steps`` steps on the first data*tensor*pipeline devices with fixed random batches.
+    """Train ``steps`` steps on the first data*tensor*pipeline*context devices with fixed random batches.
 
     Returns (per-step metrics, final params on host, the Setup)."""
-    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    n = ParallelLayout.from_config(cfg).devices
     setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
     params, opt = setup.init(seed)
     rng = np.random.default_rng(seed)

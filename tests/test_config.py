@@ -17,7 +17,7 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--config.mesh.data=2"], "mesh: data*tensor*pipeline = 2*2*1 = 4 but 8 devices"),
+        (["--config.mesh.data=2"], "mesh: data*tensor*pipeline*context = 2*2*1*1 = 4 but 8 devices"),
         (["--config.mesh.tensor=8", "--config.mesh.data=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
         (["--config.model.num_kv_heads=3"], "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
         (["--config.train.global_batch=6"], "train.global_batch=6 is not divisible by train.microbatches*mesh.data"),
@@ -27,6 +27,13 @@ def _run(capsys, *argv):
         (["--config.train.steps=-5"], "train.steps=-5: must be >= 0"),
         (["--config.train.steps=ten"], "--config.train.steps: 'ten' is not a valid int"),
         (["--config.model.remat=some"], "model.remat='some'"),
+        (["--config.mesh.data=1", "--config.mesh.context=4", "--config.train.seq_len=60",
+          "--config.model.attention=blockwise"], "train.seq_len=60 is not divisible by 2*mesh.context=8"),
+        (["--config.mesh.data=2", "--config.mesh.context=2"], "model.attention=dot_product with mesh.context=2"),
+        (["--config.mesh.data=1", "--config.mesh.context=2", "--config.mesh.pipeline=2",
+          "--config.model.attention=blockwise"], "parallel.context_exchange=ring with mesh.pipeline=2"),
+        (["--config.parallel.context_exchange=ulysses"], "parallel.context_exchange='ulysses'"),
+        (["--config.model.attention=flash"], "model.attention='flash'"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(capsys, argv, needle):

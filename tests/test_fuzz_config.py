@@ -19,14 +19,15 @@ SIZE = [0, -1, 2**40]  # a dimension or mesh size: positive and no larger than a
 # Fields whose domain other agents own (model.name; the optimizer schedule fields): only type errors here.
 OTHERS = ("model.name", "optim.decay_steps", "optim.warmup_init_lr", "optim.schedule_offset", "optim.decay_start_step")
 BAD: dict[str, list] = {
-    "mesh.data": SIZE, "mesh.tensor": SIZE, "mesh.pipeline": SIZE,
+    "mesh.data": SIZE, "mesh.tensor": SIZE, "mesh.pipeline": SIZE, "mesh.context": [*SIZE, 3],
     "parallel.zero_stage": [-1, 4], "parallel.sequence_parallel": [],
-    "parallel.grad_reduce_dtype": ["float16", ""], "parallel.max_replicated_fraction": [-0.1, 1.5, NAN],
+    "parallel.grad_reduce_dtype": ["float16", ""], "parallel.context_exchange": ["ulysses", ""], "parallel.max_replicated_fraction": [-0.1, 1.5, NAN],
     "model.vocab_size": SIZE, "model.embed_dim": SIZE, "model.num_layers": SIZE, "model.num_heads": SIZE,
     "model.num_kv_heads": [*SIZE, 3], "model.head_dim": [*SIZE, 31], "model.mlp_dim": SIZE,
     "model.max_seq_len": [0, -3, 2**40], "model.rope_theta": [0.0, -1.0, NAN, INF],
     "model.norm_eps": [0.0, -1e-5, NAN, INF], "model.tie_embeddings": [], "model.mlp_activation": ["relu"],
     "model.norm": ["batchnorm"], "model.position": ["alibi"], "model.remat": ["sometimes"],
+    "model.attention": ["flash", ""], "model.attention_block": [0, -16],
     "model.compute_dtype": ["int8"], "model.param_dtype": ["float64"], "model.init_std": [0.0, -0.02, NAN, INF],
     "optim.name": ["rmsprop", "no/such/file.py:make"], "optim.momentum": [0.5, NAN], "optim.nesterov": [True], "optim.lr": [0.0, -1.0, NAN, INF], "optim.min_lr_ratio": [-0.1, 1.5, NAN],
     "optim.warmup_steps": [-1], "optim.schedule": ["bogus"], "optim.warmup_type": ["bogus"],

@@ -21,6 +21,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import config_or_default, needs, overrides
 from jaxpar.config import load_config
 from jaxpar.distributed import ensure_host_devices
+from jaxpar.layout import ParallelLayout
 
 HELP = "compile a layout (AOT) and report its collectives and per-device memory against the formulas"
 
@@ -39,7 +40,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     """
     needs("inspect", "--ops", getattr(args, "ops", False), "--json", getattr(args, "json", False))
     cfg = load_config(config_or_default(args), overrides(args))
-    ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    ensure_host_devices(ParallelLayout.from_config(cfg).devices)
     from jaxpar.analysis.compiled import analyze_layout
 
     report = analyze_layout(cfg)

@@ -15,6 +15,7 @@ from jaxpar.cli.common import DEFAULT_CONFIG, overrides
 from jaxpar.cli.errors import note_workdir
 from jaxpar.config import load_config
 from jaxpar.errors import JaxparError
+from jaxpar.layout import ParallelLayout
 
 HELP = "train a config on the devices present (CPU: simulated devices)"
 EXIT_PEER_FAILURE = 3
@@ -39,7 +40,7 @@ def run_train(args: argparse.Namespace) -> int:
     note_workdir(cfg.train.workdir)
     from jaxpar.distributed import ensure_host_devices, initialize_from_env
 
-    ensure_host_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    ensure_host_devices(ParallelLayout.from_config(cfg).devices)
     from jaxpar.port.weights import load_checked
     from jaxpar.train.loop import Trainer
 

@@ -4,8 +4,8 @@ Shapes everywhere: ``q`` (b, sq, n, d), ``k``/``v`` (b, sk, kv, d) with ``n % kv
 (grouped-query attention: query head ``h`` reads key/value head ``h // (n // kv)``); outputs
 (b, sq, n, d); per-row log-sum-exp (b, sq, n) in fp32.
 
-* :func:`dot_product_attention`: the reference. It builds the (sq, sk) score matrix in fp32, as
-  ``jaxpar.models.llama._attention`` does, so its memory grows with ``s**2``.
+* :func:`dot_product_attention`: the reference (``model.attention=dot_product``). It builds the
+  (sq, sk) score matrix in fp32, so its memory grows with ``s**2``.
 * :func:`blockwise_attention`: FlashAttention in pure JAX, any backend (Dao et al. 2022,
   "FlashAttention", arXiv:2205.14135; Dao 2023, "FlashAttention-2", arXiv:2307.08691). An online
   softmax over key/value blocks keeps an O(s * block) working set in the forward pass, and a
@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpar.errors import ConfigError
+from jaxpar.layout import ATTENTION
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "dot_product", "blockwise", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ATTENTION  # model.attention (jaxpar.layout)
 _F32 = jnp.float32
 _NEG_INF = -jnp.inf
 # Positions given to padding rows/columns: a padded query sees no key under the causal mask, a
@@ -46,8 +47,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
                           q_offset: int = 0, kv_offset: int = 0) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
-    The semantics of ``llama._attention`` (scores in fp32, scale ``1/sqrt(d)``, masked scores set
-    to ``finfo(float32).min``, probabilities cast to ``v.dtype`` before the value matmul).
+    Scores in fp32, scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``,
+    probabilities cast to ``v.dtype`` before the value matmul.
     Query ``i`` has position ``q_offset + i`` and key ``j`` position ``kv_offset + j``; the causal
     mask keeps ``q_pos >= kv_pos``. A query row that sees no key at all gets the uniform average
     of the values (every score equals ``finfo.min``), not zeros: this path never produces such rows
@@ -58,7 +59,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     q = q.reshape(b, sq, kv, n // kv, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=_F32) / math.sqrt(d)
     if causal:
-        mask = (q_offset + jnp.arange(sq))[:, None] >= (kv_offset + jnp.arange(sk))[None, :]
+        if q_offset == kv_offset == 0 and sq == sk:
+            mask = jnp.tril(jnp.ones((sq, sk), dtype=bool))
+        else:
+            mask = (q_offset + jnp.arange(sq))[:, None] >= (kv_offset + jnp.arange(sk))[None, :]
         scores = jnp.where(mask, scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
@@ -133,8 +137,10 @@ def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
     return jnp.broadcast_to(real, (qp.shape[0], kp.shape[0]))
 
 
-def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
-    """Online-softmax forward pass. Returns out (b, sq, n, d) in q.dtype and lse (b, sq, n) fp32."""
+def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None):
+    """Online-softmax forward pass. Returns out (b, sq, n, d) in ``out_dtype`` (default q.dtype) and
+    lse (b, sq, n) fp32."""
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
@@ -170,7 +176,7 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
         m, total, acc = lax.fori_loop(0, count_i, kv_step, tuple(_varying(x, vma) for x in init))
         seen = total > 0
         total_safe = jnp.where(seen, total, 1.0)
-        out = (acc / total_safe[..., None]).astype(q.dtype)
+        out = (acc / total_safe[..., None]).astype(out_dtype)
         lse = jnp.where(seen, m + jnp.log(total_safe), _NEG_INF)
         return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1)  # (b, bq, kv, g, d), (b, bq, kv, g)
 
@@ -178,7 +184,7 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
     return _unblock(out, sq).reshape(b, sq, n, d), _unblock(lse, sq).reshape(b, sq, n)
 
 
-def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal):
+def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None):
     """FlashAttention-2 backward pass (Dao 2023, Algorithm 2): recompute each needed block's
     probabilities from ``lse``; the outer loop runs over key/value blocks and keeps their dK, dV in
     the carry, the inner loop over the query blocks that see them and adds into dQ.
@@ -228,8 +234,8 @@ def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block
 
     dq0 = _varying(jnp.zeros(qb.shape, _F32), vma)
     dq, (dk, dv) = lax.scan(kv_block, dq0, (kb, vb, kp, order, count))
-    dq = _unblock(dq, sq).reshape(b, sq, n, d).astype(q.dtype)
-    return dq, _unblock(dk, sk).astype(k.dtype), _unblock(dv, sk).astype(v.dtype)
+    dq = _unblock(dq, sq).reshape(b, sq, n, d).astype(out_dtype or q.dtype)
+    return dq, _unblock(dk, sk).astype(out_dtype or k.dtype), _unblock(dv, sk).astype(out_dtype or v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

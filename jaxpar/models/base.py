@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ConfigDict
-from jaxpar.parallel import zero
+from jaxpar.parallel import context, zero
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Role of a top-level (non-stacked) parameter -> the pipeline stage that uses it (Megatron's placement).
@@ -48,7 +48,11 @@ class ShardContext:
     """
 
     tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
-    data_axis: str | None = None
+    data_axis: str | tuple[str, ...] | None = None  # the ZeRO group: data, or (data, context)
+    context_axis: str | None = None  # set when mesh.context > 1 (jaxpar.parallel.context)
+    context_exchange: str = "ring"  # ring | all_gather
+    attention: str = "dot_product"  # resolved implementation: dot_product | blockwise | cudnn
+    attention_block: int = 512
     sequence_parallel: bool = False
     zero3_dims: Any = dataclasses.field(default=None, hash=False)
     remat: str = "none"
@@ -162,7 +166,7 @@ class Model(abc.ABC):
     def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
         """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows).
 
-        Where those parameters meet collectives inside the loss (ZeRO-3's gathers and their
+        Where the head's parameters meet collectives inside the loss (ZeRO-3's gathers and their
         reduce-scatters; sequence parallelism's all-reduce of the final norm's gradient), the
         entries used only after the layers (roles ``final_norm`` / ``output``) pass through the
         layer scan's carry, unchanged, and are gathered after it: so every collective of the head
@@ -173,14 +177,13 @@ class Model(abc.ABC):
         Elsewhere nothing is carried (a carried copy costs temporaries; the gradient reductions of
         ZeRO 0-2 follow the loss and were found ordered in every compiled layout tested).
         """
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        inputs, targets, positions = context.split_tokens(tokens, ctx.context_axis)
         late = {}
         if ctx.zero3 or ctx.sequence_parallel:
             late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
         early = self.gather_shared({k: v for k, v in params.items() if k not in late}, ctx)
         x = self.embed(early, inputs, ctx)
-        x, late = scan_layers(self.block, x, params[self.stacked], jnp.arange(inputs.shape[1]), ctx, self.stacked,
-                              carried=late)
+        x, late = scan_layers(self.block, x, params[self.stacked], positions, ctx, self.stacked, carried=late)
         return self.head_loss({**early, **self.gather_shared(late, ctx)}, x, targets, ctx)
 
 

@@ -40,6 +40,7 @@ from flax import nnx
 from jaxpar.config import ConfigDict
 from jaxpar.models import base
 from jaxpar.models.base import DTYPES, HFMap, HFTensor, Model
+from jaxpar.parallel import context
 
 # --------------------------------------------------------------------------- parameters
 
@@ -179,19 +180,6 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * cos + half * sin).astype(x.dtype)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention; softmax in fp32. q: (b,s,n,d), k/v: (b,s,kv,d)."""
-    b, s, n, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, n // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, n, d)
-
-
 def _gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
     """Megatron's "f": the input of a column-parallel block, made varying over ``tensor`` once.
 
@@ -228,7 +216,9 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     v = jnp.einsum("bsh,hnd->bsnd", h, w(a["wv"]))
     if ctx.position == "rope":
         q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
-    o = jnp.einsum("bsnd,ndh->bsh", _attention(q, k, v), w(a["wo"]))
+    att = context.causal_attention(q, k, v, positions, implementation=ctx.attention, block=ctx.attention_block,
+                                   axis=ctx.context_axis, exchange=ctx.context_exchange)
+    o = jnp.einsum("bsnd,ndh->bsh", att, w(a["wo"]))
     x = x + _reduce_tensor(o, ctx)
 
     h = _gather_seq(_norm(x, p["mlp_norm"], ctx), ctx)
@@ -257,7 +247,12 @@ def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Arra
     if ctx.position == "learned":  # replicated over tensor: added after the reduction
         seq_local = x.shape[1]
         start = _axis_index(ctx.tensor_axis) * seq_local if ctx.sequence_parallel else 0
-        pos = jax.lax.dynamic_slice_in_dim(params["pos_embed"], start, seq_local, axis=0)
+        if ctx.context_axis is None:
+            pos = jax.lax.dynamic_slice_in_dim(params["pos_embed"], start, seq_local, axis=0)
+        else:  # this context rank's two chunks (jaxpar.parallel.context), then the tensor rank's share
+            positions = jax.lax.dynamic_slice_in_dim(context.rank_positions(ctx.context_axis, tokens.shape[1]),
+                                                     start, seq_local)
+            pos = jnp.take(params["pos_embed"], positions, axis=0)
         x = x + pos.astype(x.dtype)[None]
     return x
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MeshAxis, group_axes
 from jaxpar.compat import all_gather_invariant
 from jaxpar.sharding import ParamPlacement, is_placement
 
@@ -55,7 +55,7 @@ def layer_dims(dims: Any) -> Any:
     return jax.tree.map(lambda d: d - 1 if d != NOT_GATHERED else NOT_GATHERED, dims)
 
 
-def gather_param(p: jax.Array, dim: int, data_axis: str, compute_dtype: Any) -> jax.Array:
+def gather_param(p: jax.Array, dim: int, data_axis: str | tuple[str, ...], compute_dtype: Any) -> jax.Array:
     """All-gather one parameter's shards over ``data_axis`` on ``dim``, in the compute dtype.
 
     The cast comes first (on the shard), so nothing full-size but the gathered value itself
@@ -66,7 +66,7 @@ def gather_param(p: jax.Array, dim: int, data_axis: str, compute_dtype: Any) -> 
     return checkpoint_name(jax.lax.all_gather(p, data_axis, axis=dim, tiled=True), ZERO3_NAME)
 
 
-def gather_tree(tree: Any, dims: Any, data_axis: str, compute_dtype: Any) -> Any:
+def gather_tree(tree: Any, dims: Any, data_axis: str | tuple[str, ...], compute_dtype: Any) -> Any:
     """Gather every leaf of ``tree`` whose entry in ``dims`` (same structure) is a dim."""
     return jax.tree.map(
         lambda p, d: p if d == NOT_GATHERED else gather_param(p, d, data_axis, compute_dtype), tree, dims
@@ -119,7 +119,7 @@ def vary_replicated(placements: Any, params: Any, over_pipeline: bool) -> Any:
     all-reduce)."""
 
     def one(lay: ParamPlacement, p):
-        axes = () if lay.sharded_storage else (MeshAxis.DATA,)
+        axes = () if lay.sharded_storage else group_axes(lay.zero_axes)
         if over_pipeline and not is_split_over(lay, MeshAxis.PIPELINE):
             axes += (MeshAxis.PIPELINE,)
         return jax.lax.pcast(p, axes, to="varying") if axes else p
@@ -138,9 +138,9 @@ def reduce_grads(placements: Any, grads: Any, scatter: bool, reduce_dtype: Any, 
             return g.astype(jnp.float32)
         g = g.astype(reduce_dtype)
         if scatter and lay.sharded_optimizer:
-            g = jax.lax.psum_scatter(g, MeshAxis.DATA, scatter_dimension=lay.zero_dim, tiled=True)
+            g = jax.lax.psum_scatter(g, lay.zero_axes, scatter_dimension=lay.zero_dim, tiled=True)
         else:
-            g = jax.lax.psum(g, MeshAxis.DATA)
+            g = jax.lax.psum(g, lay.zero_axes)
         return g.astype(jnp.float32)
 
     return map_placements(one, placements, grads)
@@ -148,14 +148,14 @@ def reduce_grads(placements: Any, grads: Any, scatter: bool, reduce_dtype: Any, 
 
 def local_shard(x: jax.Array, lay: ParamPlacement) -> jax.Array:
     """This data rank's ZeRO shard of a parameter replicated over ``data`` (stages 1 and 2)."""
-    size = x.shape[lay.zero_dim] // jax.lax.axis_size(MeshAxis.DATA)
-    start = jax.lax.axis_index(MeshAxis.DATA) * size
+    size = x.shape[lay.zero_dim] // jax.lax.axis_size(lay.zero_axes)
+    start = jax.lax.axis_index(lay.zero_axes) * size
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=lay.zero_dim)
 
 
 def gather_update(new_shard: jax.Array, lay: ParamPlacement) -> jax.Array:
     """Stages 1 and 2: the updated shards all-gathered into the replicated parameter."""
-    return all_gather_invariant(new_shard, MeshAxis.DATA, axis=lay.zero_dim)
+    return all_gather_invariant(new_shard, lay.zero_axes, axis=lay.zero_dim)
 
 
 def shards_locally(lay: ParamPlacement) -> bool:

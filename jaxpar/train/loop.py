@@ -249,7 +249,9 @@ class Trainer:
         m = cfg.mesh
         self.echo(
             f"jaxpar train: {self.layout.devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
-            f"tensor={m.tensor} pipeline={m.pipeline}, zero_stage={cfg.parallel.zero_stage}, "
+            f"tensor={m.tensor} pipeline={m.pipeline}"
+            + (f" context={m.context} ({cfg.parallel.context_exchange})" if m.context > 1 else "")
+            + f", zero_stage={cfg.parallel.zero_stage}, "
             f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
             f"{self.layout.tokens_per_step} tokens"
         )
@@ -273,6 +275,8 @@ class Trainer:
 
     def _run(self, unit: str) -> dict[str, Any]:
         cfg = self.cfg
+        if cfg.model.attention != self.setup.attention:  # auto: say what it picked on this backend
+            self.echo(f"attention: {self.setup.attention} (model.attention={cfg.model.attention})")
         val_start = self.evaluate()
         self.echo(f"validation at step {self.step}: {val_start:.3f} {unit}")
         self.log.record_event({"step": self.step, "val_bits": val_start, "unit": unit})

@@ -23,9 +23,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, validate
 from jaxpar.models import get_model
+from jaxpar.models.attention import resolve_attention
 from jaxpar.optim import registry
 from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
@@ -74,7 +74,14 @@ class Setup:
         self.param_shardings = named(mesh, self.param_specs)
         self.opt_shardings = named(mesh, self.opt_specs)
         self.feed = BatchFeed(mesh, cfg.train)  # batch shapes, shardings, which rows this process feeds
+        # model.attention resolved on this backend (auto: cuDNN on NVIDIA GPUs where it takes the shapes,
+        # blockwise elsewhere and always with context parallelism, which merges blockwise partials)
+        self.attention = "blockwise" if self.layout.context > 1 else resolve_attention(
+            self.layout.attention, mesh.devices.flat[0].platform, cfg.model.head_dim,
+            compute_dtype=cfg.model.compute_dtype)
         self.builder = StepBuilder(
+            layout=self.layout,
+            attention=self.attention,
             model_cfg=cfg.model,
             optim_cfg=cfg.optim,
             strategy=self.strategy,
@@ -187,8 +194,8 @@ class Setup:
 
         def local_eval(params, tokens):
             if self.pipeline is not None:
-                return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), MeshAxis.DATA)
-            return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), MeshAxis.DATA)
+                return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), ctx.data_axis)
+            return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), ctx.data_axis)
 
         fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
         return jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))

@@ -43,9 +43,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MeshAxis, data_group
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
+from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel import zero
@@ -59,6 +60,8 @@ class StepBuilder:
     """Static description of one layout's step: :meth:`local_step` (jaxpar AdamW) or
     :meth:`global_step` (optax) is what ``Setup`` jits (inside ``shard_map`` for the former)."""
 
+    layout: ParallelLayout
+    attention: str  # model.attention resolved on the backend (jaxpar.models.attention.resolve_attention)
     model_cfg: ConfigDict
     optim_cfg: ConfigDict
     strategy: Strategy
@@ -79,9 +82,14 @@ class StepBuilder:
 
     def context(self) -> ShardContext:
         """The model's shard context: mesh axes, sequence parallelism and ZeRO-3's tree of split dims."""
+        c = self.layout.context
         return self.model.context(
             tensor_axis=MeshAxis.TENSOR,
-            data_axis=MeshAxis.DATA,
+            data_axis=data_group(c),
+            context_axis=MeshAxis.CONTEXT if c > 1 else None,
+            context_exchange=self.layout.context_exchange,
+            attention=self.attention,
+            attention_block=self.layout.attention_block,
             sequence_parallel=self.strategy.sequence_parallel,
             zero3_dims=zero.zero3_dims(self.placements),
         )
@@ -94,7 +102,8 @@ class StepBuilder:
 
     def _grad_norm(self, grads: Any) -> jax.Array:
         def sq(lay: ParamPlacement, g):
-            axes = tuple(a for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE) if zero.is_split_over(lay, a))
+            axes = tuple(a for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE, MeshAxis.CONTEXT)
+                         if zero.is_split_over(lay, a))
             s = jnp.sum(jnp.square(g))
             return jax.lax.psum(s, axes) if axes else s
 
@@ -145,7 +154,7 @@ class StepBuilder:
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
         if stage < 2:
             grads = self._reduce(grads, scatter=stage == 1)
-        loss = jax.lax.psum(loss, MeshAxis.DATA) + guard[1]
+        loss = jax.lax.psum(loss, ctx.data_axis) + guard[1]
 
         grad_norm = self._grad_norm(grads)
         clip = self.optim_cfg.clip_norm

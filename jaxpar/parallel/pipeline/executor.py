@@ -18,6 +18,7 @@ from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
+from jaxpar.parallel.context import split_tokens
 from jaxpar.parallel.pipeline.forms import ENDS
 from jaxpar.parallel.pipeline.schedule import (
     Program,
@@ -87,24 +88,24 @@ def _split(params: dict) -> tuple[dict, dict]:
     return {k: val for k, val in params.items() if k != "blocks"}, params["blocks"]
 
 
-def _scatter(g: jax.Array, dim: int, dtype: Any) -> jax.Array:
+def _scatter(g: jax.Array, dim: int, dtype: Any, group: str | tuple[str, ...]) -> jax.Array:
     """ZeRO-2 inside the pipeline: reduce-scatter a gradient over ``data`` on ``dim`` in ``dtype``,
     back in fp32 for the accumulator (``dim`` -1: the parameter is not sharded, keep it)."""
     if dim < 0:
         return g
-    return jax.lax.psum_scatter(g.astype(dtype), MeshAxis.DATA, scatter_dimension=dim, tiled=True).astype(jnp.float32)
+    return jax.lax.psum_scatter(g.astype(dtype), group, scatter_dimension=dim, tiled=True).astype(jnp.float32)
 
 
-def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array) -> dict:
+def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array, group: str | tuple[str, ...]) -> dict:
     """ZeRO-2: reduce-scatter the embedding / head / final-norm gradients only where a stage computed
     them (``owner``: the first or last virtual stage; its data peers take the same branch); the
     other stages' are zero and move nothing."""
     if all(dim < 0 for dim in jax.tree.leaves(dims)):
         return grads
-    n = jax.lax.axis_size(MeshAxis.DATA)
+    n = jax.lax.axis_size(group)
 
     def scatter(g):
-        return jax.tree.map(lambda x, dim: _scatter(x, dim, dtype), g, dims)
+        return jax.tree.map(lambda x, dim: _scatter(x, dim, dtype, group), g, dims)
 
     def skip(g):
         return jax.tree.map(lambda x, dim: jnp.zeros(tuple(k // n if i == dim else k for i, k in enumerate(x.shape)),
@@ -138,9 +139,9 @@ def _stage(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax
            ctx: ShardContext, scale: float) -> tuple[jax.Array, jax.Array | None]:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
     x = _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, shared, ctx), inputs, ctx)), lambda x: x, x_in)
-    y = model.run_blocks(x, chunk, jnp.arange(inputs.shape[1]), ctx)
+    y = model.run_blocks(x, chunk, positions, ctx)
 
     def loss(y):
         return model.head_loss(_view(model, shared, ctx), y, targets, ctx) * scale
@@ -156,8 +157,7 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
     weight gradient into rows ``row + l`` of ``acc["blocks"]`` in place, so no stacked gradient of
     the stage's layers exists beside the accumulator (ZeRO-2: each reduce-scattered first, ``dims``).
     Returns (scaled loss, input gradient, acc)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = jnp.arange(inputs.shape[1])
+    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
 
     block = model.layer_step(positions, ctx)  # one stored layer, gathered under ZeRO-3
 
@@ -184,7 +184,7 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
         d_x, d_layer = vjp(g)
 
         def add(a, dw, dim):  # a scatter-add: in place, no copy of the old row beside the new one
-            dw = _scatter(dw, dim - 1 if dim >= 0 else -1, dtype)  # one layer: its dims shift by one
+            dw = _scatter(dw, dim - 1 if dim >= 0 else -1, dtype, ctx.data_axis)  # one layer: its dims shift by one
             return a.at[row + j].add(_vary(dw, _varying(a)), mode="promise_in_bounds")
 
         return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer, dims_blocks)), None
@@ -194,7 +194,7 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
     dims_shared, dims_blocks = _split(dims)
     (g, acc_blocks), _ = jax.lax.scan(layer_backward, (g, acc_blocks), jnp.arange(n - 1, -1, -1))
     d_embed, d_x = embed_vjp(g)
-    d_shared = _scatter_shared(jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last)
+    d_shared = _scatter_shared(jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last, ctx.data_axis)
     acc_shared = jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared)
     return loss, d_x, {**acc_shared, "blocks": acc_blocks}
 
@@ -202,7 +202,7 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
 def _boundary_types(model: Model, shared: dict, blocks: dict, batch: jax.Array, ctx: ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
-    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, ctx), batch[0][:, :-1], ctx))
+    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, ctx), split_tokens(batch[0], ctx.context_axis)[0], ctx))
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(model, shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
@@ -247,7 +247,7 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
     by_layer = ctx.remat == "full"
     splits = act.shape[0] if by_layer and not (ctx.zero3 or scatter) else 1
     dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
-    n_data = jax.lax.axis_size(MeshAxis.DATA)
+    n_data = jax.lax.axis_size(ctx.data_axis)
 
     def acc_zeros(a, dim):  # ZeRO-2: sharded like the optimizer state
         shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
@@ -300,9 +300,9 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
 
                     def add(a, g, dim):  # into this chunk's rows of the stage's stacked layers
                         old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0)
-                        return jax.lax.dynamic_update_slice_in_dim(a, old + _scatter(g, dim, dtype), chunk * size, 0)
+                        return jax.lax.dynamic_update_slice_in_dim(a, old + _scatter(g, dim, dtype, ctx.data_axis), chunk * size, 0)
 
-                    d_shared = _scatter_shared(d_shared, dims_shared, dtype, first | last)
+                    d_shared = _scatter_shared(d_shared, dims_shared, dtype, first | last, ctx.data_axis)
                     acc = {**jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared),
                            "blocks": jax.tree.map(add, acc_blocks, d_chunk, dims_blocks)}
                 d_in = jax.lax.dynamic_update_slice_in_dim(d_in, _vary(d_x, _varying(d_in)), j * rows, 0)
@@ -378,8 +378,7 @@ def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardConte
     p, v = stages, virtual_stages
     d = jax.lax.axis_index(AXIS)
     shared, blocks = _split(params)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = jnp.arange(inputs.shape[1])
+    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
     x = model.embed(_view(model, shared, ctx), inputs, ctx)
     x = _vary(x, _varying(x) | {AXIS})
     ring = [(j, (j + 1) % p) for j in range(p)]

@@ -1,0 +1,203 @@
+"""Context parallelism: the sequence split over the ``context`` axis, attention exchanged around it.
+
+With ``mesh.context = c > 1`` every layer runs on ``s / c`` tokens of each sequence, so activation
+memory falls by ``c`` (Liu et al. 2023, "Ring Attention with Blockwise Transformers",
+arXiv:2310.01889; Megatron-LM's context parallelism; torchtitan's ``context_parallel``). Only
+attention mixes tokens; every other op is token-local, so only attention needs the other ranks'
+keys and values.
+
+**Causal load balancing.** The sequence is cut into ``2c`` chunks and context rank ``i`` holds
+chunks ``i`` and ``2c-1-i`` (:func:`rank_positions`): under the causal mask an early chunk sees
+few keys and a late one many, so each rank gets one of each and the ranks do the same work
+(Megatron-LM's and torchtitan's "load-balanced" sharding). Every device receives the whole token
+batch (int32; tiny beside the activations) and keeps its positions (:func:`split_tokens`).
+
+**Exchanges** (``parallel.context_exchange``):
+
+* ``ring`` (:func:`ring_attention`): keys and values travel around the ring with ``ppermute``, one
+  rank's block per hop (``c - 1`` hops forward); each hop's blockwise attention
+  (:mod:`jaxpar.models.attention`) gives a partial output and log-sum-exp, merged exactly
+  (:func:`~jaxpar.models.attention.merge_partials` arithmetic). The send of the next block is issued
+  before the attention of the block in hand, so a backend with asynchronous collectives overlaps
+  them. The backward pass (a ``jax.custom_vjp``) sends the keys and values around again
+  (``c - 1`` hops) together with the accumulating key/value gradients (``c`` hops: they end at
+  their owner), recomputing each hop's blocks from the saved output and log-sum-exp: no rank ever
+  holds more than two ranks' keys and values.
+* ``all_gather`` (:func:`all_gather_attention`): keys and values gathered over ``context``, then one
+  blockwise attention with the positions of every chunk; its transpose reduce-scatters the key and
+  value gradients. Fewer, larger messages: better for short sequences and grouped-query attention
+  (few key/value heads), as Megatron-LM's ``--cp-comm-type all_gather`` and torchtitan's
+  ``allgather`` rotate method.
+
+Bytes per layer and device (``kvb`` = one rank's keys and values, ``2 * b * s/c * kv_heads/t *
+head_dim * dtype``): ring forward ``(c-1) * kvb``, ring backward ``(c-1) * kvb + c * kvb`` (the
+gradients travel in fp32 here; see :func:`ring_bytes_per_layer`); all-gather ``(c-1) * kvb``
+gathered forward (and again if recomputed), ``(c-1) * kvb`` reduce-scattered backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpar.models import attention as attn
+
+_F32 = jnp.float32
+
+
+def chunk_positions(rank: jax.Array | int, c: int, n_local: int) -> jax.Array:
+    """Positions of the two chunks context rank ``rank`` holds: ``i`` and ``2c-1-i`` of ``n_local/2``."""
+    half = n_local // 2
+    first = rank * half + jnp.arange(half, dtype=jnp.int32)
+    second = (2 * c - 1 - rank) * half + jnp.arange(half, dtype=jnp.int32)
+    return jnp.concatenate([first, second])
+
+
+def all_positions(c: int, n_local: int) -> np.ndarray:
+    """Positions of every rank's tokens in rank order (what a tiled all-gather over ``context`` holds)."""
+    half = n_local // 2
+    return np.concatenate([np.concatenate([np.arange(i * half, (i + 1) * half),
+                                           np.arange((2 * c - 1 - i) * half, (2 * c - i) * half)])
+                           for i in range(c)]).astype(np.int32)
+
+
+def rank_positions(axis: str | None, n_local: int) -> jax.Array:
+    """Positions of this context rank's ``n_local`` tokens (``arange`` without ``axis``)."""
+    if axis is None:
+        return jnp.arange(n_local)
+    return chunk_positions(lax.axis_index(axis), lax.axis_size(axis), n_local)
+
+
+def split_tokens(tokens: jax.Array, axis: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(inputs, targets, positions) of this context rank from ``tokens`` (b, s+1): next-token pairs
+    at the rank's positions (all of them, in order, without ``axis``)."""
+    if axis is None:
+        return tokens[:, :-1], tokens[:, 1:], jnp.arange(tokens.shape[1] - 1)
+    pos = rank_positions(axis, (tokens.shape[1] - 1) // lax.axis_size(axis))
+    return jnp.take(tokens, pos, axis=1), jnp.take(tokens, pos + 1, axis=1), pos
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, implementation: str,
+                     block: int, axis: str | None = None, exchange: str = "ring") -> jax.Array:
+    """A layer's causal attention as the layout runs it: ``implementation`` (resolved:
+    ``dot_product`` | ``blockwise`` | ``cudnn``, :func:`jaxpar.models.attention.resolve_attention`) on
+    this rank's tokens at ``positions``; with a context ``axis``, the ``exchange`` over it
+    (:func:`ring_attention` or :func:`all_gather_attention`, both blockwise)."""
+    if axis is not None:
+        fn = ring_attention if exchange == "ring" else all_gather_attention
+        return fn(q, k, v, positions, axis, block_q=block, block_kv=block)
+    return attn.make_attention(implementation, block_q=block, block_kv=block)(q, k, v)
+
+
+# ----------------------------------------------------------------------------------- all-gather
+
+
+def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
+                         block_q: int, block_kv: int) -> jax.Array:
+    """Causal attention of this rank's queries over every rank's keys and values, gathered over ``axis``."""
+    c = lax.axis_size(axis)
+    k_all = lax.all_gather(k, axis, axis=1, tiled=True)
+    v_all = lax.all_gather(v, axis, axis=1, tiled=True)
+    kv_pos = jnp.asarray(all_positions(c, k.shape[1]))
+    return attn.blockwise_attention(q, k_all, v_all, block_q=block_q, block_kv=block_kv,
+                                    q_positions=positions, kv_positions=kv_pos)
+
+
+# ----------------------------------------------------------------------------------- ring
+
+
+def _ring_perm(c: int) -> list[tuple[int, int]]:
+    return [(r, (r + 1) % c) for r in range(c)]
+
+
+def _send(xs: tuple[jax.Array, ...], axis: str, c: int) -> tuple[jax.Array, ...]:
+    return tuple(lax.ppermute(x, axis, _ring_perm(c)) for x in xs)
+
+
+def _merge(out: jax.Array, lse: jax.Array, o: jax.Array, lse_o: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Online merge of two fp32 partial results over disjoint keys (no gradient flows here: the
+    ring's backward pass is written out in :func:`_ring_bwd`)."""
+    m = jnp.maximum(lse, lse_o)
+    m_safe = jnp.where(jnp.isinf(m), 0.0, m)
+    wa, wb = jnp.exp(lse - m_safe), jnp.exp(lse_o - m_safe)
+    total = wa + wb
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    out = out * (wa / safe)[..., None] + o * (wb / safe)[..., None]
+    return out, jnp.where(seen, m_safe + jnp.log(safe), -jnp.inf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, positions, axis, block_q, block_kv):
+    return _ring_fwd(q, k, v, positions, axis, block_q, block_kv)[0]
+
+
+def _ring_fwd(q, k, v, positions, axis, block_q, block_kv):
+    c = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    n_local = k.shape[1]
+
+    def hop(j, kk, vv):  # partial attention over the block that started at rank (me - j) mod c
+        kv_pos = chunk_positions((me - j) % c, c, n_local)
+        return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32)
+
+    kk, vv = k, v
+    out = lse = None
+    for j in range(c):  # c is static inside shard_map; c - 1 sends
+        if j < c - 1:  # issued before this hop's attention, which does not depend on it: they can overlap
+            nk, nv = _send((kk, vv), axis, c)
+        o, l_o = hop(j, kk, vv)
+        out, lse = (o, l_o) if out is None else _merge(out, lse, o, l_o)
+        if j < c - 1:
+            kk, vv = nk, nv
+    vma = attn._vma_union(q, k, v, positions, out, lse)
+    out = attn._varying(out.astype(q.dtype), vma)
+    return out, (q, k, v, positions, out, attn._varying(lse, vma))
+
+
+def _ring_bwd(axis, block_q, block_kv, res, dout):
+    q, k, v, positions, out, lse = res
+    c = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    n_local = k.shape[1]
+    zero_lse = jnp.zeros(lse.shape, _F32)
+    dq = jnp.zeros(q.shape, _F32)
+    kk, vv = k, v
+    dk, dv = jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)
+    for j in range(c):
+        if j < c - 1:  # the next block's keys and values travel while this one's gradients are computed
+            nk, nv = _send((kk, vv), axis, c)
+        kv_pos = chunk_positions((me - j) % c, c, n_local)
+        dq_j, dk_j, dv_j = attn._flash_backward(q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse,
+                                                block_q, block_kv, True, out_dtype=_F32)
+        dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
+        dk, dv = _send((dk, dv), axis, c)  # with their block: after c hops they are home
+        if j < c - 1:
+            kk, vv = nk, nv
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
+                   block_q: int, block_kv: int) -> jax.Array:
+    """Causal ring attention over ``axis``: this rank's queries ``q`` (b, n, heads, d) at
+    ``positions`` (n,) (:func:`rank_positions`) against every rank's keys and values, passed around
+    the ring; exact (fp32 merge of the partial results) and never holding more than two ranks'
+    keys and values."""
+    if lax.axis_size(axis) == 1:
+        return attn.blockwise_attention(q, k, v, block_q=block_q, block_kv=block_kv, q_positions=positions,
+                                        kv_positions=positions)
+    return _ring(q, k, v, positions, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))
+
+
+def ring_bytes_per_layer(kv_block_bytes: float, c: int, grad_itemsize_ratio: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) collective-permute bytes one device sends per layer in :func:`ring_attention`:
+    forward ``(c-1)`` key/value blocks; backward ``(c-1)`` key/value blocks plus ``c`` gradient blocks
+    (``grad_itemsize_ratio``: gradient dtype size / compute dtype size; 4/2 in bf16, 1 in fp32)."""
+    return (c - 1) * kv_block_bytes, (c - 1) * kv_block_bytes + c * kv_block_bytes * grad_itemsize_ratio
