@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.analysis.collective_order import unordered_in
 from jaxpar.analysis.expected import expected_collectives, expected_memory, ring_bytes
 from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, shape_bytes: re-exported for callers
     GROUPS,
@@ -150,6 +151,9 @@ class CompiledReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
     # pipeline layouts: ring bytes per device per step of each stage, by axis (rows: the busiest stage)
     stages: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # "collective after loop in computation": may run concurrently with the loop's collectives on
+    # XLA:CPU (jaxpar.analysis.collective_order); the train step keeps this empty
+    unordered: list[str] = dataclasses.field(default_factory=list)
 
     def row(self, kind: str, axes: tuple[str, ...] | str) -> CollectiveRow | None:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -186,6 +190,7 @@ class CompiledReport:
             "trivial_ops": self.trivial_ops,
             "warnings": list(self.warnings),
             "stages": list(self.stages),
+            "unordered": list(self.unordered),
             "ops": [dataclasses.asdict(op) | {"axes": list(op.axes)} for op in self.ops],
         }
 
@@ -294,6 +299,7 @@ def analyze_compiled(
         trivial_ops=trivial,
         warnings=warnings,
         stages=stages,
+        unordered=[f"{u.collective} after {u.loop} in {u.computation}" for u in unordered_in(comps)],
     )
 
 

@@ -16,12 +16,14 @@ argument and temporary bytes per device and collective bytes per axis, each besi
 estimate; every step's loss and the largest relative difference from the reference layout (the
 first one run: pure data parallelism). A layout whose losses differ by more than the tolerance is a
 ``mismatch``; one that raises is ``crashed`` with its one-line error, and the sweep goes on. The
-layouts run in a child process (:class:`Workers`): an XLA check failure aborts a process outright,
-and XLA:CPU's in-process collectives did abort once in a long sweep on an overloaded host
-("Check failed: id < num_threads" in a reduce-scatter rendezvous, not reproducible with the layout
-alone; "Termination timeout ... of 40 seconds exceeded" in another run). The child allows
-collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`); a layout whose child dies anyway is
-tried once more in a new child, then recorded as crashed with the fatal line, and the sweep goes on.
+layouts run in a child process (:class:`Workers`): an XLA check failure aborts a process outright.
+XLA:CPU's in-process collectives did abort in sweeps ("Check failed: id < num_threads" in a
+reduce-scatter rendezvous; "Termination timeout ... of 40 seconds exceeded"), on layout
+``d4t2p1-z3-sp-m1``: a head collective ran concurrently with the layer scan's collectives of the same
+rendezvous key, fixed in the model (:mod:`jaxpar.analysis.collective_order`). The isolation stays
+for whatever else aborts: the child allows collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`:
+simulated devices on busy cores can be late), a layout whose child dies is tried once more in a new
+child, then recorded as crashed with the fatal line, and the sweep goes on.
 
 The planner's time estimate needs a cluster: on a GPU the data-sheet preset of that GPU; on CPU a
 "cluster" of simulated devices (:func:`cpu_cluster`) whose peak is the measured matmul rate and whose

@@ -164,12 +164,27 @@ class Model(abc.ABC):
         return layer_step(self.block, positions, ctx, self.stacked)
 
     def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
-        """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows)."""
+        """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows).
+
+        Where the head's parameters meet collectives inside the loss (ZeRO-3's gathers and their
+        reduce-scatters; sequence parallelism's all-reduce of the final norm's gradient), the
+        entries used only after the layers (roles ``final_norm`` / ``output``) pass through the
+        layer scan's carry, unchanged, and are gathered after it: so every collective of the head
+        reads the scan's result in the forward pass, and the backward scan reads the head's reduced
+        gradients. XLA:CPU needs that data order (:mod:`jaxpar.analysis.collective_order`: a
+        collective that does not depend on a loop may run concurrently with the loop's collectives,
+        and in-process rendezvous then pair different operations); the numbers are unchanged.
+        Elsewhere nothing is carried (a carried copy costs temporaries; the gradient reductions of
+        ZeRO 0-2 follow the loss and were found ordered in every compiled layout tested).
+        """
         inputs, targets, positions = context.split_tokens(tokens, ctx.context_axis)
-        params = self.gather_shared(params, ctx)
-        x = self.embed(params, inputs, ctx)
-        x = self.run_blocks(x, params[self.stacked], positions, ctx)
-        return self.head_loss(params, x, targets, ctx)
+        late = {}
+        if ctx.zero3 or ctx.sequence_parallel:
+            late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
+        early = self.gather_shared({k: v for k, v in params.items() if k not in late}, ctx)
+        x = self.embed(early, inputs, ctx)
+        x, late = scan_layers(self.block, x, params[self.stacked], positions, ctx, self.stacked, carried=late)
+        return self.head_loss({**early, **self.gather_shared(late, ctx)}, x, targets, ctx)
 
 
 def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
@@ -186,15 +201,34 @@ def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
 
 
 def scan_layers(block, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext,
-                stacked: str = "blocks") -> jax.Array:
+                stacked: str = "blocks", carried: Any = None) -> Any:
     """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or
-    ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters)."""
+    ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters).
+
+    ``carried`` (a tree, optional): carried through the loop, its values unchanged, and returned
+    beside ``x`` (``(x, carried)``), so that what uses it afterwards depends on the loop at run time
+    (see :meth:`Model.loss_sum`).
+    """
     one = layer_step(block, positions, ctx, stacked)
+    rewrite = bool(jax.tree.leaves(carried))
 
     def body(carry, layer):
-        return one(carry, layer), None
+        if not rewrite:
+            return one(carry, layer), None
+        h, passed, step = carry
+        # Rewrite the carried leaves in every iteration: select(step >= 0, v, 0) is v, but neither
+        # JAX (which forwards an unchanged carry around the loop) nor XLA removes it, so the loop
+        # body writes their buffers and XLA:CPU makes their readers after the loop (and, in the
+        # backward pass, the loop after their writers) wait for it. A pass-through element is
+        # touched by no thunk of the body: its readers would not wait. The step counter varies over
+        # no mesh axis, so the leaves keep their varying axes.
+        passed = jax.tree.map(lambda v: jnp.where(step >= 0, v, jnp.zeros_like(v)), passed)
+        return (one(h, layer), passed, step + 1), None
 
     if ctx.remat != "none" or ctx.zero3:
         body = jax.checkpoint(body, policy=zero.remat_policy(ctx.remat), prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, blocks)
-    return x
+    if not rewrite:
+        x, _ = jax.lax.scan(body, x, blocks)
+        return x if carried is None else (x, carried)
+    (x, out, _), _ = jax.lax.scan(body, (x, carried, jnp.int32(0)), blocks)
+    return x, out

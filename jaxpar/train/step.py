@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import MeshAxis, data_group
+from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
@@ -128,20 +129,29 @@ class StepBuilder:
                 dims = zero.map_placements(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.placements)
                 scatter = (dims, self._reduce_dtype())
             loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale, scatter)
-        else:
+            if stage >= 2:
+                grads = self._reduce(grads, scatter=True, prescattered=True)
+        elif self.microbatches == 1:
             loss, grads = micro_grads(batch[0])
-        if stage >= 2:
-            grads = self._reduce(grads, scatter=True, prescattered=self.pipeline is not None)
-        if self.microbatches > 1 and self.pipeline is None:
+            if stage >= 2:
+                grads = self._reduce(grads, scatter=True)
+        else:
+            # Every microbatch runs in the loop, from zeros (0 + g is g: the sums are unchanged).
+            # With the first microbatch outside it, a 2-microbatch loop of one trip is inlined and
+            # the second microbatch's collectives no longer depend on the first's layer scans:
+            # XLA:CPU may then run them concurrently (jaxpar.analysis.collective_order).
+            def reduced_grads(tokens):
+                micro_loss, g = micro_grads(tokens)
+                return micro_loss, (self._reduce(g, scatter=True) if stage >= 2 else g)
 
             def accumulate(carry, tokens):
                 acc_loss, acc = carry
-                micro_loss, g = micro_grads(tokens)
-                if stage >= 2:
-                    g = self._reduce(g, scatter=True)
+                micro_loss, g = reduced_grads(tokens)
                 return (acc_loss + micro_loss, jax.tree.map(jnp.add, acc, g)), None
 
-            (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), batch[1:])
+            zeros = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)),
+                                 jax.eval_shape(reduced_grads, batch[0]))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
         if stage < 2:
             grads = self._reduce(grads, scatter=stage == 1)
         loss = jax.lax.psum(loss, ctx.data_axis) + guard[1]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.axes import MeshAxis
+from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
@@ -32,17 +33,7 @@ AXIS = MeshAxis.PIPELINE
 # --------------------------------------------------------------------------- typing helpers
 
 
-def _varying(x: Any) -> frozenset:
-    """Mesh axes over which a traced value (or ShapeDtypeStruct) varies (shard_map check_vma)."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
-    """Mark ``x`` varying over ``axes`` (no-op for those it already varies over)."""
-    missing = tuple(sorted(axes - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+_varying, _vary = varying_axes, vary
 
 
 def _branches_agree(branches: list[Callable], *args: Any) -> list[Callable]:
