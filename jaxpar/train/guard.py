@@ -3,7 +3,7 @@
 An update is skipped (in the step, :meth:`jaxpar.train.step.StepBuilder.local_step`) when its loss or
 gradient norm is not finite or its loss exceeds a threshold: ``spike_factor`` x the median of the last
 ``WINDOW`` good losses, once there are ``MIN_HISTORY`` of them (before that, and with ``spike_factor``
-0, no threshold). A run of skipped steps rolls back to the last checkpoint and skips the offending data
+0, no threshold). ``train.max_bad_steps`` skipped steps in a row roll back to the last checkpoint and skips the offending data
 (:meth:`jaxpar.train.loop.Trainer.rollback`), the remedy PaLM describes for loss spikes (Chowdhery et al. 2022,
 section 5.1).
 
@@ -14,7 +14,8 @@ jitted function, with no device-to-host transfer. :class:`BadStepGuard` is the h
 on host floats (the reference the device version is tested against) and the skip counters the loop
 keeps from the metrics it reads. Both compute in float32: the median of an even count is
 ``(a + b) * 0.5`` and the threshold ``float32(spike_factor) * median``, so host and device agree bit
-for bit (the step compares the float32 loss against a float32 threshold).
+for bit (the step compares the float32 loss against a float32 threshold; the blocking loop this
+replaced took the median in float64 and rounded the threshold to float32, which can differ in the last bit).
 """
 
 from __future__ import annotations
