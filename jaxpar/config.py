@@ -109,7 +109,7 @@ def default_config() -> ConfigDict:
     c.train.eval_batches = 8
     c.train.resume = "auto"  # auto | never | a step number
     c.train.init_from = ""  # HF LLaMA weights (dir, .safetensors, .index.json, torch file) when nothing resumes
-    c.train.warmup_steps_excluded = 3  # steps excluded from steady-state throughput
+    c.train.warmup_steps_excluded = 3  # first steps excluded from steady-state throughput (the first always is)
     c.train.spike_factor = 5.0  # skip an update whose loss exceeds this x the running median (0: off)
     c.train.max_bad_steps = 3  # consecutive skipped steps before rolling back to the last checkpoint
     c.train.inject_bad_steps = ""  # fault drills: comma-separated batch numbers (from 1) whose loss is made NaN

@@ -75,7 +75,8 @@ def device_peak_flops(num_devices: int) -> tuple[float, str]:
 
 class MetricsLog:
     """Per-step metrics: appends one JSON object per step to ``<workdir>/metrics.jsonl`` and keeps
-    the steady-state figures (steps after ``warmup_excluded`` and excluding evaluation)."""
+    the steady-state figures (steps after ``warmup_excluded`` and excluding evaluation: a step's
+    time runs from the end of the step before it or its own dispatch, whichever is later)."""
 
     def __init__(self, workdir: str, flops_per_token: float, peak_flops: float, num_devices: int,
                  warmup_excluded: int, write: bool = True, tensorboard: bool = True):
@@ -127,9 +128,12 @@ class MetricsLog:
             self.tensorboard.close()
 
     def steady_state(self) -> dict[str, float]:
-        """Median step time and mean throughput over the steps after warm-up."""
-        times = self.step_times[self.warmup_excluded :] or self.step_times
-        tokens = self.tokens[self.warmup_excluded :] or self.tokens
+        """Median step time and mean throughput over the steps after warm-up: the first
+        ``warmup_excluded`` steps this log recorded, and never the first one (the step that compiled,
+        also after a resume); with too few steps, all but the first."""
+        first = max(self.warmup_excluded, 1)
+        times = self.step_times[first:] or self.step_times[1:]
+        tokens = self.tokens[first:] or self.tokens[1:]
         if not times:
             return {}
         tokens_per_s = float(np.sum(tokens) / np.sum(times))

@@ -10,17 +10,25 @@ line), ``metrics.jsonl`` and TensorBoard event files of the same per-step number
 (:class:`jaxpar.metrics.TensorBoardWriter`), and with ``train.profile_steps=a,b`` a
 ``jax.profiler`` trace of steps a..b under ``profile/`` (open it in TensorBoard's profile plugin
 or Perfetto).
+
+The host never waits for the device in steady state (:meth:`Trainer.train_step`): a turn of the loop
+dispatches step n+1, then reads the metrics of step n (the only per-step device-to-host transfer; the
+device runs step n+1 meanwhile), then assembles the batch of step n+2 and starts placing it on the
+mesh. The spike threshold of each step is computed on the device (:class:`jaxpar.train.guard.SpikeThreshold`).
+A step after which something needs the state or its metrics (a checkpoint, an evaluation, the end of
+a profile, the last step, a stop signal) has its metrics read before anything else is dispatched, so
+checkpoints and rollbacks see exactly what a blocking loop would. A step's ``step_time_s`` runs from
+the end of the step before it (or its own dispatch, if later) to the moment its metrics are on the host.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import json
 import math
 import os
 import shlex
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +46,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
+from jaxpar.train.guard import BadStepGuard, SpikeThreshold
 from jaxpar.train.state import Setup
 
 
@@ -67,30 +76,23 @@ def write_run_config(cfg: ConfigDict, workdir: str, argv: list[str] | None = Non
     return path
 
 
-class BadStepGuard:
-    """Host side of bad-step handling: the loss threshold for the next step (``spike_factor`` x the
-    median of the last good losses, once there are enough of them) and the skip counters."""
+@dataclasses.dataclass
+class _Fed:
+    """A training batch placed on the mesh, and where it sits in the data."""
 
-    WINDOW, MIN_HISTORY = 64, 10
+    number: int  # its data position, from 1 (train.inject_bad_steps counts these; a rollback does not rewind it)
+    before: dict[str, Any]  # the data iterator's state before it was drawn: the position while it is unused
+    array: jax.Array
 
-    def __init__(self, spike_factor: float):
-        self.spike_factor = spike_factor
-        self.history: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
-        self.consecutive = 0
-        self.total = 0
 
-    def max_loss(self) -> float:
-        if not self.spike_factor or len(self.history) < self.MIN_HISTORY:
-            return float("inf")
-        return self.spike_factor * statistics.median(self.history)
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose metrics have not been read yet."""
 
-    def observe(self, loss: float, skipped: bool) -> None:
-        if skipped:
-            self.consecutive += 1
-            self.total += 1
-        else:
-            self.consecutive = 0
-            self.history.append(loss)
+    step: int
+    fed: _Fed
+    metrics: dict[str, jax.Array]  # on the device
+    dispatched_at: float  # time.perf_counter() before its dispatch
 
 
 class TrainingDiverged(JaxparError):
@@ -133,11 +135,15 @@ class Trainer:
         self.opt_state: Any = None
         self.step = 0
         self.stop_signal: int | None = None
-        self.guard = BadStepGuard(t.spike_factor)
+        self.guard = BadStepGuard(t.spike_factor)  # skip counters, from the metrics read
+        self.spike = SpikeThreshold(t.spike_factor, self.setup.train_step.replicated)  # each step's guard
         self.good_steps = 0  # steps of this process with a finite loss whose update was applied
         self.inject_bad = {int(x) for x in t.inject_bad_steps.split(",") if x.strip()}
         self.profile = profile_range(t)
         self.profiling = False
+        self._next: _Fed | None = None  # the prefetched batch of the next step
+        self._inflight: _InFlight | None = None  # the step dispatched last, until its metrics are read
+        self._last_read_at = -math.inf  # when the metrics of the step read last reached the host
 
     # ------------------------------------------------------------------ pieces
     def initialize(self) -> None:
@@ -169,7 +175,12 @@ class Trainer:
     def save(self) -> None:
         if self.step not in self.checkpoints.steps():  # e.g. just rolled back onto this step
             params, opt = self.setup.to_model_order(self.params, self.opt_state)
-            self.checkpoints.save(self.step, params, opt, self.batches.state(), self.cfg)
+            self.checkpoints.save(self.step, params, opt, self.data_position, self.cfg)
+
+    @property
+    def data_position(self) -> dict[str, Any]:
+        """The data iterator's state after the batches given to steps (a prefetched one is not)."""
+        return self._next.before if self._next is not None else self.batches.state()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop_signal = signum  # finish the current step, then checkpoint and exit
@@ -183,29 +194,69 @@ class Trainer:
             count += batch.shape[0] * (batch.shape[1] - 1)
         return total / count / math.log(2)
 
-    def train_step(self) -> dict[str, float]:
-        batch_number = self.batches.state()["step"] + 1  # the data position: a rollback does not rewind it
-        rows = self.batches.next()
-        batch = self.setup.feed.make_batch(rows)
-        offset = float("nan") if batch_number in self.inject_bad else 0.0
+    def train_step(self) -> list[dict[str, float]]:
+        """One turn of the loop: dispatch step n+1, read the metrics of step n (the delayed read: the
+        device runs step n+1 meanwhile), assemble and place the batch of step n+2; at a sync step
+        (:meth:`_sync_due`) read step n+1's metrics too. Returns the metrics rows read, oldest first."""
+        previous = self._inflight
+        self._dispatch()
+        rows = [] if previous is None else [self._complete(previous)]  # may roll back: nothing in flight then
+        if self.step < self.cfg.train.steps:
+            self.prefetch()
+        if self._inflight is not None and self._sync_due(self._inflight.step):
+            rows.append(self._complete(self._inflight))
+        return rows
+
+    def prefetch(self) -> None:
+        """Draw the next batch and start placing it on the mesh (asynchronous), unless one is waiting."""
+        if self._next is None:
+            before = self.batches.state()
+            rows = self.batches.next()
+            self._next = _Fed(before["step"] + 1, before, self.setup.feed.make_batch(rows))
+
+    def _dispatch(self) -> None:
+        """Start step ``self.step + 1`` on the prefetched batch; nothing here waits for the device."""
+        self.prefetch()
+        fed, self._next = self._next, None
         self._profile_start(self.step + 1)
         start = time.perf_counter()
-        self.params, self.opt_state, metrics = self.setup.train_step(
-            self.params, self.opt_state, batch, max_loss=self.guard.max_loss(), loss_offset=offset
-        )
-        values = jax.device_get(metrics)  # blocks: the step time includes the device work
-        elapsed = time.perf_counter() - start
+        guard = self.spike.guard(inject=fed.number in self.inject_bad)
+        self.params, self.opt_state, metrics = self.setup.train_step(self.params, self.opt_state, fed.array,
+                                                                     guard=guard)
+        self.spike.dispatched(metrics)
         self.step += 1
-        self._profile_stop(self.step)
+        self._inflight = _InFlight(self.step, fed, metrics, start)
+
+    def _sync_due(self, step: int) -> bool:
+        """Whether the loop reads ``step``'s metrics before dispatching another step: the steps after
+        which it checkpoints, evaluates, ends a profile, stops or finishes."""
+        t = self.cfg.train
+        return bool(step >= t.steps or self.checkpoints.should_save(step) or (t.eval_every and step % t.eval_every == 0)
+                    or (self.profile and step == self.profile[1]) or self.stop_signal is not None)
+
+    def _drain(self) -> list[dict[str, float]]:
+        """Read the step in flight, if any."""
+        return [] if self._inflight is None else [self._complete(self._inflight)]
+
+    def _complete(self, flight: _InFlight) -> dict[str, float]:
+        """Read one step's metrics (the loop's only per-step device-to-host transfer), record them,
+        count a skipped update and roll back after too many in a row."""
+        values = jax.device_get(flight.metrics)  # waits for this step, not for a step dispatched after it
+        now = time.perf_counter()
+        elapsed = now - max(flight.dispatched_at, self._last_read_at)
+        self._last_read_at = now
+        if self._inflight is flight:
+            self._inflight = None
+        self._profile_stop(flight.step)
         self.guard.observe(float(values["loss"]), bool(values["skipped"]))
         self.good_steps += int(not values["skipped"] and np.isfinite(values["loss"]))
-        row = self.log.record(self.step, elapsed, self.layout.tokens_per_step,
+        row = self.log.record(flight.step, elapsed, self.layout.tokens_per_step,
                               {**values, "bad_steps_total": self.guard.total})
         if values["skipped"]:
-            self.echo(f"step {self.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
+            self.echo(f"step {flight.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
                       f"{float(values['grad_norm']):.4g}; {self.guard.consecutive} in a row, {self.guard.total} in all)")
         if self.guard.consecutive >= self.cfg.train.max_bad_steps:
-            self.rollback()
+            self.rollback(flight.step)
         return row
 
     def _profile_start(self, step: int) -> None:
@@ -220,10 +271,14 @@ class Trainer:
             self.echo(f"profile of steps {self.profile[0]}-{min(step, self.profile[1])}: "
                       f"{os.path.join(self.cfg.train.workdir, 'profile')}")
 
-    def rollback(self) -> None:
-        """Too many bad steps in a row: restore the newest checkpoint, keep the data position (the
-        offending batches are skipped) and go on."""
-        bad_at = self.step
+    def rollback(self, bad_at: int) -> None:
+        """Too many bad steps in a row, the last at step ``bad_at``: restore the newest checkpoint, keep
+        the data position (the offending batches are skipped) and go on. A step dispatched after
+        ``bad_at`` is thrown away and its batch fed to the next step."""
+        if self._inflight is not None:
+            assert self._next is None and self._inflight.step == bad_at + 1
+            self._next, self._inflight = self._inflight.fed, None
+            self.spike.discard()
         self.checkpoints.wait()
         # The newest checkpoint from before the run of bad steps; later ones are dropped.
         before = [s for s in self.checkpoints.steps() if s <= bad_at - self.guard.consecutive]
@@ -240,7 +295,7 @@ class Trainer:
         self.step, state, _ = restored
         self.params, self.opt_state = self.setup.from_model_order(state["params"], state["opt_state"])
         self.guard.consecutive = 0
-        self.log.record_event({"step": bad_at, "rollback_to": self.step, "data_position": self.batches.state()})
+        self.log.record_event({"step": bad_at, "rollback_to": self.step, "data_position": self.data_position})
         self.echo(f"step {bad_at}: rolled back to the checkpoint of step {self.step}; the offending data is skipped")
 
     # ------------------------------------------------------------------ run
@@ -270,6 +325,9 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._profile_stop(self.step, force=True)
+            if self._next is not None:  # a batch drawn for a step that never ran: leave the iterator before it
+                self.batches.restore(self._next.before)
+                self._next = None
             self.log.close()
             self.checkpoints.close()
 
@@ -285,8 +343,18 @@ class Trainer:
         with self._progress() as progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=self.step, loss=float("nan"))
             while self.step < cfg.train.steps:
-                last = self.train_step()
-                progress.update(task, advance=1, loss=last["loss"])
+                rows = self.train_step()
+                if self.stop_signal is not None:
+                    rows += self._drain()
+                for last in rows:
+                    progress.update(task, advance=1, loss=last["loss"])
+                    if not np.isfinite(last["loss"]):
+                        self.echo(f"step {last['step']}: loss is {last['loss']}")
+                    if cfg.train.log_every and last["step"] % cfg.train.log_every == 0 and not self.show_progress:
+                        self.echo(f"step {last['step']}: loss {last['loss']:.4f} {LOSS_UNIT} "
+                                  f"{last['tokens_per_s']:.0f} tok/s")
+                if self._inflight is not None:
+                    continue  # not a sync step: no checkpoint, evaluation or stop is due after it
                 if self.checkpoints.should_save(self.step) or self.stop_signal is not None:
                     self.save()
                 if self.stop_signal is not None:
@@ -294,10 +362,6 @@ class Trainer:
                     name = signal.Signals(self.stop_signal).name
                     self.echo(f"{name}: checkpoint of step {self.step} written to {self.checkpoints.directory}; exiting")
                     return {"preempted": True, "step": self.step}
-                if not np.isfinite(last["loss"]):
-                    self.echo(f"step {self.step}: loss is {last['loss']}")
-                if cfg.train.log_every and self.step % cfg.train.log_every == 0 and not self.show_progress:
-                    self.echo(f"step {self.step}: loss {last['loss']:.4f} {LOSS_UNIT} {last['tokens_per_s']:.0f} tok/s")
                 if eval_every and self.step % eval_every == 0 and self.step < cfg.train.steps:
                     self.log.record_event({"step": self.step, "val_bits": self.evaluate(), "unit": unit})
         if cfg.checkpoint.every:

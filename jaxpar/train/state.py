@@ -235,16 +235,19 @@ class TrainStep:
     """The jitted step ``(params, opt_state, batch, guard) -> (params, opt_state, metrics)``.
 
     Calling it fills ``guard`` from ``max_loss`` (updates whose loss exceeds it are skipped;
-    default: never) and ``loss_offset`` (added to the loss; NaN injects a bad step).
+    default: never) and ``loss_offset`` (added to the loss; NaN injects a bad step), or takes
+    ``guard`` as a float32 ``[max_loss, loss_offset]`` array already on the mesh (replicated): the
+    training loop computes it on the device (:class:`jaxpar.train.guard.SpikeThreshold`).
     """
 
     def __init__(self, jitted: Any, replicated: NamedSharding):
         self.jitted, self.replicated = jitted, replicated
 
     def __call__(self, params: Any, opt_state: Any, batch: jax.Array, max_loss: float = float("inf"),
-                 loss_offset: float = 0.0) -> tuple[Any, Any, dict]:
-        values = np.array([max_loss, loss_offset], np.float32)  # same on every process
-        guard = jax.make_array_from_callback(values.shape, self.replicated, lambda index: values[index])
+                 loss_offset: float = 0.0, guard: jax.Array | None = None) -> tuple[Any, Any, dict]:
+        if guard is None:
+            values = np.array([max_loss, loss_offset], np.float32)  # same on every process
+            guard = jax.make_array_from_callback(values.shape, self.replicated, lambda index: values[index])
         return self.jitted(params, opt_state, batch, guard)
 
     def lower(self, *args: Any) -> Any:
