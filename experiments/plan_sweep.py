@@ -54,7 +54,7 @@ def best_layouts(models=MODELS, clusters=CLUSTERS, devices=DEVICES) -> list[dict
                 comm = t.tensor_s + t.pipeline_s + t.data_exposed_s
                 rows.append(row | {
                     "fits": True, "layout": describe(est.layout), **{k: getattr(est.layout, k) for k in (
-                        "data", "tensor", "pipeline", "virtual_stages", "zero_stage", "microbatches", "recompute",
+                        "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage", "microbatches", "recompute",
                         "sequence_parallel")},
                     "memory_gb": est.memory.total_bytes / GB, "step_s": est.step_time_s, "comm_share": comm / t.step_s,
                     "tensor_share": t.tensor_s / t.step_s, "pipeline_share": t.pipeline_s / t.step_s,

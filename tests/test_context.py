@@ -116,7 +116,7 @@ def test_blockwise_model_matches_dot_product(seq):
 
     def loss_and_grads(attention):
         ctx = model.context(attention=attention, attention_block=16)
-        return jax.value_and_grad(lambda p: model.loss_sum(p, tokens, ctx))(params)
+        return jax.jit(jax.value_and_grad(lambda p: model.loss_sum(p, tokens, ctx)))(params)
 
     (loss_ref, g_ref), (loss, g) = loss_and_grads("dot_product"), loss_and_grads("blockwise")
     assert abs(float(loss) - float(loss_ref)) / abs(float(loss_ref)) < 1e-5

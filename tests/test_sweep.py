@@ -153,7 +153,7 @@ def test_plan_sweep_picks_fitting_layouts_and_plots(tmp_path):
     for key in (("llama2_7b", 8), ("llama2_7b", 64), ("llama2_70b", 64)):
         r = by[key]
         assert r["fits"] and r["memory_gb"] <= 72 and 0 < r["comm_share"] < 1 and r["data"] * r["tensor"] * r[
-            "pipeline"] == key[1]
+            "pipeline"] * r["context"] == key[1]
     paths = mod.write(rows, str(tmp_path))
     assert os.path.getsize(paths["png"]) > 10_000
     fig = mod.plot(rows)

@@ -300,11 +300,17 @@ def _context(a: _Args, values: dict[str, Any], cp: int) -> None:
            f"the sequence split over {cp} context ranks, {2 * cp} load-balanced chunks; blockwise attention")
     kinds = str(a.get("--cp-comm-type", str, "p2p")).split()
     exchange = CP_COMM_TYPES.get(kinds[0], "ring") if len(set(kinds)) == 1 else "ring"
+    in_pipeline = values.get("mesh.pipeline", 1) > 1 and exchange == "ring"
+    if in_pipeline:  # jaxpar runs the ring only outside pipeline stages (jaxpar.layout)
+        exchange = "all_gather"
     if cp > 1:
         values.update({"model.attention": "blockwise", "parallel.context_exchange": exchange})
-    exact = len(set(kinds)) == 1 and kinds[0] in CP_COMM_TYPES
+    exact = len(set(kinds)) == 1 and kinds[0] in CP_COMM_TYPES and not in_pipeline
     if cp == 1:
         note = "no effect without --context-parallel-size > 1"
+    elif in_pipeline:
+        note = (f"{' '.join(kinds)}: jaxpar runs the ring only outside pipeline stages; with "
+                "--pipeline-model-parallel-size > 1 keys and values are all-gathered instead (the same attention)")
     elif exact:
         note = "ring: keys and values passed rank to rank" if exchange == "ring" else "keys and values all-gathered"
     else:

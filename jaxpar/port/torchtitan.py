@@ -205,6 +205,10 @@ def _context(p: dict, t: dict, cp: int, values: dict, report: Report) -> str:
     exchange = ROTATE_METHODS.get(method, "ring")
     if cp == 1:
         return "no effect: context_parallel_degree = 1"
+    if exchange == "ring" and values.get("mesh.pipeline", 1) > 1:  # the ring runs only outside pipeline stages
+        values.update({"model.attention": "blockwise", "parallel.context_exchange": "all_gather"})
+        return (f"{method}: jaxpar runs the ring only outside pipeline stages; with pipeline parallelism keys "
+                "and values are all-gathered instead (the same attention, different messages)")
     values.update({"model.attention": "blockwise", "parallel.context_exchange": exchange})
     if "context_parallel_rotate_method" not in p:
         report.mapped("parallelism.context_parallel_rotate_method (default)", method, "parallel.context_exchange",
