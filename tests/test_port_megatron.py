@@ -184,7 +184,7 @@ def test_virtual_pipeline_sequence_and_context_parallel():
     assert report.find("--context-parallel-size").status == "mapped" and cfg.model.attention == "blockwise"
     # p2p is the ring, which jaxpar runs only outside pipeline stages: all-gathered here, said in the report
     assert cfg.parallel.context_exchange == "all_gather" and not report.problems
-    assert report.find("--cp-comm-type").status == "approximated"
+    assert report.find("--cp-comm-type (default)").status == "approximated"
     with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage 5"):
         port_megatron(_text("--pipeline-model-parallel-size 2", "--num-layers-per-virtual-pipeline-stage 5"))
     with pytest.raises(ConfigError, match="--global-batch-size 12 is not divisible"):

@@ -87,7 +87,7 @@ def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first"
     ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
     tensor/pipeline splitting (norms replicated over tensor), divided by N = data as the paper does.
     ``jaxpar``: what our trainer holds (with a pipeline: every stage holds one V x h table, the
-    final norm and positions, see :func:`stage_tensors`): fp32 master params (model.param_dtype) sharded over data only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
+    final norm and positions, see :func:`stage_tensors`): fp32 master params (model.param_dtype) sharded over data (x context) only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
     gradients (not step arguments, but live at the update) sharded at ZeRO >= 2; ``optim`` given: its
     optimizer's state elements per parameter instead of Adam's 2; sharding follows
     :func:`shard_elements`.
@@ -95,7 +95,8 @@ def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first"
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
     if convention == "paper":
-        return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage, layout.data)
+        return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage,
+                                 layout.data * layout.context)
     full = _held_elements(model, layout, stage, False, every_stage=True)
     zero = _held_elements(model, layout, stage, True, every_stage=True)
     pb, z = DTYPE_BYTES[model.param_dtype], layout.zero_stage

@@ -317,6 +317,8 @@ def _context(a: _Args, values: dict[str, Any], cp: int) -> None:
         note = (f"{' '.join(kinds)}: jaxpar has no all-to-all (Ulysses) or hierarchical or per-layer exchange; the "
                 "ring (p2p) runs instead: the same attention, different messages")
     a.note("--cp-comm-type", "mapped" if exact and cp > 1 else "approximated", "parallel.context_exchange", note)
+    if in_pipeline and "--cp-comm-type" not in a.flags:  # the default changed: say so
+        a.report.add("--cp-comm-type (default)", "p2p", "approximated", "parallel.context_exchange", note)
     a.note("--hierarchical-context-parallel-sizes", "approximated", "parallel.context_exchange",
            "one flat ring over all context ranks")
 
