@@ -101,17 +101,12 @@ def _check(name: str, layout: ParallelLayout) -> tuple[float, float]:
     return mem.temp_ratio, mem.peak_ratio
 
 
-@pytest.mark.parametrize("name", list(DEFAULT))
+GRID = DEFAULT | (SLOW_GRID if SLOW else {})  # JAXPAR_SLOW=1: the full grid and the ~1B config
+
+
+@pytest.mark.parametrize("name", list(GRID))
 def test_estimated_peak_matches_compiled(name):
-    temp, peak = _check(name, DEFAULT[name])
-    assert temp == pytest.approx(1, abs=TEMP_BOUND)
-    assert peak == pytest.approx(1, abs=PEAK_BOUND)
-
-
-@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: the full grid and the ~1B config")
-@pytest.mark.parametrize("name", list(SLOW_GRID))
-def test_estimated_peak_matches_compiled_full_grid(name):
-    temp, peak = _check(name, SLOW_GRID[name])
+    temp, peak = _check(name, GRID[name])
     assert temp == pytest.approx(1, abs=TEMP_BOUND)
     assert peak == pytest.approx(1, abs=PEAK_BOUND)
 

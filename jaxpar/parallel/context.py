@@ -118,19 +118,6 @@ def _send(xs: tuple[jax.Array, ...], axis: str, c: int) -> tuple[jax.Array, ...]
     return tuple(lax.ppermute(x, axis, _ring_perm(c)) for x in xs)
 
 
-def _merge(out: jax.Array, lse: jax.Array, o: jax.Array, lse_o: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Online merge of two fp32 partial results over disjoint keys (no gradient flows here: the
-    ring's backward pass is written out in :func:`_ring_bwd`)."""
-    m = jnp.maximum(lse, lse_o)
-    m_safe = jnp.where(jnp.isinf(m), 0.0, m)
-    wa, wb = jnp.exp(lse - m_safe), jnp.exp(lse_o - m_safe)
-    total = wa + wb
-    seen = total > 0
-    safe = jnp.where(seen, total, 1.0)
-    out = out * (wa / safe)[..., None] + o * (wb / safe)[..., None]
-    return out, jnp.where(seen, m_safe + jnp.log(safe), -jnp.inf)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _ring(q, k, v, positions, axis, block_q, block_kv):
     return _ring_fwd(q, k, v, positions, axis, block_q, block_kv)[0]
@@ -151,7 +138,7 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv):
         if j < c - 1:  # issued before this hop's attention, which does not depend on it: they can overlap
             nk, nv = _send((kk, vv), axis, c)
         o, l_o = hop(j, kk, vv)
-        out, lse = (o, l_o) if out is None else _merge(out, lse, o, l_o)
+        out, lse = (o, l_o) if out is None else attn.merge_partials(out, lse, o, l_o)  # fp32 partials
         if j < c - 1:
             kk, vv = nk, nv
     vma = attn._vma_union(q, k, v, positions, out, lse)
