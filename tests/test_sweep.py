@@ -54,7 +54,7 @@ def two_layouts(tmp_path_factory):
     os.environ[sweep_lib.ABORT_ENV] = "d8t1p1-z3-m1"
     try:
         code = main(["sweep", "--config", TINY, "--devices", "8", "--steps", "3", "--warmup", "1", "--no-progress",
-                     "--only", "^d8t1p1-z[03]", "--only", "^d4t2p1-z1-sp", "-o", str(out)])
+                     "--repeats", "2", "--only", "^d8t1p1-z[03]", "--only", "^d4t2p1-z1-sp", "-o", str(out)])
     finally:
         del os.environ[sweep_lib.ABORT_ENV]
     doc = json.loads((out / "results.json").read_text())
@@ -81,6 +81,11 @@ def test_two_layout_sweep_measures_and_agrees(two_layouts):
     for r in rows.values():
         assert r["status"] == "ok" and len(r["losses"]) == 3 and r["loss_rel_diff"] <= 1e-5
         assert r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"]
+        # two passes, pooled: the statistics are those of pass 1's and pass 2's steady steps together
+        assert len(r["step_times_s"]) == 3 and [len(t) for t in r["repeat_step_times_s"]] == [3]
+        steady = r["step_times_s"][1:] + r["repeat_step_times_s"][0][1:]
+        assert (r["step_time_min_s"], r["step_time_max_s"]) == (min(steady), max(steady))
+        assert r["pass_medians_s"] == pytest.approx([sum(r["step_times_s"][1:]) / 2, sum(r["repeat_step_times_s"][0][1:]) / 2])
         assert r["argument_bytes"] == pytest.approx(r["est_argument_bytes"], rel=0.01)  # planner vs compiler
         assert r["compile_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5
     dp, tp = rows["d8t1p1-z0-m1"], rows["d4t2p1-z1-sp-m1"]
@@ -129,6 +134,32 @@ def test_rerun_comparison(two_layouts):
     records[1].temp_bytes += 1
     lines = sweep_report.compare_runs(doc, records)
     assert lines[0].startswith("1 of 2") and "d4t2p1-z1-sp-m1: memory or collective bytes differ from the earlier run" in lines
+
+
+def test_later_passes_pool_their_times_and_must_repeat_the_losses():
+    lay = ParallelLayout(data=8)
+    cfg = tiny_config(*SWEEP_DEFAULTS)
+    record = sweep_lib.SweepRecord("d8", {}, step_times_s=[9.0, 0.10, 0.12], losses=[5.0, 4.0])
+    sweep_lib.summarize_times(record, cfg, lay, warmup=1, peak_flops=1e10)
+    assert (record.step_time_median_s, record.pass_medians_s) == (pytest.approx(0.11), [pytest.approx(0.11)])
+    sweep_lib._add_pass(record, {"times": [8.0, 0.20, 0.30], "losses": [5.0, 4.0]}, 2, cfg, lay, 1, 1e10)
+    assert record.status == "ok" and record.pass_medians_s == pytest.approx([0.11, 0.25])
+    assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx((0.10, 0.16, 0.30))
+    assert record.tokens_per_s == pytest.approx(lay.tokens_per_step / 0.16)
+    sweep_lib._add_pass(record, {"times": [1.0, 1.0, 1.0], "losses": [5.0, 4.0 + 4e-7]}, 3, cfg, lay, 1, 1e10)
+    assert record.status == "mismatch" and record.error == "pass 3 losses differ from pass 1 by 1.00e-07 relative (not deterministic)"
+    crashed = sweep_lib.SweepRecord("d8", {}, step_times_s=[0.1], losses=[5.0])
+    sweep_lib._add_pass(crashed, {"error": "ValueError: boom"}, 2, cfg, lay, 0, 1e10)
+    assert (crashed.status, crashed.error) == ("crashed", "pass 2: ValueError: boom")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats 0: use a pass count in [1, 20]"),
+    (["--list", "--repeats", "3"], "sweep --repeats has no effect with --list"),
+])
+def test_repeats_flag_is_checked(argv, message, capsys):
+    assert main(["sweep", "--config", TINY, *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_crashing_layout_is_recorded_and_the_sweep_goes_on():

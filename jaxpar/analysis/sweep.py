@@ -173,7 +173,9 @@ class SweepRecord:
     step_time_median_s: float = 0.0
     step_time_min_s: float = 0.0
     step_time_max_s: float = 0.0
-    step_times_s: list[float] = dataclasses.field(default_factory=list)
+    step_times_s: list[float] = dataclasses.field(default_factory=list)  # pass 1, warm-up steps included
+    repeat_step_times_s: list[list[float]] = dataclasses.field(default_factory=list)  # passes 2, 3, ...
+    pass_medians_s: list[float] = dataclasses.field(default_factory=list)  # steady-state median of each pass
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     argument_bytes: int = 0
@@ -227,14 +229,12 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
          peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None) -> None:
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jaxpar.analysis.aot import _compiled_axis_bytes
     from jaxpar.analysis.compiled import analyze_compiled, mesh_for
     from jaxpar.analysis.estimate import DTYPE_BYTES
-    from jaxpar.metrics import model_flops_per_token
     from jaxpar.train.state import Setup
 
     lcfg = layout_config(cfg, layout)
@@ -261,9 +261,21 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
         record.argument_bytes, record.temp_bytes = report.memory.argument_bytes, report.memory.temp_bytes
     record.collective_bytes = _compiled_axis_bytes(report)
 
+    record.step_times_s, record.losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+    summarize_times(record, lcfg, layout, warmup, peak_flops)
+
+
+def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
+                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float]]:
+    """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     params, opt = setup.init(lcfg.train.seed)
-    guard = jax.device_put(np.array([np.inf, 0.0], np.float32), replicated)  # never skip, no injected loss
-    times = []
+    guard = jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(setup.mesh, P()))  # never skip
+    times, losses = [], []
     for k in range(steps):
         batch = setup.feed.make_batch(batches[k])
         tick = time.perf_counter()
@@ -272,17 +284,55 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
         # collective of this step is still running when the next one (or the next layout) starts
         params, opt, metrics = jax.block_until_ready((params, opt, metrics))
         times.append(time.perf_counter() - tick)
-        loss = float(metrics["loss"])
-        record.losses.append(loss)
+        losses.append(float(metrics["loss"]))
         if on_step is not None:
-            on_step(k + 1, loss)
+            on_step(k + 1, losses[-1])
     del params, opt
-    steady = times[warmup:] or times
-    record.step_times_s = times
+    return times, losses
+
+
+def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
+               on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+    """A later pass over ``layout``: compile (from JAX's persistent compilation cache when the
+    sweep set one up) and run the same steps again; ``{"times": [...], "losses": [...]}`` or
+    ``{"error": one line}``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.analysis.compiled import mesh_for
+    from jaxpar.train.state import Setup
+
+    try:
+        lcfg = layout_config(cfg, layout)
+        lcfg.train.steps = steps
+        setup = Setup(lcfg, mesh_for(lcfg))
+        guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
+        compiled = setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
+        times, losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+    except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
+        return {"error": _one_line(e)}
+    return {"times": times, "losses": losses}
+
+
+def summarize_times(record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayout, warmup: int,
+                    peak_flops: float) -> None:
+    """Step-time statistics over the steady steps (the first ``warmup`` of each pass left out) of
+    every pass, pooled: median, min, max, each pass's median, and the tokens/s and MFU of the median.
+
+    Pooling passes that ran minutes apart is what makes the spread honest: on a shared or virtual
+    host the speed drifts over minutes by more than one pass's steps vary (measured: two runs of
+    the tiny sweep on an idle 2-core VM, one pass each, 8% median and up to 36% difference per
+    layout, while a pass's own spread was 5-30%)."""
+    from jaxpar.metrics import model_flops_per_token
+
+    passes = [record.step_times_s, *record.repeat_step_times_s]
+    steady = [t for times in passes for t in (times[warmup:] or times)]
+    record.pass_medians_s = [statistics.median(times[warmup:] or times) for times in passes]
     record.step_time_median_s = statistics.median(steady)
     record.step_time_min_s, record.step_time_max_s = min(steady), max(steady)
-    tokens = layout.tokens_per_step
-    record.tokens_per_s = tokens / record.step_time_median_s
+    record.tokens_per_s = layout.tokens_per_step / record.step_time_median_s
     flops = model_flops_per_token(lcfg.model, layout.seq_len) * record.tokens_per_s
     record.mfu = flops / layout.devices / peak_flops
     record.final_loss = record.losses[-1] if record.losses else float("nan")
@@ -310,11 +360,19 @@ def check_losses(records: list[SweepRecord], tolerance: float) -> SweepRecord | 
 
 
 def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: int, only: Iterable[str] = (),
-                      tolerance: float | None = None, progress: bool = True) -> tuple[list[SweepRecord], dict]:
+                      tolerance: float | None = None, progress: bool = True, repeats: int = 2
+                      ) -> tuple[list[SweepRecord], dict]:
     """Every selected layout of ``num_devices``, each for ``steps`` steps on the same batches;
-    returns the records and the run's conditions (host, peak, cluster, tolerance, wall time)."""
+    returns the records and the run's conditions (host, peak, cluster, tolerance, wall time).
+
+    ``repeats`` passes: the first compiles, analyses and runs every layout; each later pass runs the
+    whole list again (its compile read back from a persistent compilation cache private to this
+    sweep, so ``compile_s`` stays the cold compile of pass 1) and must reproduce pass 1's losses
+    bit for bit. Step-time statistics pool the passes (:func:`summarize_times`)."""
     import os
     import platform
+    import shutil
+    import tempfile
 
     from jaxpar.analysis.aot import ensure_aot_devices
 
@@ -336,19 +394,41 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
                                    global_batch=t.global_batch, seed=t.seed)
     batches = [stream.next() for _ in range(steps)]
     tolerance = TOLERANCE[cfg.model.compute_dtype] if tolerance is None else tolerance
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: use at least 1 pass")
     records: list[SweepRecord] = []
-    with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster) as workers:
-        over = bar.add_task("layouts", total=len(layouts), name="", loss=float("nan"))
-        inner = bar.add_task("steps", total=steps, name="", loss=float("nan"))
-        for lay in layouts:
-            name = layout_name(lay)
-            bar.reset(inner, total=steps, name=name, loss=float("nan"))
-            bar.update(over, name=name)
-            record = workers.run(lay, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
-            records.append(record)
-            if record.status == "crashed":
-                bar.console.print(f"[red]{name} crashed:[/] {record.error}")
-            bar.update(over, advance=1, loss=record.final_loss)
+    cache = tempfile.mkdtemp(prefix="jaxpar-sweep-xla-cache-")
+    saved = {k: os.environ.get(k) for k in _CACHE_ENV}
+    os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=cache)  # read by the worker's JAX at start
+    try:
+        with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster) as workers:
+            over = bar.add_task("layouts", total=len(layouts) * repeats, name="", loss=float("nan"))
+            inner = bar.add_task("steps", total=steps, name="", loss=float("nan"))
+            for lay in layouts:
+                name = layout_name(lay)
+                bar.reset(inner, total=steps, name=name, loss=float("nan"))
+                bar.update(over, name=name)
+                record = workers.run(lay, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
+                records.append(record)
+                if record.status == "crashed":
+                    bar.console.print(f"[red]{name} crashed:[/] {record.error}")
+                bar.update(over, advance=1, loss=record.final_loss)
+            for number in range(2, repeats + 1):
+                for lay, record in zip(layouts, records):
+                    bar.reset(inner, total=steps, name=f"{record.name} (pass {number})", loss=float("nan"))
+                    if record.status != "crashed":
+                        out = workers.again(lay, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
+                        _add_pass(record, out, number, cfg, lay, warmup, peak)
+                        if record.status == "crashed":
+                            bar.console.print(f"[red]{record.name} crashed in pass {number}:[/] {record.error}")
+                    bar.update(over, advance=1)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     reference = check_losses(records, tolerance)
     meta = {
         "devices": num_devices,
@@ -365,6 +445,7 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "cluster_for_estimates": cluster.to_dict(),
         "steps": steps,
         "warmup_steps_excluded": warmup,
+        "repeats": repeats,
         "compute_dtype": cfg.model.compute_dtype,
         "tolerance": tolerance,
         "reference": reference.name if reference else None,
@@ -376,6 +457,26 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
     }
     return records, meta
+
+
+# The later passes read their compiles back from a cache private to the sweep (any size, any compile time).
+_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: ConfigDict, layout: ParallelLayout,
+              warmup: int, peak: float) -> None:
+    """Fold a later pass into ``record``: its step times, or a crash; losses that are not bitwise
+    pass 1's make the layout a mismatch (the same program on the same inputs must repeat itself)."""
+    if "error" in out:
+        record.status, record.error = "crashed", f"pass {number}: {out['error']}"
+        return
+    record.repeat_step_times_s.append(out["times"])
+    if out["losses"] != record.losses and record.status == "ok":
+        diff = max((abs(a - b) / abs(b) if b else abs(a - b)) for a, b in zip(out["losses"], record.losses))
+        record.status = "mismatch"
+        record.error = f"pass {number} losses differ from pass 1 by {diff:.2e} relative (not deterministic)"
+    summarize_times(record, layout_config(cfg, layout), layout, warmup, peak)
 
 
 # --------------------------------------------------------------------------- the worker process
@@ -424,11 +525,20 @@ class Workers:
     def run(self, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool = True) -> SweepRecord:
         """The layout's record; a layout whose process dies is tried once more in a new one
         (``retried`` keeps the first death), then recorded as crashed."""
+        return self._ask(False, layout, on_step, retry)
+
+    def again(self, layout: ParallelLayout, on_step: Callable[[int, float], None]) -> dict[str, Any]:
+        """A later pass (:func:`time_again`): ``{"times", "losses"}`` or ``{"error"}``; a process
+        that dies is tried once more, as in :meth:`run`."""
+        out = self._ask(True, layout, on_step, True)
+        return {"error": out.error} if isinstance(out, SweepRecord) else out
+
+    def _ask(self, again: bool, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool) -> Any:
         import queue
 
         if self.proc is None:
             self._start()
-        self.tasks.put(dataclasses.asdict(layout))
+        self.tasks.put((again, dataclasses.asdict(layout)))
         while True:
             try:
                 kind, *payload = self.results.get(timeout=1.0)
@@ -438,12 +548,15 @@ class Workers:
                 error = f"the process died (exit code {self.proc.exitcode}): {self._fatal_line()}"
                 self._stop()
                 if retry:  # a fresh process, once: overloaded hosts make XLA:CPU collectives time out
-                    record = self.run(layout, on_step, retry=False)
-                    record.retried = error
+                    record = self._ask(again, layout, on_step, False)
+                    if isinstance(record, SweepRecord):
+                        record.retried = error
                     return record
                 return SweepRecord(layout_name(layout), layout.to_dict(), status="crashed", error=error)
             if kind == "step":
                 on_step(*payload)
+            elif again:
+                return payload[0]
             else:
                 fields = {f.name for f in dataclasses.fields(SweepRecord)}
                 return SweepRecord(**{k: v for k, v in payload[0].items() if k in fields})
@@ -470,12 +583,17 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
 
     ensure_aot_devices(num_devices)
     cfg, cluster = merge_into_defaults(cfg_dict), Cluster(**cluster_dict)
-    while (item := tasks.get()) is not None:
+    while (task := tasks.get()) is not None:
+        again, item = task
         if os.environ.get(ABORT_ENV) == layout_name(ParallelLayout(**item)):  # the crash drill of the tests
             os.write(2, f"Fatal: {ABORT_ENV} drill aborts this process\n".encode())
             os.abort()
+        on_step = lambda k, loss: results.put(("step", k, loss))  # noqa: E731
+        if again:
+            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=steps, on_step=on_step)))
+            continue
         record = run_layout(cfg, ParallelLayout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
-                            cluster=cluster, on_step=lambda k, loss: results.put(("step", k, loss)))
+                            cluster=cluster, on_step=on_step)
         results.put(("done", record.to_dict()))
 
 

@@ -24,7 +24,7 @@ PLOTS = {"memory_vs_bytes": "memory per device vs collective bytes per step",
          "estimate_vs_measured": "planner estimate vs measured (memory, step time)"}
 CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage",
               "sequence_parallel", "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s",
-              "step_time_max_s", "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
+              "step_time_max_s", "pass_medians_s", "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
               *(f"{a}_bytes" for a in AXES), *(f"est_{a}_bytes" for a in AXES), "est_step_time_s", "final_loss",
               "loss_rel_diff", "error")
 
@@ -181,14 +181,15 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
         f"{meta['steps']} steps each of {meta['tokens_per_step']} tokens (global batch {meta['global_batch']} x seq "
         f"{meta['seq_len']}), {meta['compute_dtype']} compute; all from the same initialisation on the same batches. "
         f"Step times: median, min and max over steps {meta['warmup_steps_excluded'] + 1}-{meta['steps']} (the first "
-        f"{meta['warmup_steps_excluded']} excluded). Reference layout: {meta['reference']}; tolerance "
+        f"{meta['warmup_steps_excluded']} excluded) of {_passes(meta.get('repeats', 1))}. Reference layout: "
+        f"{meta['reference']}; tolerance "
         f"{meta['tolerance']:g} relative on every step's loss.",
         "",
         f"Result: {c.get('ok', 0)} ok, {c.get('mismatch', 0)} loss mismatches, {c.get('crashed', 0)} crashed; "
         f"{meta['wall_s'] / 60:.1f} min wall.",
         "",
         f"Conditions: {meta['host_cores']} host cores ({meta['host']}), load average {_load(meta['load_average_before'])}"
-        f" before and {_load(meta['load_average_after'])} after (other jobs shared the machine), jax "
+        f" before and {_load(meta['load_average_after'])} after ({_load_note(meta)}), jax "
         f"{meta['jax_version']}, {meta['date_utc']} UTC. MFU peak: {meta['peak_flops_per_device'] / 1e9:.2f} GFLOP/s "
         f"per device ({meta['peak_source']}). Time estimates use the planner's model on cluster "
         f"'{cluster.get('name')}' ({cluster.get('intra_node_gbps', 0):.2f} GB/s links).",
@@ -214,6 +215,23 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
 
 def _load(values: Any) -> str:
     return "/".join(f"{v:.1f}" for v in values)
+
+
+def _passes(repeats: int) -> str:
+    if repeats <= 1:
+        return "one pass"
+    return (f"{repeats} passes pooled (the whole list ran {repeats} times, minutes apart, so the spread includes "
+            "the host's drift; the later passes reproduced the first pass's losses bit for bit, or the layout is "
+            "marked)")
+
+
+def _load_note(meta: dict[str, Any]) -> str:
+    """What the load average says: the sweep itself keeps the host's cores busy."""
+    cores = meta["host_cores"] or 1
+    worst = max(meta["load_average_before"][0], meta["load_average_after"][0])
+    if worst <= cores + 1:
+        return f"the sweep itself keeps the {cores} cores busy: no other load"
+    return f"above the {cores} cores the sweep uses: other jobs shared the machine"
 
 
 def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[str]:

@@ -29,6 +29,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="devices (CPU: simulated) to lay out")
     parser.add_argument("--steps", type=int, default=8, help="steps per layout")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time statistics")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="passes over the whole layout list; step times pool them (the later passes reuse the "
+                             "compiles and must reproduce the losses bit for bit)")
     parser.add_argument("--only", action="append", default=[], metavar="REGEX",
                         help="run only layouts whose name matches (repeatable), e.g. --only 'z3' --only '^d2t2'")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -65,7 +68,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 0
     records, meta = sweep_lib.run_sweep_layouts(
         cfg, args.devices, steps=args.steps, warmup=args.warmup, only=args.only, tolerance=args.tolerance,
-        progress=not args.no_progress)
+        progress=not args.no_progress, repeats=args.repeats)
     meta["command"] = "jaxpar " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith(("jaxpar", "__main__.py")) else (
         shlex.join(["jaxpar", "sweep", *_argv(args)]))
     meta["config"] = config
@@ -84,6 +87,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 MAX_STEPS = 10**6
+MAX_REPEATS = 20
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -92,6 +96,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--devices {args.devices}: use a device count in [1, {MAX_DEVICES}]")
     if not 1 <= args.steps <= MAX_STEPS:
         raise ConfigError(f"--steps {args.steps}: use a step count in [1, {MAX_STEPS}]")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise ConfigError(f"--repeats {args.repeats}: use a pass count in [1, {MAX_REPEATS}]")
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup {args.warmup}: use a value in [0, --steps) so some steps are timed")
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
@@ -99,7 +105,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ConfigError(f"-o {args.output}: is a file, not a folder; pick another path")
     if args.list:
-        defaults = {"steps": 8, "warmup": 2, "tolerance": None, "baseline": None, "output": "runs/sweep",
+        defaults = {"steps": 8, "warmup": 2, "repeats": 2, "tolerance": None, "baseline": None, "output": "runs/sweep",
                     "no_progress": False}
         for name, default in defaults.items():
             if getattr(args, name) != default:
@@ -108,7 +114,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
-    out = ["--config", args.config or "configs/tiny.py", "--devices", str(args.devices), "--steps", str(args.steps)]
+    out = ["--config", args.config or "configs/tiny.py", "--devices", str(args.devices), "--steps", str(args.steps),
+           "--repeats", str(args.repeats)]
     for pattern in args.only:
         out += ["--only", pattern]
     return [*out, *(getattr(args, "overrides", None) or []), "-o", args.output]
