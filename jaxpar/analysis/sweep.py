@@ -213,12 +213,14 @@ def _one_line(error: BaseException) -> str:
 
 
 def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int, warmup: int, peak_flops: float,
-               cluster: Cluster, on_step: Callable[[int, float], None] | None = None) -> SweepRecord:
+               cluster: Cluster, on_step: Callable[[int, float], None] | None = None,
+               keep: dict[str, Any] | None = None) -> SweepRecord:
     """Compile ``layout`` once, analyse the executable, run it for ``steps`` steps; never raises
-    for a failing layout (the record says ``crashed`` and why)."""
+    for a failing layout (the record says ``crashed`` and why). ``keep``: where to leave the
+    compiled step for :func:`time_again` (keyed by the layout's name)."""
     record = SweepRecord(layout_name(layout), layout.to_dict())
     try:
-        _run(record, cfg, layout, batches, steps, warmup, peak_flops, cluster, on_step)
+        _run(record, cfg, layout, batches, steps, warmup, peak_flops, cluster, on_step, keep)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
         record.status, record.error = "crashed", _one_line(e)
         record.layout["traceback_tail"] = traceback.format_exc().strip().splitlines()[-1][:300]
@@ -226,7 +228,8 @@ def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
 
 
 def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: list, steps: int, warmup: int,
-         peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None) -> None:
+         peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None,
+         keep: dict[str, Any] | None = None) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -260,6 +263,8 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
     if report.memory is not None:
         record.argument_bytes, record.temp_bytes = report.memory.argument_bytes, report.memory.temp_bytes
     record.collective_bytes = _compiled_axis_bytes(report)
+    if keep is not None:
+        keep[record.name] = (setup, compiled, lcfg)
 
     record.step_times_s, record.losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     summarize_times(record, lcfg, layout, warmup, peak_flops)
@@ -292,10 +297,16 @@ def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, ste
 
 
 def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
-               on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
-    """A later pass over ``layout``: compile (from JAX's persistent compilation cache when the
-    sweep set one up) and run the same steps again; ``{"times": [...], "losses": [...]}`` or
-    ``{"error": one line}``."""
+               on_step: Callable[[int, float], None] | None = None, kept: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """A later pass over ``layout``: run the same steps again with the executable pass 1 compiled
+    (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as after a worker
+    died); ``{"times": [...], "losses": [...]}`` or ``{"error": one line}``.
+
+    Never JAX's persistent compilation cache: on XLA:CPU (jax 0.10.2) pipeline executables read
+    back from it compute wrong, run-to-run different losses (measured: first-step loss 5.5698 and
+    5.5767 instead of 5.6041 for ``d2t2p2-z0-sp-1f1b-m4``; 6 of the 28 pipeline layouts of the tiny
+    sweep differed from their fresh compile by 6-34%), and this check is what found it."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -305,11 +316,14 @@ def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
     from jaxpar.train.state import Setup
 
     try:
-        lcfg = layout_config(cfg, layout)
-        lcfg.train.steps = steps
-        setup = Setup(lcfg, mesh_for(lcfg))
-        guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
-        compiled = setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
+        if kept is not None and layout_name(layout) in kept:
+            setup, compiled, lcfg = kept[layout_name(layout)]
+        else:
+            lcfg = layout_config(cfg, layout)
+            lcfg.train.steps = steps
+            setup = Setup(lcfg, mesh_for(lcfg))
+            guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
+            compiled = setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
         times, losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
         return {"error": _one_line(e)}
@@ -366,13 +380,11 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     returns the records and the run's conditions (host, peak, cluster, tolerance, wall time).
 
     ``repeats`` passes: the first compiles, analyses and runs every layout; each later pass runs the
-    whole list again (its compile read back from a persistent compilation cache private to this
-    sweep, so ``compile_s`` stays the cold compile of pass 1) and must reproduce pass 1's losses
-    bit for bit. Step-time statistics pool the passes (:func:`summarize_times`)."""
+    whole list again with pass 1's executables (kept in the worker process; JAX's persistent
+    compilation cache is switched off for the workers, see :func:`time_again`) and must reproduce
+    pass 1's losses bit for bit. Step-time statistics pool the passes (:func:`summarize_times`)."""
     import os
     import platform
-    import shutil
-    import tempfile
 
     from jaxpar.analysis.aot import ensure_aot_devices
 
@@ -397,9 +409,7 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: use at least 1 pass")
     records: list[SweepRecord] = []
-    cache = tempfile.mkdtemp(prefix="jaxpar-sweep-xla-cache-")
-    saved = {k: os.environ.get(k) for k in _CACHE_ENV}
-    os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=cache)  # read by the worker's JAX at start
+    saved = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never read compiles back (time_again)
     try:
         with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster) as workers:
             over = bar.add_task("layouts", total=len(layouts) * repeats, name="", loss=float("nan"))
@@ -423,12 +433,8 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
                             bar.console.print(f"[red]{record.name} crashed in pass {number}:[/] {record.error}")
                     bar.update(over, advance=1)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if saved is not None:
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = saved
     reference = check_losses(records, tolerance)
     meta = {
         "devices": num_devices,
@@ -457,11 +463,6 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
     }
     return records, meta
-
-
-# The later passes read their compiles back from a cache private to the sweep (any size, any compile time).
-_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: ConfigDict, layout: ParallelLayout,
@@ -583,6 +584,7 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
 
     ensure_aot_devices(num_devices)
     cfg, cluster = merge_into_defaults(cfg_dict), Cluster(**cluster_dict)
+    kept: dict[str, Any] = {}  # layout name -> pass 1's compiled step, for the later passes
     while (task := tasks.get()) is not None:
         again, item = task
         if os.environ.get(ABORT_ENV) == layout_name(ParallelLayout(**item)):  # the crash drill of the tests
@@ -590,10 +592,11 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
             os.abort()
         on_step = lambda k, loss: results.put(("step", k, loss))  # noqa: E731
         if again:
-            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=steps, on_step=on_step)))
+            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=steps, on_step=on_step,
+                                            kept=kept)))
             continue
         record = run_layout(cfg, ParallelLayout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
-                            cluster=cluster, on_step=on_step)
+                            cluster=cluster, on_step=on_step, keep=kept)
         results.put(("done", record.to_dict()))
 
 
