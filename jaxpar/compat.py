@@ -40,17 +40,24 @@ def vary(x: jax.Array, axes: frozenset) -> jax.Array:
 _CACHE_NOTE_SHOWN = False
 
 
+def cached_pipelines_are_wrong() -> bool:
+    """Whether this JAX's XLA:CPU reads pipeline executables back from the persistent compilation
+    cache wrong (see :func:`persistent_cache_off`): jax 0.10.x. Not seen on jax 0.11.2 (three
+    processes sharing a cache, two of them loading the layout below: losses equal to the fresh
+    compile's in all three)."""
+    return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+
+
 def persistent_cache_off() -> bool:
     """Switch JAX's persistent compilation cache off for the rest of this process (a no-op when it
     is not on); True when it was on.
 
-    Why: on XLA:CPU (measured on jax 0.10.2) a pipeline layout's executable read back from the
-    cache computes wrong losses that differ from run to run (``d2t2p2-z0-sp-1f1b-m4``: first-step
-    loss 5.5698 and 5.5767 in two processes that loaded it, 5.6041 from every fresh compile; 6 of
-    the 28 pipeline layouts of the tiny sweep were off by 6-34% after 8 steps), while the process
-    that compiled and wrote it computes right. JAX decides once per process whether to use the
-    cache, so it is reset here (``compilation_cache.reset_cache``) for later compiles to see the
-    change.
+    Why: on XLA:CPU of jax 0.10.2 a pipeline layout's executable read back from the cache computes
+    wrong losses that differ from run to run (``d2t2p2-z0-sp-1f1b-m4``: first-step loss 5.5698 and
+    5.5767 in two processes that loaded it, 5.6041 from every fresh compile; 6 of the 28 pipeline
+    layouts of the tiny sweep were off by 6-34% after 8 steps), while the process that compiled and
+    wrote it computes right. JAX decides once per process whether to use the cache, so it is reset
+    here (``compilation_cache.reset_cache``) for later compiles to see the change.
     """
     global _CACHE_NOTE_SHOWN
     if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from jaxpar.compat import cached_pipelines_are_wrong
 from tests.helpers import TINY
 
 _SCRIPT = """
@@ -41,7 +42,11 @@ def test_a_cpu_pipeline_turns_the_persistent_cache_off(tmp_path):
     env |= {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", _SCRIPT, TINY], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == ["after zero3: True", "after pipeline: False", "cache used: False"]
     notes = [line for line in out.stderr.splitlines() if line.startswith("jaxpar: JAX's persistent compilation cache")]
+    if not cached_pipelines_are_wrong():  # jax >= 0.11: nothing to guard against
+        assert out.stdout.splitlines() == ["after zero3: True", "after pipeline: True", "cache used: True"]
+        assert notes == []
+        return
+    assert out.stdout.splitlines() == ["after zero3: True", "after pipeline: False", "cache used: False"]
     assert notes == ["jaxpar: JAX's persistent compilation cache is off in this process: on XLA:CPU, pipeline "
                      "executables read back from it compute wrong losses (jaxpar.compat.persistent_cache_off)"]

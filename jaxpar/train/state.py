@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.compat import persistent_cache_off
+from jaxpar.compat import cached_pipelines_are_wrong, persistent_cache_off
 from jaxpar.config import ConfigDict, validate
 from jaxpar.models import get_model
 from jaxpar.models.attention import resolve_attention
@@ -44,8 +44,8 @@ class Setup:
         self.layout = validate(cfg, mesh.devices.size)  # the step runs what validates
         self.model = get_model(cfg.model)  # the model family (jaxpar.models), validated
         self.pipeline = pipeline_lib.Pipeline.from_config(cfg, self.model) if cfg.mesh.pipeline > 1 else None
-        if self.pipeline is not None and mesh.devices.flat[0].platform == "cpu":
-            persistent_cache_off()  # XLA:CPU pipeline executables read back from it are wrong
+        if self.pipeline is not None and mesh.devices.flat[0].platform == "cpu" and cached_pipelines_are_wrong():
+            persistent_cache_off()  # XLA:CPU (jax 0.10) pipeline executables read back from it are wrong
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.model_abstract_params = self.model.abstract_params()
