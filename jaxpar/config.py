@@ -76,6 +76,8 @@ def default_config() -> ConfigDict:
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
     c.model.init_std = 0.02
+    c.model.dropout = 0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
+    c.model.attention_dropout = 0.0  # dropout on the softmax probabilities; 0: off
 
     c.optim = ConfigDict()
     c.optim.name = "adamw"  # adamw | lion | sgd | adafactor | muon | path/to/file.py:fn (jaxpar.optim.registry)
@@ -353,6 +355,9 @@ def _validate_model(mo: ConfigDict) -> None:
         _positive_finite("model.rope_theta", mo.rope_theta)
     _positive_finite("model.norm_eps", mo.norm_eps)
     _positive_finite("model.init_std", mo.init_std)
+    for name in ("dropout", "attention_dropout"):  # a drop probability (Srivastava et al. 2014): in [0, 1)
+        _require(math.isfinite(mo[name]) and 0 <= mo[name] < 1,
+                 f"model.{name}={mo[name]}: use a drop probability in [0, 1), e.g. 0.1 (0: no dropout)")
     count = _rough_param_count(mo)
     _require(count <= MAX_PARAMS, f"model: {count:.3g} parameters is beyond any cluster (at most {MAX_PARAMS:.0e}); "
              "check the model sizes")

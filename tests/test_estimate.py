@@ -181,6 +181,23 @@ def test_our_layer_equals_korthikanti_without_dropout_for_a_gpt_shape():
         assert E.layer_activation_bytes(gpt, lay) == pytest.approx(korth - dropout)
 
 
+def test_our_layer_with_dropout_equals_korthikanti_for_a_gpt_shape():
+    """With both dropouts on, the paper convention keeps the masks: exactly 34sbh + 5as^2b (Table 2)."""
+    gpt = model("gpt3_175b")
+    gpt.dropout, gpt.attention_dropout = 0.1, 0.1
+    s, h, a = 2048, gpt.embed_dim, gpt.num_heads
+    for t, sp, recompute in ((1, False, "none"), (8, False, "none"), (8, True, "none"), (8, True, "selective"),
+                             (8, False, "selective")):
+        lay = E.ParallelLayout(tensor=t, seq_len=s, sequence_parallel=sp, recompute=recompute)
+        korth = E.korthikanti_activation_bytes(s, 1, h, a, t, sp, recompute)
+        assert E.layer_activation_bytes(gpt, lay) == pytest.approx(korth)
+    hidden_only = model("gpt3_175b")
+    hidden_only.dropout = 0.1
+    lay = E.ParallelLayout(tensor=8, seq_len=s)
+    assert E.layer_activation_bytes(hidden_only, lay) - E.layer_activation_bytes(model("gpt3_175b"), lay) == (
+        pytest.approx(2 * s * h))
+
+
 def test_our_llama_layer_by_hand():
     """LLaMA-2 7B, s=4096, b=1: 2*sb(4h + 2q + 2k + 3f) + 2*a*s^2*b bytes; GQA shrinks K and V."""
     m = model("llama2_7b")

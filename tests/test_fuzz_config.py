@@ -29,6 +29,7 @@ BAD: dict[str, list] = {
     "model.norm": ["batchnorm"], "model.position": ["alibi"], "model.remat": ["sometimes"],
     "model.attention": ["flash", ""], "model.attention_block": [0, -16],
     "model.compute_dtype": ["int8"], "model.param_dtype": ["float64"], "model.init_std": [0.0, -0.02, NAN, INF],
+    "model.dropout": [-0.1, 1.0, 1.5, NAN, INF, -INF], "model.attention_dropout": [-1e-9, 1.0, 2.0, NAN, INF],
     "optim.name": ["rmsprop", "no/such/file.py:make"], "optim.momentum": [0.5, NAN], "optim.nesterov": [True], "optim.lr": [0.0, -1.0, NAN, INF], "optim.min_lr_ratio": [-0.1, 1.5, NAN],
     "optim.warmup_steps": [-1], "optim.schedule": ["bogus"], "optim.warmup_type": ["bogus"],
     "optim.b1": [-0.1, 1.0, NAN, INF], "optim.b2": [-0.1, 1.0, 1.5, NAN], "optim.eps": [-1.0, NAN, INF],

@@ -97,7 +97,8 @@ def test_gpt3_13b_shape_and_schedule():
     assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr, o.b2) == ("cosine", 1000, 100000, 1e-4, 0.95)
     assert o.min_lr_ratio == pytest.approx(0.1) and cfg.train.steps == 150000
     assert report.find("--lr-decay-style").status == "mapped"  # .01 * 100000 = 1000 whole iterations: exact
-    assert report.find("--attention-dropout (default)").status == "approximated"
+    assert report.find("--attention-dropout (default)").status == "mapped"  # Megatron default 0.1
+    assert (cfg.model.dropout, cfg.model.attention_dropout) == (0.1, 0.1)
     assert report.find("--step-batch-size-schedule").status == "approximated"
     assert not report.problems
 

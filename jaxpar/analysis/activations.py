@@ -94,8 +94,9 @@ def layer_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: s
       activation: 4 e*b*s*f (from JAX's jvp rules; not compiled-checked).
 
     Korthikanti et al. 2022 (arXiv:2205.05198) count 34sbh + 5as^2b for a GPT layer with dropout in
-    2-byte activations; this step has no dropout, keeps fp32 norms, scores and probabilities, and
-    JAX keeps more of the SwiGLU than a hand-written backward would.
+    2-byte activations; without dropout this step keeps none of its masks, keeps fp32 norms, scores
+    and probabilities, and JAX keeps more of the SwiGLU than a hand-written backward would. With
+    dropout the layer stack also holds :func:`dropout_residual_bytes` per layer.
 
     ``selective`` (:func:`jaxpar.parallel.zero.remat_policy`: ``dots_with_no_batch_dims_saveable``):
     the layer input e*b*so*h and every weight-matmul output: q, k, v e*b*s*(q + 2k), W_o's (b, s, h)
@@ -119,6 +120,34 @@ def layer_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: s
         attention += F32 * d.b * d.s * d.n
     mlp = (6 if swiglu else 4) * d.e * d.b * d.s * d.f
     return outside + inputs + attention + mlp
+
+
+def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """What dropout adds to one layer's entry of the residual stack (0 without dropout), measured.
+
+    The masks (:mod:`jaxpar.models.dropout`) are hashes of indices the backward could redraw, but the
+    layer scan's linearization saves what the backward reads, so the compiled step keeps them as
+    1-byte bools, and only them (XLA recomputes the dropped values from the kept inputs and mask):
+
+    - ``model.dropout``: the attention-output and MLP-output masks, (b, so, h) each: 2 b*so*h. The
+      embedding's mask is not kept (measured: nothing beyond the layers' masks);
+    - ``model.attention_dropout`` with ``dot_product``: the probabilities' mask (b, n, s, s): b*n*s^2
+      (not the dropped probabilities); with ``blockwise`` (and context parallelism) nothing: its
+      custom VJP redraws each block's mask from the indices.
+
+    ``selective`` and ``full`` recompute the masks with the layer: nothing is added. Measured on
+    XLA:CPU (fp32, tiny config, seq 128, b 2, data=8; tests/test_memory_estimate.py): dot-product
+    hidden +263376 bytes for 4 layers (this: 262144), attention +525392 (this: 524288). Nothing is
+    added to the one-layer working set either (the sliced masks feed fusions).
+    """
+    if layout.recompute != "none":
+        return 0.0
+    d = Dims.of(model, layout, b)
+    hidden = 2 * d.b * d.so * d.h if model.get("dropout", 0.0) > 0 else 0.0
+    probs = 0.0
+    if model.get("attention_dropout", 0.0) > 0 and _attention(layout) == "dot_product":
+        probs = d.b * d.n * d.s * d.s
+    return hidden + probs
 
 
 def layer_params(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -255,7 +284,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 else 0.0
     if p == 1:
         layers = model.num_layers
-        residual = layers * layer_residual_bytes(model, layout)
+        residual = layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         if layout.microbatches == 2:  # the accumulation scan has one iteration: XLA inlines it and runs both
             residual *= 2  # microbatches' forwards before their backwards (measured: tiny, b=1, ZeRO-1)
         working = max(layer_working_bytes(model, layout, layers=layers), head_working_bytes(model, layout))
@@ -271,7 +300,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     last = stage == p - 1
     if layout.schedule == "gpipe":
         ticks = layout.microbatches + p - 1
-        per_tick = (model.num_layers // p) * layer_residual_bytes(model, layout) + head_working_bytes(model, layout)
+        per_tick = ((model.num_layers // p) * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+                    + head_working_bytes(model, layout))
         residual, working, slots = ticks * per_tick, layer_working_bytes(model, layout, layers=chunk), 0.0
         chunk_grads = full_grads
     else:
@@ -280,7 +310,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h
         by_layer = layout.recompute == "full" and layout.zero_stage < 2
         rows = 1 if by_layer else None
-        residual = chunk * layer_residual_bytes(model, layout, b=rows)
+        residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
         working = layer_working_bytes(model, layout, b=rows, layers=chunk)
         if last:
             working += head_working_bytes(model, layout, b=rows)

@@ -148,6 +148,12 @@ def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     shards them; everything else is split by tensor. ``selective`` recomputes the attention core
     (drops the s^2 term, Korthikanti's selective; jax's ``checkpoint_dots`` policy would instead
     keep the QK^T output, e*a*s^2*b). ``full`` keeps only the layer input e*sbh.
+
+    **With dropout** the model keeps Korthikanti's dropout terms as well: ``model.dropout`` the
+    1-byte masks of the attention-output and MLP-output dropouts, 2sbh (outside the tensor-parallel
+    region: split by SP only); ``model.attention_dropout`` the 1-byte probability mask and the
+    dropped probabilities for the AV matmul, (1 + e)*a*s^2*b/t (3as^2b at e = 2; recomputed with
+    ``selective``). A GPT shape with both is then exactly Korthikanti's 34sbh + 5as^2b.
     """
     e, s, b, t = DTYPE_BYTES[model.compute_dtype], layout.seq_len, layout.microbatch_size, layout.tensor
     q, k = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
@@ -157,7 +163,10 @@ def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     outside = 4 * e * s * b * model.embed_dim / sp
     inside = e * s * b * (2 * q + 2 * k + (3 if model.mlp_activation == "swiglu" else 2) * model.mlp_dim) / t
     scores = 0.0 if layout.recompute == "selective" else e * model.num_heads * s * s * b / t
-    return outside + inside + scores
+    masks = s * b * model.embed_dim * 2 / sp if model.get("dropout", 0.0) > 0 else 0.0
+    if model.get("attention_dropout", 0.0) > 0 and layout.recompute != "selective":
+        masks += (1 + e) * model.num_heads * s * s * b / t
+    return outside + inside + scores + masks
 
 
 def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float:

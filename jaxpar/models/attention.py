@@ -44,7 +44,7 @@ _KV_PAD = jnp.iinfo(jnp.int32).max
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                          q_offset: int = 0, kv_offset: int = 0) -> jax.Array:
+                          q_offset: int = 0, kv_offset: int = 0, noise=None) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
     Scores in fp32, scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``,
@@ -53,6 +53,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     mask keeps ``q_pos >= kv_pos``. A query row that sees no key at all gets the uniform average
     of the values (every score equals ``finfo.min``), not zeros: this path never produces such rows
     in the model (offsets 0, sq == sk).
+
+    ``noise`` (:class:`jaxpar.models.dropout.AttentionNoise`, optional): attention dropout on the
+    probabilities (after the cast, before the value matmul), keyed by global (row, head, query
+    position, key position).
     """
     b, sq, n, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
@@ -65,6 +69,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
             mask = (q_offset + jnp.arange(sq))[:, None] >= (kv_offset + jnp.arange(sk))[None, :]
         scores = jnp.where(mask, scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if noise is not None:
+        heads = jnp.arange(n, dtype=jnp.int32).reshape(kv, n // kv)
+        probs = noise.apply(noise.keep(heads, q_offset + jnp.arange(sq, dtype=jnp.int32),
+                                       kv_offset + jnp.arange(sk, dtype=jnp.int32)), probs)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, sq, n, d)
 
@@ -137,14 +145,20 @@ def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
     return jnp.broadcast_to(real, (qp.shape[0], kp.shape[0]))
 
 
-def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None):
+def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None):
     """Online-softmax forward pass. Returns out (b, sq, n, d) in ``out_dtype`` (default q.dtype) and
-    lse (b, sq, n) fp32."""
+    lse (b, sq, n) fp32.
+
+    ``noise`` (:class:`jaxpar.models.dropout.AttentionNoise`): attention dropout. The running sum
+    (hence ``lse``) takes the undropped probabilities, the value accumulator the dropped ones, so
+    ``out = dropout(softmax) @ v`` exactly; each block's mask is drawn from its global (row, head,
+    query position, key position) indices, so the backward pass redraws the same one."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
-    vma = _vma_union(q, k, v, q_pos, kv_pos)
+    vma = _vma_union(q, k, v, q_pos, kv_pos, *jax.tree.leaves(noise))
+    heads = jnp.arange(n, dtype=jnp.int32).reshape(kvh, g)
     qb = _blocks(q.reshape(b, sq, kvh, g, d), block_q)  # (nq, b, bq, kv, g, d)
     kb, vb = _blocks(k, block_kv), _blocks(v, block_kv)  # (nk, b, bk, kv, d)
     qp = _position_blocks(q_pos, block_q, _Q_PAD)
@@ -168,6 +182,8 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
             total = alpha * total + p.sum(axis=-1)
+            if noise is not None:
+                p = noise.apply(noise.keep(heads, qpi, kpj), p)
             pv = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=_F32)
             return m_new, total, alpha[..., None] * acc + pv
 
@@ -184,18 +200,24 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=
     return _unblock(out, sq).reshape(b, sq, n, d), _unblock(lse, sq).reshape(b, sq, n)
 
 
-def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None):
+def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None,
+                    noise=None):
     """FlashAttention-2 backward pass (Dao 2023, Algorithm 2): recompute each needed block's
     probabilities from ``lse``; the outer loop runs over key/value blocks and keeps their dK, dV in
     the carry, the inner loop over the query blocks that see them and adds into dQ.
 
     A cotangent on ``lse`` enters through ``d lse_i / d s_ij = p_ij``: it is subtracted from
     ``D_i = rowsum(dO_i * O_i)``, so ``dS = P * (dP - D + dlse)``.
+
+    With attention dropout (``noise``; mask ``M``, rate ``r``) the block's mask is redrawn from its
+    indices (nothing is saved): ``dV = (M P / (1-r))^T dO``, ``dP = M (dO V^T) / (1-r)``, and ``D``
+    is unchanged (``rowsum(P * dP) = rowsum(dO * O)`` still holds with ``O = (M P / (1-r)) V``).
     """
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
-    vma = _vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse)
+    vma = _vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, *jax.tree.leaves(noise))
+    heads = jnp.arange(n, dtype=jnp.int32).reshape(kvh, g)
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse  # (b, sq, n)
     lse = jnp.where(jnp.isinf(lse), 0.0, lse)  # rows without keys: every score is -inf, so p = 0
     qb = _blocks(q.reshape(b, sq, kvh, g, d), block_q)  # (nq, b, bq, kv, g, d)
@@ -220,8 +242,12 @@ def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block
             s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=_F32) / scale
             s = jnp.where(_mask(qpi, kpj, causal), s, _NEG_INF)
             p = jnp.exp(s - rows[..., 0:1])
-            dv = dv + jnp.einsum("bkgqt,bqkgd->btkd", p.astype(v.dtype), doi, preferred_element_type=_F32)
+            keep = None if noise is None else noise.keep(heads, qpi, kpj)
+            p_v = p if keep is None else noise.apply(keep, p)
+            dv = dv + jnp.einsum("bkgqt,bqkgd->btkd", p_v.astype(v.dtype), doi, preferred_element_type=_F32)
             dp = jnp.einsum("bqkgd,btkd->bkgqt", doi, vj, preferred_element_type=_F32)
+            if keep is not None:
+                dp = noise.apply(keep, dp)
             ds = (p * (dp - rows[..., 1:2]) / scale).astype(q.dtype)
             dk = dk + jnp.einsum("bkgqt,bqkgd->btkd", ds, qi, preferred_element_type=_F32)
             dqi = jnp.einsum("bkgqt,btkd->bqkgd", ds, kj, preferred_element_type=_F32)
@@ -255,15 +281,38 @@ def _flash_bwd(block_q, block_kv, causal, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+# With attention dropout: the same kernel, the noise (integer arrays: no cotangent) as an argument.
+# A separate custom_vjp so the path without dropout stays exactly the one above.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash_dropout(q, k, v, q_pos, kv_pos, noise, block_q, block_kv, causal):
+    return _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
+
+
+def _flash_dropout_fwd(q, k, v, q_pos, kv_pos, noise, block_q, block_kv, causal):
+    out, lse = _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
+    return (out, lse), (q, k, v, q_pos, kv_pos, out, lse, noise)
+
+
+def _flash_dropout_bwd(block_q, block_kv, causal, res, cts):
+    *res, noise = res
+    grads = _flash_backward(*res, *cts, block_q, block_kv, causal, noise=noise)
+    return (*grads, None, None, jax.tree.map(lambda _: None, noise))
+
+
+_flash_dropout.defvjp(_flash_dropout_fwd, _flash_dropout_bwd)
+
+
 def blockwise_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int, block_kv: int,
                                  causal: bool = True, q_positions: jax.Array | None = None,
-                                 kv_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                                 kv_positions: jax.Array | None = None,
+                                 noise=None) -> tuple[jax.Array, jax.Array]:
     """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32.
 
     ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero
     output row, where it sees none). Both outputs are differentiable: a cotangent on ``lse`` is
     folded into the backward pass, so :func:`merge_partials` of partial results differentiates
-    exactly like attention over the union of their keys.
+    exactly like attention over the union of their keys. ``noise``: attention dropout
+    (:class:`jaxpar.models.dropout.AttentionNoise`), its masks redrawn in the backward pass.
     """
     b, sq, n, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
@@ -274,12 +323,14 @@ def blockwise_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, bl
     kv_pos = jnp.arange(sk, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
     if q_pos.shape != (sq,) or kv_pos.shape != (sk,):
         raise ValueError(f"positions {q_pos.shape}, {kv_pos.shape}: want ({sq},), ({sk},) (shared by the batch)")
+    if noise is not None:
+        return _flash_dropout(q, k, v, q_pos, kv_pos, noise, min(block_q, sq), min(block_kv, sk), causal)
     return _flash(q, k, v, q_pos, kv_pos, min(block_q, sq), min(block_kv, sk), causal)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int, block_kv: int,
                         causal: bool = True, q_positions: jax.Array | None = None,
-                        kv_positions: jax.Array | None = None) -> jax.Array:
+                        kv_positions: jax.Array | None = None, noise=None) -> jax.Array:
     """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
 
     Same result as :func:`dot_product_attention` (fp32 scores, fp32 online softmax: running max,
@@ -313,7 +364,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     GPUs :func:`cudnn_attention` is the fast path.
     """
     return blockwise_attention_with_lse(q, k, v, block_q=block_q, block_kv=block_kv, causal=causal,
-                                        q_positions=q_positions, kv_positions=kv_positions)[0]
+                                        q_positions=q_positions, kv_positions=kv_positions, noise=noise)[0]
 
 
 def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
@@ -336,6 +387,9 @@ def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
 
 
 # ----------------------------------------------------------------------------------- cuDNN
+
+DROPOUT_CUDNN = ("model.attention=cudnn cannot take model.attention_dropout > 0 (cuDNN draws its own mask, not "
+                 "jaxpar's per-index one); use model.attention=blockwise or auto, or model.attention_dropout=0")
 
 
 def cudnn_unsupported_reason(head_dim: int, compute_dtype: str, compute_capability: str | None) -> str | None:
@@ -376,17 +430,24 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
 
 def resolve_attention(name: str, backend: str, head_dim: int, *, compute_dtype: str = "bfloat16",
-                      compute_capability: str | None = None) -> str:
+                      compute_capability: str | None = None, attention_dropout: float = 0.0) -> str:
     """The implementation ``model.attention=name`` runs on ``backend`` (``jax.default_backend()``).
 
     ``auto``: ``cudnn`` on a GPU when the kernel takes the head dim and dtype, ``blockwise``
     otherwise. An explicit ``cudnn`` off GPU or with unsupported shapes is a :class:`ConfigError`.
     ``compute_capability`` (e.g. "9.0") defaults to the first GPU's when one is present.
+    With ``attention_dropout`` > 0, ``auto`` is ``blockwise`` and ``cudnn`` a :class:`ConfigError`:
+    cuDNN draws its own mask from a seed and offset, not jaxpar's per-index hash, so its masks would
+    differ between layouts (:mod:`jaxpar.models.dropout`).
     """
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if name in ("dot_product", "blockwise"):
         return name
+    if attention_dropout > 0:
+        if name == "cudnn":
+            raise ConfigError(DROPOUT_CUDNN)
+        return "blockwise"
     on_gpu = backend in ("gpu", "cuda")
     if name == "cudnn" and not on_gpu:
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU, the backend is {backend}; "
@@ -400,8 +461,15 @@ def resolve_attention(name: str, backend: str, head_dim: int, *, compute_dtype: 
     return "blockwise" if reason else "cudnn"
 
 
-def make_attention(name: str, *, block_q: int = 512, block_kv: int = 512) -> Callable[..., jax.Array]:
-    """The causal attention function ``(q, k, v) -> out`` of a resolved implementation name."""
+def make_attention(name: str, *, block_q: int = 512, block_kv: int = 512, noise=None) -> Callable[..., jax.Array]:
+    """The causal attention function ``(q, k, v) -> out`` of a resolved implementation name;
+    ``noise``: attention dropout (:mod:`jaxpar.models.dropout`), not taken by cuDNN."""
+    if noise is not None:
+        if name == "dot_product":
+            return functools.partial(dot_product_attention, noise=noise)
+        if name == "blockwise":
+            return functools.partial(blockwise_attention, block_q=block_q, block_kv=block_kv, noise=noise)
+        raise ConfigError(DROPOUT_CUDNN)
     if name == "dot_product":
         return dot_product_attention
     if name == "blockwise":

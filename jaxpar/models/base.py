@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ConfigDict
+from jaxpar.models import dropout
 from jaxpar.parallel import context, zero
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -57,6 +58,10 @@ class ShardContext:
     zero3_dims: Any = dataclasses.field(default=None, hash=False)
     remat: str = "none"
     compute_dtype: str = "bfloat16"
+    dropout: float = 0.0  # model.dropout (hidden); jaxpar.models.dropout
+    attention_dropout: float = 0.0  # model.attention_dropout
+    # the step's dropout noise (traced: key, rows, layer); None: no dropout (evaluation, rates 0)
+    noise: Any = dataclasses.field(default=None, hash=False, compare=False)
 
     @property
     def zero3(self) -> bool:
@@ -177,6 +182,7 @@ class Model(abc.ABC):
         Elsewhere nothing is carried (a carried copy costs temporaries; the gradient reductions of
         ZeRO 0-2 follow the loss and were found ordered in every compiled layout tested).
         """
+        tokens, ctx = dropout.bind(tokens, ctx)  # strip the row column of dropout, if any
         inputs, targets, positions = context.split_tokens(tokens, ctx.context_axis)
         late = {}
         if ctx.zero3 or ctx.sequence_parallel:
@@ -188,14 +194,15 @@ class Model(abc.ABC):
 
 
 def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
-    """``(x, layer) -> block(x, gathered layer)``: one stored layer, gathered under ZeRO-3."""
+    """``(x, layer[, index]) -> block(x, gathered layer)``: one stored layer, gathered under ZeRO-3;
+    ``index`` (with dropout): the layer's model-form index, which keys its masks."""
     dims = zero.layer_dims(ctx.zero3_dims[stacked]) if ctx.zero3 else None
     dt = DTYPES[ctx.compute_dtype]
 
-    def one(x: jax.Array, layer: dict) -> jax.Array:
+    def one(x: jax.Array, layer: dict, index: jax.Array | None = None) -> jax.Array:
         if dims is not None:
             layer = zero.gather_tree(layer, dims, ctx.data_axis, dt)
-        return block(x, layer, positions, ctx)
+        return block(x, layer, positions, ctx if index is None else dropout.at_layer(ctx, index))
 
     return one
 
@@ -208,9 +215,19 @@ def scan_layers(block, x: jax.Array, blocks: dict, positions: jax.Array, ctx: Sh
     ``carried`` (a tree, optional): carried through the loop, its values unchanged, and returned
     beside ``x`` (``(x, carried)``), so that what uses it afterwards depends on the loop at run time
     (see :meth:`Model.loss_sum`).
+
+    With dropout the loop also runs over the layers' model-form indices (from ``ctx.noise.layer``,
+    the first layer of ``blocks``), which key their masks (:mod:`jaxpar.models.dropout`).
     """
-    one = layer_step(block, positions, ctx, stacked)
+    step_one = layer_step(block, positions, ctx, stacked)
     rewrite = bool(jax.tree.leaves(carried))
+    numbered = dropout.active(ctx)
+    if numbered:
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        blocks = (blocks, ctx.noise.layer + jnp.arange(n, dtype=jnp.int32))
+
+    def one(x, layer):
+        return step_one(x, *layer) if numbered else step_one(x, layer)
 
     def body(carry, layer):
         if not rewrite:

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigDict
-from jaxpar.models import base
+from jaxpar.models import base, dropout
 from jaxpar.models.base import DTYPES, HFMap, HFTensor, Model
 from jaxpar.parallel import context
 
@@ -203,6 +203,23 @@ def _reduce_tensor(x: jax.Array, ctx: ShardContext) -> jax.Array:
     return jax.lax.psum(x, ctx.tensor_axis)
 
 
+def _local_positions(positions: jax.Array, seq_local: int, ctx: ShardContext) -> jax.Array:
+    """Positions of the tokens a residual-stream tensor of ``seq_local`` tokens holds: all of the
+    context rank's, or this tensor rank's share of them under sequence parallelism."""
+    if not ctx.sequence_parallel or ctx.tensor_axis is None:
+        return positions
+    return jax.lax.dynamic_slice_in_dim(positions, _axis_index(ctx.tensor_axis) * seq_local, seq_local)
+
+
+def _branch(y: jax.Array, positions: jax.Array, site: int, ctx: ShardContext) -> jax.Array:
+    """A residual branch's output after its row-parallel reduction, with hidden dropout (Megatron
+    drops the attention and MLP outputs before each residual add; identity with dropout off)."""
+    y = _reduce_tensor(y, ctx)
+    if not dropout.active(ctx):
+        return y
+    return dropout.hidden(y, _local_positions(positions, y.shape[1], ctx), site, ctx)
+
+
 def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
     dt = DTYPES[ctx.compute_dtype]
 
@@ -217,9 +234,10 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     if ctx.position == "rope":
         q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
     att = context.causal_attention(q, k, v, positions, implementation=ctx.attention, block=ctx.attention_block,
-                                   axis=ctx.context_axis, exchange=ctx.context_exchange)
+                                   axis=ctx.context_axis, exchange=ctx.context_exchange,
+                                   noise=dropout.for_attention(ctx, q.shape[2], ctx.tensor_axis))
     o = jnp.einsum("bsnd,ndh->bsh", att, w(a["wo"]))
-    x = x + _reduce_tensor(o, ctx)
+    x = x + _branch(o, positions, dropout.ATTENTION_OUT, ctx)
 
     h = _gather_seq(_norm(x, p["mlp_norm"], ctx), ctx)
     m = p["mlp"]
@@ -228,7 +246,7 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
         act = jax.nn.silu(jnp.einsum("bsh,hf->bsf", h, w(m["w_gate"]))) * up
     else:
         act = jax.nn.gelu(up, approximate=True)
-    return x + _reduce_tensor(jnp.einsum("bsf,fh->bsh", act, w(m["w_down"])), ctx)
+    return x + _branch(jnp.einsum("bsf,fh->bsh", act, w(m["w_down"])), positions, dropout.MLP_OUT, ctx)
 
 
 def run_blocks(x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -254,6 +272,9 @@ def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Arra
                                                      start, seq_local)
             pos = jnp.take(params["pos_embed"], positions, axis=0)
         x = x + pos.astype(x.dtype)[None]
+    if dropout.active(ctx):  # Megatron's embedding dropout, at the hidden rate
+        positions = _local_positions(context.rank_positions(ctx.context_axis, tokens.shape[1]), x.shape[1], ctx)
+        x = dropout.hidden(x, positions, dropout.EMBED, ctx)
     return x
 
 
@@ -301,6 +322,8 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         norm_eps=model_cfg.norm_eps,
         rope_theta=model_cfg.rope_theta,
         position=model_cfg.position,
+        dropout=model_cfg.get("dropout", 0.0),
+        attention_dropout=model_cfg.get("attention_dropout", 0.0),
         **overrides,
     )
 
@@ -327,7 +350,9 @@ HF_LLAMA = HFMap(
         HFTensor(("final_norm", "scale"), "model.norm.weight", "copy", "(embed_dim,)"),
         HFTensor(("lm_head",), "lm_head.weight", "transpose", "(vocab_size, embed_dim)"),
     ),
-    # model fields an HF config.json fixes: (jaxpar field, HF key in the message)
+    # model fields an HF config.json fixes: (jaxpar field, HF key in the message). Not the dropout
+    # rates: config.json's attention_dropout is read on import (jaxpar.port.weights) but is a training
+    # choice, which fine-tuning may change, not a property of the weights.
     config_fields=(
         ("vocab_size", "vocab_size"), ("embed_dim", "hidden_size"), ("num_layers", "num_hidden_layers"),
         ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),

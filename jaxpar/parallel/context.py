@@ -82,29 +82,32 @@ def split_tokens(tokens: jax.Array, axis: str | None) -> tuple[jax.Array, jax.Ar
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, implementation: str,
-                     block: int, axis: str | None = None, exchange: str = "ring") -> jax.Array:
+                     block: int, axis: str | None = None, exchange: str = "ring", noise=None) -> jax.Array:
     """A layer's causal attention as the layout runs it: ``implementation`` (resolved:
     ``dot_product`` | ``blockwise`` | ``cudnn``, :func:`jaxpar.models.attention.resolve_attention`) on
     this rank's tokens at ``positions``; with a context ``axis``, the ``exchange`` over it
-    (:func:`ring_attention` or :func:`all_gather_attention`, both blockwise)."""
+    (:func:`ring_attention` or :func:`all_gather_attention`, both blockwise). ``noise``: attention
+    dropout (:class:`jaxpar.models.dropout.AttentionNoise`; keyed by global positions, so every
+    exchange draws the mask a single device draws)."""
+    extra = {} if noise is None else {"noise": noise}
     if axis is not None:
         fn = ring_attention if exchange == "ring" else all_gather_attention
-        return fn(q, k, v, positions, axis, block_q=block, block_kv=block)
-    return attn.make_attention(implementation, block_q=block, block_kv=block)(q, k, v)
+        return fn(q, k, v, positions, axis, block_q=block, block_kv=block, **extra)
+    return attn.make_attention(implementation, block_q=block, block_kv=block, **extra)(q, k, v)
 
 
 # ----------------------------------------------------------------------------------- all-gather
 
 
 def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
-                         block_q: int, block_kv: int) -> jax.Array:
+                         block_q: int, block_kv: int, noise=None) -> jax.Array:
     """Causal attention of this rank's queries over every rank's keys and values, gathered over ``axis``."""
     c = lax.axis_size(axis)
     k_all = lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = lax.all_gather(v, axis, axis=1, tiled=True)
     kv_pos = jnp.asarray(all_positions(c, k.shape[1]))
     return attn.blockwise_attention(q, k_all, v_all, block_q=block_q, block_kv=block_kv,
-                                    q_positions=positions, kv_positions=kv_pos)
+                                    q_positions=positions, kv_positions=kv_pos, noise=noise)
 
 
 # ----------------------------------------------------------------------------------- ring
@@ -123,14 +126,15 @@ def _ring(q, k, v, positions, axis, block_q, block_kv):
     return _ring_fwd(q, k, v, positions, axis, block_q, block_kv)[0]
 
 
-def _ring_fwd(q, k, v, positions, axis, block_q, block_kv):
+def _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise=None):
     c = lax.axis_size(axis)
     me = lax.axis_index(axis)
     n_local = k.shape[1]
 
     def hop(j, kk, vv):  # partial attention over the block that started at rank (me - j) mod c
         kv_pos = chunk_positions((me - j) % c, c, n_local)
-        return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32)
+        return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32,
+                                   noise=noise)
 
     kk, vv = k, v
     out = lse = None
@@ -141,12 +145,12 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv):
         out, lse = (o, l_o) if out is None else attn.merge_partials(out, lse, o, l_o)  # fp32 partials
         if j < c - 1:
             kk, vv = nk, nv
-    vma = attn._vma_union(q, k, v, positions, out, lse)
+    vma = attn._vma_union(q, k, v, positions, out, lse, *jax.tree.leaves(noise))
     out = attn._varying(out.astype(q.dtype), vma)
     return out, (q, k, v, positions, out, attn._varying(lse, vma))
 
 
-def _ring_bwd(axis, block_q, block_kv, res, dout):
+def _ring_bwd(axis, block_q, block_kv, res, dout, noise=None):
     q, k, v, positions, out, lse = res
     c = lax.axis_size(axis)
     me = lax.axis_index(axis)
@@ -160,7 +164,7 @@ def _ring_bwd(axis, block_q, block_kv, res, dout):
             nk, nv = _send((kk, vv), axis, c)
         kv_pos = chunk_positions((me - j) % c, c, n_local)
         dq_j, dk_j, dv_j = attn._flash_backward(q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse,
-                                                block_q, block_kv, True, out_dtype=_F32)
+                                                block_q, block_kv, True, out_dtype=_F32, noise=noise)
         dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
         dk, dv = _send((dk, dv), axis, c)  # with their block: after c hops they are home
         if j < c - 1:
@@ -171,15 +175,38 @@ def _ring_bwd(axis, block_q, block_kv, res, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+# With attention dropout: the ring with the noise (integer arrays, no cotangent) as an argument; each
+# hop's kernel draws its blocks' masks from their global positions, forward and backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring_dropout(q, k, v, positions, noise, axis, block_q, block_kv):
+    return _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise)[0]
+
+
+def _ring_dropout_fwd(q, k, v, positions, noise, axis, block_q, block_kv):
+    out, res = _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise)
+    return out, (res, noise)
+
+
+def _ring_dropout_bwd(axis, block_q, block_kv, res, dout):
+    res, noise = res
+    dq, dk, dv, _ = _ring_bwd(axis, block_q, block_kv, res, dout, noise)
+    return dq, dk, dv, None, jax.tree.map(lambda _: None, noise)
+
+
+_ring_dropout.defvjp(_ring_dropout_fwd, _ring_dropout_bwd)
+
+
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
-                   block_q: int, block_kv: int) -> jax.Array:
+                   block_q: int, block_kv: int, noise=None) -> jax.Array:
     """Causal ring attention over ``axis``: this rank's queries ``q`` (b, n, heads, d) at
     ``positions`` (n,) (:func:`rank_positions`) against every rank's keys and values, passed around
     the ring; exact (fp32 merge of the partial results) and never holding more than two ranks'
-    keys and values."""
+    keys and values. ``noise``: attention dropout (:class:`jaxpar.models.dropout.AttentionNoise`)."""
     if lax.axis_size(axis) == 1:
         return attn.blockwise_attention(q, k, v, block_q=block_q, block_kv=block_kv, q_positions=positions,
-                                        kv_positions=positions)
+                                        kv_positions=positions, noise=noise)
+    if noise is not None:
+        return _ring_dropout(q, k, v, positions, noise, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))
     return _ring(q, k, v, positions, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))
 
 

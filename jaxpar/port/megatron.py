@@ -377,12 +377,13 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
     percent = a.get("--rotary-percent", float, 1.0)
     a.note("--rotary-percent", "mapped" if percent == 1.0 else "unsupported", "", "" if percent == 1.0 else
            "jaxpar rotates the full head dimension")
-    for name in ("--attention-dropout", "--hidden-dropout"):
-        rate = a.get(name, float, 0.1)
+    # Megatron's dropout (default 0.1 each): --hidden-dropout on the embedding output and before each
+    # residual add, --attention-dropout on the softmax probabilities: jaxpar's placement (jaxpar.models.dropout)
+    for name, target in (("--attention-dropout", "model.attention_dropout"), ("--hidden-dropout", "model.dropout")):
+        values[target] = a.get(name, float, 0.1)
         if not a.has(name):
-            a.report.approximated(f"{name} (default)", 0.1, "", "Megatron default 0.1; jaxpar has no dropout")
-        a.note(name, "mapped" if rate == 0 else "approximated", "", "same: no dropout" if rate == 0 else "jaxpar has "
-               "no dropout")
+            a.report.mapped(f"{name} (default)", 0.1, target, "Megatron default 0.1")
+        a.note(name, "mapped", target)
     a.note("--disable-bias-linear", "mapped", "", "jaxpar linear layers have no bias")
     if not a.has("--disable-bias-linear"):
         a.report.approximated("--add-bias-linear (default)", True, "", "Megatron adds biases; jaxpar has none")

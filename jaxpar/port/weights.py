@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import re
@@ -76,6 +77,10 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
     SiLU) with a one-line :class:`ConfigError`. Mistral's ``sliding_window`` caps ``max_seq_len``
     (no window ever applies to shorter sequences, so the model is then exactly LLaMA's). The
     checkpoint's ``torch_dtype`` is not copied: parameters stay in ``param_dtype`` (fp32 masters).
+    Dropout: ``attention_dropout`` (HF LLaMA / Mistral, on the softmax probabilities) maps to
+    ``model.attention_dropout``, ``hidden_dropout`` (where a config carries one) to
+    ``model.dropout``; absent, 0. (GPT-2's ``resid_pdrop`` / ``attn_pdrop`` / ``embd_pdrop`` never
+    reach here: only LLaMA-family configs are read.)
     """
     hf = dict(config) if isinstance(config, Mapping) else _read_json(config)
     try:
@@ -123,6 +128,12 @@ def _model_config(hf: dict) -> ConfigDict:
     m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
     m.init_std = float(hf.get("initializer_range", m.init_std))
+    for key, field in (("attention_dropout", "attention_dropout"), ("hidden_dropout", "dropout")):
+        rate = float(hf.get(key) or 0.0)
+        if not (math.isfinite(rate) and 0 <= rate < 1):
+            raise ConfigError(f"{where}: {key}={json.dumps(hf.get(key))} is not a drop probability; use a value in "
+                              "[0, 1) (0: no dropout)")
+        m[field] = rate
     m.mlp_activation, m.norm, m.position = "swiglu", "rmsnorm", "rope"
     return m
 
@@ -139,6 +150,8 @@ def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
         "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
         "rope_scaling": None, "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "initializer_range": m.init_std, "torch_dtype": m.param_dtype,
+        # HF LLaMA has attention dropout only (model.dropout has no config.json field there)
+        "attention_dropout": m.attention_dropout,
     }
 
 

@@ -81,7 +81,7 @@ class Setup:
         # blockwise elsewhere and always with context parallelism, which merges blockwise partials)
         self.attention = "blockwise" if self.layout.context > 1 else resolve_attention(
             self.layout.attention, mesh.devices.flat[0].platform, cfg.model.head_dim,
-            compute_dtype=cfg.model.compute_dtype)
+            compute_dtype=cfg.model.compute_dtype, attention_dropout=cfg.model.attention_dropout)
         self.builder = StepBuilder(
             layout=self.layout,
             attention=self.attention,
@@ -95,6 +95,7 @@ class Setup:
             schedule=self.schedule,
             pipeline=self.pipeline,
             tx=self.tx,
+            seed=cfg.train.seed,
         )
         self.train_step = self._make_train_step()
         self.eval_step = self._make_eval_step()

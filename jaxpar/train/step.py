@@ -47,7 +47,7 @@ from jaxpar.axes import MeshAxis, data_group
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
-from jaxpar.models import get_model
+from jaxpar.models import dropout, get_model
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
@@ -73,8 +73,15 @@ class StepBuilder:
     pipeline: Pipeline | None = None  # set when mesh.pipeline > 1
     tx: Any = None  # optax.GradientTransformation for global_step (None: jaxpar AdamW in local_step)
     skip_bad_steps: bool = True  # False only to measure what the skip costs
+    seed: int = 0  # train.seed: keys the dropout masks with the optimizer step (jaxpar.models.dropout)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def dropout(self) -> bool:
+        """Whether the model drops anything (``model.dropout`` or ``model.attention_dropout`` > 0);
+        off, the step traces no dropout at all."""
+        return self.model_cfg.get("dropout", 0.0) > 0 or self.model_cfg.get("attention_dropout", 0.0) > 0
+
     @functools.cached_property
     def model(self) -> Model:
         """The model family of ``model_cfg`` (:func:`jaxpar.models.get_model`)."""
@@ -110,10 +117,17 @@ class StepBuilder:
         return jnp.sqrt(sum(jax.tree.leaves(zero.map_placements(sq, self.placements, grads))))
 
     # ------------------------------------------------------------------ step
-    def local_grads(self, params: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+    def local_grads(self, params: Any, batch: jax.Array, guard: jax.Array,
+                    step: jax.Array | None = None) -> tuple[Any, jax.Array, jax.Array]:
         """This shard's reduced, clipped gradients (laid out like the optimizer state), the loss
-        (+ ``guard[1]``) and the global gradient norm (before clipping)."""
+        (+ ``guard[1]``) and the global gradient norm (before clipping). ``step`` (the optimizer
+        count; with dropout only) keys the dropout masks: each sequence's global row travels with
+        the batch as one more column (:func:`jaxpar.models.dropout.append_rows`)."""
         ctx = self.context()
+        if self.dropout:
+            ctx = dataclasses.replace(ctx, noise=dropout.Noise(dropout.step_key(self.seed, step)))
+            global_batch = batch.shape[0] * batch.shape[1] * jax.lax.axis_size(MeshAxis.DATA)
+            batch = dropout.append_rows(batch, global_batch, MeshAxis.DATA)
         stage = self.strategy.zero_stage
         scale = 1.0 / self.global_tokens
 
@@ -173,8 +187,8 @@ class StepBuilder:
         the update is skipped (parameters and optimizer state returned unchanged) when the loss or
         the gradient norm is not finite or the loss exceeds max_loss; loss_offset is added to the
         reported loss (0 in training; NaN injects a bad step for fault drills)."""
-        grads, loss, grad_norm = self.local_grads(params, batch, guard)
         step = opt_state["count"]
+        grads, loss, grad_norm = self.local_grads(params, batch, guard, *((step,) if self.dropout else ()))
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
         new_params, mu, nu = self._adamw(params, grads, opt_state, lr, ok)
@@ -191,10 +205,11 @@ class StepBuilder:
         under their optimizer spec (ZeRO-1/2: this device's shard; no data moves) and written back
         under their storage spec (ZeRO-1/2: the all-gather). A bad step selects the old values."""
         grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.placements, is_leaf=is_placement)
-        grads, loss, grad_norm = jax.shard_map(
-            self.local_grads, mesh=self.mesh, in_specs=(self.param_specs(), BATCH_SPEC, P()),
-            out_specs=(grad_specs, P(), P()))(params, batch, guard)
         step = opt_state["count"]
+        keyed = (step,) if self.dropout else ()  # the step keys the dropout masks
+        grads, loss, grad_norm = jax.shard_map(
+            self.local_grads, mesh=self.mesh, in_specs=(self.param_specs(), BATCH_SPEC, P(), *((P(),) * len(keyed))),
+            out_specs=(grad_specs, P(), P()))(params, batch, guard, *keyed)
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
         view = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)),

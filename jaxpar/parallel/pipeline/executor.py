@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxpar.axes import MeshAxis
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
-from jaxpar.models import get_model
+from jaxpar.models import dropout, get_model
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel.context import split_tokens
 from jaxpar.parallel.pipeline.forms import ENDS
@@ -135,13 +135,25 @@ def _chunk(blocks: dict, chunk: jax.Array, virtual_stages: int) -> dict:
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0), blocks)
 
 
+def _layer0(chunk: jax.Array | int, stages: int, virtual_stages: int, blocks: dict, ctx: ShardContext) -> jax.Array | int:
+    """Model-form index of the first layer of this device's chunk ``chunk`` (virtual stage
+    ``chunk * p + d``; :func:`~jaxpar.parallel.pipeline.forms.layer_order`): keys dropout masks
+    (0, nothing traced, without dropout)."""
+    if not dropout.active(ctx):
+        return 0
+    size = jax.tree.leaves(blocks)[0].shape[0] // virtual_stages
+    return (chunk * stages + jax.lax.axis_index(AXIS)) * size
+
+
 def _stage(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array, last: jax.Array | None,
-           ctx: ShardContext, scale: float) -> tuple[jax.Array, jax.Array | None]:
+           ctx: ShardContext, scale: float, layer0: jax.Array | int = 0) -> tuple[jax.Array, jax.Array | None]:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
-    if ``last``, else 0). ``last=None``: forward only, no loss."""
+    if ``last``, else 0). ``last=None``: forward only, no loss. ``layer0``: the model-form index of
+    the chunk's first layer (dropout masks; :func:`_layer0`)."""
+    tokens, ctx = dropout.bind(tokens, ctx)  # the row column of dropout, if any
     inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
     x = _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, shared, ctx), inputs, ctx)), lambda x: x, x_in)
-    y = model.run_blocks(x, chunk, positions, ctx)
+    y = model.run_blocks(x, chunk, positions, dropout.at_layer(ctx, layer0))
 
     def loss(y):
         return model.head_loss(_view(model, shared, ctx), y, targets, ctx) * scale
@@ -151,15 +163,20 @@ def _stage(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax
 
 def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
                              last: jax.Array, g_y: jax.Array, acc: dict, row: jax.Array, ctx: ShardContext,
-                             scale: float, dims: dict, dtype: Any) -> tuple[jax.Array, jax.Array, dict]:
+                             scale: float, dims: dict, dtype: Any,
+                             layer0: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, dict]:
     """The backward of :func:`_stage` layer by layer, for full rematerialisation: a forward scan keeps
     each layer's input, then a reverse scan recomputes one layer under ``jax.vjp`` and adds its
     weight gradient into rows ``row + l`` of ``acc["blocks"]`` in place, so no stacked gradient of
     the stage's layers exists beside the accumulator (ZeRO-2: each reduce-scattered first, ``dims``).
-    Returns (scaled loss, input gradient, acc)."""
+    Returns (scaled loss, input gradient, acc). ``layer0``: as in :func:`_stage`."""
+    tokens, ctx = dropout.bind(tokens, ctx)
     inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
 
-    block = model.layer_step(positions, ctx)  # one stored layer, gathered under ZeRO-3
+    one = model.layer_step(positions, ctx)  # one stored layer, gathered under ZeRO-3
+
+    def block(x, layer, j):  # with dropout, layer j of the chunk keys its masks by its model-form index
+        return one(x, layer, layer0 + j) if dropout.active(ctx) else one(x, layer)
 
     def embed(sh, x):
         return _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, sh, ctx), inputs, ctx)), lambda x: x, x)
@@ -171,7 +188,8 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
         return _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
     x0, embed_vjp = jax.vjp(embed, shared, x_in)
-    y, xs = jax.lax.scan(lambda x, layer: (block(x, layer), x), x0, chunk)
+    n = jax.tree.leaves(chunk)[0].shape[0]
+    y, xs = jax.lax.scan(lambda x, lj: (block(x, *lj), x), x0, (chunk, jnp.arange(n, dtype=jnp.int32)))
     loss, head_vjp = jax.vjp(head, shared, y)
     d_head, d_y = head_vjp(jnp.ones_like(loss))
     g = _vary(d_y + jnp.where(last, jnp.zeros_like(g_y), g_y), _varying(y))
@@ -180,7 +198,7 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
         g, acc_blocks = carry
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), chunk)
         x = jax.lax.dynamic_index_in_dim(xs, j, 0, keepdims=False)
-        _, vjp = jax.vjp(block, x, layer)
+        _, vjp = jax.vjp(lambda x, layer: block(x, layer, j), x, layer)
         d_x, d_layer = vjp(g)
 
         def add(a, dw, dim):  # a scatter-add: in place, no copy of the old row beside the new one
@@ -189,7 +207,6 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
 
         return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer, dims_blocks)), None
 
-    n = jax.tree.leaves(chunk)[0].shape[0]
     acc_shared, acc_blocks = _split(acc)
     dims_shared, dims_blocks = _split(dims)
     (g, acc_blocks), _ = jax.lax.scan(layer_backward, (g, acc_blocks), jnp.arange(n - 1, -1, -1))
@@ -202,7 +219,8 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
 def _boundary_types(model: Model, shared: dict, blocks: dict, batch: jax.Array, ctx: ShardContext, v: int,
                     scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
-    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, ctx), split_tokens(batch[0], ctx.context_axis)[0], ctx))
+    tokens, bound = dropout.bind(batch[0], ctx)
+    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, bound), split_tokens(tokens, ctx.context_axis)[0], bound))
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(model, shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
@@ -269,7 +287,8 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
             return zeros_act(), zeros_act(), acc, loss
 
         def forward(acc, loss):
-            y, _ = _stage(model, shared, _chunk(blocks, chunk, v), act_in(), tokens, first, None, ctx, scale)
+            y, _ = _stage(model, shared, _chunk(blocks, chunk, v), act_in(), tokens, first, None, ctx, scale,
+                          _layer0(chunk, p, v, blocks, ctx))
             return y, zeros_act(), acc, loss
 
         def backward(acc, loss):
@@ -286,11 +305,11 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
                 if by_layer:
                     stage_loss, d_x, acc = _stage_backward_by_layer(
                         model, shared, _chunk(blocks, chunk, v), x_in, part(tokens), first, last, g_y, acc, chunk * size,
-                        ctx, scale, dims, dtype
+                        ctx, scale, dims, dtype, _layer0(chunk, p, v, blocks, ctx)
                     )
                 else:
                     def f(sh, ch, x):
-                        return _stage(model, sh, ch, x, part(tokens), first, last, ctx, scale)
+                        return _stage(model, sh, ch, x, part(tokens), first, last, ctx, scale, _layer0(chunk, p, v, blocks, ctx))
 
                     (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
                     g_y = jnp.where(last, jnp.zeros_like(y), g_y)
@@ -354,7 +373,7 @@ def _gpipe_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: Sha
             tokens = jax.lax.dynamic_index_in_dim(batch, jnp.clip(mb, 0, m - 1), 0, keepdims=False)
 
             def work(x):
-                return _stage(model, shared, blocks, x, tokens, d == 0, d == p - 1, ctx, scale)
+                return _stage(model, shared, blocks, x, tokens, d == 0, d == p - 1, ctx, scale, _layer0(0, p, 1, blocks, ctx))
 
             def skip(x):
                 return x, jnp.zeros((), jnp.float32)
