@@ -51,6 +51,8 @@ DEFAULT = {
     "pp2_1f1b_full": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="full", zero_stage=1),
     "pp2_interleaved": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, schedule="gpipe"),
+    "pp2_interleaved_full": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved",
+                                 recompute="full"),
 }
 SLOW_GRID = {
     "dp_selective": _lay(data=8, recompute="selective"),
@@ -69,6 +71,13 @@ SLOW_GRID = {
     "1b_zero3_full": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="full"),
     "1b_zero3_selective": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="selective"),
     "1b_dp_none": _lay(data=8, microbatch_size=1, seq_len=256),
+    # ~1B pipelines: the accumulator held twice sets the peak (activations.pipeline_accumulator_bytes)
+    "1b_pp4_1f1b_none": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256),
+    "1b_pp4_1f1b_full": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256, recompute="full"),
+    "1b_pp4_interleaved_full": _lay(tensor=2, pipeline=4, virtual_stages=2, microbatches=4, microbatch_size=1,
+                                    seq_len=256, schedule="interleaved", recompute="full"),
+    "1b_pp2_interleaved_selective": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4,
+                                         microbatch_size=1, seq_len=256, schedule="interleaved", recompute="selective"),
 }
 # ZeRO-3's gathered layers (activations.ZERO3_GATHERED_LAYERS = 2) are a measured constant: the ~1B
 # config needs ~2.4-2.8 layers beside its residuals, the tiny one ~0.5 (its gathers reuse freed
