@@ -81,7 +81,11 @@ SLOW_GRID = {
 }
 # ZeRO-3's gathered layers (activations.ZERO3_GATHERED_LAYERS = 2) are a measured constant: the ~1B
 # config needs ~2.4-2.8 layers beside its residuals, the tiny one ~0.5 (its gathers reuse freed
-# activation space). With full recompute on tiny the estimate is high: temp 0.865, peak 0.883.
+# activation space). With full recompute on tiny the estimate is high: temp 0.803, peak 0.827 (0.865 /
+# 0.883 before activations.DOT_BACKWARD_SCORE_COPIES). The buffer assignment shows why no term fits
+# both sizes: at b*s = 256 the backward's live set is ~60 buffers of 0.125-0.5 MiB, and XLA places the
+# gathered weights (0.125-0.19 MiB each) in gaps the activations leave, so the 1.5 MiB of
+# ZERO3_GATHERED_LAYERS are mostly not additive there, while on the ~1B config they are (2.4-2.8 layers).
 KNOWN_OVER = {"zero3_full": _lay(data=8, zero_stage=3, recompute="full")}
 
 
@@ -123,7 +127,7 @@ def test_estimated_peak_matches_compiled(name):
 @pytest.mark.parametrize("name", list(KNOWN_OVER))
 def test_zero3_small_model_is_a_known_overestimate(name):
     temp, peak = _check(name, KNOWN_OVER[name])
-    assert 0.8 < temp < 0.9 and peak < 0.9  # over-estimated (the safe side): when this fails, revisit the constant
+    assert 0.75 < temp < 0.9 and peak < 0.9  # over-estimated (the safe side): when this fails, revisit the constant
 
 
 def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:

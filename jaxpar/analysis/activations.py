@@ -143,6 +143,15 @@ def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
 # fp32) for the tiny and ~1B llama configs (tests/test_memory_estimate.py): none ~1, selective ~1,
 # full 3.5 (tiny b*s = 512 and 1B s = 1024 agree to ~10%).
 WORKING_SET = {"none": 1.0, "selective": 1.0, "full": 3.5}
+# dot_product attention: the backward of the softmax holds, beside the scores and probabilities it
+# saved (or recomputed), their fp32 gradients dP and dS (b, n/t, s, s) and the broadcast pred causal
+# mask (1 byte per score). Measured on XLA:CPU: llama2_7b, data=64 ZeRO-3, b=4, s=4096, selective,
+# fp32 (64 simulated devices): four f32[4,32,4096,4096] buffers (8 GiB each) and one
+# pred[4,32,1,4096,4096] (2 GiB) live beside the residual stacks at the peak, two more score copies
+# than layer_residual_bytes("none") counts. But the MLP's residuals, also in that term, are freed by
+# the time the attention's backward runs (~5 GiB there), so the net is one copy: with 1 the 7B temp
+# ratio is 1.105 -> 1.02 (with 2: 0.947, and the tiny grid moves to 0.87-0.90).
+DOT_BACKWARD_SCORE_COPIES = 1
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3: gathered layers (compute dtype) live beside the residuals at the backward peak: the layer in use
 # and the next one, gathered ahead. Measured on XLA:CPU: ~0.5 extra layers (tiny, whose gathers reuse
@@ -154,11 +163,15 @@ def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
     """One layer's backward working set on top of the residual stack: the complete residual set of
     that layer (sliced out of the stack into fresh buffers with no recompute, recomputed with
     ``selective`` / ``full``; a stage of one layer has no loop, hence no copy when nothing is
-    recomputed) plus :data:`WORKING_SET` e*b*s*f of gradient temporaries."""
+    recomputed) plus :data:`WORKING_SET` e*b*s*f of gradient temporaries; with ``dot_product``
+    attention also the backward's fp32 gradients of the probabilities and of the scores
+    (:data:`DOT_BACKWARD_SCORE_COPIES`) and the broadcast causal mask (1 byte per score)."""
     d = Dims.of(model, layout, b)
     live = layer_residual_bytes(model, layout, "none", b)
     if layout.recompute == "none" and layers <= 1:
         live = 0.0
+    if _attention(layout) == "dot_product":  # dP and dS beside the scores and probabilities, and the mask
+        live += (DOT_BACKWARD_SCORE_COPIES * F32 + 1) * d.b * d.n * d.s * d.s
     return live + WORKING_SET[layout.recompute] * d.e * d.b * d.s * d.f
 
 
