@@ -172,6 +172,15 @@ def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
 # fp32) for the tiny and ~1B llama configs (tests/test_memory_estimate.py): none ~1, selective ~1,
 # full 3.5 (tiny b*s = 512 and 1B s = 1024 agree to ~10%).
 WORKING_SET = {"none": 1.0, "selective": 1.0, "full": 3.5}
+# dot_product attention: the backward of the softmax holds, beside the scores and probabilities it
+# saved (or recomputed), their fp32 gradients dP and dS (b, n/t, s, s) and the broadcast pred causal
+# mask (1 byte per score). Measured on XLA:CPU: llama2_7b, data=64 ZeRO-3, b=4, s=4096, selective,
+# fp32 (64 simulated devices): four f32[4,32,4096,4096] buffers (8 GiB each) and one
+# pred[4,32,1,4096,4096] (2 GiB) live beside the residual stacks at the peak, two more score copies
+# than layer_residual_bytes("none") counts. But the MLP's residuals, also in that term, are freed by
+# the time the attention's backward runs (~5 GiB there), so the net is one copy: with 1 the 7B temp
+# ratio is 1.105 -> 1.02 (with 2: 0.947, and the tiny grid moves to 0.87-0.90).
+DOT_BACKWARD_SCORE_COPIES = 1
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3: gathered layers (compute dtype) live beside the residuals at the backward peak: the layer in use
 # and the next one, gathered ahead. Measured on XLA:CPU: ~0.5 extra layers (tiny, whose gathers reuse
@@ -179,15 +188,22 @@ HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gra
 ZERO3_GATHERED_LAYERS = 2.0
 
 
-def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2) -> float:
+def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2,
+                        dot_backward: bool = True) -> float:
     """One layer's backward working set on top of the residual stack: the complete residual set of
     that layer (sliced out of the stack into fresh buffers with no recompute, recomputed with
     ``selective`` / ``full``; a stage of one layer has no loop, hence no copy when nothing is
-    recomputed) plus :data:`WORKING_SET` e*b*s*f of gradient temporaries."""
+    recomputed) plus :data:`WORKING_SET` e*b*s*f of gradient temporaries; with ``dot_product``
+    attention also the backward's fp32 gradients of the probabilities and of the scores
+    (:data:`DOT_BACKWARD_SCORE_COPIES`) and the broadcast causal mask (1 byte per score), except in
+    a 1F1B / interleaved backward tick (``dot_backward=False``: there the tiny grid measures the
+    estimate already high, pp2 1F1B selective temp 0.890, and the term would take it to 0.851)."""
     d = Dims.of(model, layout, b)
     live = layer_residual_bytes(model, layout, "none", b)
     if layout.recompute == "none" and layers <= 1:
         live = 0.0
+    if dot_backward and _attention(layout) == "dot_product":  # dP / dS beside scores and probabilities, the mask
+        live += (DOT_BACKWARD_SCORE_COPIES * F32 + 1) * d.b * d.n * d.s * d.s
     return live + WORKING_SET[layout.recompute] * d.e * d.b * d.s * d.f
 
 
@@ -210,13 +226,14 @@ class TempEstimate:
     gather_bytes: float  # ZeRO-3: gathered layers in flight
     pipeline_bytes: float  # stage-input and gradient slot buffers of the schedule
     update_bytes: float  # the optimizer phase's peak (reductions, ZeRO shards), when it is the larger
-    phase: str  # backward | update: which phase sets the peak
+    phase: str  # backward | update | accumulator: which phase sets the peak
+    accumulator_bytes: float = 0.0  # 1F1B / interleaved: the accumulator copied beside itself (pipeline_accumulator_bytes)
 
     @property
     def total_bytes(self) -> float:
         backward = (self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes
                     + self.pipeline_bytes)
-        return max(backward, self.update_bytes)
+        return max(backward, self.update_bytes, self.accumulator_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"total_bytes": self.total_bytes}
@@ -274,7 +291,13 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     to the fp32 accumulator of the stage, plus the act/grad slot buffers of the schedule
     (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for 1F1B); the
     last stage runs the head inside the same backward. GPipe: the forward scan over m + p - 1 ticks
-    is differentiated as a whole, so every tick's residuals (bubbles included) stay live.
+    is differentiated as a whole, so every tick's :func:`gpipe_tick_bytes` (bubbles included, the
+    stage's weights among them) stay live; the backward tick slices one tick's residuals out of
+    those stacks (a copy: one more :func:`gpipe_tick_bytes`) and works on one layer
+    (:func:`layer_working_bytes`). Measured compiled / estimated (tiny, s=128, fp32): p=4 m=4
+    none 1.069, m=8 1.057, b=1 1.068, selective 0.981, full 0.962; p=2 t=2 none 1.058 (before this
+    term: 1.25-1.49). The remaining ~6% under ``none`` is the backward tick's gradient temporaries
+    beyond :data:`WORKING_SET` (~2-3 MiB of the 53 MiB at p=4 m=4).
     """
     p, pb, n = layout.pipeline, DTYPE_BYTES[model.param_dtype], layout.data * layout.context
     d = Dims.of(model, layout)
@@ -299,10 +322,10 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     chunk = model.num_layers // layout.stages
     last = stage == p - 1
     if layout.schedule == "gpipe":
-        ticks = layout.microbatches + p - 1
-        per_tick = ((model.num_layers // p) * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
-                    + head_working_bytes(model, layout))
-        residual, working, slots = ticks * per_tick, layer_working_bytes(model, layout, layers=chunk), 0.0
+        per_tick = gpipe_tick_bytes(model, layout)
+        residual = (layout.microbatches + p - 1) * per_tick
+        # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
+        working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
         chunk_grads = full_grads
     else:
         prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages, build_schedule,
@@ -311,7 +334,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         by_layer = layout.recompute == "full" and layout.zero_stage < 2
         rows = 1 if by_layer else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
-        working = layer_working_bytes(model, layout, b=rows, layers=chunk)
+        working = layer_working_bytes(model, layout, b=rows, layers=chunk, dot_backward=False)
         if last:
             working += head_working_bytes(model, layout, b=rows)
         chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
@@ -319,8 +342,59 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
     backward = residual + working + grads + gather + slots
-    return TempEstimate(stage, residual, working, grads, gather, slots, update,
-                        "update" if update > backward else "backward")
+    accumulator = 0.0 if layout.schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
+    phase = max((backward, "backward"), (update, "update"), (accumulator, "accumulator"))[1]
+    return TempEstimate(stage, residual, working, grads, gather, slots, update, phase, accumulator)
+
+
+def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: float) -> float:
+    """1F1B / interleaved (:func:`jaxpar.parallel.pipeline.executor._explicit_loss_and_grads`): the
+    backward tick holds the gradient accumulator (``acc`` bytes, the scan's carry) *twice*. The
+    tick's ``switch`` takes the accumulator as an operand and returns it, and the backward updates
+    it in place inside its layer loop, so XLA copies it into the loop's state while the operand
+    stays live. Beside the two copies, the larger of:
+
+    - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
+      the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.executor._chunk`),
+      pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`;
+    - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
+      ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
+
+    Measured on XLA:CPU (the buffer assignment's live set at the peak), ~1B config, data=1 x
+    tensor=2 x pipeline=4, m=4, b=1, s=256, fp32: 1F1B full 1442 MiB compiled, this term 1438
+    (2 x 589 accumulator + 2 x 125 tables + 10 slots); interleaved v=2 none and full 1552 compiled,
+    this term 1546 (2 x 589 + one layer 116 + the chunk 232 + 20 slots); before this term the
+    estimate was the update phase's 1053 (ratio 1.37-1.47). On the tiny config the activations of
+    the backward tick are larger than the accumulator and this phase is not the peak.
+    """
+    pb = DTYPE_BYTES[model.param_dtype]
+    chunk = model.num_layers // layout.stages
+    loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
+    return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
+
+
+def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What one GPipe forward tick (:func:`jaxpar.parallel.pipeline.executor._gpipe_loss_and_grads`) saves
+    for the backward: the tick scan is differentiated as a whole, so this is stacked over all m + p - 1
+    ticks (bubbles included: the skipped branch's residuals are zeros of the same shapes).
+
+    - the stage's layer residuals, L/p x :func:`layer_residual_bytes`, and the head's, on every
+      stage (SPMD): the fp32 logits 4*b*s*V/t, the final norm's input and output and its fp32
+      normalised input (2e + 4)*b*s*h (measured: one ``f32[7,2,128,256]`` and three
+      ``f32[7,2,128,128]`` stacks);
+    - the stage's *parameters*, once per tick, in the compute dtype (the matmul operands):
+      e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
+      evaluation of the tick's ``cond`` (work / skip) returns the branch's residuals as outputs of
+      the cond, the weights among them; the scan then stacks them like any per-tick value instead
+      of forwarding them as loop constants. Measured (tiny, p=4, m=4, b=2, s=128, fp32: the
+      buffer assignment's ``f32[7,1,128,384]``, ``f32[7,1,128,4,32]``, ``f32[7,256,128]``, ...
+      stacks): 7 x 0.875 MiB, exactly e * (layer_params + V*h) per tick.
+    """
+    d = Dims.of(model, layout)
+    layers = model.num_layers // layout.pipeline
+    weights = d.e * (layers * layer_params(model, layout) + shared_tables(model, layout))
+    head = F32 * d.b * d.s * d.v + (2 * d.e + F32) * d.b * d.s * d.h
+    return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
 
 
 _PROGRAMS: dict[tuple, tuple[int, int]] = {}
