@@ -230,15 +230,9 @@ def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
 def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: list, steps: int, warmup: int,
          peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None,
          keep: dict[str, Any] | None = None) -> None:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     from jaxpar.analysis.aot import _compiled_axis_bytes
-    from jaxpar.analysis.compiled import analyze_compiled, mesh_for
+    from jaxpar.analysis.compiled import analyze_compiled
     from jaxpar.analysis.estimate import DTYPE_BYTES
-    from jaxpar.train.state import Setup
 
     lcfg = layout_config(cfg, layout)
     lcfg.train.steps = steps
@@ -254,10 +248,7 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
     record.est_step_time_s = est.step_time_s
 
     start = time.perf_counter()
-    setup = Setup(lcfg, mesh_for(lcfg))
-    replicated = NamedSharding(setup.mesh, P())
-    guard_abstract = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=replicated)
-    compiled = setup.train_step.jitted.lower(*setup.abstract_state(), guard_abstract).compile()
+    setup, compiled = _compile_step(lcfg)
     record.compile_s = time.perf_counter() - start
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
     if report.memory is not None:
@@ -268,6 +259,21 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
 
     record.step_times_s, record.losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     summarize_times(record, lcfg, layout, warmup, peak_flops)
+
+
+def _compile_step(lcfg: ConfigDict) -> tuple[Any, Any]:
+    """The layout's ``Setup`` and its train step compiled ahead of time from abstract arrays."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.analysis.compiled import mesh_for
+    from jaxpar.train.state import Setup
+
+    setup = Setup(lcfg, mesh_for(lcfg))
+    guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
+    return setup, setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
 
 
 def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
@@ -307,23 +313,13 @@ def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
     back from it compute wrong, run-to-run different losses (measured: first-step loss 5.5698 and
     5.5767 instead of 5.6041 for ``d2t2p2-z0-sp-1f1b-m4``; 6 of the 28 pipeline layouts of the tiny
     sweep differed from their fresh compile by 6-34%), and this check is what found it."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxpar.analysis.compiled import mesh_for
-    from jaxpar.train.state import Setup
-
     try:
         if kept is not None and layout_name(layout) in kept:
             setup, compiled, lcfg = kept[layout_name(layout)]
         else:
             lcfg = layout_config(cfg, layout)
             lcfg.train.steps = steps
-            setup = Setup(lcfg, mesh_for(lcfg))
-            guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
-            compiled = setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
+            setup, compiled = _compile_step(lcfg)
         times, losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
         return {"error": _one_line(e)}
