@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -37,40 +39,70 @@ def vary(x: jax.Array, axes: frozenset) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-_CACHE_NOTE_SHOWN = False
-
-
 def cached_pipelines_are_wrong() -> bool:
     """Whether this JAX's XLA:CPU reads pipeline executables back from the persistent compilation
-    cache wrong (see :func:`persistent_cache_off`): jax 0.10.x. Not seen on jax 0.11.2 (three
+    cache wrong (see :func:`persistent_cache_skipped`): jax 0.10.x. Not seen on jax 0.11.2 (three
     processes sharing a cache, two of them loading the layout below: losses equal to the fresh
     compile's in all three)."""
     return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
 
 
-def persistent_cache_off() -> bool:
-    """Switch JAX's persistent compilation cache off for the rest of this process (a no-op when it
-    is not on); True when it was on.
+def _set_persistent_cache(on: bool) -> None:
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache
+
+
+@contextlib.contextmanager
+def persistent_cache_skipped(skip: bool = True) -> Iterator[None]:
+    """Compile what runs inside without JAX's persistent compilation cache: nothing is read from it
+    or written to it; compiles before and after keep it. A no-op when ``skip`` is false or the cache
+    is not on.
 
     Why: on XLA:CPU of jax 0.10.2 a pipeline layout's executable read back from the cache computes
     wrong losses that differ from run to run (``d2t2p2-z0-sp-1f1b-m4``: first-step loss 5.5698 and
     5.5767 in two processes that loaded it, 5.6041 from every fresh compile; 6 of the 28 pipeline
     layouts of the tiny sweep were off by 6-34% after 8 steps), while the process that compiled and
-    wrote it computes right. JAX decides once per process whether to use the cache, so it is reset
-    here (``compilation_cache.reset_cache``) for later compiles to see the change.
+    wrote it computes right. :class:`jaxpar.train.state.Setup` runs a pipeline layout's programs
+    inside this on CPU (:func:`cached_pipelines_are_wrong`); the other layouts keep the cache, so a
+    process that mixes them (the test session, a sweep) still reads those back.
     """
-    global _CACHE_NOTE_SHOWN
-    if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
-        return False
-    from jax.experimental.compilation_cache import compilation_cache
+    if not (skip and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
+        yield
+        return
+    _set_persistent_cache(False)
+    try:
+        yield
+    finally:
+        _set_persistent_cache(True)
 
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    if not _CACHE_NOTE_SHOWN:
-        import sys
 
-        print("jaxpar: JAX's persistent compilation cache is off in this process: on XLA:CPU, pipeline "
-              "executables read back from it compute wrong losses (jaxpar.compat.persistent_cache_off)",
-              file=sys.stderr)
-        _CACHE_NOTE_SHOWN = True
-    return True
+class Uncached:
+    """A jitted function whose compiles skip the persistent cache (:func:`persistent_cache_skipped`):
+    calling it, and ``lower(...).compile(...)``. Anything else is the jitted function's."""
+
+    def __init__(self, jitted: Any):
+        self.jitted = jitted
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with persistent_cache_skipped():
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> _UncachedLowered:
+        return _UncachedLowered(self.jitted.lower(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted, name)
+
+
+class _UncachedLowered:
+    def __init__(self, lowered: Any):
+        self.lowered = lowered
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        with persistent_cache_skipped():
+            return self.lowered.compile(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)

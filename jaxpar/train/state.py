@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.compat import cached_pipelines_are_wrong, persistent_cache_off
+from jaxpar.compat import Uncached, cached_pipelines_are_wrong, persistent_cache_skipped
 from jaxpar.config import ConfigDict, validate
 from jaxpar.models import get_model
 from jaxpar.models.attention import resolve_attention
@@ -44,8 +44,10 @@ class Setup:
         self.layout = validate(cfg, mesh.devices.size)  # the step runs what validates
         self.model = get_model(cfg.model)  # the model family (jaxpar.models), validated
         self.pipeline = pipeline_lib.Pipeline.from_config(cfg, self.model) if cfg.mesh.pipeline > 1 else None
-        if self.pipeline is not None and mesh.devices.flat[0].platform == "cpu" and cached_pipelines_are_wrong():
-            persistent_cache_off()  # XLA:CPU (jax 0.10) pipeline executables read back from it are wrong
+        # XLA:CPU (jax 0.10) pipeline executables read back from the persistent compilation cache
+        # compute wrong losses: this layout's programs compile without it (jaxpar.compat)
+        self.skips_cache = (self.pipeline is not None and mesh.devices.flat[0].platform == "cpu"
+                            and cached_pipelines_are_wrong())
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.model_abstract_params = self.model.abstract_params()
@@ -99,28 +101,34 @@ class Setup:
         )
         self.train_step = self._make_train_step()
         self.eval_step = self._make_eval_step()
+        self._init: Any = None  # the jitted init, built on first use (init)
 
     # ------------------------------------------------------------------ init
     def init(self, seed: int) -> tuple[Any, Any]:
-        """Initialise parameters and optimizer state, each device creating only its shard."""
-        model, stages, virtual = self.model, self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
+        """Initialise parameters and optimizer state, each device creating only its shard. The
+        program is compiled once per ``Setup``: a sweep's later passes start from it again."""
+        if self._init is None:
+            model, stages, virtual = self.model, self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
 
-        @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
-        def _init(key):
-            params = model.init(key)
-            if stages > 1:
-                params = pipeline_lib.to_stage_form(params, stages, virtual)
-            return params, self.init_opt_state(params)
+            @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
+            def _init(key):
+                params = model.init(key)
+                if stages > 1:
+                    params = pipeline_lib.to_stage_form(params, stages, virtual)
+                return params, self.init_opt_state(params)
 
-        with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null():
-            return _init(jax.random.key(seed))
+            self._init = _init
+        with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null(), \
+                persistent_cache_skipped(self.skips_cache):
+            return self._init(jax.random.key(seed))
 
     def init_from_hf(self, source: Any) -> tuple[Any, Any]:
         """This layout's (parameters, fresh optimizer state) from HF weights: ``source`` holds the
         model-form parameters loaded with :attr:`model_param_shardings` (the trainer's edge reads
         them with ``jaxpar.port.weights.load_checked``, each device reading only its shard)."""
-        opt = jax.jit(functools.partial(self.init_opt_state, model_form=True),
-                      out_shardings=self.model_opt_shardings)(source)
+        with persistent_cache_skipped(self.skips_cache):
+            opt = jax.jit(functools.partial(self.init_opt_state, model_form=True),
+                          out_shardings=self.model_opt_shardings)(source)
         return self.from_model_order(source, opt)
 
     # ------------------------------------------------------------------ optimizer state
@@ -160,7 +168,8 @@ class Setup:
             # every state leaf moves like its parameter (jaxpar.optim.state.convert_state)
             return move(params, p, v), opt_state_lib.convert_state(opt, target, dst, to_model, permute, ends)
 
-        return reorder(params, opt)
+        with persistent_cache_skipped(self.skips_cache):
+            return reorder(params, opt)
 
     def to_model_order(self, params: Any, opt: Any) -> tuple[Any, Any]:
         """Stage form -> model form (parameters and optimizer state). Checkpoints hold the model form
@@ -191,7 +200,7 @@ class Setup:
             out_shardings=(self.param_shardings, self.opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
-        return TrainStep(jitted, replicated)
+        return TrainStep(Uncached(jitted) if self.skips_cache else jitted, replicated)
 
     def _make_eval_step(self):
         ctx = self.builder.context()
@@ -202,7 +211,8 @@ class Setup:
             return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), ctx.data_axis)
 
         fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
-        return jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))
+        jitted = jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))
+        return Uncached(jitted) if self.skips_cache else jitted
 
     # ------------------------------------------------------------------ analysis
     def abstract_state(self, model_form: bool = False) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
