@@ -32,9 +32,20 @@ class ParamTensor:
     dims: tuple[tuple[str, int], ...]
     place: str
 
-    @property
+    # cached: the planner asks these for every tensor of every layout it searches
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(n for _, n in self.dims)
+
+    @functools.cached_property
+    def tensor_split(self) -> bool:
+        """Whether a dim is split over ``tensor`` (heads, kv_heads, mlp or vocab)."""
+        return any(name in TENSOR_DIMS for name, _ in self.dims)
+
+    @functools.cached_property
+    def zero_candidates(self) -> tuple[int, ...]:
+        """Sizes of the dims ZeRO may shard over ``data`` (those the tensor rules do not map)."""
+        return tuple(n for name, n in self.dims if name not in TENSOR_DIMS)
 
 
 def param_tensors(model: ConfigDict) -> tuple[ParamTensor, ...]:
@@ -90,9 +101,9 @@ def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard:
     among ``tensor.dims``). As :func:`jaxpar.sharding.zero_dim`, on the parameter's real dims.
     """
     elements = float(tensor.size)
-    if any(name in TENSOR_DIMS for name, _ in tensor.dims):
+    if tensor.tensor_split:
         elements /= tensor_size
-    if zero_shard and data > 1 and any(n % data == 0 for name, n in tensor.dims if name not in TENSOR_DIMS):
+    if zero_shard and data > 1 and any(n % data == 0 for n in tensor.zero_candidates):
         elements /= data
     return elements
 
