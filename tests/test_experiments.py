@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
+
+from tests.helpers import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_bench_train_quick_reports_step_time_tokens_and_mfu():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_train.py"), "--quick", "--steps", "6",
                           "--json"], capture_output=True, text=True, env=env, timeout=300, check=True)
     summary = json.loads(out.stdout.strip().splitlines()[-1])

@@ -218,7 +218,7 @@ def test_keep_2_with_a_damaged_newest_keeps_only_restorable_checkpoints(trained,
 
 
 def _subprocess(args, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # XLA_FLAGS: tests/conftest.py's, with its 8 devices
     return subprocess.run([sys.executable, "-m", "jaxpar", *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=300)
 

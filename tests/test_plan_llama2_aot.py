@@ -34,6 +34,8 @@ import sys
 
 import pytest
 
+from tests.helpers import child_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30
 PEAK_BOUND, TEMP_BOUND = 0.10, 0.15
@@ -42,9 +44,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="sl
 
 
 def _plan(config: str) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     argv = ["plan", "--config", str(ROOT / "configs" / config), "--devices", "64", "--aot", "--aot-top", "1", "--json"]
     code = "import sys; from jaxpar.cli import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=900)
