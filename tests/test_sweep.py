@@ -155,7 +155,7 @@ def test_later_passes_pool_their_times_and_must_repeat_the_losses():
 
 @pytest.mark.parametrize("argv, message", [
     (["--repeats", "0"], "--repeats 0: use a pass count in [1, 20]"),
-    (["--list", "--repeats", "3"], "sweep --repeats has no effect with --list"),
+    (["--list", "--repeats", "4"], "sweep --repeats has no effect with --list"),
 ])
 def test_repeats_flag_is_checked(argv, message, capsys):
     assert main(["sweep", "--config", TINY, *argv]) == 2

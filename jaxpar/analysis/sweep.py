@@ -370,7 +370,7 @@ def check_losses(records: list[SweepRecord], tolerance: float) -> SweepRecord | 
 
 
 def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: int, only: Iterable[str] = (),
-                      tolerance: float | None = None, progress: bool = True, repeats: int = 2
+                      tolerance: float | None = None, progress: bool = True, repeats: int = 3
                       ) -> tuple[list[SweepRecord], dict]:
     """Every selected layout of ``num_devices``, each for ``steps`` steps on the same batches;
     returns the records and the run's conditions (host, peak, cluster, tolerance, wall time).

@@ -29,7 +29,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="devices (CPU: simulated) to lay out")
     parser.add_argument("--steps", type=int, default=8, help="steps per layout")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time statistics")
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=int, default=3,
                         help="passes over the whole layout list; step times pool them (the later passes reuse the "
                              "compiles and must reproduce the losses bit for bit)")
     parser.add_argument("--only", action="append", default=[], metavar="REGEX",
@@ -105,7 +105,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ConfigError(f"-o {args.output}: is a file, not a folder; pick another path")
     if args.list:
-        defaults = {"steps": 8, "warmup": 2, "repeats": 2, "tolerance": None, "baseline": None, "output": "runs/sweep",
+        defaults = {"steps": 8, "warmup": 2, "repeats": 3, "tolerance": None, "baseline": None, "output": "runs/sweep",
                     "no_progress": False}
         for name, default in defaults.items():
             if getattr(args, name) != default:
