@@ -7,7 +7,8 @@ device, closed-form (microseconds, so the planner can call it for every layout),
 step keeps for the backward pass and what it holds at its peak:
 
     temp = residual stack + gradient buffers + max(layer working set, head working set)
-           (+ pipeline slot buffers; ZeRO-3 gathered layers)
+           (+ pipeline slot buffers; ZeRO-3: the embedding's full gradient, the head's gathered
+           weight and its gradient as a third working set; in pipelines gathered layers)
 
 * **Residuals** (:func:`layer_residual_bytes`): what ``jax.vjp`` of one llama block saves, per
   recompute policy and attention implementation. Counted from the block's code
@@ -182,10 +183,37 @@ WORKING_SET = {"none": 1.0, "selective": 1.0, "full": 3.5}
 # ratio is 1.105 -> 1.02 (with 2: 0.947, and the tiny grid moves to 0.87-0.90).
 DOT_BACKWARD_SCORE_COPIES = 1
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
-# ZeRO-3: gathered layers (compute dtype) live beside the residuals at the backward peak: the layer in use
-# and the next one, gathered ahead. Measured on XLA:CPU: ~0.5 extra layers (tiny, whose gathers reuse
-# freed activation space) to ~2.4 (~1B, s = 1024); 2 keeps both within the test bounds
+# ZeRO-3 inside a pipeline tick: gathered layers (compute dtype) beside the residuals, the layer in use and
+# the next one. Not re-derived (no ZeRO-3 pipeline in the compiled grid); without a pipeline the terms of
+# zero3_head_phase_bytes / zero3_embedding_gradient_bytes replace it (they are what this constant fitted:
+# ~0.5 layers on tiny, ~2.4-2.8 on the ~1B config)
 ZERO3_GATHERED_LAYERS = 2.0
+
+
+def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """ZeRO-3 without a pipeline: the embedding's gradient beyond its shard. The lookup's transpose is a
+    scatter-add into a full V/t x h table (param dtype) that is reduce-scattered only after the layer
+    loop; XLA:CPU allocates it (a broadcast of zeros) before the forward loop, so it is live through the
+    whole backward beside the sharded gradients, which count its 1/N shard: pb * V*h/t * (1 - 1/N).
+    Measured (buffer assignment): ``f32[256,128]`` (tiny) and ``f32[32000,2048]`` (~1B) from before the
+    forward loop to after the backward loop. ZeRO 0-2 count the full table among their gradients."""
+    n = layout.data * layout.context
+    return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) * (1 - 1 / n)
+
+
+def zero3_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """ZeRO-3 without a pipeline: the loss head's backward, at its weight-gradient matmul (the whole
+    residual stack is still live: the head runs before the backward layer loop). Beside the stack and
+    the gradients: the output weight gathered over ``data`` (compute dtype, e * V*h/t), its gradient
+    full-size before the reduce-scatter that transposes the gather (e * V*h/t), the fp32 logit
+    gradient 4*b*s*V/t and the transposed copy of it XLA:CPU feeds the matmul (4*b*s*V/t); the logits
+    and exp(z) are freed by then. Measured (~1B, data=8, b=1, s=512, fp32, full): ``all_gather``
+    ``f32[2048,32000]``, ``dot`` ``f32[2048,32000]``, ``scatter`` ``f32[1,512,32000]`` and its copy
+    ``f32[32000,512]``: 1415.5 MiB live with the stack and gradients, 1442.8 allocated; this + the
+    stack + the gradients: 1434. Under ZeRO 0-2 the weight is an argument and its gradient is counted
+    among the gradients (:func:`head_working_bytes` is that case's head)."""
+    d = Dims.of(model, layout, b)
+    return 2 * d.e * shared_tables(model, layout) + 2 * F32 * d.b * d.s * d.v
 
 
 def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2,
@@ -282,6 +310,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     layer's :func:`layer_working_bytes` (or, if larger, the head's :func:`head_working_bytes`); the
     backward scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N) and, with
     m > 1, the accumulation sum is a second buffer (ZeRO-2/3: sharded, :mod:`jaxpar.train.step`).
+    ZeRO-3: the layer's backward holds the same weights as without ZeRO, gathered instead of sliced
+    out of the stacked parameters: at its peak (the MLP's backward, eight (b, s, f) buffers live) the
+    ``all_gather`` outputs of the gate and up weights and the copies of the attention weights, e *
+    (layer - W_down), exactly where ZeRO-0 holds ``dynamic-slice`` copies of the same shapes
+    (buffer assignments of tiny data=8 full recompute, ZeRO-3 and ZeRO-0: the same live set but for
+    the gradients). :func:`layer_working_bytes`, measured with those slices inside, therefore already
+    counts them; ZeRO-3 adds :func:`zero3_embedding_gradient_bytes` to the gradients and the head's
+    backward (:func:`zero3_head_phase_bytes`) as a third working set. These replace two gathered layers
+    (``ZERO3_GATHERED_LAYERS``, still used inside pipeline ticks) that were additive to the layer
+    phase.
     One microbatch's residual stack is live for every m, m = 2 included: the accumulation scan runs
     all m microbatches from zeros, each one's forward and backward inside one iteration (the compiled
     step: the layer scans are while loops inside the microbatch loop's body, trip count m). An
@@ -309,7 +347,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     layer_el, shared_el = _grad_elements(model, layout, stage)
     full_grads = pb * (layer_el + shared_el)
     zero3 = layout.zero_stage == 3
-    gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 else 0.0
+    gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 and p > 1 else 0.0
     if p == 1:
         layers = model.num_layers
         # one microbatch's stack, for every m: the accumulation scan runs each microbatch's forward and
@@ -317,6 +355,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         residual = layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         working = max(layer_working_bytes(model, layout, layers=layers), head_working_bytes(model, layout))
         grads = full_grads / n if zero3 else full_grads
+        if zero3:  # no gathered layer added: it takes the place of the sliced one (see above)
+            working = max(working, zero3_head_phase_bytes(model, layout))
+            grads += zero3_embedding_gradient_bytes(model, layout)
         if layout.microbatches > 1:
             grads += full_grads / n if layout.zero_stage >= 2 else full_grads
         update = update_bytes(model, layout, full_grads)
