@@ -1,0 +1,214 @@
+"""One layout of a sweep, measured: compile, analyse and run its train step, and its step-time figures.
+
+Per layout (:class:`SweepRecord`): compile time; step time median / min / max over the steps after
+``warmup`` (the first calls include one-off work); tokens/s; MFU against
+:func:`jaxpar.metrics.device_peak_flops` (CPU: a measured matmul rate; GPU: the data sheet); compiled
+argument and temporary bytes per device and collective bytes per axis, each beside the planner's
+estimate; every step's loss. Each layout is built (:class:`jaxpar.train.state.Setup`), its train
+step compiled once, and that executable both analysed (``memory_analysis`` and the HLO's
+collectives, :func:`jaxpar.analysis.compiled.analyze_compiled`) and run for ``steps`` steps from the
+same initialisation (``Setup.init(seed)``) on the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from jaxpar.analysis.aot import estimated_argument_bytes, layout_config
+from jaxpar.analysis.clusters import Cluster
+from jaxpar.analysis.estimate import ParallelLayout
+from jaxpar.analysis.plan import PlanOptions, evaluate_layout
+from jaxpar.analysis.sweep_grid import AXES, layout_name
+from jaxpar.config import ConfigDict
+
+
+@dataclasses.dataclass
+class SweepRecord:
+    """One layout's measurements beside the planner's estimates (bytes per device; seconds)."""
+
+    name: str
+    layout: dict[str, Any]
+    status: str = "ok"  # ok | mismatch | crashed
+    error: str = ""
+    compile_s: float = 0.0
+    step_time_median_s: float = 0.0
+    step_time_min_s: float = 0.0
+    step_time_max_s: float = 0.0
+    step_times_s: list[float] = dataclasses.field(default_factory=list)  # pass 1, warm-up steps included
+    repeat_step_times_s: list[list[float]] = dataclasses.field(default_factory=list)  # passes 2, 3, ...
+    pass_medians_s: list[float] = dataclasses.field(default_factory=list)  # steady-state median of each pass
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    argument_bytes: int = 0
+    temp_bytes: int = 0
+    collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes/step
+    est_argument_bytes: float = 0.0
+    est_temp_bytes: float = 0.0  # gradients + activations + transients of the planner's memory estimate
+    est_collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    est_step_time_s: float = 0.0
+    losses: list[float] = dataclasses.field(default_factory=list)
+    final_loss: float = float("nan")
+    loss_rel_diff: float = float("nan")  # max over steps of |loss - reference| / |reference|
+    retried: str = ""  # why the first attempt's process died, when a second attempt ran
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def bytes_per_step(self) -> float:
+        return sum(self.collective_bytes.values())
+
+    @property
+    def est_bytes_per_step(self) -> float:
+        return sum(self.est_collective_bytes.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"bytes_per_step": self.bytes_per_step,
+                                           "est_bytes_per_step": self.est_bytes_per_step}
+
+
+def _one_line(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}"[:300]
+
+
+def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int, warmup: int, peak_flops: float,
+               cluster: Cluster, on_step: Callable[[int, float], None] | None = None,
+               keep: dict[str, Any] | None = None) -> SweepRecord:
+    """Compile ``layout`` once, analyse the executable, run it for ``steps`` steps; never raises
+    for a failing layout (the record says ``crashed`` and why). ``keep``: where to leave the
+    compiled step for :func:`time_again` (keyed by the layout's name)."""
+    record = SweepRecord(layout_name(layout), layout.to_dict())
+    try:
+        _run(record, cfg, layout, batches, steps, warmup, peak_flops, cluster, on_step, keep)
+    except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
+        record.status, record.error = "crashed", _one_line(e)
+        record.layout["traceback_tail"] = traceback.format_exc().strip().splitlines()[-1][:300]
+    return record
+
+
+def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: list, steps: int, warmup: int,
+         peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None,
+         keep: dict[str, Any] | None = None) -> None:
+    from jaxpar.analysis.aot import _compiled_axis_bytes
+    from jaxpar.analysis.compiled import analyze_compiled
+    from jaxpar.analysis.estimate import DTYPE_BYTES
+
+    lcfg = layout_config(cfg, layout)
+    lcfg.train.steps = steps
+    grad_bytes = DTYPE_BYTES[lcfg.parallel.grad_reduce_dtype]
+    est = evaluate_layout(lcfg.model, cluster, layout, PlanOptions(headroom=0.0, grad_reduce_bytes=grad_bytes,
+                                                                   optim=lcfg.optim))
+    record.est_argument_bytes = estimated_argument_bytes(lcfg.model, layout, optim=lcfg.optim)
+    mem = est.memory
+    record.est_temp_bytes = mem.gradient_bytes + mem.activation_bytes + mem.transient_bytes
+    # an axis the communication estimate does not price yet (context) counts 0 rather than crashing the sweep
+    record.est_collective_bytes = {axis: est.communication[axis].bytes if axis in est.communication else 0.0
+                                   for axis in AXES}
+    record.est_step_time_s = est.step_time_s
+
+    start = time.perf_counter()
+    setup, compiled = _compile_step(lcfg)
+    record.compile_s = time.perf_counter() - start
+    report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
+    if report.memory is not None:
+        record.argument_bytes, record.temp_bytes = report.memory.argument_bytes, report.memory.temp_bytes
+    record.collective_bytes = _compiled_axis_bytes(report)
+    if keep is not None:
+        keep[record.name] = (setup, compiled, lcfg)
+
+    record.step_times_s, record.losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+    summarize_times(record, lcfg, layout, warmup, peak_flops)
+
+
+def _compile_step(lcfg: ConfigDict) -> tuple[Any, Any]:
+    """The layout's ``Setup`` and its train step compiled ahead of time from abstract arrays."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.analysis.compiled import mesh_for
+    from jaxpar.train.state import Setup
+
+    setup = Setup(lcfg, mesh_for(lcfg))
+    guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
+    return setup, setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
+
+
+def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
+                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float]]:
+    """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    params, opt = setup.init(lcfg.train.seed)
+    guard = jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(setup.mesh, P()))  # never skip
+    times, losses = [], []
+    for k in range(steps):
+        batch = setup.feed.make_batch(batches[k])
+        tick = time.perf_counter()
+        params, opt, metrics = compiled(params, opt, batch, guard)
+        # wait for every output, not only the loss: the time then covers the whole update, and no
+        # collective of this step is still running when the next one (or the next layout) starts
+        params, opt, metrics = jax.block_until_ready((params, opt, metrics))
+        times.append(time.perf_counter() - tick)
+        losses.append(float(metrics["loss"]))
+        if on_step is not None:
+            on_step(k + 1, losses[-1])
+    del params, opt
+    return times, losses
+
+
+def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
+               on_step: Callable[[int, float], None] | None = None, kept: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """A later pass over ``layout``: run the same steps again with the executable pass 1 compiled
+    (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as after a worker
+    died); ``{"times": [...], "losses": [...]}`` or ``{"error": one line}``.
+
+    Never JAX's persistent compilation cache: on XLA:CPU (jax 0.10.2) pipeline executables read
+    back from it compute wrong, run-to-run different losses (measured: first-step loss 5.5698 and
+    5.5767 instead of 5.6041 for ``d2t2p2-z0-sp-1f1b-m4``; 6 of the 28 pipeline layouts of the tiny
+    sweep differed from their fresh compile by 6-34%), and this check is what found it."""
+    try:
+        if kept is not None and layout_name(layout) in kept:
+            setup, compiled, lcfg = kept[layout_name(layout)]
+        else:
+            lcfg = layout_config(cfg, layout)
+            lcfg.train.steps = steps
+            setup, compiled = _compile_step(lcfg)
+        times, losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+    except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
+        return {"error": _one_line(e)}
+    return {"times": times, "losses": losses}
+
+
+def summarize_times(record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayout, warmup: int,
+                    peak_flops: float) -> None:
+    """Step-time statistics over the steady steps (the first ``warmup`` of each pass left out) of
+    every pass, pooled: median, min, max, each pass's median, and the tokens/s and MFU of the median.
+
+    Pooling passes that ran minutes apart is what makes the spread honest: on a shared or virtual
+    host the speed drifts over minutes by more than one pass's steps vary (measured: two runs of
+    the tiny sweep on an idle 2-core VM, one pass each, 8% median and up to 36% difference per
+    layout, while a pass's own spread was 5-30%)."""
+    from jaxpar.metrics import model_flops_per_token
+
+    passes = [record.step_times_s, *record.repeat_step_times_s]
+    steady = [t for times in passes for t in (times[warmup:] or times)]
+    record.pass_medians_s = [statistics.median(times[warmup:] or times) for times in passes]
+    record.step_time_median_s = statistics.median(steady)
+    record.step_time_min_s, record.step_time_max_s = min(steady), max(steady)
+    record.tokens_per_s = layout.tokens_per_step / record.step_time_median_s
+    flops = model_flops_per_token(lcfg.model, layout.seq_len) * record.tokens_per_s
+    record.mfu = flops / layout.devices / peak_flops
+    record.final_loss = record.losses[-1] if record.losses else float("nan")

@@ -1,0 +1,144 @@
+"""The sweep's child process: layouts run one after another in a process of their own.
+
+An XLA check failure aborts a process outright (no exception to catch). XLA:CPU's in-process
+collectives did abort in sweeps ("Check failed: id < num_threads" in a reduce-scatter rendezvous;
+"Termination timeout ... of 40 seconds exceeded"), on layout ``d4t2p1-z3-sp-m1``: a head collective
+ran concurrently with the layer scan's collectives of the same rendezvous key, fixed in the model
+(:mod:`jaxpar.analysis.collective_order`). The isolation stays for whatever else aborts: the child
+allows collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`: simulated devices on busy cores can
+be late), a layout whose child dies is tried once more in a new child, then recorded as crashed
+with the fatal line, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxpar.analysis.clusters import Cluster
+from jaxpar.analysis.estimate import ParallelLayout
+from jaxpar.analysis.sweep_grid import layout_name
+from jaxpar.analysis.sweep_measure import SweepRecord, run_layout, time_again
+from jaxpar.config import ConfigDict
+
+COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",
+                            "--xla_cpu_collective_timeout_seconds=600")
+ABORT_ENV = "JAXPAR_SWEEP_ABORT"  # a layout name: its worker process aborts (tests of crash recording)
+
+
+class Workers:
+    """Runs layouts in a child process, one after another; when a layout kills it (an XLA check
+    failure aborts the whole process, no exception to catch), the layout is recorded as crashed with
+    the first fatal line of the child's stderr, and a fresh child takes the next layout."""
+
+    def __init__(self, cfg: ConfigDict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
+                 cluster: Cluster):
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("spawn")  # a fresh JAX per child (fork would copy the parent's)
+        self.args = (cfg.to_dict(), num_devices, batches, steps, warmup, peak, cluster.to_dict())
+        self.proc: Any = None
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        import tempfile
+
+        self.errors = tempfile.NamedTemporaryFile("w+", prefix="jaxpar-sweep-", suffix=".err", delete=False)
+        self.tasks, self.results = self.ctx.Queue(), self.ctx.Queue()
+        self.proc = self.ctx.Process(target=_worker, args=(*self.args, self.tasks, self.results, self.errors.name),
+                                     daemon=True)
+        self.proc.start()
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.tasks.put(None)
+                self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc = None
+            import os
+
+            os.unlink(self.errors.name)
+
+    def run(self, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool = True) -> SweepRecord:
+        """The layout's record; a layout whose process dies is tried once more in a new one
+        (``retried`` keeps the first death), then recorded as crashed."""
+        return self._ask(False, layout, on_step, retry)
+
+    def again(self, layout: ParallelLayout, on_step: Callable[[int, float], None]) -> dict[str, Any]:
+        """A later pass (:func:`time_again`): ``{"times", "losses"}`` or ``{"error"}``; a process
+        that dies is tried once more, as in :meth:`run`."""
+        out = self._ask(True, layout, on_step, True)
+        return {"error": out.error} if isinstance(out, SweepRecord) else out
+
+    def _ask(self, again: bool, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool) -> Any:
+        import queue
+
+        if self.proc is None:
+            self._start()
+        self.tasks.put((again, dataclasses.asdict(layout)))
+        while True:
+            try:
+                kind, *payload = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if self.proc.is_alive():
+                    continue
+                error = f"the process died (exit code {self.proc.exitcode}): {self._fatal_line()}"
+                self._stop()
+                if retry:  # a fresh process, once: overloaded hosts make XLA:CPU collectives time out
+                    record = self._ask(again, layout, on_step, False)
+                    if isinstance(record, SweepRecord):
+                        record.retried = error
+                    return record
+                return SweepRecord(layout_name(layout), layout.to_dict(), status="crashed", error=error)
+            if kind == "step":
+                on_step(*payload)
+            elif again:
+                return payload[0]
+            else:
+                fields = {f.name for f in dataclasses.fields(SweepRecord)}
+                return SweepRecord(**{k: v for k, v in payload[0].items() if k in fields})
+
+    def _fatal_line(self) -> str:
+        with open(self.errors.name) as f:
+            lines = [line.strip() for line in f if line.strip()]
+        fatal = [line for line in lines if "Check failed" in line or line.startswith(("F", "Fatal"))]
+        return ((fatal or lines or ["no output"])[0])[:300]
+
+
+def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
+            cluster_dict: dict, tasks: Any, results: Any, errors: str) -> None:
+    """The child: stderr into ``errors``, then layouts from ``tasks`` until None."""
+    import os
+
+    fd = os.open(errors, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    # XLA:CPU aborts a collective whose participants do not all arrive within 40 s; 8 simulated
+    # devices on 2 busy cores can be that late: allow 10 minutes before JAX starts
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *COLLECTIVE_TIMEOUT_FLAGS]).strip()
+    from jaxpar.analysis.aot import ensure_aot_devices
+    from jaxpar.config import merge_into_defaults
+
+    ensure_aot_devices(num_devices)
+    cfg, cluster = merge_into_defaults(cfg_dict), Cluster(**cluster_dict)
+    kept: dict[str, Any] = {}  # layout name -> pass 1's compiled step, for the later passes
+    while (task := tasks.get()) is not None:
+        again, item = task
+        if os.environ.get(ABORT_ENV) == layout_name(ParallelLayout(**item)):  # the crash drill of the tests
+            os.write(2, f"Fatal: {ABORT_ENV} drill aborts this process\n".encode())
+            os.abort()
+        on_step = lambda k, loss: results.put(("step", k, loss))  # noqa: E731
+        if again:
+            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=steps, on_step=on_step,
+                                            kept=kept)))
+            continue
+        record = run_layout(cfg, ParallelLayout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
+                            cluster=cluster, on_step=on_step, keep=kept)
+        results.put(("done", record.to_dict()))
