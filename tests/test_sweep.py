@@ -78,6 +78,8 @@ def test_two_layout_sweep_measures_and_agrees(two_layouts):
     code, out, doc, _ = two_layouts
     rows = {r["name"]: r for r in doc["layouts"]}
     assert list(rows) == ["d8t1p1-z0-m1", "d4t2p1-z1-sp-m1"] and doc["meta"]["reference"] == "d8t1p1-z0-m1"
+    probe = doc["meta"]["host_probe"]
+    assert probe["layout"] == "d8t1p1-z0-m1" and probe["steps_per_layout_and_pass"] == sweep_lib.PROBE_STEPS
     for r in rows.values():
         assert r["status"] == "ok" and len(r["losses"]) == 3 and r["loss_rel_diff"] <= 1e-5
         assert r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"]
@@ -88,6 +90,7 @@ def test_two_layout_sweep_measures_and_agrees(two_layouts):
         assert r["pass_medians_s"] == pytest.approx([sum(r["step_times_s"][1:]) / 2, sum(r["repeat_step_times_s"][0][1:]) / 2])
         assert r["argument_bytes"] == pytest.approx(r["est_argument_bytes"], rel=0.01)  # planner vs compiler
         assert r["compile_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5
+        assert len(r["host_probe_s"]) == 2 and all(0 < p < 60 for p in r["host_probe_s"])  # one per pass
     dp, tp = rows["d8t1p1-z0-m1"], rows["d4t2p1-z1-sp-m1"]
     assert dp["collective_bytes"]["tensor"] == 0 and tp["collective_bytes"]["tensor"] > 0
     assert tp["argument_bytes"] < dp["argument_bytes"] / 3  # TP halves, ZeRO-1 over 4 splits the Adam moments
@@ -134,6 +137,31 @@ def test_rerun_comparison(two_layouts):
     records[1].temp_bytes += 1
     lines = sweep_report.compare_runs(doc, records)
     assert lines[0].startswith("1 of 2") and "d4t2p1-z1-sp-m1: memory or collective bytes differ from the earlier run" in lines
+
+
+def _timed(name: str, median: float, low: float, high: float, probes: list[float]) -> sweep_lib.SweepRecord:
+    return sweep_lib.SweepRecord(name, {}, step_time_median_s=median, step_time_min_s=low, step_time_max_s=high,
+                                 host_probe_s=probes)
+
+
+def test_rerun_comparison_divides_out_the_host_speed():
+    """Run 1 at probe 100 ms; run 2 on a host 20% slower (probe 120 ms): a median of 1.32 s against
+    run 1's [1.0, 1.2] s spread is outside as measured and inside host-corrected (1.1 s); a layout
+    that is slower beyond the host's slowdown (1.8 s / 1.2 = 1.5 s) stays outside."""
+    then = [_timed("a", 1.1, 1.0, 1.2, [0.10, 0.10]), _timed("b", 2.0, 1.9, 2.1, [0.10, 0.10])]
+    previous = {"meta": {"host_probe": {"layout": "a"}}, "layouts": [r.to_dict() for r in then]}
+    now = [_timed("a", 1.32, 1.2, 1.4, [0.12, 0.12]), _timed("b", 1.8 * 2, 3.4, 3.8, [0.11, 0.13])]
+    lines = sweep_report.compare_runs(previous, now)
+    assert lines[:3] == [
+        "2 of 2 layouts have identical memory and collective bytes",
+        "0 of 2 median step times fall inside the earlier run's min-max spread",
+        "1 of 2 host-corrected median step times fall inside it (the host ran x1.200 the earlier run's probe time, "
+        "median over layouts; range 1.200-1.200; probe: a)"]
+    assert lines[3] == "b: median 3600 ms, host-corrected 3000 ms (host x1.200), outside the earlier spread [1900, 2100] ms"
+    # a different probe layout (e.g. another --only): no correction, said so
+    previous["meta"]["host_probe"]["layout"] = "other"
+    lines = sweep_report.compare_runs(previous, now)
+    assert lines[2] == "no host correction: the earlier run's probe layout (other) is not this run's (a)"
 
 
 def test_later_passes_pool_their_times_and_must_repeat_the_losses():

@@ -27,11 +27,11 @@ from jaxpar.analysis.sweep_grid import (
     select,
     sweep_layouts,
 )
-from jaxpar.analysis.sweep_measure import SweepRecord, run_layout, summarize_times, time_again
+from jaxpar.analysis.sweep_measure import PROBE_STEPS, HostProbe, SweepRecord, run_layout, summarize_times, time_again
 from jaxpar.analysis.sweep_worker import ABORT_ENV, COLLECTIVE_TIMEOUT_FLAGS, Workers
 from jaxpar.config import ConfigDict, ConfigError
 
-__all__ = ["ABORT_ENV", "AXES", "COLLECTIVE_TIMEOUT_FLAGS", "STATUSES", "TOLERANCE", "SweepRecord", "Workers",
+__all__ = ["ABORT_ENV", "AXES", "COLLECTIVE_TIMEOUT_FLAGS", "STATUSES", "TOLERANCE", "HostProbe", "SweepRecord", "Workers",
            "check_losses", "cpu_cluster", "device_cluster", "layout_name", "measure_copy_gbps", "run_layout",
            "run_sweep_layouts", "select", "summarize_times", "sweep_layouts", "time_again"]
 
@@ -69,7 +69,9 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     ``repeats`` passes: the first compiles, analyses and runs every layout; each later pass runs the
     whole list again with pass 1's executables (kept in the worker process; JAX's persistent
     compilation cache is switched off for the workers, see :func:`time_again`) and must reproduce
-    pass 1's losses bit for bit. Step-time statistics pool the passes (:func:`summarize_times`)."""
+    pass 1's losses bit for bit. Step-time statistics pool the passes (:func:`summarize_times`).
+    Just before every layout's steps, in every pass, the first layout's step is timed as the host's
+    speed of the moment (:class:`HostProbe`, ``host_probe_s``)."""
     import os
     import platform
 
@@ -98,7 +100,8 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     records: list[SweepRecord] = []
     saved = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never read compiles back (time_again)
     try:
-        with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster) as workers:
+        with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster,
+                                                       probe=layouts[0]) as workers:
             over = bar.add_task("layouts", total=len(layouts) * repeats, name="", loss=float("nan"))
             inner = bar.add_task("steps", total=steps, name="", loss=float("nan"))
             for lay in layouts:
@@ -146,6 +149,8 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "seq_len": t.seq_len,
         "tokens_per_step": t.global_batch * t.seq_len,
         "wall_s": time.perf_counter() - started,
+        "host_probe": {"layout": layout_name(layouts[0]), "steps_per_layout_and_pass": PROBE_STEPS,
+                       "median_s": _median([p for r in records for p in r.host_probe_s])},
         "layouts": len(records),
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
     }
@@ -160,11 +165,19 @@ def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: Config
         record.status, record.error = "crashed", f"pass {number}: {out['error']}"
         return
     record.repeat_step_times_s.append(out["times"])
+    if "probe_s" in out:
+        record.host_probe_s.append(out["probe_s"])
     if out["losses"] != record.losses and record.status == "ok":
         diff = max((abs(a - b) / abs(b) if b else abs(a - b)) for a, b in zip(out["losses"], record.losses))
         record.status = "mismatch"
         record.error = f"pass {number} losses differ from pass 1 by {diff:.2e} relative (not deterministic)"
     summarize_times(record, layout_config(cfg, layout), layout, warmup, peak)
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values) if values else float("nan")
 
 
 def _cpu_model() -> str:

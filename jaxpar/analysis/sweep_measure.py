@@ -8,6 +8,11 @@ estimate; every step's loss. Each layout is built (:class:`jaxpar.train.state.Se
 step compiled once, and that executable both analysed (``memory_analysis`` and the HLO's
 collectives, :func:`jaxpar.analysis.compiled.analyze_compiled`) and run for ``steps`` steps from the
 same initialisation (``Setup.init(seed)``) on the same batches.
+
+Beside every layout's steps, in every pass, :class:`HostProbe` times a fixed workload: the
+reference layout's own compiled step. Its median is how fast the host was at that moment, so a
+re-run on a host that has since sped up or slowed down can be compared after dividing that out
+(:func:`jaxpar.analysis.sweep_report.compare_runs`).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class SweepRecord:
     final_loss: float = float("nan")
     loss_rel_diff: float = float("nan")  # max over steps of |loss - reference| / |reference|
     retried: str = ""  # why the first attempt's process died, when a second attempt ran
+    host_probe_s: list[float] = dataclasses.field(default_factory=list)  # HostProbe.measure before each pass
 
     @property
     def ok(self) -> bool:
@@ -80,13 +86,14 @@ def _one_line(error: BaseException) -> str:
 
 def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int, warmup: int, peak_flops: float,
                cluster: Cluster, on_step: Callable[[int, float], None] | None = None,
-               keep: dict[str, Any] | None = None) -> SweepRecord:
+               keep: dict[str, Any] | None = None, probe: HostProbe | None = None) -> SweepRecord:
     """Compile ``layout`` once, analyse the executable, run it for ``steps`` steps; never raises
     for a failing layout (the record says ``crashed`` and why). ``keep``: where to leave the
-    compiled step for :func:`time_again` (keyed by the layout's name)."""
+    compiled step for :func:`time_again` (keyed by the layout's name); ``probe``: timed just before
+    the steps (``host_probe_s``)."""
     record = SweepRecord(layout_name(layout), layout.to_dict())
     try:
-        _run(record, cfg, layout, batches, steps, warmup, peak_flops, cluster, on_step, keep)
+        _run(record, cfg, layout, batches, steps, warmup, peak_flops, cluster, on_step, keep, probe)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
         record.status, record.error = "crashed", _one_line(e)
         record.layout["traceback_tail"] = traceback.format_exc().strip().splitlines()[-1][:300]
@@ -95,7 +102,7 @@ def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
 
 def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: list, steps: int, warmup: int,
          peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None,
-         keep: dict[str, Any] | None = None) -> None:
+         keep: dict[str, Any] | None = None, probe: HostProbe | None = None) -> None:
     from jaxpar.analysis.aot import _compiled_axis_bytes
     from jaxpar.analysis.compiled import analyze_compiled
     from jaxpar.analysis.estimate import DTYPE_BYTES
@@ -123,6 +130,8 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
     if keep is not None:
         keep[record.name] = (setup, compiled, lcfg)
 
+    if probe is not None:
+        record.host_probe_s = [probe.measure()]
     record.step_times_s, record.losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     summarize_times(record, lcfg, layout, warmup, peak_flops)
 
@@ -169,11 +178,12 @@ def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, ste
 
 
 def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
-               on_step: Callable[[int, float], None] | None = None, kept: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
+               on_step: Callable[[int, float], None] | None = None, kept: dict[str, Any] | None = None,
+               probe: HostProbe | None = None) -> dict[str, Any]:
     """A later pass over ``layout``: run the same steps again with the executable pass 1 compiled
     (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as after a worker
-    died); ``{"times": [...], "losses": [...]}`` or ``{"error": one line}``.
+    died); ``{"times": [...], "losses": [...]}`` (and ``"probe_s"``, ``probe`` timed just before the
+    steps) or ``{"error": one line}``.
 
     Never JAX's persistent compilation cache: on XLA:CPU (jax 0.10.2) pipeline executables read
     back from it compute wrong, run-to-run different losses (measured: first-step loss 5.5698 and
@@ -186,10 +196,54 @@ def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
             lcfg = layout_config(cfg, layout)
             lcfg.train.steps = steps
             setup, compiled = _compile_step(lcfg)
+        probed = {"probe_s": probe.measure()} if probe is not None else {}
         times, losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
         return {"error": _one_line(e)}
-    return {"times": times, "losses": losses}
+    return {"times": times, "losses": losses, **probed}
+
+
+PROBE_STEPS = 3
+
+
+class HostProbe:
+    """The host's speed now: the median time of :data:`PROBE_STEPS` steps of one fixed layout (the
+    sweep's reference, compiled once per process and kept with its own parameters), timed just
+    before a layout's steps.
+
+    Why a train step and not a matmul or a memory copy: what drifts on a shared or virtual host
+    (CPU time stolen by neighbours, memory bandwidth, the scheduling of the simulated devices'
+    threads) is what a step of 8 simulated devices spends its time on, in the same mix. Measured on
+    this project's 2-core VM: two runs of the whole tiny sweep 26 minutes apart differed by a
+    median factor of 0.916 on every kind of layout, more than a pass's own spread
+    (``experiments/README.md`` §1). The probe's state keeps training on one batch; its values do
+    not matter, only its (shape-fixed) time."""
+
+    def __init__(self, cfg: ConfigDict, layout: ParallelLayout, batch: Any):
+        self.cfg, self.layout, self.batch = cfg, layout, batch
+        self._state: list[Any] | None = None
+
+    def measure(self) -> float:
+        """Median seconds per probe step (the first call compiles the probe, outside the timing)."""
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        if self._state is None:
+            lcfg = layout_config(self.cfg, self.layout)
+            setup, compiled = _compile_step(lcfg)
+            params, opt = setup.init(lcfg.train.seed)
+            guard = jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(setup.mesh, P()))
+            self._state = [compiled, params, opt, setup.feed.make_batch(self.batch), guard]
+        compiled, params, opt, batch, guard = self._state
+        times = []
+        for _ in range(PROBE_STEPS):
+            tick = time.perf_counter()
+            params, opt, _ = jax.block_until_ready(compiled(params, opt, batch, guard))
+            times.append(time.perf_counter() - tick)
+        self._state[1:3] = params, opt
+        return statistics.median(times)
 
 
 def summarize_times(record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayout, warmup: int,

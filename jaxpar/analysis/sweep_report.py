@@ -5,7 +5,8 @@ axes): memory per device vs collective bytes per step (one labelled point per la
 per layout (bars at the median, whiskers from min to max of the steady-state steps), and the
 planner's estimates against the measurements (memory and step time, with the y = x line).
 :func:`compare_runs` checks a re-run against an earlier results.json: memory and collective bytes
-must match exactly, each median step time should fall inside the earlier run's min-max spread.
+must match exactly, each median step time should fall inside the earlier run's min-max spread, as
+measured and after dividing out how much faster or slower the host ran (:func:`host_factor`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import csv
 import json
 import math
 import os
+import statistics
 from typing import Any
 
 from jaxpar.analysis.sweep import AXES, SweepRecord
@@ -24,7 +26,7 @@ PLOTS = {"memory_vs_bytes": "memory per device vs collective bytes per step",
          "estimate_vs_measured": "planner estimate vs measured (memory, step time)"}
 CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage",
               "sequence_parallel", "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s",
-              "step_time_max_s", "pass_medians_s", "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
+              "step_time_max_s", "pass_medians_s", "host_probe_s", "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
               *(f"{a}_bytes" for a in AXES), *(f"est_{a}_bytes" for a in AXES), "est_step_time_s", "final_loss",
               "loss_rel_diff", "error")
 
@@ -194,6 +196,8 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
         f"per device ({meta['peak_source']}). Time estimates use the planner's model on cluster "
         f"'{cluster.get('name')}' ({cluster.get('intra_node_gbps', 0):.2f} GB/s links).",
         "",
+        _probe_note(records, meta),
+        "",
         "Columns: compiled per-device arguments (parameters, optimizer state, batch) and temporaries "
         "(`memory_analysis`), collective ring bytes per device per step by mesh axis (pipelines: the busiest stage), "
         "each with the planner's estimate in parentheses (temporaries: gradients + activations + transients).",
@@ -211,6 +215,18 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
         parts += ["## Re-run against the earlier results", ""] + [f"- {line}" for line in comparison] + [""]
     parts += ["## Figures", ""] + [f"![{title}]({name}.png)\n" for name, title in PLOTS.items()]
     return "\n".join(parts)
+
+
+def _probe_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
+    """The host probe's figures: how steady the host was over the sweep."""
+    times = [p for r in records for p in r.host_probe_s]
+    probe = meta.get("host_probe") or {}
+    if not times:
+        return "Host probe: none (no layout ran)."
+    return (f"Host probe (the host's speed, timed before every layout's steps in every pass: "
+            f"{probe.get('steps_per_layout_and_pass', '?')} steps of {probe.get('layout', '?')}, median): "
+            f"{statistics.median(times) * 1e3:.1f} ms over the sweep, range {min(times) * 1e3:.1f}-"
+            f"{max(times) * 1e3:.1f} ms. A re-run with `--baseline` divides this out.")
 
 
 def _load(values: Any) -> str:
@@ -235,11 +251,26 @@ def _load_note(meta: dict[str, Any]) -> str:
     return f"other jobs were running when the sweep started (1-minute load {before:.1f} on {cores} cores)"
 
 
+def host_factor(old: dict[str, Any], r: SweepRecord) -> float | None:
+    """How much slower the host ran during ``r``'s steps than during the earlier run's steps of the
+    same layout: the ratio of the two runs' :class:`jaxpar.analysis.sweep_measure.HostProbe` medians
+    (pooled over the passes); None when either run has no probe times."""
+    before, now = old.get("host_probe_s") or [], r.host_probe_s
+    if not before or not now:
+        return None
+    return statistics.median(now) / statistics.median(before)
+
+
 def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[str]:
     """A re-run against an earlier results.json: memory and collective bytes must be identical; the
-    median step time should fall inside the earlier min-max spread (reported, noisy machines differ)."""
+    median step time should fall inside the earlier min-max spread. Raw, and host-corrected: the
+    median divided by :func:`host_factor` (what it would have been had the host run as fast as
+    during the earlier measurement of that layout), when both runs timed the same probe layout."""
     before = {row["name"]: row for row in previous["layouts"]}
-    lines, same, inside, common = [], 0, 0, 0
+    probe_then = (previous.get("meta", {}).get("host_probe") or {}).get("layout")
+    lines, same, inside, corrected_inside, corrected, common, factors = [], 0, 0, 0, 0, 0, []
+    probe_now = next((r.name for r in records), None)
+    comparable = probe_then is not None and probe_then == probe_now
     for r in records:
         old = before.get(r.name)
         if old is None or r.status == "crashed" or old["status"] == "crashed":
@@ -250,11 +281,29 @@ def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[s
         same += exact
         if not exact:
             lines.append(f"{r.name}: memory or collective bytes differ from the earlier run")
-        if old["step_time_min_s"] <= r.step_time_median_s <= old["step_time_max_s"]:
-            inside += 1
-        else:
+        low, high = old["step_time_min_s"], old["step_time_max_s"]
+        raw_in = low <= r.step_time_median_s <= high
+        inside += raw_in
+        factor = host_factor(old, r) if comparable else None
+        if factor is not None:
+            corrected += 1
+            factors.append(factor)
+            fixed = r.step_time_median_s / factor
+            corrected_inside += low <= fixed <= high
+            if not low <= fixed <= high:
+                lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms, host-corrected "
+                             f"{fixed * 1e3:.0f} ms (host x{factor:.3f}), outside the earlier spread "
+                             f"[{low * 1e3:.0f}, {high * 1e3:.0f}] ms")
+        elif not raw_in:
             lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms outside the earlier spread "
-                         f"[{old['step_time_min_s'] * 1e3:.0f}, {old['step_time_max_s'] * 1e3:.0f}] ms")
+                         f"[{low * 1e3:.0f}, {high * 1e3:.0f}] ms")
     head = [f"{same} of {common} layouts have identical memory and collective bytes",
             f"{inside} of {common} median step times fall inside the earlier run's min-max spread"]
+    if factors:
+        head.append(f"{corrected_inside} of {corrected} host-corrected median step times fall inside it (the host "
+                    f"ran x{statistics.median(factors):.3f} the earlier run's probe time, median over layouts; "
+                    f"range {min(factors):.3f}-{max(factors):.3f}; probe: {probe_now})")
+    elif probe_then != probe_now:
+        head.append(f"no host correction: the earlier run's probe layout ({probe_then}) is not this run's "
+                    f"({probe_now})")
     return head + lines

@@ -19,7 +19,7 @@ from typing import Any
 from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.estimate import ParallelLayout
 from jaxpar.analysis.sweep_grid import layout_name
-from jaxpar.analysis.sweep_measure import SweepRecord, run_layout, time_again
+from jaxpar.analysis.sweep_measure import HostProbe, SweepRecord, run_layout, time_again
 from jaxpar.config import ConfigDict
 
 COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",
@@ -33,11 +33,12 @@ class Workers:
     the first fatal line of the child's stderr, and a fresh child takes the next layout."""
 
     def __init__(self, cfg: ConfigDict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
-                 cluster: Cluster):
+                 cluster: Cluster, probe: ParallelLayout | None = None):
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("spawn")  # a fresh JAX per child (fork would copy the parent's)
-        self.args = (cfg.to_dict(), num_devices, batches, steps, warmup, peak, cluster.to_dict())
+        self.args = (cfg.to_dict(), num_devices, batches, steps, warmup, peak, cluster.to_dict(),
+                     dataclasses.asdict(probe) if probe is not None else None)
         self.proc: Any = None
 
     def __enter__(self) -> Workers:
@@ -114,7 +115,7 @@ class Workers:
 
 
 def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
-            cluster_dict: dict, tasks: Any, results: Any, errors: str) -> None:
+            cluster_dict: dict, probe_layout: dict | None, tasks: Any, results: Any, errors: str) -> None:
     """The child: stderr into ``errors``, then layouts from ``tasks`` until None."""
     import os
 
@@ -129,6 +130,7 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
     ensure_aot_devices(num_devices)
     cfg, cluster = merge_into_defaults(cfg_dict), Cluster(**cluster_dict)
     kept: dict[str, Any] = {}  # layout name -> pass 1's compiled step, for the later passes
+    probe = HostProbe(cfg, ParallelLayout(**probe_layout), batches[0]) if probe_layout else None
     while (task := tasks.get()) is not None:
         again, item = task
         if os.environ.get(ABORT_ENV) == layout_name(ParallelLayout(**item)):  # the crash drill of the tests
@@ -137,8 +139,8 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
         on_step = lambda k, loss: results.put(("step", k, loss))  # noqa: E731
         if again:
             results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=steps, on_step=on_step,
-                                            kept=kept)))
+                                            kept=kept, probe=probe)))
             continue
         record = run_layout(cfg, ParallelLayout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
-                            cluster=cluster, on_step=on_step, keep=kept)
+                            cluster=cluster, on_step=on_step, keep=kept, probe=probe)
         results.put(("done", record.to_dict()))
