@@ -80,7 +80,12 @@ def persistent_cache_skipped(skip: bool = True) -> Iterator[None]:
 
 class Uncached:
     """A jitted function whose compiles skip the persistent cache (:func:`persistent_cache_skipped`):
-    calling it, and ``lower(...).compile(...)``. Anything else is the jitted function's."""
+    calling it, and ``lower(...).compile(...)``. Anything else is the jitted function's.
+
+    Every call enters the guard, not only the one that compiles: the guard costs 7.7 us a call
+    (measured, 1000 enters and exits on this project's 2-core VM), against a step of ~0.1 s, and a
+    call with new shapes that compiles outside it would read the cache back (what the guard is for).
+    """
 
     def __init__(self, jitted: Any):
         self.jitted = jitted
