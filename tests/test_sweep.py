@@ -145,23 +145,26 @@ def _timed(name: str, median: float, low: float, high: float, probes: list[float
 
 
 def test_rerun_comparison_divides_out_the_host_speed():
-    """Run 1 at probe 100 ms; run 2 on a host 20% slower (probe 120 ms): a median of 1.32 s against
-    run 1's [1.0, 1.2] s spread is outside as measured and inside host-corrected (1.1 s); a layout
-    that is slower beyond the host's slowdown (1.8 s / 1.2 = 1.5 s) stays outside."""
-    then = [_timed("a", 1.1, 1.0, 1.2, [0.10, 0.10]), _timed("b", 2.0, 1.9, 2.1, [0.10, 0.10])]
+    """Run 1's probes have median 100 ms; run 2's 120 ms (a host 20% slower), pooled over every
+    layout and pass. A median of 1.32 s against run 1's [1.0, 1.2] s spread is outside as measured
+    and inside host-corrected (1.1 s); a layout that slowed beyond the host (3.6 s / 1.2 = 3.0 s
+    against [1.9, 2.1] s) stays outside."""
+    then = [_timed("a", 1.1, 1.0, 1.2, [0.10, 0.09]), _timed("b", 2.0, 1.9, 2.1, [0.10, 0.11])]
     previous = {"meta": {"host_probe": {"layout": "a"}}, "layouts": [r.to_dict() for r in then]}
-    now = [_timed("a", 1.32, 1.2, 1.4, [0.12, 0.12]), _timed("b", 1.8 * 2, 3.4, 3.8, [0.11, 0.13])]
+    now = [_timed("a", 1.32, 1.2, 1.4, [0.12, 0.50]), _timed("b", 3.6, 3.4, 3.8, [0.11, 0.12])]
+    assert sweep_report.host_factor(previous, now) == pytest.approx(1.2)  # medians of all probes: robust to 0.50
     lines = sweep_report.compare_runs(previous, now)
-    assert lines[:3] == [
+    assert lines == [
         "2 of 2 layouts have identical memory and collective bytes",
         "0 of 2 median step times fall inside the earlier run's min-max spread",
-        "1 of 2 host-corrected median step times fall inside it (the host ran x1.200 the earlier run's probe time, "
-        "median over layouts; range 1.200-1.200; probe: a)"]
-    assert lines[3] == "b: median 3600 ms, host-corrected 3000 ms (host x1.200), outside the earlier spread [1900, 2100] ms"
+        "1 of 2 host-corrected median step times fall inside it (the host probe, a, took x1.200 its earlier median "
+        "time: each median divided by that)",
+        "b: median 3600 ms, host-corrected 3000 ms, outside the earlier spread [1900, 2100] ms"]
     # a different probe layout (e.g. another --only): no correction, said so
     previous["meta"]["host_probe"]["layout"] = "other"
     lines = sweep_report.compare_runs(previous, now)
     assert lines[2] == "no host correction: the earlier run's probe layout (other) is not this run's (a)"
+    assert lines[3] == "a: median 1320 ms outside the earlier spread [1000, 1200] ms"
 
 
 def test_later_passes_pool_their_times_and_must_repeat_the_losses():

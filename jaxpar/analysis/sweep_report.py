@@ -251,11 +251,18 @@ def _load_note(meta: dict[str, Any]) -> str:
     return f"other jobs were running when the sweep started (1-minute load {before:.1f} on {cores} cores)"
 
 
-def host_factor(old: dict[str, Any], r: SweepRecord) -> float | None:
-    """How much slower the host ran during ``r``'s steps than during the earlier run's steps of the
-    same layout: the ratio of the two runs' :class:`jaxpar.analysis.sweep_measure.HostProbe` medians
-    (pooled over the passes); None when either run has no probe times."""
-    before, now = old.get("host_probe_s") or [], r.host_probe_s
+def host_factor(previous: dict[str, Any], records: list[SweepRecord]) -> float | None:
+    """How much slower the host ran during this sweep than during the earlier one: the ratio of the
+    medians of every :class:`jaxpar.analysis.sweep_measure.HostProbe` time of each run (one per
+    layout and pass); None when either run has none.
+
+    One factor for the whole run, not one per layout: a single probe varies by ~10% (coefficient of
+    variation over the 168 probes of one tiny sweep), a layout's median of three by ~5%, and a ratio
+    of two such medians would add that noise to every corrected time; the medians of 168 probes
+    carry ~1%. The drift the factor removes is the slow one (the host ~8% faster one hour than the
+    last, on every kind of layout); what varies within a sweep stays in its pooled spread."""
+    before = [p for row in previous["layouts"] for p in row.get("host_probe_s") or []]
+    now = [p for r in records for p in r.host_probe_s]
     if not before or not now:
         return None
     return statistics.median(now) / statistics.median(before)
@@ -265,12 +272,12 @@ def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[s
     """A re-run against an earlier results.json: memory and collective bytes must be identical; the
     median step time should fall inside the earlier min-max spread. Raw, and host-corrected: the
     median divided by :func:`host_factor` (what it would have been had the host run as fast as
-    during the earlier measurement of that layout), when both runs timed the same probe layout."""
+    during the earlier sweep), when both runs timed the same probe layout."""
     before = {row["name"]: row for row in previous["layouts"]}
     probe_then = (previous.get("meta", {}).get("host_probe") or {}).get("layout")
-    lines, same, inside, corrected_inside, corrected, common, factors = [], 0, 0, 0, 0, 0, []
     probe_now = next((r.name for r in records), None)
-    comparable = probe_then is not None and probe_then == probe_now
+    factor = host_factor(previous, records) if probe_then is not None and probe_then == probe_now else None
+    lines, same, inside, corrected_inside, common = [], 0, 0, 0, 0
     for r in records:
         old = before.get(r.name)
         if old is None or r.status == "crashed" or old["status"] == "crashed":
@@ -282,27 +289,21 @@ def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[s
         if not exact:
             lines.append(f"{r.name}: memory or collective bytes differ from the earlier run")
         low, high = old["step_time_min_s"], old["step_time_max_s"]
-        raw_in = low <= r.step_time_median_s <= high
-        inside += raw_in
-        factor = host_factor(old, r) if comparable else None
+        inside += low <= r.step_time_median_s <= high
+        spread = f"the earlier spread [{low * 1e3:.0f}, {high * 1e3:.0f}] ms"
         if factor is not None:
-            corrected += 1
-            factors.append(factor)
             fixed = r.step_time_median_s / factor
             corrected_inside += low <= fixed <= high
             if not low <= fixed <= high:
                 lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms, host-corrected "
-                             f"{fixed * 1e3:.0f} ms (host x{factor:.3f}), outside the earlier spread "
-                             f"[{low * 1e3:.0f}, {high * 1e3:.0f}] ms")
-        elif not raw_in:
-            lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms outside the earlier spread "
-                         f"[{low * 1e3:.0f}, {high * 1e3:.0f}] ms")
+                             f"{fixed * 1e3:.0f} ms, outside {spread}")
+        elif not low <= r.step_time_median_s <= high:
+            lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms outside {spread}")
     head = [f"{same} of {common} layouts have identical memory and collective bytes",
             f"{inside} of {common} median step times fall inside the earlier run's min-max spread"]
-    if factors:
-        head.append(f"{corrected_inside} of {corrected} host-corrected median step times fall inside it (the host "
-                    f"ran x{statistics.median(factors):.3f} the earlier run's probe time, median over layouts; "
-                    f"range {min(factors):.3f}-{max(factors):.3f}; probe: {probe_now})")
+    if factor is not None:
+        head.append(f"{corrected_inside} of {common} host-corrected median step times fall inside it (the host "
+                    f"probe, {probe_now}, took x{factor:.3f} its earlier median time: each median divided by that)")
     elif probe_then != probe_now:
         head.append(f"no host correction: the earlier run's probe layout ({probe_then}) is not this run's "
                     f"({probe_now})")
