@@ -108,7 +108,7 @@ def default_config() -> ConfigDict:
     c.train.workdir = "runs/default"
     c.train.log_every = 10
     c.train.eval_every = 0  # 0: evaluate only at start and end
-    c.train.eval_batches = 8
+    c.train.eval_batches = 8  # 0: no validation (nothing evaluated at start or end; eval_every must be 0)
     c.train.resume = "auto"  # auto | never | a step number
     c.train.init_from = ""  # HF LLaMA weights (dir, .safetensors, .index.json, torch file) when nothing resumes
     c.train.warmup_steps_excluded = 3  # first steps excluded from steady-state throughput (the first always is)
@@ -397,7 +397,10 @@ def _validate_train(t: ConfigDict) -> None:
              f"train.workdir='{t.workdir}' is a file, not a folder; pick another path")
     for name in ("log_every", "eval_every", "warmup_steps_excluded"):
         _require(t[name] >= 0, f"train.{name}={t[name]}: must be >= 0")
-    _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1 (validation needs a batch)")
+    _require(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0 (0: no validation)")
+    _require(t.eval_batches >= 1 or t.eval_every == 0,
+             f"train.eval_every={t.eval_every} with train.eval_batches=0: there is nothing to evaluate; set "
+             "train.eval_batches >= 1, or train.eval_every=0 to train without validation")
     _require(_profile_steps_ok(t.profile_steps),
              f"train.profile_steps='{t.profile_steps}': give the first and last step to trace as a,b with "
              "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)")

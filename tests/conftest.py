@@ -16,10 +16,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and the processes tests start (drills, CLI runs): a program compiled again (the same tiny layout in
 # several files, an interrupted run and its resume) is read back instead of compiled. Measured: the
 # two-process SIGKILL drill 72 -> 61 s. A folder given in JAX_COMPILATION_CACHE_DIR is kept.
+# The process that made the folder (pytest's controller) deletes it when the session ends.
+_OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
@@ -37,6 +39,14 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest's hook s
     """In a pytest-xdist worker: hand this worker's fuzz counts to the controller."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["fuzz_counts"] = _fuzz_counts()
+
+
+def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature
+    """Delete the session's compilation cache folder (only the one this process made)."""
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

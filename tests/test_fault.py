@@ -14,7 +14,10 @@ import pytest
 from jaxpar.drill import run_drill
 from tests.helpers import ROOT, TINY
 
-SMALL = ["--config.train.global_batch=8", "--config.train.seq_len=64", "--config.train.steps=6"]
+# no validation (train.eval_batches=0): the drills compare training losses and states, and every
+# launch would otherwise compile and run the evaluation step at start and end
+SMALL = ["--config.train.global_batch=8", "--config.train.seq_len=64", "--config.train.steps=6",
+         "--config.train.eval_batches=0"]
 
 
 def _check(result, workdir):
@@ -47,7 +50,7 @@ def test_dead_peer_ends_the_job_with_a_clear_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAXPAR_HEARTBEAT_TIMEOUT": "30"}
     workdir = tmp_path / "run"
     cmd = ["bash", str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxpar", "train",
-           "--config", TINY, "--no-progress", "--config.train.steps=10000", *SMALL[:2],
+           "--config", TINY, "--no-progress", "--config.train.steps=10000", *SMALL[:2], SMALL[3],
            f"--config.train.workdir={workdir}"]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

@@ -37,7 +37,7 @@ def _bases(tmp_path) -> dict[str, list[str]]:
     recipe = tmp_path / "ds.json"
     recipe.write_text(SEEDS["deepspeed"])
     return {
-        "train": ["train", "--config.train.eval_batches=0"],  # refused after the flags are read
+        "train": ["train", "--config.train.eval_batches=-1"],  # refused after the flags are read
         "inspect": ["inspect", "--json", "--config.model.head_dim=31"],
         "plan": ["plan", "--json"],
         "compare": ["compare", "--json", "--layout", "data=8", "--layout", "data=4,tensor=2"],

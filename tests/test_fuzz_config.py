@@ -36,7 +36,7 @@ BAD: dict[str, list] = {
     "optim.weight_decay": [-0.1, NAN, INF], "optim.decoupled_weight_decay": [], "optim.clip_norm": [-1.0, NAN],
     "train.steps": [-1], "train.global_batch": [0, -8], "train.microbatches": [0, -1, 3],
     "train.seq_len": [0, 1, 100000], "train.seed": [-1, 2**40], "train.workdir": ["", "   ", "@FILE"],
-    "train.log_every": [-1], "train.eval_every": [-1], "train.eval_batches": [0, -1],
+    "train.log_every": [-1], "train.eval_every": [-1], "train.eval_batches": [-1],
     "train.resume": ["latest", "-1", "\u00b2"], "train.init_from": ["/nonexistent/weights"],
     "train.warmup_steps_excluded": [-1], "train.spike_factor": [0.5, 1.0, -1.0, NAN, INF],
     "train.max_bad_steps": [0], "train.profile_steps": ["5", "3,2", "0,1", "a,b", "1,2,3"], "train.inject_bad_steps": ["a", "1,,x", "-1", "\u00b2"],

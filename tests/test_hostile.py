@@ -59,7 +59,8 @@ def test_config_files_that_misbehave(tmp_path, body, words):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("--config.train.eval_batches=0", ["train.eval_batches=0"]),
+    ("--config.train.eval_batches=-1", ["train.eval_batches=-1"]),
+    ("--config.train.eval_every=5 --config.train.eval_batches=0", ["train.eval_every=5 with train.eval_batches=0"]),
     ("--config.model.head_dim=31", ["model.head_dim=31", "even"]),
     ("--config.train.workdir=", ["train.workdir is empty"]),
     ("--config.train.workdir=@FILE", ["is a file"]),
@@ -75,7 +76,7 @@ def test_values_that_cannot_work_are_refused_before_any_compile(tmp_path, overri
     afile = tmp_path / "a_file"
     afile.write_text("x")
     start = time.perf_counter()
-    line = cli_refused("hostile: values", ["train", "--no-progress", override.replace("@FILE", str(afile))])
+    line = cli_refused("hostile: values", ["train", "--no-progress", *override.replace("@FILE", str(afile)).split()])
     assert all(w in line for w in words), line
     if "optim.lr" not in override:
         assert "optim.lr" not in line, line  # e.g. a NaN init_std is not blamed on the learning rate

@@ -56,6 +56,22 @@ def test_profile_steps_write_a_trace(run):
     assert any("profile of steps 2-4" in line for line in lines)
 
 
+def test_eval_batches_zero_trains_without_validation(run, tmp_path):
+    """``train.eval_batches=0``: no validation at start or end, nothing logged for it, and the same
+    per-step losses as the run with validation (evaluating never touches the training state)."""
+    cfg, workdir, _ = run
+    lines = []
+    quiet = tiny_config("--config.mesh.data=8", "--config.mesh.tensor=1", f"--config.train.steps={STEPS}",
+                        f"--config.train.workdir={tmp_path / 'run'}", "--config.train.eval_batches=0")
+    result = Trainer(quiet, echo=lines.append, progress=False).run()
+    assert "validation: off (train.eval_batches=0)" in lines and not any("validation at step" in x for x in lines)
+    assert result["val_start"] is None and result["val_end"] is None
+    rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert not [r for r in rows if "val_bits" in r]
+    with_val = [r["loss"] for r in read_metrics(str(workdir / "metrics.jsonl")) if "loss" in r]
+    assert [r["loss"] for r in rows if "loss" in r] == with_val
+
+
 @pytest.mark.parametrize("bad", ["3", "4,2", "0,1", "a,b", "1,2,3"])
 def test_profile_steps_rejects_bad_ranges(bad):
     with pytest.raises(ConfigError, match="train.profile_steps"):

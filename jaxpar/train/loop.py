@@ -123,7 +123,7 @@ class Trainer:
         self.eval_data = data_lib.eval_batches(
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=eval_rows,
             seed=t.seed, num_batches=t.eval_batches, process_index=pidx, process_count=pcount,
-        )
+        ) if t.eval_batches else []
         peak, self.peak_source = device_peak_flops(self.layout.devices)
         self.log = MetricsLog(
             t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.layout.devices,
@@ -185,8 +185,11 @@ class Trainer:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop_signal = signum  # finish the current step, then checkpoint and exit
 
-    def evaluate(self) -> float:
-        """Mean validation loss over the fixed evaluation batches, in bits per byte/token."""
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the fixed evaluation batches, in bits per byte/token; None
+        without validation (``train.eval_batches=0``: nothing compiled or run)."""
+        if not self.eval_data:
+            return None
         total, count = 0.0, 0
         for rows in self.eval_data:
             batch = self.setup.feed.make_eval_batch(rows)
@@ -336,8 +339,11 @@ class Trainer:
         if cfg.model.attention != self.setup.attention:  # auto: say what it picked on this backend
             self.echo(f"attention: {self.setup.attention} (model.attention={cfg.model.attention})")
         val_start = self.evaluate()
-        self.echo(f"validation at step {self.step}: {val_start:.3f} {unit}")
-        self.log.record_event({"step": self.step, "val_bits": val_start, "unit": unit})
+        if val_start is None:
+            self.echo("validation: off (train.eval_batches=0)")
+        else:
+            self.echo(f"validation at step {self.step}: {val_start:.3f} {unit}")
+            self.log.record_event({"step": self.step, "val_bits": val_start, "unit": unit})
         last: dict[str, float] = {}
         eval_every = cfg.train.eval_every
         with self._progress() as progress:
@@ -367,11 +373,12 @@ class Trainer:
         if cfg.checkpoint.every:
             self.save()
         val_end = self.evaluate()
-        self.log.record_event({"step": self.step, "val_bits": val_end, "unit": unit})
         self._require_finite(val_start, val_end, ran=bool(last))
         steady = self.log.steady_state()
-        drop = 1 - val_end / val_start
-        self.echo(f"validation at step {self.step}: {val_end:.3f} {unit} (start {val_start:.3f}, {drop:.1%} lower)")
+        if val_end is not None:
+            self.log.record_event({"step": self.step, "val_bits": val_end, "unit": unit})
+            drop = 1 - val_end / val_start
+            self.echo(f"validation at step {self.step}: {val_end:.3f} {unit} (start {val_start:.3f}, {drop:.1%} lower)")
         if steady:
             self.echo(
                 f"steady state over {steady['steps']} steps: {steady['median_step_time_s'] * 1e3:.0f} ms/step, "
@@ -381,14 +388,15 @@ class Trainer:
         self.echo(f"metrics: {self.log.path}")
         return {"val_start": val_start, "val_end": val_end, "final": last, "steady": steady, "unit": unit}
 
-    def _require_finite(self, val_start: float, val_end: float, ran: bool) -> None:
+    def _require_finite(self, val_start: float | None, val_end: float | None, ran: bool) -> None:
         """A run that trained steps but applied none with a finite loss, or ends with a non-finite
         validation loss, failed: a :class:`TrainingDiverged` (exit code 2), never a quiet exit 0."""
         if ran and self.good_steps == 0:
+            seen = f" (validation {val_end:.4g})" if val_end is not None else ""
             raise TrainingDiverged(
-                f"training produced no finite loss in {self.guard.total} steps (validation {val_end:.4g}); "
+                f"training produced no finite loss in {self.guard.total} steps{seen}; "
                 "check the config values (optim.lr, model.init_std) and the data, or train.init_from's weights")
-        if not math.isfinite(val_end):
+        if val_end is not None and not math.isfinite(val_end):
             raise TrainingDiverged(
                 f"validation loss at step {self.step} is {val_end} (start {val_start:.4g}): the run diverged; lower "
                 "optim.lr or check train.init_from's weights")
