@@ -10,6 +10,7 @@ subset; ``JAXPAR_SLOW=1`` runs the whole grid (schedule x p in {2, 4} x m in {p,
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 
@@ -463,3 +464,20 @@ def test_bad_pipeline_input_is_one_line_exit_2(capsys, overrides, needle):
 def test_check_config_direct():
     with pytest.raises(ConfigError, match="1F1B needs at least one microbatch per stage"):
         make_setup(small_config(*layout("1f1b", 4, 2)))
+
+
+def test_slot_counts_are_the_programs():
+    """The planner's shortcut (``slot_counts``: no arrays built) counts the slots ``compile_program``
+    allocates, on every schedule, for small and large microbatch counts."""
+    from jaxpar.parallel.pipeline.schedule import build_schedule, compile_program, slot_counts
+
+    checked = 0
+    for schedule, p, m, v in itertools.product(("gpipe", "1f1b", "interleaved"), (1, 2, 4, 8), (1, 2, 8, 64),
+                                               (1, 2, 4)):
+        if (schedule != "interleaved" and v > 1) or (schedule == "interleaved" and m % p):
+            continue
+        table = build_schedule(schedule, p, m, v)
+        prog = compile_program(table)
+        assert slot_counts(table) == (prog.act_slots, prog.grad_slots), (schedule, p, m, v)
+        checked += 1
+    assert checked == 65

@@ -7,6 +7,7 @@ the executor runs a :class:`Program`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import numpy as np
 
@@ -176,23 +177,52 @@ class Program:
 
 
 def _allocate(intervals: dict[tuple[int, int], tuple[int, int, int]]) -> tuple[dict[tuple[int, int], int], int]:
-    """Slots for values alive from the end of tick ``start`` to tick ``end`` on ``device``."""
-    slots, used, busy = {}, 0, {}  # busy: device -> {slot: end}
+    """Slots for values alive from the end of tick ``start`` to tick ``end`` on ``device``: in order
+    of start, each value takes the lowest slot of its device whose last value ended by its start,
+    else a new one (greedy by start: as many slots as values ever alive at once on a device)."""
+    slots, used = {}, 0
+    busy: dict[int, list[tuple[int, int]]] = {}  # device -> heap of (end, slot) of the slots in use
+    free: dict[int, list[int]] = {}  # device -> heap of the slots whose value ended
+    count: dict[int, int] = {}  # device -> slots made
     for key, (device, start, end) in sorted(intervals.items(), key=lambda kv: kv[1][1]):
-        taken = busy.setdefault(device, {})
-        slot = min([s for s, e in taken.items() if e <= start] or [len(taken)])
-        taken[slot], slots[key], used = end, slot, max(used, slot + 1)
+        taken, spare = busy.setdefault(device, []), free.setdefault(device, [])
+        while taken and taken[0][0] <= start:
+            heapq.heappush(spare, heapq.heappop(taken)[1])
+        if spare:
+            slot = heapq.heappop(spare)
+        else:
+            slot = count[device] = count.get(device, 0) + 1
+            slot -= 1
+        heapq.heappush(taken, (end, slot))
+        slots[key], used = slot, max(used, slot + 1)
     return slots, used
+
+
+def _live_intervals(table: ScheduleTable) -> tuple[dict, dict]:
+    """Per (microbatch, virtual stage): (device, arrival tick, consuming tick) of the stage input
+    (after F on the previous virtual stage, until B) and of the output gradient (after B on the next
+    one, until B)."""
+    p, m, last = table.stages, table.microbatches, table.stages * table.virtual_stages - 1
+    when = table.ticks_of()
+    pairs_ik = [(i, k) for i in range(m) for k in range(last + 1)]
+    act = {(i, k): (k % p, when["F", i, k - 1], when["B", i, k]) for i, k in pairs_ik if k > 0}
+    grad = {(i, k): (k % p, when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last}
+    return act, grad
+
+
+def slot_counts(table: ScheduleTable) -> tuple[int, int]:
+    """``(act_slots, grad_slots)`` of :func:`compile_program`, without building its arrays (what the
+    memory estimate needs, for hundreds of schedules in one planner search)."""
+    act, grad = _live_intervals(table)
+    return _allocate(act)[1], _allocate(grad)[1]
 
 
 def compile_program(table: ScheduleTable) -> Program:
     """Lower a table to a :class:`Program` (slot allocation and send patterns)."""
-    p, m, ticks, last = table.stages, table.microbatches, table.ticks, table.stages * table.virtual_stages - 1
-    when = table.ticks_of()
-    # a stage input arrives after F on the previous virtual stage, an output gradient after B on the next one
-    pairs_ik = [(i, k) for i in range(m) for k in range(last + 1)]
-    act, n_act = _allocate({(i, k): (k % p, when["F", i, k - 1], when["B", i, k]) for i, k in pairs_ik if k > 0})
-    grad, n_grad = _allocate({(i, k): (k % p, when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last})
+    p, ticks, last = table.stages, table.ticks, table.stages * table.virtual_stages - 1
+    act_live, grad_live = _live_intervals(table)
+    act, n_act = _allocate(act_live)
+    grad, n_grad = _allocate(grad_live)
     arr = {name: np.zeros((ticks, p), np.int32) for name in ("kind", "microbatch", "chunk")}
     arr |= {name: np.full((ticks, p), n_act, np.int32) for name in ("act_read", "act_write")}
     arr |= {name: np.full((ticks, p), n_grad, np.int32) for name in ("grad_read", "grad_write")}
