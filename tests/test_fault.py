@@ -2,6 +2,7 @@
 makes the others exit with a clear error in bounded time, and a kill during an async save never
 leaves a checkpoint that gets picked up half-written."""
 
+import json
 import os
 import pathlib
 import signal
@@ -85,3 +86,6 @@ def test_sigkill_resume_two_processes_pipeline_across_them(tmp_path):
     result = run_drill(TINY, [*SMALL, *pp], str(tmp_path), processes=2, trials=1, seed=3)
     print(result)
     assert len(result["failures"]) == 1 and result["losses_match"] and result["state_match"]
+    # one writer of metrics.jsonl (process 0), though both processes hold the same data shards here
+    rows = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))

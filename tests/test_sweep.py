@@ -15,6 +15,8 @@ from jaxpar.cli.sweep import SWEEP_DEFAULTS
 from jaxpar.config import ConfigError
 from tests.helpers import TINY, tiny_config
 
+SLOW = os.environ.get("JAXPAR_SLOW") == "1"
+
 
 def _grid():
     cfg = tiny_config(*SWEEP_DEFAULTS)
@@ -48,22 +50,25 @@ def test_loss_check_marks_a_mismatch_and_keeps_crashes():
 
 @pytest.fixture(scope="module")
 def two_layouts(tmp_path_factory):
-    """A real sweep through the CLI, 3 steps per layout: ZeRO-0 DP and TP=2 + SP run; between them
-    a ZeRO-3 layout whose worker process aborts (the crash drill), so the sweep must go on."""
+    """A real sweep through the CLI, 3 steps per layout: ZeRO-0 DP and TP=2 + SP run; with
+    JAXPAR_SLOW=1, between them a ZeRO-3 layout whose worker process aborts (the crash drill: two
+    process deaths and three process starts), so the sweep must go on."""
     out = tmp_path_factory.mktemp("sweep")
-    os.environ[sweep_lib.ABORT_ENV] = "d8t1p1-z3-m1"
+    if SLOW:
+        os.environ[sweep_lib.ABORT_ENV] = "d8t1p1-z3-m1"
     try:
         code = main(["sweep", "--config", TINY, "--devices", "8", "--steps", "3", "--warmup", "1", "--no-progress",
-                     "--repeats", "2", "--only", "^d8t1p1-z[03]", "--only", "^d4t2p1-z1-sp", "-o", str(out)])
+                     "--repeats", "2", "--only", "^d8t1p1-z[03]" if SLOW else "^d8t1p1-z0",
+                     "--only", "^d4t2p1-z1-sp", "-o", str(out)])
     finally:
-        del os.environ[sweep_lib.ABORT_ENV]
+        os.environ.pop(sweep_lib.ABORT_ENV, None)
     doc = json.loads((out / "results.json").read_text())
     crashed = [r for r in doc["layouts"] if r["status"] == "crashed"]
     doc["layouts"] = [r for r in doc["layouts"] if r["status"] != "crashed"]
     return code, out, doc, crashed
 
 
-@pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: a worker abort and its retry (34 s)")
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: a worker abort and its retry (~20 s)")
 def test_a_process_abort_is_recorded_and_the_sweep_goes_on(two_layouts):
     code, out, _, crashed = two_layouts
     assert code == 1  # not every layout is ok
@@ -76,6 +81,7 @@ def test_a_process_abort_is_recorded_and_the_sweep_goes_on(two_layouts):
 
 def test_two_layout_sweep_measures_and_agrees(two_layouts):
     code, out, doc, _ = two_layouts
+    assert code == (1 if SLOW else 0)  # the aborted layout is a failure
     rows = {r["name"]: r for r in doc["layouts"]}
     assert list(rows) == ["d8t1p1-z0-m1", "d4t2p1-z1-sp-m1"] and doc["meta"]["reference"] == "d8t1p1-z0-m1"
     probe = doc["meta"]["host_probe"]
@@ -99,7 +105,7 @@ def test_two_layout_sweep_measures_and_agrees(two_layouts):
             assert r["collective_bytes"][axis] == pytest.approx(r["est_collective_bytes"][axis], rel=0.02, abs=1)
     with open(out / "results.csv") as f:
         table = list(csv.DictReader(f))
-    assert [t["name"] for t in table] == ["d8t1p1-z0-m1", "d8t1p1-z3-m1", "d4t2p1-z1-sp-m1"]
+    assert [t["name"] for t in table] == ["d8t1p1-z0-m1", *(["d8t1p1-z3-m1"] if SLOW else []), "d4t2p1-z1-sp-m1"]
     assert math.isclose(float(table[0]["final_loss"]), dp["final_loss"], rel_tol=1e-12)
 
 
@@ -209,10 +215,12 @@ def test_plan_sweep_picks_fitting_layouts_and_plots(tmp_path):
     spec = importlib.util.spec_from_file_location("plan_sweep", ROOT / "experiments" / "plan_sweep.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = mod.best_layouts(("llama2_7b", "llama2_70b"), ("h100-80g",), (8, 64))
+    # three searches (the 64-device 7B one, ~14 s, adds nothing the 64-device 70B one does not check)
+    rows = mod.best_layouts(("llama2_7b",), ("h100-80g",), (8,)) + mod.best_layouts(("llama2_70b",), ("h100-80g",),
+                                                                                    (8, 64))
     by = {(r["model"], r["devices"]): r for r in rows}
     assert not by[("llama2_70b", 8)]["fits"] and "does not fit" in by[("llama2_70b", 8)]["why"]
-    for key in (("llama2_7b", 8), ("llama2_7b", 64), ("llama2_70b", 64)):
+    for key in (("llama2_7b", 8), ("llama2_70b", 64)):
         r = by[key]
         assert r["fits"] and r["memory_gb"] <= 72 and 0 < r["comm_share"] < 1 and r["data"] * r["tensor"] * r[
             "pipeline"] * r["context"] == key[1]

@@ -127,7 +127,7 @@ class Trainer:
         peak, self.peak_source = device_peak_flops(self.layout.devices)
         self.log = MetricsLog(
             t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.layout.devices,
-            t.warmup_steps_excluded, write=pidx == 0,
+            t.warmup_steps_excluded, write=jax.process_index() == 0,  # one writer, whatever the mesh
         )
         self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo,
                                         model=cfg.model)
