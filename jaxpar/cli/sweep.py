@@ -105,10 +105,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ConfigError(f"-o {args.output}: is a file, not a folder; pick another path")
     if args.list:
-        defaults = {"steps": 8, "warmup": 2, "repeats": 3, "tolerance": None, "baseline": None, "output": "runs/sweep",
-                    "no_progress": False}
-        for name, default in defaults.items():
-            if getattr(args, name) != default:
+        parser = argparse.ArgumentParser()
+        add_sweep_arguments(parser)  # the defaults, from the one place that declares them
+        for name in ("steps", "warmup", "repeats", "tolerance", "baseline", "output", "no_progress"):
+            if getattr(args, name) != parser.get_default(name):
                 flag = "-o" if name == "output" else f"--{name.replace('_', '-')}"
                 raise ConfigError(f"sweep {flag} has no effect with --list (it only lists the layouts); drop one of them")
 
