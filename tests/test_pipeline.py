@@ -481,3 +481,20 @@ def test_slot_counts_are_the_programs():
         assert slot_counts(table) == (prog.act_slots, prog.grad_slots), (schedule, p, m, v)
         checked += 1
     assert checked == 65
+
+
+def test_slot_counts_saturate():
+    """``steady_slot_counts`` caps 1F1B and interleaved at ``SATURATION * p`` microbatches: the full
+    simulation gives the same counts for every m up to 8p, twice the cap (1F1B saturates at m = p,
+    interleaved at m = 2p), and GPipe, which keeps every microbatch, is never capped."""
+    from jaxpar.parallel.pipeline.schedule import SATURATION, build_schedule, slot_counts, steady_slot_counts
+
+    cases = [("1f1b", p, 1) for p in (2, 3, 4, 8)] + [("interleaved", p, v) for p in (2, 4, 8) for v in (2, 4)]
+    checked = capped = 0
+    for schedule, p, v in cases:
+        for m in range(p, 8 * p + 1, 1 if schedule == "1f1b" else p):
+            assert steady_slot_counts(schedule, p, m, v) == slot_counts(build_schedule(schedule, p, m, v)), (
+                schedule, p, m, v)
+            checked, capped = checked + 1, capped + (m > SATURATION * p)
+    assert (checked, capped) == (171, 92)
+    assert steady_slot_counts("gpipe", 2, 64) == (64, 1)

@@ -217,6 +217,24 @@ def slot_counts(table: ScheduleTable) -> tuple[int, int]:
     return _allocate(act)[1], _allocate(grad)[1]
 
 
+SATURATION = 4  # slot counts are those of min(m, SATURATION * p) microbatches (1F1B, interleaved)
+
+
+def steady_slot_counts(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, int]:
+    """:func:`slot_counts` of the schedule, simulated with at most ``SATURATION * stages``
+    microbatches for 1F1B and interleaved: the planner prices schedules of up to thousands.
+
+    Why the counts stop growing: a 1F1B stage d runs min(p - 1 - d, m) warm-up forwards and then
+    alternates, so at most p - d stage inputs are ever alive (Narayanan et al. 2021, section 2.2);
+    an interleaved stage's warm-up is 2(p - 1 - d) + (v - 1)p chunk forwards, fewer than 2p
+    microbatches' worth, after which the same steady pattern repeats. Measured
+    (``tests/test_pipeline.py::test_slot_counts_saturate``): 1F1B saturates at m = p, interleaved
+    at m = 2p, for p up to 16 and v up to 4; the cap is twice that. GPipe keeps every microbatch,
+    so it is simulated as given."""
+    m = microbatches if schedule == "gpipe" else min(microbatches, SATURATION * stages)
+    return slot_counts(build_schedule(schedule, stages, m, virtual_stages))
+
+
 def compile_program(table: ScheduleTable) -> Program:
     """Lower a table to a :class:`Program` (slot allocation and send patterns)."""
     p, ticks, last = table.stages, table.ticks, table.stages * table.virtual_stages - 1
