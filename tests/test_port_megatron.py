@@ -278,3 +278,15 @@ def test_profile_and_tensorboard_flags_map_to_a_trace_and_events():
     cfg, report = port_megatron(MEG / BLOOM, variables={"SLURM_NNODES": "32"})
     assert cfg.train.profile_steps == ""
     assert "TensorBoard event files" in report.find("--log-timers-to-tensorboard").note
+
+
+def test_eval_iters_zero_trains_without_validation(tmp_path):
+    """``--eval-iters 0`` turns validation off in Megatron whatever ``--eval-interval`` says: it ports to
+    train.eval_batches=0 with train.eval_every=0 (the pair jaxpar accepts), not to a refused config."""
+    cfg, _ = port_megatron(MEG / LLAMA3)
+    assert (cfg.train.eval_every, cfg.train.eval_batches) == (200, 16)
+    changed = tmp_path / "llama3.args"
+    changed.write_text((MEG / LLAMA3).read_text().replace("--eval-iters 16", "--eval-iters 0"))
+    cfg, report = port_megatron(changed)
+    assert (cfg.train.eval_every, cfg.train.eval_batches) == (0, 0)
+    assert report.find("--eval-iters").status == "mapped"

@@ -551,6 +551,8 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
             values[key] = value
         a.note(name, "mapped" if value is not None else "approximated", key, "" if value is not None else
                "value unresolved: jaxpar default kept")
+    if values.get("train.eval_batches") == 0:  # Megatron: --eval-iters 0 evaluates at no interval
+        values["train.eval_every"] = 0
     data = a.get("--data-path", str, soft=True)
     if a.get("--mock-data", bool, False):
         values["data.source"] = "synthetic"
