@@ -40,6 +40,7 @@ from typing import Any
 
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
+from jaxpar.parallel.pipeline.schedule import steady_slot_counts
 
 F32 = 4
 
@@ -367,7 +368,6 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         update = update_bytes(model, layout, full_grads)
         return TempEstimate(0, residual, working, grads, gather, 0.0, update,
                             "update" if update > residual + working + grads + gather else "backward")
-    from jaxpar.parallel.pipeline.schedule import steady_slot_counts
 
     chunk = model.num_layers // layout.stages
     last = stage == p - 1
@@ -378,7 +378,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
         chunk_grads = full_grads
     else:
-        prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages, steady_slot_counts)
+        prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages)
         slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h
         by_layer = layout.recompute == "full" and layout.zero_stage < 2
         rows = 1 if by_layer else None
@@ -449,12 +449,12 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
 _PROGRAMS: dict[tuple, tuple[int, int]] = {}
 
 
-def _program(schedule: str, p: int, m: int, v: int, slots: Any) -> tuple[int, int]:
+def _program(schedule: str, p: int, m: int, v: int) -> tuple[int, int]:
     """(act_slots, grad_slots) of a schedule's executor program, cached: the planner asks for the
     same few many times."""
     key = (schedule, p, m, v)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = slots(schedule, p, m, v)
+        _PROGRAMS[key] = steady_slot_counts(schedule, p, m, v)
     return _PROGRAMS[key]
 
 

@@ -151,16 +151,23 @@ def _compile_step(lcfg: ConfigDict) -> tuple[Any, Any]:
     return setup, setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
 
 
-def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
-                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float]]:
-    """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step)."""
+def _never_skip(mesh: Any) -> Any:
+    """The train step's spike guard set so that no step is ever skipped (threshold inf)."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    return jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(mesh, P()))
+
+
+def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
+                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float]]:
+    """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step)."""
+    import jax
+
     params, opt = setup.init(lcfg.train.seed)
-    guard = jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(setup.mesh, P()))  # never skip
+    guard = _never_skip(setup.mesh)
     times, losses = [], []
     for k in range(steps):
         batch = setup.feed.make_batch(batches[k])
@@ -219,23 +226,24 @@ class HostProbe:
     (``experiments/README.md`` §1). The probe's state keeps training on one batch; its values do
     not matter, only its (shape-fixed) time."""
 
-    def __init__(self, cfg: ConfigDict, layout: ParallelLayout, batch: Any):
-        self.cfg, self.layout, self.batch = cfg, layout, batch
+    def __init__(self, cfg: ConfigDict, layout: ParallelLayout, batch: Any, kept: dict[str, Any] | None = None):
+        self.cfg, self.layout, self.batch, self.kept = cfg, layout, batch, kept
         self._state: list[Any] | None = None
 
     def measure(self) -> float:
-        """Median seconds per probe step (the first call compiles the probe, outside the timing)."""
+        """Median seconds per probe step. The first call takes the layout's executable from ``kept``
+        (what :func:`run_layout` left there) or compiles it, outside the timing."""
         import jax
-        import numpy as np
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
 
         if self._state is None:
-            lcfg = layout_config(self.cfg, self.layout)
-            setup, compiled = _compile_step(lcfg)
+            name = layout_name(self.layout)
+            if self.kept is not None and name in self.kept:
+                setup, compiled, lcfg = self.kept[name]
+            else:
+                lcfg = layout_config(self.cfg, self.layout)
+                setup, compiled = _compile_step(lcfg)
             params, opt = setup.init(lcfg.train.seed)
-            guard = jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(setup.mesh, P()))
-            self._state = [compiled, params, opt, setup.feed.make_batch(self.batch), guard]
+            self._state = [compiled, params, opt, setup.feed.make_batch(self.batch), _never_skip(setup.mesh)]
         compiled, params, opt, batch, guard = self._state
         times = []
         for _ in range(PROBE_STEPS):

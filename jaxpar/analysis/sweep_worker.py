@@ -130,7 +130,7 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
     ensure_aot_devices(num_devices)
     cfg, cluster = merge_into_defaults(cfg_dict), Cluster(**cluster_dict)
     kept: dict[str, Any] = {}  # layout name -> pass 1's compiled step, for the later passes
-    probe = HostProbe(cfg, ParallelLayout(**probe_layout), batches[0]) if probe_layout else None
+    probe = HostProbe(cfg, ParallelLayout(**probe_layout), batches[0], kept) if probe_layout else None
     while (task := tasks.get()) is not None:
         again, item = task
         if os.environ.get(ABORT_ENV) == layout_name(ParallelLayout(**item)):  # the crash drill of the tests
