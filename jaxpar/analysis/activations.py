@@ -100,7 +100,8 @@ def layer_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: s
     and probabilities, and JAX keeps more of the SwiGLU than a hand-written backward would. With
     dropout the layer stack also holds :func:`dropout_residual_bytes` per layer.
 
-    ``selective`` (:func:`jaxpar.parallel.zero.remat_policy`: ``dots_with_no_batch_dims_saveable``):
+    ``selective`` (:func:`jaxpar.parallel.zero.remat_policy`: ``dots_with_no_batch_dims_saveable``
+    and the named outputs of :func:`jaxpar.models.matmul.dense`):
     the layer input e*b*so*h and every weight-matmul output: q, k, v e*b*s*(q + 2k), W_o's (b, s, h)
     partial sum before the tensor reduction e*b*s*h, gate and up e*b*s*2f (GeLU: up only).
 

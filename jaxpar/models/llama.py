@@ -40,6 +40,7 @@ from flax import nnx
 from jaxpar.config import ConfigDict
 from jaxpar.models import base, dropout
 from jaxpar.models.base import DTYPES, HFMap, HFTensor, Model
+from jaxpar.models.matmul import dense
 from jaxpar.parallel import context
 
 # --------------------------------------------------------------------------- parameters
@@ -241,12 +242,12 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
 
     h = _gather_seq(_norm(x, p["mlp_norm"], ctx), ctx)
     m = p["mlp"]
-    up = jnp.einsum("bsh,hf->bsf", h, w(m["w_up"]))
+    up = dense(h, w(m["w_up"]))
     if ctx.mlp_activation == "swiglu":
-        act = jax.nn.silu(jnp.einsum("bsh,hf->bsf", h, w(m["w_gate"]))) * up
+        act = jax.nn.silu(dense(h, w(m["w_gate"]))) * up
     else:
         act = jax.nn.gelu(up, approximate=True)
-    return x + _branch(jnp.einsum("bsf,fh->bsh", act, w(m["w_down"])), positions, dropout.MLP_OUT, ctx)
+    return x + _branch(dense(act, w(m["w_down"])), positions, dropout.MLP_OUT, ctx)
 
 
 def run_blocks(x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -283,9 +284,9 @@ def logits_local(params: dict, x: jax.Array, ctx: ShardContext) -> jax.Array:
     h = _gather_seq(_norm(x, params["final_norm"], ctx), ctx)
     dt = DTYPES[ctx.compute_dtype]
     if "lm_head" in params:
-        logits = jnp.einsum("bsh,hv->bsv", h, params["lm_head"].astype(dt))
+        logits = dense(h, params["lm_head"].astype(dt))
     else:
-        logits = jnp.einsum("bsh,vh->bsv", h, params["embed"].astype(dt))
+        logits = dense(h, params["embed"].astype(dt).T)
     return logits.astype(jnp.float32)
 
 

@@ -39,6 +39,7 @@ from jaxpar.compat import all_gather_invariant
 from jaxpar.sharding import ParamPlacement, is_placement
 
 ZERO3_NAME = "zero3_gathered_param"  # checkpoint_name of a gathered parameter (the remat policy's key)
+DENSE_NAME = "dense"  # a weight matmul's output (jaxpar.models.matmul.dense): saved by remat "selective"
 NOT_GATHERED = -1  # entry of a dims tree: the parameter is stored whole, nothing to gather
 
 
@@ -94,7 +95,9 @@ def remat_policy(remat: str) -> Any:
     if remat == "full":
         return policies.nothing_saveable
     if remat == "selective":  # keep weight-matmul outputs, recompute the attention core
-        return policies.dots_with_no_batch_dims_saveable
+        # dense's dot sits inside a custom_vjp the dot policy does not see into: its output is named
+        return policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                                policies.save_only_these_names(DENSE_NAME))
     return _save_all_but_zero3_gathers
 
 
