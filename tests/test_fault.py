@@ -30,11 +30,10 @@ def _check(result, workdir):
     assert "unusable" not in log  # no half-written checkpoint was ever listed
 
 
-SLOW = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: the two-process pipeline drill "
-                          "below covers SIGKILL + resume in the default suite")
+SLOW = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: the single-process drill "
+                          "covers SIGKILL + resume in the default suite, the dead-peer test two processes")
 
 
-@SLOW
 def test_sigkill_resume_single_process_saving_every_step(tmp_path):
     # A checkpoint every step: most kills land while an asynchronous save is in flight.
     result = run_drill(TINY, [*SMALL, "--config.checkpoint.every=1"], str(tmp_path), processes=1, trials=2, seed=1)
@@ -76,6 +75,7 @@ def test_dead_peer_ends_the_job_with_a_clear_error(tmp_path):
     assert elapsed < 60
 
 
+@SLOW
 def test_sigkill_resume_two_processes_pipeline_across_them(tmp_path):
     """Pipeline stages on different processes (pipeline is the outermost axis: process 0 holds stage
     0, process 1 stage 1): every activation and gradient send crosses processes (gloo), and the
