@@ -37,16 +37,12 @@ _APPLY = re.compile(r"\bto_apply=%?([\w.\-]+)")
 
 def census(text: str) -> dict[str, dict[str, float]]:
     """``{"top": {op: [runs, bytes]}, "fused": {op: [runs, bytes]}}`` per step of the module's entry."""
-    from jaxpar.analysis.hlo import executions, parse_hlo, shape_bytes
+    from jaxpar.analysis.hlo import executions, fused_computations, parse_hlo, shape_bytes
 
     entry, comps = parse_hlo(text)
     runs = executions(entry, comps, warnings=[])
-    fused, applied = set(), set()
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "fusion":
-                fused.update(_CALLS.findall(ins.attrs))
-            applied.update(_APPLY.findall(ins.attrs))
+    fused = fused_computations(comps)
+    applied = {c for instrs in comps.values() for ins in instrs for c in _APPLY.findall(ins.attrs)}
     top: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     inside: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 

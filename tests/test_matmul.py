@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpar.analysis.compiled import mesh_for
-from jaxpar.analysis.hlo import parse_hlo
+from jaxpar.analysis.hlo import fused_computations, parse_hlo
 from jaxpar.config import load_config
 from jaxpar.models.matmul import dense
 from jaxpar.parallel.zero import DENSE_NAME, remat_policy
@@ -62,8 +61,7 @@ def test_selective_remat_saves_the_output():
 def _top_level_dots(text: str) -> list[str]:
     """Dots outside fused computations: XLA:CPU runs those with Eigen, fused ones with YNNPACK."""
     _, comps = parse_hlo(text)
-    fused = {c for instrs in comps.values() for i in instrs if i.opcode == "fusion"
-             for c in re.findall(r"\bcalls=%?([\w.\-]+)", i.attrs)}
+    fused = fused_computations(comps)
     return [i.name for name, instrs in comps.items() if name not in fused for i in instrs if i.opcode == "dot"]
 
 

@@ -138,6 +138,16 @@ def parse_hlo(text: str) -> tuple[str, dict[str, list[Instr]]]:
     return entry, comps
 
 
+_FUSION_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def fused_computations(comps: dict[str, list[Instr]]) -> set[str]:
+    """Names of the computations a ``fusion`` instruction calls: their instructions run inside one
+    kernel (XLA:CPU: a generated loop, or a library call such as YNNPACK's), not as ops of their own."""
+    return {c for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
+            for c in _FUSION_CALLS.findall(ins.attrs)}
+
+
 def parse_replica_groups(text: str) -> list[list[int]] | None:
     """``{{0,1},{2,3}}``, ``{}`` (None: all devices), or the iota form ``[2,4]<=[8]`` /
     ``[4,2]<=[2,4]T(1,0)`` (iota over the reshape dims, transposed, reshaped to groups x size)."""
