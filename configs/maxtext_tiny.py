@@ -20,8 +20,8 @@ DP-2 x TP-2 x PP-2       64.8 MB         31.2 MiB
 Ideal ZeRO-3 / FSDP over 8: all-gather forward + all-gather backward + reduce-scatter,
 3(n-1)/n * P * 4 bytes = 49.6 MB; DP: 2(n-1)/n * P * 4 = 33.1 MB. FSDP presets use ZeRO-3
 over ``data``. tests/test_compiled.py compares all four layouts with these numbers. jaxpar (fp32, this machine):
-DP-8 33.05 MB / 89.2 MiB; FSDP-8 47.73 MB / 27.1 MiB; FSDP-4 x TP-2 32.0 MB / 28.1 MiB;
-DP-2 x TP-2 x PP-2 22.55 MB (busiest stage, counted per stage from the schedule) / 30.85 MiB.
+DP-8 33.05 MB / 89.05 MiB; FSDP-8 47.73 MB / 25.83 MiB; FSDP-4 x TP-2 32.0 MB / 26.59 MiB;
+DP-2 x TP-2 x PP-2 22.55 MB (busiest stage, counted per stage from the schedule) / 30.10 MiB.
 
 Inspect (AOT compile on simulated CPU devices, compare with the formulas):
     jaxpar inspect --config configs/maxtext_tiny.py            # dp8

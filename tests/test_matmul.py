@@ -1,6 +1,7 @@
-"""jaxpar.models.matmul.dense: the same values and gradients as the einsum it replaces, saved by
-remat "selective" like any weight matmul, and on XLA:CPU a train step whose every dot runs in a
-fusion (YNNPACK), none in Eigen's fallback GEMM."""
+"""jaxpar.models.matmul.dense: the same values and gradients as the einsum it replaces (both
+weight-gradient forms), saved by remat "selective" like any weight matmul, and on XLA:CPU a train
+step that runs every weight matmul in a fusion (YNNPACK), none in Eigen's fallback GEMM, and moves
+no attention score tensor between layouts."""
 
 from __future__ import annotations
 
@@ -27,19 +28,27 @@ def _einsum(x, w):
     return jnp.einsum("bsi,io->bso", x, w)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_values_and_gradients_match_the_einsum(dtype):
-    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (2, 16, 32), dtype)
-    w = jax.random.normal(kw, (32, 48), dtype)
-    dy = jax.random.normal(kd, (2, 16, 48), dtype)
-    y, vjp = jax.vjp(dense, x, w)
-    y_ref, vjp_ref = jax.vjp(_einsum, x, w)
+def _check_vjp(f, ref, args, dy, dtype):
+    y, vjp = jax.vjp(f, *args)
+    y_ref, vjp_ref = jax.vjp(ref, *args)
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=tol, atol=tol)
-    for got, want in zip(vjp(dy), vjp_ref(dy)):
+    for got, want in zip(vjp(dy.astype(y.dtype)), vjp_ref(dy.astype(y.dtype))):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol * 10)
+
+
+# (in, out): in <= out transposes x for the weight gradient, in > out (with few rows) dy and dW^T
+@pytest.mark.parametrize("dims", [(32, 48), (64, 8)], ids=["transpose_x", "transpose_dy"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_values_and_gradients_match_the_einsum(dtype, dims):
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    i, o = dims
+    x = jax.random.normal(kx, (2, 16, i), dtype)
+    w = jax.random.normal(kw, (i, o), dtype)
+    dy = jax.random.normal(kd, (2, 16, o), jnp.float32)
+    _check_vjp(dense, _einsum, (x, w), dy, dtype)
 
 
 def test_selective_remat_saves_the_output():
@@ -59,16 +68,33 @@ def test_selective_remat_saves_the_output():
 
 
 def _top_level_dots(text: str) -> list[str]:
-    """Dots outside fused computations: XLA:CPU runs those with Eigen, fused ones with YNNPACK."""
+    """Dots without batch dims outside fused computations: XLA:CPU runs those with Eigen, fused ones
+    with YNNPACK. (Attention's batched key and value gradients, 2 per layer, still run in Eigen.)"""
     _, comps = parse_hlo(text)
     fused = fused_computations(comps)
-    return [i.name for name, instrs in comps.items() if name not in fused for i in instrs if i.opcode == "dot"]
+    return [i.name for name, instrs in comps.items() if name not in fused for i in instrs
+            if i.opcode == "dot" and "lhs_batch_dims" not in i.attrs]
+
+
+def _score_transposes(text: str, seq: int) -> list[str]:
+    """Transposes of an attention score tensor: rank >= 4 with two dims of the sequence length."""
+    _, comps = parse_hlo(text)
+    out = []
+    for instrs in comps.values():
+        for i in instrs:
+            dims = i.type_text.split("[", 1)[1].split("]", 1)[0].split(",") if "[" in i.type_text else []
+            if i.opcode == "transpose" and len(dims) >= 4 and dims.count(str(seq)) >= 2:
+                out.append(i.type_text)
+    return out
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the Eigen fallback is XLA:CPU's")
-def test_train_step_has_no_eigen_dot():
+def test_train_step_has_no_eigen_dot_and_no_score_transpose():
     """Before dense, XLA:CPU ran 13 dots a step in Eigen for this model (the weight gradients of w_gate,
-    w_up and w_down in each of 4 layers, and of the output layer); MaxText 0.2.5's step has none."""
+    w_up and w_down in each of 4 layers, and of the output layer); MaxText 0.2.5's step has none.
+    Before the head-major attention (jaxpar.models.attention.dot_product_attention), the (b, kv, g, s, s)
+    scores were transposed 5 times per layer (checked on that commit's HLO)."""
     cfg = load_config(f"{MAXTEXT}:dp8")
     text = Setup(cfg, mesh_for(cfg)).lower_train_step().compile().as_text()
     assert _top_level_dots(text) == []
+    assert _score_transposes(text, cfg.train.seq_len) == []
