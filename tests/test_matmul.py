@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxpar.analysis.compiled import mesh_for
-from jaxpar.analysis.hlo import fused_computations, parse_hlo
+from jaxpar.analysis.hlo import array_dims, fused_computations, parse_hlo
 from jaxpar.config import load_config
 from jaxpar.models.matmul import dense
 from jaxpar.parallel.zero import DENSE_NAME, remat_policy
@@ -79,13 +79,8 @@ def _top_level_dots(text: str) -> list[str]:
 def _score_transposes(text: str, seq: int) -> list[str]:
     """Transposes of an attention score tensor: rank >= 4 with two dims of the sequence length."""
     _, comps = parse_hlo(text)
-    out = []
-    for instrs in comps.values():
-        for i in instrs:
-            dims = i.type_text.split("[", 1)[1].split("]", 1)[0].split(",") if "[" in i.type_text else []
-            if i.opcode == "transpose" and len(dims) >= 4 and dims.count(str(seq)) >= 2:
-                out.append(i.type_text)
-    return out
+    return [i.type_text for instrs in comps.values() for i in instrs
+            if i.opcode == "transpose" and len(dims := array_dims(i.type_text)) >= 4 and dims.count(seq) >= 2]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the Eigen fallback is XLA:CPU's")

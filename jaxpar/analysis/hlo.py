@@ -52,6 +52,12 @@ def shape_bytes(type_text: str) -> float:
     return total
 
 
+def array_dims(type_text: str) -> list[int]:
+    """The dims of an HLO array type (``f32[2,3]{1,0}`` -> ``[2, 3]``; a tuple: its first array)."""
+    arrays = _ARRAY.findall(type_text)
+    return _dims(arrays[0][1]) if arrays else []
+
+
 def _dims(text: str) -> list[int]:
     return [int(d.replace("<=", "")) for d in text.split(",") if d.strip()]
 

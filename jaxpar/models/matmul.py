@@ -47,17 +47,12 @@ def _barrier(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x) if jax.default_backend() == "cpu" else x
 
 
-def _t(x: jax.Array) -> jax.Array:
-    """Swap the last two dims."""
-    return jnp.swapaxes(x, -1, -2)
-
-
 def _weight_grad(x: jax.Array, dy: jax.Array) -> jax.Array:
     """``x^T @ dy`` for ``x`` (m, k) and ``dy`` (m, n), (k, n) out, in the cheaper form (module docstring)."""
-    m, k, n = x.shape[-2], x.shape[-1], dy.shape[-1]
+    (m, k), n = x.shape, dy.shape[1]
     if m * k <= m * n + k * n:
-        return jnp.matmul(_barrier(_t(x)), dy)
-    return _t(_barrier(jnp.matmul(_barrier(_t(dy)), x)))
+        return _barrier(x.T) @ dy
+    return _barrier(_barrier(dy.T) @ x).T
 
 
 @jax.custom_vjp
