@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from jaxpar import host_memory
 from jaxpar.analysis import sweep as sweep_lib
 from jaxpar.analysis import sweep_report
 from jaxpar.analysis.estimate import ParallelLayout
@@ -85,6 +86,8 @@ def test_two_layout_sweep_measures_and_agrees(two_layouts):
     rows = {r["name"]: r for r in doc["layouts"]}
     assert list(rows) == ["d8t1p1-z0-m1", "d4t2p1-z1-sp-m1"] and doc["meta"]["reference"] == "d8t1p1-z0-m1"
     probe = doc["meta"]["host_probe"]
+    if host_memory.steady_malloc(apply=False).startswith("glibc"):
+        assert doc["meta"]["allocator"].startswith("glibc") and "(jaxpar.host_memory)" in doc["meta"]["allocator"]
     assert probe["layout"] == "d8t1p1-z0-m1" and probe["steps_per_layout_and_pass"] == sweep_lib.PROBE_STEPS
     for r in rows.values():
         assert r["status"] == "ok" and len(r["losses"]) == 3 and r["loss_rel_diff"] <= 1e-5
@@ -97,6 +100,10 @@ def test_two_layout_sweep_measures_and_agrees(two_layouts):
         assert r["argument_bytes"] == pytest.approx(r["est_argument_bytes"], rel=0.01)  # planner vs compiler
         assert r["compile_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5
         assert len(r["host_probe_s"]) == 2 and all(0 < p < 60 for p in r["host_probe_s"])  # one per pass
+        # the worker process's minor page faults, per pass and step; the statistic pools the steady steps
+        assert [len(f) for f in r["minor_faults"]] == [3, 3] and min(min(f) for f in r["minor_faults"]) >= 0
+        faults = sorted(r["minor_faults"][0][1:] + r["minor_faults"][1][1:])
+        assert r["minor_faults_per_step"] == (faults[1] + faults[2]) / 2
     dp, tp = rows["d8t1p1-z0-m1"], rows["d4t2p1-z1-sp-m1"]
     assert dp["collective_bytes"]["tensor"] == 0 and tp["collective_bytes"]["tensor"] > 0
     assert tp["argument_bytes"] < dp["argument_bytes"] / 3  # TP halves, ZeRO-1 over 4 splits the Adam moments

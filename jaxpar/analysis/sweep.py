@@ -83,6 +83,7 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     import jax
 
     from jaxpar import data as data_lib
+    from jaxpar.host_memory import steady_malloc
     from jaxpar.metrics import device_peak_flops
 
     load_before = os.getloadavg()
@@ -151,6 +152,7 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "wall_s": time.perf_counter() - started,
         "host_probe": {"layout": layout_name(layouts[0]), "steps_per_layout_and_pass": PROBE_STEPS,
                        "median_s": _median([p for r in records for p in r.host_probe_s])},
+        "allocator": steady_malloc(apply=False),  # what each worker process set (sweep_worker._worker)
         "layouts": len(records),
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
     }
@@ -165,6 +167,7 @@ def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: Config
         record.status, record.error = "crashed", f"pass {number}: {out['error']}"
         return
     record.repeat_step_times_s.append(out["times"])
+    record.minor_faults.append(out.get("faults", []))
     if "probe_s" in out:
         record.host_probe_s.append(out["probe_s"])
     if out["losses"] != record.losses and record.status == "ok":

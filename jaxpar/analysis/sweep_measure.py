@@ -61,6 +61,8 @@ class SweepRecord:
     loss_rel_diff: float = float("nan")  # max over steps of |loss - reference| / |reference|
     retried: str = ""  # why the first attempt's process died, when a second attempt ran
     host_probe_s: list[float] = dataclasses.field(default_factory=list)  # HostProbe.measure before each pass
+    minor_faults: list[list[int]] = dataclasses.field(default_factory=list)  # per pass, per step (all steps)
+    minor_faults_per_step: float = 0.0  # median over the steady steps of every pass (jaxpar.host_memory)
 
     @property
     def ok(self) -> bool:
@@ -132,7 +134,8 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
 
     if probe is not None:
         record.host_probe_s = [probe.measure()]
-    record.step_times_s, record.losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+    record.step_times_s, record.losses, faults = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+    record.minor_faults = [faults]
     summarize_times(record, lcfg, layout, warmup, peak_flops)
 
 
@@ -162,26 +165,36 @@ def _never_skip(mesh: Any) -> Any:
 
 
 def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
-                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float]]:
-    """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step)."""
+                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float], list[int]]:
+    """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step, the
+    process's minor page faults during each step: see :mod:`jaxpar.host_memory`)."""
     import jax
 
     params, opt = setup.init(lcfg.train.seed)
     guard = _never_skip(setup.mesh)
-    times, losses = [], []
+    times, losses, faults = [], [], []
     for k in range(steps):
         batch = setup.feed.make_batch(batches[k])
+        before = _minor_faults()
         tick = time.perf_counter()
         params, opt, metrics = compiled(params, opt, batch, guard)
         # wait for every output, not only the loss: the time then covers the whole update, and no
         # collective of this step is still running when the next one (or the next layout) starts
         params, opt, metrics = jax.block_until_ready((params, opt, metrics))
         times.append(time.perf_counter() - tick)
+        faults.append(_minor_faults() - before)
         losses.append(float(metrics["loss"]))
         if on_step is not None:
             on_step(k + 1, losses[-1])
     del params, opt
-    return times, losses
+    return times, losses, faults
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (every thread: the simulated devices' too)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
@@ -189,8 +202,8 @@ def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
                probe: HostProbe | None = None) -> dict[str, Any]:
     """A later pass over ``layout``: run the same steps again with the executable pass 1 compiled
     (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as after a worker
-    died); ``{"times": [...], "losses": [...]}`` (and ``"probe_s"``, ``probe`` timed just before the
-    steps) or ``{"error": one line}``.
+    died); ``{"times": [...], "losses": [...], "faults": [...]}`` (and ``"probe_s"``, ``probe`` timed
+    just before the steps) or ``{"error": one line}``.
 
     Never JAX's persistent compilation cache: on XLA:CPU (jax 0.10.2) pipeline executables read
     back from it compute wrong, run-to-run different losses (measured: first-step loss 5.5698 and
@@ -204,10 +217,10 @@ def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
             lcfg.train.steps = steps
             setup, compiled = _compile_step(lcfg)
         probed = {"probe_s": probe.measure()} if probe is not None else {}
-        times, losses = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
+        times, losses, faults = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
         return {"error": _one_line(e)}
-    return {"times": times, "losses": losses, **probed}
+    return {"times": times, "losses": losses, "faults": faults, **probed}
 
 
 PROBE_STEPS = 3
@@ -257,7 +270,8 @@ class HostProbe:
 def summarize_times(record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayout, warmup: int,
                     peak_flops: float) -> None:
     """Step-time statistics over the steady steps (the first ``warmup`` of each pass left out) of
-    every pass, pooled: median, min, max, each pass's median, and the tokens/s and MFU of the median.
+    every pass, pooled: median, min, max, each pass's median, the tokens/s and MFU of the median, and
+    the median minor page faults per step.
 
     Pooling passes that ran minutes apart is what makes the spread honest: on a shared or virtual
     host the speed drifts over minutes by more than one pass's steps vary (measured: two runs of
@@ -270,6 +284,8 @@ def summarize_times(record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayou
     record.pass_medians_s = [statistics.median(times[warmup:] or times) for times in passes]
     record.step_time_median_s = statistics.median(steady)
     record.step_time_min_s, record.step_time_max_s = min(steady), max(steady)
+    faults = [f for per_pass in record.minor_faults for f in (per_pass[warmup:] or per_pass)]
+    record.minor_faults_per_step = statistics.median(faults) if faults else 0.0
     record.tokens_per_s = layout.tokens_per_step / record.step_time_median_s
     flops = model_flops_per_token(lcfg.model, layout.seq_len) * record.tokens_per_s
     record.mfu = flops / layout.devices / peak_flops

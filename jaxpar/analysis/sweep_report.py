@@ -26,7 +26,8 @@ PLOTS = {"memory_vs_bytes": "memory per device vs collective bytes per step",
          "estimate_vs_measured": "planner estimate vs measured (memory, step time)"}
 CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage",
               "sequence_parallel", "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s",
-              "step_time_max_s", "pass_medians_s", "host_probe_s", "tokens_per_s", "mfu", "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
+              "step_time_max_s", "pass_medians_s", "host_probe_s", "minor_faults_per_step", "tokens_per_s", "mfu",
+              "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
               *(f"{a}_bytes" for a in AXES), *(f"est_{a}_bytes" for a in AXES), "est_step_time_s", "final_loss",
               "loss_rel_diff", "error")
 
@@ -198,6 +199,8 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
         "",
         _probe_note(records, meta),
         "",
+        _faults_note(records, meta),
+        "",
         "Columns: compiled per-device arguments (parameters, optimizer state, batch) and temporaries "
         "(`memory_analysis`), collective ring bytes per device per step by mesh axis (pipelines: the busiest stage), "
         "each with the planner's estimate in parentheses (temporaries: gradients + activations + transients).",
@@ -227,6 +230,19 @@ def _probe_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
             f"{probe.get('steps_per_layout_and_pass', '?')} steps of {probe.get('layout', '?')}, median): "
             f"{statistics.median(times) * 1e3:.1f} ms over the sweep, range {min(times) * 1e3:.1f}-"
             f"{max(times) * 1e3:.1f} ms. A re-run with `--baseline` divides this out.")
+
+
+def _faults_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
+    """Minor page faults per timed step: a step that faults pays for fresh pages, and how many it
+    gets depends on the worker process's allocation history (:mod:`jaxpar.host_memory`)."""
+    ran = [r for r in records if r.status != "crashed"]
+    if not ran:
+        return "Page faults: none measured (no layout ran)."
+    worst = max(ran, key=lambda r: r.minor_faults_per_step)
+    faulting = sum(r.minor_faults_per_step > 0 for r in ran)
+    return (f"Allocator: {meta.get('allocator', 'not recorded')}. Minor page faults per timed step (median over the "
+            f"steady steps): 0 on {len(ran) - faulting} of {len(ran)} layouts; the most, "
+            f"{worst.minor_faults_per_step:.0f}, on {worst.name}.")
 
 
 def _load(values: Any) -> str:

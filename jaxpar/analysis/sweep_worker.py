@@ -7,7 +7,9 @@ ran concurrently with the layer scan's collectives of the same rendezvous key, f
 (:mod:`jaxpar.analysis.collective_order`). The isolation stays for whatever else aborts: the child
 allows collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`: simulated devices on busy cores can
 be late), a layout whose child dies is tried once more in a new child, then recorded as crashed
-with the fatal line, and the sweep goes on.
+with the fatal line, and the sweep goes on. The child holds glibc's malloc thresholds fixed
+(:func:`jaxpar.host_memory.steady_malloc`) before JAX starts, so that a layout's step time does not
+depend on what the layouts before it allocated.
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
 
     fd = os.open(errors, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
+    from jaxpar.host_memory import steady_malloc
+
+    steady_malloc()
     # XLA:CPU aborts a collective whose participants do not all arrive within 40 s; 8 simulated
     # devices on 2 busy cores can be that late: allow 10 minutes before JAX starts
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *COLLECTIVE_TIMEOUT_FLAGS]).strip()
