@@ -31,10 +31,11 @@ from jaxpar.analysis.sweep_measure import PROBE_STEPS, HostProbe, SweepRecord, r
 from jaxpar.analysis.sweep_worker import ABORT_ENV, COLLECTIVE_TIMEOUT_FLAGS, Workers
 from jaxpar.config import ConfigDict, ConfigError
 
-__all__ = ["ABORT_ENV", "AXES", "COLLECTIVE_TIMEOUT_FLAGS", "STATUSES", "TOLERANCE", "HostProbe", "SweepRecord", "Workers",
+__all__ = ["ABORT_ENV", "AXES", "COLLECTIVE_TIMEOUT_FLAGS", "PASS_STEPS", "STATUSES", "TOLERANCE", "HostProbe", "SweepRecord", "Workers",
            "check_losses", "cpu_cluster", "device_cluster", "layout_name", "measure_copy_gbps", "run_layout",
            "run_sweep_layouts", "select", "summarize_times", "sweep_layouts", "time_again"]
 
+PASS_STEPS = 5  # steps of each later pass, unless --steps is fewer
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}  # relative loss difference from the reference
 STATUSES = ("ok", "mismatch", "crashed")
 
@@ -61,15 +62,21 @@ def check_losses(records: list[SweepRecord], tolerance: float) -> SweepRecord | 
 
 
 def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: int, only: Iterable[str] = (),
-                      tolerance: float | None = None, progress: bool = True, repeats: int = 3
-                      ) -> tuple[list[SweepRecord], dict]:
+                      tolerance: float | None = None, progress: bool = True, repeats: int = 6,
+                      pass_steps: int | None = None) -> tuple[list[SweepRecord], dict]:
     """Every selected layout of ``num_devices``, each for ``steps`` steps on the same batches;
     returns the records and the run's conditions (host, peak, cluster, tolerance, wall time).
 
-    ``repeats`` passes: the first compiles, analyses and runs every layout; each later pass runs the
-    whole list again with pass 1's executables (kept in the worker process; JAX's persistent
-    compilation cache is switched off for the workers, see :func:`time_again`) and must reproduce
-    pass 1's losses bit for bit. Step-time statistics pool the passes (:func:`summarize_times`).
+    ``repeats`` passes: the first compiles, analyses and runs every layout for ``steps`` steps; each
+    later pass runs the whole list again for ``pass_steps`` steps (default ``min(PASS_STEPS, steps)``)
+    with pass 1's executables (kept in the worker process; JAX's persistent compilation cache is
+    switched off for the workers, see :func:`time_again`) and must reproduce pass 1's first losses
+    bit for bit. Step-time statistics pool the passes' steps after ``warmup`` (:func:`summarize_times`).
+
+    Why many short passes rather than few long ones: on the 2-core VM a layout's median moves between
+    passes minutes apart by more than its steps vary within a pass (log step time, two re-run pairs
+    of the tiny sweep: 9-10% between passes, 7-8% within one), and only passes put that movement
+    inside the pooled spread that a re-run is checked against.
     Just before every layout's steps, in every pass, the first layout's step is timed as the host's
     speed of the moment (:class:`HostProbe`, ``host_probe_s``)."""
     import os
@@ -98,6 +105,10 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     tolerance = TOLERANCE[cfg.model.compute_dtype] if tolerance is None else tolerance
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: use at least 1 pass")
+    pass_steps = min(PASS_STEPS, steps) if pass_steps is None else pass_steps
+    if not warmup < pass_steps <= steps:
+        raise ConfigError(f"--pass-steps {pass_steps}: use a value in ({warmup}, {steps}]: more than --warmup, "
+                          "at most --steps")
     records: list[SweepRecord] = []
     saved = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never read compiles back (time_again)
     try:
@@ -116,9 +127,10 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
                 bar.update(over, advance=1, loss=record.final_loss)
             for number in range(2, repeats + 1):
                 for lay, record in zip(layouts, records):
-                    bar.reset(inner, total=steps, name=f"{record.name} (pass {number})", loss=float("nan"))
+                    bar.reset(inner, total=pass_steps, name=f"{record.name} (pass {number})", loss=float("nan"))
                     if record.status != "crashed":
-                        out = workers.again(lay, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
+                        out = workers.again(lay, pass_steps,
+                                            on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
                         _add_pass(record, out, number, cfg, lay, warmup, peak)
                         if record.status == "crashed":
                             bar.console.print(f"[red]{record.name} crashed in pass {number}:[/] {record.error}")
@@ -143,6 +155,7 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "steps": steps,
         "warmup_steps_excluded": warmup,
         "repeats": repeats,
+        "pass_steps": pass_steps,
         "compute_dtype": cfg.model.compute_dtype,
         "tolerance": tolerance,
         "reference": reference.name if reference else None,
@@ -162,7 +175,8 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
 def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: ConfigDict, layout: ParallelLayout,
               warmup: int, peak: float) -> None:
     """Fold a later pass into ``record``: its step times, or a crash; losses that are not bitwise
-    pass 1's make the layout a mismatch (the same program on the same inputs must repeat itself)."""
+    pass 1's first ones make the layout a mismatch (the same program on the same inputs must repeat
+    itself)."""
     if "error" in out:
         record.status, record.error = "crashed", f"pass {number}: {out['error']}"
         return
@@ -170,7 +184,7 @@ def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: Config
     record.minor_faults.append(out.get("faults", []))
     if "probe_s" in out:
         record.host_probe_s.append(out["probe_s"])
-    if out["losses"] != record.losses and record.status == "ok":
+    if out["losses"] != record.losses[:len(out["losses"])] and record.status == "ok":
         diff = max((abs(a - b) / abs(b) if b else abs(a - b)) for a, b in zip(out["losses"], record.losses))
         record.status = "mismatch"
         record.error = f"pass {number} losses differ from pass 1 by {diff:.2e} relative (not deterministic)"

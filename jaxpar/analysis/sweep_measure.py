@@ -199,10 +199,11 @@ def _minor_faults() -> int:
 
 def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
                on_step: Callable[[int, float], None] | None = None, kept: dict[str, Any] | None = None,
-               probe: HostProbe | None = None) -> dict[str, Any]:
-    """A later pass over ``layout``: run the same steps again with the executable pass 1 compiled
-    (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as after a worker
-    died); ``{"times": [...], "losses": [...], "faults": [...]}`` (and ``"probe_s"``, ``probe`` timed
+               probe: HostProbe | None = None, run_steps: int | None = None) -> dict[str, Any]:
+    """A later pass over ``layout``: run pass 1's first ``steps`` steps again with the executable
+    pass 1 compiled (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as
+    after a worker died, for pass 1's ``run_steps``, default ``steps``: the learning-rate schedule
+    spans them); ``{"times": [...], "losses": [...], "faults": [...]}`` (and ``"probe_s"``, ``probe`` timed
     just before the steps) or ``{"error": one line}``.
 
     Never JAX's persistent compilation cache: on XLA:CPU (jax 0.10.2) pipeline executables read
@@ -214,7 +215,7 @@ def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
             setup, compiled, lcfg = kept[layout_name(layout)]
         else:
             lcfg = layout_config(cfg, layout)
-            lcfg.train.steps = steps
+            lcfg.train.steps = steps if run_steps is None else run_steps
             setup, compiled = _compile_step(lcfg)
         probed = {"probe_s": probe.measure()} if probe is not None else {}
         times, losses, faults = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)

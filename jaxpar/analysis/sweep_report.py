@@ -183,8 +183,7 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
         f"{meta['layouts']} layouts of {meta['devices']} {meta['platform']} devices ({meta['device_kind']}), "
         f"{meta['steps']} steps each of {meta['tokens_per_step']} tokens (global batch {meta['global_batch']} x seq "
         f"{meta['seq_len']}), {meta['compute_dtype']} compute; all from the same initialisation on the same batches. "
-        f"Step times: median, min and max over steps {meta['warmup_steps_excluded'] + 1}-{meta['steps']} (the first "
-        f"{meta['warmup_steps_excluded']} excluded) of {_passes(meta.get('repeats', 1))}. Reference layout: "
+        f"Step times: median, min and max over {_passes(meta)}. Reference layout: "
         f"{meta['reference']}; tolerance "
         f"{meta['tolerance']:g} relative on every step's loss.",
         "",
@@ -240,21 +239,28 @@ def _faults_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
         return "Page faults: none measured (no layout ran)."
     worst = max(ran, key=lambda r: r.minor_faults_per_step)
     faulting = sum(r.minor_faults_per_step > 0 for r in ran)
-    return (f"Allocator: {meta.get('allocator', 'not recorded')}. Minor page faults per timed step (median over the "
-            f"steady steps): 0 on {len(ran) - faulting} of {len(ran)} layouts; the most, "
-            f"{worst.minor_faults_per_step:.0f}, on {worst.name}.")
+    head = (f"Allocator: {meta.get('allocator', 'not recorded')}. Minor page faults per timed step (median over "
+            "the steady steps): ")
+    if not faulting:
+        return head + f"0 on all {len(ran)} layouts."
+    return head + (f"0 on {len(ran) - faulting} of {len(ran)} layouts; the most, {worst.minor_faults_per_step:.0f}, "
+                   f"on {worst.name}.")
 
 
 def _load(values: Any) -> str:
     return "/".join(f"{v:.1f}" for v in values)
 
 
-def _passes(repeats: int) -> str:
+def _passes(meta: dict[str, Any]) -> str:
+    """Which steps the step-time statistics pool."""
+    warmup, steps, repeats = meta["warmup_steps_excluded"], meta["steps"], meta.get("repeats", 1)
+    first = f"steps {warmup + 1}-{steps} (the first {warmup} excluded)"
     if repeats <= 1:
-        return "one pass"
-    return (f"{repeats} passes pooled (the whole list ran {repeats} times, minutes apart, so the spread includes "
-            "the host's drift; the later passes reproduced the first pass's losses bit for bit, or the layout is "
-            "marked)")
+        return f"{first} of one pass"
+    later = meta.get("pass_steps", steps)
+    return (f"{first} of pass 1 and steps {warmup + 1}-{later} of each of the {repeats - 1} later passes of {later} "
+            f"steps, pooled (the whole list ran {repeats} times, minutes apart, so the spread includes the host's "
+            "drift; each later pass reproduced pass 1's losses bit for bit, or the layout is marked)")
 
 
 def _load_note(meta: dict[str, Any]) -> str:

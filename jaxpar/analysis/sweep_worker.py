@@ -73,20 +73,21 @@ class Workers:
     def run(self, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool = True) -> SweepRecord:
         """The layout's record; a layout whose process dies is tried once more in a new one
         (``retried`` keeps the first death), then recorded as crashed."""
-        return self._ask(False, layout, on_step, retry)
+        return self._ask(False, layout, on_step, retry, self.args[3])
 
-    def again(self, layout: ParallelLayout, on_step: Callable[[int, float], None]) -> dict[str, Any]:
-        """A later pass (:func:`time_again`): ``{"times", "losses"}`` or ``{"error"}``; a process
-        that dies is tried once more, as in :meth:`run`."""
-        out = self._ask(True, layout, on_step, True)
+    def again(self, layout: ParallelLayout, steps: int, on_step: Callable[[int, float], None]) -> dict[str, Any]:
+        """A later pass of ``steps`` steps (:func:`time_again`): ``{"times", "losses", ...}`` or
+        ``{"error"}``; a process that dies is tried once more, as in :meth:`run`."""
+        out = self._ask(True, layout, on_step, True, steps)
         return {"error": out.error} if isinstance(out, SweepRecord) else out
 
-    def _ask(self, again: bool, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool) -> Any:
+    def _ask(self, again: bool, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool,
+             steps: int) -> Any:
         import queue
 
         if self.proc is None:
             self._start()
-        self.tasks.put((again, dataclasses.asdict(layout)))
+        self.tasks.put((again, dataclasses.asdict(layout), steps))
         while True:
             try:
                 kind, *payload = self.results.get(timeout=1.0)
@@ -96,7 +97,7 @@ class Workers:
                 error = f"the process died (exit code {self.proc.exitcode}): {self._fatal_line()}"
                 self._stop()
                 if retry:  # a fresh process, once: overloaded hosts make XLA:CPU collectives time out
-                    record = self._ask(again, layout, on_step, False)
+                    record = self._ask(again, layout, on_step, False, steps)
                     if isinstance(record, SweepRecord):
                         record.retried = error
                     return record
@@ -137,14 +138,14 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
     kept: dict[str, Any] = {}  # layout name -> pass 1's compiled step, for the later passes
     probe = HostProbe(cfg, ParallelLayout(**probe_layout), batches[0], kept) if probe_layout else None
     while (task := tasks.get()) is not None:
-        again, item = task
+        again, item, pass_steps = task
         if os.environ.get(ABORT_ENV) == layout_name(ParallelLayout(**item)):  # the crash drill of the tests
             os.write(2, f"Fatal: {ABORT_ENV} drill aborts this process\n".encode())
             os.abort()
         on_step = lambda k, loss: results.put(("step", k, loss))  # noqa: E731
         if again:
-            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=steps, on_step=on_step,
-                                            kept=kept, probe=probe)))
+            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=pass_steps, on_step=on_step,
+                                            kept=kept, probe=probe, run_steps=steps)))
             continue
         record = run_layout(cfg, ParallelLayout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
                             cluster=cluster, on_step=on_step, keep=kept, probe=probe)

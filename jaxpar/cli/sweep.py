@@ -29,9 +29,12 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="devices (CPU: simulated) to lay out")
     parser.add_argument("--steps", type=int, default=8, help="steps per layout")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time statistics")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=6,
                         help="passes over the whole layout list; step times pool them (the later passes reuse the "
                              "compiles and must reproduce the losses bit for bit)")
+    parser.add_argument("--pass-steps", type=int, default=None,
+                        help="steps of each later pass (default: 5, or --steps if fewer); more, shorter passes put "
+                             "more of the host's drift inside the spread")
     parser.add_argument("--only", action="append", default=[], metavar="REGEX",
                         help="run only layouts whose name matches (repeatable), e.g. --only 'z3' --only '^d2t2'")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -68,7 +71,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 0
     records, meta = sweep_lib.run_sweep_layouts(
         cfg, args.devices, steps=args.steps, warmup=args.warmup, only=args.only, tolerance=args.tolerance,
-        progress=not args.no_progress, repeats=args.repeats)
+        progress=not args.no_progress, repeats=args.repeats, pass_steps=args.pass_steps)
     meta["command"] = "jaxpar " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith(("jaxpar", "__main__.py")) else (
         shlex.join(["jaxpar", "sweep", *_argv(args)]))
     meta["config"] = config
@@ -100,6 +103,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--repeats {args.repeats}: use a pass count in [1, {MAX_REPEATS}]")
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup {args.warmup}: use a value in [0, --steps) so some steps are timed")
+    if args.pass_steps is not None and not args.warmup < args.pass_steps <= args.steps:
+        raise ConfigError(f"--pass-steps {args.pass_steps}: use a value in ({args.warmup}, {args.steps}]: more than "
+                          "--warmup so some steps are timed, at most --steps")
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
         raise ConfigError(f"--tolerance {args.tolerance}: use a finite relative tolerance > 0, e.g. 1e-5")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -107,7 +113,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.list:
         parser = argparse.ArgumentParser()
         add_sweep_arguments(parser)  # the defaults, from the one place that declares them
-        for name in ("steps", "warmup", "repeats", "tolerance", "baseline", "output", "no_progress"):
+        for name in ("steps", "warmup", "repeats", "pass_steps", "tolerance", "baseline", "output", "no_progress"):
             if getattr(args, name) != parser.get_default(name):
                 flag = "-o" if name == "output" else f"--{name.replace('_', '-')}"
                 raise ConfigError(f"sweep {flag} has no effect with --list (it only lists the layouts); drop one of them")
@@ -116,6 +122,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _argv(args: argparse.Namespace) -> list[str]:
     out = ["--config", args.config or "configs/tiny.py", "--devices", str(args.devices), "--steps", str(args.steps),
            "--repeats", str(args.repeats)]
+    if args.pass_steps is not None:
+        out += ["--pass-steps", str(args.pass_steps)]
     for pattern in args.only:
         out += ["--only", pattern]
     return [*out, *(getattr(args, "overrides", None) or []), "-o", args.output]
