@@ -30,7 +30,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per layout")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time statistics")
     parser.add_argument("--repeats", type=int, default=6,
-                        help="passes over the whole layout list; step times pool them (the later passes reuse the "
+                        help="passes over the whole layout list (default 6); step times pool them (the later passes reuse the "
                              "compiles and must reproduce the losses bit for bit)")
     parser.add_argument("--pass-steps", type=int, default=None,
                         help="steps of each later pass (default: 5, or --steps if fewer); more, shorter passes put "
