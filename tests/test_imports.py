@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
 # Top-level modules / packages of jaxpar (or a dotted submodule that sits lower than its package),
 # lowest tier first.
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("axes", "errors", "compat", "console"),
+    ("axes", "errors", "compat", "console", "host_memory"),
     ("layout", "models.registry", "optim.fields"),  # need no config: config.validate calls them
     ("config",),
     ("mesh", "distributed"),
