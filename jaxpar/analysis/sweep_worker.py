@@ -41,6 +41,7 @@ class Workers:
         self.ctx = multiprocessing.get_context("spawn")  # a fresh JAX per child (fork would copy the parent's)
         self.args = (cfg.to_dict(), num_devices, batches, steps, warmup, peak, cluster.to_dict(),
                      dataclasses.asdict(probe) if probe is not None else None)
+        self.steps = steps  # pass 1's; a later pass says its own (:meth:`again`)
         self.proc: Any = None
 
     def __enter__(self) -> Workers:
@@ -73,7 +74,7 @@ class Workers:
     def run(self, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool = True) -> SweepRecord:
         """The layout's record; a layout whose process dies is tried once more in a new one
         (``retried`` keeps the first death), then recorded as crashed."""
-        return self._ask(False, layout, on_step, retry, self.args[3])
+        return self._ask(False, layout, on_step, retry, self.steps)
 
     def again(self, layout: ParallelLayout, steps: int, on_step: Callable[[int, float], None]) -> dict[str, Any]:
         """A later pass of ``steps`` steps (:func:`time_again`): ``{"times", "losses", ...}`` or
