@@ -3,7 +3,8 @@
 Sources, in order:
 * explicit variables (what ``scripts/launch_local.sh`` sets): ``JAXPAR_COORDINATOR``
   (host:port), ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID``;
-* SLURM (``SLURM_NTASKS`` > 1): ``jax.distributed.initialize()`` reads the SLURM variables itself;
+* SLURM, inside an ``srun`` step of several tasks: ``jax.distributed.initialize()`` reads the SLURM
+  variables itself;
 * otherwise a single process: nothing to do.
 
 On CPU the processes talk over gloo. A process that dies stops sending heartbeats; the
@@ -57,7 +58,9 @@ def initialize_from_env() -> bool:
             initialization_timeout=timeout,
         )
         return True
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    if _in_slurm_step():
+        if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
         return True
     return False
@@ -80,6 +83,65 @@ def jax_started() -> bool:
         return bool(xla_bridge._backends)
     except Exception:  # private API moved: assume started
         return True
+
+
+def launch_process_count() -> int:
+    """How many processes the launch environment starts: ``JAXPAR_NUM_PROCESSES`` with
+    ``JAXPAR_COORDINATOR``, SLURM's task count inside an ``srun`` step, else 1."""
+    if "JAXPAR_COORDINATOR" in os.environ:
+        if "JAXPAR_NUM_PROCESSES" not in os.environ:
+            raise ConfigError("JAXPAR_COORDINATOR is set but JAXPAR_NUM_PROCESSES is not; set both (and JAXPAR_PROCESS_ID)")
+        num = _int_env("JAXPAR_NUM_PROCESSES")
+        if num < 1:
+            raise ConfigError(f"JAXPAR_NUM_PROCESSES={num}: must be at least 1")
+        return num
+    if _in_slurm_step():
+        return _int_env("SLURM_NTASKS")
+    return 1
+
+
+def _in_slurm_step() -> bool:
+    """Inside an ``srun`` step of several tasks (the batch script itself is no step)."""
+    needed = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_NTASKS")
+    return all(v in os.environ for v in needed) and _int_env("SLURM_NTASKS") > 1
+
+
+def simulate_local_devices(total: int) -> int | None:
+    """Set how many simulated CPU devices this process has for a mesh of ``total`` devices: its
+    share, ``total / processes``. The one place that decides the count for ``jaxpar train``.
+
+    A device count already in ``XLA_FLAGS`` must be that share (XLA reads the last one given, so
+    every one given must agree): otherwise one line names the flag and the fix, since N processes
+    that each simulate the whole mesh see N times its devices. Returns the share, or None where it
+    does not apply (a platform other than CPU is asked for, or JAX has started its backends).
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if jax_started() or (platforms and "cpu" not in platforms.split(",")):
+        return None
+    processes = launch_process_count()
+    if total % processes:
+        raise ConfigError(
+            f"the mesh's {total} devices do not split over {processes} processes; set --config.mesh.* so "
+            f"the product is a multiple of {processes}, or start a number of processes that divides {total}"
+        )
+    share = total // processes
+    flags = os.environ.get("XLA_FLAGS", "")
+    given = {int(v) for v in re.findall(rf"{DEVICE_FLAG}=(\d+)", flags)}
+    if given and given != {share}:
+        counts = ", ".join(str(v) for v in sorted(given))
+        raise ConfigError(
+            f"XLA_FLAGS sets {DEVICE_FLAG}={counts} but this process needs {share} ({total} mesh devices over "
+            f"{processes} process{'es' if processes > 1 else ''}); drop the flag from XLA_FLAGS and jaxpar sets it"
+        )
+    if not given:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={share}".strip()
+    return share
+
+
+def without_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` less its simulated-device count: for a process that ``jaxpar train`` gives its
+    own share (:func:`simulate_local_devices`)."""
+    return " ".join(f for f in flags.split() if not f.startswith(DEVICE_FLAG))
 
 
 def ensure_host_devices(count: int) -> bool:

@@ -21,6 +21,7 @@ import sys
 import time
 
 from jaxpar.config import ConfigDict, ConfigError, load_config
+from jaxpar.distributed import without_device_count
 from jaxpar.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,7 +76,8 @@ def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes:
              f"--config.train.workdir={workdir}"]
     cmd = train if processes == 1 else ["bash", str(ROOT / "scripts" / "launch_local.sh"), str(processes), *train]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAXPAR_HEARTBEAT_TIMEOUT": os.environ.get("JAXPAR_HEARTBEAT_TIMEOUT", "10")}
+           "JAXPAR_HEARTBEAT_TIMEOUT": os.environ.get("JAXPAR_HEARTBEAT_TIMEOUT", "10"),
+           "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", ""))}  # train sets each process's share
     log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from jaxpar.drill import run_drill
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, child_env
 
 # no validation (train.eval_batches=0): the drills compare training losses and states, and every
 # launch would otherwise compile and run the evaluation step at start and end
@@ -47,7 +47,7 @@ def test_sigkill_resume_two_processes(tmp_path):
 
 
 def test_dead_peer_ends_the_job_with_a_clear_error(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAXPAR_HEARTBEAT_TIMEOUT": "30"}
+    env = child_env(PYTHONPATH=str(ROOT), JAXPAR_HEARTBEAT_TIMEOUT="30")  # no device count: train sets each share
     workdir = tmp_path / "run"
     cmd = ["bash", str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxpar", "train",
            "--config", TINY, "--no-progress", "--config.train.steps=10000", *SMALL[:2], SMALL[3],

@@ -38,9 +38,9 @@ def run_train(args: argparse.Namespace) -> int:
     """Train to ``train.steps``; returns 0 (a multi-process failure exits the process with code 3)."""
     cfg = load_config(_config_path(args), overrides(args))
     note_workdir(cfg.train.workdir)
-    from jaxpar.distributed import ensure_host_devices, initialize_from_env
+    from jaxpar.distributed import initialize_from_env, simulate_local_devices
 
-    ensure_host_devices(ParallelLayout.from_config(cfg).devices)
+    simulate_local_devices(ParallelLayout.from_config(cfg).devices)
     from jaxpar.port.weights import load_checked
     from jaxpar.train.loop import Trainer
 
