@@ -34,15 +34,15 @@ import numpy as np
 
 from jaxpar.analysis.collective_order import unordered_in
 from jaxpar.analysis.expected import expected_collectives, expected_memory, ring_bytes
-from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, shape_bytes: re-exported for callers
-    GROUPS,
+from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_groups, shape_bytes: re-exported
     OP_NAME,
-    PAIRS,
     Instr,
     executions,
     parse_hlo,
     parse_replica_groups,
+    replica_groups,
     shape_bytes,
+    source_target_pairs,
 )
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
@@ -204,6 +204,9 @@ def _ratio(measured: float, expected: float | None) -> float | None:
 
 
 def _axes_of(ids: list[int], coords: np.ndarray, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes along which the devices ``ids`` (positions in ``mesh.devices.flat``) differ."""
+    if any(not 0 <= i < len(coords) for i in ids):
+        raise ValueError(f"replica group {ids} names a device outside the {len(coords)}-device mesh")
     pts = coords[np.asarray(ids)]
     return tuple(name for k, name in enumerate(names) if len(set(pts[:, k].tolist())) > 1)
 
@@ -215,13 +218,13 @@ def _collective(ins: Instr, symbols: dict[str, str], coords: np.ndarray, names: 
         ref = op.split()[-1].lstrip("%")
         operand_types.append(op if "[" in op else symbols.get(ref, ""))
     operand_bytes = sum(shape_bytes(t) for t in operand_types) or shape_bytes(ins.type_text)
+    try:
+        groups = source_target_pairs(ins.attrs) if kind == "collective-permute" else replica_groups(ins.attrs)
+    except ValueError as e:
+        raise ValueError(f"{ins.name}: {e}") from None
     if kind == "collective-permute":
-        m = PAIRS.search(ins.attrs)
-        pairs = parse_replica_groups(m.group(1)) if m else []
-        axes = tuple(sorted({a for p in pairs for a in _axes_of(p, coords, names)}, key=names.index))
-        return kind, axes, len(pairs), operand_bytes, tuple(sorted(p[0] for p in pairs))
-    m = GROUPS.search(ins.attrs)
-    groups = parse_replica_groups(m.group(1)) if m else None
+        axes = tuple(sorted({a for p in groups for a in _axes_of(p, coords, names)}, key=names.index))
+        return kind, axes, len(groups), operand_bytes, tuple(sorted(p[0] for p in groups))
     if groups is None:
         groups = [list(range(len(coords)))]
     n = len(groups[0])

@@ -3,7 +3,8 @@
 The text layer under :mod:`jaxpar.analysis.compiled`: :func:`parse_hlo` splits a module's text into
 computations of :class:`Instr`; :func:`executions` walks the call graph (calls, fusions, async
 wrappers, while loops with their trip counts, conditionals) to count how many times each
-computation runs per call of the entry.
+computation runs per call of the entry. A collective's device groups are read by
+:mod:`jaxpar.analysis.hlo_groups` (re-exported here).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import math
 import re
 from collections import defaultdict
 
-import numpy as np
+from jaxpar.analysis.hlo_groups import (  # noqa: F401 - re-exported for callers
+    parse_replica_groups,
+    replica_groups,
+    source_target_pairs,
+)
 
 HLO_DTYPE_BYTES = {  # element types of HLO shapes
     **dict.fromkeys(("s4", "u4"), 0.5),
@@ -29,8 +34,6 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
-GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-PAIRS = re.compile(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?\s*)*\})")
 _CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLEE_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -152,22 +155,6 @@ def fused_computations(comps: dict[str, list[Instr]]) -> set[str]:
     kernel (XLA:CPU: a generated loop, or a library call such as YNNPACK's), not as ops of their own."""
     return {c for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
             for c in _FUSION_CALLS.findall(ins.attrs)}
-
-
-def parse_replica_groups(text: str) -> list[list[int]] | None:
-    """``{{0,1},{2,3}}``, ``{}`` (None: all devices), or the iota form ``[2,4]<=[8]`` /
-    ``[4,2]<=[2,4]T(1,0)`` (iota over the reshape dims, transposed, reshaped to groups x size)."""
-    if text.startswith("{"):
-        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
-        return groups or None
-    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-    if not m:
-        raise ValueError(f"unrecognised replica_groups '{text}'")
-    shape, reshape = _dims(m.group(1)), _dims(m.group(2))
-    ids = np.arange(math.prod(reshape)).reshape(reshape)
-    if m.group(3):
-        ids = ids.transpose(_dims(m.group(3)))
-    return ids.reshape(shape[0], -1).tolist()
 
 
 def executions(
