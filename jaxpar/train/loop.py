@@ -320,7 +320,11 @@ class Trainer:
                       "parameters ZeRO cannot split")
         if jax.process_index() == 0:
             write_run_config(cfg, cfg.train.workdir)
-        self.initialize()
+        try:
+            self.initialize()
+        except BaseException:  # a refused checkpoint: close what __init__ opened, before the interpreter exits
+            self._close()
+            raise
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             return self._run(unit)
@@ -331,8 +335,14 @@ class Trainer:
             if self._next is not None:  # a batch drawn for a step that never ran: leave the iterator before it
                 self.batches.restore(self._next.before)
                 self._next = None
-            self.log.close()
-            self.checkpoints.close()
+            self._close()
+
+    def _close(self) -> None:
+        """Close the metrics log and the checkpointer. Left open, their writers are closed by atexit
+        hooks at interpreter shutdown, where Python 3.12 refuses to start the thread tensorboardX's
+        close needs (a traceback after the one-line error)."""
+        self.log.close()
+        self.checkpoints.close()
 
     def _run(self, unit: str) -> dict[str, Any]:
         cfg = self.cfg
