@@ -29,13 +29,19 @@ def _einsum(x, w):
 
 
 def _check_vjp(f, ref, args, dy, dtype):
+    """``f``'s value and gradients in ``dtype`` against ``ref``'s computed in float32 from the same
+    (``dtype``-valued) inputs, the result a float32 accumulator gives. Not against ``ref`` run in
+    bfloat16: jax 0.12's XLA:CPU runs the einsum's own weight-gradient dot (a bf16 ``dot`` contracting
+    the rows of both operands) without a float32 accumulator, so the reference, not :func:`dense`,
+    was the one off the exact product."""
     y, vjp = jax.vjp(f, *args)
-    y_ref, vjp_ref = jax.vjp(ref, *args)
+    y_ref, vjp_ref = jax.vjp(ref, *(a.astype(jnp.float32) for a in args))
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    assert y.dtype == dtype and y.shape == y_ref.shape
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=tol, atol=tol)
-    for got, want in zip(vjp(dy.astype(y.dtype)), vjp_ref(dy.astype(y.dtype))):
-        assert got.dtype == want.dtype and got.shape == want.shape
+    cotangent = dy.astype(dtype)
+    for arg, got, want in zip(args, vjp(cotangent), vjp_ref(cotangent.astype(jnp.float32))):
+        assert got.dtype == arg.dtype and got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol * 10)
 
 
