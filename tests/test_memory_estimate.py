@@ -163,16 +163,22 @@ DROPOUT_CASES = {"dp_none": DEFAULT["dp_none"]} | ({"dp_blockwise": DEFAULT["dp_
 @pytest.mark.parametrize("name", list(DROPOUT_CASES))
 def test_dropout_masks_cost_what_the_estimate_adds(name):
     """Dropout on (both rates 0.1) against off, same layout: the compiled temporaries grow by the
-    estimate's :func:`~jaxpar.analysis.activations.dropout_residual_bytes` per layer plus its
-    :func:`~jaxpar.analysis.activations.dropout_working_bytes` to within 2% (dot-product: the hidden
-    and probability masks, 1 byte each, and one layer's probability mask in the backward's working
-    set; blockwise: the hidden masks only, its backward redraws the probabilities' mask)."""
+    estimate's :func:`~jaxpar.analysis.activations.dropout_residual_bytes` per layer to within 2%
+    (dot-product: the hidden and probability masks, 1 byte each; blockwise: the hidden masks only, its
+    backward redraws the probabilities' mask), or by that plus exactly one dropped (b, s, h)
+    activation: buffer assignment keeps one in some compiles (on this layout jax 0.10.2 does, jax 0.12
+    does not; with hidden dropout alone the same bytes come and go, with attention dropout alone
+    they never appear)."""
     layout = DROPOUT_CASES[name]
     off = _memory(name, layout)
     cfg = _config(name, layout)
     cfg.model.dropout = cfg.model.attention_dropout = 0.1
     on = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
-    want = cfg.model.num_layers * A.dropout_residual_bytes(cfg.model, layout) + A.dropout_working_bytes(cfg.model, layout)
+    want = cfg.model.num_layers * A.dropout_residual_bytes(cfg.model, layout)
+    dims = A.Dims.of(cfg.model, layout)
+    dropped = dims.e * dims.b * dims.so * dims.h  # one dropped activation in the compute dtype
     assert want > 0
-    assert on.temp_bytes - off.temp_bytes == pytest.approx(want, rel=0.02), (on.temp_bytes, off.temp_bytes, want)
+    grown = on.temp_bytes - off.temp_bytes
+    assert any(grown == pytest.approx(w, rel=0.02) for w in (want, want + dropped)), (on.temp_bytes, off.temp_bytes,
+                                                                                        want, dropped)
     assert on.expected_temp_bytes - off.expected_temp_bytes == pytest.approx(want)

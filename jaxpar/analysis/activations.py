@@ -125,19 +125,6 @@ def layer_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: s
     return outside + inputs + attention + mlp
 
 
-def dropout_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
-    """The layer's probability mask (b, n, s, s) sliced out of the residual stack into a buffer of its
-    own for the backward (dot-product attention, attention dropout, no recompute): b*n*s^2 bytes.
-    Measured since the head-major attention (jaxpar.models.attention.dot_product_attention; before,
-    the sliced mask fed fusions): tiny config, seq 128, b 2, data=8, both rates 0.1, the compiled
-    temporaries grow by 918776 bytes over dropout off = the 4 layers' masks (786432) + 132344 (this:
-    131072)."""
-    if model.get("attention_dropout", 0.0) == 0 or _attention(layout) != "dot_product" or layout.recompute != "none":
-        return 0.0
-    d = Dims.of(model, layout, b)
-    return d.b * d.n * d.s * d.s
-
-
 def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """What dropout adds to one layer's entry of the residual stack (0 without dropout), measured.
 
@@ -154,8 +141,9 @@ def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
     ``selective`` and ``full`` recompute the masks with the layer: nothing is added. Measured on
     XLA:CPU (fp32, tiny config, seq 128, b 2, data=8; tests/test_memory_estimate.py): dot-product
     hidden +263376 bytes for 4 layers (this: 262144), attention +525392 (this: 524288). The one-layer
-    working set gains the probability mask (:func:`dropout_working_bytes`); the hidden masks' slices
-    feed fusions.
+    working set gains no mask: the masks' slices feed fusions. Some compiles keep one dropped (b, s, h)
+    activation beside the masks, which buffer assignment decides per sequence length and XLA release;
+    the estimate leaves it out.
     """
     if layout.recompute != "none":
         return 0.0
@@ -248,7 +236,6 @@ def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
         live = 0.0
     if dot_backward and _attention(layout) == "dot_product":  # dP / dS beside scores and probabilities, the mask
         live += (DOT_BACKWARD_SCORE_COPIES * F32 + 1) * d.b * d.n * d.s * d.s
-        live += dropout_working_bytes(model, layout, b)
     return live + WORKING_SET[layout.recompute] * d.e * d.b * d.s * d.f
 
 
