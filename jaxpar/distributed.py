@@ -48,8 +48,7 @@ def initialize_from_env() -> bool:
         num, pid = _int_env("JAXPAR_NUM_PROCESSES"), _int_env("JAXPAR_PROCESS_ID")
         if not 0 <= pid < num:
             raise ConfigError(f"JAXPAR_PROCESS_ID={pid} must be in [0, JAXPAR_NUM_PROCESSES={num})")
-        if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _gloo_on_cpu()
         jax.distributed.initialize(
             coordinator_address=os.environ["JAXPAR_COORDINATOR"],
             num_processes=num,
@@ -59,11 +58,25 @@ def initialize_from_env() -> bool:
         )
         return True
     if _in_slurm_step():
-        if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _gloo_on_cpu()
         jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
         return True
     return False
+
+
+def _gloo_on_cpu() -> None:
+    """Processes on CPU exchange collectives over gloo (set before ``jax.distributed`` starts)."""
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _host_flags_apply() -> bool:
+    """Whether XLA_FLAGS' simulated CPU devices can still act: JAX has not started its backends and
+    ``JAX_PLATFORMS`` does not leave CPU out."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return not jax_started() and not (platforms and "cpu" not in platforms.split(","))
 
 
 def gpu_xla_flags() -> str:
@@ -115,8 +128,7 @@ def simulate_local_devices(total: int) -> int | None:
     that each simulate the whole mesh see N times its devices. Returns the share, or None where it
     does not apply (a platform other than CPU is asked for, or JAX has started its backends).
     """
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if jax_started() or (platforms and "cpu" not in platforms.split(",")):
+    if not _host_flags_apply():
         return None
     processes = launch_process_count()
     if total % processes:
@@ -151,8 +163,7 @@ def ensure_host_devices(count: int) -> bool:
     Why: ``inspect`` compiles the layout for data*tensor*pipeline*context devices; on a laptop those are
     simulated CPU devices, and XLA reads the flag only once, when the first backend starts.
     """
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if jax_started() or (platforms and "cpu" not in platforms.split(",")):
+    if not _host_flags_apply():
         return False
     flags = os.environ.get("XLA_FLAGS", "")
     current = re.search(rf"{DEVICE_FLAG}=(\d+)", flags)
