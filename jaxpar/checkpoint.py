@@ -18,16 +18,18 @@ naming the field, and nothing is removed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxpar import write_guard
 from jaxpar.config import ConfigDict, ConfigError
 
 
@@ -35,9 +37,11 @@ class Checkpointer:
     """Save / restore the training state under ``<workdir>/checkpoints``."""
 
     def __init__(self, workdir: str, every: int, keep: int, echo: Callable[[str], None] = print,
-                 model: ConfigDict | None = None):
+                 model: ConfigDict | None = None, optimizer: str | None = None):
+        """``model`` / ``optimizer`` (``optim.name``): a checkpoint saved with other values is refused by name
+        (it is another run's, not damaged: nothing is deleted)."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        self.every, self.echo, self.model = every, echo, model
+        self.every, self.echo, self.model, self.optimizer = every, echo, model, optimizer
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
@@ -50,18 +54,33 @@ class Checkpointer:
     def save(self, step: int, params: Any, opt_state: Any, data_state: dict, cfg: ConfigDict) -> None:
         """Start an asynchronous save; training continues while it is written."""
         meta = {"step": step, "data": data_state, "config": json.loads(cfg.to_json())}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        with self._disk_errors():
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
 
     def wait(self) -> None:
         """Block until every started save is durable on disk."""
-        self.manager.wait_until_finished()
+        with self._disk_errors():
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _disk_errors(self) -> Iterator[None]:
+        """A full disk under a save (raised here, or by orbax's writer thread at the next wait) is an
+        OSError naming the checkpoint folder: one line; the earlier checkpoints stay (orbax renames a
+        step's folder into place only when it is complete)."""
+        try:
+            yield
+        except Exception as e:
+            full = write_guard.disk_full(e, self.directory)
+            if full is None:
+                raise
+            raise full from e
 
     def restore(self, abstract_state: dict, step: int | None = None,
                 prune_damaged: bool = True) -> tuple[int, dict, dict] | None:
@@ -105,16 +124,25 @@ class Checkpointer:
             return candidate, restored["state"], restored["meta"]
         raise ConfigError(
             f"no usable checkpoint in {self.directory} (tried {candidates}); "
-            "remove the directory or set --config.train.resume=never"
+            "remove the directory or set --config.train.resume=restart to start over"
         )
 
     def _check_model(self, step: int) -> None:
         """ConfigError naming the first model field whose saved value (the checkpoint's config) differs
         from this run's; reading the small meta item first spares a failing restore of every array."""
-        if self.model is None:
+        if self.model is None and self.optimizer is None:
             return
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        saved = (meta.get("config") or {}).get("model") or {}
+        config = (meta.get("config") or {}) if isinstance(meta, dict) else {}
+        optim = config.get("optim") if isinstance(config.get("optim"), dict) else {}
+        if self.optimizer is not None and "name" in optim and optim["name"] != self.optimizer:
+            raise ConfigError(
+                f"checkpoint {step} in {self.directory} holds the state of optimizer optim.name={optim['name']!r} but "
+                f"the config has {self.optimizer!r}; set --config.optim.name={optim['name']} to resume it, "
+                "train.resume=restart to start over, or point train.workdir at another folder")
+        if self.model is None:
+            return
+        saved = config.get("model") or {}
         for field in MODEL_SHAPE_FIELDS:
             if field in saved and saved[field] != self.model[field]:
                 raise ConfigError(
@@ -169,7 +197,8 @@ class Checkpointer:
             self.manager.delete(newer)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        with self._disk_errors():
+            self.manager.wait_until_finished()
         self.manager.close()
 
 

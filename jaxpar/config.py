@@ -109,7 +109,7 @@ def default_config() -> ConfigDict:
     c.train.log_every = 10
     c.train.eval_every = 0  # 0: evaluate only at start and end
     c.train.eval_batches = 8  # 0: no validation (nothing evaluated at start or end; eval_every must be 0)
-    c.train.resume = "auto"  # auto | never | a step number
+    c.train.resume = "auto"  # auto | never (refused over checkpoints) | restart (delete them, start over) | a step
     c.train.init_from = ""  # HF LLaMA weights (dir, .safetensors, .index.json, torch file) when nothing resumes
     c.train.warmup_steps_excluded = 3  # first steps excluded from steady-state throughput (the first always is)
     c.train.spike_factor = 5.0  # skip an update whose loss exceeds this x the running median (0: off)
@@ -406,8 +406,9 @@ def _validate_train(t: ConfigDict) -> None:
              "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)")
     resume = str(t.resume)
     _require(
-        resume in ("auto", "never") or _is_count(resume),
-        f"train.resume='{resume}': use auto, never or a step number",
+        resume in ("auto", "never", "restart") or _is_count(resume),
+        f"train.resume='{resume}': use auto, never, restart (delete the workdir's checkpoints and start over) or a "
+        "step number",
     )
     _require(
         not t.init_from or os.path.exists(t.init_from),

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from jaxpar import write_guard
 from jaxpar.config import ConfigDict, ConfigError, load_config
 from jaxpar.distributed import without_device_count
 from jaxpar.metrics import read_metrics
@@ -112,6 +113,7 @@ def run_drill(config: str, overrides: list[str], workdir: str, processes: int, t
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         (d / MARKER).write_text("made by jaxpar drill; the next drill in this folder replaces it\n")
+        write_guard.mark(d, write_guard.WORKDIR)  # a run's workdir: the runs the drill starts claim it
     start = time.time()
     code = _finish(_launch(config, overrides, reference, processes), timeout_s)
     if code != 0:

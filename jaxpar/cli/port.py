@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
+from jaxpar import write_guard
 from jaxpar.cli.common import at_least_one, overrides
 from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError, default_config, flatten
-from jaxpar.port.recipe import SOURCES, config_source, output_exists, port_recipe, write_atomic
+from jaxpar.port.recipe import SOURCES, config_source, port_recipe, ported_by_jaxpar, write_atomic
 
 if TYPE_CHECKING:
     from jaxpar.port.report import Report
@@ -42,7 +42,7 @@ def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="jaxpar field (model.vocab_size=128256) or DeepSpeed side input for \"auto\" (lr=3e-4)")
     p.add_argument("--allow-unresolved", action="store_true", help="use defaults for unresolved values (reported)")
     p.add_argument("-o", "--output", default=None, help="write a jaxpar config file (.py)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing -o file")
+    p.add_argument("--overwrite", action="store_true", help="replace an -o file an earlier port wrote")
     p.add_argument("--json", action="store_true", help="print {config, report} as one JSON object")
     p.set_defaults(run=run_port)
     return p
@@ -109,8 +109,9 @@ def command_line(args: argparse.Namespace) -> str:
 def run_port(args: argparse.Namespace) -> int:
     """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate
     or ``-o`` names an existing file without ``--overwrite``."""
-    if args.output and not getattr(args, "overwrite", False) and os.path.lexists(args.output):
-        raise output_exists(args.output)  # before porting: the same answer, without printing a report first
+    if args.output:  # before porting: the same answer, without printing a report first
+        write_guard.check_file_output(args.output, "port -o", getattr(args, "overwrite", False), ported_by_jaxpar,
+                                      inputs={"the recipe": args.file})
     cfg, report = port_file(args)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "report": report.to_dict()}, indent=2))
@@ -123,7 +124,7 @@ def run_port(args: argparse.Namespace) -> int:
                           "it with --set KEY=VALUE")
     if args.output:
         write_atomic(args.output, config_source(cfg, report, command_line(args), args.output),
-                     overwrite=getattr(args, "overwrite", False))
+                     overwrite=getattr(args, "overwrite", False), source=args.file)
         if not args.json:
             print(f"wrote {args.output}")
     return 0

@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 
+from jaxpar import write_guard
 from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
 HELP = "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots"
@@ -54,6 +55,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
     cfg = load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])])
     _check_flags(args)
+    if not args.list:  # before hours of runs: -o replaces only an earlier sweep's folder, never an input
+        write_guard.check_apart(args.output, "sweep -o", inputs={"--config": config, "--baseline": args.baseline})
+        write_guard.check_folder_output(args.output, "sweep -o", write_guard.SWEEP, overwrite=True)
     previous = None
     if args.baseline:
         try:
@@ -76,7 +80,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         shlex.join(["jaxpar", "sweep", *_argv(args)]))
     meta["config"] = config
     comparison = sweep_report.compare_runs(previous, records) if previous else None
-    paths = sweep_report.write_results(records, meta, args.output, comparison)
+    written: dict[str, str] = {}  # into a temporary sibling, renamed over an earlier sweep's folder at the end
+    write_guard.replace_folder(args.output, write_guard.SWEEP, flag="sweep -o", overwrite=True,
+                               fill=lambda tmp: written.update(sweep_report.write_results(records, meta, str(tmp),
+                                                                                          comparison)))
+    paths = {name: os.path.join(args.output, os.path.basename(path)) for name, path in written.items()}
     c = meta["counts"]
     print(f"{meta['layouts']} layouts: {c['ok']} ok, {c['mismatch']} loss mismatches, {c['crashed']} crashed "
           f"({meta['wall_s'] / 60:.1f} min); reference {meta['reference']}, tolerance {meta['tolerance']:g}")

@@ -38,8 +38,6 @@ import math
 import os
 import pathlib
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +47,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxpar import write_guard
 from jaxpar.config import ConfigDict, ConfigError, default_config
 from jaxpar.models import get_model
 from jaxpar.models.base import HFMap
@@ -544,13 +543,14 @@ def hf_tensors(params: dict, model_cfg: ConfigDict) -> dict[str, np.ndarray]:
 def save_hf(params: dict, model_cfg: ConfigDict, out_dir: PathLike, *, max_shard_bytes: int = 5 * 2**30,
             overwrite: bool = False) -> pathlib.Path:
     """Write ``params`` as an HF LLaMA checkpoint: safetensors (sharded with an index past
-    ``max_shard_bytes``) and ``config.json``, in a temporary directory renamed into place.
+    ``max_shard_bytes``) and ``config.json``, in a temporary directory renamed into place
+    (:func:`jaxpar.write_guard.replace_folder`: ``overwrite`` replaces only an earlier export).
 
     Tensors keep their dtype, so jaxpar -> HF -> jaxpar is bitwise exact. Parameters are fetched
     one layer's tensor at a time (single process: every shard must be addressable).
     """
     out = pathlib.Path(out_dir)
-    if out.exists() and not overwrite:
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
     shards: list[list] = [[]]
     size = 0
@@ -561,29 +561,19 @@ def save_hf(params: dict, model_cfg: ConfigDict, out_dir: PathLike, *, max_shard
             size = 0
         shards[-1].append((name, fetch))
         size += nbytes
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would stay on the renamed directory
-    try:
+    def fill(tmp: pathlib.Path) -> None:
         weight_map, total = {}, 0
         for k, shard in enumerate(shards):
             fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             arrays = {name: fetch() for name, fetch in shard}
-            save_file(arrays, str(tmp / fname), metadata={"format": "pt"})
+            with write_guard.naming(out / fname):
+                save_file(arrays, str(tmp / fname), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(arrays, fname))
             total += sum(a.nbytes for a in arrays.values())
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config_from_model(model_cfg), indent=2) + "\n")
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.rename(out, old)
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_guard.replace_folder(out, write_guard.EXPORT, fill, flag="export -o", overwrite=overwrite)
     return out

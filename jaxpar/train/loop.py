@@ -39,6 +39,8 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jaxpar import data as data_lib
+from jaxpar import workdir as workdir_lib
+from jaxpar import write_guard
 from jaxpar.axes import MeshAxis
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigDict, ConfigError
@@ -66,12 +68,14 @@ def profile_range(train_cfg: ConfigDict) -> tuple[int, int] | None:
 
 
 def write_run_config(cfg: ConfigDict, workdir: str, argv: list[str] | None = None) -> str:
-    """``<workdir>/config.json`` (the resolved config) and ``command.txt`` (the command line)."""
+    """``<workdir>/config.json`` (the resolved config) and ``command.txt`` (the command line), into a
+    workdir the run has claimed (:func:`jaxpar.workdir.claim`: never a user's folder)."""
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "config.json")
-    with open(path, "w") as f:
+    with write_guard.naming(path), open(path, "w") as f:
         json.dump(cfg.to_dict(), f, indent=1, sort_keys=True)
-    with open(os.path.join(workdir, "command.txt"), "w") as f:
+    command = os.path.join(workdir, "command.txt")
+    with write_guard.naming(command), open(command, "w") as f:
         f.write(shlex.join(sys.argv if argv is None else argv) + "\n")
     return path
 
@@ -109,6 +113,8 @@ class Trainer:
         importers, and the trainer does not import them)."""
         self.cfg, self.show_progress, self.weights_loader = cfg, progress, weights_loader
         self.echo = echo if jax.process_index() == 0 else (lambda _: None)
+        if jax.process_index() == 0:  # before anything is written there: a user's folder or a live run's is refused
+            workdir_lib.claim(cfg.train.workdir, str(cfg.train.resume), cfg.train.init_from)
         self.layout = ParallelLayout.from_config(cfg)
         self.mesh = make_mesh(self.layout)
         self.setup = Setup(cfg, self.mesh)
@@ -130,7 +136,7 @@ class Trainer:
             t.warmup_steps_excluded, write=jax.process_index() == 0,  # one writer, whatever the mesh
         )
         self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo,
-                                        model=cfg.model)
+                                        model=cfg.model, optimizer=cfg.optim.name)
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0
@@ -150,7 +156,7 @@ class Trainer:
         """Resume from the newest complete checkpoint (``train.resume``), else initialise."""
         resume = str(self.cfg.train.resume)
         restored = None
-        if resume != "never":
+        if resume not in ("never", "restart"):  # restart: jaxpar.workdir.claim deleted the checkpoints
             params, opt, _ = self.setup.abstract_state(model_form=True)
             step = int(resume) if resume.isascii() and resume.isdigit() else None
             restored = self.checkpoints.restore({"params": params, "opt_state": opt}, step=step)
@@ -341,8 +347,11 @@ class Trainer:
         """Close the metrics log and the checkpointer. Left open, their writers are closed by atexit
         hooks at interpreter shutdown, where Python 3.12 refuses to start the thread tensorboardX's
         close needs (a traceback after the one-line error)."""
-        self.log.close()
-        self.checkpoints.close()
+        try:
+            self.log.close()
+            self.checkpoints.close()
+        finally:
+            workdir_lib.release(self.cfg.train.workdir)
 
     def _run(self, unit: str) -> dict[str, Any]:
         cfg = self.cfg
