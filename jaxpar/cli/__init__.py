@@ -4,7 +4,9 @@ One module per subcommand (:mod:`jaxpar.cli.train`, ``inspect``, ``plan``, ``com
 ``export``, ``drill``) holds its flags and its output (tables, text, JSON); the modules it calls
 return data and raise :class:`~jaxpar.config.ConfigError` on bad input. Errors take one path
 (:mod:`jaxpar.cli.errors`): bad input prints one line and exits with code 2, anything else is an
-internal error (exit code 1, traceback written to a file), Ctrl-C exits with 130. On CPU, the
+internal error (exit code 1, traceback written to a file), an OS error is a user error too (a closed
+stdout pipe: quiet, 141; a full disk: one line naming the path, 2), Ctrl-C anywhere exits with 130
+(:mod:`jaxpar.interrupt`). What a subcommand writes goes through :mod:`jaxpar.write_guard`. On CPU, the
 number of simulated devices is set from the config's mesh (``--xla_force_host_platform_device_count``)
 before JAX starts, unless ``XLA_FLAGS`` already sets it: no subcommand module imports JAX at import.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxpar import interrupt
 from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, sweep, train
 from jaxpar.cli.common import Parser
 from jaxpar.errors import ConfigError, JaxparError
@@ -60,8 +63,41 @@ def _refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``jaxpar ARGV``; returns the exit code (0 ok, 1 internal error, 2 bad input, 130 Ctrl-C)."""
+    """Run ``jaxpar ARGV``; returns the exit code (0 ok, 1 internal error, 2 bad input, 130 Ctrl-C,
+    141 stdout closed). Without ``argv`` (the ``jaxpar`` program) stdout's write errors name it and a
+    Ctrl-C anywhere is one line too (:mod:`jaxpar.interrupt`)."""
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    stdout = sys.stdout
+    if program:
+        interrupt.install()
+        sys.stdout = errors.NamedStdout(stdout)
+    try:
+        code = _run(argv)
+        if code != errors.EXIT_BROKEN_PIPE:
+            code = _flushed(code, argv)
+    finally:
+        if program:
+            sys.stdout = stdout
+            interrupt.leave_at_once()
+            if interrupt.interrupted():  # the shutdown of what a Ctrl-C cut short may crash: skip it
+                interrupt.exit_now(code)
+    return code
+
+
+def _flushed(code: int, argv: list[str]) -> int:
+    """``code``, after stdout is flushed: a closed pipe or a full disk found only by the last flush is
+    reported like one found earlier."""
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        return errors.os_error(e, argv)
+    except KeyboardInterrupt as e:
+        return _report(e, argv)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     # --config.x.y=v overrides are not argparse flags: split them off first.
     overrides = [a for a in argv if a.startswith("--config.")]
     rest = [a for a in argv if not a.startswith("--config.")]
@@ -72,17 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         _refuse_empty(parser, args)
         args.overrides = overrides
         return int(args.run(args) or 0)
-    except JaxparError as e:
-        return errors.bad_input(e)
-    except OSError as e:
-        if e.filename is None:  # not about a path the user gave: a bug
-            return errors.internal_error(e, argv)
-        return errors.bad_path(e)
-    except KeyboardInterrupt:
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error takes one of the paths below
+        return _report(e, argv)
+
+
+def _report(error: BaseException, argv: list[str]) -> int:
+    """The one line and exit code of ``error``: Ctrl-C (also an error it turned into another, e.g. an
+    ImportError of an extension it interrupted), bad input, an OS error, else a bug."""
+    if isinstance(error, KeyboardInterrupt) or interrupt.interrupted():
         print("interrupted", file=sys.stderr)
         return errors.EXIT_INTERRUPTED
-    except Exception as e:  # noqa: BLE001 - a bug: one line on stderr, the traceback in a file
-        return errors.internal_error(e, argv)
+    if isinstance(error, JaxparError):
+        return errors.bad_input(error)
+    if isinstance(error, OSError):  # a closed pipe, a full disk, a path the OS refuses; without a path: a bug
+        return errors.os_error(error, argv)
+    return errors.internal_error(error, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,12 @@
   ``<tmp>/jaxpar-error-<pid>.log``;
 - an :class:`OSError` that names a file (a path the OS refuses: missing, too long, not
   readable, a folder where a file belongs) is bad input too: ``error: <reason>: '<path>'``, exit 2;
-- Ctrl-C: ``interrupted``, exit code 130.
+- OS errors are user errors (:func:`os_error`): a closed pipe on stdout (``jaxpar ... | head``) ends
+  the command quietly with exit code 141 (128 + SIGPIPE, what a shell shows for other tools); a full
+  disk is ``error: no space left on the device of '<path>'; ...`` (exit 2; the writer left the
+  earlier output there as it was, :mod:`jaxpar.write_guard`), stdout included;
+- Ctrl-C: ``interrupted``, exit code 130, anywhere (:mod:`jaxpar.interrupt` covers the imports, a
+  Ctrl-C Python would swallow, a second one and the interpreter's shutdown after ``main`` returned).
 
 (``jaxpar train`` in a multi-process job has one more: a failed collective exits with code 3,
 see :mod:`jaxpar.cli.train`.)
@@ -17,7 +22,9 @@ see :mod:`jaxpar.cli.train`.)
 from __future__ import annotations
 
 import datetime
+import errno
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -25,6 +32,8 @@ import traceback
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+STDOUT = "<standard output>"  # the file name of an OSError raised writing stdout (NamedStdout)
 MAX_MESSAGE = 300  # characters of the exception's first line kept on stderr
 
 _workdir: str | None = None
@@ -81,3 +90,61 @@ def internal_error(error: BaseException, argv: list[str]) -> int:
     what = f"{type(error).__name__}: {first}" if first else type(error).__name__
     print(f"jaxpar: internal error ({what}); traceback written to {path}", file=sys.stderr, flush=True)
     return EXIT_INTERNAL
+
+
+class NamedStdout:
+    """``sys.stdout`` whose write errors name it: an OSError without a file name raised writing or
+    flushing gets :data:`STDOUT` as its file name, so that :func:`os_error` can tell a closed pipe or a
+    full disk under stdout from a bug. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _named(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:
+                raise type(e)(e.errno, e.strerror or os.strerror(e.errno), STDOUT) from e
+            raise
+
+    def write(self, text: str) -> int:  # noqa: D102
+        return self._named(self._stream.write, text)
+
+    def flush(self) -> None:  # noqa: D102
+        self._named(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def quiet_stdout() -> None:
+    """Point fd 1 at /dev/null: the interpreter's last flush of a closed pipe must not print
+    "Exception ignored ... BrokenPipeError" after the command ended quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):  # no real stdout (a test's StringIO): nothing to silence
+        pass
+
+
+def os_error(error: OSError, argv: list[str]) -> int:
+    """The exit code of an OSError that reached the CLI: a closed pipe on stdout (quiet, 141), a full
+    disk (one line naming the path, 2), another error naming a path (:func:`bad_path`, 2), else a bug (1)."""
+    if (isinstance(error, BrokenPipeError) or error.errno == errno.EPIPE) and error.filename in (None, STDOUT):
+        quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    if error.filename is None:  # not about a path the user gave: a bug
+        return internal_error(error, argv)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        name = str(error.filename)
+        name = name if len(name) <= 200 else name[:200] + "..."
+        if name == STDOUT:
+            print(f"error: no space left on the device of the standard output ({error.strerror}); free space "
+                  "there or redirect the output elsewhere", file=sys.stderr, flush=True)
+        else:
+            print(f"error: no space left on the device of '{name}' ({error.strerror}); free space there or write "
+                  "elsewhere (an earlier output there is left as it was)", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return bad_path(error)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from jaxpar.cli.common import DEFAULT_CONFIG, overrides
-from jaxpar.cli.errors import note_workdir
+from jaxpar.cli.errors import EXIT_INTERRUPTED, note_workdir
 from jaxpar.config import load_config
 from jaxpar.errors import JaxparError
 from jaxpar.layout import ParallelLayout
@@ -35,7 +36,8 @@ def _config_path(args: argparse.Namespace) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Train to ``train.steps``; returns 0 (a multi-process failure exits the process with code 3)."""
+    """Train to ``train.steps``; returns 0, or 130 after Ctrl-C stopped it at a checkpoint (a multi-process
+    failure exits the process with code 3)."""
     cfg = load_config(_config_path(args), overrides(args))
     note_workdir(cfg.train.workdir)
     from jaxpar.distributed import initialize_from_env, simulate_local_devices
@@ -46,13 +48,17 @@ def run_train(args: argparse.Namespace) -> int:
 
     distributed = initialize_from_env()
     try:
-        Trainer(cfg, progress=not args.no_progress, weights_loader=load_checked).run()
+        trainer = Trainer(cfg, progress=not args.no_progress, weights_loader=load_checked)
+        trainer.run()
     except JaxparError:  # bad input (a config value, a diverged run): exit 2 on every process
         raise
     except Exception as e:
         if not distributed:
             raise
         peer_failure(e)
+    if getattr(trainer, "stop_signal", None) == signal.SIGINT:  # Ctrl-C: stopped at a checkpoint (it said where)
+        print("interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -1,0 +1,87 @@
+"""Ctrl-C, wherever it lands, ends the ``jaxpar`` program with one line (``interrupted``) and exit code 130.
+
+A leaf module (standard library only): ``python -m jaxpar`` installs it before importing the CLI, whose
+imports start JAX. Python turns a Ctrl-C into a KeyboardInterrupt, but not always one that reaches the
+CLI: one raised while a C extension loads becomes an ImportError, one raised in a garbage-collector
+callback or a finaliser is printed as "Exception ignored" and lost, one raised in an exit hook prints a
+traceback, one raised while a module loads can become the ImportError an optional import catches. So
+:func:`install` records that a Ctrl-C came (:func:`interrupted`: the CLI reports any error after it as
+the interrupt), raises the KeyboardInterrupt for the cleanups, and ends the process itself if it still
+runs :data:`GRACE_S` later, at a second Ctrl-C, or when Python reports the KeyboardInterrupt as
+swallowed; :func:`leave_at_once` (after ``main`` returned) ends it at once on any Ctrl-C. (``jaxpar
+train`` installs its own handler while it trains: Ctrl-C then stops at the next step with a checkpoint.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+EXIT_INTERRUPTED = 130
+GRACE_S = 5.0  # after a Ctrl-C, how long the KeyboardInterrupt's cleanups may take before the process just ends
+_hit = False
+_deferred = False
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C came since :func:`install`."""
+    return _hit
+
+
+def _leave(*_args: Any) -> None:
+    try:
+        os.write(2, b"interrupted\n")
+    finally:
+        os._exit(EXIT_INTERRUPTED)
+
+
+def _on_sigint(_signum: int, _frame: Any) -> None:
+    global _hit
+    if _hit:  # the second Ctrl-C: the first did not end it
+        _leave()
+    _hit = True
+    if _deferred:  # while modules load: a KeyboardInterrupt inside a C extension's start can crash it
+        return
+    timer = threading.Timer(GRACE_S, _leave)  # a KeyboardInterrupt some code swallowed still ends the process
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
+def install(defer: bool = False) -> None:
+    """Take over SIGINT for the ``jaxpar`` program (main thread only; a library caller keeps its own).
+    ``defer``: only record a Ctrl-C (while the CLI's modules load; the caller checks :func:`interrupted`
+    after), instead of raising KeyboardInterrupt."""
+    global _deferred
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _deferred = defer
+    signal.signal(signal.SIGINT, _on_sigint)
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            _leave()  # swallowed where it was raised (a gc callback, a finaliser): it would be lost
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def exit_now(code: int = EXIT_INTERRUPTED) -> None:
+    """End the process with ``code`` without the interpreter's shutdown: after a Ctrl-C cut a C
+    extension's loading short, its finalisation can crash (a segmentation fault, measured on jaxlib)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def leave_at_once() -> None:
+    """From now on (``main`` returned; exit hooks run) Ctrl-C ends the process at once: one line, 130."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _leave)
