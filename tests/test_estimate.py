@@ -390,3 +390,21 @@ def test_layout_check_errors_are_one_line():
         with pytest.raises(ConfigError, match=pattern) as e:
             bad.validate(m)
         assert "\n" not in str(e.value)
+
+
+def test_peak_terms_name_the_largest_parts_of_the_estimated_peak():
+    """estimate.peak_terms: the three largest of arguments (parameters, optimizer state, batch) and the
+    temporaries' terms of the phase that sets their peak, largest first, each no more than the peak."""
+    from jaxpar.analysis import activations
+    from jaxpar.analysis.estimate import ParallelLayout, estimated_argument_bytes, peak_terms
+
+    m = load_config(str(CONFIGS / "llama_1b.py")).model
+    m.compute_dtype = "float32"
+    layout = ParallelLayout(data=4, tensor=2, zero_stage=3, microbatch_size=8, seq_len=2048, recompute="selective",
+                            microbatches=2)
+    terms = peak_terms(m, layout)
+    assert [name for name, _ in terms] == ["residual stack", "last layer's forward attention", "gradient buffers"]
+    peak = estimated_argument_bytes(m, layout) + activations.expected_temp_bytes(m, layout)
+    assert terms[0][1] >= terms[1][1] >= terms[2][1] and sum(v for _, v in terms) <= peak
+    temp = activations.temp_estimate(m, layout)
+    assert sum(temp.terms().values()) == pytest.approx(temp.total_bytes)

@@ -228,6 +228,10 @@ def test_render_aot_table(compiled):
     assert "temp GiB: est -> AOT" in text and "peak GiB: est -> AOT" in text
     assert f"({done.temp_ratio:.3f})" in text and "does not fit (compiled)" in text  # a 1-byte budget
     assert "#2 not compiled: layout: tensor=4" in text and "float32" in text
+    # the estimated peak's three largest terms, named (estimate.peak_terms)
+    assert len(done.peak_terms) == 3 and "#1 estimated peak" in text and "largest terms: " in text
+    assert all(name in text for name, _ in done.peak_terms)
+    assert done.to_dict()["memory"]["peak_terms"][0]["term"] == done.peak_terms[0][0]
 
 
 def test_pipeline_stages_are_counted_from_the_schedule(compiled):
@@ -269,3 +273,16 @@ def test_compare_aot_compiles_every_layout(capsys):
         for axis in ("data", "tensor", "pipeline"):
             if aot["collectives"][axis]["estimated_bytes"]:
                 assert aot["collectives"][axis]["ratio"] == pytest.approx(1, rel=COMM_TOLERANCE), axis
+
+
+def test_inspect_prints_the_largest_peak_terms(capsys):
+    """``jaxpar inspect`` names the three largest terms of the estimated peak, as text and in --json."""
+    from jaxpar.cli.inspect import run_inspect
+
+    small = ["--config.mesh.data=2", "--config.mesh.tensor=1", "--config.model.num_layers=1", "--config.train.seq_len=32"]
+    assert run_inspect(argparse.Namespace(config=str(CONFIGS["tiny"]), overrides=small, json=False, ops=False)) == 0
+    text = capsys.readouterr().out
+    assert "estimated peak" in text and "largest terms: " in text and "residual stack" in text
+    assert run_inspect(argparse.Namespace(config=str(CONFIGS["tiny"]), overrides=small, json=True, ops=False)) == 0
+    terms = json.loads(capsys.readouterr().out)["peak_terms"]
+    assert len(terms) == 3 and terms[0]["bytes"] >= terms[1]["bytes"] >= terms[2]["bytes"] > 0

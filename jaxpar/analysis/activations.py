@@ -8,7 +8,7 @@ step keeps for the backward pass and what it holds at its peak:
 
     temp = residual stack + gradient buffers + max(layer working set, head working set)
            (+ pipeline slot buffers; ZeRO-3: the embedding's full gradient, the head's gathered
-           weight and its gradient as a third working set; in pipelines gathered layers)
+           weight and the logit gradient as a third working set; in pipelines gathered layers)
 
 * **Residuals** (:func:`layer_residual_bytes`): what ``jax.vjp`` of one llama block saves, per
   recompute policy and attention implementation. Counted from the block's code
@@ -20,9 +20,13 @@ step keeps for the backward pass and what it holds at its peak:
   (param dtype) weight gradient into a stacked output; accumulation (m > 1, no pipeline) adds a
   second buffer for the running sum (ZeRO-2: sharded over data, :mod:`jaxpar.train.step`); ZeRO-3
   reduce-scatters inside the loop, so its gradients are sharded.
-* **Layer working set** (:func:`layer_working_bytes`): the backward of one layer has that layer's
-  complete residual set live (sliced out of the stack with no recompute; recomputed with
-  ``selective`` / ``full``) plus the gradient temporaries of its largest op.
+* **Layer working set** (:func:`layer_working_bytes`): the larger of two phases, each a count of the
+  arrays XLA's buffer assignment holds live at that phase: the last layer's forward attention (the
+  fp32 (s, s) scores, masked scores and probabilities beside the complete stack) and one layer's
+  backward (its attention's scores kept for the attention backward, the MLP's gradients and
+  recomputed activations, (b, s, h) operands of the weight-gradient matmuls, the layer's weights).
+  Which phase is larger depends on s against h and f: short sequences peak in the backward, long
+  ones in the forward attention.
 * **Head working set** (:func:`head_working_bytes`): the vocabulary-parallel cross-entropy keeps
   fp32 logits (b, s, V/t) and exp(z) for its backward and builds the fp32 logit gradient.
 
@@ -30,7 +34,9 @@ Conventions: bytes per device; ``e`` = compute-dtype bytes, fp32 = 4 for what th
 fp32 (norm statistics, scores, softmax, logits). ``s`` is the sequence slice one context rank holds
 (``ParallelLayout.seq_local``); with sequence parallelism the tensors outside the tensor-parallel
 region (layer input, residual adds, norms) hold s/t rows, the matmul inputs the gathered s rows.
-The working-set constants were measured on XLA:CPU (the AOT path): see :data:`WORKING_SET`.
+The working-set counts were read from XLA:CPU's buffer assignment (the AOT path, fp32): see
+:data:`FORWARD_SCORE_COPIES` and the counts beside it, and
+``experiments/results/2026-12-04-memory-six/live.py``, which prints the live set at a compiled step's peak.
 """
 
 from __future__ import annotations
@@ -171,21 +177,30 @@ def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
     return model.vocab_size * model.embed_dim / layout.tensor
 
 
-# Working-set constants, in units of one (b, s, mlp_dim / t) fp32-or-compute-dtype tensor e*b*s*f: the
-# backward temporaries of one layer beyond its residuals (the gradient of the MLP's widest
-# activation, the recomputed forward's duplicates under full remat). Measured on XLA:CPU (AOT,
-# fp32) for the tiny and ~1B llama configs (tests/test_memory_estimate.py): none ~1, selective ~1,
-# full 3.5 (tiny b*s = 512 and 1B s = 1024 agree to ~10%).
-WORKING_SET = {"none": 1.0, "selective": 1.0, "full": 3.5}
-# dot_product attention: the backward of the softmax holds, beside the scores and probabilities it
-# saved (or recomputed), their fp32 gradients dP and dS (b, n/t, s, s) and the broadcast pred causal
-# mask (1 byte per score). Measured on XLA:CPU: llama2_7b, data=64 ZeRO-3, b=4, s=4096, selective,
-# fp32 (64 simulated devices): four f32[4,32,4096,4096] buffers (8 GiB each) and one
-# pred[4,32,1,4096,4096] (2 GiB) live beside the residual stacks at the peak, two more score copies
-# than layer_residual_bytes("none") counts. But the MLP's residuals, also in that term, are freed by
-# the time the attention's backward runs (~5 GiB there), so the net is one copy: with 1 the 7B temp
-# ratio is 1.105 -> 1.02 (with 2: 0.947, and the tiny grid moves to 0.87-0.90).
-DOT_BACKWARD_SCORE_COPIES = 1
+# The layer's working set at its peak, counted buffer by buffer in XLA:CPU's buffer assignment (the live
+# set at the heap's peak: experiments/results/2026-12-04-memory-six/live.py on tiny data=8, seq 256 and
+# 1024, every recompute policy, dot-product and blockwise attention; tiny data=4 x tensor=2 selective;
+# ~1B data=4 x tensor=2 ZeRO-3 selective, seq 2048). Each count is a number of arrays of the named shape
+# live at once, not a fit of bytes; :func:`layer_working_bytes` says which phase holds which.
+#
+# Forward attention of the last layer (the residual stack complete, the gradient buffers allocated):
+# the fp32 scores q k^T, the causally masked scores and the probabilities, (b, n/t, s, s) each, beside
+# the broadcast pred causal mask (1 byte per score) and its (s, s) iota comparison.
+FORWARD_SCORE_COPIES = 3
+# Backward of one layer, MLP phase (it runs first): the attention's fp32 scores and probabilities of that
+# layer, sliced out of the stack (``none``: a dot operand is materialised, XLA:CPU fuses no
+# dynamic-slice into a matmul) or recomputed (``selective``, ``full``), wait for the attention's backward.
+BACKWARD_SCORE_COPIES = 2
+# (b, s, mlp_dim/t) arrays live in that phase: ``none`` the three MLP gradients (of the W_down input,
+# of gate and of up; the six saved activations are read from the stack inside fusions); ``full`` those
+# three and the recomputed gate, up, silu(gate) and their product (7); ``selective``: gate and up are
+# saved, the recomputed silu and product and the gradients overlap less (2 at the measured peak).
+BACKWARD_MLP_WIDE = {"none": 3, "selective": 2, "full": 7}
+# (b, s, h) arrays live in that phase: the incoming gradient and the residual-stream gradient, the norm
+# outputs and the attention output sliced (or recomputed) as operands of the weight-gradient matmuls,
+# their (h, b*s) transposes, the RMSNorm backward's products: 9 with ``none``, 10 with ``full``, 8 with
+# ``selective`` (the (b, s, h) buffers of the measured live sets).
+BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3 inside a pipeline tick: gathered layers (compute dtype) beside the residuals, the layer in use and
 # the next one. Not re-derived (no ZeRO-3 pipeline in the compiled grid); without a pipeline the terms of
@@ -208,35 +223,83 @@ def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) ->
 def zero3_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """ZeRO-3 without a pipeline: the loss head's backward, at its weight-gradient matmul (the whole
     residual stack is still live: the head runs before the backward layer loop). Beside the stack and
-    the gradients: the output weight gathered over ``data`` (compute dtype, e * V*h/t), its gradient
-    full-size before the reduce-scatter that transposes the gather (e * V*h/t), the fp32 logit
-    gradient 4*b*s*V/t and the transposed copy of it XLA:CPU feeds the matmul (4*b*s*V/t); the logits
-    and exp(z) are freed by then. Measured (~1B, data=8, b=1, s=512, fp32, full): ``all_gather``
-    ``f32[2048,32000]``, ``dot`` ``f32[2048,32000]``, ``scatter`` ``f32[1,512,32000]`` and its copy
-    ``f32[32000,512]``: 1415.5 MiB live with the stack and gradients, 1442.8 allocated; this + the
-    stack + the gradients: 1434. Under ZeRO 0-2 the weight is an argument and its gradient is counted
-    among the gradients (:func:`head_working_bytes` is that case's head)."""
+    the gradients: the output weight gathered over ``data`` (compute dtype, e * V*h/t) and the fp32
+    logit gradient 4*b*s*V/t; the logits and exp(z) are freed by then, and the weight's gradient is
+    written as its transpose dy^T x (:func:`jaxpar.models.matmul.dense`) straight into the buffer
+    that is reduce-scattered. Measured in the buffer assignment (~1B, data=8, b=1, s=512, fp32, full):
+    ``all_gather`` ``f32[2048,32000]`` and ``scatter`` ``f32[1,512,32000]`` beside the stack, the
+    gradients and (b, s, h) arrays. Under ZeRO 0-2 the weight is an argument and its gradient is
+    counted among the gradients (:func:`head_working_bytes` is that case's head)."""
     d = Dims.of(model, layout, b)
-    return 2 * d.e * shared_tables(model, layout) + 2 * F32 * d.b * d.s * d.v
+    return d.e * shared_tables(model, layout) + F32 * d.b * d.s * d.v
 
 
 def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2,
-                        dot_backward: bool = True) -> float:
-    """One layer's backward working set on top of the residual stack: the complete residual set of
-    that layer (sliced out of the stack into fresh buffers with no recompute, recomputed with
-    ``selective`` / ``full``; a stage of one layer has no loop, hence no copy when nothing is
-    recomputed) plus :data:`WORKING_SET` e*b*s*f of gradient temporaries; with ``dot_product``
-    attention also the backward's fp32 gradients of the probabilities and of the scores
-    (:data:`DOT_BACKWARD_SCORE_COPIES`) and the broadcast causal mask (1 byte per score), except in
-    a 1F1B / interleaved backward tick (``dot_backward=False``: there the tiny grid measures the
-    estimate already high, pp2 1F1B selective temp 0.890, and the term would take it to 0.851)."""
+                        tick: bool = False) -> float:
+    """One layer's working set on top of the residual stack and the gradient buffers: the larger of the
+    last layer's forward attention and the layer's backward (its MLP phase), buffer by buffer:
+
+    - forward (``dot_product``): :data:`FORWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays (scores, masked
+      scores, probabilities) + the broadcast pred causal mask b*n*s^2 + its (s, s) comparison, beside
+      the layer's weights (e * :func:`layer_params`, sliced out of the stacked parameters or, ZeRO-3,
+      gathered), one (b, s, h) and one (b, s, k) array;
+    - backward: :data:`BACKWARD_SCORE_COPIES` fp32 score arrays (``dot_product``; none for a stage of
+      one layer without recompute: nothing is sliced out of a loop) and, without recompute, the
+      broadcast mask (hoisted out of the layer loop); :data:`BACKWARD_MLP_WIDE` (b, s, f) and
+      :data:`BACKWARD_HIDDEN_WIDE` (b, s, h) arrays, K and V (2 e*b*s*k; blockwise: its key/value
+      blocks, repeated to the query heads, 2 e*b*s*(q + 2k)) and the layer's weights.
+
+    The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array: its score blocks
+    (b, n, s, block) are below the MLP phase's buffers. With ``model.attention_dropout`` (dot-product)
+    the forward, and the backward's recomputed attention under ``selective`` / ``full``, also hold the
+    keep mask and the dropped probabilities, (4 + 1)*b*n*s^2 (measured: tiny data=8 ZeRO-3 full,
+    seq 512, 11.2 MiB more than without, this: 10 MiB). A stage of one layer without recompute writes
+    its scores and probabilities into no stack: they are its residuals, so its forward adds
+    :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
+    ``jax.vjp`` of the chunk recomputes the forward inside the tick): the backward keeps no score
+    copies beyond the chunk's residuals, and a chunk of one layer without recompute is counted as one
+    (b, s, f) array beyond its residuals: the earlier rule, measured against the compiled temporaries
+    of tiny data=2 x pipeline=4 1F1B and data=2 x tensor=2 x pipeline=2 interleaved (seq 128), not
+    re-counted buffer by buffer (the tick's live set is the chunk's jax.vjp residuals and the
+    conditional's outputs, which :func:`layer_residual_bytes` does not split the same way)."""
+    return max(_layer_working_phases(model, layout, b, layers, tick))
+
+
+def _layer_working_phases(model: ConfigDict, layout: ParallelLayout, b: int | None, layers: int, tick: bool
+                          ) -> tuple[float, float]:
+    """(forward, backward) of :func:`layer_working_bytes` (forward 0 without dot-product attention)."""
     d = Dims.of(model, layout, b)
-    live = layer_residual_bytes(model, layout, "none", b)
-    if layout.recompute == "none" and layers <= 1:
-        live = 0.0
-    if dot_backward and _attention(layout) == "dot_product":  # dP / dS beside scores and probabilities, the mask
-        live += (DOT_BACKWARD_SCORE_COPIES * F32 + 1) * d.b * d.n * d.s * d.s
-    return live + WORKING_SET[layout.recompute] * d.e * d.b * d.s * d.f
+    rec = layout.recompute
+    if tick and rec == "none" and layers <= 1:
+        return 0.0, d.e * d.b * d.s * d.f
+    weights = d.e * layer_params(model, layout)
+    dot = _attention(layout) == "dot_product"
+    kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
+    backward = (BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f + BACKWARD_HIDDEN_WIDE[rec] * d.e * d.b * d.s * d.h
+                + kv + weights)
+    if not dot:
+        return 0.0, backward
+    scores = d.b * d.n * d.s * d.s  # elements of one (b, n/t, s, s) array
+    unstacked = rec == "none" and layers <= 1
+    copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
+    forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
+    if not unstacked and not tick:
+        backward += BACKWARD_SCORE_COPIES * F32 * scores
+    if rec == "none":
+        backward += scores  # the broadcast causal mask, hoisted out of the backward loop
+    if model.get("attention_dropout", 0.0) > 0:  # the keep mask (1 byte) and the dropped fp32 probabilities
+        forward += (F32 + 1) * scores
+        if rec != "none":  # recomputed with the layer (without recompute the stack keeps the mask)
+            backward += (F32 + 1) * scores
+    return forward, backward
+
+
+def layer_working_term(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2
+                       ) -> tuple[str, float]:
+    """(name, bytes) of the phase that sets :func:`layer_working_bytes`: the last layer's forward
+    attention or one layer's backward."""
+    forward, backward = _layer_working_phases(model, layout, b, layers, False)
+    return ("last layer's forward attention", forward) if forward > backward else ("one layer's backward", backward)
 
 
 def head_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
@@ -260,12 +323,26 @@ class TempEstimate:
     update_bytes: float  # the optimizer phase's peak (reductions, ZeRO shards), when it is the larger
     phase: str  # backward | update | accumulator: which phase sets the peak
     accumulator_bytes: float = 0.0  # 1F1B / interleaved: the accumulator copied beside itself (pipeline_accumulator_bytes)
+    working_term: str = "one layer's backward"  # which working set sets working_bytes
 
     @property
     def total_bytes(self) -> float:
         backward = (self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes
                     + self.pipeline_bytes)
         return max(backward, self.update_bytes, self.accumulator_bytes)
+
+    def terms(self) -> dict[str, float]:
+        """The named terms of the phase that sets :attr:`total_bytes` (they sum to it)."""
+        backward = self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
+        if self.total_bytes == backward:
+            out = {"residual stack": self.residual_bytes, self.working_term: self.working_bytes,
+                   "gradient buffers": self.gradient_bytes, "ZeRO-3 gathered layers": self.gather_bytes,
+                   "pipeline slot buffers": self.pipeline_bytes}
+        elif self.total_bytes == self.update_bytes:
+            out = {"optimizer update (gradients, their reduction, ZeRO shards)": self.update_bytes}
+        else:
+            out = {"gradient accumulator held twice (pipeline tick)": self.accumulator_bytes}
+        return {k: v for k, v in out.items() if v > 0}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"total_bytes": self.total_bytes}
@@ -288,7 +365,10 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%).
     Stages 1-2: the full gradient and, per parameter, the updated shard all-gathered into a fresh
     full-size buffer before it is written out: two of the largest (stacked) parameter, 2*P_max
-    (~1B at data=8 x tensor=1 and data=4 x tensor=2: +3%). Stage 3: three shards of the gradient.
+    (~1B at data=8 x tensor=1 and data=4 x tensor=2: +3%). Stage 3: the gradient buffers of the
+    backward, G/N and the embedding's full table (:func:`zero3_embedding_gradient_bytes`), which the
+    update reads in place (buffer assignment of ~1B data=8 full, s=512: the update's live set is
+    those buffers, 749 MiB, and nothing of their size besides).
     """
     n = layout.data * layout.context
     pb = DTYPE_BYTES[model.param_dtype]
@@ -296,7 +376,7 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
         return 2 * grads - pb * shared_tables(model, layout)
     if layout.zero_stage in (1, 2):
         return grads + 2 * pb * largest_param(model, layout)
-    return 3 * grads / n
+    return grads / n + zero3_embedding_gradient_bytes(model, layout)
 
 
 def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -310,45 +390,28 @@ def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
     """Estimated temporaries of one device on pipeline stage ``stage`` (0 without a pipeline).
 
-    Without a pipeline: the layer scan keeps L x :func:`layer_residual_bytes`; the backward holds one
-    layer's :func:`layer_working_bytes` (or, if larger, the head's :func:`head_working_bytes`); the
-    backward scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N) and, with
-    m > 1, the accumulation sum is a second buffer (ZeRO-2/3: sharded, :mod:`jaxpar.train.step`).
-    ZeRO-3: the layer's backward holds the same weights as without ZeRO, gathered instead of sliced
-    out of the stacked parameters: at its peak (the MLP's backward, eight (b, s, f) buffers live) the
-    ``all_gather`` outputs of the gate and up weights and the copies of the attention weights, e *
-    (layer - W_down), exactly where ZeRO-0 holds ``dynamic-slice`` copies of the same shapes
-    (buffer assignments of tiny data=8 full recompute, ZeRO-3 and ZeRO-0: the same live set but for
-    the gradients). :func:`layer_working_bytes`, measured with those slices inside, therefore already
-    counts them; ZeRO-3 adds :func:`zero3_embedding_gradient_bytes` to the gradients and the head's
-    backward (:func:`zero3_head_phase_bytes`) as a third working set. These replace two gathered layers
-    (``ZERO3_GATHERED_LAYERS``, still used inside pipeline ticks) that were additive to the layer
-    phase. Compiled / estimated temp (peak), before -> after: tiny data=8 full 0.803 (0.827) -> 0.956
-    (0.962), none 0.924 -> 0.978, m=4 0.930 -> 0.985, data=4 x tensor=2 + SP selective ~0.83 -> 0.922;
-    ~1B none 1.034 -> 1.004, selective 1.070 -> 1.004 (both peak in the head phase). ~1B full stays
-    0.913: its estimate is the update phase's three gradient shards (:func:`update_bytes`), above
-    what its buffer assignment holds after the loop (the shards and the embedding table, ~0.75 GiB).
-    One microbatch's residual stack is live for every m, m = 2 included: the accumulation scan runs
-    all m microbatches from zeros, each one's forward and backward inside one iteration (the compiled
-    step: the layer scans are while loops inside the microbatch loop's body, trip count m). An
-    earlier rule doubled the stack at m = 2, measured when the first microbatch ran outside the loop
-    and a one-trip loop of the second was inlined beside it; since the loop runs every microbatch
-    that rule over-counted by one stack (tiny, data=8, ZeRO-1, m = 2, b = 1: temp ratio 0.673 ->
-    1.001, peak 0.716 -> 1.001; ZeRO-0, b = 2: 0.981).
+    Without a pipeline: the layer scan keeps L x :func:`layer_residual_bytes` (one microbatch's stack
+    for every m: the accumulation loop runs each microbatch's forward and backward inside one
+    iteration, :mod:`jaxpar.train.step`); beside it the largest of one layer's
+    :func:`layer_working_bytes` (the last layer's forward attention or one layer's backward), the
+    head's :func:`head_working_bytes` and, ZeRO-3, :func:`zero3_head_phase_bytes`; the backward
+    scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N, plus
+    :func:`zero3_embedding_gradient_bytes`) and, with m > 1, the accumulation sum is a second buffer
+    (ZeRO-2/3: sharded). ZeRO-3 gathers each layer's weights where ZeRO 0-2 slice them out of the
+    stacked parameters: the same shapes, counted once in :func:`layer_working_bytes`. The update
+    phase (:func:`update_bytes`) sets the peak when it is the larger.
 
     1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
     L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
-    ZeRO < 2 one sequence at a time, layer by layer), plus the chunk's gradient before it is added
-    to the fp32 accumulator of the stage, plus the act/grad slot buffers of the schedule
-    (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for 1F1B); the
-    last stage runs the head inside the same backward. GPipe: the forward scan over m + p - 1 ticks
-    is differentiated as a whole, so every tick's :func:`gpipe_tick_bytes` (bubbles included, the
-    stage's weights among them) stay live; the backward tick slices one tick's residuals out of
-    those stacks (a copy: one more :func:`gpipe_tick_bytes`) and works on one layer
-    (:func:`layer_working_bytes`). Measured compiled / estimated (tiny, s=128, fp32): p=4 m=4
-    none 1.069, m=8 1.057, b=1 1.068, selective 0.981, full 0.962; p=2 t=2 none 1.058 (before this
-    term: 1.25-1.49). The remaining ~6% under ``none`` is the backward tick's gradient temporaries
-    beyond :data:`WORKING_SET` (~2-3 MiB of the 53 MiB at p=4 m=4).
+    ZeRO < 2 one sequence at a time, layer by layer), plus :func:`layer_working_bytes` (``tick``), the chunk's
+    gradient before it is added to the fp32 accumulator of the stage, and the act/grad slot buffers
+    of the schedule (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for
+    1F1B); the last stage runs the head inside the same backward; the accumulator held twice
+    (:func:`pipeline_accumulator_bytes`) is a phase of its own. GPipe: the forward scan over
+    m + p - 1 ticks is differentiated as a whole, so every tick's :func:`gpipe_tick_bytes` (bubbles
+    included, the stage's weights among them) stay live; the backward tick slices one tick's
+    residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`) and works on one layer
+    (:func:`layer_working_bytes`).
     """
     p, pb, n = layout.pipeline, DTYPE_BYTES[model.param_dtype], layout.data * layout.context
     d = Dims.of(model, layout)
@@ -361,16 +424,18 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # one microbatch's stack, for every m: the accumulation scan runs each microbatch's forward and
         # backward inside one iteration (jaxpar.train.step: every microbatch in the loop, from zeros)
         residual = layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
-        working = max(layer_working_bytes(model, layout, layers=layers), head_working_bytes(model, layout))
+        candidates = [layer_working_term(model, layout, layers=layers), ("loss head", head_working_bytes(model, layout))]
         grads = full_grads / n if zero3 else full_grads
         if zero3:  # no gathered layer added: it takes the place of the sliced one (see above)
-            working = max(working, zero3_head_phase_bytes(model, layout))
+            candidates.append(("ZeRO-3 loss head (gathered weight, its gradient)", zero3_head_phase_bytes(model, layout)))
             grads += zero3_embedding_gradient_bytes(model, layout)
+        term, working = max(candidates, key=lambda c: c[1])
         if layout.microbatches > 1:
             grads += full_grads / n if layout.zero_stage >= 2 else full_grads
         update = update_bytes(model, layout, full_grads)
         return TempEstimate(0, residual, working, grads, gather, 0.0, update,
-                            "update" if update > residual + working + grads + gather else "backward")
+                            "update" if update > residual + working + grads + gather else "backward",
+                            working_term=term)
 
     chunk = model.num_layers // layout.stages
     last = stage == p - 1
@@ -379,6 +444,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         residual = (layout.microbatches + p - 1) * per_tick
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
         working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
+        term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
     else:
         prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages)
@@ -386,9 +452,11 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         by_layer = layout.recompute == "full" and layout.zero_stage < 2
         rows = 1 if by_layer else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
-        working = layer_working_bytes(model, layout, b=rows, layers=chunk, dot_backward=False)
+        working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
+        term = "backward tick: one layer's working set"
         if last:
             working += head_working_bytes(model, layout, b=rows)
+            term += " and the loss head"
         chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
     acc = full_grads / n if layout.zero_stage >= 2 else full_grads
     grads = acc + chunk_grads
@@ -396,7 +464,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     backward = residual + working + grads + gather + slots
     accumulator = 0.0 if layout.schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
     phase = max((backward, "backward"), (update, "update"), (accumulator, "accumulator"))[1]
-    return TempEstimate(stage, residual, working, grads, gather, slots, update, phase, accumulator)
+    return TempEstimate(stage, residual, working, grads, gather, slots, update, phase, accumulator, term)
 
 
 def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: float) -> float:

@@ -19,6 +19,7 @@ from jaxpar.analysis.estimate import (
     ParallelLayout,
     communication,
     estimated_argument_bytes,
+    peak_terms,
 )
 from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.config import ConfigDict, ConfigError, validate
@@ -100,6 +101,7 @@ class AotComparison:
     temp_bytes: int | None = None
     estimated_temp_bytes: float = 0.0  # jaxpar.analysis.activations, in the dtypes compiled (busiest stage)
     estimated_stage_temp_bytes: list[float] = dataclasses.field(default_factory=list)  # pipeline: every stage
+    peak_terms: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # estimate.peak_terms: largest 3
     compiled_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # axis -> ring bytes
     stage_bytes: list[dict[str, float]] = dataclasses.field(default_factory=list)  # pipeline: per stage, by axis
     compile_s: float = 0.0
@@ -158,6 +160,7 @@ class AotComparison:
                 "expected_peak_bytes": self.estimated_peak_bytes, "peak_ratio": self.peak_ratio,
                 **({"expected_stage_temp_bytes": self.estimated_stage_temp_bytes}
                    if self.estimated_stage_temp_bytes else {}),
+                "peak_terms": [{"term": name, "bytes": value} for name, value in self.peak_terms],
             },
             "collectives": {
                 axis: {
@@ -217,6 +220,7 @@ def aot_compare(
         temp_bytes=mem.temp_bytes if mem else None,
         estimated_temp_bytes=(mem.expected_temp_bytes or 0.0) if mem else 0.0,
         estimated_stage_temp_bytes=list(mem.expected_stage_temp_bytes) if mem else [],
+        peak_terms=peak_terms(lcfg.model, layout, lcfg.optim),
         compiled_bytes=_compiled_axis_bytes(report, layout),
         stage_bytes=list(report.stages),
         compile_s=elapsed,

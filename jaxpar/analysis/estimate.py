@@ -374,3 +374,27 @@ def estimated_argument_bytes(model: ConfigDict, layout: ParallelLayout, conventi
     mem = memory_estimate(model, layout, convention, optim)
     batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
     return mem.params_bytes + mem.optimizer_bytes + 4 + batch
+
+
+def peak_terms(model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None, top: int = 3
+               ) -> list[tuple[str, float]]:
+    """The ``top`` largest terms of the estimated peak (arguments + temporaries, ``jaxpar`` convention) of
+    the busiest pipeline stage, largest first, as (name, bytes per device): parameters, optimizer
+    state and batch (:func:`estimated_argument_bytes`) beside the temporaries' terms of the phase that
+    sets their peak (:meth:`jaxpar.analysis.activations.TempEstimate.terms`: the residual stack, the
+    working set that is live at the peak, the gradient buffers, ...). What a user reads to see why a
+    layout does not fit."""
+    from jaxpar.analysis import activations
+
+    mem = memory_estimate(model, layout, "jaxpar", optim)
+    temps = activations.stage_temps(model, layout)
+    temp = temps[0 if mem.stage == "first" else layout.pipeline - 1]
+    batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
+    terms = {"parameters": mem.params_bytes, "optimizer state": mem.optimizer_bytes, "batch": batch + 4}
+    terms |= temp.terms()
+    return sorted(terms.items(), key=lambda kv: -kv[1])[:top]
+
+
+def format_peak_terms(terms: list[tuple[str, float]], total: float) -> str:
+    """``name 1.23 GiB (45%), ...``: :func:`peak_terms` as one line, shares of ``total`` (the estimated peak)."""
+    return ", ".join(f"{name} {value / 2**30:.3f} GiB ({value / total:.0%})" for name, value in terms)

@@ -45,18 +45,34 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     report = analyze_layout(cfg)
     schedule = pipeline_schedule(cfg)
+    terms = estimated_peak_terms(cfg)
     if getattr(args, "json", False):
         out = report.to_dict()
         if not getattr(args, "ops", False):
             out.pop("ops")
         if schedule is not None:
             out["pipeline"] = schedule
+        out["peak_terms"] = [{"term": name, "bytes": value} for name, value in terms]
         print(json.dumps(out))
     else:
         render(report, title=f"{config_or_default(args)}  {_layout_text(report.layout)}")
+        mem = report.memory
+        if mem is not None and mem.expected_peak_bytes:
+            from jaxpar.analysis.estimate import format_peak_terms
+
+            print(f"estimated peak {mem.expected_peak_bytes / 2**30:.3f} GiB, largest terms: "
+                  f"{format_peak_terms(terms, mem.expected_peak_bytes)}")
         if schedule is not None:
             print(schedule["diagram"])
     return 0
+
+
+def estimated_peak_terms(cfg: Any, top: int = 3) -> list[tuple[str, float]]:
+    """The largest ``top`` terms of the layout's estimated peak per device
+    (:func:`jaxpar.analysis.estimate.peak_terms`, in the config's dtypes)."""
+    from jaxpar.analysis.estimate import peak_terms
+
+    return peak_terms(cfg.model, ParallelLayout.from_config(cfg), cfg.optim, top)
 
 
 def pipeline_schedule(cfg: Any) -> dict[str, Any] | None:

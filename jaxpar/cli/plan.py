@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxpar.analysis.aot import AotComparison, run_aot
 from jaxpar.analysis.clusters import GIB, PRESETS, Cluster, get_cluster
-from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params
+from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params, format_peak_terms
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
@@ -141,6 +141,10 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
                 cells.append("fits" if fits else "[red]does not fit (compiled)[/]")
             table.add_row(*cells)
         console.print(table)
+        for rank, r in done:
+            if r.peak_terms and r.estimated_peak_bytes:
+                console.print(f"#{rank} estimated peak {gib(r.estimated_peak_bytes)} GiB, largest terms: "
+                              + format_peak_terms(r.peak_terms, r.estimated_peak_bytes))
         staged = [(rank, r) for rank, r in done if r.estimated_stage_temp_bytes]
         for rank, r in staged:
             console.print(f"#{rank} estimated temp GiB per pipeline stage: "
