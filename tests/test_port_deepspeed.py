@@ -239,7 +239,12 @@ def test_cli_output_is_not_overwritten_without_the_flag(tmp_path, capsys):
         "another path\n"
     assert captured.out == ""  # refused before porting: no report printed
     assert out.read_text() == "# the user's own file\n" and not list(tmp_path.glob(".*.tmp"))
-    assert main([*argv, "--overwrite"]) == 0
+    assert main([*argv, "--overwrite"]) == 2  # --overwrite replaces only a file port wrote (jaxpar.write_guard)
+    assert capsys.readouterr().err == f"error: port -o {out}: jaxpar did not write this file; --overwrite replaces " \
+        "only a file jaxpar wrote: move it or pick another path\n"
+    assert out.read_text() == "# the user's own file\n"
+    out.unlink()
+    assert main(argv) == 0 and main([*argv, "--overwrite"]) == 0  # its own earlier output: replaced
     assert load_config(str(out)).model.num_layers == 48 and "--overwrite" in out.read_text()
     assert not list(tmp_path.glob(".*.tmp"))
 
