@@ -78,13 +78,19 @@ def check_apart(output: PathLike, flag: str, inputs: dict[str, PathLike | None] 
                                   "destroy; pick a folder or file outside it")
 
 
-def foreign(folder: pathlib.Path, kind: str) -> str | None:
+Older = Callable[[pathlib.Path, list[str]], bool]  # recognises an unmarked folder an older jaxpar wrote
+
+
+def foreign(folder: pathlib.Path, kind: str, older: Older | None = None) -> str | None:
     """Why ``folder`` (an existing folder) may not be replaced as a ``kind`` folder, or None when it may:
-    it is empty, or jaxpar made it as ``kind`` and it holds nothing jaxpar did not put there."""
+    it is empty, or jaxpar made it as ``kind`` and it holds nothing jaxpar did not put there, or it has no
+    marker but ``older(folder, names)`` recognises it as what a jaxpar from before markers wrote."""
     names = sorted(p.name for p in folder.iterdir())
     if not names:
         return None
     marker = read_marker(folder)
+    if marker is None and older is not None and older(folder, names):
+        return None
     if marker is None:
         return f"holds files jaxpar did not write ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
     if marker["kind"] != kind:
@@ -97,9 +103,10 @@ def foreign(folder: pathlib.Path, kind: str) -> str | None:
     return None
 
 
-def check_folder_output(output: PathLike, flag: str, kind: str, overwrite: bool) -> None:
+def check_folder_output(output: PathLike, flag: str, kind: str, overwrite: bool,
+                        older: Older | None = None) -> None:
     """Refuse ``output`` as a ``kind`` folder to (re)write: a file; an existing folder without
-    ``overwrite`` (unless empty); one that is not jaxpar's own ``kind`` output."""
+    ``overwrite`` (unless empty); one that is not jaxpar's own ``kind`` output (``older``: :func:`foreign`)."""
     path = pathlib.Path(output)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ConfigError(f"{flag} {output}: is a file or a link, not a folder; pick a new folder")
@@ -107,7 +114,7 @@ def check_folder_output(output: PathLike, flag: str, kind: str, overwrite: bool)
         return
     if not overwrite:
         raise ConfigError(f"{flag} {output}: exists; pass --overwrite to replace it or choose another folder")
-    why = foreign(path, kind)
+    why = foreign(path, kind, older)
     if why:
         raise ConfigError(f"{flag} {output}: {why}; jaxpar replaces only a {kind} folder it wrote: "
                           "move those files or pick another folder")
@@ -142,12 +149,13 @@ def disk_full(error: BaseException, path: PathLike) -> OSError | None:
 
 
 def replace_folder(output: PathLike, kind: str, fill: Callable[[pathlib.Path], None], *, flag: str,
-                   overwrite: bool = False) -> pathlib.Path:
+                   overwrite: bool = False,
+                   older: Older | None = None) -> pathlib.Path:
     """Write ``output`` as a ``kind`` folder: ``fill(tmp)`` writes the files into a temporary sibling,
     which is marked and renamed into place; a previous output is removed only after (and only if
     :func:`check_folder_output` allows it). A failure leaves the previous output as it was."""
     out = pathlib.Path(output)
-    check_folder_output(out, flag, kind, overwrite)
+    check_folder_output(out, flag, kind, overwrite, older)
     with naming(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -158,7 +166,7 @@ def replace_folder(output: PathLike, kind: str, fill: Callable[[pathlib.Path], N
             mark(tmp, kind, (p.name for p in tmp.iterdir()))
         old = None
         if out.exists():
-            check_folder_output(out, flag, kind, overwrite)  # again: it may have changed while filling
+            check_folder_output(out, flag, kind, overwrite, older)  # again: it may have changed while filling
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.rename(out, old)
         os.rename(tmp, out)

@@ -195,3 +195,28 @@ def test_save_hf_overwrite_replaces_an_export_not_a_users_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"holds files jaxpar did not write there \(mine.txt\)"):
         weights.save_hf(params, model, out, overwrite=True)
     assert (out / "mine.txt").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("files, refused", [
+    ({"results.json": b'{"meta": {}, "layouts": []}', "report.md": b"# sweep"}, False),  # a sweep's, before markers
+    ({"results.json": b"[1, 2]", "report.md": b"# mine"}, True),  # not a sweep's results
+    ({"results.json": b'{"meta": {}, "layouts": []}', "notes.txt": b"mine"}, True),  # a file no sweep writes
+    ({"report.md": b"# mine"}, True),
+])
+def test_sweep_o_recognises_a_sweep_folder_from_before_markers(tmp_path, files, refused):
+    from jaxpar.cli.sweep import older_sweep
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    before = snapshot(out)
+    if refused:
+        with pytest.raises(ConfigError, match="holds files jaxpar did not write"):
+            write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"new"}), flag="sweep -o",
+                                       overwrite=True, older=older_sweep)
+        assert snapshot(out) == before
+    else:
+        write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"new"}), flag="sweep -o",
+                                   overwrite=True, older=older_sweep)
+        assert sorted(snapshot(out)) == [write_guard.MARKER, "report.md"]

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import shlex
 import sys
 
@@ -57,7 +58,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     _check_flags(args)
     if not args.list:  # before hours of runs: -o replaces only an earlier sweep's folder, never an input
         write_guard.check_apart(args.output, "sweep -o", inputs={"--config": config, "--baseline": args.baseline})
-        write_guard.check_folder_output(args.output, "sweep -o", write_guard.SWEEP, overwrite=True)
+        write_guard.check_folder_output(args.output, "sweep -o", write_guard.SWEEP, overwrite=True,
+                                        older=older_sweep)
     previous = None
     if args.baseline:
         try:
@@ -81,7 +83,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     meta["config"] = config
     comparison = sweep_report.compare_runs(previous, records) if previous else None
     written: dict[str, str] = {}  # into a temporary sibling, renamed over an earlier sweep's folder at the end
-    write_guard.replace_folder(args.output, write_guard.SWEEP, flag="sweep -o", overwrite=True,
+    write_guard.replace_folder(args.output, write_guard.SWEEP, flag="sweep -o", overwrite=True, older=older_sweep,
                                fill=lambda tmp: written.update(sweep_report.write_results(records, meta, str(tmp),
                                                                                           comparison)))
     paths = {name: os.path.join(args.output, os.path.basename(path)) for name, path in written.items()}
@@ -95,6 +97,23 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"  re-run: {line}")
     print(f"report: {paths['md']}")
     return 0 if c["ok"] == meta["layouts"] else 1
+
+
+SWEEP_FILES = ("results.csv", "results.json", "report.md", "memory_vs_bytes.png", "step_time.png",
+               "estimate_vs_measured.png")
+
+
+def older_sweep(folder: pathlib.Path, names: list[str]) -> bool:
+    """Whether an unmarked folder is a sweep's from before the write guard's markers: only a sweep's files,
+    and a results.json of a sweep (``meta`` and ``layouts``); it may be replaced like a marked one."""
+    if "results.json" not in names or not set(names) <= set(SWEEP_FILES):
+        return False
+    try:
+        with open(folder / "results.json") as f:
+            results = json.loads(f.read(1 << 24))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(results, dict) and {"meta", "layouts"} <= set(results)
 
 
 MAX_STEPS = 10**6
