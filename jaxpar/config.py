@@ -53,6 +53,7 @@ def default_config() -> ConfigDict:
     # gathers parameters and reduce-scatters their gradients in model.compute_dtype (FSDP-style)
     c.parallel.max_replicated_fraction = 0.05  # ZeRO-3 guard: share of param bytes replicated
     c.parallel.context_exchange = "ring"  # mesh.context > 1: ring (ppermute K/V) | all_gather (gather K/V)
+    c.parallel.cross_node_tensor = False  # allow tensor x context groups that span nodes (slow links)
 
     c.model = ConfigDict()
     c.model.name = "llama"

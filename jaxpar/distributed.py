@@ -1,22 +1,30 @@
-"""Multi-process start-up: ``jax.distributed`` from the environment, and XLA flag profiles.
+"""Multi-process start-up: ``jax.distributed`` from the launch environment, and XLA flag profiles.
 
-Sources, in order:
-* explicit variables (what ``scripts/launch_local.sh`` sets): ``JAXPAR_COORDINATOR``
-  (host:port), ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID``;
-* SLURM, inside an ``srun`` step of several tasks: ``jax.distributed.initialize()`` reads the SLURM
-  variables itself;
+Sources, in order (:func:`launch_spec` decides every value; JAX's own detection is off):
+* SLURM, inside an ``srun`` step of several tasks: process count and id from ``SLURM_NTASKS`` /
+  ``SLURM_PROCID``; coordinator ``JAXPAR_COORDINATOR`` if set, else JAX's rule (first node of
+  ``SLURM_STEP_NODELIST``, port 61440 + job id mod 4096); each task's GPUs chosen explicitly
+  (:func:`slurm_local_devices`);
+* explicit variables (what ``scripts/launch_local.sh`` sets): ``JAXPAR_COORDINATOR`` (host:port),
+  ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID`` (or ``JOB_COMPLETION_INDEX``, the pod index of a
+  Kubernetes indexed Job), ``JAXPAR_LOCAL_DEVICES`` optionally;
 * otherwise a single process: nothing to do.
 
-On CPU the processes talk over gloo. A process that dies stops sending heartbeats; the
-coordination service then fails the others after ``JAXPAR_HEARTBEAT_TIMEOUT`` seconds (default
-100, as JAX) instead of letting them hang in a collective.
+On CPU the processes talk over gloo. A coordinator that does not resolve is refused before JAX
+starts; one that does not answer within ``JAXPAR_COORDINATOR_TIMEOUT`` seconds (default 120) is one
+line. A process that dies stops sending heartbeats; the coordination service then fails the others
+after ``JAXPAR_HEARTBEAT_TIMEOUT`` seconds (default 100, as JAX) instead of letting them hang.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import socket
 import sys
+import time
+from collections.abc import Mapping
 
 from jaxpar.config import ConfigError
 
@@ -32,36 +40,234 @@ GPU_XLA_FLAGS = (
 )
 
 
-def _int_env(name: str) -> int:
-    value = os.environ[name]
+def _int_env(name: str, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    value = env[name]
     if not value.isdigit():
         raise ConfigError(f"{name}={value!r}: must be a non-negative integer")
     return int(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """How this process joins the job: what ``jax.distributed.initialize`` is given, every value
+    decided here (JAX's own cluster detection is switched off, so nothing is guessed twice)."""
+
+    source: str  # "single" | "explicit" | "slurm" | "k8s-indexed-job"
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator: str | None = None  # host:port
+    local_device_ids: tuple[int, ...] | None = None  # GPUs of this process, None = all it sees
+    node: str = ""  # what places this process: SLURMD_NODENAME, JAXPAR_NODE or the host name
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_processes > 1 or self.source != "single"
+
+
+def launch_spec(env: Mapping[str, str] | None = None) -> LaunchSpec:
+    """Read the launch environment (see the module docstring for the sources and their order).
+
+    Refuses in one line what would otherwise start a job that cannot meet: a coordinator without a
+    process count, a process id outside the count, a count that disagrees with SLURM's.
+    """
+    env = os.environ if env is None else env
+    node = env.get("SLURMD_NODENAME") or env.get("JAXPAR_NODE") or socket.gethostname()
+    if in_slurm_step(env):
+        num, pid = _int_env("SLURM_NTASKS", env), _int_env("SLURM_PROCID", env)
+        if "JAXPAR_NUM_PROCESSES" in env and _int_env("JAXPAR_NUM_PROCESSES", env) != num:
+            raise ConfigError(
+                f"JAXPAR_NUM_PROCESSES={env['JAXPAR_NUM_PROCESSES']} but the srun step has SLURM_NTASKS={num} "
+                "tasks; unset JAXPAR_NUM_PROCESSES (under srun every task is a process)"
+            )
+        coordinator = env.get("JAXPAR_COORDINATOR") or slurm_coordinator(env)
+        return LaunchSpec("slurm", num, pid, coordinator, slurm_local_devices(env), node)
+    if "JAXPAR_COORDINATOR" in env:
+        if "JAXPAR_NUM_PROCESSES" not in env:
+            raise ConfigError("JAXPAR_COORDINATOR is set but JAXPAR_NUM_PROCESSES is not; set both (and JAXPAR_PROCESS_ID)")
+        num = _int_env("JAXPAR_NUM_PROCESSES", env)
+        if num < 1:
+            raise ConfigError(f"JAXPAR_NUM_PROCESSES={num}: must be at least 1")
+        if "JAXPAR_PROCESS_ID" in env:
+            source, name = "explicit", "JAXPAR_PROCESS_ID"
+        elif "JOB_COMPLETION_INDEX" in env:  # a Kubernetes indexed Job numbers its pods 0..completions-1
+            source, name = "k8s-indexed-job", "JOB_COMPLETION_INDEX"
+        else:
+            raise ConfigError("JAXPAR_COORDINATOR is set but JAXPAR_PROCESS_ID is not; set it to this process's "
+                              "index (0 on the coordinator's host)")
+        pid = _int_env(name, env)
+        if not 0 <= pid < num:
+            raise ConfigError(f"{name}={pid} must be in [0, JAXPAR_NUM_PROCESSES={num})")
+        ids = _device_list("JAXPAR_LOCAL_DEVICES", env) if "JAXPAR_LOCAL_DEVICES" in env else None
+        return LaunchSpec(source, num, pid, env["JAXPAR_COORDINATOR"], ids, node)
+    return LaunchSpec("single", node=node)
+
+
+def in_slurm_step(env: Mapping[str, str] | None = None) -> bool:
+    """Inside an ``srun`` step of several tasks (the batch script itself is no step, and a stale
+    ``SLURM_NTASKS`` outside a step is one process)."""
+    env = os.environ if env is None else env
+    needed = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_NTASKS")
+    return all(v in env for v in needed) and _int_env("SLURM_NTASKS", env) > 1
+
+
+def slurm_coordinator(env: Mapping[str, str]) -> str:
+    """JAX's rule for a SLURM step: the first node of ``SLURM_STEP_NODELIST``, port
+    61440 + job id mod 4096 (``jax._src.clusters.slurm_cluster``)."""
+    first = first_slurm_node(env["SLURM_STEP_NODELIST"])
+    return f"{first}:{61440 + _int_env('SLURM_JOB_ID', env) % 4096}"
+
+
+def first_slurm_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``."""
+    match = re.match(r"([^,\[]*)(?:\[([^,\]-]+))?", nodelist)
+    if not match or not (match.group(1) or match.group(2)):
+        raise ConfigError(f"SLURM_STEP_NODELIST={nodelist!r}: no node name in it")
+    return match.group(1) + (match.group(2) or "")
+
+
+def slurm_tasks_on_node(env: Mapping[str, str]) -> int:
+    """How many tasks of the step run on this node, from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``:
+    three nodes of two, then one of one) at ``SLURM_NODEID``."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return 1
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={spec!r}: not SLURM's form, e.g. 2(x3),1")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = _int_env("SLURM_NODEID", env) if "SLURM_NODEID" in env else 0
+    if node >= len(counts):
+        raise ConfigError(f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE={spec!r} lists {len(counts)} nodes")
+    return counts[node]
+
+
+def _device_list(name: str, env: Mapping[str, str]) -> tuple[int, ...]:
+    value = env[name].strip()
+    if not re.fullmatch(r"\d+(,\d+)*", value):
+        raise ConfigError(f"{name}={env[name]!r}: use comma-separated device indices, e.g. 0,1,2,3")
+    return tuple(int(v) for v in value.split(","))
+
+
+def slurm_local_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The GPUs of this SLURM task, as indices into the GPUs it can see; None means all of them.
+
+    JAX alone gives each SLURM task only GPU ``SLURM_LOCALID`` (jax-ml/jax#16788), so one task per
+    node would drive one GPU of eight. The rule here: ``JAXPAR_LOCAL_DEVICES`` if set; one task on
+    the node: all its GPUs; several tasks that each see only their own GPUs (``--gpus-per-task``,
+    ``--gpu-bind``): all they see; several tasks that share the node's G GPUs (``CUDA_VISIBLE_DEVICES``
+    or ``SLURM_GPUS_ON_NODE``): task ``SLURM_LOCALID`` takes its G / tasks consecutive GPUs.
+    """
+    if "JAXPAR_LOCAL_DEVICES" in env:
+        return _device_list("JAXPAR_LOCAL_DEVICES", env)
+    tasks = slurm_tasks_on_node(env)
+    if tasks == 1:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    gpus = len(visible.split(",")) if visible else (_int_env("SLURM_GPUS_ON_NODE", env) if "SLURM_GPUS_ON_NODE" in env else 0)
+    if gpus == 0 or gpus < tasks:  # no GPUs (CPU), or SLURM bound each task to its own
+        return None
+    if gpus % tasks:
+        raise ConfigError(
+            f"{tasks} tasks on this node share {gpus} GPUs, which do not split evenly; use --gpus-per-task, "
+            "or set JAXPAR_LOCAL_DEVICES to this task's GPU indices"
+        )
+    share, local = gpus // tasks, _int_env("SLURM_LOCALID", env)
+    return tuple(range(local * share, (local + 1) * share))
+
+
+def coordinator_timeout(env: Mapping[str, str] | None = None) -> int:
+    """Seconds a process waits for the coordinator (``JAXPAR_COORDINATOR_TIMEOUT``, default 120)."""
+    env = os.environ if env is None else env
+    if "JAXPAR_COORDINATOR_TIMEOUT" not in env:
+        return 120
+    value = _int_env("JAXPAR_COORDINATOR_TIMEOUT", env)
+    if value < 1:
+        raise ConfigError("JAXPAR_COORDINATOR_TIMEOUT=0: use a number of seconds of at least 1")
+    return value
+
+
+def _coordinator_source(spec: LaunchSpec) -> str:
+    if spec.source == "slurm" and "JAXPAR_COORDINATOR" not in os.environ:
+        return "the first node of SLURM_STEP_NODELIST"
+    return "JAXPAR_COORDINATOR"
+
+
+def check_coordinator(spec: LaunchSpec, wait: int) -> None:
+    """Fail in one line, before JAX starts, where ``jax.distributed`` would abort the process or
+    wait out its deadline: a coordinator host that does not resolve; on process 0, a port already
+    in use; on the others, a coordinator that does not accept connections within ``wait`` seconds."""
+    where = _coordinator_source(spec)
+    host, _, port = (spec.coordinator or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}={spec.coordinator!r}: use host:port")
+    host = host.strip("[]")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except (OSError, UnicodeError):
+        fix = ("set JAXPAR_COORDINATOR=<its address>:<port> in the batch script (scripts/slurm/train.sbatch does)"
+               if where.startswith("the first") else "use an address every process can resolve")
+        raise ConfigError(f"{where}: coordinator host {host!r} does not resolve; {fix}") from None
+    if spec.process_id == 0:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", int(port)))
+            except OSError as e:
+                raise ConfigError(f"{where}: port {port} on this host (process 0, the coordinator) is not free "
+                                  f"({e.strerror}); pick another port") from None
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"process {spec.process_id}/{spec.num_processes} could not reach the coordinator at "
+                    f"{spec.coordinator} within {wait}s ({e.strerror or e}); check that process 0 runs there "
+                    "and the port is open, or raise JAXPAR_COORDINATOR_TIMEOUT"
+                ) from None
+            time.sleep(0.25)
+
+
 def initialize_from_env() -> bool:
-    """Join the multi-process job described by the environment. Returns True if distributed."""
+    """Join the multi-process job described by the environment. Returns True if distributed.
+
+    Waits at most ``JAXPAR_COORDINATOR_TIMEOUT`` seconds for the coordinator, then fails in one line.
+    """
     import jax
 
-    timeout = int(os.environ.get("JAXPAR_HEARTBEAT_TIMEOUT", "100"))
-    if "JAXPAR_COORDINATOR" in os.environ:
-        num, pid = _int_env("JAXPAR_NUM_PROCESSES"), _int_env("JAXPAR_PROCESS_ID")
-        if not 0 <= pid < num:
-            raise ConfigError(f"JAXPAR_PROCESS_ID={pid} must be in [0, JAXPAR_NUM_PROCESSES={num})")
-        _gloo_on_cpu()
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAXPAR_COORDINATOR"],
-            num_processes=num,
-            process_id=pid,
-            heartbeat_timeout_seconds=timeout,
-            initialization_timeout=timeout,
-        )
-        return True
-    if _in_slurm_step():
-        _gloo_on_cpu()
-        jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
-        return True
-    return False
+    spec = launch_spec()
+    if not spec.distributed:
+        return False
+    timeout = _heartbeat_timeout()
+    wait = coordinator_timeout()
+    check_coordinator(spec, wait)
+    _gloo_on_cpu()
+    # A peer that never registers still ends in jax.distributed's own abort, after the same wait.
+    jax.distributed.initialize(
+        coordinator_address=spec.coordinator,
+        num_processes=spec.num_processes,
+        process_id=spec.process_id,
+        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids is not None else None,
+        cluster_detection_method="deactivate",
+        heartbeat_timeout_seconds=timeout,
+        initialization_timeout=wait,
+    )
+    return True
+
+
+def _heartbeat_timeout() -> int:
+    if "JAXPAR_HEARTBEAT_TIMEOUT" not in os.environ:
+        return 100
+    value = _int_env("JAXPAR_HEARTBEAT_TIMEOUT")
+    if value < 1:
+        raise ConfigError("JAXPAR_HEARTBEAT_TIMEOUT=0: use a number of seconds of at least 1")
+    return value
 
 
 def _gloo_on_cpu() -> None:
@@ -99,24 +305,8 @@ def jax_started() -> bool:
 
 
 def launch_process_count() -> int:
-    """How many processes the launch environment starts: ``JAXPAR_NUM_PROCESSES`` with
-    ``JAXPAR_COORDINATOR``, SLURM's task count inside an ``srun`` step, else 1."""
-    if "JAXPAR_COORDINATOR" in os.environ:
-        if "JAXPAR_NUM_PROCESSES" not in os.environ:
-            raise ConfigError("JAXPAR_COORDINATOR is set but JAXPAR_NUM_PROCESSES is not; set both (and JAXPAR_PROCESS_ID)")
-        num = _int_env("JAXPAR_NUM_PROCESSES")
-        if num < 1:
-            raise ConfigError(f"JAXPAR_NUM_PROCESSES={num}: must be at least 1")
-        return num
-    if _in_slurm_step():
-        return _int_env("SLURM_NTASKS")
-    return 1
-
-
-def _in_slurm_step() -> bool:
-    """Inside an ``srun`` step of several tasks (the batch script itself is no step)."""
-    needed = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_NTASKS")
-    return all(v in os.environ for v in needed) and _int_env("SLURM_NTASKS") > 1
+    """How many processes the launch environment starts (:func:`launch_spec`)."""
+    return launch_spec().num_processes
 
 
 def simulate_local_devices(total: int) -> int | None:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -89,6 +90,7 @@ def test_share_is_mesh_devices_over_processes(fresh):
     fresh.setenv("XLA_FLAGS", "")
     fresh.setenv("JAXPAR_COORDINATOR", "127.0.0.1:1234")
     fresh.setenv("JAXPAR_NUM_PROCESSES", "4")
+    fresh.setenv("JAXPAR_PROCESS_ID", "3")
     assert distributed.simulate_local_devices(8) == 2
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert distributed.simulate_local_devices(8) == 2  # the same count given again agrees
@@ -109,6 +111,9 @@ def test_conflicts_are_refused_in_one_line(fresh):
     with pytest.raises(ConfigError, match="JAXPAR_NUM_PROCESSES is not"):
         distributed.launch_process_count()
     fresh.setenv("JAXPAR_NUM_PROCESSES", "3")
+    with pytest.raises(ConfigError, match="JAXPAR_PROCESS_ID is not"):
+        distributed.launch_process_count()
+    fresh.setenv("JAXPAR_PROCESS_ID", "1")
     with pytest.raises(ConfigError, match="do not split over 3 processes"):
         distributed.simulate_local_devices(8)
     fresh.setenv("JAXPAR_NUM_PROCESSES", "2")
@@ -118,3 +123,114 @@ def test_conflicts_are_refused_in_one_line(fresh):
         distributed.simulate_local_devices(8)
     fresh.setenv("JAX_PLATFORMS", "cuda")  # not CPU: the flag does not apply
     assert distributed.simulate_local_devices(8) is None
+
+
+# ---------------------------------------------------------------- launch environments, as values
+
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[07-08],cpu1",
+              "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+              "SLURMD_NODENAME": "gpu08"}
+
+
+def test_slurm_step_spec_follows_jax_coordinator_rule():
+    spec = distributed.launch_spec(SLURM_STEP | {"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    assert (spec.source, spec.num_processes, spec.process_id, spec.node) == ("slurm", 16, 9, "gpu08")
+    assert spec.coordinator == f"gpu07:{61440 + 4242 % 4096}"  # jax._src.clusters.slurm_cluster's port rule
+    assert spec.local_device_ids == (1,)  # one task per GPU: task 1 of its node takes GPU 1
+    ours = distributed.launch_spec(SLURM_STEP | {"JAXPAR_COORDINATOR": "10.0.0.7:6000"})
+    assert ours.coordinator == "10.0.0.7:6000"
+    with pytest.raises(ConfigError, match="JAXPAR_NUM_PROCESSES=4 but the srun step has SLURM_NTASKS=16"):
+        distributed.launch_spec(SLURM_STEP | {"JAXPAR_NUM_PROCESSES": "4"})
+
+
+@pytest.mark.parametrize("tasks_per_node, visible, gpus_on_node, localid, expected", [
+    ("1(x2)", "0,1,2,3,4,5,6,7", None, "0", None),       # one task per node: every GPU of the node
+    ("8(x2)", "0,1,2,3,4,5,6,7", None, "5", (5,)),       # one task per GPU, GPUs shared: its own
+    ("2(x2)", "0,1,2,3,4,5,6,7", None, "1", (4, 5, 6, 7)),  # two tasks of four GPUs
+    ("8(x2)", "3", None, "3", None),                     # --gpus-per-task: SLURM bound it, all it sees
+    ("8(x2)", "", "8", "2", (2,)),                       # GPU count from SLURM_GPUS_ON_NODE
+    ("2(x2)", "", None, "1", None),                      # no GPUs (CPU nodes)
+])
+def test_slurm_local_devices(tasks_per_node, visible, gpus_on_node, localid, expected):
+    env = SLURM_STEP | {"SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_LOCALID": localid}
+    if visible:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if gpus_on_node:
+        env["SLURM_GPUS_ON_NODE"] = gpus_on_node
+    assert distributed.slurm_local_devices(env) == expected
+
+
+def test_slurm_local_devices_refusals_and_override():
+    env = SLURM_STEP | {"SLURM_STEP_TASKS_PER_NODE": "3(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    with pytest.raises(ConfigError, match="3 tasks on this node share 8 GPUs, which do not split evenly"):
+        distributed.slurm_local_devices(env)
+    assert distributed.slurm_local_devices(env | {"JAXPAR_LOCAL_DEVICES": "6,7"}) == (6, 7)
+    with pytest.raises(ConfigError, match="JAXPAR_LOCAL_DEVICES='6;7'"):
+        distributed.slurm_local_devices(env | {"JAXPAR_LOCAL_DEVICES": "6;7"})
+    with pytest.raises(ConfigError, match="not SLURM's form"):
+        distributed.slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "two"})
+    assert distributed.slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}) == 1
+
+
+@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("node[03-05,9],gpu1", "node03"),
+                                             ("a1,b2", "a1"), ("[7-9]", "7"), ("rack2-n[1,5]", "rack2-n1")])
+def test_first_slurm_node(nodelist, first):
+    assert distributed.first_slurm_node(nodelist) == first
+
+
+def test_explicit_and_kubernetes_indexed_job_specs():
+    base = {"JAXPAR_COORDINATOR": "trainer-0.svc:1234", "JAXPAR_NUM_PROCESSES": "4"}
+    assert distributed.launch_spec(base | {"JOB_COMPLETION_INDEX": "2"}).process_id == 2
+    assert distributed.launch_spec(base | {"JOB_COMPLETION_INDEX": "2"}).source == "k8s-indexed-job"
+    assert distributed.launch_spec(base | {"JAXPAR_PROCESS_ID": "3", "JOB_COMPLETION_INDEX": "0"}).process_id == 3
+    with pytest.raises(ConfigError, match=r"JOB_COMPLETION_INDEX=4 must be in \[0, JAXPAR_NUM_PROCESSES=4\)"):
+        distributed.launch_spec(base | {"JOB_COMPLETION_INDEX": "4"})
+    assert not distributed.launch_spec({"SLURM_NTASKS": "4"}).distributed  # a stale variable: one process
+
+
+def test_a_coordinator_that_does_not_resolve_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_"))}
+    env |= {"JAXPAR_COORDINATOR": "no-such-host.invalid:1234", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1",
+            "XLA_FLAGS": ""}
+    done = _train([], tmp_path, env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: JAXPAR_COORDINATOR: coordinator host 'no-such-host.invalid' does not resolve; "
+        "use an address every process can resolve")
+
+
+def test_a_coordinator_that_does_not_answer_fails_within_the_bound(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_"))}
+    env |= {"JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1",
+            "JAXPAR_COORDINATOR_TIMEOUT": "3", "XLA_FLAGS": ""}
+    started = time.time()
+    done = _train([], tmp_path, env)
+    assert time.time() - started < 60
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: process 1/2 could not reach the coordinator at 127.0.0.1:{port} within 3s"), last
+    assert "Traceback" not in done.stderr
+
+
+def test_tensor_and_context_must_stay_inside_a_node():
+    from types import SimpleNamespace
+
+    from jaxpar.layout import ParallelLayout
+    from jaxpar.mesh import _check_inner_axes_in_nodes, _ordered_devices
+
+    devices = [SimpleNamespace(process_index=p, id=8 * p + i) for p in range(4) for i in range(2)]
+    nodes = ["a", "b", "a", "b"]  # SLURM's cyclic distribution: processes 0 and 2 share node a
+    ordered = _ordered_devices(devices, nodes)
+    assert [d.process_index for d in ordered] == [0, 0, 2, 2, 1, 1, 3, 3]
+    import numpy as np
+
+    fits = ParallelLayout(data=2, tensor=4)
+    _check_inner_axes_in_nodes(fits, np.array(ordered, dtype=object).reshape(1, 2, 1, 4), nodes)
+    spans = ParallelLayout(data=1, tensor=2, context=4)
+    with pytest.raises(ConfigError, match=r"mesh.tensor=2 x mesh.context=4 = 8 devices span nodes \(each node has 4"):
+        _check_inner_axes_in_nodes(spans, np.array(ordered, dtype=object).reshape(1, 1, 4, 2), nodes)

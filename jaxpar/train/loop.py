@@ -116,7 +116,7 @@ class Trainer:
         if jax.process_index() == 0:  # before anything is written there: a user's folder or a live run's is refused
             workdir_lib.claim(cfg.train.workdir, str(cfg.train.resume), cfg.train.init_from)
         self.layout = ParallelLayout.from_config(cfg)
-        self.mesh = make_mesh(self.layout)
+        self.mesh = make_mesh(self.layout, cross_node_tensor=cfg.parallel.cross_node_tensor)
         self.setup = Setup(cfg, self.mesh)
         t = cfg.train
         pidx, pcount = self.setup.feed.data_split  # the rows of this process's data shards
