@@ -111,8 +111,20 @@ def test_a_full_disk_under_a_checkpoint_names_the_folder(tmp_path):
         ckpt.close()
 
 
-# seconds after the start at which Ctrl-C arrives: while Python imports jaxpar, while JAX starts, later
-DELAYS = [0.5, 3.0] if os.environ.get("JAXPAR_SLOW") != "1" else [0.1, 0.3, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0]
+# seconds after the child began loading JAX's extension (the CLI's imports; before that is Python's own
+# start-up) at which Ctrl-C arrives: while the CLI's modules load, while JAX starts, later
+DELAYS = [0.0, 2.0] if os.environ.get("JAXPAR_SLOW") != "1" else [0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0]
+
+
+def _loading_jax(pid: int, timeout: float = 60) -> None:
+    """Wait until process ``pid`` has mapped jaxlib (its first extension module is loading)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/maps") as f:
+            if "jaxlib" in f.read():
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not load jaxlib within {timeout} s")
 
 
 @pytest.mark.parametrize("delay", DELAYS)
@@ -121,9 +133,10 @@ def test_ctrl_c_anywhere_is_one_line_and_130(tmp_path, delay):
     argv = ["train", "--no-progress", f"--config.train.workdir={tmp_path / 'run'}", "--config.train.steps=1000"]
     proc = subprocess.Popen([sys.executable, "-m", "jaxpar", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env, cwd=ROOT, text=True)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGINT)
     try:
+        _loading_jax(proc.pid)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
