@@ -258,6 +258,10 @@ def initialize_from_env() -> bool:
         heartbeat_timeout_seconds=timeout,
         initialization_timeout=wait,
     )
+    # One line per process: where it runs and what it drives (the GPU-binding check of a new cluster).
+    devices = jax.local_devices()
+    print(f"jaxpar: process {spec.process_id}/{spec.num_processes} ({spec.source}, node {spec.node}): "
+          f"{len(devices)} local {devices[0].platform} devices {[d.id for d in devices]}", flush=True)
     return True
 
 
