@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxpar import write_guard
 from jaxpar.config import ConfigError
 from jaxpar.data_megatron import GPTSamples, MegatronIndexedDataset, epoch_seed, split_sequences
 
@@ -77,7 +78,7 @@ def _save_atomic(path: pathlib.Path, array: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with write_guard.naming(path), os.fdopen(fd, "wb") as f:  # a full disk: one line naming the cache file
             np.save(f, array)
         os.replace(tmp, path)
     except BaseException:

@@ -94,6 +94,21 @@ def test_a_full_disk_under_export_keeps_the_earlier_export(tmp_path, monkeypatch
     assert snapshot(tmp_path) == before
 
 
+def test_a_full_disk_under_the_data_cache_names_the_file(tmp_path, monkeypatch):
+    import numpy as np
+
+    from jaxpar import data
+
+    path = tmp_path / "cache" / "tokens.npy"
+    data._save_atomic(path, np.arange(4))
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(data.tempfile, "mkstemp", _dev_full_mkstemp(tempfile.mkstemp))
+    with pytest.raises(OSError) as raised:
+        data._save_atomic(path, np.arange(100_000))
+    assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, str(path))
+    assert snapshot(tmp_path) == before
+
+
 def test_a_full_disk_under_a_checkpoint_names_the_folder(tmp_path):
     from jaxpar.checkpoint import Checkpointer
 
