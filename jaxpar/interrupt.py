@@ -1,7 +1,7 @@
 """Ctrl-C, wherever it lands, ends the ``jaxpar`` program with one line (``interrupted``) and exit code 130.
 
 A leaf module (standard library only): ``python -m jaxpar`` installs it before importing the CLI, whose
-imports start JAX. Python turns a Ctrl-C into a KeyboardInterrupt, but not always one that reaches the
+imports start JAX, and so does importing it in the ``jaxpar`` console script (``jaxpar.cli`` imports it first). Python turns a Ctrl-C into a KeyboardInterrupt, but not always one that reaches the
 CLI: one raised while a C extension loads becomes an ImportError, one raised in a garbage-collector
 callback or a finaliser is printed as "Exception ignored" and lost, one raised in an exit hook prints a
 traceback, one raised while a module loads can become the ImportError an optional import catches. So
@@ -85,3 +85,7 @@ def leave_at_once() -> None:
     """From now on (``main`` returned; exit hooks run) Ctrl-C ends the process at once: one line, 130."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _leave)
+
+
+if os.path.basename(sys.argv[0] if sys.argv else "") == "jaxpar":  # the console script: jaxpar.cli imports
+    install(defer=True)  # this module first, then the subcommands, which start JAX (python -m jaxpar: __main__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,7 +129,11 @@ def test_a_full_disk_under_a_checkpoint_names_the_folder(tmp_path):
 
 # seconds after the child began loading JAX's extension (the CLI's imports; before that is Python's own
 # start-up) at which Ctrl-C arrives: while the CLI's modules load, while JAX starts, later
-DELAYS = [0.0, 2.0] if os.environ.get("JAXPAR_SLOW") != "1" else [0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0]
+# (how jaxpar starts: python -m jaxpar, or the installed console script; the delay)
+SLOW_DELAYS = [0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0]
+DELAYS = ([("module", 0.0), ("script", 2.0)] if os.environ.get("JAXPAR_SLOW") != "1"
+          else [(how, d) for how in ("module", "script") for d in SLOW_DELAYS])
+SCRIPT = shutil.which("jaxpar")
 
 
 def _loading_jax(pid: int, timeout: float = 60) -> None:
@@ -142,11 +147,14 @@ def _loading_jax(pid: int, timeout: float = 60) -> None:
     raise AssertionError(f"process {pid} did not load jaxlib within {timeout} s")
 
 
-@pytest.mark.parametrize("delay", DELAYS)
-def test_ctrl_c_anywhere_is_one_line_and_130(tmp_path, delay):
+@pytest.mark.parametrize("how, delay", DELAYS)
+def test_ctrl_c_anywhere_is_one_line_and_130(tmp_path, how, delay):
+    if how == "script" and SCRIPT is None:
+        pytest.skip("no jaxpar console script on PATH (pip install -e . makes one)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = ["train", "--no-progress", f"--config.train.workdir={tmp_path / 'run'}", "--config.train.steps=1000"]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxpar", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    start = [sys.executable, "-m", "jaxpar"] if how == "module" else [SCRIPT]
+    proc = subprocess.Popen([*start, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env, cwd=ROOT, text=True)
     try:
         _loading_jax(proc.pid)

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stdout = sys.stdout
     if program:
+        if interrupt.interrupted():  # Ctrl-C while the CLI's modules loaded (noted, not raised there)
+            print("interrupted", file=sys.stderr)
+            interrupt.exit_now()
         interrupt.install()
         sys.stdout = errors.NamedStdout(stdout)
     try:
