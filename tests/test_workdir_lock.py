@@ -122,3 +122,33 @@ def _abstract(cfg):
     from jaxpar.train.state import one_device_checkpoint_state
 
     return one_device_checkpoint_state(cfg)
+
+
+@pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: two real runs in one workdir")
+def test_two_real_runs_in_one_workdir(tmp_path):
+    """The first ``jaxpar train`` holds the lock while it lives; the second is refused naming its pid;
+    once the first is killed (SIGKILL: no cleanup), a third run takes the lock over."""
+    import time
+
+    from tests.helpers import ROOT
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.Popen([sys.executable, "-m", "jaxpar", "train", "--no-progress", f"--config.train.workdir={run}",
+                              "--config.train.steps=100000"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while workdir.holder(str(run)) != first.pid:
+            assert time.monotonic() < deadline and first.poll() is None, "the first run never took the lock"
+            time.sleep(0.1)
+        line = cli_refused("workdir lock", ["train", "--no-progress", f"--config.train.workdir={run}", *FAST])
+        assert f"is in use by another jaxpar run (pid {first.pid} on " in line, line
+    finally:
+        first.kill()
+        first.wait()
+    workdir.claim(str(run), "auto")  # the dead run's lock: taken over
+    try:
+        assert workdir.holder(str(run)) == os.getpid()
+    finally:
+        workdir.release(str(run))
