@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from jaxpar.distributed import without_device_count
 from tests.helpers import ROOT, TINY
 
 CLUSTER = ROOT / "scripts" / "slurm" / "local_cluster.sh"
@@ -35,10 +36,13 @@ RUN = ["--config.model.compute_dtype=float32", "--config.train.global_batch=8", 
 
 
 def _user_env(**extra: str) -> dict[str, str]:
-    """A user's shell (PATH with this interpreter's scripts first, HOME), plus ``extra``."""
+    """A user's shell (PATH with this interpreter's scripts first, HOME), plus ``extra``. The test
+    session's compile cache and XLA optimisation level are kept for speed; its device count is not
+    (each task sets its own share)."""
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")])
     keep = ("HOME", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
-    return {k: os.environ[k] for k in keep if k in os.environ} | {"PATH": path} | extra
+    flags = {"XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", ""))}
+    return {k: os.environ[k] for k in keep if k in os.environ} | {"PATH": path} | flags | extra
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.axes import MESH_AXES
 from jaxpar.compat import Uncached, cached_pipelines_are_wrong, persistent_cache_skipped
 from jaxpar.config import ConfigDict, validate
 from jaxpar.models import get_model
@@ -237,7 +238,8 @@ def one_device_checkpoint_state(cfg: ConfigDict) -> tuple[Any, Any]:
     from jaxpar.mesh import single_device_mesh
 
     one = ConfigDict(cfg.to_dict())
-    one.mesh.data = one.mesh.tensor = one.mesh.pipeline = 1
+    for axis in MESH_AXES:  # every axis, so a new one cannot be forgotten here
+        one.mesh[axis.value] = 1
     one.parallel.zero_stage = 0
     one.train.microbatches = 1
     one.pipeline.virtual_stages = 1
