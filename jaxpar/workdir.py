@@ -10,7 +10,8 @@
   released by the OS, and the next run takes it over;
 - ``train.resume``: ``never`` into a workdir that holds checkpoints is refused (they would mix with
   the new run's and keep-N would delete the new ones first); ``restart`` asks for the start over:
-  the workdir's checkpoints and metrics are deleted, then training starts from step 0.
+  the workdir's checkpoints and metrics are deleted, then training starts from step 0;
+- what a run writes there must be of its kind (``checkpoints`` a folder, ``config.json`` a file).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def check_owned(workdir: str, init_from: str = "") -> None:
     marker = write_guard.read_marker(folder)
     if not names or (marker is not None and marker["kind"] == KIND) or (marker is None and _older_run(folder, names)):
         return
+    foreign = [n for n in names if n not in RUN_FILES and not n.startswith(RUN_PREFIXES)] or ["a config.json"]
     why = (f"is a jaxpar {marker['kind']} folder" if marker is not None
-           else f"holds files no run wrote ({', '.join(n for n in names if n not in RUN_FILES)[:120]})")
+           else f"holds files no run wrote ({', '.join(foreign)[:120]})")
     raise ConfigError(f"train.workdir='{workdir}' {why}; a run writes config.json, metrics and checkpoints "
                       "there: give a new or empty folder, or a previous run's")
 
@@ -117,9 +119,27 @@ def checkpoint_steps(workdir: str) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
 
 
+FOLDERS, FILES = ("checkpoints", "profile"), ("config.json", "command.txt", "metrics.jsonl")
+
+
+def check_entries(workdir: str) -> None:
+    """Refuse a workdir whose entries a run writes are of the wrong kind (``checkpoints`` a file, ``config.json``
+    a folder): the writers would fail there, orbax's in a thread that never lets the process end."""
+    for name, want in [(n, "folder") for n in FOLDERS] + [(n, "file") for n in FILES]:
+        path = pathlib.Path(workdir, name)
+        if not os.path.lexists(path):
+            continue
+        ok = path.is_dir() if want == "folder" else path.is_file()
+        if path.is_symlink() or not ok:
+            got = "a link" if path.is_symlink() else ("a folder" if path.is_dir() else "not a regular file")
+            raise ConfigError(f"train.workdir='{workdir}': {name} is {got}, where a run keeps its {name} "
+                              f"{want}; move it away or give another workdir")
+
+
 def claim(workdir: str, resume: str, init_from: str = "") -> None:
     """Check, create, mark and lock ``workdir`` for a run, then apply ``resume``'s start-over rule
     (``never``: refused when checkpoints are there; ``restart``: they and the metrics are deleted)."""
+    check_entries(workdir)
     check_owned(workdir, init_from)
     with write_guard.naming(workdir):
         os.makedirs(workdir, exist_ok=True)

@@ -152,3 +152,32 @@ def test_two_real_runs_in_one_workdir(tmp_path):
         assert workdir.holder(str(run)) == os.getpid()
     finally:
         workdir.release(str(run))
+
+
+ENTRIES = [  # (an entry a run writes, made of the wrong kind; the words of the refusal)
+    ("checkpoints", "file", "checkpoints is not a regular file, where a run keeps its checkpoints folder"),
+    ("config.json", "folder", "config.json is a folder, where a run keeps its config.json file"),
+    ("metrics.jsonl", "link", "metrics.jsonl is a link, where a run keeps its metrics.jsonl file"),
+]
+if os.environ.get("JAXPAR_SLOW") != "1":
+    ENTRIES = ENTRIES[:1]
+
+
+@pytest.mark.parametrize("name, kind, words", ENTRIES, ids=[e[0] for e in ENTRIES])
+def test_a_workdir_entry_of_the_wrong_kind_is_refused_in_one_line(tmp_path, name, kind, words):
+    """(``checkpoints`` a file: orbax's writer thread failed and the process never ended.)"""
+    run = tmp_path / "run"
+    run.mkdir()
+    target = run / name
+    if kind == "file":
+        target.write_text("x")
+    elif kind == "folder":
+        target.mkdir()
+    else:
+        (tmp_path / "elsewhere").write_text("mine")
+        target.symlink_to(tmp_path / "elsewhere")
+    before = snapshot(tmp_path)
+    line = cli_refused("workdir entries", ["train", "--no-progress", f"--config.train.workdir={run}",
+                                           "--config.checkpoint.every=1", *FAST])
+    assert line == f"error: train.workdir='{run}': {words}; move it away or give another workdir"
+    assert snapshot(tmp_path) == before  # nothing written, the link's target untouched
