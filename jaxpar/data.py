@@ -69,7 +69,8 @@ def stdlib_files(val_fraction: float, root: str | os.PathLike | None = None) -> 
     return splits
 
 
-def _cache_dir() -> pathlib.Path:
+def default_cache_dir() -> pathlib.Path:
+    """``$JAXPAR_CACHE_DIR`` or ``~/.cache/jaxpar``: prepared data, and jaxpar's other small verdicts."""
     return pathlib.Path(os.environ.get("JAXPAR_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jaxpar")
 
 
@@ -99,7 +100,7 @@ def load_stdlib(
     """
     base = pathlib.Path(root) if root is not None else stdlib_root()
     key = hashlib.sha256(f"{sys.version}|{base.resolve()}|{val_fraction!r}".encode()).hexdigest()[:16]
-    cache = pathlib.Path(cache_dir) if cache_dir is not None else _cache_dir()
+    cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     paths = {split: cache / f"stdlib-{key}-{split}.npy" for split in SPLITS}
     if all(p.is_file() for p in paths.values()):
         try:

@@ -19,6 +19,7 @@ import sys
 from jaxpar import interrupt
 from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, sweep, train
 from jaxpar.cli.common import Parser
+from jaxpar.environment import check_environment
 from jaxpar.errors import ConfigError, JaxparError
 
 EXIT_BAD_INPUT = errors.EXIT_BAD_INPUT
@@ -110,6 +111,8 @@ def _run(argv: list[str]) -> int:
         args = parser.parse_args(rest)
         _refuse_empty(parser, args)
         args.overrides = overrides
+        # the environment, before JAX starts: XLA_FLAGS and JAX_PLATFORMS only where JAX runs
+        check_environment(jax_runs=args.command != "port")
         return int(args.run(args) or 0)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error takes one of the paths below
         return _report(e, argv)
