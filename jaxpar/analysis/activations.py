@@ -202,10 +202,10 @@ BACKWARD_MLP_WIDE = {"none": 3, "selective": 2, "full": 7}
 # ``selective`` (the (b, s, h) buffers of the measured live sets).
 BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
-# ZeRO-3 inside a pipeline tick: gathered layers (compute dtype) beside the residuals, the layer in use and
-# the next one. Not re-derived (no ZeRO-3 pipeline in the compiled grid); without a pipeline the terms of
-# zero3_head_phase_bytes / zero3_embedding_gradient_bytes replace it (they are what this constant fitted:
-# ~0.5 layers on tiny, ~2.4-2.8 on the ~1B config)
+# ZeRO-3 inside a pipeline tick: gathered layers (compute dtype) beside the tick's working set, the layer in
+# use and the next one. Not re-derived from a buffer assignment: the ~1B ZeRO-3 pipelines of the random grid
+# (tests/test_memory_random.py) need two (without: compiled / estimated temp 1.44-1.50), the tiny ones
+# fewer (with two: 0.82-0.88); without a pipeline the gathered layer takes the place of the sliced one
 ZERO3_GATHERED_LAYERS = 2.0
 
 
@@ -249,11 +249,15 @@ def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
       :data:`BACKWARD_HIDDEN_WIDE` (b, s, h) arrays, K and V (2 e*b*s*k; blockwise: its key/value
       blocks, repeated to the query heads, 2 e*b*s*(q + 2k)) and the layer's weights.
 
-    The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array: its score blocks
-    (b, n, s, block) are below the MLP phase's buffers. With ``model.attention_dropout`` (dot-product)
-    the forward, and the backward's recomputed attention under ``selective`` / ``full``, also hold the
-    keep mask and the dropped probabilities, (4 + 1)*b*n*s^2 (measured: tiny data=8 ZeRO-3 full,
-    seq 512, 11.2 MiB more than without, this: 10 MiB). A stage of one layer without recompute writes
+    The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its per-block
+    score arrays are not counted (with one block per sequence, block = s, five fp32 (b, n/t, s, s)
+    arrays are live at its peak: tiny data=4 x tensor=2 SP selective, seq 256; counting them moves
+    the random grid's blockwise layouts both ways, so the rule for them is open). With
+    ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
+    attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
+    (4 + 1)*b*n*s^2 (measured: tiny data=8 ZeRO-3 full, seq 512, 11.2 MiB more than without, this:
+    10 MiB; in pipeline ticks they are not counted: 1F1B and GPipe layouts measure 12-19% below
+    with them). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
     ``jax.vjp`` of the chunk recomputes the forward inside the tick): the backward keeps no score
@@ -287,7 +291,7 @@ def _layer_working_phases(model: ConfigDict, layout: ParallelLayout, b: int | No
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
-    if model.get("attention_dropout", 0.0) > 0:  # the keep mask (1 byte) and the dropped fp32 probabilities
+    if model.get("attention_dropout", 0.0) > 0 and layout.pipeline == 1:  # keep mask (1 byte), dropped fp32 probabilities
         forward += (F32 + 1) * scores
         if rec != "none":  # recomputed with the layer (without recompute the stack keeps the mask)
             backward += (F32 + 1) * scores
@@ -397,7 +401,10 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     head's :func:`head_working_bytes` and, ZeRO-3, :func:`zero3_head_phase_bytes`; the backward
     scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N, plus
     :func:`zero3_embedding_gradient_bytes`) and, with m > 1, the accumulation sum is a second buffer
-    (ZeRO-2/3: sharded). ZeRO-3 gathers each layer's weights where ZeRO 0-2 slice them out of the
+    (ZeRO-2/3: sharded; ZeRO 0-1: the microbatch's stacked layer gradients beside the full
+    accumulator, into which the scatter-add of the embedding and the output layer's gradient are
+    added in place: buffer assignment of ~1B, 2 layers, data=8 ZeRO-1 m=2, f32[2048,32000] and
+    f32[32000,2048] once, the stacked layer gradients twice). ZeRO-3 gathers each layer's weights where ZeRO 0-2 slice them out of the
     stacked parameters: the same shapes, counted once in :func:`layer_working_bytes`. The update
     phase (:func:`update_bytes`) sets the peak when it is the larger.
 
@@ -430,8 +437,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             candidates.append(("ZeRO-3 loss head (gathered weight, its gradient)", zero3_head_phase_bytes(model, layout)))
             grads += zero3_embedding_gradient_bytes(model, layout)
         term, working = max(candidates, key=lambda c: c[1])
-        if layout.microbatches > 1:
-            grads += full_grads / n if layout.zero_stage >= 2 else full_grads
+        if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
+            # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
+            grads += full_grads / n if layout.zero_stage >= 2 else pb * layer_el
         update = update_bytes(model, layout, full_grads)
         return TempEstimate(0, residual, working, grads, gather, 0.0, update,
                             "update" if update > residual + working + grads + gather else "backward",

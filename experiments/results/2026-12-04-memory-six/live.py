@@ -8,7 +8,6 @@ constant or output allocations are left out; what remains is what ``temp_size_in
 from __future__ import annotations
 
 import argparse
-import collections
 import pathlib
 import re
 
