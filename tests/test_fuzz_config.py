@@ -20,7 +20,7 @@ SIZE = [0, -1, 2**40]  # a dimension or mesh size: positive and no larger than a
 OTHERS = ("model.name", "optim.decay_steps", "optim.warmup_init_lr", "optim.schedule_offset", "optim.decay_start_step")
 BAD: dict[str, list] = {
     "mesh.data": SIZE, "mesh.tensor": SIZE, "mesh.pipeline": SIZE, "mesh.context": [*SIZE, 3],
-    "parallel.zero_stage": [-1, 4], "parallel.sequence_parallel": [],
+    "parallel.zero_stage": [-1, 4], "parallel.sequence_parallel": [], "parallel.cross_node_tensor": [],
     "parallel.grad_reduce_dtype": ["float16", ""], "parallel.context_exchange": ["ulysses", ""], "parallel.max_replicated_fraction": [-0.1, 1.5, NAN],
     "model.vocab_size": SIZE, "model.embed_dim": SIZE, "model.num_layers": SIZE, "model.num_heads": SIZE,
     "model.num_kv_heads": [*SIZE, 3], "model.head_dim": [*SIZE, 31], "model.mlp_dim": SIZE,

@@ -17,11 +17,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
 # Top-level modules / packages of jaxpar (or a dotted submodule that sits lower than its package),
 # lowest tier first.
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("axes", "errors", "compat", "console", "host_memory"),
-    ("layout", "models.registry", "optim.fields"),  # need no config: config.validate calls them
+    ("axes", "errors", "compat", "console", "host_memory", "interrupt", "write_guard"),
+    ("layout", "models.registry", "optim.fields", "workdir"),  # need no config: config.validate calls them
     ("config",),
     ("mesh", "distributed"),
-    ("sharding", "data", "data_megatron", "checkpoint"),
+    ("sharding", "data", "data_megatron", "checkpoint", "environment"),
     ("models", "parallel", "optim"),
     ("train", "metrics"),
     ("analysis", "port", "drill"),

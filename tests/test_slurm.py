@@ -1,12 +1,12 @@
 """jaxpar under a real SLURM cluster of emulated nodes (``scripts/slurm/local_cluster.sh``).
 
 The shipped ``scripts/slurm/train.sbatch`` is submitted with ``sbatch`` from a clean environment
-(PATH, HOME and the cluster's SLURM_CONF): 2 nodes x 1 task and 2 nodes x 2 tasks train the tiny
-config with the single-process 8-device losses; a ``kill -9`` of one task fails the job within
-seconds and the next ``sbatch`` resumes from the newest complete checkpoint with bitwise the losses
-of an uninterrupted run; checkpoints move between SLURM and one process both ways; a job larger
-than the cluster fails at once; a layout whose ``tensor`` x ``context`` block spans nodes is
-refused. Skipped, with the reason, where SLURM cannot be installed (not root, no package registry).
+(PATH, HOME and the cluster's SLURM_CONF): 2 nodes x 1 task train the tiny config with the
+single-process 8-device losses, and 2 nodes x 2 tasks take a one-process run over half-way and end
+on its losses; a ``kill -9`` of one task fails the job within seconds, the next ``sbatch`` resumes
+from the newest complete checkpoint with bitwise the losses of an uninterrupted run, and one
+process resumes the same checkpoint; a job larger than the cluster fails at once; a layout whose
+``tensor`` x ``context`` block spans nodes is refused. Skipped, with the reason, where SLURM cannot be installed (not root, no package registry).
 """
 
 from __future__ import annotations
@@ -125,14 +125,6 @@ def test_two_nodes_train_the_single_process_losses(two_nodes, one_process):
     _close(losses, one_process[1])
 
 
-def test_two_nodes_of_two_tasks(cluster, tmp_path, one_process):
-    workdir = tmp_path / "run"
-    done = _sbatch(cluster, workdir, "--nodes=2", "--ntasks-per-node=2")
-    assert done.returncode == 0, done.stderr + _log(workdir)[-3000:]
-    assert "4 tasks" in _log(workdir)
-    _close(_losses(workdir), one_process[1])
-
-
 def _task_pid(job: str, procid: int) -> int | None:
     """The pid of task ``procid`` of SLURM job ``job`` (read from each process's environment)."""
     want = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={procid}".encode()}
@@ -181,7 +173,8 @@ def test_kill_9_of_one_task_fails_the_job_and_sbatch_resumes_bitwise(cluster, tm
     _close(_losses(copy), two_nodes[1])
 
 
-def test_a_one_process_checkpoint_resumes_under_slurm(cluster, tmp_path, one_process):
+def test_two_nodes_of_two_tasks_resume_a_one_process_checkpoint(cluster, tmp_path, one_process):
+    """4 processes on 2 nodes take over the one-process run half-way and end on its losses."""
     source, reference = one_process
     workdir = tmp_path / "run"
     shutil.copytree(source, workdir)
@@ -189,9 +182,11 @@ def test_a_one_process_checkpoint_resumes_under_slurm(cluster, tmp_path, one_pro
     for path in (workdir / "checkpoints").iterdir():  # back to the middle of the run
         if path.name.isdigit() and int(path.name) > keep:
             shutil.rmtree(path)
-    done = _sbatch(cluster, workdir, "--nodes=2", "--ntasks-per-node=1")
+    done = _sbatch(cluster, workdir, "--nodes=2", "--ntasks-per-node=2")
     assert done.returncode == 0, done.stderr + _log(workdir)[-3000:]
-    assert f"resumed from checkpoint at step {keep}" in _log(workdir)
+    log = _log(workdir)
+    assert "4 tasks" in log and f"resumed from checkpoint at step {keep}" in log, log[-3000:]
+    assert sum(f"jaxpar: process {i}/4 (slurm, node node{1 + i // 2})" in log for i in range(4)) == 4, log[-3000:]
     _close(_losses(workdir), reference)
 
 

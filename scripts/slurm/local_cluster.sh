@@ -18,6 +18,7 @@
 # not resolve, since scripts/slurm/train.sbatch hands jaxpar the first node's address from
 # `scontrol show node` rather than its name.
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"  # where Debian puts the daemons, missing from some users' PATH
 
 usage() {
   echo "usage: scripts/slurm/local_cluster.sh [--cpus C] [--dir D] [--timeout S] N [-- COMMAND [ARGS...]]" >&2
