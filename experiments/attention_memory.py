@@ -44,10 +44,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxpar.models.attention import blockwise_attention, dot_product_attention
 
-    impls = {"dot_product": dot_product_attention,
-             "blockwise": functools.partial(blockwise_attention, block_q=args.block, block_kv=args.block)}
-    print(f"backend {jax.default_backend()}, b=1, n={args.heads}, kv={args.kv_heads}, d={args.head_dim}, "
-          f"{args.dtype}, block {args.block}, causal, forward+backward temporaries (MiB)")
+    impls = {
+        "dot_product": dot_product_attention,
+        "blockwise": functools.partial(blockwise_attention, block_q=args.block, block_kv=args.block),
+    }
+    print(
+        f"backend {jax.default_backend()}, b=1, n={args.heads}, kv={args.kv_heads}, d={args.head_dim}, "
+        f"{args.dtype}, block {args.block}, causal, forward+backward temporaries (MiB)"
+    )
     print(f"{'s':>6} " + " ".join(f"{name:>12} {'growth':>6}" for name in impls))
     prev: dict[str, float] = {}
     s = 1024

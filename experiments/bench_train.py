@@ -25,10 +25,17 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = [  # a tiny shape: seconds on CPU
-    "--config.model.num_layers=2", "--config.model.embed_dim=128", "--config.model.num_heads=4",
-    "--config.model.num_kv_heads=2", "--config.model.head_dim=32", "--config.model.mlp_dim=256",
-    "--config.model.vocab_size=512", "--config.model.max_seq_len=128", "--config.train.seq_len=128",
-    "--config.model.compute_dtype=float32", "--config.parallel.grad_reduce_dtype=float32",
+    "--config.model.num_layers=2",
+    "--config.model.embed_dim=128",
+    "--config.model.num_heads=4",
+    "--config.model.num_kv_heads=2",
+    "--config.model.head_dim=32",
+    "--config.model.mlp_dim=256",
+    "--config.model.vocab_size=512",
+    "--config.model.max_seq_len=128",
+    "--config.train.seq_len=128",
+    "--config.model.compute_dtype=float32",
+    "--config.parallel.grad_reduce_dtype=float32",
 ]
 
 
@@ -54,12 +61,24 @@ def main(argv: list[str]) -> int:
     from jaxpar.train.loop import Trainer
 
     n = len(jax.devices())
-    layout = [f"--config.mesh.data={n}", "--config.mesh.tensor=1", "--config.mesh.pipeline=1",
-              f"--config.parallel.zero_stage={3 if n > 1 else 0}", f"--config.train.global_batch={args.batch * n}",
-              "--config.train.microbatches=1"]
-    run = [f"--config.train.steps={args.steps}", "--config.data.source=synthetic", "--config.checkpoint.every=0",
-           "--config.train.eval_batches=1", "--config.train.resume=never", "--config.optim.warmup_steps=5",
-           f"--config.train.workdir={tempfile.mkdtemp(prefix='jaxpar_bench_')}", "--config.train.log_every=0"]
+    layout = [
+        f"--config.mesh.data={n}",
+        "--config.mesh.tensor=1",
+        "--config.mesh.pipeline=1",
+        f"--config.parallel.zero_stage={3 if n > 1 else 0}",
+        f"--config.train.global_batch={args.batch * n}",
+        "--config.train.microbatches=1",
+    ]
+    run = [
+        f"--config.train.steps={args.steps}",
+        "--config.data.source=synthetic",
+        "--config.checkpoint.every=0",
+        "--config.train.eval_batches=1",
+        "--config.train.resume=never",
+        "--config.optim.warmup_steps=5",
+        f"--config.train.workdir={tempfile.mkdtemp(prefix='jaxpar_bench_')}",
+        "--config.train.log_every=0",
+    ]
     try:
         cfg = load_config(args.config, [*layout, *(QUICK if args.quick else []), *run, *overrides])
     except ConfigError as e:
@@ -69,13 +88,24 @@ def main(argv: list[str]) -> int:
     result = trainer.run()
     steady = result["steady"] or {}
     summary = {
-        "config": args.config, "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-        "devices": n, "params": count_params(cfg.model), "compute_dtype": cfg.model.compute_dtype,
-        "remat": cfg.model.remat, "zero_stage": cfg.parallel.zero_stage, "seq_len": cfg.train.seq_len,
-        "global_batch": cfg.train.global_batch, "steps": args.steps, "steady_steps": steady.get("steps"),
-        "step_time_s": steady.get("median_step_time_s"), "tokens_per_s": steady.get("tokens_per_s"),
-        "tflops_per_device": steady.get("tflops_per_device"), "mfu": steady.get("mfu"),
-        "peak": trainer.peak_source, "loss_last": result["final"].get("loss"),
+        "config": args.config,
+        "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": n,
+        "params": count_params(cfg.model),
+        "compute_dtype": cfg.model.compute_dtype,
+        "remat": cfg.model.remat,
+        "zero_stage": cfg.parallel.zero_stage,
+        "seq_len": cfg.train.seq_len,
+        "global_batch": cfg.train.global_batch,
+        "steps": args.steps,
+        "steady_steps": steady.get("steps"),
+        "step_time_s": steady.get("median_step_time_s"),
+        "tokens_per_s": steady.get("tokens_per_s"),
+        "tflops_per_device": steady.get("tflops_per_device"),
+        "mfu": steady.get("mfu"),
+        "peak": trainer.peak_source,
+        "loss_last": result["final"].get("loss"),
     }
     print(json.dumps(summary))
     return 0

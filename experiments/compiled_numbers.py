@@ -20,13 +20,28 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--config.model.compute_dtype=float32", "--config.train.global_batch=8", "--config.train.seq_len=64"]
 TINY_LAYOUTS = {
     "z1_d4t2": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1"],
-    "z2_d8_acc2": ["--config.mesh.data=8", "--config.mesh.tensor=1", "--config.parallel.zero_stage=2",
-                   "--config.train.microbatches=1"],
-    "z3_d4t2_sp": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3",
-                   "--config.parallel.sequence_parallel=true", "--config.model.remat=selective"],
-    "pp_int_d2t2p2": ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
-                      "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",
-                      "--config.train.microbatches=4", "--config.parallel.zero_stage=2"],
+    "z2_d8_acc2": [
+        "--config.mesh.data=8",
+        "--config.mesh.tensor=1",
+        "--config.parallel.zero_stage=2",
+        "--config.train.microbatches=1",
+    ],
+    "z3_d4t2_sp": [
+        "--config.mesh.data=4",
+        "--config.mesh.tensor=2",
+        "--config.parallel.zero_stage=3",
+        "--config.parallel.sequence_parallel=true",
+        "--config.model.remat=selective",
+    ],
+    "pp_int_d2t2p2": [
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.pipeline.schedule=interleaved",
+        "--config.pipeline.virtual_stages=2",
+        "--config.train.microbatches=4",
+        "--config.parallel.zero_stage=2",
+    ],
 }
 
 
@@ -41,22 +56,31 @@ def main() -> int:
     from jaxpar.analysis.compiled import analyze_layout
     from jaxpar.config import load_config
 
-    cases = {f"mt_{n}": (f"{ROOT / 'configs' / 'maxtext_tiny.py'}:{n}", [])
-             for n in ("dp8", "fsdp8", "fsdp4_tp2", "dp2_tp2_pp2")}
+    cases = {
+        f"mt_{n}": (f"{ROOT / 'configs' / 'maxtext_tiny.py'}:{n}", [])
+        for n in ("dp8", "fsdp8", "fsdp4_tp2", "dp2_tp2_pp2")
+    }
     cases |= {name: (str(ROOT / "configs" / "tiny.py"), SMALL + overrides) for name, overrides in TINY_LAYOUTS.items()}
     out = {}
     for name, (path, overrides) in cases.items():
         report = analyze_layout(load_config(path, overrides))
         memory = {k: v for k, v in vars(report.memory).items() if isinstance(v, (int, float))}
-        out[name] = {"rows": sorted([r.kind, list(r.axes), r.count, r.bytes_per_device] for r in report.rows),
-                     "mem": memory}
+        out[name] = {
+            "rows": sorted([r.kind, list(r.axes), r.count, r.bytes_per_device] for r in report.rows),
+            "mem": memory,
+        }
         print(name, json.dumps(memory), flush=True)
     pathlib.Path(args.output).write_text(json.dumps(out, indent=1, sort_keys=True))
     if args.against:
         before = json.loads(pathlib.Path(args.against).read_text())
         for name in out:
-            same = name in before and out[name]["rows"] == before[name]["rows"] and all(
-                out[name]["mem"].get(k) == v for k, v in before[name]["mem"].items() if k != "generated_code_bytes")
+            same = (
+                name in before
+                and out[name]["rows"] == before[name]["rows"]
+                and all(
+                    out[name]["mem"].get(k) == v for k, v in before[name]["mem"].items() if k != "generated_code_bytes"
+                )
+            )
             print(f"{name:<16} {'bitwise equal' if same else 'DIFFERS'}")
     return 0
 

@@ -27,8 +27,19 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MOVES = ("copy", "transpose", "convert", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
-         "broadcast", "select", "scatter", "gather")
+MOVES = (
+    "copy",
+    "transpose",
+    "convert",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "broadcast",
+    "select",
+    "scatter",
+    "gather",
+)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 _KIND = re.compile(r"\bkind=(k\w+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -66,8 +77,9 @@ def census(text: str) -> dict[str, dict[str, float]]:
         if not n or comp in fused or comp in applied:
             continue
         for ins in instrs:
-            if ins.opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast") or \
-                    ins.opcode.endswith("-done"):
+            if ins.opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast") or ins.opcode.endswith(
+                "-done"
+            ):
                 continue
             key = ins.opcode.removesuffix("-start")
             if key == "fusion":
@@ -92,8 +104,13 @@ def jaxpar_hlo(config: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="*", help="jaxpar configs (path[:preset]) to compile")
-    parser.add_argument("--hlo", action="append", default=[], metavar="NAME=FILE",
-                        help="an optimized HLO text file (e.g. MaxText's dump), repeatable")
+    parser.add_argument(
+        "--hlo",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="an optimized HLO text file (e.g. MaxText's dump), repeatable",
+    )
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--json", default=None, help="also write the census as JSON here")
     args = parser.parse_args(argv)
@@ -110,13 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     if not columns:
         parser.error("give at least one config or --hlo NAME=FILE")
     for part, title in (("top", "ops per step (outside fusions)"), ("fused", "ops inside fusions, per step")):
-        keys = sorted({k for c in columns.values() for k in c[part]},
-                      key=lambda k: (k not in COLLECTIVES, -max(c[part].get(k, [0, 0])[1] for c in columns.values())))
+        keys = sorted(
+            {k for c in columns.values() for k in c[part]},
+            key=lambda k: (k not in COLLECTIVES, -max(c[part].get(k, [0, 0])[1] for c in columns.values())),
+        )
         print(f"\n{title}: count / MB written")
         print(f"{'op':<26}" + "".join(f"{n[:24]:>26}" for n in columns))
         for k in keys:
             cells = [c[part].get(k) for c in columns.values()]
-            print(f"{k:<26}" + "".join(f"{'-':>26}" if v is None else f"{int(v[0]):>12} {v[1] / 1e6:>12.2f}" for v in cells))
+            print(
+                f"{k:<26}"
+                + "".join(f"{'-':>26}" if v is None else f"{int(v[0]):>12} {v[1] / 1e6:>12.2f}" for v in cells)
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(columns, indent=1))
     return 0

@@ -37,8 +37,11 @@ LAYOUTS = {
     "d4 c2 ring": ["--config.mesh.data=4", "--config.mesh.context=2"],
     "d2 c4 ring": ["--config.mesh.data=2", "--config.mesh.context=4"],
     "c8 ring": ["--config.mesh.data=1", "--config.mesh.context=8"],
-    "d2 c4 all_gather": ["--config.mesh.data=2", "--config.mesh.context=4",
-                         "--config.parallel.context_exchange=all_gather"],
+    "d2 c4 all_gather": [
+        "--config.mesh.data=2",
+        "--config.mesh.context=4",
+        "--config.parallel.context_exchange=all_gather",
+    ],
 }
 
 
@@ -47,10 +50,20 @@ def config(seq: int, overrides: list[str], batch: int | None = None, block: int 
     from jaxpar.config import load_config
 
     data = int(next(o.split("=")[1] for o in overrides if o.startswith("--config.mesh.data=")))
-    return load_config(str(ROOT / "configs" / "tiny.py"), [
-        "--config.model.compute_dtype=float32", f"--config.model.max_seq_len={seq}", f"--config.train.seq_len={seq}",
-        f"--config.train.global_batch={batch or data}", "--config.mesh.tensor=1", "--config.model.attention=blockwise",
-        f"--config.model.attention_block={block}", "--config.optim.warmup_steps=1", *overrides])
+    return load_config(
+        str(ROOT / "configs" / "tiny.py"),
+        [
+            "--config.model.compute_dtype=float32",
+            f"--config.model.max_seq_len={seq}",
+            f"--config.train.seq_len={seq}",
+            f"--config.train.global_batch={batch or data}",
+            "--config.mesh.tensor=1",
+            "--config.model.attention=blockwise",
+            f"--config.model.attention_block={block}",
+            "--config.optim.warmup_steps=1",
+            *overrides,
+        ],
+    )
 
 
 def compiled_memory(cfg) -> dict[str, int]:
@@ -97,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default="2048,4096,8192,16384,32768")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget-gib", type=float, default=2.5, help="arguments + temporaries per device to run a layout")
-    ap.add_argument("--max-run-seq", type=int, default=8192,
-                    help="measure tokens/s only up to this length (on 2 CPU cores a 32k step takes minutes)")
+    ap.add_argument(
+        "--max-run-seq",
+        type=int,
+        default=8192,
+        help="measure tokens/s only up to this length (on 2 CPU cores a 32k step takes minutes)",
+    )
     ap.add_argument("--only", default="", help="comma-separated layout names")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -120,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| layout | seq | temporaries GiB/device | arguments GiB/device | tokens/s |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else ("does not fit" if not r["fits"] else "-")
-        lines.append(f"| {r['layout']} | {r['seq_len']} | {r['temp_bytes'] / GIB:.3f} | {r['argument_bytes'] / GIB:.4f} | {tps} |")
+        lines.append(
+            f"| {r['layout']} | {r['seq_len']} | {r['temp_bytes'] / GIB:.3f} | {r['argument_bytes'] / GIB:.4f} | {tps} |"
+        )
     (out / "long_context.md").write_text("\n".join(lines) + "\n")
     _plot(rows, names, out / "long_context.png")
     print(f"wrote {out}/long_context.{{json,md,png}}")

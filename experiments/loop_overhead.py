@@ -50,15 +50,24 @@ def export(ref: str, into: str) -> str:
 def run_once(tree: str, workdir: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     """One training run in ``tree``: wall seconds per step after ``warmup`` and the per-step values."""
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": tree, "JAX_PLATFORMS": "cpu"}
-    args = [f"--config.train.steps={steps}", f"--config.train.workdir={workdir}", "--config.checkpoint.every=0",
-            "--config.train.eval_batches=1", "--config.train.log_every=0", "--config.train.resume=never", *overrides]
+    args = [
+        f"--config.train.steps={steps}",
+        f"--config.train.workdir={workdir}",
+        "--config.checkpoint.every=0",
+        "--config.train.eval_batches=1",
+        "--config.train.log_every=0",
+        "--config.train.resume=never",
+        *overrides,
+    ]
     subprocess.run([sys.executable, "-c", CHILD, *args], cwd=tree, env=env, check=True)
     rows = [json.loads(x) for x in pathlib.Path(workdir, "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     times = [r["time"] for r in rows]
-    return {"s_per_step": (times[-1] - times[warmup - 1]) / (len(times) - warmup),
-            "median_step_time_s": statistics.median(r["step_time_s"] for r in rows[warmup:]),
-            "values": [[r[f] for f in FIELDS] for r in rows]}
+    return {
+        "s_per_step": (times[-1] - times[warmup - 1]) / (len(times) - warmup),
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in rows[warmup:]),
+        "values": [[r[f] for f in FIELDS] for r in rows],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -77,17 +86,27 @@ def main(argv: list[str]) -> int:
             for name, tree in trees.items():
                 result = run_once(tree, os.path.join(tmp, f"{name}{i}"), args.steps, args.warmup, overrides)
                 results[name].append(result)
-                print(f"round {i + 1} {name:4s}: {result['s_per_step'] * 1e3:8.1f} ms/step wall, "
-                      f"median step_time_s {result['median_step_time_s'] * 1e3:8.1f} ms", flush=True)
+                print(
+                    f"round {i + 1} {name:4s}: {result['s_per_step'] * 1e3:8.1f} ms/step wall, "
+                    f"median step_time_s {result['median_step_time_s'] * 1e3:8.1f} ms",
+                    flush=True,
+                )
     ref = [r["s_per_step"] for r in results["ref"]]
     this = [r["s_per_step"] for r in results["this"]]
     same = all(r["values"] == results["ref"][0]["values"] for r in results["ref"] + results["this"])
-    summary = {"against": args.against, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-               "overrides": overrides, "ref_ms_per_step": [round(x * 1e3, 1) for x in ref],
-               "this_ms_per_step": [round(x * 1e3, 1) for x in this],
-               # each round's pair ran back to back (similar load); the fastest runs are the least disturbed
-               "ratio_median_of_rounds": statistics.median(t / r for t, r in zip(this, ref, strict=True)),
-               "ratio_of_fastest": min(this) / min(ref), "per_step_values_identical": same}
+    summary = {
+        "against": args.against,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "overrides": overrides,
+        "ref_ms_per_step": [round(x * 1e3, 1) for x in ref],
+        "this_ms_per_step": [round(x * 1e3, 1) for x in this],
+        # each round's pair ran back to back (similar load); the fastest runs are the least disturbed
+        "ratio_median_of_rounds": statistics.median(t / r for t, r in zip(this, ref, strict=True)),
+        "ratio_of_fastest": min(this) / min(ref),
+        "per_step_values_identical": same,
+    }
     print(json.dumps(summary))
     return 0
 

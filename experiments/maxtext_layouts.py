@@ -26,14 +26,18 @@ def main() -> int:
     from jaxpar.config import load_config
     from jaxpar.models.inventory import count_params
 
-    print(f"{'layout':<13} {'jaxpar MB':>10} {'MaxText MB':>11} {'ratio':>6}   {'jaxpar MiB':>10} {'MaxText MiB':>11} "
-          f"{'ratio':>6}")
+    print(
+        f"{'layout':<13} {'jaxpar MB':>10} {'MaxText MB':>11} {'ratio':>6}   {'jaxpar MiB':>10} {'MaxText MiB':>11} "
+        f"{'ratio':>6}"
+    )
     for name, (mt_mb, mt_mib) in MAXTEXT.items():
         cfg = load_config(f"{ROOT / 'configs' / 'maxtext_tiny.py'}:{name}")
         report = analyze_layout(cfg)
         mb = sum(r.bytes_per_device for r in report.rows) / 1e6
         mib = report.memory.args_plus_temps_mib
-        print(f"{name:<13} {mb:>10.2f} {mt_mb:>11.1f} {mb / mt_mb:>6.3f}   {mib:>10.2f} {mt_mib:>11.1f} {mib / mt_mib:>6.3f}")
+        print(
+            f"{name:<13} {mb:>10.2f} {mt_mb:>11.1f} {mb / mt_mb:>6.3f}   {mib:>10.2f} {mt_mib:>11.1f} {mib / mt_mib:>6.3f}"
+        )
         if cfg.parallel.zero_stage == 3 and cfg.mesh.tensor == 1:
             n = cfg.mesh.data
             ideal = 3 * (n - 1) / n * count_params(cfg.model) * 4 / 1e6

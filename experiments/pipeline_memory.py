@@ -30,18 +30,28 @@ def main() -> int:
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         base = None
         for m in (P, 2 * P, 4 * P):
-            cfg = load_config(str(ROOT / "configs" / "tiny.py"), [
-                "--config.mesh.data=2", "--config.mesh.tensor=1", f"--config.mesh.pipeline={P}",
-                f"--config.pipeline.schedule={schedule}", f"--config.pipeline.virtual_stages={v}",
-                "--config.model.num_layers=8", f"--config.train.microbatches={m}",
-                f"--config.train.global_batch={2 * m * MICROBATCH}", "--config.train.seq_len=128",
-                "--config.model.compute_dtype=float32",
-            ])
+            cfg = load_config(
+                str(ROOT / "configs" / "tiny.py"),
+                [
+                    "--config.mesh.data=2",
+                    "--config.mesh.tensor=1",
+                    f"--config.mesh.pipeline={P}",
+                    f"--config.pipeline.schedule={schedule}",
+                    f"--config.pipeline.virtual_stages={v}",
+                    "--config.model.num_layers=8",
+                    f"--config.train.microbatches={m}",
+                    f"--config.train.global_batch={2 * m * MICROBATCH}",
+                    "--config.train.seq_len=128",
+                    "--config.model.compute_dtype=float32",
+                ],
+            )
             temp = analyze_layout(cfg).memory.temp_bytes / 2**20
             base = base or temp
             table = pipeline.build_schedule(schedule, P, m, v)
-            print(f"{schedule:<12} {m:>3} {temp:>9.2f} {temp / base:>6.2f} {pipeline.bubble_fraction(table):>7.1%} "
-                  f"{pipeline.expected_bubble_fraction(schedule, P, m, v):>8.1%}")
+            print(
+                f"{schedule:<12} {m:>3} {temp:>9.2f} {temp / base:>6.2f} {pipeline.bubble_fraction(table):>7.1%} "
+                f"{pipeline.expected_bubble_fraction(schedule, P, m, v):>8.1%}"
+            )
     return 0
 
 

@@ -41,25 +41,53 @@ def best_layouts(models=MODELS, clusters=CLUSTERS, devices=DEVICES) -> list[dict
         for cluster_name in clusters:
             cluster = get_cluster(cluster_name)
             for n in devices:
-                row = {"model": name, "cluster": cluster_name, "devices": n, "global_batch": cfg.train.global_batch,
-                       "seq_len": cfg.train.seq_len}
+                row = {
+                    "model": name,
+                    "cluster": cluster_name,
+                    "devices": n,
+                    "global_batch": cfg.train.global_batch,
+                    "seq_len": cfg.train.seq_len,
+                }
                 start = time.perf_counter()
                 try:
-                    est = search_layouts(cfg.model, cluster, n, cfg.train.global_batch, cfg.train.seq_len,
-                                         PlanOptions())[0]
+                    est = search_layouts(
+                        cfg.model, cluster, n, cfg.train.global_batch, cfg.train.seq_len, PlanOptions()
+                    )[0]
                 except ConfigError as e:
                     rows.append(row | {"fits": False, "why": str(e), "search_s": time.perf_counter() - start})
                     continue
                 t = est.time
                 comm = t.tensor_s + t.pipeline_s + t.data_exposed_s
-                rows.append(row | {
-                    "fits": True, "layout": describe(est.layout), **{k: getattr(est.layout, k) for k in (
-                        "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage", "microbatches", "recompute",
-                        "sequence_parallel")},
-                    "memory_gb": est.memory.total_bytes / GB, "step_s": est.step_time_s, "comm_share": comm / t.step_s,
-                    "tensor_share": t.tensor_s / t.step_s, "pipeline_share": t.pipeline_s / t.step_s,
-                    "data_exposed_share": t.data_exposed_s / t.step_s, "bubble": t.bubble_fraction, "mfu": est.mfu,
-                    "search_s": time.perf_counter() - start})
+                rows.append(
+                    row
+                    | {
+                        "fits": True,
+                        "layout": describe(est.layout),
+                        **{
+                            k: getattr(est.layout, k)
+                            for k in (
+                                "data",
+                                "tensor",
+                                "pipeline",
+                                "context",
+                                "virtual_stages",
+                                "zero_stage",
+                                "microbatches",
+                                "recompute",
+                                "sequence_parallel",
+                            )
+                        },
+                        "memory_gb": est.memory.total_bytes / GB,
+                        "step_s": est.step_time_s,
+                        "comm_share": comm / t.step_s,
+                        "tensor_share": t.tensor_s / t.step_s,
+                        "pipeline_share": t.pipeline_s / t.step_s,
+                        "data_exposed_share": t.data_exposed_s / t.step_s,
+                        "bubble": t.bubble_fraction,
+                        "mfu": est.mfu,
+                        "search_s": time.perf_counter() - start,
+                    }
+                )
     return rows
 
 
@@ -78,12 +106,19 @@ def plot(rows: list[dict]):
             if not sel:
                 continue
             x = [r["devices"] for r in sel]
-            kw = {"color": colors.get(model), "linestyle": styles.get(cluster, ":"), "marker": "o", "markersize": 3,
-                  "label": f"{model} {cluster}"}
+            kw = {
+                "color": colors.get(model),
+                "linestyle": styles.get(cluster, ":"),
+                "marker": "o",
+                "markersize": 3,
+                "label": f"{model} {cluster}",
+            }
             axes[0].plot(x, [r["memory_gb"] for r in sel], **kw)
             axes[1].plot(x, [100 * r["comm_share"] for r in sel], **kw)
-    for ax, label, title in ((axes[0], "peak memory per device (GB), best layout", "memory per device"),
-                             (axes[1], "communication share of the step (%), best layout", "communication share")):
+    for ax, label, title in (
+        (axes[0], "peak memory per device (GB), best layout", "memory per device"),
+        (axes[1], "communication share of the step (%), best layout", "communication share"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
         ax.set_ylabel(label)
@@ -96,8 +131,11 @@ def plot(rows: list[dict]):
 
 def write(rows: list[dict], out: str) -> dict[str, str]:
     os.makedirs(out, exist_ok=True)
-    paths = {"csv": os.path.join(out, "plan_sweep.csv"), "json": os.path.join(out, "plan_sweep.json"),
-             "png": os.path.join(out, "plan_sweep.png")}
+    paths = {
+        "csv": os.path.join(out, "plan_sweep.csv"),
+        "json": os.path.join(out, "plan_sweep.json"),
+        "png": os.path.join(out, "plan_sweep.png"),
+    }
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
@@ -118,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = best_layouts(MODELS[:2], CLUSTERS, (8, 64, 512)) if args.quick else best_layouts()
     paths = write(rows, args.output)
     for r in rows:
-        what = (f"{r['layout']}: {r['memory_gb']:.1f} GB, comm {r['comm_share']:.1%}, MFU {r['mfu']:.1%}" if r["fits"]
-                else f"no fit ({r['why'][:90]})")
+        what = (
+            f"{r['layout']}: {r['memory_gb']:.1f} GB, comm {r['comm_share']:.1%}, MFU {r['mfu']:.1%}"
+            if r["fits"]
+            else f"no fit ({r['why'][:90]})"
+        )
         print(f"{r['model']:<11} {r['cluster']:<9} {r['devices']:>5}  {what}")
     print(f"{len(rows)} plans in {time.perf_counter() - start:.1f} s; {paths['png']}")
     return 0

@@ -36,8 +36,15 @@ from jaxpar.config import ConfigDict, ConfigError
 class Checkpointer:
     """Save / restore the training state under ``<workdir>/checkpoints``."""
 
-    def __init__(self, workdir: str, every: int, keep: int, echo: Callable[[str], None] = print,
-                 model: ConfigDict | None = None, optimizer: str | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        every: int,
+        keep: int,
+        echo: Callable[[str], None] = print,
+        model: ConfigDict | None = None,
+        optimizer: str | None = None,
+    ):
         """``model`` / ``optimizer`` (``optim.name``): a checkpoint saved with other values is refused by name
         (it is another run's, not damaged: nothing is deleted)."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
@@ -82,8 +89,9 @@ class Checkpointer:
                 raise
             raise full from e
 
-    def restore(self, abstract_state: dict, step: int | None = None,
-                prune_damaged: bool = True) -> tuple[int, dict, dict] | None:
+    def restore(
+        self, abstract_state: dict, step: int | None = None, prune_damaged: bool = True
+    ) -> tuple[int, dict, dict] | None:
         """Restore ``step`` (default: the newest that restores cleanly) onto ``abstract_state``'s
         shardings. Returns (step, state, meta), or None when there is no checkpoint at all. With
         ``prune_damaged``, damaged checkpoints newer than the one restored are deleted."""
@@ -112,15 +120,18 @@ class Checkpointer:
                 raise
             except Exception as e:  # damaged: report, fall back to an older one
                 _quiet_failed_reads()
-                self.echo(f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); "
-                          "trying an older one")
+                self.echo(
+                    f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); trying an older one"
+                )
                 damaged.append(candidate)
                 continue
             if damaged and prune_damaged:
                 for bad in damaged:
                     self.manager.delete(bad)
-                self.echo(f"removed damaged checkpoint(s) {sorted(damaged)} from {self.directory} (resumed from "
-                          f"step {candidate}; keep-N retention counts only restorable ones now)")
+                self.echo(
+                    f"removed damaged checkpoint(s) {sorted(damaged)} from {self.directory} (resumed from "
+                    f"step {candidate}; keep-N retention counts only restorable ones now)"
+                )
             return candidate, restored["state"], restored["meta"]
         raise ConfigError(
             f"no usable checkpoint in {self.directory} (tried {candidates}); "
@@ -139,7 +150,8 @@ class Checkpointer:
             raise ConfigError(
                 f"checkpoint {step} in {self.directory} holds the state of optimizer optim.name={optim['name']!r} but "
                 f"the config has {self.optimizer!r}; set --config.optim.name={optim['name']} to resume it, "
-                "train.resume=restart to start over, or point train.workdir at another folder")
+                "train.resume=restart to start over, or point train.workdir at another folder"
+            )
         if self.model is None:
             return
         saved = config.get("model") or {}
@@ -158,38 +170,51 @@ class Checkpointer:
         a damaged ``step`` is a ConfigError naming it."""
         candidates = self.steps()
         if step is not None and step not in candidates:
-            raise ConfigError(f"--step {step}: no checkpoint at step {step} in {self.directory} (available: "
-                              f"{candidates or 'none'}); pick one of those")
+            raise ConfigError(
+                f"--step {step}: no checkpoint at step {step} in {self.directory} (available: "
+                f"{candidates or 'none'}); pick one of those"
+            )
         if not candidates:
             return None
         tried = candidates[::-1] if step is None else [step]
         item = {"params": abstract_params}
-        args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
-                            item)
+        args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), item
+        )
         # a read-only manager of its own: a partial restore needs the PyTree handler for "state"
         reader = ocp.CheckpointManager(self.directory, item_names=("state", "meta"))
         try:
             for candidate in tried:
                 try:
                     self._check_model(candidate)
-                    restored = reader.restore(candidate, args=ocp.args.Composite(
-                        state=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)))
+                    restored = reader.restore(
+                        candidate,
+                        args=ocp.args.Composite(
+                            state=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)
+                        ),
+                    )
                     _check_shapes(restored["state"], item, candidate)
                 except ConfigError:
                     raise
                 except Exception as e:  # damaged: name it; without --step, fall back to an older one
                     _quiet_failed_reads()
                     if step is not None:
-                        raise ConfigError(f"--step {step}: checkpoint {step} in {self.directory} is damaged "
-                                          f"({_first_line(e)}); pick another step") from e
-                    self.echo(f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); "
-                              "trying an older one")
+                        raise ConfigError(
+                            f"--step {step}: checkpoint {step} in {self.directory} is damaged "
+                            f"({_first_line(e)}); pick another step"
+                        ) from e
+                    self.echo(
+                        f"checkpoint {candidate} in {self.directory} is unusable ({_first_line(e)}); "
+                        "trying an older one"
+                    )
                     continue
                 return candidate, restored["state"]["params"]
         finally:
             reader.close()
-        raise ConfigError(f"no usable checkpoint in {self.directory} (tried {tried}, all damaged); "
-                          "pass --step with a good one or train again")
+        raise ConfigError(
+            f"no usable checkpoint in {self.directory} (tried {tried}, all damaged); "
+            "pass --step with a good one or train again"
+        )
 
     def discard_after(self, step: int) -> None:
         """Delete the checkpoints newer than ``step`` (a rollback makes them history)."""
@@ -203,8 +228,20 @@ class Checkpointer:
 
 
 # model fields that fix the parameter shapes (a checkpoint of another value cannot be restored)
-MODEL_SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                      "tie_embeddings", "norm", "mlp_activation", "position", "max_seq_len")
+MODEL_SHAPE_FIELDS = (
+    "vocab_size",
+    "embed_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "tie_embeddings",
+    "norm",
+    "mlp_activation",
+    "position",
+    "max_seq_len",
+)
 
 
 def _quiet_failed_reads() -> None:

@@ -77,7 +77,9 @@ def default_config() -> ConfigDict:
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
     c.model.init_std = 0.02
-    c.model.dropout = 0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
+    c.model.dropout = (
+        0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
+    )
     c.model.attention_dropout = 0.0  # dropout on the softmax probabilities; 0: off
 
     c.optim = ConfigDict()
@@ -172,9 +174,10 @@ def _load_file(spec: str) -> ConfigDict:
         inspect.signature(get_config).bind(*args)
     except (TypeError, ValueError):
         want = "get_config(arg)" if arg else "get_config()"
-        raise ConfigError(f"--config: '{path_str}': get_config does not accept the call {want}; "
-                          + ("drop ':" + arg + "' from --config" if arg else "give its argument as --config FILE:ARG")
-                          ) from None
+        raise ConfigError(
+            f"--config: '{path_str}': get_config does not accept the call {want}; "
+            + ("drop ':" + arg + "' from --config" if arg else "give its argument as --config FILE:ARG")
+        ) from None
     try:
         cfg = get_config(*args)
     except BaseException as e:
@@ -182,8 +185,10 @@ def _load_file(spec: str) -> ConfigDict:
             raise
         raise ConfigError(f"--config: '{path_str}': get_config() raised {_first_line(e)}; fix the config file") from e
     if not isinstance(cfg, (ConfigDict, dict)):
-        raise ConfigError(f"--config: '{path_str}': get_config() returned {type(cfg).__name__}, not a ConfigDict; "
-                          "return jaxpar.config.default_config() with your changes")
+        raise ConfigError(
+            f"--config: '{path_str}': get_config() returned {type(cfg).__name__}, not a ConfigDict; "
+            "return jaxpar.config.default_config() with your changes"
+        )
     return merge_into_defaults(cfg, source=path_str)
 
 
@@ -277,8 +282,7 @@ def _coerce(value: Any, current: Any, key: str, parse: bool) -> Any:
                 return float(raw)
         except ValueError:
             raise ConfigError(
-                f"--config.{key}: '{raw}' is not a valid {kind.__name__}; give e.g. "
-                f"--config.{key}={current!r}"
+                f"--config.{key}: '{raw}' is not a valid {kind.__name__}; give e.g. --config.{key}={current!r}"
             ) from None
         return raw
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -303,14 +307,20 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     """
     p, mo, o, t, d = cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.data
     for key, value in flatten(cfg.to_dict()).items():
-        _require(not (isinstance(value, str) and "\x00" in value),
-                 f"config.{key}: the value holds a NUL byte, which no path or name may; retype it")
+        _require(
+            not (isinstance(value, str) and "\x00" in value),
+            f"config.{key}: the value holds a NUL byte, which no path or name may; retype it",
+        )
     for axis in MESH_AXES:
-        _require(1 <= cfg.mesh[axis.value] <= MAX_DEVICES,
-                 f"mesh.{axis.value}={cfg.mesh[axis.value]}: use a size in [1, {MAX_DEVICES}]")
+        _require(
+            1 <= cfg.mesh[axis.value] <= MAX_DEVICES,
+            f"mesh.{axis.value}={cfg.mesh[axis.value]}: use a size in [1, {MAX_DEVICES}]",
+        )
     devices = math.prod(cfg.mesh[axis.value] for axis in MESH_AXES)
-    _require(devices <= MAX_DEVICES, f"mesh: {devices} devices in all is more than any cluster has "
-             f"(at most {MAX_DEVICES}); check the mesh sizes")
+    _require(
+        devices <= MAX_DEVICES,
+        f"mesh: {devices} devices in all is more than any cluster has (at most {MAX_DEVICES}); check the mesh sizes",
+    )
     _require(
         p.grad_reduce_dtype in ("float32", "bfloat16"),
         f"parallel.grad_reduce_dtype='{p.grad_reduce_dtype}': use float32 or bfloat16",
@@ -327,8 +337,11 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     if d.source in FILE_SOURCES:
         _require(bool(d.path.strip()), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
     else:
-        _require(not d.path, f"data.path='{d.path}' is not read by data.source='{d.source}'; set data.source to "
-                 f"{' or '.join(FILE_SOURCES)} to train on it, or clear data.path")
+        _require(
+            not d.path,
+            f"data.path='{d.path}' is not read by data.source='{d.source}'; set data.source to "
+            f"{' or '.join(FILE_SOURCES)} to train on it, or clear data.path",
+        )
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
@@ -336,8 +349,16 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
 
 
 def _validate_model(mo: ConfigDict) -> None:
-    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                 "max_seq_len"):
+    for name in (
+        "vocab_size",
+        "embed_dim",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "max_seq_len",
+    ):
         _require(1 <= mo[name] <= MAX_DIM, f"model.{name}={mo[name]}: use a value in [1, {MAX_DIM}]")
     _require(
         mo.num_heads % mo.num_kv_heads == 0,
@@ -351,17 +372,23 @@ def _validate_model(mo: ConfigDict) -> None:
     _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
     check_name(mo.name)
     if mo.position == "rope":  # RoPE rotates pairs of dims
-        _require(mo.head_dim % 2 == 0, f"model.head_dim={mo.head_dim}: RoPE needs an even head dim; use e.g. "
-                 f"{mo.head_dim + 1}")
+        _require(
+            mo.head_dim % 2 == 0,
+            f"model.head_dim={mo.head_dim}: RoPE needs an even head dim; use e.g. {mo.head_dim + 1}",
+        )
         _positive_finite("model.rope_theta", mo.rope_theta)
     _positive_finite("model.norm_eps", mo.norm_eps)
     _positive_finite("model.init_std", mo.init_std)
     for name in ("dropout", "attention_dropout"):  # a drop probability (Srivastava et al. 2014): in [0, 1)
-        _require(math.isfinite(mo[name]) and 0 <= mo[name] < 1,
-                 f"model.{name}={mo[name]}: use a drop probability in [0, 1), e.g. 0.1 (0: no dropout)")
+        _require(
+            math.isfinite(mo[name]) and 0 <= mo[name] < 1,
+            f"model.{name}={mo[name]}: use a drop probability in [0, 1), e.g. 0.1 (0: no dropout)",
+        )
     count = _rough_param_count(mo)
-    _require(count <= MAX_PARAMS, f"model: {count:.3g} parameters is beyond any cluster (at most {MAX_PARAMS:.0e}); "
-             "check the model sizes")
+    _require(
+        count <= MAX_PARAMS,
+        f"model: {count:.3g} parameters is beyond any cluster (at most {MAX_PARAMS:.0e}); check the model sizes",
+    )
 
 
 def _rough_param_count(mo: ConfigDict) -> int:
@@ -385,8 +412,10 @@ def _validate_optim(o: ConfigDict) -> None:
     for name in ("b1", "b2"):  # Adam's moment decay rates (Kingma & Ba 2015): in [0, 1)
         _require(0 <= o[name] < 1, f"optim.{name}={o[name]}: use a value in [0, 1), e.g. 0.9")
     _require(math.isfinite(o.eps) and o.eps >= 0, f"optim.eps={o.eps}: use a finite value >= 0, e.g. 1e-8")
-    _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0,
-             f"optim.weight_decay={o.weight_decay}: use a finite value >= 0")
+    _require(
+        math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+        f"optim.weight_decay={o.weight_decay}: use a finite value >= 0",
+    )
 
 
 def _validate_train(t: ConfigDict) -> None:
@@ -394,17 +423,23 @@ def _validate_train(t: ConfigDict) -> None:
     _require(t.global_batch <= MAX_DIM, f"train.global_batch={t.global_batch}: use at most {MAX_DIM} sequences")
     _require(0 <= t.seed < 2**32, f"train.seed={t.seed}: use an integer in [0, 2**32)")
     _require(bool(t.workdir.strip()), "train.workdir is empty; give a folder for checkpoints and metrics")
-    _require(not os.path.exists(t.workdir) or os.path.isdir(t.workdir),
-             f"train.workdir='{t.workdir}' is a file, not a folder; pick another path")
+    _require(
+        not os.path.exists(t.workdir) or os.path.isdir(t.workdir),
+        f"train.workdir='{t.workdir}' is a file, not a folder; pick another path",
+    )
     for name in ("log_every", "eval_every", "warmup_steps_excluded"):
         _require(t[name] >= 0, f"train.{name}={t[name]}: must be >= 0")
     _require(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0 (0: no validation)")
-    _require(t.eval_batches >= 1 or t.eval_every == 0,
-             f"train.eval_every={t.eval_every} with train.eval_batches=0: there is nothing to evaluate; set "
-             "train.eval_batches >= 1, or train.eval_every=0 to train without validation")
-    _require(_profile_steps_ok(t.profile_steps),
-             f"train.profile_steps='{t.profile_steps}': give the first and last step to trace as a,b with "
-             "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)")
+    _require(
+        t.eval_batches >= 1 or t.eval_every == 0,
+        f"train.eval_every={t.eval_every} with train.eval_batches=0: there is nothing to evaluate; set "
+        "train.eval_batches >= 1, or train.eval_every=0 to train without validation",
+    )
+    _require(
+        _profile_steps_ok(t.profile_steps),
+        f"train.profile_steps='{t.profile_steps}': give the first and last step to trace as a,b with "
+        "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)",
+    )
     resume = str(t.resume)
     _require(
         resume in ("auto", "never", "restart") or _is_count(resume),
@@ -416,8 +451,10 @@ def _validate_train(t: ConfigDict) -> None:
         f"train.init_from='{t.init_from}': no such file or directory; give an HF checkpoint directory, a "
         ".safetensors / .index.json file or a torch state dict",
     )
-    _require(t.spike_factor == 0 or 1 < t.spike_factor < math.inf,
-             f"train.spike_factor={t.spike_factor}: use 0 (off) or a finite value > 1")
+    _require(
+        t.spike_factor == 0 or 1 < t.spike_factor < math.inf,
+        f"train.spike_factor={t.spike_factor}: use 0 (off) or a finite value > 1",
+    )
     _require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
     _require(
         all(_is_count(x.strip()) for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,

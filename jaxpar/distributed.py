@@ -84,7 +84,9 @@ def launch_spec(env: Mapping[str, str] | None = None) -> LaunchSpec:
         return LaunchSpec("slurm", num, pid, coordinator, slurm_local_devices(env), node)
     if "JAXPAR_COORDINATOR" in env:
         if "JAXPAR_NUM_PROCESSES" not in env:
-            raise ConfigError("JAXPAR_COORDINATOR is set but JAXPAR_NUM_PROCESSES is not; set both (and JAXPAR_PROCESS_ID)")
+            raise ConfigError(
+                "JAXPAR_COORDINATOR is set but JAXPAR_NUM_PROCESSES is not; set both (and JAXPAR_PROCESS_ID)"
+            )
         num = _int_env("JAXPAR_NUM_PROCESSES", env)
         if num < 1:
             raise ConfigError(f"JAXPAR_NUM_PROCESSES={num}: must be at least 1")
@@ -93,8 +95,10 @@ def launch_spec(env: Mapping[str, str] | None = None) -> LaunchSpec:
         elif "JOB_COMPLETION_INDEX" in env:  # a Kubernetes indexed Job numbers its pods 0..completions-1
             source, name = "k8s-indexed-job", "JOB_COMPLETION_INDEX"
         else:
-            raise ConfigError("JAXPAR_COORDINATOR is set but JAXPAR_PROCESS_ID is not; set it to this process's "
-                              "index (0 on the coordinator's host)")
+            raise ConfigError(
+                "JAXPAR_COORDINATOR is set but JAXPAR_PROCESS_ID is not; set it to this process's "
+                "index (0 on the coordinator's host)"
+            )
         pid = _int_env(name, env)
         if not 0 <= pid < num:
             raise ConfigError(f"{name}={pid} must be in [0, JAXPAR_NUM_PROCESSES={num})")
@@ -166,7 +170,11 @@ def slurm_local_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
     if tasks == 1:
         return None
     visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
-    gpus = len(visible.split(",")) if visible else (_int_env("SLURM_GPUS_ON_NODE", env) if "SLURM_GPUS_ON_NODE" in env else 0)
+    gpus = (
+        len(visible.split(","))
+        if visible
+        else (_int_env("SLURM_GPUS_ON_NODE", env) if "SLURM_GPUS_ON_NODE" in env else 0)
+    )
     if gpus == 0 or gpus < tasks:  # no GPUs (CPU), or SLURM bound each task to its own
         return None
     if gpus % tasks:
@@ -207,8 +215,11 @@ def check_coordinator(spec: LaunchSpec, wait: int) -> None:
     try:
         socket.getaddrinfo(host, int(port))
     except (OSError, UnicodeError):
-        fix = ("set JAXPAR_COORDINATOR=<its address>:<port> in the batch script (scripts/slurm/train.sbatch does)"
-               if where.startswith("the first") else "use an address every process can resolve")
+        fix = (
+            "set JAXPAR_COORDINATOR=<its address>:<port> in the batch script (scripts/slurm/train.sbatch does)"
+            if where.startswith("the first")
+            else "use an address every process can resolve"
+        )
         raise ConfigError(f"{where}: coordinator host {host!r} does not resolve; {fix}") from None
     if spec.process_id == 0:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
@@ -216,8 +227,10 @@ def check_coordinator(spec: LaunchSpec, wait: int) -> None:
             try:
                 probe.bind(("", int(port)))
             except OSError as e:
-                raise ConfigError(f"{where}: port {port} on this host (process 0, the coordinator) is not free "
-                                  f"({e.strerror}); pick another port") from None
+                raise ConfigError(
+                    f"{where}: port {port} on this host (process 0, the coordinator) is not free "
+                    f"({e.strerror}); pick another port"
+                ) from None
         return
     deadline = time.monotonic() + wait
     while True:
@@ -260,8 +273,11 @@ def initialize_from_env() -> bool:
     )
     # One line per process: where it runs and what it drives (the GPU-binding check of a new cluster).
     devices = jax.local_devices()
-    print(f"jaxpar: process {spec.process_id}/{spec.num_processes} ({spec.source}, node {spec.node}): "
-          f"{len(devices)} local {devices[0].platform} devices {[d.id for d in devices]}", flush=True)
+    print(
+        f"jaxpar: process {spec.process_id}/{spec.num_processes} ({spec.source}, node {spec.node}): "
+        f"{len(devices)} local {devices[0].platform} devices {[d.id for d in devices]}",
+        flush=True,
+    )
     return True
 
 

@@ -48,8 +48,10 @@ def _check_workdir(base: pathlib.Path, runs: tuple[pathlib.Path, ...]) -> None:
         raise ConfigError(f"--workdir {base}: is a file, not a folder; pick another path")
     for run in runs:
         if run.exists() and not (run.is_dir() and ((run / MARKER).is_file() or not any(run.iterdir()))):
-            raise ConfigError(f"--workdir {base}: {run.name} exists and was not made by jaxpar drill; "
-                              "pick another --workdir (the drill replaces its run folders)")
+            raise ConfigError(
+                f"--workdir {base}: {run.name} exists and was not made by jaxpar drill; "
+                "pick another --workdir (the drill replaces its run folders)"
+            )
     probe = base if base.exists() else next(p for p in base.parents if p.exists())
     if not os.access(probe, os.W_OK):
         raise ConfigError(f"--workdir {base}: {probe} is not writable; pick another path")
@@ -59,9 +61,11 @@ def _raise_run_failure(what: str, workdir: pathlib.Path, code: int) -> None:
     """A run of the drill failed: its own one-line refusal (exit code 2) is the drill's, as a ConfigError;
     anything else is a RuntimeError pointing at the run's log."""
     log = workdir.parent / f"{workdir.name}.log"
-    errors = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("error: ")] if log.exists() else []
+    errors = (
+        [x for x in log.read_text(errors="replace").splitlines() if x.startswith("error: ")] if log.exists() else []
+    )
     if code == 2 and errors:
-        raise ConfigError(f"{what} refused its input ({errors[-1][len('error: '):]}); see {log}")
+        raise ConfigError(f"{what} refused its input ({errors[-1][len('error: ') :]}); see {log}")
     raise RuntimeError(f"{what} failed with exit code {code}; see {log}")
 
 
@@ -73,12 +77,24 @@ def _logged_step(workdir: pathlib.Path) -> int:
 
 
 def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes: int) -> subprocess.Popen:
-    train = [sys.executable, "-m", "jaxpar", "train", "--config", config, "--no-progress", *overrides,
-             f"--config.train.workdir={workdir}"]
+    train = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--config",
+        config,
+        "--no-progress",
+        *overrides,
+        f"--config.train.workdir={workdir}",
+    ]
     cmd = train if processes == 1 else ["bash", str(ROOT / "scripts" / "launch_local.sh"), str(processes), *train]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAXPAR_HEARTBEAT_TIMEOUT": os.environ.get("JAXPAR_HEARTBEAT_TIMEOUT", "10"),
-           "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", ""))}  # train sets each process's share
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "JAXPAR_HEARTBEAT_TIMEOUT": os.environ.get("JAXPAR_HEARTBEAT_TIMEOUT", "10"),
+        "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", "")),
+    }  # train sets each process's share
     log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -96,8 +112,9 @@ def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
 
 
-def run_drill(config: str, overrides: list[str], workdir: str, processes: int, trials: int, seed: int,
-              timeout_s: float = 900.0) -> dict:
+def run_drill(
+    config: str, overrides: list[str], workdir: str, processes: int, trials: int, seed: int, timeout_s: float = 900.0
+) -> dict:
     """Run the reference and the interrupted run under ``workdir``; returns ``failures`` (kill and
     resume steps), ``losses_match``, ``state_match`` and ``seconds``."""
     cfg = load_config(config, overrides)

@@ -55,10 +55,17 @@ CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda1
 ROCM_PLUGINS = ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60", "jax_plugins.xla_rocm7")
 
 # XLA flags jaxpar sets or recommends: known to XLA, no probe needed.
-KNOWN_XLA_FLAGS = ("--xla_force_host_platform_device_count", "--xla_backend_optimization_level",
-                   "--xla_gpu_enable_latency_hiding_scheduler", "--xla_gpu_all_reduce_combine_threshold_bytes",
-                   "--xla_gpu_all_gather_combine_threshold_bytes", "--xla_gpu_reduce_scatter_combine_threshold_bytes",
-                   "--xla_dump_to", "--xla_dump_hlo_as_text", "--xla_cpu_use_thunk_runtime")
+KNOWN_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count",
+    "--xla_backend_optimization_level",
+    "--xla_gpu_enable_latency_hiding_scheduler",
+    "--xla_gpu_all_reduce_combine_threshold_bytes",
+    "--xla_gpu_all_gather_combine_threshold_bytes",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes",
+    "--xla_dump_to",
+    "--xla_dump_hlo_as_text",
+    "--xla_cpu_use_thunk_runtime",
+)
 
 
 def check_environment(env: Mapping[str, str] | None = None, jax_runs: bool = True, probe_xla: bool = True) -> None:
@@ -91,13 +98,17 @@ def check_platforms(value: str) -> None:
     """``JAX_PLATFORMS``: names JAX knows, and a GPU platform only where its plugin is installed."""
     for name in [v.strip() for v in value.split(",") if v.strip()]:
         if name not in PLATFORMS:
-            raise ConfigError(f"JAX_PLATFORMS={value!r}: {name!r} is not a platform; use {', '.join(PLATFORMS)} "
-                              "(comma-separated) or unset it")
+            raise ConfigError(
+                f"JAX_PLATFORMS={value!r}: {name!r} is not a platform; use {', '.join(PLATFORMS)} "
+                "(comma-separated) or unset it"
+            )
         plugins = CUDA_PLUGINS if name in ("cuda", "gpu") else ROCM_PLUGINS if name == "rocm" else ()
         if plugins and not any(_importable(p) for p in plugins):
             extra = "cuda12" if name != "rocm" else "rocm"
-            raise ConfigError(f"JAX_PLATFORMS={value!r}: no {name} plugin for jax is installed here; install "
-                              f"jax[{extra}] on a GPU host, or unset JAX_PLATFORMS to run on the CPU")
+            raise ConfigError(
+                f"JAX_PLATFORMS={value!r}: no {name} plugin for jax is installed here; install "
+                f"jax[{extra}] on a GPU host, or unset JAX_PLATFORMS to run on the CPU"
+            )
 
 
 def _importable(module: str) -> bool:
@@ -128,15 +139,22 @@ def check_xla_flags(flags: str, probe: bool = True) -> None:
         return
     probe_env = dict(os.environ, XLA_FLAGS=" ".join(unknown), JAX_PLATFORMS="cpu")
     try:
-        done = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=probe_env,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+            env=probe_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         return  # no verdict: let XLA itself judge
     if done.returncode != 0:
         named = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", done.stderr)
         if named:
-            raise ConfigError(f"XLA_FLAGS: XLA does not know {named.group(1).strip()} (jaxlib {jaxlib.__version__}) "
-                              "and would abort; remove or correct them")
+            raise ConfigError(
+                f"XLA_FLAGS: XLA does not know {named.group(1).strip()} (jaxlib {jaxlib.__version__}) "
+                "and would abort; remove or correct them"
+            )
         return
     try:
         verdict.parent.mkdir(parents=True, exist_ok=True)

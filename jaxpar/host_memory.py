@@ -49,5 +49,7 @@ def steady_malloc(apply: bool = True) -> str:
         if refused:
             return f"glibc {version} malloc, mallopt refused {', '.join(refused)}"
     mib = {name: value // 2**20 for name, value in SETTINGS.items()}
-    return (f"glibc {version} malloc: mmap threshold {mib['mmap_threshold']} MiB, trim threshold "
-            f"{mib['trim_threshold']} MiB, top pad {mib['top_pad']} MiB (jaxpar.host_memory)")
+    return (
+        f"glibc {version} malloc: mmap threshold {mib['mmap_threshold']} MiB, trim threshold "
+        f"{mib['trim_threshold']} MiB, top pad {mib['top_pad']} MiB (jaxpar.host_memory)"
+    )

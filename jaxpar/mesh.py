@@ -46,8 +46,13 @@ def process_nodes() -> list[str]:
     return [np.asarray(row).tobytes().hex() for row in np.asarray(gathered).reshape(jax.process_count(), -1)]
 
 
-def make_mesh(layout: ParallelLayout, devices: list[jax.Device] | None = None, *,
-              nodes: Sequence[str] | None = None, cross_node_tensor: bool = False) -> Mesh:
+def make_mesh(
+    layout: ParallelLayout,
+    devices: list[jax.Device] | None = None,
+    *,
+    nodes: Sequence[str] | None = None,
+    cross_node_tensor: bool = False,
+) -> Mesh:
     """Build the ``jax.sharding.Mesh`` of ``layout``'s mesh sizes over ``devices`` (default: all devices).
 
     ``nodes[p]`` names the node of process ``p`` (default: :func:`process_nodes`). The ``tensor``
@@ -65,7 +70,11 @@ def make_mesh(layout: ParallelLayout, devices: list[jax.Device] | None = None, *
             f"set --config.mesh.* so the product is {len(devices)}"
         )
     if nodes is None:
-        nodes = process_nodes() if any(d.process_index for d in devices) else [""] * (1 + max(d.process_index for d in devices))
+        nodes = (
+            process_nodes()
+            if any(d.process_index for d in devices)
+            else [""] * (1 + max(d.process_index for d in devices))
+        )
     ordered = _ordered_devices(devices, nodes)
     grid = np.array(ordered, dtype=object).reshape([layout.size(a) for a in DEVICE_ORDER])
     if not cross_node_tensor:

@@ -78,8 +78,16 @@ class MetricsLog:
     the steady-state figures (steps after ``warmup_excluded`` and excluding evaluation: a step's
     time runs from the end of the step before it or its own dispatch, whichever is later)."""
 
-    def __init__(self, workdir: str, flops_per_token: float, peak_flops: float, num_devices: int,
-                 warmup_excluded: int, write: bool = True, tensorboard: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        flops_per_token: float,
+        peak_flops: float,
+        num_devices: int,
+        warmup_excluded: int,
+        write: bool = True,
+        tensorboard: bool = True,
+    ):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tensorboard = TensorBoardWriter(workdir) if write and tensorboard else None
         self.flops_per_token = flops_per_token
@@ -188,8 +196,11 @@ def read_event_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
                 break  # a record cut short by a crash
             event = Event.FromString(record)
             for value in event.summary.value:
-                number = value.simple_value if value.HasField("simple_value") else (
-                    value.tensor.float_val[0] if value.tensor.float_val else float("nan"))
+                number = (
+                    value.simple_value
+                    if value.HasField("simple_value")
+                    else (value.tensor.float_val[0] if value.tensor.float_val else float("nan"))
+                )
                 out.setdefault(value.tag, []).append((int(event.step), float(number)))
     return out
 

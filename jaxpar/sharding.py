@@ -120,7 +120,9 @@ def zero_dim(shape: tuple[int, ...], logical: tuple[str, ...], rules: Mapping[st
     return best if data > 1 else None
 
 
-def param_placement(shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, mesh_shape: Mapping[str, int]) -> ParamPlacement:
+def param_placement(
+    shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, mesh_shape: Mapping[str, int]
+) -> ParamPlacement:
     if len(shape) != len(logical):
         raise ValueError(f"shape {shape} and logical axes {logical} differ in rank")
     compute = []

@@ -56,8 +56,10 @@ def check_owned(workdir: str, init_from: str = "") -> None:
     if init_from and os.path.exists(init_from):
         weights, home = write_guard.real(init_from), write_guard.real(folder)
         if weights == home or home in weights.parents:
-            raise ConfigError(f"train.workdir='{workdir}' is or contains train.init_from='{init_from}', the weights "
-                              "this run reads; a run writes config.json and checkpoints there: give a new workdir")
+            raise ConfigError(
+                f"train.workdir='{workdir}' is or contains train.init_from='{init_from}', the weights "
+                "this run reads; a run writes config.json and checkpoints there: give a new workdir"
+            )
     if not folder.is_dir():
         return
     names = sorted(p.name for p in folder.iterdir())
@@ -65,10 +67,15 @@ def check_owned(workdir: str, init_from: str = "") -> None:
     if not names or (marker is not None and marker["kind"] == KIND) or (marker is None and _older_run(folder, names)):
         return
     foreign = [n for n in names if n not in RUN_FILES and not n.startswith(RUN_PREFIXES)] or ["a config.json"]
-    why = (f"is a jaxpar {marker['kind']} folder" if marker is not None
-           else f"holds files no run wrote ({', '.join(foreign)[:120]})")
-    raise ConfigError(f"train.workdir='{workdir}' {why}; a run writes config.json, metrics and checkpoints "
-                      "there: give a new or empty folder, or a previous run's")
+    why = (
+        f"is a jaxpar {marker['kind']} folder"
+        if marker is not None
+        else f"holds files no run wrote ({', '.join(foreign)[:120]})"
+    )
+    raise ConfigError(
+        f"train.workdir='{workdir}' {why}; a run writes config.json, metrics and checkpoints "
+        "there: give a new or empty folder, or a previous run's"
+    )
 
 
 def lock(workdir: str) -> None:
@@ -88,9 +95,11 @@ def lock(workdir: str) -> None:
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             raise
         pid = holder[0] if holder else "unknown"
-        raise ConfigError(f"train.workdir='{workdir}' is in use by another jaxpar run (pid {pid}"
-                          f"{' on ' + holder[1] if len(holder) > 1 else ''}, lock {path}); wait for it to end or "
-                          "give another train.workdir") from None
+        raise ConfigError(
+            f"train.workdir='{workdir}' is in use by another jaxpar run (pid {pid}"
+            f"{' on ' + holder[1] if len(holder) > 1 else ''}, lock {path}); wait for it to end or "
+            "give another train.workdir"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
     _held[key] = fd
@@ -132,8 +141,10 @@ def check_entries(workdir: str) -> None:
         ok = path.is_dir() if want == "folder" else path.is_file()
         if path.is_symlink() or not ok:
             got = "a link" if path.is_symlink() else ("a folder" if path.is_dir() else "not a regular file")
-            raise ConfigError(f"train.workdir='{workdir}': {name} is {got}, where a run keeps its {name} "
-                              f"{want}; move it away or give another workdir")
+            raise ConfigError(
+                f"train.workdir='{workdir}': {name} is {got}, where a run keeps its {name} "
+                f"{want}; move it away or give another workdir"
+            )
 
 
 def claim(workdir: str, resume: str, init_from: str = "") -> None:
@@ -150,10 +161,12 @@ def claim(workdir: str, resume: str, init_from: str = "") -> None:
     steps = checkpoint_steps(workdir)
     if resume == "never" and steps:
         release(workdir)
-        raise ConfigError(f"train.resume=never: train.workdir='{workdir}' holds checkpoints {steps[:5]}"
-                          f"{'...' if len(steps) > 5 else ''} of an earlier run, which would mix with this one's; "
-                          "set train.resume=restart to delete them and start over, auto to continue, or give "
-                          "another workdir")
+        raise ConfigError(
+            f"train.resume=never: train.workdir='{workdir}' holds checkpoints {steps[:5]}"
+            f"{'...' if len(steps) > 5 else ''} of an earlier run, which would mix with this one's; "
+            "set train.resume=restart to delete them and start over, auto to continue, or give "
+            "another workdir"
+        )
     if resume == "restart":  # the workdir is this run's (checked above): its own checkpoints and metrics go
         checkpoints = pathlib.Path(workdir, "checkpoints")
         if checkpoints.is_dir() and not checkpoints.is_symlink():

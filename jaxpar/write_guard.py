@@ -44,7 +44,7 @@ def read_marker(folder: PathLike) -> dict | None:
     if not path.is_file() or path.is_symlink():
         return None
     try:
-        marker = json.loads(path.read_text()[:1 << 16])
+        marker = json.loads(path.read_text()[: 1 << 16])
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return marker if isinstance(marker, dict) and isinstance(marker.get("kind"), str) else None
@@ -53,8 +53,11 @@ def read_marker(folder: PathLike) -> dict | None:
 def mark(folder: PathLike, kind: str, entries: Iterable[str] | None = None) -> None:
     """Write ``folder``'s marker: made by jaxpar as a ``kind`` folder; ``entries`` (None: any) are the
     names jaxpar put in it, the only ones a replacement may delete."""
-    body = {"kind": kind, "entries": None if entries is None else sorted(set(entries) - {MARKER}),
-            "note": "written by jaxpar; jaxpar replaces or deletes only folders that hold this file"}
+    body = {
+        "kind": kind,
+        "entries": None if entries is None else sorted(set(entries) - {MARKER}),
+        "note": "written by jaxpar; jaxpar replaces or deletes only folders that hold this file",
+    }
     (pathlib.Path(folder) / MARKER).write_text(json.dumps(body, indent=1) + "\n")
 
 
@@ -62,8 +65,12 @@ def _inside(child: pathlib.Path, parent: pathlib.Path) -> bool:
     return child == parent or parent in child.parents
 
 
-def check_apart(output: PathLike, flag: str, inputs: dict[str, PathLike | None] | None = None,
-                workdirs: dict[str, PathLike | None] | None = None) -> None:
+def check_apart(
+    output: PathLike,
+    flag: str,
+    inputs: dict[str, PathLike | None] | None = None,
+    workdirs: dict[str, PathLike | None] | None = None,
+) -> None:
     """Refuse an ``output`` that is or contains one of ``inputs`` or ``workdirs`` (name -> path; the
     name, e.g. ``--config`` or ``train.workdir``, is what the error says it is)."""
     out = real(output)
@@ -74,8 +81,10 @@ def check_apart(output: PathLike, flag: str, inputs: dict[str, PathLike | None] 
             other = real(path)
             if _inside(other, out):
                 relation = "is" if other == out else "contains"
-                raise ConfigError(f"{flag} {output}: {relation} the {what} {name}='{path}', which writing it would "
-                                  "destroy; pick a folder or file outside it")
+                raise ConfigError(
+                    f"{flag} {output}: {relation} the {what} {name}='{path}', which writing it would "
+                    "destroy; pick a folder or file outside it"
+                )
 
 
 Older = Callable[[pathlib.Path, list[str]], bool]  # recognises an unmarked folder an older jaxpar wrote
@@ -103,8 +112,7 @@ def foreign(folder: pathlib.Path, kind: str, older: Older | None = None) -> str 
     return None
 
 
-def check_folder_output(output: PathLike, flag: str, kind: str, overwrite: bool,
-                        older: Older | None = None) -> None:
+def check_folder_output(output: PathLike, flag: str, kind: str, overwrite: bool, older: Older | None = None) -> None:
     """Refuse ``output`` as a ``kind`` folder to (re)write: a file; an existing folder without
     ``overwrite`` (unless empty); one that is not jaxpar's own ``kind`` output (``older``: :func:`foreign`)."""
     path = pathlib.Path(output)
@@ -116,8 +124,10 @@ def check_folder_output(output: PathLike, flag: str, kind: str, overwrite: bool,
         raise ConfigError(f"{flag} {output}: exists; pass --overwrite to replace it or choose another folder")
     why = foreign(path, kind, older)
     if why:
-        raise ConfigError(f"{flag} {output}: {why}; jaxpar replaces only a {kind} folder it wrote: "
-                          "move those files or pick another folder")
+        raise ConfigError(
+            f"{flag} {output}: {why}; jaxpar replaces only a {kind} folder it wrote: "
+            "move those files or pick another folder"
+        )
 
 
 @contextlib.contextmanager
@@ -148,9 +158,15 @@ def disk_full(error: BaseException, path: PathLike) -> OSError | None:
     return None
 
 
-def replace_folder(output: PathLike, kind: str, fill: Callable[[pathlib.Path], None], *, flag: str,
-                   overwrite: bool = False,
-                   older: Older | None = None) -> pathlib.Path:
+def replace_folder(
+    output: PathLike,
+    kind: str,
+    fill: Callable[[pathlib.Path], None],
+    *,
+    flag: str,
+    overwrite: bool = False,
+    older: Older | None = None,
+) -> pathlib.Path:
     """Write ``output`` as a ``kind`` folder: ``fill(tmp)`` writes the files into a temporary sibling,
     which is marked and renamed into place; a previous output is removed only after (and only if
     :func:`check_folder_output` allows it). A failure leaves the previous output as it was."""
@@ -178,8 +194,13 @@ def replace_folder(output: PathLike, kind: str, fill: Callable[[pathlib.Path], N
     return out
 
 
-def check_file_output(output: PathLike, flag: str, overwrite: bool, owned: Callable[[str], bool],
-                      inputs: dict[str, PathLike | None] | None = None) -> None:
+def check_file_output(
+    output: PathLike,
+    flag: str,
+    overwrite: bool,
+    owned: Callable[[str], bool],
+    inputs: dict[str, PathLike | None] | None = None,
+) -> None:
     """Refuse ``output`` as a file to (re)write: one of ``inputs``; a missing folder; an existing file without
     ``overwrite``, or one whose first 4 KiB ``owned`` does not recognise as jaxpar's."""
     target = pathlib.Path(output)
@@ -195,12 +216,21 @@ def check_file_output(output: PathLike, flag: str, overwrite: bool, owned: Calla
     with open(target, errors="replace") as f:
         head = f.read(4096)
     if not owned(head):
-        raise ConfigError(f"{flag} {output}: jaxpar did not write this file; --overwrite replaces only a file "
-                          "jaxpar wrote: move it or pick another path")
+        raise ConfigError(
+            f"{flag} {output}: jaxpar did not write this file; --overwrite replaces only a file "
+            "jaxpar wrote: move it or pick another path"
+        )
 
 
-def write_file(output: PathLike, text: str, *, flag: str, overwrite: bool,
-               owned: Callable[[str], bool], inputs: dict[str, PathLike | None] | None = None) -> None:
+def write_file(
+    output: PathLike,
+    text: str,
+    *,
+    flag: str,
+    overwrite: bool,
+    owned: Callable[[str], bool],
+    inputs: dict[str, PathLike | None] | None = None,
+) -> None:
     """Write ``text`` to the file ``output`` through a temporary sibling and a rename, after
     :func:`check_file_output`. Without ``overwrite`` the final step is a hard link, which never replaces a
     file that appears meanwhile. A failure (a full disk) leaves an earlier file as it was."""

@@ -75,8 +75,9 @@ def expect_refused(family: str, fn: Any, *args: Any, **kwargs: Any) -> str:
             result = fn(*args, **kwargs)
     except JaxparError as e:
         return one_line_error(e)
-    raise AssertionError(f"{family}: accepted silently ({args!r} {kwargs!r}) -> {result!r} "
-                         f"after {time.perf_counter() - start:.1f} s")
+    raise AssertionError(
+        f"{family}: accepted silently ({args!r} {kwargs!r}) -> {result!r} after {time.perf_counter() - start:.1f} s"
+    )
 
 
 def expect_refused_or_ok(family: str, fn: Any, *args: Any, **kwargs: Any) -> tuple[str | None, Any]:

@@ -41,10 +41,8 @@ EXTRA_EXPECTED = {
         "stanford_alpaca__configs_default_offload_opt_param.json": r"optimizer\.params\.betas",
     },
     "megatron": {
-        "NVIDIA-Megatron-LM__examples_academic_paper_scripts_sc21_CONFIG.args":
-            r"unresolved shell variables: TP .*PP .*MBS .*GBS .*WORLD_SIZE .*NLS .*HS .*NAH ",
-        "NVIDIA-Megatron-LM__examples_gpt3_train_gpt3_175b_distributed.args":
-            r"world size 8 \(--nproc_per_node 8 \* --nnodes 1\) is not divisible by TP\*PP\*CP = 8\*16\*1 = 128",
+        "NVIDIA-Megatron-LM__examples_academic_paper_scripts_sc21_CONFIG.args": r"unresolved shell variables: TP .*PP .*MBS .*GBS .*WORLD_SIZE .*NLS .*HS .*NAH ",
+        "NVIDIA-Megatron-LM__examples_gpt3_train_gpt3_175b_distributed.args": r"world size 8 \(--nproc_per_node 8 \* --nnodes 1\) is not divisible by TP\*PP\*CP = 8\*16\*1 = 128",
         "NVIDIA-Megatron-LM__examples_llama_train_llama3_8b_h100_fp8.args": None,
         "NVIDIA-Megatron-LM__examples_mixtral_train_mixtral_8x7b_distributed.args": None,
         "bigscience__train_tr11-176B-ml_tr11-176B-ml.args": r"NNODES \(needs SLURM_NNODES; used by --nnodes\)",
@@ -52,23 +50,35 @@ EXTRA_EXPECTED = {
     },
 }
 # world sizes the extra torchtitan presets were written for (their comments); others: 64
-EXTRA_WORLD = {"llama3_8b.toml": 64, "llama3_70b.toml": 64, "llama3_405b.toml": 128, "llama4_17bx128e.toml": 64,
-               "deepseek_v3_16b.toml": 8, "DeepSpeed-tests__test_pipe_config_dict_CONVERTED.json": 4}
+EXTRA_WORLD = {
+    "llama3_8b.toml": 64,
+    "llama3_70b.toml": 64,
+    "llama3_405b.toml": 128,
+    "llama4_17bx128e.toml": 64,
+    "deepseek_v3_16b.toml": 8,
+    "DeepSpeed-tests__test_pipe_config_dict_CONVERTED.json": 4,
+}
 
 
-def recipe_params(kind: str, suffixes: tuple[str, ...], fixture_expected: dict | None = None,
-                  keep=lambda name: True) -> list:
+def recipe_params(
+    kind: str, suffixes: tuple[str, ...], fixture_expected: dict | None = None, keep=lambda name: True
+) -> list:
     """``pytest.param(path, expected)`` for every ``kind`` recipe: the fixtures (ids ``fixtures/NAME``),
     then the extra folder's files when it exists (ids ``extra/NAME``). ``expected``: None (ports), a
     regex of its one-line error, or "any"."""
     params = []
-    for origin, folder, table in (("fixtures", FIXTURES, fixture_expected or {}),
-                                  ("extra", EXTRA, EXTRA_EXPECTED.get(kind, {}))):
+    for origin, folder, table in (
+        ("fixtures", FIXTURES, fixture_expected or {}),
+        ("extra", EXTRA, EXTRA_EXPECTED.get(kind, {})),
+    ):
         path = folder / kind
         if not path.is_dir():
             continue
         for file in sorted(p for p in path.iterdir() if p.suffix in suffixes and keep(p.name)):
-            expected = table[file.name] if origin == "fixtures" and fixture_expected is not None else \
-                table.get(file.name, "any")  # a fixture without an expectation is a KeyError at collection
+            expected = (
+                table[file.name]
+                if origin == "fixtures" and fixture_expected is not None
+                else table.get(file.name, "any")
+            )  # a fixture without an expectation is a KeyError at collection
             params.append(pytest.param(file, expected, id=f"{origin}/{file.name}"))
     return params

@@ -18,15 +18,21 @@ RTOL = 1e-5  # normwise: max |got - want| / max |want|
 
 def _qkv(b, sq, sk, n, kv, d=16, seed=0):
     kq, kk, kv_, kw = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return (jax.random.normal(kq, (b, sq, n, d)), jax.random.normal(kk, (b, sk, kv, d)),
-            jax.random.normal(kv_, (b, sk, kv, d)), jax.random.normal(kw, (b, sq, n, d)))
+    return (
+        jax.random.normal(kq, (b, sq, n, d)),
+        jax.random.normal(kk, (b, sk, kv, d)),
+        jax.random.normal(kv_, (b, sk, kv, d)),
+        jax.random.normal(kw, (b, sq, n, d)),
+    )
 
 
 def _value_and_grads(fn, q, k, v, w):
     """fn's output and the gradients of sum(out * w) w.r.t. q, k, v, in one compiled call."""
+
     def loss(q, k, v):
         out = fn(q, k, v)
         return jnp.sum(out * w), out
+
     (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
     return out, grads
 
@@ -36,17 +42,21 @@ def _assert_close(got, want, what):
     assert err <= RTOL, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("sq,sk,n,kv,causal,q_offset", [
-    (64, 64, 4, 2, True, 0),  # GQA, lengths multiples of both blocks
-    (50, 50, 4, 2, True, 0),  # GQA, ragged last blocks
-    (50, 50, 2, 2, False, 0),  # MHA, non-causal, ragged
-    (24, 40, 2, 2, True, 16),  # MHA, queries at positions 16..39 over keys 0..39 (ragged)
-])
+@pytest.mark.parametrize(
+    "sq,sk,n,kv,causal,q_offset",
+    [
+        (64, 64, 4, 2, True, 0),  # GQA, lengths multiples of both blocks
+        (50, 50, 4, 2, True, 0),  # GQA, ragged last blocks
+        (50, 50, 2, 2, False, 0),  # MHA, non-causal, ragged
+        (24, 40, 2, 2, True, 16),  # MHA, queries at positions 16..39 over keys 0..39 (ragged)
+    ],
+)
 def test_blockwise_matches_reference_values_and_grads(sq, sk, n, kv, causal, q_offset):
     q, k, v, w = _qkv(2, sq, sk, n, kv)
     ref = functools.partial(A.dot_product_attention, causal=causal, q_offset=q_offset)
-    blk = functools.partial(A.blockwise_attention, block_q=16, block_kv=8, causal=causal,
-                            q_positions=q_offset + jnp.arange(sq))
+    blk = functools.partial(
+        A.blockwise_attention, block_q=16, block_kv=8, causal=causal, q_positions=q_offset + jnp.arange(sq)
+    )
     want, want_g = _value_and_grads(ref, q, k, v, w)
     got, got_g = _value_and_grads(blk, q, k, v, w)
     _assert_close(got, want, "out")
@@ -89,10 +99,10 @@ def test_context_parallel_chunks_merge_exactly():
 
     def loss(q, k, v):
         out, partial = ring(q, k, v)
-        return jnp.sum(out * w[:, :2 * c]), (out, partial)
+        return jnp.sum(out * w[:, : 2 * c]), (out, partial)
 
     (_, (got, (out_b, lse_b))), got_g = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
-    want, want_g = _value_and_grads(ref, q, k, v, w[:, :2 * c])
+    want, want_g = _value_and_grads(ref, q, k, v, w[:, : 2 * c])
     assert bool(jnp.all(jnp.isneginf(lse_b[:, :c]))) and bool(jnp.all(out_b[:, :c] == 0))
     assert bool(jnp.all(jnp.isfinite(lse_b[:, c:])))
     _assert_close(got, want, "merged out")
@@ -118,8 +128,12 @@ def test_blockwise_inside_shard_map_batch_on_data_heads_on_tensor():
     mesh = jax.make_mesh((2, 2), (MeshAxis.DATA, MeshAxis.TENSOR))
     spec = P(MeshAxis.DATA, None, MeshAxis.TENSOR)
     q, k, v, w = jax.device_put(_qkv(2, 40, 40, 4, 2), jax.sharding.NamedSharding(mesh, spec))
-    blk = jax.shard_map(functools.partial(A.blockwise_attention, block_q=16, block_kv=16), mesh=mesh,
-                        in_specs=(spec, spec, spec), out_specs=spec)
+    blk = jax.shard_map(
+        functools.partial(A.blockwise_attention, block_q=16, block_kv=16),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+    )
     got, got_g = _value_and_grads(blk, q, k, v, w)
     want, want_g = _value_and_grads(A.dot_product_attention, q, k, v, w)
     _assert_close(got, want, "out")
@@ -136,8 +150,10 @@ def _temp_bytes(fn, s: int, n: int = 2, d: int = 32) -> int:
 
 def test_blockwise_memory_grows_linearly_reference_quadratically():
     blk = functools.partial(A.blockwise_attention, block_q=512, block_kv=512)
-    temps = {name: [_temp_bytes(fn, s) for s in (4096, 8192)]
-             for name, fn in (("blockwise", blk), ("dot_product", A.dot_product_attention))}
+    temps = {
+        name: [_temp_bytes(fn, s) for s in (4096, 8192)]
+        for name, fn in (("blockwise", blk), ("dot_product", A.dot_product_attention))
+    }
     ratios = {name: t[1] / t[0] for name, t in temps.items()}
     for name, t in temps.items():
         print(f"{name}: temp s=4096 {t[0] / 2**20:.2f} MiB, s=8192 {t[1] / 2**20:.2f} MiB, x{ratios[name]:.2f}")
@@ -160,14 +176,20 @@ def test_resolve_attention():
     assert A.resolve_attention("blockwise", "cpu", 100) == "blockwise"
 
 
-@pytest.mark.parametrize("args,kwargs,words", [
-    (("flash", "gpu", 64), {}, ["model.attention", "auto", "blockwise"]),
-    (("cudnn", "cpu", 64), {}, ["model.attention=cudnn", "GPU", "blockwise"]),
-    (("cudnn", "gpu", 100), {"compute_capability": "9.0"}, ["model.head_dim=100", "multiple of 8", "blockwise"]),
-    (("cudnn", "gpu", 256), {"compute_capability": "8.0"}, ["model.head_dim=256", "at most 128", "128"]),
-    (("cudnn", "gpu", 64), {"compute_dtype": "float32", "compute_capability": "9.0"},
-     ["model.compute_dtype=float32", "bfloat16"]),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,words",
+    [
+        (("flash", "gpu", 64), {}, ["model.attention", "auto", "blockwise"]),
+        (("cudnn", "cpu", 64), {}, ["model.attention=cudnn", "GPU", "blockwise"]),
+        (("cudnn", "gpu", 100), {"compute_capability": "9.0"}, ["model.head_dim=100", "multiple of 8", "blockwise"]),
+        (("cudnn", "gpu", 256), {"compute_capability": "8.0"}, ["model.head_dim=256", "at most 128", "128"]),
+        (
+            ("cudnn", "gpu", 64),
+            {"compute_dtype": "float32", "compute_capability": "9.0"},
+            ["model.compute_dtype=float32", "bfloat16"],
+        ),
+    ],
+)
 def test_resolve_attention_refusals_are_one_line(args, kwargs, words):
     with pytest.raises(ConfigError) as e:
         A.resolve_attention(*args, **kwargs)

@@ -42,8 +42,13 @@ def test_spike_threshold_follows_running_median():
 
 
 def test_injected_nan_batches_are_skipped_and_counted(tmp_path):
-    cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.train.steps=6",
-                      f"--config.train.workdir={tmp_path}", "--config.train.inject_bad_steps=3,4")
+    cfg = tiny_config(
+        "--config.mesh.data=4",
+        "--config.mesh.tensor=2",
+        "--config.train.steps=6",
+        f"--config.train.workdir={tmp_path}",
+        "--config.train.inject_bad_steps=3,4",
+    )
     trainer = Trainer(cfg, echo=lambda _: None, progress=False)
     trainer.run()
     steps = [r for r in _rows(trainer) if "loss" in r]
@@ -53,9 +58,15 @@ def test_injected_nan_batches_are_skipped_and_counted(tmp_path):
 
 
 def test_consecutive_bad_steps_roll_back_and_skip_the_data(tmp_path):
-    cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.train.steps=6",
-                      f"--config.train.workdir={tmp_path}", "--config.checkpoint.every=2",
-                      "--config.train.max_bad_steps=2", "--config.train.inject_bad_steps=4,5")
+    cfg = tiny_config(
+        "--config.mesh.data=4",
+        "--config.mesh.tensor=2",
+        "--config.train.steps=6",
+        f"--config.train.workdir={tmp_path}",
+        "--config.checkpoint.every=2",
+        "--config.train.max_bad_steps=2",
+        "--config.train.inject_bad_steps=4,5",
+    )
     messages = []
     trainer = Trainer(cfg, echo=messages.append, progress=False)
     trainer.run()

@@ -22,8 +22,14 @@ from tests.helpers import ROOT, TINY, tiny_config
 
 
 def _trainer(workdir, steps, *extra):
-    cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", f"--config.train.steps={steps}",
-                      f"--config.train.workdir={workdir}", "--config.checkpoint.every=3", *extra)
+    cfg = tiny_config(
+        "--config.mesh.data=4",
+        "--config.mesh.tensor=2",
+        f"--config.train.steps={steps}",
+        f"--config.train.workdir={workdir}",
+        "--config.checkpoint.every=3",
+        *extra,
+    )
     return Trainer(cfg, echo=lambda _: None, progress=False)
 
 
@@ -68,11 +74,27 @@ def test_restore_onto_other_layouts(tmp_path):
     want = jax.device_get({"params": params, "opt_state": opt})
     targets = [
         (["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1"], 8),
-        (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.parallel.zero_stage=1",
-          "--config.train.microbatches=2"], 8),
+        (
+            [
+                "--config.mesh.data=2",
+                "--config.mesh.tensor=2",
+                "--config.mesh.pipeline=2",
+                "--config.parallel.zero_stage=1",
+                "--config.train.microbatches=2",
+            ],
+            8,
+        ),
         (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"], 4),
-        (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.parallel.zero_stage=3",
-          "--config.train.microbatches=2"], 8),
+        (
+            [
+                "--config.mesh.data=2",
+                "--config.mesh.tensor=2",
+                "--config.mesh.pipeline=2",
+                "--config.parallel.zero_stage=3",
+                "--config.train.microbatches=2",
+            ],
+            8,
+        ),
         (["--config.mesh.data=1", "--config.mesh.tensor=1"], 1),
     ]
     for overrides, n in targets:
@@ -112,9 +134,19 @@ def test_damaged_checkpoint_falls_back_then_fails(tmp_path):
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     workdir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "jaxpar", "train", "--config", TINY, "--no-progress",
-           "--config.train.steps=1000", "--config.train.global_batch=8", "--config.train.seq_len=64",
-           f"--config.train.workdir={workdir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--config",
+        TINY,
+        "--no-progress",
+        "--config.train.steps=1000",
+        "--config.train.global_batch=8",
+        "--config.train.seq_len=64",
+        f"--config.train.workdir={workdir}",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 240
@@ -133,9 +165,17 @@ def test_interleaved_pipeline_checkpoints_in_model_layer_order(tmp_path):
     restore onto a layout without pipeline (and back) with identical values."""
     from jaxpar.parallel import pipeline
 
-    pp = _setup(["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
-                 "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",
-                 "--config.train.microbatches=2"], 8)
+    pp = _setup(
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.tensor=2",
+            "--config.mesh.pipeline=2",
+            "--config.pipeline.schedule=interleaved",
+            "--config.pipeline.virtual_stages=2",
+            "--config.train.microbatches=2",
+        ],
+        8,
+    )
     params, opt = pp.init(3)
     model_order = pipeline.to_model_form(jax.device_get(params), 2, 2)
     ckpt = Checkpointer(str(tmp_path), 1, 2)

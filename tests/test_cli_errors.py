@@ -71,8 +71,10 @@ def test_train_internal_error_writes_the_traceback_into_the_workdir(capsys, monk
     code, _, err = _run(capsys, "train", "--config", TINY, f"--config.train.workdir={workdir}")
     path = workdir / f"jaxpar-error-{os.getpid()}.log"
     assert code == 1
-    assert err == f"jaxpar: internal error (ZeroDivisionError: division by zero in the step); traceback written " \
-                  f"to {path}\n"
+    assert (
+        err == f"jaxpar: internal error (ZeroDivisionError: division by zero in the step); traceback written "
+        f"to {path}\n"
+    )
     assert "in run" in path.read_text() and "ZeroDivisionError" in path.read_text()
     # a workdir that does not exist (yet) is not created for the log: the temporary folder takes it
     code, _, err = _run(capsys, "train", "--config", TINY, f"--config.train.workdir={tmp_path / 'none'}")
@@ -93,42 +95,60 @@ def test_keyboard_interrupt_is_130(capsys, monkeypatch):
     assert _run(capsys, "plan") == (130, "", "interrupted\n")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["inspect", "--ops"], "inspect: --ops applies only with --json; add --json or drop --ops"),
-    (["plan", "--aot-top", "2"], "plan: --aot-top applies only with --aot; add --aot or drop --aot-top"),
-    (["plan", "--devices", "16", "--nodes", "2"],
-     "plan: --devices and --nodes both set the same thing; give one of them"),
-    (["port", "fsdp", "x.yaml", "--allow-unresolved"], "port fsdp: --allow-unresolved applies to deepspeed, "
-     "megatron and torchtitan recipes only (an FSDP config leaves no value open); drop it"),
-    (["port", "torchtitan", "x.toml", "--pipeline", "2"], "port torchtitan: --tensor/--pipeline apply to deepspeed "
-     "only; this recipe names its own parallel sizes"),
-    (["port", "deepspeed", "x.json", "--var", "A=1"], "port: --var sets shell variables of Megatron launch "
-     "recipes only"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "--ops"], "inspect: --ops applies only with --json; add --json or drop --ops"),
+        (["plan", "--aot-top", "2"], "plan: --aot-top applies only with --aot; add --aot or drop --aot-top"),
+        (
+            ["plan", "--devices", "16", "--nodes", "2"],
+            "plan: --devices and --nodes both set the same thing; give one of them",
+        ),
+        (
+            ["port", "fsdp", "x.yaml", "--allow-unresolved"],
+            "port fsdp: --allow-unresolved applies to deepspeed, "
+            "megatron and torchtitan recipes only (an FSDP config leaves no value open); drop it",
+        ),
+        (
+            ["port", "torchtitan", "x.toml", "--pipeline", "2"],
+            "port torchtitan: --tensor/--pipeline apply to deepspeed only; this recipe names its own parallel sizes",
+        ),
+        (
+            ["port", "deepspeed", "x.json", "--var", "A=1"],
+            "port: --var sets shell variables of Megatron launch recipes only",
+        ),
+    ],
+)
 def test_flags_that_need_another_flag_are_refused(capsys, argv, message):
     assert _run(capsys, *argv) == (2, "", f"error: {message}\n")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["plan", "--layout", "data=1,tensor=8,data=2"], "--layout 'data=1,tensor=8,data=2': data given twice"),
-    (["plan", "--layout", "virtual=2,tensor=2,virtual=3"], "virtual given twice"),
-    (["compare", "--layout", "data=8,zero=1,zero=3"], "--layout 'data=8,zero=1,zero=3': zero given twice"),
-    (["compare", "--layout", "data=8", "--layout", "data=8,sp=1,sp=0"], "sp given twice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--layout", "data=1,tensor=8,data=2"], "--layout 'data=1,tensor=8,data=2': data given twice"),
+        (["plan", "--layout", "virtual=2,tensor=2,virtual=3"], "virtual given twice"),
+        (["compare", "--layout", "data=8,zero=1,zero=3"], "--layout 'data=8,zero=1,zero=3': zero given twice"),
+        (["compare", "--layout", "data=8", "--layout", "data=8,sp=1,sp=0"], "sp given twice"),
+    ],
+)
 def test_duplicate_layout_keys_are_refused(capsys, argv, message):
     code, out, err = _run(capsys, *argv)
     assert (code, out) == (2, "") and message in err and err.endswith("; give each key once\n")
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["plan", "--top", "0"], "--top 0: use an integer >= 1"),
-    (["plan", "--microbatches", "0"], "--microbatches 0: use an integer >= 1"),  # was a ZeroDivisionError
-    (["plan", "--seq", "0"], "--seq 0: use an integer >= 1"),  # was silently the config's seq_len
-    (["plan", "--efficiency", "0"], "--efficiency 0.0: use a value in (0, 1]"),  # was a ZeroDivisionError
-    (["compare", "--layout", "data=8", "--global-batch", "0"], "--global-batch 0: use an integer >= 1"),
-    (["port", "fsdp", "x.yaml", "--world-size", "0"], "--world-size 0: use an integer >= 1"),  # ZeroDivisionError
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--top", "0"], "--top 0: use an integer >= 1"),
+        (["plan", "--microbatches", "0"], "--microbatches 0: use an integer >= 1"),  # was a ZeroDivisionError
+        (["plan", "--seq", "0"], "--seq 0: use an integer >= 1"),  # was silently the config's seq_len
+        (["plan", "--efficiency", "0"], "--efficiency 0.0: use a value in (0, 1]"),  # was a ZeroDivisionError
+        (["compare", "--layout", "data=8", "--global-batch", "0"], "--global-batch 0: use an integer >= 1"),
+        (["port", "fsdp", "x.yaml", "--world-size", "0"], "--world-size 0: use an integer >= 1"),  # ZeroDivisionError
+    ],
+)
 def test_numbers_out_of_range_are_refused(capsys, argv, message):
     assert _run(capsys, *argv) == (2, "", f"error: {message}\n")
 
@@ -136,7 +156,13 @@ def test_numbers_out_of_range_are_refused(capsys, argv, message):
 def test_the_entry_point_exits_with_the_codes():
     """`python -m jaxpar` returns main()'s code (bad input: 2, before JAX starts)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "jaxpar", "inspect", "--ops"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpar", "inspect", "--ops"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "error: inspect: --ops applies only with --json; add --json or drop --ops\n"

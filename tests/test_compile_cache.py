@@ -52,10 +52,12 @@ print(json.dumps(out))
 
 
 def _run(cache, mode: str, *layouts: str) -> dict:
-    env = child_env(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, TINY, mode, *layouts], capture_output=True, text=True,
-                         env=env, timeout=600)
+    env = child_env(
+        JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, TINY, mode, *layouts], capture_output=True, text=True, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.splitlines()[-1])
 

@@ -493,8 +493,13 @@ def test_ensure_host_devices(monkeypatch):
 
 
 def test_inspect_prints_the_pipeline_schedule(capsys):
-    overrides = ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
-                 "--config.train.microbatches=4", "--config.model.compute_dtype=float32"]
+    overrides = [
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.train.microbatches=4",
+        "--config.model.compute_dtype=float32",
+    ]
     assert run_inspect(argparse.Namespace(config=TINY, overrides=overrides, json=True, ops=False)) == 0
     out = json.loads(capsys.readouterr().out)
     pipe = out["pipeline"]

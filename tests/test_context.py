@@ -27,9 +27,15 @@ BLOCKWISE = ["--config.model.attention=blockwise", "--config.model.attention_blo
 
 
 def _layout(context: int, data: int = 1, tensor: int = 1, exchange: str = "ring", zero: int = 0, *extra: str):
-    return [*BLOCKWISE, f"--config.mesh.context={context}", f"--config.mesh.data={data}",
-            f"--config.mesh.tensor={tensor}", f"--config.parallel.context_exchange={exchange}",
-            f"--config.parallel.zero_stage={zero}", *extra]
+    return [
+        *BLOCKWISE,
+        f"--config.mesh.context={context}",
+        f"--config.mesh.data={data}",
+        f"--config.mesh.tensor={tensor}",
+        f"--config.parallel.context_exchange={exchange}",
+        f"--config.parallel.zero_stage={zero}",
+        *extra,
+    ]
 
 
 # (name, overrides): the issue's grid. The default suite runs one layout per feature; JAXPAR_SLOW=1 all.
@@ -37,8 +43,10 @@ LAYOUTS = [
     ("c2_d4_ring_z1", _layout(2, 4, 1, "ring", 1)),
     ("c4_d2_allgather_z3", _layout(4, 2, 1, "all_gather", 3)),
     ("c2_d2_t2_ring_z3_sp", _layout(2, 2, 2, "ring", 3, "--config.parallel.sequence_parallel=true")),
-    ("c2_d2_p2_allgather_1f1b", _layout(2, 2, 1, "all_gather", 1, "--config.mesh.pipeline=2",
-                                         "--config.train.microbatches=2")),
+    (
+        "c2_d2_p2_allgather_1f1b",
+        _layout(2, 2, 1, "all_gather", 1, "--config.mesh.pipeline=2", "--config.train.microbatches=2"),
+    ),
 ]
 SLOW_LAYOUTS = [
     ("c8_ring_z3", _layout(8, 1, 1, "ring", 3)),
@@ -49,8 +57,10 @@ SLOW_LAYOUTS = [
     ("c4_ring_d2_z3_full_remat", _layout(4, 2, 1, "ring", 3, "--config.model.remat=full")),
     ("c2_d2_t2_ring_z1", _layout(2, 2, 2, "ring", 1)),
     ("c2_d2_t2_allgather_z3", _layout(2, 2, 2, "all_gather", 3)),
-    ("c2_d4_ring_learned_pos_sp", _layout(2, 2, 2, "ring", 0, "--config.model.position=learned",
-                                           "--config.parallel.sequence_parallel=true")),
+    (
+        "c2_d4_ring_learned_pos_sp",
+        _layout(2, 2, 2, "ring", 0, "--config.model.position=learned", "--config.parallel.sequence_parallel=true"),
+    ),
 ]
 
 
@@ -62,8 +72,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def reference_learned():
-    history, params, _ = run_steps(tiny_config("--config.mesh.data=1", "--config.mesh.tensor=1",
-                                               "--config.model.position=learned"), STEPS)
+    history, params, _ = run_steps(
+        tiny_config("--config.mesh.data=1", "--config.mesh.tensor=1", "--config.model.position=learned"), STEPS
+    )
     return history, params
 
 

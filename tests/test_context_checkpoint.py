@@ -16,9 +16,16 @@ def test_export_and_drill_compare_read_a_context_parallel_checkpoint(tmp_path, c
     from jaxpar.cli import main
     from jaxpar.train.loop import Trainer
 
-    overrides = [f"--config.train.workdir={tmp_path / 'run'}", "--config.data.source=synthetic",
-                 "--config.checkpoint.every=1", "--config.train.steps=1", "--config.mesh.data=2",
-                 "--config.mesh.tensor=2", "--config.mesh.context=2", "--config.model.attention=blockwise"]
+    overrides = [
+        f"--config.train.workdir={tmp_path / 'run'}",
+        "--config.data.source=synthetic",
+        "--config.checkpoint.every=1",
+        "--config.train.steps=1",
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=2",
+        "--config.mesh.context=2",
+        "--config.model.attention=blockwise",
+    ]
     cfg = tiny_config(*overrides)
     trainer = Trainer(cfg, echo=lambda _: None, progress=False)
     trainer.initialize()

@@ -17,9 +17,14 @@ from jaxpar.config import load_config
 from jaxpar.parallel.context import ring_bytes_per_layer
 
 TINY = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py")
-SMALL = ["--config.model.compute_dtype=float32", "--config.train.global_batch=4", "--config.train.seq_len=64",
-         "--config.model.num_layers=2",
-         "--config.model.attention=blockwise", "--config.model.attention_block=16"]
+SMALL = [
+    "--config.model.compute_dtype=float32",
+    "--config.train.global_batch=4",
+    "--config.train.seq_len=64",
+    "--config.model.num_layers=2",
+    "--config.model.attention=blockwise",
+    "--config.model.attention_block=16",
+]
 LAYOUTS = {
     "ring_c2_d2_t2": ["--config.mesh.data=2", "--config.mesh.context=2", "--config.mesh.tensor=2"],
     # full remat: the ring (a custom VJP whose residuals remat keeps) is not re-run in the backward
@@ -78,8 +83,12 @@ def test_every_row_matches_expected_collectives(compiled, name):
     """Gradients and loss over (data, context), tensor collectives on s/c tokens, the exchange over context."""
     cfg, r = compiled(name)
     for row in r.rows:
-        assert row.ratio is not None and 0.98 <= row.ratio <= 1.02, (row.kind, row.axes, row.bytes_per_device,
-                                                                     row.expected_bytes)
+        assert row.ratio is not None and 0.98 <= row.ratio <= 1.02, (
+            row.kind,
+            row.axes,
+            row.bytes_per_device,
+            row.expected_bytes,
+        )
     group = ("data", "context") if cfg.mesh.data > 1 else CONTEXT
     reduce_kind = "all-reduce" if cfg.parallel.zero_stage == 0 else "reduce-scatter"
     assert r.bytes(reduce_kind, group) > 0 and r.bytes(reduce_kind, ("data",)) == 0
@@ -102,7 +111,9 @@ def test_inspect_lists_the_ring_under_context(compiled, capsys, monkeypatch):
     from rich.console import Console
 
     render(r, console=Console(file=text, width=160))
-    assert any(line.split("│")[1:3] == [" collective-permute ", " context      "] for line in text.getvalue().splitlines())
+    assert any(
+        line.split("│")[1:3] == [" collective-permute ", " context      "] for line in text.getvalue().splitlines()
+    )
     overrides = SMALL + LAYOUTS["ring_c2_d2_t2"]
     assert run_inspect(argparse.Namespace(config=TINY, overrides=overrides, json=True, ops=False)) == 0
     out = json.loads(capsys.readouterr().out)
@@ -123,18 +134,23 @@ def test_handwritten_hlo_context_attribution_and_unknown_trip_counts():
     from tests.test_compiled import HANDWRITTEN_HLO
 
     mesh = types.SimpleNamespace(axis_names=("pipeline", "data", "context", "tensor"), devices=np.empty((1, 2, 2, 2)))
-    text = HANDWRITTEN_HLO.replace("source_target_pairs={{0,4},{4,0},{1,5},{5,1}}",
-                                   "source_target_pairs={{0,2},{2,0},{1,3},{3,1}}")
-    r = ca.analyze_compiled(types.SimpleNamespace(as_text=lambda: text, memory_analysis=lambda: None,
-                                                  cost_analysis=dict), mesh)
+    text = HANDWRITTEN_HLO.replace(
+        "source_target_pairs={{0,4},{4,0},{1,5},{5,1}}", "source_target_pairs={{0,2},{2,0},{1,3},{3,1}}"
+    )
+    r = ca.analyze_compiled(
+        types.SimpleNamespace(as_text=lambda: text, memory_analysis=lambda: None, cost_analysis=dict), mesh
+    )
     assert r.bytes("collective-permute", CONTEXT) == 32 and not r.warnings
     assert r.count("all-gather", ("context", "tensor")) == 1  # [2,4]<=[8]: ids 0-3 and 4-7 at data 0 and 1
     assert r.count("all-reduce", ("data",)) == 3  # {0,4},{1,5},...: pairs that differ in data only
     dynamic = text.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%p), index=0")
-    quiet = dynamic.replace("%ars = f32[8]{0} all-reduce-start(%x), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
-                            "use_global_device_ids=true, to_apply=%add\n", "").replace(
-        "%ard = f32[8]{0} all-reduce-done(%ars)", "%ard = f32[8]{0} negate(%x)")
+    quiet = dynamic.replace(
+        "%ars = f32[8]{0} all-reduce-start(%x), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
+        "use_global_device_ids=true, to_apply=%add\n",
+        "",
+    ).replace("%ard = f32[8]{0} all-reduce-done(%ars)", "%ard = f32[8]{0} negate(%x)")
     for hlo, warned in ((dynamic, True), (quiet, False)):
-        r = ca.analyze_compiled(types.SimpleNamespace(as_text=lambda h=hlo: h, memory_analysis=lambda: None,
-                                                      cost_analysis=dict), mesh)
+        r = ca.analyze_compiled(
+            types.SimpleNamespace(as_text=lambda h=hlo: h, memory_analysis=lambda: None, cost_analysis=dict), mesh
+        )
         assert bool(r.warnings) == warned and all("trip count unknown" in w for w in r.warnings)

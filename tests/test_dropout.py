@@ -50,13 +50,22 @@ def _cfg(*overrides: str):
 # (data rows, tensor heads and SP's sequence split, pipeline stages' layers and microbatch rows);
 # context ranks' positions with the ring's blockwise kernel and accumulation's rows run under JAXPAR_SLOW.
 LAYOUTS = [
-    ("d4_t2_sp_zero3", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.sequence_parallel=true",
-                        "--config.parallel.zero_stage=3"]),
+    (
+        "d4_t2_sp_zero3",
+        [
+            "--config.mesh.data=4",
+            "--config.mesh.tensor=2",
+            "--config.parallel.sequence_parallel=true",
+            "--config.parallel.zero_stage=3",
+        ],
+    ),
     ("pp2_1f1b_d2_m4", ["--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.train.microbatches=4"]),
 ]
 SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite for its budget (its blockwise compile)
-    ("c2_d2_ring_accumulate4", [*BLOCKWISE, "--config.mesh.data=2", "--config.mesh.context=2",
-                                "--config.train.microbatches=4"]),
+    (
+        "c2_d2_ring_accumulate4",
+        [*BLOCKWISE, "--config.mesh.data=2", "--config.mesh.context=2", "--config.train.microbatches=4"],
+    ),
     ("zero3_d8", ["--config.mesh.data=8", "--config.parallel.zero_stage=3"]),
     ("d4_t2_sp", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.sequence_parallel=true"]),
     ("d2_accumulate4", ["--config.mesh.data=2", "--config.train.microbatches=4"]),
@@ -64,21 +73,75 @@ SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite fo
     ("blockwise_one_device", [*BLOCKWISE, "--config.mesh.data=1"]),
     ("d4_t2_no_sp_zero1", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1"]),
     ("zero2_d4_m2", ["--config.mesh.data=4", "--config.parallel.zero_stage=2", "--config.train.microbatches=2"]),
-    ("d2_t2_zero3_sp_m2", ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3",
-                           "--config.parallel.sequence_parallel=true", "--config.train.microbatches=2"]),
-    ("pp2_gpipe_d2_t2_m2", ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
-                            "--config.pipeline.schedule=gpipe", "--config.train.microbatches=2"]),
-    ("pp2_interleaved_m4", ["--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.train.microbatches=4",
-                            "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2"]),
-    ("pp2_1f1b_full_remat", ["--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.train.microbatches=2",
-                             "--config.model.remat=full"]),
-    ("pp2_zero2_m4", ["--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.train.microbatches=4",
-                      "--config.parallel.zero_stage=2"]),
+    (
+        "d2_t2_zero3_sp_m2",
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.tensor=2",
+            "--config.parallel.zero_stage=3",
+            "--config.parallel.sequence_parallel=true",
+            "--config.train.microbatches=2",
+        ],
+    ),
+    (
+        "pp2_gpipe_d2_t2_m2",
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.tensor=2",
+            "--config.mesh.pipeline=2",
+            "--config.pipeline.schedule=gpipe",
+            "--config.train.microbatches=2",
+        ],
+    ),
+    (
+        "pp2_interleaved_m4",
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.pipeline=2",
+            "--config.train.microbatches=4",
+            "--config.pipeline.schedule=interleaved",
+            "--config.pipeline.virtual_stages=2",
+        ],
+    ),
+    (
+        "pp2_1f1b_full_remat",
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.pipeline=2",
+            "--config.train.microbatches=2",
+            "--config.model.remat=full",
+        ],
+    ),
+    (
+        "pp2_zero2_m4",
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.pipeline=2",
+            "--config.train.microbatches=4",
+            "--config.parallel.zero_stage=2",
+        ],
+    ),
     ("selective_remat_d8", ["--config.mesh.data=8", "--config.model.remat=selective"]),
-    ("c2_t2_sp_ring_z3", [*BLOCKWISE, "--config.mesh.context=2", "--config.mesh.tensor=2", "--config.mesh.data=2",
-                          "--config.parallel.sequence_parallel=true", "--config.parallel.zero_stage=3"]),
-    ("c4_d2_all_gather", [*BLOCKWISE, "--config.mesh.context=4", "--config.mesh.data=2",
-                          "--config.parallel.context_exchange=all_gather"]),
+    (
+        "c2_t2_sp_ring_z3",
+        [
+            *BLOCKWISE,
+            "--config.mesh.context=2",
+            "--config.mesh.tensor=2",
+            "--config.mesh.data=2",
+            "--config.parallel.sequence_parallel=true",
+            "--config.parallel.zero_stage=3",
+        ],
+    ),
+    (
+        "c4_d2_all_gather",
+        [
+            *BLOCKWISE,
+            "--config.mesh.context=4",
+            "--config.mesh.data=2",
+            "--config.parallel.context_exchange=all_gather",
+        ],
+    ),
 ]
 
 
@@ -115,11 +178,24 @@ def test_layout_with_dropout_matches_single_device_slow(reference, name, overrid
 
 @pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: the learned-position (gpt) grid")
 def test_gpt_with_dropout_matches_single_device_slow():
-    gpt = ["--config.model.name=gpt", "--config.model.norm=layernorm", "--config.model.mlp_activation=gelu",
-           "--config.model.position=learned", *BLOCKWISE]
+    gpt = [
+        "--config.model.name=gpt",
+        "--config.model.norm=layernorm",
+        "--config.model.mlp_activation=gelu",
+        "--config.model.position=learned",
+        *BLOCKWISE,
+    ]
     ref_history, ref_params, _ = run_steps(_cfg("--config.mesh.data=1", *gpt), STEPS)
-    history, params, _ = run_steps(_cfg("--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.context=2",
-                                        "--config.parallel.sequence_parallel=true", *gpt), STEPS)
+    history, params, _ = run_steps(
+        _cfg(
+            "--config.mesh.data=2",
+            "--config.mesh.tensor=2",
+            "--config.mesh.context=2",
+            "--config.parallel.sequence_parallel=true",
+            *gpt,
+        ),
+        STEPS,
+    )
     for got, want in zip(history, ref_history, strict=True):
         assert abs(got["loss"] - want["loss"]) / want["loss"] < 1e-5
     assert max_rel_error(params, ref_params) < 1e-5
@@ -138,8 +214,9 @@ def test_dropout_changes_the_loss(reference):
 
 def _ctx(rate=0.0, attention_rate=0.0, seed=0, step=0, layer=0, rows=None):
     ctx = dataclasses.replace(context_for(tiny_config().model), dropout=rate, attention_dropout=attention_rate)
-    noise = dropout.Noise(dropout.step_key(seed, jnp.int32(step)), jnp.arange(8, dtype=jnp.int32) if rows is None
-                          else rows, layer)
+    noise = dropout.Noise(
+        dropout.step_key(seed, jnp.int32(step)), jnp.arange(8, dtype=jnp.int32) if rows is None else rows, layer
+    )
     return dataclasses.replace(ctx, noise=noise)
 
 
@@ -166,15 +243,19 @@ def test_attention_mask_drops_its_rate():
     assert abs(dropped - 0.25) < 5 * math.sqrt(0.25 * 0.75 / keep.size), dropped
     # the head offset (tensor parallelism) selects the global heads' bits
     shifted = dropout.AttentionNoise(jnp.uint32(12345), jnp.arange(4, dtype=jnp.int32), 4, 0.25)
-    np.testing.assert_array_equal(np.asarray(shifted.keep(jnp.arange(4).reshape(1, 4), jnp.arange(64),
-                                                          jnp.arange(64)))[:, 0], keep[:, 1])
+    np.testing.assert_array_equal(
+        np.asarray(shifted.keep(jnp.arange(4).reshape(1, 4), jnp.arange(64), jnp.arange(64)))[:, 0], keep[:, 1]
+    )
 
 
 def test_masks_differ_by_step_layer_seed_site_and_row():
     base = _hidden_mask() == 0
     others = {
-        "step": _hidden_mask(step=1), "layer": _hidden_mask(layer=1), "seed": _hidden_mask(seed=1),
-        "site": _hidden_mask(site=dropout.MLP_OUT), "rows": _hidden_mask(rows=jnp.arange(8, 16, dtype=jnp.int32)),
+        "step": _hidden_mask(step=1),
+        "layer": _hidden_mask(layer=1),
+        "seed": _hidden_mask(seed=1),
+        "site": _hidden_mask(site=dropout.MLP_OUT),
+        "rows": _hidden_mask(rows=jnp.arange(8, 16, dtype=jnp.int32)),
     }
     for name, other in others.items():
         differ = float(np.mean(base != (other == 0)))
@@ -186,8 +267,9 @@ def test_masks_differ_by_step_layer_seed_site_and_row():
 def test_mask_slices_are_the_global_mask():
     """A shard's mask (its rows, positions) is the slice of the whole batch's mask: what makes layouts agree."""
     whole = dropout.keep_mask(jnp.uint32(7), *dropout.outer(jnp.arange(8), jnp.arange(64), jnp.arange(16)), rate=0.3)
-    part = dropout.keep_mask(jnp.uint32(7), *dropout.outer(jnp.arange(2, 4), jnp.arange(32, 48), jnp.arange(16)),
-                             rate=0.3)
+    part = dropout.keep_mask(
+        jnp.uint32(7), *dropout.outer(jnp.arange(2, 4), jnp.arange(32, 48), jnp.arange(16)), rate=0.3
+    )
     np.testing.assert_array_equal(np.asarray(whole)[2:4, 32:48], np.asarray(part))
 
 
@@ -216,16 +298,22 @@ def test_blockwise_attention_dropout_matches_dot_product(seq):
 
 def test_cudnn_refuses_attention_dropout():
     with pytest.raises(ConfigError, match="attention_dropout") as info:
-        attn.resolve_attention("cudnn", "gpu", 64, compute_dtype="bfloat16", compute_capability="9.0",
-                               attention_dropout=0.1)
+        attn.resolve_attention(
+            "cudnn", "gpu", 64, compute_dtype="bfloat16", compute_capability="9.0", attention_dropout=0.1
+        )
     assert "\n" not in str(info.value)
-    assert attn.resolve_attention("auto", "gpu", 64, compute_dtype="bfloat16", compute_capability="9.0",
-                                  attention_dropout=0.1) == "blockwise"
+    assert (
+        attn.resolve_attention(
+            "auto", "gpu", 64, compute_dtype="bfloat16", compute_capability="9.0", attention_dropout=0.1
+        )
+        == "blockwise"
+    )
     assert attn.resolve_attention("auto", "gpu", 64, compute_dtype="bfloat16", compute_capability="9.0") == "cudnn"
 
 
 def test_rates_zero_trace_no_dropout():
     """At 0 the step is the old code path: no uint32 hash op in its jaxpr; with a rate there is."""
+
     def has_hash(*overrides):
         _, _, setup = run_steps(tiny_config("--config.mesh.data=2", "--config.mesh.tensor=1", *overrides), 0)
         params, opt = setup.init(0)
@@ -247,8 +335,14 @@ def test_resume_with_dropout_is_bitwise_identical(tmp_path):
     from tests.test_checkpoint import _losses
 
     def trainer(workdir):
-        cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.train.steps=3",
-                          f"--config.train.workdir={workdir}", "--config.checkpoint.every=1", *RATES)
+        cfg = tiny_config(
+            "--config.mesh.data=4",
+            "--config.mesh.tensor=2",
+            "--config.train.steps=3",
+            f"--config.train.workdir={workdir}",
+            "--config.checkpoint.every=1",
+            *RATES,
+        )
         return Trainer(cfg, echo=lambda _: None, progress=False)
 
     straight = trainer(tmp_path / "a")
@@ -268,8 +362,9 @@ def test_resume_with_dropout_is_bitwise_identical(tmp_path):
     resumed.run()
     assert len(_losses(tmp_path / "a")) == 3
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")  # the masks of steps 2-3 redrawn from the step
-    for a, b in zip(jax.tree.leaves(jax.device_get(straight.params)), jax.tree.leaves(jax.device_get(resumed.params)),
-                    strict=True):
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(straight.params)), jax.tree.leaves(jax.device_get(resumed.params)), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -288,8 +383,12 @@ def test_megatron_dropout_flags_map(tmp_path):
     assert (cfg.model.dropout, cfg.model.attention_dropout) == (0.0, 0.0)
     assert report.find("--hidden-dropout").status == "mapped"
     assert report.find("--hidden-dropout").target == "model.dropout"
-    text = (MEG / LLAMA3).read_text().replace("--attention-dropout 0.0", "--attention-dropout 0.15").replace(
-        "--hidden-dropout 0.0", "")
+    text = (
+        (MEG / LLAMA3)
+        .read_text()
+        .replace("--attention-dropout 0.0", "--attention-dropout 0.15")
+        .replace("--hidden-dropout 0.0", "")
+    )
     changed = tmp_path / "llama3.args"
     changed.write_text(text)
     cfg, report = port_megatron(changed)
@@ -305,8 +404,9 @@ def test_hf_config_dropout_fields_map():
     m = weights.model_config_from_hf(hf)
     assert (m.attention_dropout, m.dropout) == (0.2, 0.0)
     assert weights.model_config_from_hf({**hf, "hidden_dropout": 0.05}).dropout == 0.05
-    assert weights.model_config_from_hf({k: v for k, v in hf.items() if k != "attention_dropout"}
-                                        ).attention_dropout == 0.0
+    assert (
+        weights.model_config_from_hf({k: v for k, v in hf.items() if k != "attention_dropout"}).attention_dropout == 0.0
+    )
     for bad in (1.0, -0.5, "x"):
         with pytest.raises(ConfigError, match="attention_dropout|wrong type"):
             weights.model_config_from_hf({**hf, "attention_dropout": bad})

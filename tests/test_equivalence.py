@@ -13,18 +13,41 @@ LAYOUTS = [
     ("dp8", ["--config.mesh.data=8", "--config.mesh.tensor=1"]),
     ("zero1_d8", ["--config.mesh.data=8", "--config.mesh.tensor=1", "--config.parallel.zero_stage=1"]),
     ("zero2_d8", ["--config.mesh.data=8", "--config.mesh.tensor=1", "--config.parallel.zero_stage=2"]),
-    ("zero2_d4_m2", ["--config.mesh.data=4", "--config.mesh.tensor=1", "--config.parallel.zero_stage=2",
-                     "--config.train.microbatches=2"]),
+    (
+        "zero2_d4_m2",
+        [
+            "--config.mesh.data=4",
+            "--config.mesh.tensor=1",
+            "--config.parallel.zero_stage=2",
+            "--config.train.microbatches=2",
+        ],
+    ),
     ("zero3_d8", ["--config.mesh.data=8", "--config.mesh.tensor=1", "--config.parallel.zero_stage=3"]),
     ("tp2", ["--config.mesh.data=1", "--config.mesh.tensor=2"]),
     ("tp2_sp", ["--config.mesh.data=1", "--config.mesh.tensor=2", "--config.parallel.sequence_parallel=true"]),
     ("d2_t2_zero1", ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1"]),
     ("d2_t2_zero3", ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"]),
-    ("d4_t2_zero2_m2", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=2",
-                        "--config.train.microbatches=2", "--config.parallel.sequence_parallel=true"]),
+    (
+        "d4_t2_zero2_m2",
+        [
+            "--config.mesh.data=4",
+            "--config.mesh.tensor=2",
+            "--config.parallel.zero_stage=2",
+            "--config.train.microbatches=2",
+            "--config.parallel.sequence_parallel=true",
+        ],
+    ),
     # aborted XLA:CPU (rendezvous mismatch) before the head's collectives were ordered after the layer scan
-    ("d4_t2_zero3_sp", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3",
-                        "--config.parallel.sequence_parallel=true", "--config.model.remat=none"]),
+    (
+        "d4_t2_zero3_sp",
+        [
+            "--config.mesh.data=4",
+            "--config.mesh.tensor=2",
+            "--config.parallel.zero_stage=3",
+            "--config.parallel.sequence_parallel=true",
+            "--config.model.remat=none",
+        ],
+    ),
 ]
 
 
@@ -57,8 +80,9 @@ def test_tensor8_where_shapes_allow():
 
 def test_params_are_sharded_not_replicated():
     """ZeRO-3 x TP: each device holds 1/8 of a block weight, not a full copy."""
-    _, _, setup = run_steps(tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2",
-                                        "--config.parallel.zero_stage=3"), 0)
+    _, _, setup = run_steps(
+        tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"), 0
+    )
     params, _ = setup.init(0)
     wq = params["blocks"]["attn"]["wq"]
     shard = wq.addressable_shards[0].data

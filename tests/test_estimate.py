@@ -186,8 +186,13 @@ def test_our_layer_with_dropout_equals_korthikanti_for_a_gpt_shape():
     gpt = model("gpt3_175b")
     gpt.dropout, gpt.attention_dropout = 0.1, 0.1
     s, h, a = 2048, gpt.embed_dim, gpt.num_heads
-    for t, sp, recompute in ((1, False, "none"), (8, False, "none"), (8, True, "none"), (8, True, "selective"),
-                             (8, False, "selective")):
+    for t, sp, recompute in (
+        (1, False, "none"),
+        (8, False, "none"),
+        (8, True, "none"),
+        (8, True, "selective"),
+        (8, False, "selective"),
+    ):
         lay = E.ParallelLayout(tensor=t, seq_len=s, sequence_parallel=sp, recompute=recompute)
         korth = E.korthikanti_activation_bytes(s, 1, h, a, t, sp, recompute)
         assert E.layer_activation_bytes(gpt, lay) == pytest.approx(korth)
@@ -195,7 +200,8 @@ def test_our_layer_with_dropout_equals_korthikanti_for_a_gpt_shape():
     hidden_only.dropout = 0.1
     lay = E.ParallelLayout(tensor=8, seq_len=s)
     assert E.layer_activation_bytes(hidden_only, lay) - E.layer_activation_bytes(model("gpt3_175b"), lay) == (
-        pytest.approx(2 * s * h))
+        pytest.approx(2 * s * h)
+    )
 
 
 def test_our_llama_layer_by_hand():
@@ -227,13 +233,17 @@ def test_seed_activation_table():
         ours = E.memory_estimate(model(name), E.ParallelLayout(seq_len=2048)).activation_bytes / GB
         assert 2 < ours / got < 3, (name, ours)
     m = model("llama2_7b")
-    short, long = (E.layer_activation_bytes(m, E.ParallelLayout(seq_len=s, recompute="selective")) for s in (2048, 8192))
+    short, long = (
+        E.layer_activation_bytes(m, E.ParallelLayout(seq_len=s, recompute="selective")) for s in (2048, 8192)
+    )
     assert long / short == 4
 
 
 def test_pipeline_schedules_hold_the_right_microbatches():
     m = model("llama2_70b")  # 80 layers
-    base = E.ParallelLayout(pipeline=8, microbatches=64, seq_len=4096, recompute="selective", tensor=8, sequence_parallel=True)
+    base = E.ParallelLayout(
+        pipeline=8, microbatches=64, seq_len=4096, recompute="selective", tensor=8, sequence_parallel=True
+    )
     per_layer = E.layer_activation_bytes(m, base)
     assert E.inflight_microbatches(base) == 8  # 1F1B: p microbatches of L/p layers = L layers' worth
     assert E.inflight_microbatches(base, "last") == 1
@@ -245,6 +255,7 @@ def test_pipeline_schedules_hold_the_right_microbatches():
     assert mem.stage == "first" and mem.activation_bytes == pytest.approx(per_layer * 80)
     # jaxpar's 1F1B keeps only the p stage inputs and recomputes one microbatch's stage in its backward tick
     from jaxpar.analysis import activations
+
     ours = E.memory_estimate(m, base)
     assert ours.activation_bytes == pytest.approx(10 * activations.layer_residual_bytes(m, base))
 
@@ -358,8 +369,19 @@ def test_mfu_definition():
 def test_megatron_gpt3_layout_step_time_is_plausible():
     """Megatron's 175B layout (t8 p8 d16, b1, m96, full recompute) on A100: paper reports 140 TFLOP/s/GPU."""
     gpt, a100 = model("gpt3_175b"), get_cluster("a100-80g")
-    lay = E.ParallelLayout(data=16, tensor=8, pipeline=8, virtual_stages=1, zero_stage=0, microbatches=96,
-                           microbatch_size=1, seq_len=2048, recompute="full", sequence_parallel=False, schedule="1f1b")
+    lay = E.ParallelLayout(
+        data=16,
+        tensor=8,
+        pipeline=8,
+        virtual_stages=1,
+        zero_stage=0,
+        microbatches=96,
+        microbatch_size=1,
+        seq_len=2048,
+        recompute="full",
+        sequence_parallel=False,
+        schedule="1f1b",
+    )
     st = E.step_time(gpt, lay, a100)
     hardware = E.hardware_flops_per_token(gpt, 2048, "full") * lay.tokens_per_step
     achieved_tflops = hardware / st.step_s / lay.devices / 1e12
@@ -400,8 +422,9 @@ def test_peak_terms_name_the_largest_parts_of_the_estimated_peak():
 
     m = load_config(str(CONFIGS / "llama_1b.py")).model
     m.compute_dtype = "float32"
-    layout = ParallelLayout(data=4, tensor=2, zero_stage=3, microbatch_size=8, seq_len=2048, recompute="selective",
-                            microbatches=2)
+    layout = ParallelLayout(
+        data=4, tensor=2, zero_stage=3, microbatch_size=8, seq_len=2048, recompute="selective", microbatches=2
+    )
     terms = peak_terms(m, layout)
     assert [name for name, _ in terms] == ["residual stack", "last layer's forward attention", "gradient buffers"]
     peak = estimated_argument_bytes(m, layout) + activations.expected_temp_bytes(m, layout)

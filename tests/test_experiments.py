@@ -14,8 +14,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_bench_train_quick_reports_step_time_tokens_and_mfu():
     env = child_env()
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_train.py"), "--quick", "--steps", "6",
-                          "--json"], capture_output=True, text=True, env=env, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_train.py"), "--quick", "--steps", "6", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["platform"] == "cpu" and summary["devices"] == 8 and summary["zero_stage"] == 3
     assert summary["global_batch"] == 64 and summary["steady_steps"] == 3
@@ -26,8 +32,12 @@ def test_bench_train_quick_reports_step_time_tokens_and_mfu():
 
 
 def test_bench_train_bad_flag_is_one_line_exit_2():
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_train.py"), "--quick",
-                          "--config.model.num_heads=3"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_train.py"), "--quick", "--config.model.num_heads=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "num_heads" in out.stderr
 
 
@@ -91,6 +101,9 @@ def test_hlo_census_counts_ops_per_step_through_loops_and_fusions():
 def test_sweep_load_note_reads_the_load_before_the_sweep():
     from jaxpar.analysis.sweep_report import _load_note
 
-    assert _load_note({"host_cores": 2, "load_average_before": (0.3, 0.2, 0.1)}).startswith("the host was otherwise idle")
+    assert _load_note({"host_cores": 2, "load_average_before": (0.3, 0.2, 0.1)}).startswith(
+        "the host was otherwise idle"
+    )
     assert _load_note({"host_cores": 2, "load_average_before": (4.2, 3.0, 2.0)}) == (
-        "other jobs were running when the sweep started (1-minute load 4.2 on 2 cores)")
+        "other jobs were running when the sweep started (1-minute load 4.2 on 2 cores)"
+    )

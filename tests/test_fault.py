@@ -17,8 +17,12 @@ from tests.helpers import ROOT, TINY, child_env
 
 # no validation (train.eval_batches=0): the drills compare training losses and states, and every
 # launch would otherwise compile and run the evaluation step at start and end
-SMALL = ["--config.train.global_batch=8", "--config.train.seq_len=64", "--config.train.steps=6",
-         "--config.train.eval_batches=0"]
+SMALL = [
+    "--config.train.global_batch=8",
+    "--config.train.seq_len=64",
+    "--config.train.steps=6",
+    "--config.train.eval_batches=0",
+]
 
 
 def _check(result, workdir):
@@ -30,8 +34,11 @@ def _check(result, workdir):
     assert "unusable" not in log  # no half-written checkpoint was ever listed
 
 
-SLOW = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: the single-process drill "
-                          "covers SIGKILL + resume in the default suite, the dead-peer test two processes")
+SLOW = pytest.mark.skipif(
+    os.environ.get("JAXPAR_SLOW") != "1",
+    reason="JAXPAR_SLOW=1: the single-process drill "
+    "covers SIGKILL + resume in the default suite, the dead-peer test two processes",
+)
 
 
 def test_sigkill_resume_single_process_saving_every_step(tmp_path):
@@ -49,11 +56,25 @@ def test_sigkill_resume_two_processes(tmp_path):
 def test_dead_peer_ends_the_job_with_a_clear_error(tmp_path):
     env = child_env(PYTHONPATH=str(ROOT), JAXPAR_HEARTBEAT_TIMEOUT="30")  # no device count: train sets each share
     workdir = tmp_path / "run"
-    cmd = ["bash", str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxpar", "train",
-           "--config", TINY, "--no-progress", "--config.train.steps=10000", *SMALL[:2], SMALL[3],
-           f"--config.train.workdir={workdir}"]
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    cmd = [
+        "bash",
+        str(ROOT / "scripts" / "launch_local.sh"),
+        "2",
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--config",
+        TINY,
+        "--no-progress",
+        "--config.train.steps=10000",
+        *SMALL[:2],
+        SMALL[3],
+        f"--config.train.workdir={workdir}",
+    ]
+    launcher = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and '"loss"' in metrics.read_text()):
@@ -81,8 +102,14 @@ def test_sigkill_resume_two_processes_pipeline_across_them(tmp_path):
     0, process 1 stage 1): every activation and gradient send crosses processes (gloo), and the
     resumed run restores the stage form (ends, ZeRO-3 shards) from model-form checkpoints. The
     killed-and-resumed run ends bitwise equal to the uninterrupted one."""
-    pp = ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.train.microbatches=2",
-          "--config.parallel.zero_stage=3", "--config.checkpoint.every=2"]
+    pp = [
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.train.microbatches=2",
+        "--config.parallel.zero_stage=3",
+        "--config.checkpoint.every=2",
+    ]
     result = run_drill(TINY, [*SMALL, *pp], str(tmp_path), processes=2, trials=1, seed=3)
     print(result)
     assert len(result["failures"]) == 1 and result["losses_match"] and result["state_match"]

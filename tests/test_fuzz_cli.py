@@ -23,11 +23,18 @@ NUMBERS = ["abc", "1.5", "", "9" * 30, "9" * 5000, "-1", "0", "nan", "inf", "-in
 STRINGS = ["", "/nonexistent/path", "@DIR", "@BINARY", "@EMPTY", "bad\x00byte", "-", "x" * 5000]
 # (subcommand, flag, value) whose run is correct: the value lies in the flag's domain.
 VALID = {
-    ("plan", "--top", "9" * 30), ("plan", "--headroom", "0"), ("plan", "--zero", "0"),
-    ("compare", "--headroom", "0"), ("drill", "--seed", "0"), ("drill", "--seed", "-1"),
-    ("drill", "--seed", "9" * 30), ("drill", "--seed", "0x10"),
+    ("plan", "--top", "9" * 30),
+    ("plan", "--headroom", "0"),
+    ("plan", "--zero", "0"),
+    ("compare", "--headroom", "0"),
+    ("drill", "--seed", "0"),
+    ("drill", "--seed", "-1"),
+    ("drill", "--seed", "9" * 30),
+    ("drill", "--seed", "0x10"),
     # port -o replaces an existing file (its overwrite rule is another change's); "-" is a file name
-    ("port", "--output", "@BINARY"), ("port", "--output", "@EMPTY"), ("port", "--output", "-"),
+    ("port", "--output", "@BINARY"),
+    ("port", "--output", "@EMPTY"),
+    ("port", "--output", "-"),
 }
 
 
@@ -51,8 +58,12 @@ def _bases(tmp_path) -> dict[str, list[str]]:
 def _flags() -> list[tuple[str, argparse.Action]]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [(name, action) for name, p in sub.choices.items() for action in p._actions
-            if action.option_strings and action.nargs != 0 and not isinstance(action, argparse._HelpAction)]
+    return [
+        (name, action)
+        for name, p in sub.choices.items()
+        for action in p._actions
+        if action.option_strings and action.nargs != 0 and not isinstance(action, argparse._HelpAction)
+    ]
 
 
 def _value(text: str, tmp_path) -> str:

@@ -19,31 +19,76 @@ SIZE = [0, -1, 2**40]  # a dimension or mesh size: positive and no larger than a
 # Fields whose domain other agents own (model.name; the optimizer schedule fields): only type errors here.
 OTHERS = ("model.name", "optim.decay_steps", "optim.warmup_init_lr", "optim.schedule_offset", "optim.decay_start_step")
 BAD: dict[str, list] = {
-    "mesh.data": SIZE, "mesh.tensor": SIZE, "mesh.pipeline": SIZE, "mesh.context": [*SIZE, 3],
-    "parallel.zero_stage": [-1, 4], "parallel.sequence_parallel": [], "parallel.cross_node_tensor": [],
-    "parallel.grad_reduce_dtype": ["float16", ""], "parallel.context_exchange": ["ulysses", ""], "parallel.max_replicated_fraction": [-0.1, 1.5, NAN],
-    "model.vocab_size": SIZE, "model.embed_dim": SIZE, "model.num_layers": SIZE, "model.num_heads": SIZE,
-    "model.num_kv_heads": [*SIZE, 3], "model.head_dim": [*SIZE, 31], "model.mlp_dim": SIZE,
-    "model.max_seq_len": [0, -3, 2**40], "model.rope_theta": [0.0, -1.0, NAN, INF],
-    "model.norm_eps": [0.0, -1e-5, NAN, INF], "model.tie_embeddings": [], "model.mlp_activation": ["relu"],
-    "model.norm": ["batchnorm"], "model.position": ["alibi"], "model.remat": ["sometimes"],
-    "model.attention": ["flash", ""], "model.attention_block": [0, -16],
-    "model.compute_dtype": ["int8"], "model.param_dtype": ["float64"], "model.init_std": [0.0, -0.02, NAN, INF],
-    "model.dropout": [-0.1, 1.0, 1.5, NAN, INF, -INF], "model.attention_dropout": [-1e-9, 1.0, 2.0, NAN, INF],
-    "optim.name": ["rmsprop", "no/such/file.py:make"], "optim.momentum": [0.5, NAN], "optim.nesterov": [True], "optim.lr": [0.0, -1.0, NAN, INF], "optim.min_lr_ratio": [-0.1, 1.5, NAN],
-    "optim.warmup_steps": [-1], "optim.schedule": ["bogus"], "optim.warmup_type": ["bogus"],
-    "optim.b1": [-0.1, 1.0, NAN, INF], "optim.b2": [-0.1, 1.0, 1.5, NAN], "optim.eps": [-1.0, NAN, INF],
-    "optim.weight_decay": [-0.1, NAN, INF], "optim.decoupled_weight_decay": [], "optim.clip_norm": [-1.0, NAN],
-    "train.steps": [-1], "train.global_batch": [0, -8], "train.microbatches": [0, -1, 3],
-    "train.seq_len": [0, 1, 100000], "train.seed": [-1, 2**40], "train.workdir": ["", "   ", "@FILE"],
-    "train.log_every": [-1], "train.eval_every": [-1], "train.eval_batches": [-1],
-    "train.resume": ["latest", "-1", "\u00b2"], "train.init_from": ["/nonexistent/weights"],
-    "train.warmup_steps_excluded": [-1], "train.spike_factor": [0.5, 1.0, -1.0, NAN, INF],
-    "train.max_bad_steps": [0], "train.profile_steps": ["5", "3,2", "0,1", "a,b", "1,2,3"], "train.inject_bad_steps": ["a", "1,,x", "-1", "\u00b2"],
-    "data.source": ["web"], "data.path": ["/tmp/tokens.bin"], "data.token_dtype": ["int8"],
+    "mesh.data": SIZE,
+    "mesh.tensor": SIZE,
+    "mesh.pipeline": SIZE,
+    "mesh.context": [*SIZE, 3],
+    "parallel.zero_stage": [-1, 4],
+    "parallel.sequence_parallel": [],
+    "parallel.cross_node_tensor": [],
+    "parallel.grad_reduce_dtype": ["float16", ""],
+    "parallel.context_exchange": ["ulysses", ""],
+    "parallel.max_replicated_fraction": [-0.1, 1.5, NAN],
+    "model.vocab_size": SIZE,
+    "model.embed_dim": SIZE,
+    "model.num_layers": SIZE,
+    "model.num_heads": SIZE,
+    "model.num_kv_heads": [*SIZE, 3],
+    "model.head_dim": [*SIZE, 31],
+    "model.mlp_dim": SIZE,
+    "model.max_seq_len": [0, -3, 2**40],
+    "model.rope_theta": [0.0, -1.0, NAN, INF],
+    "model.norm_eps": [0.0, -1e-5, NAN, INF],
+    "model.tie_embeddings": [],
+    "model.mlp_activation": ["relu"],
+    "model.norm": ["batchnorm"],
+    "model.position": ["alibi"],
+    "model.remat": ["sometimes"],
+    "model.attention": ["flash", ""],
+    "model.attention_block": [0, -16],
+    "model.compute_dtype": ["int8"],
+    "model.param_dtype": ["float64"],
+    "model.init_std": [0.0, -0.02, NAN, INF],
+    "model.dropout": [-0.1, 1.0, 1.5, NAN, INF, -INF],
+    "model.attention_dropout": [-1e-9, 1.0, 2.0, NAN, INF],
+    "optim.name": ["rmsprop", "no/such/file.py:make"],
+    "optim.momentum": [0.5, NAN],
+    "optim.nesterov": [True],
+    "optim.lr": [0.0, -1.0, NAN, INF],
+    "optim.min_lr_ratio": [-0.1, 1.5, NAN],
+    "optim.warmup_steps": [-1],
+    "optim.schedule": ["bogus"],
+    "optim.warmup_type": ["bogus"],
+    "optim.b1": [-0.1, 1.0, NAN, INF],
+    "optim.b2": [-0.1, 1.0, 1.5, NAN],
+    "optim.eps": [-1.0, NAN, INF],
+    "optim.weight_decay": [-0.1, NAN, INF],
+    "optim.decoupled_weight_decay": [],
+    "optim.clip_norm": [-1.0, NAN],
+    "train.steps": [-1],
+    "train.global_batch": [0, -8],
+    "train.microbatches": [0, -1, 3],
+    "train.seq_len": [0, 1, 100000],
+    "train.seed": [-1, 2**40],
+    "train.workdir": ["", "   ", "@FILE"],
+    "train.log_every": [-1],
+    "train.eval_every": [-1],
+    "train.eval_batches": [-1],
+    "train.resume": ["latest", "-1", "\u00b2"],
+    "train.init_from": ["/nonexistent/weights"],
+    "train.warmup_steps_excluded": [-1],
+    "train.spike_factor": [0.5, 1.0, -1.0, NAN, INF],
+    "train.max_bad_steps": [0],
+    "train.profile_steps": ["5", "3,2", "0,1", "a,b", "1,2,3"],
+    "train.inject_bad_steps": ["a", "1,,x", "-1", "\u00b2"],
+    "data.source": ["web"],
+    "data.path": ["/tmp/tokens.bin"],
+    "data.token_dtype": ["int8"],
     "data.val_fraction": [0.0, 1.0, NAN, -0.5],
-    "pipeline.schedule": ["zigzag"], "pipeline.virtual_stages": [0, -1],
-    "checkpoint.every": [-1], "checkpoint.keep": [0, -1],
+    "pipeline.schedule": ["zigzag"],
+    "pipeline.virtual_stages": [0, -1],
+    "checkpoint.every": [-1],
+    "checkpoint.keep": [0, -1],
 }
 FIELDS = flatten(default_config().to_dict())
 
@@ -84,14 +129,22 @@ def _refused_naming(family: str, key: str, value, fn) -> None:
 
 def test_out_of_domain_values_in_a_config_file_are_refused(tmp_path):
     for key, value in _cases(tmp_path):
-        _refused_naming("config: out-of-domain value (file)", key, value,
-                        lambda k=key, v=value: validate(merge_into_defaults({k: v}, source="cfg.py")))
+        _refused_naming(
+            "config: out-of-domain value (file)",
+            key,
+            value,
+            lambda k=key, v=value: validate(merge_into_defaults({k: v}, source="cfg.py")),
+        )
 
 
 def test_out_of_domain_values_as_overrides_are_refused(tmp_path):
     for key, value in _cases(tmp_path):
-        _refused_naming("config: out-of-domain value (override)", key, value,
-                        lambda k=key, v=value: load_config(None, [f"--config.{k}={_text(v)}"]))
+        _refused_naming(
+            "config: out-of-domain value (override)",
+            key,
+            value,
+            lambda k=key, v=value: load_config(None, [f"--config.{k}={_text(v)}"]),
+        )
 
 
 def test_values_of_the_wrong_type_are_refused():
@@ -101,15 +154,20 @@ def test_values_of_the_wrong_type_are_refused():
                 continue  # a number is a step number there; 1.5 is refused by the domain check instead
             fuzzkit.expect_refused("config: wrong type (file)", lambda k=key, v=value: merge_into_defaults({k: v}))
         if not isinstance(default, str):
-            fuzzkit.expect_refused("config: wrong type (override)",
-                                   lambda k=key, d=default: load_config(None, [f"--config.{k}=not-a-{type(d).__name__}"]))
+            fuzzkit.expect_refused(
+                "config: wrong type (override)",
+                lambda k=key, d=default: load_config(None, [f"--config.{k}=not-a-{type(d).__name__}"]),
+            )
 
 
-@pytest.mark.parametrize("override, word", [
-    ("--config.mesh.data=100000000000000000000", "mesh"),  # 10^20: no cluster
-    ("--config.train.steps=99999999999999999999999999999999999999999999999", None),  # accepted? must be bounded
-    ("--config.model.embed_dim=" + "9" * 5000, "embed_dim"),  # past Python's int-string limit
-])
+@pytest.mark.parametrize(
+    "override, word",
+    [
+        ("--config.mesh.data=100000000000000000000", "mesh"),  # 10^20: no cluster
+        ("--config.train.steps=99999999999999999999999999999999999999999999999", None),  # accepted? must be bounded
+        ("--config.model.embed_dim=" + "9" * 5000, "embed_dim"),  # past Python's int-string limit
+    ],
+)
 def test_absurd_numbers(override, word):
     message, cfg = fuzzkit.expect_refused_or_ok("config: absurd number", load_config, None, [override])
     if word is None:  # a huge step count is a long run, not an error: it must at least load as that count

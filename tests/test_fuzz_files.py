@@ -27,10 +27,21 @@ from jaxpar.port.weights import check_hf_model
 from tests import fuzzkit
 from tests.helpers import TINY
 
-SMALL = ["--config.mesh.data=1", "--config.mesh.tensor=1", "--config.model.vocab_size=64", "--config.model.embed_dim=32", "--config.model.num_layers=2",
-         "--config.model.num_heads=2", "--config.model.num_kv_heads=2", "--config.model.head_dim=16",
-         "--config.model.mlp_dim=64", "--config.model.max_seq_len=32", "--config.train.seq_len=32",
-         "--config.train.global_batch=2", "--config.model.compute_dtype=float32"]
+SMALL = [
+    "--config.mesh.data=1",
+    "--config.mesh.tensor=1",
+    "--config.model.vocab_size=64",
+    "--config.model.embed_dim=32",
+    "--config.model.num_layers=2",
+    "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=2",
+    "--config.model.head_dim=16",
+    "--config.model.mlp_dim=64",
+    "--config.model.max_seq_len=32",
+    "--config.train.seq_len=32",
+    "--config.train.global_batch=2",
+    "--config.model.compute_dtype=float32",
+]
 
 
 def _small(*extra: str):
@@ -40,8 +51,11 @@ def _small(*extra: str):
 def _hf_tensors(model) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     leaves, _ = weights._leaves(model)
-    return {name: rng.normal(0, 0.02, leaf.hf_shape).astype(np.float32)
-            for leaf in leaves for name in leaf.names(model.num_layers)}
+    return {
+        name: rng.normal(0, 0.02, leaf.hf_shape).astype(np.float32)
+        for leaf in leaves
+        for name in leaf.names(model.num_layers)
+    }
 
 
 def _write_hf(directory: pathlib.Path, tensors: dict[str, np.ndarray], model, shards: int = 1) -> None:
@@ -71,11 +85,14 @@ def _tensor_cases(model) -> dict[str, dict[str, np.ndarray]]:
     name = "model.layers.1.mlp.down_proj.weight"
     out = {}
     for label, change in (
-        ("int32", lambda a: a.astype(np.int32)), ("int8", lambda a: a.astype(np.int8)),
-        ("bool", lambda a: a > 0), ("nan", lambda a: np.where(a > 0.03, np.nan, a).astype(np.float32)),
+        ("int32", lambda a: a.astype(np.int32)),
+        ("int8", lambda a: a.astype(np.int8)),
+        ("bool", lambda a: a > 0),
+        ("nan", lambda a: np.where(a > 0.03, np.nan, a).astype(np.float32)),
         ("inf", lambda a: np.where(a > 0.03, np.inf, a).astype(np.float32)),
         ("huge_for_bf16", lambda a: np.full(a.shape, 1e39, np.float64)),
-        ("wrong_shape", lambda a: a[:-1]), ("transposed", lambda a: np.ascontiguousarray(a.T)),
+        ("wrong_shape", lambda a: a[:-1]),
+        ("transposed", lambda a: np.ascontiguousarray(a.T)),
         ("scalar", lambda a: np.ones((), np.float32)),
     ):
         out[label] = {**good, name: change(good[name])}
@@ -108,15 +125,23 @@ def test_damaged_bytes_and_shards(tmp_path):
     for file in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json"):
         for label, data in fuzzkit.mutations((base / file).read_bytes(), rng).items():
             cases.append((f"{file}:{label}", file, data))
-    extra = [("index:no_weight_map", "model.safetensors.index.json", b'{"metadata": {}}'),
-             ("index:list", "model.safetensors.index.json", b"[1, 2]"),
-             ("index:map_of_ints", "model.safetensors.index.json", b'{"weight_map": {"a": 1}}'),
-             ("config:list", "config.json", b"[]"),
-             ("config:wrong_type", "config.json", json.dumps(
-                 {**weights.hf_config_from_model(model), "hidden_size": "wide"}).encode()),
-             ("config:other_model", "config.json", json.dumps(
-                 {**weights.hf_config_from_model(model), "num_hidden_layers": 3}).encode()),
-             ("config:deep", "config.json", b"[" * 100000 + b"]" * 100000)]
+    extra = [
+        ("index:no_weight_map", "model.safetensors.index.json", b'{"metadata": {}}'),
+        ("index:list", "model.safetensors.index.json", b"[1, 2]"),
+        ("index:map_of_ints", "model.safetensors.index.json", b'{"weight_map": {"a": 1}}'),
+        ("config:list", "config.json", b"[]"),
+        (
+            "config:wrong_type",
+            "config.json",
+            json.dumps({**weights.hf_config_from_model(model), "hidden_size": "wide"}).encode(),
+        ),
+        (
+            "config:other_model",
+            "config.json",
+            json.dumps({**weights.hf_config_from_model(model), "num_hidden_layers": 3}).encode(),
+        ),
+        ("config:deep", "config.json", b"[" * 100000 + b"]" * 100000),
+    ]
     for label, file, data in fuzzkit.sample("weights: damaged bytes", cases, 12) + extra:
         path = tmp_path / label.replace(":", "_").replace(".", "_")
         shutil.copytree(base, path)
@@ -183,16 +208,18 @@ def test_damaged_checkpoints_export_the_good_one_or_refuse(run_dir, tmp_path):
         damage(run / "checkpoints" / "2")
         cfg = _small(f"--config.train.workdir={run}")
         notes: list[str] = []
-        message, done = fuzzkit.expect_refused_or_ok("checkpoint: damaged (export)", export_checkpoint, cfg,
-                                                      str(tmp_path / f"out{i}"), echo=notes.append)
+        message, done = fuzzkit.expect_refused_or_ok(
+            "checkpoint: damaged (export)", export_checkpoint, cfg, str(tmp_path / f"out{i}"), echo=notes.append
+        )
         assert message is None or "checkpoint" in message, (label, message)
         if done is not None and done.step == 1:  # fell back: it says which one it skipped
             assert len(notes) == 1 and notes[0].startswith("checkpoint 2 ") and "\n" not in notes[0], (label, notes)
         if done is not None:
             params = weights.load_hf(done.output, cfg.model)
             assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(params))
-        named = fuzzkit.expect_refused_or_ok("checkpoint: damaged (export --step)", export_checkpoint, cfg,
-                                             str(tmp_path / f"outstep{i}"), 2)[0]
+        named = fuzzkit.expect_refused_or_ok(
+            "checkpoint: damaged (export --step)", export_checkpoint, cfg, str(tmp_path / f"outstep{i}"), 2
+        )[0]
         assert named is None or "2" in named, (label, named)
 
 
@@ -224,16 +251,19 @@ def test_checkpoint_of_another_model_is_named_not_removed(run_dir, tmp_path):
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    for override, field in (("--config.model.embed_dim=64", "model.embed_dim"),
-                            ("--config.model.num_layers=4", "model.num_layers"),
-                            ("--config.model.tie_embeddings=true", "model.tie_embeddings")):
+    for override, field in (
+        ("--config.model.embed_dim=64", "model.embed_dim"),
+        ("--config.model.num_layers=4", "model.num_layers"),
+        ("--config.model.tie_embeddings=true", "model.tie_embeddings"),
+    ):
         cfg = _small(f"--config.train.workdir={run}", override)
         message = fuzzkit.expect_refused("checkpoint: another model", export_checkpoint, cfg, str(tmp_path / "o"))
         assert field in message and "checkpoint 2" in message, message
         params, opt = one_device_checkpoint_state(cfg)
         ckpt = Checkpointer(str(run), 1, 2, echo=lambda _: None, model=cfg.model)
-        message = fuzzkit.expect_refused("checkpoint: another model", ckpt.restore, {"params": params,
-                                                                                     "opt_state": opt})
+        message = fuzzkit.expect_refused(
+            "checkpoint: another model", ckpt.restore, {"params": params, "opt_state": opt}
+        )
         ckpt.close()
         assert field in message
     assert Checkpointer(str(run), 1, 2).steps() == [1, 2]  # nothing removed

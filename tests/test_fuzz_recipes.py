@@ -21,35 +21,98 @@ from jaxpar.port.recipe import port_recipe
 from tests import fuzzkit
 
 SEEDS = {
-    "deepspeed": json.dumps({
-        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "gradient_clipping": 1.0, "steps_per_print": 10, "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4,
-                                                          "warmup_num_steps": 10, "total_num_steps": 100}},
-        "zero_optimization": {"stage": 1},
-    }, indent=2),
-    "megatron": "\n".join([
-        "# shell variables", "GPUS_PER_NODE=8", "NUM_NODES=1", "# flags", "--nproc_per_node $GPUS_PER_NODE", "--nnodes $NUM_NODES",
-        "--num-layers 4", "--hidden-size 128", "--num-attention-heads 4", "--seq-length 256",
-        "--max-position-embeddings 256", "--micro-batch-size 2", "--global-batch-size 16", "--train-iters 100",
-        "--lr 3e-4", "--min-lr 3e-5", "--lr-decay-style cosine", "--lr-warmup-iters 10", "--weight-decay 0.1",
-        "--adam-beta1 0.9", "--adam-beta2 0.95", "--clip-grad 1.0", "--bf16", "--tensor-model-parallel-size 2",
-        "--pipeline-model-parallel-size 1", "--vocab-size 256", "",
-    ]),
-    "torchtitan": "\n".join([
-        "[model]", 'name = "llama3"', 'flavor = "debugmodel"', "", "[optimizer]", 'name = "AdamW"', "lr = 3e-4",
-        "eps = 1e-8", "", "[lr_scheduler]", "warmup_steps = 10", "", "[training]", "local_batch_size = 2",
-        "seq_len = 256", "max_norm = 1.0", "steps = 100", "", "[parallelism]", "data_parallel_replicate_degree = 1",
-        "data_parallel_shard_degree = -1", "tensor_parallel_degree = 2", "pipeline_parallel_degree = 1",
-        "context_parallel_degree = 1", "",
-    ]),
-    "fsdp": "\n".join([
-        "distributed_type: FSDP", "mixed_precision: bf16", "num_processes: 8", "fsdp_config:",
-        "  fsdp_sharding_strategy: FULL_SHARD", "  fsdp_activation_checkpointing: false",
-        "  fsdp_offload_params: false", "",
-    ]),
+    "deepspeed": json.dumps(
+        {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10,
+            "bf16": {"enabled": True},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+            },
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10, "total_num_steps": 100},
+            },
+            "zero_optimization": {"stage": 1},
+        },
+        indent=2,
+    ),
+    "megatron": "\n".join(
+        [
+            "# shell variables",
+            "GPUS_PER_NODE=8",
+            "NUM_NODES=1",
+            "# flags",
+            "--nproc_per_node $GPUS_PER_NODE",
+            "--nnodes $NUM_NODES",
+            "--num-layers 4",
+            "--hidden-size 128",
+            "--num-attention-heads 4",
+            "--seq-length 256",
+            "--max-position-embeddings 256",
+            "--micro-batch-size 2",
+            "--global-batch-size 16",
+            "--train-iters 100",
+            "--lr 3e-4",
+            "--min-lr 3e-5",
+            "--lr-decay-style cosine",
+            "--lr-warmup-iters 10",
+            "--weight-decay 0.1",
+            "--adam-beta1 0.9",
+            "--adam-beta2 0.95",
+            "--clip-grad 1.0",
+            "--bf16",
+            "--tensor-model-parallel-size 2",
+            "--pipeline-model-parallel-size 1",
+            "--vocab-size 256",
+            "",
+        ]
+    ),
+    "torchtitan": "\n".join(
+        [
+            "[model]",
+            'name = "llama3"',
+            'flavor = "debugmodel"',
+            "",
+            "[optimizer]",
+            'name = "AdamW"',
+            "lr = 3e-4",
+            "eps = 1e-8",
+            "",
+            "[lr_scheduler]",
+            "warmup_steps = 10",
+            "",
+            "[training]",
+            "local_batch_size = 2",
+            "seq_len = 256",
+            "max_norm = 1.0",
+            "steps = 100",
+            "",
+            "[parallelism]",
+            "data_parallel_replicate_degree = 1",
+            "data_parallel_shard_degree = -1",
+            "tensor_parallel_degree = 2",
+            "pipeline_parallel_degree = 1",
+            "context_parallel_degree = 1",
+            "",
+        ]
+    ),
+    "fsdp": "\n".join(
+        [
+            "distributed_type: FSDP",
+            "mixed_precision: bf16",
+            "num_processes: 8",
+            "fsdp_config:",
+            "  fsdp_sharding_strategy: FULL_SHARD",
+            "  fsdp_activation_checkpointing: false",
+            "  fsdp_offload_params: false",
+            "",
+        ]
+    ),
 }
 SUFFIX = {"deepspeed": ".json", "megatron": ".args", "torchtitan": ".toml", "fsdp": ".yaml"}
 WORLD = {"deepspeed": 8, "megatron": None, "torchtitan": 8, "fsdp": None}
@@ -104,6 +167,7 @@ def _replace(tree, path, value):
 def _toml(tree: dict) -> str:
     """A TOML writer for the seed's shape (tables of scalars and lists); values TOML cannot hold
     (None, nested dicts in a table) are written as strings."""
+
     def value(v):
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -112,6 +176,7 @@ def _toml(tree: dict) -> str:
         if isinstance(v, list):
             return "[" + ", ".join(value(x) for x in v) + "]"
         return json.dumps(str(v))
+
     lines = []
     for table, body in tree.items():
         if not isinstance(body, dict):
@@ -130,12 +195,18 @@ def _structured_cases(kind: str) -> list[tuple[str, str]]:
         for i, line in enumerate(lines):
             if line.startswith("--") and " " in line:
                 flag = line.split(" ")[0]
-                out += [(f"{flag}={w!r}", "\n".join(lines[:i] + [f"{flag} {w}"] + lines[i + 1:]))
-                        for w in WRONG if not isinstance(w, (dict, list)) and w is not None]
+                out += [
+                    (f"{flag}={w!r}", "\n".join(lines[:i] + [f"{flag} {w}"] + lines[i + 1 :]))
+                    for w in WRONG
+                    if not isinstance(w, (dict, list)) and w is not None
+                ]
             elif "=" in line:
                 name = line.split("=")[0]
-                out += [(f"{name}={w!r}", "\n".join(lines[:i] + [f"{name}={w}"] + lines[i + 1:]))
-                        for w in WRONG if isinstance(w, (int, str))]
+                out += [
+                    (f"{name}={w!r}", "\n".join(lines[:i] + [f"{name}={w}"] + lines[i + 1 :]))
+                    for w in WRONG
+                    if isinstance(w, (int, str))
+                ]
         return out
     tree = {"deepspeed": json.loads, "torchtitan": tomllib.loads, "fsdp": yaml.safe_load}[kind](SEEDS[kind])
     dump = {"deepspeed": json.dumps, "torchtitan": _toml, "fsdp": yaml.safe_dump}[kind]
@@ -156,10 +227,18 @@ def test_wrong_types_and_absurd_sizes(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(SEEDS))
 def test_pathological_nesting_and_size(kind, tmp_path):
-    deep = {"deepspeed": "[" * 200000 + "]" * 200000, "torchtitan": "x = " + "[" * 100000 + "]" * 100000,
-            "fsdp": "a: " + "[" * 100000 + "]" * 100000, "megatron": "--num-layers " + "(" * 100000}[kind]
-    huge_line = {"deepspeed": '{"k": "' + "x" * 2_000_000 + '"}', "torchtitan": "k = '" + "x" * 2_000_000 + "'",
-                 "fsdp": "k: " + "x" * 2_000_000, "megatron": "--lr " + "9" * 100000}[kind]
+    deep = {
+        "deepspeed": "[" * 200000 + "]" * 200000,
+        "torchtitan": "x = " + "[" * 100000 + "]" * 100000,
+        "fsdp": "a: " + "[" * 100000 + "]" * 100000,
+        "megatron": "--num-layers " + "(" * 100000,
+    }[kind]
+    huge_line = {
+        "deepspeed": '{"k": "' + "x" * 2_000_000 + '"}',
+        "torchtitan": "k = '" + "x" * 2_000_000 + "'",
+        "fsdp": "k: " + "x" * 2_000_000,
+        "megatron": "--lr " + "9" * 100000,
+    }[kind]
     for name, text in (("deep", deep), ("huge", huge_line)):
         path = tmp_path / f"{name}{SUFFIX[kind]}"
         path.write_text(text)

@@ -49,8 +49,10 @@ def test_steady_malloc_stops_the_refaulting_of_freed_heaps():
     steady = _rounds("steady")
     assert steady["faults"][0] >= 3 * pages  # the first round touches fresh memory either way
     assert steady["faults"][1:] == [0] * 5
-    assert steady["line"].startswith("glibc ") and "mmap threshold 32 MiB, trim threshold 1024 MiB, top pad 128 MiB" in (
-        steady["line"])
+    assert (
+        steady["line"].startswith("glibc ")
+        and "mmap threshold 32 MiB, trim threshold 1024 MiB, top pad 128 MiB" in (steady["line"])
+    )
 
 
 def test_the_environments_malloc_settings_win(monkeypatch):

@@ -38,18 +38,23 @@ def _config_file(tmp_path, body: str) -> str:
 # --------------------------------------------------------------------------- config files that misbehave
 
 
-@pytest.mark.parametrize("body, words", [
-    ("def get_config():\n    raise RuntimeError('boom')\n", ["get_config() raised RuntimeError: boom"]),
-    ("def get_config():\n    return None\n", ["returned NoneType"]),
-    ("def get_config():\n    return 5\n", ["returned int"]),
-    ("def get_config(a, b):\n    return default_config()\n", ["does not accept the call get_config()"]),
-    ("def get_config():\n    c = default_config()\n    c.model.embed_dim = 'wide'\n    return c\n",
-     ["embed_dim", "get_config() raised TypeError"]),  # ConfigDict's own type check, in one line
-    ("def get_config():\n    return {'model': {'embed_dim': 'wide'}}\n", ["config.model.embed_dim: expected int"]),
-    ("import sys\nsys.exit(3)\n", ["failed to load (SystemExit"]),
-    ("get_config = 5\n", ["defines no get_config()"]),
-    ("def get_config(:\n", ["failed to load (SyntaxError"]),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ("def get_config():\n    raise RuntimeError('boom')\n", ["get_config() raised RuntimeError: boom"]),
+        ("def get_config():\n    return None\n", ["returned NoneType"]),
+        ("def get_config():\n    return 5\n", ["returned int"]),
+        ("def get_config(a, b):\n    return default_config()\n", ["does not accept the call get_config()"]),
+        (
+            "def get_config():\n    c = default_config()\n    c.model.embed_dim = 'wide'\n    return c\n",
+            ["embed_dim", "get_config() raised TypeError"],
+        ),  # ConfigDict's own type check, in one line
+        ("def get_config():\n    return {'model': {'embed_dim': 'wide'}}\n", ["config.model.embed_dim: expected int"]),
+        ("import sys\nsys.exit(3)\n", ["failed to load (SystemExit"]),
+        ("get_config = 5\n", ["defines no get_config()"]),
+        ("def get_config(:\n", ["failed to load (SyntaxError"]),
+    ],
+)
 def test_config_files_that_misbehave(tmp_path, body, words):
     line = cli_refused("hostile: config files", ["plan", "--json", "--config", _config_file(tmp_path, body)])
     assert all(w in line for w in words), line
@@ -58,20 +63,23 @@ def test_config_files_that_misbehave(tmp_path, body, words):
 # --------------------------------------------------------------------------- values that cannot work
 
 
-@pytest.mark.parametrize("override, words", [
-    ("--config.train.eval_batches=-1", ["train.eval_batches=-1"]),
-    ("--config.train.eval_every=5 --config.train.eval_batches=0", ["train.eval_every=5 with train.eval_batches=0"]),
-    ("--config.model.head_dim=31", ["model.head_dim=31", "even"]),
-    ("--config.train.workdir=", ["train.workdir is empty"]),
-    ("--config.train.workdir=@FILE", ["is a file"]),
-    ("--config.optim.lr=inf", ["optim.lr=inf"]),
-    ("--config.optim.b1=1.0", ["optim.b1=1.0", "[0, 1)"]),
-    ("--config.optim.b2=-0.1", ["optim.b2=-0.1"]),
-    ("--config.model.rope_theta=0", ["model.rope_theta=0.0"]),
-    ("--config.model.init_std=nan", ["model.init_std=nan"]),  # not blamed on the learning rate
-    ("--config.data.path=/tmp/tokens.bin", ["data.path", "data.source='stdlib'"]),
-    ("--config.mesh.data=100000000000000000000", ["mesh.data"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("--config.train.eval_batches=-1", ["train.eval_batches=-1"]),
+        ("--config.train.eval_every=5 --config.train.eval_batches=0", ["train.eval_every=5 with train.eval_batches=0"]),
+        ("--config.model.head_dim=31", ["model.head_dim=31", "even"]),
+        ("--config.train.workdir=", ["train.workdir is empty"]),
+        ("--config.train.workdir=@FILE", ["is a file"]),
+        ("--config.optim.lr=inf", ["optim.lr=inf"]),
+        ("--config.optim.b1=1.0", ["optim.b1=1.0", "[0, 1)"]),
+        ("--config.optim.b2=-0.1", ["optim.b2=-0.1"]),
+        ("--config.model.rope_theta=0", ["model.rope_theta=0.0"]),
+        ("--config.model.init_std=nan", ["model.init_std=nan"]),  # not blamed on the learning rate
+        ("--config.data.path=/tmp/tokens.bin", ["data.path", "data.source='stdlib'"]),
+        ("--config.mesh.data=100000000000000000000", ["mesh.data"]),
+    ],
+)
 def test_values_that_cannot_work_are_refused_before_any_compile(tmp_path, override, words):
     afile = tmp_path / "a_file"
     afile.write_text("x")
@@ -84,16 +92,25 @@ def test_values_that_cannot_work_are_refused_before_any_compile(tmp_path, overri
 
 
 def test_a_run_without_a_finite_loss_exits_2(tmp_path):
-    cfg = _small(*EIGHT, f"--config.train.workdir={tmp_path}", "--config.train.steps=2",
-                 "--config.train.eval_batches=1", "--config.train.inject_bad_steps=1,2", "--config.train.max_bad_steps=5")
+    cfg = _small(
+        *EIGHT,
+        f"--config.train.workdir={tmp_path}",
+        "--config.train.steps=2",
+        "--config.train.eval_batches=1",
+        "--config.train.inject_bad_steps=1,2",
+        "--config.train.max_bad_steps=5",
+    )
     with pytest.raises(TrainingDiverged, match="no finite loss in 2 steps"):
         Trainer(cfg, echo=lambda _: None, progress=False).run()
 
 
-@pytest.mark.parametrize("damage, words", [
-    ("nan", ["holds NaN or Inf"]),
-    ("int32", ["stored as I32", "not a float dtype"]),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("nan", ["holds NaN or Inf"]),
+        ("int32", ["stored as I32", "not a float dtype"]),
+    ],
+)
 def test_init_from_weights_are_checked_before_training(tmp_path, damage, words):
     model = _small().model
     tensors = _hf_tensors(model)
@@ -114,11 +131,13 @@ def test_port_refuses_config_overrides_and_unused_names(tmp_path):
     ds, meg = tmp_path / "ds.json", tmp_path / "m.args"
     ds.write_text(SEEDS["deepspeed"])
     meg.write_text(SEEDS["megatron"])
-    line = cli_refused("hostile: ignored settings", ["port", "deepspeed", str(ds), "--world-size", "8",
-                                                     "--config.train.steps=5"])
+    line = cli_refused(
+        "hostile: ignored settings", ["port", "deepspeed", str(ds), "--world-size", "8", "--config.train.steps=5"]
+    )
     assert "--set train.steps=VALUE" in line
-    line = cli_refused("hostile: ignored settings", ["port", "deepspeed", str(ds), "--world-size", "8",
-                                                     "--set", "learnin_rate=3e-4"])
+    line = cli_refused(
+        "hostile: ignored settings", ["port", "deepspeed", str(ds), "--world-size", "8", "--set", "learnin_rate=3e-4"]
+    )
     assert "--set learnin_rate" in line
     line = cli_refused("hostile: ignored settings", ["port", "megatron", str(meg), "--var", "GPU_PER_NODE=8"])
     assert "--var GPU_PER_NODE" in line and "never uses" in line
@@ -178,8 +197,15 @@ def test_unreadable_recipe_and_weight_files(tmp_path):
 
 
 def _run(workdir, *extra) -> Trainer:
-    cfg = _small(*EIGHT, f"--config.train.workdir={workdir}", "--config.train.steps=2", "--config.train.eval_batches=1",
-                 "--config.checkpoint.every=1", "--config.checkpoint.keep=2", *extra)
+    cfg = _small(
+        *EIGHT,
+        f"--config.train.workdir={workdir}",
+        "--config.train.steps=2",
+        "--config.train.eval_batches=1",
+        "--config.checkpoint.every=1",
+        "--config.checkpoint.keep=2",
+        *extra,
+    )
     return Trainer(cfg, echo=notes.append, progress=False)
 
 
@@ -213,15 +239,17 @@ def test_keep_2_with_a_damaged_newest_keeps_only_restorable_checkpoints(trained,
 
     params, opt = one_device_checkpoint_state(cfg)
     for step in (1, 2):  # both restore
-        got = Checkpointer(str(run), 1, 2, echo=lambda _: None).restore({"params": params, "opt_state": opt},
-                                                                         step=step, prune_damaged=False)
+        got = Checkpointer(str(run), 1, 2, echo=lambda _: None).restore(
+            {"params": params, "opt_state": opt}, step=step, prune_damaged=False
+        )
         assert got[0] == step
 
 
 def _subprocess(args, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # XLA_FLAGS: tests/conftest.py's, with its 8 devices
-    return subprocess.run([sys.executable, "-m", "jaxpar", *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpar", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_export_and_resume_of_damaged_or_foreign_checkpoints_in_one_line(trained, tmp_path):
@@ -237,8 +265,9 @@ def test_export_and_resume_of_damaged_or_foreign_checkpoints_in_one_line(trained
     named = _subprocess(["export", *common, "--step", "2", "-o", str(tmp_path / "hf2")], tmp_path)
     assert named.returncode == 2 and named.stderr.count("\n") == 1, named.stderr
     assert named.stderr.startswith("error: --step 2: checkpoint 2") and "damaged" in named.stderr
-    other = _subprocess(["train", "--no-progress", *common, "--config.model.embed_dim=64",
-                         "--config.train.steps=2"], tmp_path)
+    other = _subprocess(
+        ["train", "--no-progress", *common, "--config.model.embed_dim=64", "--config.train.steps=2"], tmp_path
+    )
     assert other.returncode == 2, other.stderr[-2000:]
     assert "Event loop is closed" not in other.stderr and "Traceback" not in other.stderr
     err = [x for x in other.stderr.splitlines() if x.strip()]
@@ -250,13 +279,17 @@ def test_drill_checks_before_deleting(tmp_path):
     mine = tmp_path / "reference"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    line = cli_refused("hostile: losses", ["drill", "--workdir", str(tmp_path), "--config.checkpoint.every=1", "--config.train.steps=5"])
+    line = cli_refused(
+        "hostile: losses",
+        ["drill", "--workdir", str(tmp_path), "--config.checkpoint.every=1", "--config.train.steps=5"],
+    )
     assert "was not made by jaxpar drill" in line
     assert (mine / "notes.txt").read_text() == "keep me"
     afile = tmp_path / "file"
     afile.write_text("x")
-    assert "is a file" in cli_refused("hostile: losses", ["drill", "--workdir", str(afile),
-                                                         "--config.checkpoint.every=1", "--config.train.steps=5"])
+    assert "is a file" in cli_refused(
+        "hostile: losses", ["drill", "--workdir", str(afile), "--config.checkpoint.every=1", "--config.train.steps=5"]
+    )
     assert afile.read_text() == "x"
 
 
@@ -279,8 +312,20 @@ def test_drill_reports_a_refused_run_in_one_line(tmp_path):
     tensors = _hf_tensors(model)
     tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.inf)
     _write_hf(tmp_path / "hf", tensors, model)
-    args = ["drill", "--config", TINY, "--workdir", str(tmp_path / "drill"), "--trials", "1", *SMALL, *EIGHT,
-            "--config.checkpoint.every=1", "--config.train.steps=3", f"--config.train.init_from={tmp_path / 'hf'}"]
+    args = [
+        "drill",
+        "--config",
+        TINY,
+        "--workdir",
+        str(tmp_path / "drill"),
+        "--trials",
+        "1",
+        *SMALL,
+        *EIGHT,
+        "--config.checkpoint.every=1",
+        "--config.train.steps=3",
+        f"--config.train.init_from={tmp_path / 'hf'}",
+    ]
     done = _subprocess(args, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     err = [x for x in done.stderr.splitlines() if x.strip()]

@@ -30,9 +30,15 @@ def run(tmp_path_factory):
     ``float()``, ``.item()``, printing) goes through ``ArrayImpl._value``; a read is one that finds no
     host copy yet. ``jax.transfer_guard_device_to_host("disallow")`` wraps each dispatch too, but on
     CPU it never fires (the buffers are host memory already), so the log is what the test checks."""
-    cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", f"--config.train.steps={STEPS}",
-                      f"--config.train.workdir={tmp_path_factory.mktemp('loop')}", "--config.train.eval_batches=1",
-                      f"--config.checkpoint.every={CHECKPOINT_EVERY}", f"--config.train.inject_bad_steps={BAD}")
+    cfg = tiny_config(
+        "--config.mesh.data=4",
+        "--config.mesh.tensor=2",
+        f"--config.train.steps={STEPS}",
+        f"--config.train.workdir={tmp_path_factory.mktemp('loop')}",
+        "--config.train.eval_batches=1",
+        f"--config.checkpoint.every={CHECKPOINT_EVERY}",
+        f"--config.train.inject_bad_steps={BAD}",
+    )
     messages: list[str] = []
     trainer = Trainer(cfg, echo=messages.append, progress=False)
     events: list[tuple] = []
@@ -68,7 +74,7 @@ def test_only_per_step_transfer_is_the_delayed_metrics_read(run):
     owner = {id(leaf): step for step, i in enumerate(dispatches, 1) for leaf in jax.tree.leaves(events[i][1])}
     reads: dict[int, list[int]] = {}  # step -> event indices of its metric reads
     others = []  # event indices of reads of anything else during the loop
-    for i, e in enumerate(events[dispatches[0]:], dispatches[0]):
+    for i, e in enumerate(events[dispatches[0] :], dispatches[0]):
         if e[0] == "read":
             if id(e[1]) in owner:
                 reads.setdefault(owner[id(e[1])], []).append(i)
@@ -79,12 +85,16 @@ def test_only_per_step_transfer_is_the_delayed_metrics_read(run):
     for step in range(1, STEPS + 1):
         after = dispatches[step] if step < STEPS else len(events)  # the next dispatch
         if step % CHECKPOINT_EVERY and step < STEPS:
-            assert dispatches[step] < min(reads[step]), f"step {step}: metrics read before step {step + 1} was dispatched"
+            assert dispatches[step] < min(reads[step]), (
+                f"step {step}: metrics read before step {step + 1} was dispatched"
+            )
         else:  # a sync step: read before the next dispatch (the checkpoint needs to know the step was good)
             assert max(reads[step]) < after
     # anything else read during the loop (the checkpoint's state) is read while no step is in flight
-    sync_windows = [(max(reads[s]), dispatches[s] if s < STEPS else len(events))
-                    for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)]
+    sync_windows = [
+        (max(reads[s]), dispatches[s] if s < STEPS else len(events))
+        for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)
+    ]
     stray = [i for i in others if i < max(reads[STEPS]) and not any(a < i < b for a, b in sync_windows)]
     assert not stray, [events[i][1].shape for i in stray]
 
@@ -116,14 +126,16 @@ def test_device_threshold_is_the_host_rule_bit_for_bit():
             assert np.float32(guard[0]) == np.float32(host.max_loss()), (factor, step)
             thresholds.append(guard[0])
             loss, skipped = np.float32(rng.uniform(1, 3)), int(rng.random() < 0.2)
-            device.dispatched({"loss": jax.device_put(loss, replicated), "skipped": jax.device_put(np.int32(skipped),
-                                                                                                  replicated)})
+            device.dispatched(
+                {"loss": jax.device_put(loss, replicated), "skipped": jax.device_put(np.int32(skipped), replicated)}
+            )
             host.observe(float(loss), bool(skipped))
         finite = np.isfinite(thresholds)
         assert finite.any() == (factor != 0) and not finite[: BadStepGuard.MIN_HISTORY].any()
     count = int(device.count)
-    device.dispatched({"loss": jax.device_put(np.float32(2), replicated), "skipped": jax.device_put(np.int32(0),
-                                                                                                    replicated)})
+    device.dispatched(
+        {"loss": jax.device_put(np.float32(2), replicated), "skipped": jax.device_put(np.int32(0), replicated)}
+    )
     device.discard()  # a thrown-away step (rollback): its metrics are not folded in
     device.guard()
     assert int(device.count) == count

@@ -78,15 +78,24 @@ def _top_level_dots(text: str) -> list[str]:
     with YNNPACK. (Attention's batched key and value gradients, 2 per layer, still run in Eigen.)"""
     _, comps = parse_hlo(text)
     fused = fused_computations(comps)
-    return [i.name for name, instrs in comps.items() if name not in fused for i in instrs
-            if i.opcode == "dot" and "lhs_batch_dims" not in i.attrs]
+    return [
+        i.name
+        for name, instrs in comps.items()
+        if name not in fused
+        for i in instrs
+        if i.opcode == "dot" and "lhs_batch_dims" not in i.attrs
+    ]
 
 
 def _score_transposes(text: str, seq: int) -> list[str]:
     """Transposes of an attention score tensor: rank >= 4 with two dims of the sequence length."""
     _, comps = parse_hlo(text)
-    return [i.type_text for instrs in comps.values() for i in instrs
-            if i.opcode == "transpose" and len(dims := array_dims(i.type_text)) >= 4 and dims.count(seq) >= 2]
+    return [
+        i.type_text
+        for instrs in comps.values()
+        for i in instrs
+        if i.opcode == "transpose" and len(dims := array_dims(i.type_text)) >= 4 and dims.count(seq) >= 2
+    ]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the Eigen fallback is XLA:CPU's")

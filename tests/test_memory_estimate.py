@@ -52,8 +52,9 @@ DEFAULT = {
     "pp2_1f1b_full": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="full", zero_stage=1),
     "pp2_interleaved": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, schedule="gpipe"),
-    "pp2_interleaved_full": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved",
-                                 recompute="full"),
+    "pp2_interleaved_full": _lay(
+        data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved", recompute="full"
+    ),
 }
 SLOW_GRID = {
     "dp_selective": _lay(data=8, recompute="selective"),
@@ -76,10 +77,27 @@ SLOW_GRID = {
     # ~1B pipelines: the accumulator held twice sets the peak (activations.pipeline_accumulator_bytes)
     "1b_pp4_1f1b_none": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256),
     "1b_pp4_1f1b_full": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256, recompute="full"),
-    "1b_pp4_interleaved_full": _lay(tensor=2, pipeline=4, virtual_stages=2, microbatches=4, microbatch_size=1,
-                                    seq_len=256, schedule="interleaved", recompute="full"),
-    "1b_pp2_interleaved_selective": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4,
-                                         microbatch_size=1, seq_len=256, schedule="interleaved", recompute="selective"),
+    "1b_pp4_interleaved_full": _lay(
+        tensor=2,
+        pipeline=4,
+        virtual_stages=2,
+        microbatches=4,
+        microbatch_size=1,
+        seq_len=256,
+        schedule="interleaved",
+        recompute="full",
+    ),
+    "1b_pp2_interleaved_selective": _lay(
+        data=2,
+        tensor=2,
+        pipeline=2,
+        virtual_stages=2,
+        microbatches=4,
+        microbatch_size=1,
+        seq_len=256,
+        schedule="interleaved",
+        recompute="selective",
+    ),
 }
 
 
@@ -102,8 +120,10 @@ def _memory(name: str, layout: ParallelLayout):
 
 def _check(name: str, layout: ParallelLayout) -> tuple[float, float]:
     mem = _memory(name, layout)
-    print(f"\n  {name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.expected_temp_bytes / 2**20:.2f} "
-          f"(ratio {mem.temp_ratio:.3f}); peak ratio {mem.peak_ratio:.3f}; args ratio {mem.argument_ratio:.4f}")
+    print(
+        f"\n  {name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.expected_temp_bytes / 2**20:.2f} "
+        f"(ratio {mem.temp_ratio:.3f}); peak ratio {mem.peak_ratio:.3f}; args ratio {mem.argument_ratio:.4f}"
+    )
     return mem.temp_ratio, mem.peak_ratio
 
 
@@ -156,8 +176,9 @@ def test_residual_count_matches_jax(policy):
     assert A.layer_residual_bytes(cfg.model, lay) == pytest.approx(_saved(cfg.model, lay, policy))
 
 
-DROPOUT_CASES = {"dp_none": DEFAULT["dp_none"]} | ({"dp_blockwise": DEFAULT["dp_blockwise"],
-                                                     "tp2_sp_none": SLOW_GRID["tp2_sp_none"]} if SLOW else {})
+DROPOUT_CASES = {"dp_none": DEFAULT["dp_none"]} | (
+    {"dp_blockwise": DEFAULT["dp_blockwise"], "tp2_sp_none": SLOW_GRID["tp2_sp_none"]} if SLOW else {}
+)
 
 
 @pytest.mark.parametrize("name", list(DROPOUT_CASES))
@@ -179,6 +200,10 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
     dropped = dims.e * dims.b * dims.so * dims.h  # one dropped activation in the compute dtype
     assert want > 0
     grown = on.temp_bytes - off.temp_bytes
-    assert any(grown == pytest.approx(w, rel=0.02) for w in (want, want + dropped)), (on.temp_bytes, off.temp_bytes,
-                                                                                        want, dropped)
+    assert any(grown == pytest.approx(w, rel=0.02) for w in (want, want + dropped)), (
+        on.temp_bytes,
+        off.temp_bytes,
+        want,
+        dropped,
+    )
     assert on.expected_temp_bytes - off.expected_temp_bytes == pytest.approx(want)

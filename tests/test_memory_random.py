@@ -67,10 +67,21 @@ def _draw(rng: random.Random) -> tuple[str, dict, ParallelLayout]:
     if rng.random() < 0.25:
         model["attention_dropout"] = 0.1
     layout = ParallelLayout(
-        data=data, tensor=tensor, pipeline=pipeline, context=context, virtual_stages=virtual, schedule=schedule,
-        zero_stage=rng.choice((0, 1, 2, 3)), microbatches=microbatches, microbatch_size=b, seq_len=seq,
+        data=data,
+        tensor=tensor,
+        pipeline=pipeline,
+        context=context,
+        virtual_stages=virtual,
+        schedule=schedule,
+        zero_stage=rng.choice((0, 1, 2, 3)),
+        microbatches=microbatches,
+        microbatch_size=b,
+        seq_len=seq,
         recompute=rng.choice(("none", "selective", "full")),
-        sequence_parallel=tensor > 1 and rng.random() < 0.5, attention=attention, attention_block=block)
+        sequence_parallel=tensor > 1 and rng.random() < 0.5,
+        attention=attention,
+        attention_block=block,
+    )
     return name, model, layout
 
 
@@ -102,7 +113,9 @@ def _measure(case: int):
 @pytest.mark.parametrize("case", range(CASES))
 def test_random_layout_peak_matches_compiled(case):
     desc, mem = _measure(case)
-    print(f"\n  JAXPAR_MEMORY_SEED={SEED} case {case}: {desc}\n    temp {mem.temp_bytes / 2**20:.2f} MiB est "
-          f"{mem.expected_temp_bytes / 2**20:.2f} (ratio {mem.temp_ratio:.3f}); peak ratio {mem.peak_ratio:.3f}")
+    print(
+        f"\n  JAXPAR_MEMORY_SEED={SEED} case {case}: {desc}\n    temp {mem.temp_bytes / 2**20:.2f} MiB est "
+        f"{mem.expected_temp_bytes / 2**20:.2f} (ratio {mem.temp_ratio:.3f}); peak ratio {mem.peak_ratio:.3f}"
+    )
     assert mem.temp_ratio == pytest.approx(1, abs=TEMP_BOUND), (SEED, case, desc)
     assert mem.peak_ratio == pytest.approx(1, abs=PEAK_BOUND), (SEED, case, desc)

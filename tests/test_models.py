@@ -33,8 +33,12 @@ def test_unknown_model_name_is_one_line_listing_the_known_ones():
 def test_gpt_family_pins_the_classic_block():
     with pytest.raises(ConfigError, match=r"model.norm='rmsnorm': model.name=gpt .* needs model.norm='layernorm'"):
         models.get_model(tiny_config("--config.model.name=gpt").model)
-    gpt = tiny_config("--config.model.name=gpt", "--config.model.norm=layernorm", "--config.model.mlp_activation=gelu",
-                      "--config.model.position=learned").model
+    gpt = tiny_config(
+        "--config.model.name=gpt",
+        "--config.model.norm=layernorm",
+        "--config.model.mlp_activation=gelu",
+        "--config.model.position=learned",
+    ).model
     assert type(models.get_model(gpt)).__name__ == "GptModel"
     # the llama family keeps every switch combination (e.g. LLaMA with learned positions)
     assert models.get_model(tiny_config("--config.model.position=learned").model).name == "llama"
@@ -72,7 +76,8 @@ def test_inventory_equals_the_real_parameter_tree(path):
     assert len(tensors) == len(jax.tree.leaves(abstract))
     stacked = [t for t in tensors if t.place == "layer"]
     assert m.num_layers * sum(t.size for t in stacked) == sum(
-        math.prod(a.shape) for a in jax.tree.leaves(abstract[model.stacked]))
+        math.prod(a.shape) for a in jax.tree.leaves(abstract[model.stacked])
+    )
     assert all("layers" not in dict(t.dims) for t in tensors)  # the scan dim is dropped per layer
     names = {t.name for t in tensors}
     assert ("positions" in names) == (m.position == "learned")
@@ -97,14 +102,22 @@ def test_zero3_dims_tree_matches_the_layouts():
     assert dims["blocks"]["attn"]["wq"] == 1 and dims["embed"] == 1  # embed dim (tensor splits heads / vocab)
     assert zero.layer_dims(dims["blocks"])["attn"]["wq"] == 0
     assert setup.builder.context().zero3
-    assert zero.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).placements) is None
+    assert (
+        zero.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).placements) is None
+    )
 
 
 def test_no_module_outside_models_imports_a_family():
-    pattern = re.compile(r"^\s*(from jaxpar\.models import (llama|gpt)\b|from jaxpar\.models\.(llama|gpt) import"
-                         r"|import jaxpar\.models\.(llama|gpt))|\bllama\._", re.M)
-    hits = [str(p.relative_to(ROOT)) for p in (ROOT / "jaxpar").rglob("*.py")
-            if p.parent.name != "models" and pattern.search(p.read_text())]
+    pattern = re.compile(
+        r"^\s*(from jaxpar\.models import (llama|gpt)\b|from jaxpar\.models\.(llama|gpt) import"
+        r"|import jaxpar\.models\.(llama|gpt))|\bllama\._",
+        re.M,
+    )
+    hits = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "jaxpar").rglob("*.py")
+        if p.parent.name != "models" and pattern.search(p.read_text())
+    ]
     assert hits == []
 
 
@@ -127,15 +140,21 @@ class ToyMlp(Model):
     def init(self, key):
         m, ks = self.cfg, jax.random.split(key, 4)
         L, h, f, v = m.num_layers, m.embed_dim, m.mlp_dim, m.vocab_size
-        return {"embed": 0.02 * jax.random.normal(ks[0], (v, h)),
-                "blocks": {"w_in": 0.02 * jax.random.normal(ks[1], (L, h, f)),
-                           "w_out": 0.02 * jax.random.normal(ks[2], (L, f, h))},
-                "head": 0.02 * jax.random.normal(ks[3], (h, v))}
+        return {
+            "embed": 0.02 * jax.random.normal(ks[0], (v, h)),
+            "blocks": {
+                "w_in": 0.02 * jax.random.normal(ks[1], (L, h, f)),
+                "w_out": 0.02 * jax.random.normal(ks[2], (L, f, h)),
+            },
+            "head": 0.02 * jax.random.normal(ks[3], (h, v)),
+        }
 
     def logical_axes(self):
-        return {"embed": ("vocab", "embed"), "blocks": {"w_in": ("layers", "embed", "mlp"),
-                                                        "w_out": ("layers", "mlp", "embed")},
-                "head": ("embed", "vocab")}
+        return {
+            "embed": ("vocab", "embed"),
+            "blocks": {"w_in": ("layers", "embed", "mlp"), "w_out": ("layers", "mlp", "embed")},
+            "head": ("embed", "vocab"),
+        }
 
     def context(self, **parallel):
         return ShardContext(remat=self.cfg.remat, compute_dtype=self.cfg.compute_dtype, **parallel)
@@ -157,8 +176,13 @@ class ToyMlp(Model):
 @pytest.fixture(scope="module")
 def toy():
     models.register(ToyMlp)
-    yield ["--config.model.name=toy_mlp", "--config.mesh.data=2", "--config.mesh.tensor=1",
-           "--config.model.num_layers=2", "--config.model.mlp_dim=256"]
+    yield [
+        "--config.model.name=toy_mlp",
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=1",
+        "--config.model.num_layers=2",
+        "--config.model.mlp_dim=256",
+    ]
     models.unregister("toy_mlp")
 
 
@@ -169,9 +193,14 @@ def toy_replicated(toy):
     return history, params
 
 
-@pytest.mark.parametrize("layout", [("--config.parallel.zero_stage=3",),
-                                    ("--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.train.microbatches=2")],
-                         ids=["zero3_d2", "pipeline_p2_m2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--config.parallel.zero_stage=3",),
+        ("--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.train.microbatches=2"),
+    ],
+    ids=["zero3_d2", "pipeline_p2_m2"],
+)
 def test_a_third_family_trains_on_two_devices(toy, toy_replicated, layout):
     """ZeRO-3 (data=2) and a 1F1B pipeline (2 stages) through the interface alone: the first loss is
     the plain single-device loss of the same parameters, and two steps land where the replicated
@@ -201,4 +230,3 @@ def test_an_unregistered_family_is_unknown_again(toy):
             tiny_config(*toy)
     finally:
         models.register(ToyMlp)
-

@@ -21,8 +21,14 @@ from jaxpar.errors import ConfigError
 from tests.helpers import ROOT, TINY
 
 # fp32 so the processes' gloo reductions and one process's agree to roundoff; no validation
-RUN = ["--config.model.compute_dtype=float32", "--config.train.global_batch=8", "--config.train.seq_len=64",
-       "--config.train.steps=3", "--config.train.eval_batches=0", "--config.train.eval_every=0"]
+RUN = [
+    "--config.model.compute_dtype=float32",
+    "--config.train.global_batch=8",
+    "--config.train.seq_len=64",
+    "--config.train.steps=3",
+    "--config.train.eval_batches=0",
+    "--config.train.eval_every=0",
+]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -37,8 +43,18 @@ def _losses(workdir) -> list[float]:
 
 
 def _train(cmd_prefix: list[str], workdir, env: dict[str, str]) -> subprocess.CompletedProcess:
-    cmd = [*cmd_prefix, sys.executable, "-m", "jaxpar", "train", "--config", TINY, "--no-progress", *RUN,
-           f"--config.train.workdir={workdir}"]
+    cmd = [
+        *cmd_prefix,
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--config",
+        TINY,
+        "--no-progress",
+        *RUN,
+        f"--config.train.workdir={workdir}",
+    ]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -50,7 +66,9 @@ def single_process_losses(tmp_path_factory):
     return _losses(workdir)
 
 
-FOUR = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: 4 processes (2 in the default suite)")
+FOUR = pytest.mark.skipif(
+    os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: 4 processes (2 in the default suite)"
+)
 
 
 @pytest.mark.parametrize("processes", [2, pytest.param(4, marks=FOUR)])
@@ -99,8 +117,12 @@ def test_share_is_mesh_devices_over_processes(fresh):
 def test_slurm_step_tasks_count_but_not_a_stale_variable(fresh):
     fresh.setenv("SLURM_NTASKS", "4")  # a batch script's shell, no srun step: one process
     assert distributed.launch_process_count() == 1
-    for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "node[1-2]",
-                        "SLURM_PROCID": "1"}.items():
+    for name, value in {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_PROCID": "1",
+    }.items():
         fresh.setenv(name, value)
     assert distributed.launch_process_count() == 4
     assert distributed.simulate_local_devices(8) == 2
@@ -127,13 +149,22 @@ def test_conflicts_are_refused_in_one_line(fresh):
 
 # ---------------------------------------------------------------- launch environments, as values
 
-SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[07-08],cpu1",
-              "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-              "SLURMD_NODENAME": "gpu08"}
+SLURM_STEP = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "gpu[07-08],cpu1",
+    "SLURM_NTASKS": "16",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURMD_NODENAME": "gpu08",
+}
 
 
 def test_slurm_step_spec_follows_jax_coordinator_rule():
-    spec = distributed.launch_spec(SLURM_STEP | {"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    spec = distributed.launch_spec(
+        SLURM_STEP | {"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    )
     assert (spec.source, spec.num_processes, spec.process_id, spec.node) == ("slurm", 16, 9, "gpu08")
     assert spec.coordinator == f"gpu07:{61440 + 4242 % 4096}"  # jax._src.clusters.slurm_cluster's port rule
     assert spec.local_device_ids == (1,)  # one task per GPU: task 1 of its node takes GPU 1
@@ -143,14 +174,17 @@ def test_slurm_step_spec_follows_jax_coordinator_rule():
         distributed.launch_spec(SLURM_STEP | {"JAXPAR_NUM_PROCESSES": "4"})
 
 
-@pytest.mark.parametrize("tasks_per_node, visible, gpus_on_node, localid, expected", [
-    ("1(x2)", "0,1,2,3,4,5,6,7", None, "0", None),       # one task per node: every GPU of the node
-    ("8(x2)", "0,1,2,3,4,5,6,7", None, "5", (5,)),       # one task per GPU, GPUs shared: its own
-    ("2(x2)", "0,1,2,3,4,5,6,7", None, "1", (4, 5, 6, 7)),  # two tasks of four GPUs
-    ("8(x2)", "3", None, "3", None),                     # --gpus-per-task: SLURM bound it, all it sees
-    ("8(x2)", "", "8", "2", (2,)),                       # GPU count from SLURM_GPUS_ON_NODE
-    ("2(x2)", "", None, "1", None),                      # no GPUs (CPU nodes)
-])
+@pytest.mark.parametrize(
+    "tasks_per_node, visible, gpus_on_node, localid, expected",
+    [
+        ("1(x2)", "0,1,2,3,4,5,6,7", None, "0", None),  # one task per node: every GPU of the node
+        ("8(x2)", "0,1,2,3,4,5,6,7", None, "5", (5,)),  # one task per GPU, GPUs shared: its own
+        ("2(x2)", "0,1,2,3,4,5,6,7", None, "1", (4, 5, 6, 7)),  # two tasks of four GPUs
+        ("8(x2)", "3", None, "3", None),  # --gpus-per-task: SLURM bound it, all it sees
+        ("8(x2)", "", "8", "2", (2,)),  # GPU count from SLURM_GPUS_ON_NODE
+        ("2(x2)", "", None, "1", None),  # no GPUs (CPU nodes)
+    ],
+)
 def test_slurm_local_devices(tasks_per_node, visible, gpus_on_node, localid, expected):
     env = SLURM_STEP | {"SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_LOCALID": localid}
     if visible:
@@ -172,8 +206,16 @@ def test_slurm_local_devices_refusals_and_override():
     assert distributed.slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}) == 1
 
 
-@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("node[03-05,9],gpu1", "node03"),
-                                             ("a1,b2", "a1"), ("[7-9]", "7"), ("rack2-n[1,5]", "rack2-n1")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("node1", "node1"),
+        ("node[03-05,9],gpu1", "node03"),
+        ("a1,b2", "a1"),
+        ("[7-9]", "7"),
+        ("rack2-n[1,5]", "rack2-n1"),
+    ],
+)
 def test_first_slurm_node(nodelist, first):
     assert distributed.first_slurm_node(nodelist) == first
 
@@ -190,13 +232,18 @@ def test_explicit_and_kubernetes_indexed_job_specs():
 
 def test_a_coordinator_that_does_not_resolve_is_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_"))}
-    env |= {"JAXPAR_COORDINATOR": "no-such-host.invalid:1234", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1",
-            "XLA_FLAGS": ""}
+    env |= {
+        "JAXPAR_COORDINATOR": "no-such-host.invalid:1234",
+        "JAXPAR_NUM_PROCESSES": "2",
+        "JAXPAR_PROCESS_ID": "1",
+        "XLA_FLAGS": "",
+    }
     done = _train([], tmp_path, env)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
         "error: JAXPAR_COORDINATOR: coordinator host 'no-such-host.invalid' does not resolve; "
-        "use an address every process can resolve")
+        "use an address every process can resolve"
+    )
 
 
 def test_a_coordinator_that_does_not_answer_fails_within_the_bound(tmp_path):
@@ -206,8 +253,13 @@ def test_a_coordinator_that_does_not_answer_fails_within_the_bound(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_"))}
-    env |= {"JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1",
-            "JAXPAR_COORDINATOR_TIMEOUT": "3", "XLA_FLAGS": ""}
+    env |= {
+        "JAXPAR_COORDINATOR": f"127.0.0.1:{port}",
+        "JAXPAR_NUM_PROCESSES": "2",
+        "JAXPAR_PROCESS_ID": "1",
+        "JAXPAR_COORDINATOR_TIMEOUT": "3",
+        "XLA_FLAGS": "",
+    }
     started = time.time()
     done = _train([], tmp_path, env)
     assert time.time() - started < 60

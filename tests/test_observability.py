@@ -18,9 +18,14 @@ STEPS = 4
 def run(tmp_path_factory):
     """One short data=8 run with a trace of steps 2-4 (3 steps)."""
     workdir = tmp_path_factory.mktemp("obs") / "run"
-    cfg = tiny_config("--config.mesh.data=8", "--config.mesh.tensor=1", f"--config.train.steps={STEPS}",
-                      f"--config.train.workdir={workdir}", "--config.train.eval_batches=1",
-                      "--config.train.profile_steps=2,4")
+    cfg = tiny_config(
+        "--config.mesh.data=8",
+        "--config.mesh.tensor=1",
+        f"--config.train.steps={STEPS}",
+        f"--config.train.workdir={workdir}",
+        "--config.train.eval_batches=1",
+        "--config.train.profile_steps=2,4",
+    )
     lines = []
     Trainer(cfg, echo=lines.append, progress=False).run()
     return cfg, workdir, lines
@@ -50,8 +55,12 @@ def test_config_json_reloads_into_the_same_config(run):
 
 def test_profile_steps_write_a_trace(run):
     _, workdir, lines = run
-    traces = [os.path.join(d, f) for d, _, files in os.walk(workdir / "profile") for f in files
-              if f.endswith((".xplane.pb", ".trace.json.gz"))]
+    traces = [
+        os.path.join(d, f)
+        for d, _, files in os.walk(workdir / "profile")
+        for f in files
+        if f.endswith((".xplane.pb", ".trace.json.gz"))
+    ]
     assert traces and all(os.path.getsize(t) > 0 for t in traces)
     assert any("profile of steps 2-4" in line for line in lines)
 
@@ -61,8 +70,13 @@ def test_eval_batches_zero_trains_without_validation(run, tmp_path):
     per-step losses as the run with validation (evaluating never touches the training state)."""
     cfg, workdir, _ = run
     lines = []
-    quiet = tiny_config("--config.mesh.data=8", "--config.mesh.tensor=1", f"--config.train.steps={STEPS}",
-                        f"--config.train.workdir={tmp_path / 'run'}", "--config.train.eval_batches=0")
+    quiet = tiny_config(
+        "--config.mesh.data=8",
+        "--config.mesh.tensor=1",
+        f"--config.train.steps={STEPS}",
+        f"--config.train.workdir={tmp_path / 'run'}",
+        "--config.train.eval_batches=0",
+    )
     result = Trainer(quiet, echo=lines.append, progress=False).run()
     assert "validation: off (train.eval_batches=0)" in lines and not any("validation at step" in x for x in lines)
     assert result["val_start"] is None and result["val_end"] is None

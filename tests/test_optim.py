@@ -29,8 +29,13 @@ LAYOUTS = {
     "zero2_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=2"],
     "zero3_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=3"],
     "zero3_d4_t2": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"],
-    "d2_t2_p2": ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2",
-                 "--config.parallel.zero_stage=1", "--config.train.microbatches=2"],
+    "d2_t2_p2": [
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.parallel.zero_stage=1",
+        "--config.train.microbatches=2",
+    ],
 }
 # The fast grid: every optimizer on a layout that splits its non-elementwise statistics; the full
 # optimizer x layout grid under JAXPAR_SLOW=1.
@@ -165,7 +170,8 @@ def test_jaxpar_adamw_equals_optax_adamw(tmp_path):
         "import optax\n"
         "def get_optimizer(o, learning_rate, weight_decay_mask):\n"
         "    return optax.adamw(learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,\n"
-        "                       mask=weight_decay_mask)\n")
+        "                       mask=weight_decay_mask)\n"
+    )
     _, ref_params, _, _ = _run(_cfg("adamw"))
     _, params, _, _ = _run(_cfg(f"{factory}:get_optimizer"))
     assert max_rel_error(params, ref_params) < 1e-6

@@ -25,8 +25,15 @@ LISTING = ["sweep", "--list", "--devices", "2"]  # prints to stdout without star
 
 def _jaxpar(argv: list[str], stdout, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "jaxpar", *argv], stdout=stdout, stderr=subprocess.PIPE, env=env,
-                          cwd=ROOT, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpar", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_closed_pipe_ends_quietly():
@@ -44,16 +51,20 @@ def test_a_full_disk_under_stdout_is_one_line():
     with open("/dev/full", "w") as full:
         done = _jaxpar(LISTING, full)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines() == ["error: no space left on the device of the standard output (No space left on "
-                                        "device); free space there or redirect the output elsewhere"]
+    assert done.stderr.splitlines() == [
+        "error: no space left on the device of the standard output (No space left on "
+        "device); free space there or redirect the output elsewhere"
+    ]
 
 
 def _dev_full_mkstemp(real_mkstemp):
     """tempfile.mkstemp whose file descriptor writes to /dev/full: the kernel's own ENOSPC on the write."""
+
     def mkstemp(**kwargs):
         fd, path = real_mkstemp(**kwargs)
         os.close(fd)
         return os.open("/dev/full", os.O_WRONLY), path
+
     return mkstemp
 
 
@@ -65,8 +76,10 @@ def test_a_full_disk_under_port_o_is_one_line_and_keeps_the_earlier_file(tmp_pat
     monkeypatch.setattr(write_guard.tempfile, "mkstemp", _dev_full_mkstemp(tempfile.mkstemp))
     code, _, err = run_cli([*PORT, str(RECIPE), "-o", str(out), "--overwrite"])
     assert code == 2
-    assert err.splitlines()[-1] == (f"error: no space left on the device of '{out}' (No space left on device); free "
-                                    "space there or write elsewhere (an earlier output there is left as it was)")
+    assert err.splitlines()[-1] == (
+        f"error: no space left on the device of '{out}' (No space left on device); free "
+        "space there or write elsewhere (an earlier output there is left as it was)"
+    )
     assert snapshot(tmp_path) == before  # the earlier file, and no temporary file left
 
 
@@ -131,8 +144,11 @@ def test_a_full_disk_under_a_checkpoint_names_the_folder(tmp_path):
 # start-up) at which Ctrl-C arrives: while the CLI's modules load, while JAX starts, later
 # (how jaxpar starts: python -m jaxpar, or the installed console script; the delay)
 SLOW_DELAYS = [0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0]
-DELAYS = ([("module", 0.0), ("script", 2.0)] if os.environ.get("JAXPAR_SLOW") != "1"
-          else [(how, d) for how in ("module", "script") for d in SLOW_DELAYS])
+DELAYS = (
+    [("module", 0.0), ("script", 2.0)]
+    if os.environ.get("JAXPAR_SLOW") != "1"
+    else [(how, d) for how in ("module", "script") for d in SLOW_DELAYS]
+)
 SCRIPT = shutil.which("jaxpar")
 
 
@@ -154,8 +170,9 @@ def test_ctrl_c_anywhere_is_one_line_and_130(tmp_path, how, delay):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = ["train", "--no-progress", f"--config.train.workdir={tmp_path / 'run'}", "--config.train.steps=1000"]
     start = [sys.executable, "-m", "jaxpar"] if how == "module" else [SCRIPT]
-    proc = subprocess.Popen([*start, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=env, cwd=ROOT, text=True)
+    proc = subprocess.Popen(
+        [*start, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True
+    )
     try:
         _loading_jax(proc.pid)
         time.sleep(delay)

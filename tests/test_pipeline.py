@@ -158,13 +158,15 @@ DEFAULT = {
     # ZeRO-3 inside the pipeline: every stage gathers its layers (and the first / last stage their
     # ends slot) over data inside the ticks; the gathers' transposes reduce-scatter the gradients
     "1f1b_p2_m4_d2_zero3": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=3"),
-    "interleaved_p2_m4_d2_t2_zero3_remat": layout("interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3",
-                                                  "--config.model.remat=full"),
+    "interleaved_p2_m4_d2_t2_zero3_remat": layout(
+        "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3", "--config.model.remat=full"
+    ),
     "gpipe_p2_m4_d4_zero3": layout("gpipe", 2, 4, 4, 1, "--config.parallel.zero_stage=3"),
     # ZeRO-2: each backward tick reduce-scatters its gradients over data into a sharded accumulator
     "1f1b_p2_m4_d2_zero2": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=2"),
-    "interleaved_p2_m4_d2_t2_zero2_remat": layout("interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=2",
-                                                  "--config.model.remat=full"),
+    "interleaved_p2_m4_d2_t2_zero2_remat": layout(
+        "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=2", "--config.model.remat=full"
+    ),
 }
 AXES = {"plain": (1, 1), "d2": (2, 1), "t2": (1, 2)}
 GRID = {
@@ -306,8 +308,12 @@ def test_stage_form_places_embedding_first_and_head_last(stages):
     """Untied: one [p, V, h] table split over pipeline, embedding in slot 0, the transposed output
     layer in slot p-1, zeros between; the round trip is exact. Tied: nothing is packed."""
     rng = np.random.default_rng(0)
-    tree = {"embed": rng.normal(size=(6, 4)), "lm_head": rng.normal(size=(4, 6)), "final_norm": {"scale": np.ones(4)},
-            "blocks": {"w": np.arange(6.0)}}
+    tree = {
+        "embed": rng.normal(size=(6, 4)),
+        "lm_head": rng.normal(size=(4, 6)),
+        "final_norm": {"scale": np.ones(4)},
+        "blocks": {"w": np.arange(6.0)},
+    }
     tree = jax.tree.map(lambda a: a.astype(np.float32), tree)
     staged = pipeline.to_stage_form(tree, stages)
     assert set(staged) == {"ends", "final_norm", "blocks"} and staged["ends"].shape == (stages, 6, 4)
@@ -419,8 +425,10 @@ def test_1f1b_memory_is_flat_in_m_gpipe_grows():
             batch = [] if m == 8 else ["--config.train.global_batch=4"]  # 16 by default: b = 2 either way
             comp = compiled(*layout(schedule, 2, m), *batch)[1]
             temp[schedule, m] = comp.memory_analysis().temp_size_in_bytes
-    print(f"\ntemp bytes per device (m=2 -> m=8): 1f1b {temp['1f1b', 2]} -> {temp['1f1b', 8]}, "
-          f"gpipe {temp['gpipe', 2]} -> {temp['gpipe', 8]}")
+    print(
+        f"\ntemp bytes per device (m=2 -> m=8): 1f1b {temp['1f1b', 2]} -> {temp['1f1b', 8]}, "
+        f"gpipe {temp['gpipe', 2]} -> {temp['gpipe', 8]}"
+    )
     assert temp["1f1b", 8] <= 1.3 * temp["1f1b", 2]
     assert temp["gpipe", 8] >= 2 * temp["gpipe", 2]
     assert temp["gpipe", 8] > temp["1f1b", 8]
@@ -441,18 +449,36 @@ P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=
     "overrides, needle",
     [
         (["--config.train.microbatches=1"], "train.microbatches=1 < mesh.pipeline=2: 1F1B needs"),
-        (["--config.pipeline.schedule=interleaved", "--config.train.microbatches=2"],
-         "pipeline.virtual_stages=1: the interleaved schedule needs at least 2"),
-        (["--config.pipeline.virtual_stages=2", "--config.train.microbatches=2"],
-         "pipeline.virtual_stages=2 is only used by the interleaved schedule"),
-        (["--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2",
-          "--config.train.microbatches=3", "--config.train.global_batch=24"],
-         "train.microbatches=3 is not a multiple of mesh.pipeline=2"),
+        (
+            ["--config.pipeline.schedule=interleaved", "--config.train.microbatches=2"],
+            "pipeline.virtual_stages=1: the interleaved schedule needs at least 2",
+        ),
+        (
+            ["--config.pipeline.virtual_stages=2", "--config.train.microbatches=2"],
+            "pipeline.virtual_stages=2 is only used by the interleaved schedule",
+        ),
+        (
+            [
+                "--config.pipeline.schedule=interleaved",
+                "--config.pipeline.virtual_stages=2",
+                "--config.train.microbatches=3",
+                "--config.train.global_batch=24",
+            ],
+            "train.microbatches=3 is not a multiple of mesh.pipeline=2",
+        ),
         (["--config.train.microbatches=3"], "train.global_batch=16 is not divisible by train.microbatches*mesh.data"),
-        (["--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=4",
-          "--config.train.microbatches=2"], "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual"),
-        (["--config.parallel.zero_stage=2", "--config.train.microbatches=2", "--config.pipeline.schedule=gpipe"],
-         "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported"),
+        (
+            [
+                "--config.pipeline.schedule=interleaved",
+                "--config.pipeline.virtual_stages=4",
+                "--config.train.microbatches=2",
+            ],
+            "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual",
+        ),
+        (
+            ["--config.parallel.zero_stage=2", "--config.train.microbatches=2", "--config.pipeline.schedule=gpipe"],
+            "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported",
+        ),
     ],
 )
 def test_bad_pipeline_input_is_one_line_exit_2(capsys, overrides, needle):
@@ -472,8 +498,9 @@ def test_slot_counts_are_the_programs():
     from jaxpar.parallel.pipeline.schedule import build_schedule, compile_program, slot_counts
 
     checked = 0
-    for schedule, p, m, v in itertools.product(("gpipe", "1f1b", "interleaved"), (1, 2, 4, 8), (1, 2, 8, 64),
-                                               (1, 2, 4)):
+    for schedule, p, m, v in itertools.product(
+        ("gpipe", "1f1b", "interleaved"), (1, 2, 4, 8), (1, 2, 8, 64), (1, 2, 4)
+    ):
         if (schedule != "interleaved" and v > 1) or (schedule == "interleaved" and m % p):
             continue
         table = build_schedule(schedule, p, m, v)
@@ -494,7 +521,11 @@ def test_slot_counts_saturate():
     for schedule, p, v in cases:
         for m in range(p, 8 * p + 1, 1 if schedule == "1f1b" else p):
             assert steady_slot_counts(schedule, p, m, v) == slot_counts(build_schedule(schedule, p, m, v)), (
-                schedule, p, m, v)
+                schedule,
+                p,
+                m,
+                v,
+            )
             checked, capped = checked + 1, capped + (m > SATURATION * p)
     assert (checked, capped) == (171, 92)
     assert steady_slot_counts("gpipe", 2, 64) == (64, 1)

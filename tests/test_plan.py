@@ -39,9 +39,17 @@ _SEARCHES = [(d, n) for d in (8, 64, 1024) for n in ("llama2_7b", "llama2_13b", 
 _DEFAULT_SEARCHES = {(8, "llama2_13b"), (64, "llama2_70b"), (1024, "llama2_7b")}
 
 
-@pytest.mark.parametrize("devices, name", [
-    c if c in _DEFAULT_SEARCHES else pytest.param(*c, marks=pytest.mark.skipif(
-        os.environ.get("JAXPAR_SLOW") != "1", reason="slow: set JAXPAR_SLOW=1")) for c in _SEARCHES])
+@pytest.mark.parametrize(
+    "devices, name",
+    [
+        c
+        if c in _DEFAULT_SEARCHES
+        else pytest.param(
+            *c, marks=pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="slow: set JAXPAR_SLOW=1")
+        )
+        for c in _SEARCHES
+    ],
+)
 def test_search_ranks_feasible_layouts(name, devices):
     m = model(name)
     if name == "llama2_70b" and devices == 8:
@@ -84,8 +92,19 @@ def test_headroom_and_budget():
 
 def test_evaluate_layout_and_pins():
     m = model("llama2_70b")
-    lay = ParallelLayout(data=1, tensor=8, pipeline=8, virtual_stages=1, zero_stage=1, microbatches=64, microbatch_size=16,
-                         seq_len=4096, recompute="selective", sequence_parallel=True, schedule="1f1b")
+    lay = ParallelLayout(
+        data=1,
+        tensor=8,
+        pipeline=8,
+        virtual_stages=1,
+        zero_stage=1,
+        microbatches=64,
+        microbatch_size=16,
+        seq_len=4096,
+        recompute="selective",
+        sequence_parallel=True,
+        schedule="1f1b",
+    )
     est = P.evaluate_layout(m, H100, lay)
     assert est.layout == lay and est.bubble_fraction == pytest.approx(7 / 71)
     assert set(est.communication) == {"data", "tensor", "pipeline", "context"}
@@ -197,15 +216,19 @@ def test_compare_keeps_the_order_and_matches_plan(capsys):
         assert row["step_time_s"] == pytest.approx(est.step_time_s)
         assert row["relative_to_first"]["step_time"] == pytest.approx(row["step_time_s"] / base["step_time_s"])
         assert row["relative_to_first"]["memory"] == pytest.approx(
-            row["memory"]["total_bytes"] / base["memory"]["total_bytes"])
+            row["memory"]["total_bytes"] / base["memory"]["total_bytes"]
+        )
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--layout", "data=8", "--layout", "data=4"], "different device counts"),
-    (["--layout", "data=8,zero=x"], "zero=x must be an integer"),
-    (["--layout", "data=8,speed=3"], "expected comma-separated KEY=VALUE"),
-    (["--layout", "data=8,sp=maybe"], "sp=maybe: use 0 or 1"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--layout", "data=8", "--layout", "data=4"], "different device counts"),
+        (["--layout", "data=8,zero=x"], "zero=x must be an integer"),
+        (["--layout", "data=8,speed=3"], "expected comma-separated KEY=VALUE"),
+        (["--layout", "data=8,sp=maybe"], "sp=maybe: use 0 or 1"),
+    ],
+)
 def test_compare_bad_input_is_one_line(capsys, argv, needle):
     code, _, err = _compare(capsys, *argv)
     assert code == 2 and needle in err and err.count("\n") == 1
@@ -223,8 +246,9 @@ def test_plan_counts_layouts_before_dropping_those_over_budget():
 def test_compare_keeps_the_config_choices_and_says_so(capsys):
     """An open choice keeps the config's value when the layout can take it, and the row says where
     each value came from (given, config, chosen)."""
-    code, out, _ = _compare(capsys, "--layout=data=4,tensor=2", "--config.parallel.zero_stage=2",
-                            "--config.model.remat=selective", "--json")
+    code, out, _ = _compare(
+        capsys, "--layout=data=4,tensor=2", "--config.parallel.zero_stage=2", "--config.model.remat=selective", "--json"
+    )
     assert code == 0
     row = json.loads(out)["layouts"][0]
     assert (row["zero_stage"], row["recompute"]) == (2, "selective")

@@ -42,12 +42,33 @@ MEMORY_TOLERANCE, COMM_TOLERANCE = 0.05, 0.10
 AXES = ("data", "tensor", "pipeline", "context")
 
 
-def _lay(data: int, tensor: int, pipeline: int, virtual: int, zero: int, m: int, b: int, seq: int,
-         recompute: str = "none", sp: bool = False, schedule: str = "1f1b") -> ParallelLayout:
+def _lay(
+    data: int,
+    tensor: int,
+    pipeline: int,
+    virtual: int,
+    zero: int,
+    m: int,
+    b: int,
+    seq: int,
+    recompute: str = "none",
+    sp: bool = False,
+    schedule: str = "1f1b",
+) -> ParallelLayout:
     """A layout (no context axis) from its fields in the order these tables list them."""
-    return ParallelLayout(data=data, tensor=tensor, pipeline=pipeline, virtual_stages=virtual, zero_stage=zero,
-                          microbatches=m, microbatch_size=b, seq_len=seq, recompute=recompute, sequence_parallel=sp,
-                          schedule=schedule)
+    return ParallelLayout(
+        data=data,
+        tensor=tensor,
+        pipeline=pipeline,
+        virtual_stages=virtual,
+        zero_stage=zero,
+        microbatches=m,
+        microbatch_size=b,
+        seq_len=seq,
+        recompute=recompute,
+        sequence_parallel=sp,
+        schedule=schedule,
+    )
 
 
 def _tiny(tensor: int, zero: int, recompute: str = "none", sp: bool = False) -> ParallelLayout:
@@ -86,19 +107,55 @@ LAYOUTS: dict[str, tuple[str, ParallelLayout]] = {
     "1b_p2_zero2_interleaved": ("1b", _lay(2, 2, 2, 2, 2, 4, 1, SEQ, "selective", True, "interleaved")),
     # Context parallelism: the ring's permutes / the all-gather exchange on `context`, the gradient
     # all-reduce over (data, context) on `data` (ZeRO 0: the memory estimate shards over data only)
-    "tiny_c4_ring_full": ("tiny", ParallelLayout(data=2, context=4, microbatches=2, microbatch_size=4, seq_len=SEQ,
-                                                 recompute="full", attention="blockwise", attention_block=32)),
-    "tiny_c2_t2_gather_sp": ("tiny", ParallelLayout(data=2, tensor=2, context=2, microbatches=2, microbatch_size=4,
-                                                    seq_len=SEQ, recompute="selective", sequence_parallel=True,
-                                                    attention="blockwise", attention_block=32,
-                                                    context_exchange="all_gather")),
+    "tiny_c4_ring_full": (
+        "tiny",
+        ParallelLayout(
+            data=2,
+            context=4,
+            microbatches=2,
+            microbatch_size=4,
+            seq_len=SEQ,
+            recompute="full",
+            attention="blockwise",
+            attention_block=32,
+        ),
+    ),
+    "tiny_c2_t2_gather_sp": (
+        "tiny",
+        ParallelLayout(
+            data=2,
+            tensor=2,
+            context=2,
+            microbatches=2,
+            microbatch_size=4,
+            seq_len=SEQ,
+            recompute="selective",
+            sequence_parallel=True,
+            attention="blockwise",
+            attention_block=32,
+            context_exchange="all_gather",
+        ),
+    ),
 }
 # ~2.5-5 s of compile per layout on 2 cores: these 1B layouts run only with JAXPAR_SLOW=1. The
 # default suite keeps the ~1B model at TP-4 + SP + ZeRO-3, at data = 1, in a 1F1B pipeline with SP and
 # in an interleaved one; every (tensor, ZeRO) pair and pipeline feature is also in the tiny layouts.
-SLOW = {"1b_t1_z0", "1b_t1_z1", "1b_t1_z2", "1b_t1_z3", "1b_t2_z0", "1b_t2_z1", "1b_t2_z2", "1b_t2_z3",
-        "1b_t4_z0", "1b_t4_z1", "1b_t4_z2", "1b_p2_zero3_remat", "1b_p2_zero2_interleaved",
-        "tiny_c2_t2_gather_sp"}  # the all-gather exchange's compiled bytes: also tests/test_context_hlo.py
+SLOW = {
+    "1b_t1_z0",
+    "1b_t1_z1",
+    "1b_t1_z2",
+    "1b_t1_z3",
+    "1b_t2_z0",
+    "1b_t2_z1",
+    "1b_t2_z2",
+    "1b_t2_z3",
+    "1b_t4_z0",
+    "1b_t4_z1",
+    "1b_t4_z2",
+    "1b_p2_zero3_remat",
+    "1b_p2_zero2_interleaved",
+    "tiny_c2_t2_gather_sp",
+}  # the all-gather exchange's compiled bytes: also tests/test_context_hlo.py
 slow = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="slow: set JAXPAR_SLOW=1")
 
 
@@ -261,9 +318,19 @@ def test_compare_aot_compiles_every_layout(capsys):
     """`jaxpar compare --aot`: each given layout compiled beside its estimate, in the order given."""
     from jaxpar.cli import main
 
-    argv = ["compare", "--config", str(CONFIGS["tiny"]), "--layout", "data=8,zero=1,microbatches=2,recompute=none",
-            "--layout", "data=2,tensor=2,pipeline=2,zero=3,microbatches=2,recompute=none", "--aot", "--json",
-            "--config.model.compute_dtype=float32", "--config.parallel.grad_reduce_dtype=float32"]
+    argv = [
+        "compare",
+        "--config",
+        str(CONFIGS["tiny"]),
+        "--layout",
+        "data=8,zero=1,microbatches=2,recompute=none",
+        "--layout",
+        "data=2,tensor=2,pipeline=2,zero=3,microbatches=2,recompute=none",
+        "--aot",
+        "--json",
+        "--config.model.compute_dtype=float32",
+        "--config.parallel.grad_reduce_dtype=float32",
+    ]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert [(r["data"], r["pipeline"], r["zero_stage"]) for r in rows] == [(8, 1, 1), (2, 2, 3)]
@@ -279,7 +346,12 @@ def test_inspect_prints_the_largest_peak_terms(capsys):
     """``jaxpar inspect`` names the three largest terms of the estimated peak, as text and in --json."""
     from jaxpar.cli.inspect import run_inspect
 
-    small = ["--config.mesh.data=2", "--config.mesh.tensor=1", "--config.model.num_layers=1", "--config.train.seq_len=32"]
+    small = [
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=1",
+        "--config.model.num_layers=1",
+        "--config.train.seq_len=32",
+    ]
     assert run_inspect(argparse.Namespace(config=str(CONFIGS["tiny"]), overrides=small, json=False, ops=False)) == 0
     text = capsys.readouterr().out
     assert "estimated peak" in text and "largest terms: " in text and "residual stack" in text

@@ -62,15 +62,19 @@ def test_recommended_layout_compiles_within_device_memory(config):
     assert "skipped" not in aot, aot
     assert aot["platform"] == "cpu" and aot["compute_dtype"] == "float32"
     mem = aot["memory"]
-    print(f"\n{config}: {top['data']}x{top['tensor']}x{top['pipeline']}x{top['context']} ZeRO-{top['zero_stage']} "
-          f"m={top['microbatches']} b={top['microbatch_size']} {top['recompute']}: temp ratio {aot['temp_ratio']:.3f}, "
-          f"peak ratio {mem['peak_ratio']:.3f} (fp32 peak {mem['peak_bytes'] / GIB:.1f} GiB)")
+    print(
+        f"\n{config}: {top['data']}x{top['tensor']}x{top['pipeline']}x{top['context']} ZeRO-{top['zero_stage']} "
+        f"m={top['microbatches']} b={top['microbatch_size']} {top['recompute']}: temp ratio {aot['temp_ratio']:.3f}, "
+        f"peak ratio {mem['peak_ratio']:.3f} (fp32 peak {mem['peak_bytes'] / GIB:.1f} GiB)"
+    )
     assert aot["argument_ratio"] == pytest.approx(1, abs=1e-3)
     assert aot["temp_ratio"] == pytest.approx(1, abs=TEMP_BOUND)
     assert mem["peak_ratio"] == pytest.approx(1, abs=PEAK_BOUND)
     memory = doc["cluster"]["memory_bytes"]
     assert top["fits"] and top["memory"]["total_bytes"] <= 0.9 * memory  # the planner's recommendation
     predicted = aot["argument_bytes"] + top["memory"]["temp_bytes"] * aot["temp_ratio"]
-    print(f"  bf16 plan {top['memory']['total_bytes'] / GIB:.1f} GiB; predicted compiled {predicted / GIB:.1f} GiB "
-          f"of {memory / GIB:.1f}")
+    print(
+        f"  bf16 plan {top['memory']['total_bytes'] / GIB:.1f} GiB; predicted compiled {predicted / GIB:.1f} GiB "
+        f"of {memory / GIB:.1f}"
+    )
     assert predicted <= memory

@@ -38,9 +38,20 @@ EXPECTED = {
     "vision_fp16_zero1.json": _WORLD,
     "zeropp_hpz_qwz_qgz.json": None,
 }
-HF_SIDE = {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8, "warmup_num_steps": 100,
-           "total_num_steps": 1000, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 2,
-           "gradient_accumulation_steps": 2, "fp16": False, "bf16": True, "world_size": 8}
+HF_SIDE = {
+    "lr": 3e-4,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "warmup_num_steps": 100,
+    "total_num_steps": 1000,
+    "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "fp16": False,
+    "bf16": True,
+    "world_size": 8,
+}
 
 
 @pytest.mark.parametrize("path, expected", recipe_params("deepspeed", (".json",), EXPECTED))
@@ -57,14 +68,17 @@ def test_every_recipe_ports_or_fails_with_its_message(path, expected):
     assert report.entries and not report.problems
 
 
-@pytest.mark.parametrize("path, expected", recipe_params("deepspeed", (".json",), EXPECTED,
-                                                         keep=lambda name: "TEMPLATE" not in name))
+@pytest.mark.parametrize(
+    "path, expected", recipe_params("deepspeed", (".json",), EXPECTED, keep=lambda name: "TEMPLATE" not in name)
+)
 def test_every_recipe_ports_with_side_inputs_and_reports_every_key(path, expected):
     raw = json.loads(path.read_text())
     cfg, report = port_deepspeed(path, world_size=EXTRA_WORLD.get(path.name, 8), side_inputs=HF_SIDE)
     sources = {e.source.split(" ")[0] for e in report.entries}
     for key, value in raw.items():
-        leaves = [f"{key}.{k}" for k in value] if isinstance(value, dict) and key != "activation_checkpointing" else [key]
+        leaves = (
+            [f"{key}.{k}" for k in value] if isinstance(value, dict) and key != "activation_checkpointing" else [key]
+        )
         for leaf in leaves:
             assert leaf in sources or any(s.startswith(leaf) for s in sources), f"{leaf} not reported"
     assert not report.problems
@@ -99,8 +113,14 @@ def test_auto_values_are_listed_as_unresolved():
     with pytest.raises(ConfigError) as e:
         port_deepspeed(DS / "hf_zero3_all_auto.json", side_inputs={"lr": 3e-4, "world_size": 8})
     message = str(e.value)
-    for name in ("bf16.enabled", "fp16.enabled", "gradient_clipping", "optimizer.params.weight_decay",
-                 "scheduler.params.warmup_num_steps", "train_micro_batch_size_per_gpu"):
+    for name in (
+        "bf16.enabled",
+        "fp16.enabled",
+        "gradient_clipping",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_num_steps",
+        "train_micro_batch_size_per_gpu",
+    ):
         assert name in message
     assert "optimizer.params.lr" not in message and "\n" not in message  # lr came from the side input
 
@@ -171,29 +191,40 @@ def test_warmup_cosine_adam_l2_and_torch_autocast_from_a_file():
     assert report.find("torch_autocast.dtype").status == "mapped"
 
 
-@pytest.mark.parametrize("cfg_dict, world, match", [
-    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 8,
-     "train_batch_size=32, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4 with DP=8"),
-    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2, "train_batch_size=30"),
-    ({"train_batch_size": 32}, 6, "world size 6 is not divisible by tensor\\*pipeline"),
-    ({"train_batch_size": 32, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 2, "both true"),
-])
+@pytest.mark.parametrize(
+    "cfg_dict, world, match",
+    [
+        (
+            {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+            8,
+            "train_batch_size=32, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4 with DP=8",
+        ),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2, "train_batch_size=30"),
+        ({"train_batch_size": 32}, 6, "world size 6 is not divisible by tensor\\*pipeline"),
+        ({"train_batch_size": 32, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 2, "both true"),
+    ],
+)
 def test_inconsistent_batch_settings_raise(cfg_dict, world, match):
     with pytest.raises(ConfigError, match=match):
         port_deepspeed(cfg_dict, world_size=world, tensor=4 if world == 6 else 1)
 
 
 def test_all_three_batch_settings_determine_the_data_size():
-    cfg, _ = port_deepspeed({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
-                             "gradient_accumulation_steps": 4}, tensor=2)
+    cfg, _ = port_deepspeed(
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, tensor=2
+    )
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.train.microbatches) == (8, 2, 4)
 
 
 def test_adam_without_w_mode_is_l2_and_cosine_scheduler_maps():
-    cfg, report = port_deepspeed({
-        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "adam_w_mode": False}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_num_steps": 50}}},
-        world_size=2)
+    cfg, report = port_deepspeed(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "adam_w_mode": False}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_num_steps": 50}},
+        },
+        world_size=2,
+    )
     assert not cfg.optim.decoupled_weight_decay and cfg.optim.lr == 2e-4 and cfg.optim.schedule == "cosine"
     assert cfg.optim.min_lr_ratio == 0.0001 and cfg.optim.warmup_type == "log" and cfg.train.steps == 500
     entry = report.find("scheduler.type")
@@ -214,8 +245,20 @@ def _run(argv: list[str]) -> int:
 
 def test_cli_writes_a_config_that_loads_and_validates(tmp_path, capsys):
     out = tmp_path / "mds.py"
-    argv = ["deepspeed", str(DS / "megatron_ds_bf16_zero1.json"), "--world-size", "256", "--tensor", "4",
-            "--pipeline", "8", "--set", "model.num_layers=48", "-o", str(out)]
+    argv = [
+        "deepspeed",
+        str(DS / "megatron_ds_bf16_zero1.json"),
+        "--world-size",
+        "256",
+        "--tensor",
+        "4",
+        "--pipeline",
+        "8",
+        "--set",
+        "model.num_layers=48",
+        "-o",
+        str(out),
+    ]
     assert _run(argv) == 0
     cfg = load_config(str(out))
     assert (cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers) == (8, 128, 48)
@@ -228,20 +271,37 @@ def test_cli_writes_a_config_that_loads_and_validates(tmp_path, capsys):
 def test_cli_output_is_not_overwritten_without_the_flag(tmp_path, capsys):
     out = tmp_path / "mds.py"
     out.write_text("# the user's own file\n")
-    argv = ["port", "deepspeed", str(DS / "megatron_ds_bf16_zero1.json"), "--world-size", "256", "--tensor", "4",
-            "--pipeline", "8", "--set", "model.num_layers=48", "-o", str(out)]
+    argv = [
+        "port",
+        "deepspeed",
+        str(DS / "megatron_ds_bf16_zero1.json"),
+        "--world-size",
+        "256",
+        "--tensor",
+        "4",
+        "--pipeline",
+        "8",
+        "--set",
+        "model.num_layers=48",
+        "-o",
+        str(out),
+    ]
     from jaxpar.cli import main
 
     capsys.readouterr()
     assert main(argv) == 2  # the CLI's exit code for bad input
     captured = capsys.readouterr()
-    assert captured.err == f"error: port -o {out}: the file exists; pass --overwrite to replace it or choose " \
+    assert (
+        captured.err == f"error: port -o {out}: the file exists; pass --overwrite to replace it or choose "
         "another path\n"
+    )
     assert captured.out == ""  # refused before porting: no report printed
     assert out.read_text() == "# the user's own file\n" and not list(tmp_path.glob(".*.tmp"))
     assert main([*argv, "--overwrite"]) == 2  # --overwrite replaces only a file port wrote (jaxpar.write_guard)
-    assert capsys.readouterr().err == f"error: port -o {out}: jaxpar did not write this file; --overwrite replaces " \
+    assert (
+        capsys.readouterr().err == f"error: port -o {out}: jaxpar did not write this file; --overwrite replaces "
         "only a file jaxpar wrote: move it or pick another path\n"
+    )
     assert out.read_text() == "# the user's own file\n"
     out.unlink()
     assert main(argv) == 0 and main([*argv, "--overwrite"]) == 0  # its own earlier output: replaced
@@ -258,13 +318,16 @@ def test_cli_json_and_side_inputs(capsys):
     assert doc["report"]["counts"]["mapped"] > 0 and doc["report"]["kind"] == "deepspeed"
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["megatron", "x.args", "--tensor", "2"], "deepspeed only"),
-    (["torchtitan", "x.toml", "--set", "modl.vocab_size=3"], "did you mean 'model.vocab_size'"),
-    (["fsdp", "x.yaml", "--var", "A=1"], "Megatron"),
-    (["deepspeed", "missing.json"], "not found"),
-    (["deepspeed", "{DS}/pipe_module_typo.json", "--set", "lr"], "NAME=VALUE"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["megatron", "x.args", "--tensor", "2"], "deepspeed only"),
+        (["torchtitan", "x.toml", "--set", "modl.vocab_size=3"], "did you mean 'model.vocab_size'"),
+        (["fsdp", "x.yaml", "--var", "A=1"], "Megatron"),
+        (["deepspeed", "missing.json"], "not found"),
+        (["deepspeed", "{DS}/pipe_module_typo.json", "--set", "lr"], "NAME=VALUE"),
+    ],
+)
 def test_cli_bad_input_is_one_line_config_error(argv, match):
     argv = [a.replace("{DS}", str(DS)) for a in argv]
     with pytest.raises(ConfigError, match=match) as e:
@@ -284,15 +347,24 @@ def test_report_renders_as_text_rich_and_json():
     report.render_rich(Console(file=buffer, width=200))
     assert "gradient_accumulation_step" in buffer.getvalue()
     doc = json.loads(report.to_json())
-    assert doc["counts"]["unknown"] == 1 and {e["status"] for e in doc["entries"]} <= {"mapped", "approximated",
-                                                                                      "unsupported", "unknown"}
+    assert doc["counts"]["unknown"] == 1 and {e["status"] for e in doc["entries"]} <= {
+        "mapped",
+        "approximated",
+        "unsupported",
+        "unknown",
+    }
 
 
 def test_tensorboard_and_flops_profiler_map_to_events_and_a_trace():
     base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}
-    cfg, report = port_deepspeed({**base, "tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "x"},
-                                  "flops_profiler": {"enabled": True, "profile_step": 3, "top_modules": 1}},
-                                 world_size=8)
+    cfg, report = port_deepspeed(
+        {
+            **base,
+            "tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "x"},
+            "flops_profiler": {"enabled": True, "profile_step": 3, "top_modules": 1},
+        },
+        world_size=8,
+    )
     assert cfg.train.profile_steps == "4,4"  # DeepSpeed's profile_step counts steps done from 0
     fp, tb = report.find("flops_profiler"), report.find("tensorboard")
     assert (fp.status, fp.target) == ("approximated", "train.profile_steps") and "jax.profiler" in fp.note

@@ -72,7 +72,13 @@ def test_bloom_style_layout_on_256_gpus():
     assert (cfg.train.global_batch, cfg.train.microbatches) == (1024, 128)  # 1024 / (1 * 8)
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.head_dim, m.vocab_size) == (66, 11600, 80, 145, 250880)
-    assert (m.mlp_dim, m.mlp_activation, m.norm, m.tie_embeddings, m.remat) == (46400, "gelu", "layernorm", True, "full")
+    assert (m.mlp_dim, m.mlp_activation, m.norm, m.tie_embeddings, m.remat) == (
+        46400,
+        "gelu",
+        "layernorm",
+        True,
+        "full",
+    )
     assert cfg.train.steps == 150_000_000 // 1024 and cfg.optim.lr == 6e-5 and cfg.optim.b2 == 0.95
     assert cfg.parallel.zero_stage == 1 and cfg.train.seed == 43  # --deepspeed --zero-stage ${ZERO_STAGE}
     assert report.find("--position-embedding-type").status == "unsupported"  # ALiBi
@@ -90,8 +96,13 @@ def test_gpt3_13b_shape_and_schedule():
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 4, 4, 256)
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (40, 5120, 40, 40, 128)
-    assert (m.mlp_dim, m.mlp_activation, m.norm, m.position, m.tie_embeddings) == (20480, "gelu", "layernorm",
-                                                                                   "learned", True)
+    assert (m.mlp_dim, m.mlp_activation, m.norm, m.position, m.tie_embeddings) == (
+        20480,
+        "gelu",
+        "layernorm",
+        "learned",
+        True,
+    )
     assert m.vocab_size == 50688 and m.compute_dtype == "float16" and m.init_std == 0.008  # 50257 padded to 128*4
     o = cfg.optim
     assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr, o.b2) == ("cosine", 1000, 100000, 1e-4, 0.95)
@@ -106,10 +117,21 @@ def test_gpt3_13b_shape_and_schedule():
 def test_llama3_8b_fp8_shape_and_sample_based_schedule():
     cfg, report = port_megatron(MEG / LLAMA3)
     m = cfg.model
-    assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (32, 4096, 32, 8, 128,
-                                                                                               14336)
-    assert (m.mlp_activation, m.norm, m.position, m.rope_theta, m.tie_embeddings) == ("swiglu", "rmsnorm", "rope",
-                                                                                      5e5, False)
+    assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (
+        32,
+        4096,
+        32,
+        8,
+        128,
+        14336,
+    )
+    assert (m.mlp_activation, m.norm, m.position, m.rope_theta, m.tie_embeddings) == (
+        "swiglu",
+        "rmsnorm",
+        "rope",
+        5e5,
+        False,
+    )
     assert (cfg.mesh.data, cfg.train.microbatches, cfg.parallel.zero_stage) == (8, 4, 1)  # 64 / (2 * 8)
     assert not cfg.parallel.sequence_parallel and report.find("--sequence-parallel").status == "approximated"
     assert cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 6400000 // 64
@@ -144,8 +166,16 @@ def test_megatron_deepspeed_llama2():
 
 
 def test_sweep_template_ports_once_its_variables_are_given():
-    variables = {"TP": "2", "PP": "2", "MBS": "1", "GBS": "64", "NLS": "24", "HS": "2048", "NAH": "16",
-                 "WORLD_SIZE": "16"}
+    variables = {
+        "TP": "2",
+        "PP": "2",
+        "MBS": "1",
+        "GBS": "64",
+        "NLS": "24",
+        "HS": "2048",
+        "NAH": "16",
+        "WORLD_SIZE": "16",
+    }
     cfg, report = port_megatron(MEG / SWEEP, variables=variables)
     assert (cfg.mesh.data, cfg.train.microbatches, cfg.optim.schedule) == (4, 16, "cosine")  # 16/(2*2); 64/(1*4)
     assert cfg.model.compute_dtype == "float16" and report.find("--loss-scale").status == "unsupported"
@@ -165,8 +195,19 @@ def test_interleaved_pipeline_with_sequence_parallel_and_selective_recompute():
 
 
 def _text(*flags: str, world: int = 8) -> str:
-    return "\n".join(["# flags", f"--nproc_per_node {world}", "--num-layers 32", "--hidden-size 4096",
-                      "--num-attention-heads 32", "--seq-length 1024", "--lr 1e-4", "--train-iters 100", *flags])
+    return "\n".join(
+        [
+            "# flags",
+            f"--nproc_per_node {world}",
+            "--num-layers 32",
+            "--hidden-size 4096",
+            "--num-attention-heads 32",
+            "--seq-length 1024",
+            "--lr 1e-4",
+            "--train-iters 100",
+            *flags,
+        ]
+    )
 
 
 @pytest.mark.parametrize("hidden, ffn", [(4096, 10880), (5120, 13632), (2048, 5440)])
@@ -176,9 +217,17 @@ def test_swiglu_default_ffn_rounds_down_to_64(hidden, ffn):
 
 
 def test_virtual_pipeline_sequence_and_context_parallel():
-    cfg, report = port_megatron(_text("--pipeline-model-parallel-size 2", "--num-layers-per-virtual-pipeline-stage 4",
-                                      "--tensor-model-parallel-size 2", "--sequence-parallel", "--global-batch-size 64",
-                                      "--context-parallel-size 2", world=16))
+    cfg, report = port_megatron(
+        _text(
+            "--pipeline-model-parallel-size 2",
+            "--num-layers-per-virtual-pipeline-stage 4",
+            "--tensor-model-parallel-size 2",
+            "--sequence-parallel",
+            "--global-batch-size 64",
+            "--context-parallel-size 2",
+            world=16,
+        )
+    )
     assert (cfg.pipeline.virtual_stages, cfg.pipeline.schedule) == (4, "interleaved")  # 32 / (2 * 4)
     assert cfg.parallel.sequence_parallel and cfg.mesh.tensor == 2
     assert (cfg.mesh.data, cfg.mesh.context) == (2, 2) and cfg.train.microbatches == 32  # DP = 16 / (2*2*2)
@@ -192,9 +241,15 @@ def test_virtual_pipeline_sequence_and_context_parallel():
         port_megatron(_text("--global-batch-size 12", "--micro-batch-size 1"))
 
 
-@pytest.mark.parametrize("kind, exchange, status", [("p2p", "ring", "mapped"), ("all_gather", "all_gather", "mapped"),
-                                                    ("a2a", "ring", "approximated"),
-                                                    ("a2a+p2p", "ring", "approximated")])
+@pytest.mark.parametrize(
+    "kind, exchange, status",
+    [
+        ("p2p", "ring", "mapped"),
+        ("all_gather", "all_gather", "mapped"),
+        ("a2a", "ring", "approximated"),
+        ("a2a+p2p", "ring", "approximated"),
+    ],
+)
 def test_context_parallel_comm_types(kind, exchange, status):
     cfg, report = port_megatron(_text("--context-parallel-size 4", f"--cp-comm-type {kind}", world=8))
     assert (cfg.mesh.data, cfg.mesh.context, cfg.parallel.context_exchange) == (2, 4, exchange)
@@ -243,13 +298,27 @@ torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES pretrain_gpt.py \\
 
 def test_shell_expansion_subset():
     shell = Shell({"USER_SET": "7"})
-    for line in ("A=3", 'B="x ${A}"', "C=${MISSING:-'dflt'}", "D=$((A*4 + USER_SET))", "E=$(hostname)",
-                 "USER_SET=1", "F=<placeholder>"):
+    for line in (
+        "A=3",
+        'B="x ${A}"',
+        "C=${MISSING:-'dflt'}",
+        "D=$((A*4 + USER_SET))",
+        "E=$(hostname)",
+        "USER_SET=1",
+        "F=<placeholder>",
+    ):
         shell.assign(*split_assignment(line))
     assert shell.env["B"] == "x 3" and shell.env["C"] == "dflt" and shell.env["D"] == "19"
     assert shell.env["USER_SET"] == "7"  # --var wins over the script
-    assert [show(w) for w in shell.words("--a $B --b $E '$A' \"$F\" # comment")] == ["--a", "x", "3", "--b", "$E",
-                                                                                      "$A", "$F"]
+    assert [show(w) for w in shell.words("--a $B --b $E '$A' \"$F\" # comment")] == [
+        "--a",
+        "x",
+        "3",
+        "--b",
+        "$E",
+        "$A",
+        "$F",
+    ]
     assert shell.why["E"].startswith("needs $(hostname") and shell.why["F"].startswith("placeholder")
 
 
@@ -257,13 +326,15 @@ def test_cli_megatron_output_loads(tmp_path):
     out = tmp_path / "llama3.py"
     parser = argparse.ArgumentParser()
     add_port_arguments(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["port", "megatron", str(MEG / LLAMA3), "--set", "model.vocab_size=128256",
-                              "-o", str(out)])
+    args = parser.parse_args(
+        ["port", "megatron", str(MEG / LLAMA3), "--set", "model.vocab_size=128256", "-o", str(out)]
+    )
     assert run_port(args) == 0
     cfg = load_config(str(out))
     assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.train.microbatches == 4
-    args = parser.parse_args(["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o",
-                              str(tmp_path / "bloom.py")])
+    args = parser.parse_args(
+        ["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o", str(tmp_path / "bloom.py")]
+    )
     with pytest.raises(ConfigError, match="does not validate: model.head_dim=145: RoPE needs an even head dim"):
         run_port(args)
 

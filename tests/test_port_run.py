@@ -54,10 +54,30 @@ from tests.helpers import run_steps
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "recipes"
 DEVICES = 8
-HF = ["--set", "lr=3e-4", "--set", "weight_decay=0.1", "--set", "betas=[0.9, 0.95]", "--set", "eps=1e-8",
-      "--set", "warmup_num_steps=100", "--set", "total_num_steps=1000", "--set", "gradient_clipping=1.0",
-      "--set", "train_micro_batch_size_per_gpu=1", "--set", "gradient_accumulation_steps=2", "--set", "fp16=false",
-      "--set", "bf16=true"]
+HF = [
+    "--set",
+    "lr=3e-4",
+    "--set",
+    "weight_decay=0.1",
+    "--set",
+    "betas=[0.9, 0.95]",
+    "--set",
+    "eps=1e-8",
+    "--set",
+    "warmup_num_steps=100",
+    "--set",
+    "total_num_steps=1000",
+    "--set",
+    "gradient_clipping=1.0",
+    "--set",
+    "train_micro_batch_size_per_gpu=1",
+    "--set",
+    "gradient_accumulation_steps=2",
+    "--set",
+    "fp16=false",
+    "--set",
+    "bf16=true",
+]
 # recipe -> the extra `jaxpar port` arguments a user needs for it (world size, shell variables, "auto" values)
 RECIPES = {
     "deepspeed/hf_zero3_offload_fp16.json": ["--world-size", "8", *HF],
@@ -68,26 +88,50 @@ RECIPES = {
     "deepspeed/pipe_module_typo.json": ["--world-size", "2"],
     "deepspeed/pipeline_parallel_micro.json": ["--world-size", "8", "--pipeline", "2"],
     "deepspeed/smoke_bf16_zero0.json": ["--world-size", "8"],
-    "deepspeed/megatron_ds_bf16_zero1.json": ["--world-size", "256", "--tensor", "4", "--pipeline", "8",
-                                              "--set", "model.num_layers=48"],
+    "deepspeed/megatron_ds_bf16_zero1.json": [
+        "--world-size",
+        "256",
+        "--tensor",
+        "4",
+        "--pipeline",
+        "8",
+        "--set",
+        "model.num_layers=48",
+    ],
     "deepspeed/zeropp_hpz_qwz_qgz.json": ["--world-size", "8"],
     "deepspeed/mics_zero3.json": ["--world-size", "8"],
     "deepspeed/adam_l2_cosine_autocast.json": ["--world-size", "8"],
     "megatron/gpt3_13b_distributed.args": ["--var", "NUM_NODES=4"],
     "megatron/llama3_8b_fp8_single_node.args": [],
     "megatron/mixtral_8x22b_moe.args": [],
-    "megatron/sweep_CONFIG.args": [f"--var={kv}" for kv in ("TP=2", "PP=2", "MBS=1", "GBS=32", "NLS=24", "HS=1024",
-                                                             "NAH=16", "WORLD_SIZE=8")],
-    "megatron/bloom_style_104b_slurm.args": ["--var", "SLURM_NNODES=32", "--set", "model.num_layers=64",
-                                             "--set", "model.head_dim=144"],  # ALiBi unsupported: RoPE, even dims
+    "megatron/sweep_CONFIG.args": [
+        f"--var={kv}" for kv in ("TP=2", "PP=2", "MBS=1", "GBS=32", "NLS=24", "HS=1024", "NAH=16", "WORLD_SIZE=8")
+    ],
+    "megatron/bloom_style_104b_slurm.args": [
+        "--var",
+        "SLURM_NNODES=32",
+        "--set",
+        "model.num_layers=64",
+        "--set",
+        "model.head_dim=144",
+    ],  # ALiBi unsupported: RoPE, even dims
     "megatron/megatron_ds_llama2_tp2_pp2.args": [],
     "megatron/gpt_1b_interleaved_sp.args": [],
     "torchtitan/llama3_8b_32gpu.toml": ["--world-size", "32"],
     "torchtitan/llama3_70b_tp8_64gpu.toml": ["--world-size", "64"],
     "torchtitan/llama3_405b_fp8_128gpu.toml": ["--world-size", "128"],
-    "torchtitan/llama4_moe_pp4_tp8.toml": ["--world-size", "64", "--set", "model.num_heads=8",
-                                           "--set", "model.num_kv_heads=8", "--set", "train.microbatches=4",
-                                           "--set", "train.global_batch=8"],
+    "torchtitan/llama4_moe_pp4_tp8.toml": [
+        "--world-size",
+        "64",
+        "--set",
+        "model.num_heads=8",
+        "--set",
+        "model.num_kv_heads=8",
+        "--set",
+        "train.microbatches=4",
+        "--set",
+        "train.global_batch=8",
+    ],
     "torchtitan/deepseek_v3_moe_ep8.toml": ["--world-size", "16"],
     "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": [],
     "fsdp/accelerate_fsdp_full_shard.yaml": [],
@@ -121,12 +165,24 @@ def shrink(cfg) -> list[str]:
     heads = 2 * tensor
     kv = heads if cfg.model.num_kv_heads == cfg.model.num_heads else tensor
     values = {
-        "mesh.data": data, "mesh.tensor": tensor, "mesh.pipeline": pipeline, "pipeline.virtual_stages": virtual,
-        "train.microbatches": micro, "train.global_batch": micro * data, "train.seq_len": 16,
-        "model.embed_dim": 32, "model.num_heads": heads, "model.num_kv_heads": kv, "model.head_dim": 8,
-        "model.mlp_dim": 64, "model.vocab_size": 128, "model.max_seq_len": 32,
+        "mesh.data": data,
+        "mesh.tensor": tensor,
+        "mesh.pipeline": pipeline,
+        "pipeline.virtual_stages": virtual,
+        "train.microbatches": micro,
+        "train.global_batch": micro * data,
+        "train.seq_len": 16,
+        "model.embed_dim": 32,
+        "model.num_heads": heads,
+        "model.num_kv_heads": kv,
+        "model.head_dim": 8,
+        "model.mlp_dim": 64,
+        "model.vocab_size": 128,
+        "model.max_seq_len": 32,
         "model.num_layers": pipeline * virtual if pipeline > 1 else 1,
-        "model.compute_dtype": "float32", "model.param_dtype": "float32", "train.init_from": "",
+        "model.compute_dtype": "float32",
+        "model.param_dtype": "float32",
+        "train.init_from": "",
     }
     return [f"--config.{k}={v}" for k, v in values.items()]
 
@@ -134,10 +190,22 @@ def shrink(cfg) -> list[str]:
 def layout_key(cfg) -> tuple:
     """What decides the compiled step: mesh, ZeRO, pipeline, batch split, recompute, model family."""
     m = cfg.model
-    return (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.parallel.zero_stage,
-            cfg.parallel.sequence_parallel, cfg.pipeline.schedule if cfg.mesh.pipeline > 1 else "-",
-            cfg.pipeline.virtual_stages, cfg.train.microbatches, m.remat, m.mlp_activation, m.norm, m.position,
-            m.tie_embeddings, m.num_kv_heads < m.num_heads)
+    return (
+        cfg.mesh.data,
+        cfg.mesh.tensor,
+        cfg.mesh.pipeline,
+        cfg.parallel.zero_stage,
+        cfg.parallel.sequence_parallel,
+        cfg.pipeline.schedule if cfg.mesh.pipeline > 1 else "-",
+        cfg.pipeline.virtual_stages,
+        cfg.train.microbatches,
+        m.remat,
+        m.mlp_activation,
+        m.norm,
+        m.position,
+        m.tie_embeddings,
+        m.num_kv_heads < m.num_heads,
+    )
 
 
 SLOW = bool(os.environ.get("JAXPAR_SLOW"))
@@ -221,11 +289,21 @@ def test_ported_recipe_file_loads_and_trains_one_step(recipe, plan, tmp_path):
     _port(recipe, out)
     full = load_config(str(out))  # the written file loads and validates at full size
     cfg = load_config(str(out), shrink(full))
-    kept = ("parallel.zero_stage", "parallel.sequence_parallel", "pipeline.schedule", "pipeline.virtual_stages",
-            "model.remat", "model.mlp_activation", "model.norm", "model.position", "model.tie_embeddings")
+    kept = (
+        "parallel.zero_stage",
+        "parallel.sequence_parallel",
+        "pipeline.schedule",
+        "pipeline.virtual_stages",
+        "model.remat",
+        "model.mlp_activation",
+        "model.norm",
+        "model.position",
+        "model.tie_embeddings",
+    )
     assert {k: cfg[k] for k in kept} == {k: full[k] for k in kept}
     assert [n > 1 for n in (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline)] == [
-        n > 1 for n in (full.mesh.data, full.mesh.tensor, full.mesh.pipeline)]
+        n > 1 for n in (full.mesh.data, full.mesh.tensor, full.mesh.pipeline)
+    ]
     _check(cfg, plan)
 
 
@@ -241,8 +319,17 @@ def test_shipped_config_trains_one_step(spec, plan):
     _check(load_config(_config_path(spec), shrink(full)), plan)
 
 
-@pytest.mark.parametrize("sizes, want", [((8, 1, 1), (8, 1, 1)), ((64, 1, 1), (8, 1, 1)), ((8, 8, 1), (2, 4, 1)),
-                                         ((16, 8, 8), (2, 2, 2)), ((1, 8, 16), (1, 4, 2)), ((6, 1, 1), (4, 1, 1)),
-                                         ((2, 4, 8), (2, 2, 2))])
+@pytest.mark.parametrize(
+    "sizes, want",
+    [
+        ((8, 1, 1), (8, 1, 1)),
+        ((64, 1, 1), (8, 1, 1)),
+        ((8, 8, 1), (2, 4, 1)),
+        ((16, 8, 8), (2, 2, 2)),
+        ((1, 8, 16), (1, 4, 2)),
+        ((6, 1, 1), (4, 1, 1)),
+        ((2, 4, 8), (2, 2, 2)),
+    ],
+)
 def test_shrunk_mesh(sizes, want):
     assert shrunk_mesh(sizes) == want

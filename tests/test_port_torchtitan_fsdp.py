@@ -19,8 +19,14 @@ from tests.port_recipes import EXTRA_WORLD, FIXTURES, recipe_params
 
 TT, FSDP = FIXTURES / "torchtitan", FIXTURES / "fsdp"
 # world sizes the fixture jobs were written for (their comments); None: the degrees fix it
-WORLD = {"llama3_8b_32gpu.toml": 32, "llama3_70b_tp8_64gpu.toml": 64, "llama3_405b_fp8_128gpu.toml": 128,
-         "llama4_moe_pp4_tp8.toml": 64, "deepseek_v3_moe_ep8.toml": 16, "llama3_8b_pp2_interleaved_16gpu.toml": None}
+WORLD = {
+    "llama3_8b_32gpu.toml": 32,
+    "llama3_70b_tp8_64gpu.toml": 64,
+    "llama3_405b_fp8_128gpu.toml": 128,
+    "llama4_moe_pp4_tp8.toml": 64,
+    "deepseek_v3_moe_ep8.toml": 16,
+    "llama3_8b_pp2_interleaved_16gpu.toml": None,
+}
 
 
 @pytest.mark.parametrize("path, expected", recipe_params("torchtitan", (".toml",), WORLD))
@@ -36,14 +42,27 @@ def test_every_torchtitan_recipe_ports_and_reports_every_key(path, expected):
         assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline * cfg.mesh.context == world
     sources = [e.source for e in report.entries]
     for section, body in raw.items():
-        keys = [f"{section}.{k}" for k in body] if section in ("parallelism", "training", "optimizer", "model") \
+        keys = (
+            [f"{section}.{k}" for k in body]
+            if section in ("parallelism", "training", "optimizer", "model")
             else [section]
+        )
         for key in keys:
             assert any(s.split(" ")[0] == key or s.startswith(key) for s in sources), f"{key} not reported"
 
 
-@pytest.mark.parametrize("path, expected", recipe_params("fsdp", (".yaml", ".yml"), {
-    "accelerate_fsdp_full_shard.yaml": 3, "accelerate_fsdp_hybrid_2nodes.yaml": 3, "accelerate_fsdp2_no_reshard.yaml": 2}))
+@pytest.mark.parametrize(
+    "path, expected",
+    recipe_params(
+        "fsdp",
+        (".yaml", ".yml"),
+        {
+            "accelerate_fsdp_full_shard.yaml": 3,
+            "accelerate_fsdp_hybrid_2nodes.yaml": 3,
+            "accelerate_fsdp2_no_reshard.yaml": 2,
+        },
+    ),
+)
 def test_every_fsdp_recipe_ports(path, expected):
     cfg, report = port_fsdp(path)
     assert cfg.parallel.zero_stage == expected if expected != "any" else cfg.parallel.zero_stage in (0, 2, 3)
@@ -54,9 +73,10 @@ def test_every_fixture_is_listed():
     assert sorted(p.name for p in TT.iterdir()) == sorted(WORLD)
 
 
-@pytest.mark.parametrize("flavor, dim, mult, multiple, ffn", [("8B", 4096, 1.3, 1024, 14336),
-                                                              ("70B", 8192, 1.3, 4096, 28672),
-                                                              ("405B", 16384, 1.2, 4096, 53248)])
+@pytest.mark.parametrize(
+    "flavor, dim, mult, multiple, ffn",
+    [("8B", 4096, 1.3, 1024, 14336), ("70B", 8192, 1.3, 4096, 28672), ("405B", 16384, 1.2, 4096, 53248)],
+)
 def test_llama3_ffn_sizes(flavor, dim, mult, multiple, ffn):
     assert ffn_dim(dim, mult, multiple) == ffn
 
@@ -66,8 +86,14 @@ def test_llama3_8b_on_32_gpus():
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.zero_stage) == (32, 1, 3)  # FSDP over all 32 ranks
     assert (cfg.train.global_batch, cfg.train.microbatches, cfg.train.seq_len, cfg.train.steps) == (64, 1, 4096, 2000)
     m = cfg.model
-    assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size) == (32, 4096, 32, 8,
-                                                                                                 14336, 128256)
+    assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size) == (
+        32,
+        4096,
+        32,
+        8,
+        14336,
+        128256,
+    )
     assert m.rope_theta == 500000.0 and m.remat == "selective" and m.compute_dtype == "bfloat16"
     o = cfg.optim
     assert (o.lr, o.eps, o.b2, o.weight_decay, o.schedule, o.min_lr_ratio) == (2e-4, 1e-8, 0.95, 0.1, "linear", 0.0)
@@ -113,8 +139,10 @@ def test_pipeline_interleaved_with_accumulation():
 
 def test_torchtitan_degrees_must_multiply_to_the_world_size(tmp_path):
     path = tmp_path / "job.toml"
-    path.write_text("[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n"
-                    "[training]\nlocal_batch_size = 2\nglobal_batch_size = 32\nsteps = 10\n")
+    path.write_text(
+        "[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n"
+        "[training]\nlocal_batch_size = 2\nglobal_batch_size = 32\nsteps = 10\n"
+    )
     with pytest.raises(ConfigError, match="multiply to 8 but the world size is 16"):
         port_torchtitan(path, world_size=16)
     cfg, report = port_torchtitan(path)
@@ -124,14 +152,17 @@ def test_torchtitan_degrees_must_multiply_to_the_world_size(tmp_path):
     assert report.find("trainig").status == "unknown" and "'training'" in report.find("trainig").note
 
 
-@pytest.mark.parametrize("rotate, exchange, status", [(None, "all_gather", "mapped"),
-                                                      ("allgather", "all_gather", "mapped"),
-                                                      ("alltoall", "ring", "approximated")])
+@pytest.mark.parametrize(
+    "rotate, exchange, status",
+    [(None, "all_gather", "mapped"), ("allgather", "all_gather", "mapped"), ("alltoall", "ring", "approximated")],
+)
 def test_torchtitan_context_parallel(tmp_path, rotate, exchange, status):
     path = tmp_path / "job.toml"
     method = "" if rotate is None else f'context_parallel_rotate_method = "{rotate}"\n'
-    path.write_text(f"[parallelism]\ndata_parallel_shard_degree = -1\ncontext_parallel_degree = 4\n{method}"
-                    "[training]\nlocal_batch_size = 2\nseq_len = 8192\nsteps = 10\n")
+    path.write_text(
+        f"[parallelism]\ndata_parallel_shard_degree = -1\ncontext_parallel_degree = 4\n{method}"
+        "[training]\nlocal_batch_size = 2\nseq_len = 8192\nsteps = 10\n"
+    )
     cfg, report = port_torchtitan(path, world_size=16)
     assert (cfg.mesh.data, cfg.mesh.context, cfg.train.global_batch, cfg.parallel.zero_stage) == (4, 4, 8, 3)
     assert cfg.model.attention == "blockwise" and cfg.parallel.context_exchange == exchange and not report.problems
@@ -147,19 +178,32 @@ def test_torchtitan_context_parallel(tmp_path, rotate, exchange, status):
 
 def test_fsdp_full_shard():
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp_full_shard.yaml")
-    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (4, 3, "bfloat16",
-                                                                                                  "none")
-    for key in ("fsdp_config.fsdp_auto_wrap_policy", "fsdp_config.fsdp_state_dict_type",
-                "fsdp_config.fsdp_backward_prefetch", "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                "compute_environment", "rdzv_backend"):
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (
+        4,
+        3,
+        "bfloat16",
+        "none",
+    )
+    for key in (
+        "fsdp_config.fsdp_auto_wrap_policy",
+        "fsdp_config.fsdp_state_dict_type",
+        "fsdp_config.fsdp_backward_prefetch",
+        "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+        "compute_environment",
+        "rdzv_backend",
+    ):
         assert report.find(key).status == "approximated"
     assert report.find("fsdp_config.fsdp_sharding_strategy").status == "mapped"
 
 
 def test_fsdp_hybrid_across_nodes_and_fsdp2_reshard_flag():
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp_hybrid_2nodes.yaml")
-    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (16, 3, "float16",
-                                                                                                  "full")
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (
+        16,
+        3,
+        "float16",
+        "full",
+    )
     entry = report.find("fsdp_config.fsdp_sharding_strategy")
     assert entry.status == "approximated" and "replicated across 2 node(s)" in entry.note
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp2_no_reshard.yaml")
@@ -167,15 +211,27 @@ def test_fsdp_hybrid_across_nodes_and_fsdp2_reshard_flag():
     assert report.find("fsdp_config.fsdp_version").status == "approximated"
 
 
-@pytest.mark.parametrize("strategy, stage, status", [("FULL_SHARD", 3, "mapped"), ("SHARD_GRAD_OP", 2, "mapped"),
-                                                     ("NO_SHARD", 0, "mapped"), ("HYBRID_SHARD", 3, "approximated"),
-                                                     ("1", 3, "mapped"), ("2", 2, "mapped"), ("3", 0, "mapped"),
-                                                     ("4", 3, "approximated"), ("5", 2, "approximated")])
+@pytest.mark.parametrize(
+    "strategy, stage, status",
+    [
+        ("FULL_SHARD", 3, "mapped"),
+        ("SHARD_GRAD_OP", 2, "mapped"),
+        ("NO_SHARD", 0, "mapped"),
+        ("HYBRID_SHARD", 3, "approximated"),
+        ("1", 3, "mapped"),
+        ("2", 2, "mapped"),
+        ("3", 0, "mapped"),
+        ("4", 3, "approximated"),
+        ("5", 2, "approximated"),
+    ],
+)
 def test_fsdp_strategies(tmp_path, strategy, stage, status):
     path = tmp_path / "fsdp.yaml"
-    path.write_text(f"distributed_type: FSDP\nnum_machines: 2\nnum_processes: 16\nfsdp_config:\n"
-                    f"  fsdp_sharding_strategy: {strategy}\n  fsdp_offload_params: true\n"
-                    f"  fsdp_activation_checkpointing: true\n  fsdp_bogus: 1\n")
+    path.write_text(
+        f"distributed_type: FSDP\nnum_machines: 2\nnum_processes: 16\nfsdp_config:\n"
+        f"  fsdp_sharding_strategy: {strategy}\n  fsdp_offload_params: true\n"
+        f"  fsdp_activation_checkpointing: true\n  fsdp_bogus: 1\n"
+    )
     cfg, report = port_fsdp(path)
     assert cfg.parallel.zero_stage == stage and cfg.mesh.data == 16 and cfg.model.remat == "full"
     entry = report.find("fsdp_config.fsdp_sharding_strategy")

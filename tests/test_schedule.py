@@ -43,8 +43,9 @@ def ds_warmup_lr(lbi, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1
     return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
 
 
-def ds_warmup_decay_lr(lbi, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
-                       warmup_type="log"):
+def ds_warmup_decay_lr(
+    lbi, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"
+):
     """WarmupDecayLR.get_lr() at ``lbi``."""
     warmup_num_steps = max(2, warmup_num_steps)
     if lbi < 0:
@@ -56,8 +57,9 @@ def ds_warmup_decay_lr(lbi, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.
     return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
 
 
-def ds_warmup_cosine_lr(lbi, org_lr, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
-                        cos_min_ratio=0.0001, warmup_type="log"):
+def ds_warmup_cosine_lr(
+    lbi, org_lr, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000, cos_min_ratio=0.0001, warmup_type="log"
+):
     """WarmupCosineLR.get_lr() at ``lbi`` (the current, clamped version)."""
     warmup_num_steps = max(2, warmup_num_steps)
     inverse_log_warm_up = 1.0 / math.log(warmup_num_steps)
@@ -91,8 +93,17 @@ def deepspeed_updates(get_lr, n):
 # --------------------------------------------------------------------------- Megatron references
 
 
-def megatron_lr(num_steps, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, init_lr=0.0,
-                wsd_decay_steps=None, lr_wsd_decay_style=None):
+def megatron_lr(
+    num_steps,
+    max_lr,
+    min_lr,
+    lr_warmup_steps,
+    lr_decay_steps,
+    lr_decay_style,
+    init_lr=0.0,
+    wsd_decay_steps=None,
+    lr_wsd_decay_style=None,
+):
     """OptimizerParamScheduler.get_lr() (steps in samples)."""
     if lr_warmup_steps > 0 and num_steps <= lr_warmup_steps:
         return init_lr + ((max_lr - init_lr) * float(num_steps) / float(lr_warmup_steps))
@@ -119,8 +130,11 @@ def megatron_lr(num_steps, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_d
             coeff = 1.0
         else:
             wsd_decay_ratio = float(num_steps - wsd_anneal_start_) / float(wsd_decay_steps)
-            coeff = 1.0 - wsd_decay_ratio if lr_wsd_decay_style == "linear" else 0.5 * (
-                math.cos(math.pi * wsd_decay_ratio) + 1.0)
+            coeff = (
+                1.0 - wsd_decay_ratio
+                if lr_wsd_decay_style == "linear"
+                else 0.5 * (math.cos(math.pi * wsd_decay_ratio) + 1.0)
+            )
     return min_lr + coeff * delta_lr
 
 
@@ -198,8 +212,13 @@ def test_deepspeed_warmup_lr(warmup_type, warmup):
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
 @pytest.mark.parametrize("low", [0.0, 2e-5])
 def test_deepspeed_warmup_decay_lr(warmup_type, low):
-    params = {"warmup_min_lr": low, "warmup_max_lr": 1e-3, "warmup_num_steps": 100, "total_num_steps": STEPS,
-              "warmup_type": warmup_type}
+    params = {
+        "warmup_min_lr": low,
+        "warmup_max_lr": 1e-3,
+        "warmup_num_steps": 100,
+        "total_num_steps": STEPS,
+        "warmup_type": warmup_type,
+    }
     ref = deepspeed_updates(lambda lbi: ds_warmup_decay_lr(lbi, **params), STEPS)
     assert_close(curve(deepspeed.schedule_fields("WarmupDecayLR", params, None)), ref)
 
@@ -207,8 +226,12 @@ def test_deepspeed_warmup_decay_lr(warmup_type, low):
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
 @pytest.mark.parametrize("cos_min_ratio", [0.0001, 0.1])
 def test_deepspeed_warmup_cosine_lr(warmup_type, cos_min_ratio):
-    params = {"total_num_steps": 900, "warmup_num_steps": 50, "cos_min_ratio": cos_min_ratio,
-              "warmup_type": warmup_type}
+    params = {
+        "total_num_steps": 900,
+        "warmup_num_steps": 50,
+        "cos_min_ratio": cos_min_ratio,
+        "warmup_type": warmup_type,
+    }
     ref = deepspeed_updates(lambda lbi: ds_warmup_cosine_lr(lbi, 2e-4, **params), STEPS)
     assert_close(curve(deepspeed.schedule_fields("WarmupCosineLR", params, 2e-4)), ref)
 
@@ -237,8 +260,16 @@ def test_deepspeed_fields_without_offset_follow_last_batch_iteration():
 @pytest.mark.parametrize("init_lr", [0.0, 1e-6])
 def test_megatron_iteration_based(style, init_lr):
     gbs, warmup_iters, decay_iters = 32, 100, 800  # Megatron counts samples: iterations * global batch
-    ref = megatron_updates(STEPS, gbs, max_lr=3e-4, min_lr=3e-5, lr_warmup_steps=warmup_iters * gbs,
-                           lr_decay_steps=decay_iters * gbs, lr_decay_style=style, init_lr=init_lr)
+    ref = megatron_updates(
+        STEPS,
+        gbs,
+        max_lr=3e-4,
+        min_lr=3e-5,
+        lr_warmup_steps=warmup_iters * gbs,
+        lr_decay_steps=decay_iters * gbs,
+        lr_decay_style=style,
+        init_lr=init_lr,
+    )
     fields = megatron.schedule_fields(3e-4, 3e-5, style, warmup_iters, decay_iters, init_lr)
     assert_close(curve(fields), ref)
 
@@ -247,8 +278,15 @@ def test_megatron_iteration_based(style, init_lr):
 def test_megatron_warmup_fraction(style):
     """--lr-warmup-fraction: warmup = fraction * decay, a fractional number of iterations here."""
     gbs, decay_iters, fraction = 16, 777, 0.013
-    ref = megatron_updates(STEPS, gbs, max_lr=1e-4, min_lr=1e-5, lr_warmup_steps=fraction * decay_iters * gbs,
-                           lr_decay_steps=decay_iters * gbs, lr_decay_style=style)
+    ref = megatron_updates(
+        STEPS,
+        gbs,
+        max_lr=1e-4,
+        min_lr=1e-5,
+        lr_warmup_steps=fraction * decay_iters * gbs,
+        lr_decay_steps=decay_iters * gbs,
+        lr_decay_style=style,
+    )
     assert_close(curve(megatron.schedule_fields(1e-4, 1e-5, style, fraction * decay_iters, decay_iters)), ref)
 
 
@@ -257,8 +295,15 @@ def test_megatron_warmup_fraction(style):
 def test_megatron_sample_based(style, gbs):
     """--lr-warmup-samples / --lr-decay-samples: steps = samples / global batch, fractional."""
     warmup_samples, decay_samples = 12_345, 88_888
-    ref = megatron_updates(STEPS, gbs, max_lr=6e-5, min_lr=6e-6, lr_warmup_steps=warmup_samples,
-                           lr_decay_steps=decay_samples, lr_decay_style=style)
+    ref = megatron_updates(
+        STEPS,
+        gbs,
+        max_lr=6e-5,
+        min_lr=6e-6,
+        lr_warmup_steps=warmup_samples,
+        lr_decay_steps=decay_samples,
+        lr_decay_style=style,
+    )
     fields = megatron.schedule_fields(6e-5, 6e-6, style, warmup_samples / gbs, decay_samples / gbs)
     assert isinstance(fields["warmup_steps"], float)
     assert_close(curve(fields), ref)
@@ -267,8 +312,17 @@ def test_megatron_sample_based(style, gbs):
 @pytest.mark.parametrize("wsd_style", ["linear", "cosine"])
 def test_megatron_wsd(wsd_style):
     gbs = 8
-    ref = megatron_updates(STEPS, gbs, max_lr=2e-4, min_lr=2e-5, lr_warmup_steps=50 * gbs, lr_decay_steps=900 * gbs,
-                           lr_decay_style="WSD", wsd_decay_steps=200 * gbs, lr_wsd_decay_style=wsd_style)
+    ref = megatron_updates(
+        STEPS,
+        gbs,
+        max_lr=2e-4,
+        min_lr=2e-5,
+        lr_warmup_steps=50 * gbs,
+        lr_decay_steps=900 * gbs,
+        lr_decay_style="WSD",
+        wsd_decay_steps=200 * gbs,
+        lr_wsd_decay_style=wsd_style,
+    )
     fields = megatron.schedule_fields(2e-4, 2e-5, "WSD", 50, 900, wsd_decay=200, wsd_style=wsd_style)
     assert_close(curve(fields), ref)
 
@@ -313,10 +367,15 @@ def test_schedule_jits():
     assert float(jax.jit(sched)(jnp.int32(20))) == pytest.approx(3e-3)
 
 
-@pytest.mark.parametrize("field, value, match", [("schedule", "step", "optim.schedule"),
-                                                 ("warmup_type", "exp", "optim.warmup_type"),
-                                                 ("decay_steps", 5, "decay_steps"),
-                                                 ("min_lr_ratio", 1.5, "min_lr_ratio")])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("schedule", "step", "optim.schedule"),
+        ("warmup_type", "exp", "optim.warmup_type"),
+        ("decay_steps", 5, "decay_steps"),
+        ("min_lr_ratio", 1.5, "min_lr_ratio"),
+    ],
+)
 def test_bad_fields_raise_config_error(field, value, match):
     optim = {**default_config().optim.to_dict(), field: value}
     with pytest.raises(ConfigError, match=match):

@@ -34,11 +34,27 @@ def test_megatron_rules_and_zero_dims():
 def test_zero3_guard_refuses_silent_replication():
     # data=3 divides no model dim left to ZeRO: nearly every byte would stay replicated.
     with pytest.raises(ConfigError, match=r"ZeRO-3 leaves 100.0% of parameter bytes replicated over data"):
-        _setup(3, "--config.mesh.data=3", "--config.mesh.tensor=1", "--config.parallel.zero_stage=3",
-               "--config.train.global_batch=3")
-    allowed = _setup(3, "--config.mesh.data=3", "--config.mesh.tensor=1", "--config.parallel.zero_stage=3",
-                     "--config.train.global_batch=3", "--config.parallel.max_replicated_fraction=1.0")
+        _setup(
+            3,
+            "--config.mesh.data=3",
+            "--config.mesh.tensor=1",
+            "--config.parallel.zero_stage=3",
+            "--config.train.global_batch=3",
+        )
+    allowed = _setup(
+        3,
+        "--config.mesh.data=3",
+        "--config.mesh.tensor=1",
+        "--config.parallel.zero_stage=3",
+        "--config.train.global_batch=3",
+        "--config.parallel.max_replicated_fraction=1.0",
+    )
     assert allowed.replicated_fraction == 1.0
     # ZeRO-1/2 keep parameters replicated by design: no guard.
-    _setup(3, "--config.mesh.data=3", "--config.mesh.tensor=1", "--config.parallel.zero_stage=2",
-           "--config.train.global_batch=3")
+    _setup(
+        3,
+        "--config.mesh.data=3",
+        "--config.mesh.tensor=1",
+        "--config.parallel.zero_stage=2",
+        "--config.train.global_batch=3",
+    )

@@ -30,9 +30,16 @@ SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 STEPS, EVERY = 16, 4
 # fp32 so gloo's reductions and one process's agree to roundoff; a constant step count for every
 # run here, since the learning-rate schedule depends on it
-RUN = ["--config.model.compute_dtype=float32", "--config.train.global_batch=8", "--config.train.seq_len=64",
-       f"--config.train.steps={STEPS}", "--config.train.eval_batches=0", "--config.train.eval_every=0",
-       f"--config.checkpoint.every={EVERY}", "--config.checkpoint.keep=8"]
+RUN = [
+    "--config.model.compute_dtype=float32",
+    "--config.train.global_batch=8",
+    "--config.train.seq_len=64",
+    f"--config.train.steps={STEPS}",
+    "--config.train.eval_batches=0",
+    "--config.train.eval_every=0",
+    f"--config.checkpoint.every={EVERY}",
+    "--config.checkpoint.keep=8",
+]
 
 
 def _user_env(**extra: str) -> dict[str, str]:
@@ -51,8 +58,14 @@ def cluster(tmp_path_factory):
     if shutil.which("sbatch") is None and os.geteuid() != 0:
         pytest.skip("SLURM is not installed and installing it needs root")
     state = tmp_path_factory.mktemp("slurm")
-    proc = subprocess.Popen(["bash", str(CLUSTER), "--cpus", "2", "--dir", str(state), "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_user_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(CLUSTER), "--cpus", "2", "--dir", str(state), "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_user_env(),
+        start_new_session=True,
+    )
     line = proc.stdout.readline()  # "ready SLURM_CONF=..." once both nodes are idle
     if not line.startswith("ready "):
         proc.wait(timeout=30)
@@ -66,22 +79,46 @@ def cluster(tmp_path_factory):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-    assert subprocess.run(["pgrep", "-f", f"slurm.*{state}"], capture_output=True).returncode == 1, "a daemon outlived the cluster"
+    assert subprocess.run(["pgrep", "-f", f"slurm.*{state}"], capture_output=True).returncode == 1, (
+        "a daemon outlived the cluster"
+    )
 
 
-def _sbatch(env: dict[str, str], workdir: pathlib.Path, *options: str, background: bool = False,
-            extra: tuple[str, ...] = ()):
+def _sbatch(
+    env: dict[str, str], workdir: pathlib.Path, *options: str, background: bool = False, extra: tuple[str, ...] = ()
+):
     """Submit the shipped script and wait for the job, with a bound on the job and on the wait."""
-    cmd = ["sbatch", "--parsable", "--wait", "--time=5", f"--output={workdir}.out", f"--chdir={workdir.parent}",
-           *options, str(SBATCH), TINY, *RUN, f"--config.train.workdir={workdir}", *extra]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--wait",
+        "--time=5",
+        f"--output={workdir}.out",
+        f"--chdir={workdir.parent}",
+        *options,
+        str(SBATCH),
+        TINY,
+        *RUN,
+        f"--config.train.workdir={workdir}",
+        *extra,
+    ]
     if not background:
         return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _train_one_process(workdir: pathlib.Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jaxpar", "train", "--config", TINY, "--no-progress", *RUN,
-           f"--config.train.workdir={workdir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--config",
+        TINY,
+        "--no-progress",
+        *RUN,
+        f"--config.train.workdir={workdir}",
+    ]
     return subprocess.run(cmd, env=_user_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 
@@ -200,9 +237,18 @@ def test_a_job_larger_than_the_cluster_fails_within_its_bound(cluster, tmp_path)
 
 def test_tensor_across_nodes_is_refused(cluster, tmp_path):
     workdir = tmp_path / "run"
-    done = _sbatch(cluster, workdir, "--nodes=2", "--ntasks-per-node=1",
-                   extra=("--config.mesh.data=1", "--config.mesh.tensor=2", "--config.mesh.context=4",
-                          "--config.model.attention=blockwise"))
+    done = _sbatch(
+        cluster,
+        workdir,
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        extra=(
+            "--config.mesh.data=1",
+            "--config.mesh.tensor=2",
+            "--config.mesh.context=4",
+            "--config.model.attention=blockwise",
+        ),
+    )
     assert done.returncode != 0
     log = _log(workdir)
     assert "error: mesh.tensor=2 x mesh.context=4 = 8 devices span nodes (each node has 4 of the 8 devices)" in log

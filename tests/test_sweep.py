@@ -30,20 +30,34 @@ def test_grid_covers_every_parallelism_the_planner_allows():
     names = [sweep_lib.layout_name(lay) for lay in layouts]
     assert len(names) == len(set(names)) == 56
     assert names[0] == "d8t1p1-z0-m1"  # the reference: plain data parallelism
-    assert {"d8t1p1-z1-m1", "d8t1p1-z2-m1", "d8t1p1-z3-m1", "d4t2p1-z1-sp-m1", "d4t1p2-z0-gpipe-m4",
-            "d4t1p2v2-z1-interleaved-m4", "d2t2p2v2-z3-sp-interleaved-m4", "d1t2p4-z0-sp-1f1b-m8"} <= set(names)
+    assert {
+        "d8t1p1-z1-m1",
+        "d8t1p1-z2-m1",
+        "d8t1p1-z3-m1",
+        "d4t2p1-z1-sp-m1",
+        "d4t1p2-z0-gpipe-m4",
+        "d4t1p2v2-z1-interleaved-m4",
+        "d2t2p2v2-z3-sp-interleaved-m4",
+        "d1t2p4-z0-sp-1f1b-m8",
+    } <= set(names)
     assert all(lay.tensor <= 2 for lay in layouts)  # tiny's 2 kv heads allow no TP 4/8
     assert not any("gpipe" in n and "-z2" in n for n in names)  # jaxpar's GPipe refuses ZeRO-2
     assert all(lay.microbatches == (1 if lay.pipeline == 1 else 2 * lay.pipeline) for lay in layouts)
     assert [sweep_lib.layout_name(x) for x in sweep_lib.select(layouts, ["^d2t1p4-z3"])] == [
-        "d2t1p4-z3-1f1b-m8", "d2t1p4-z3-gpipe-m8"]
+        "d2t1p4-z3-1f1b-m8",
+        "d2t1p4-z3-gpipe-m8",
+    ]
     with pytest.raises(ConfigError, match="--only"):
         sweep_lib.select(layouts, ["nothing-matches"])
 
 
 def test_loss_check_marks_a_mismatch_and_keeps_crashes():
-    records = [sweep_lib.SweepRecord("a", {}, losses=[2.0, 1.0]), sweep_lib.SweepRecord("b", {}, losses=[2.0, 1.0 + 5e-6]),
-               sweep_lib.SweepRecord("c", {}, losses=[2.0, 1.001]), sweep_lib.SweepRecord("d", {}, status="crashed")]
+    records = [
+        sweep_lib.SweepRecord("a", {}, losses=[2.0, 1.0]),
+        sweep_lib.SweepRecord("b", {}, losses=[2.0, 1.0 + 5e-6]),
+        sweep_lib.SweepRecord("c", {}, losses=[2.0, 1.001]),
+        sweep_lib.SweepRecord("d", {}, status="crashed"),
+    ]
     assert sweep_lib.check_losses(records, 1e-5).name == "a"
     assert [r.status for r in records] == ["ok", "ok", "mismatch", "crashed"]
     assert records[2].loss_rel_diff == pytest.approx(1e-3) and "1.00e-03" in records[2].error
@@ -58,9 +72,30 @@ def two_layouts(tmp_path_factory):
     if SLOW:
         os.environ[sweep_lib.ABORT_ENV] = "d8t1p1-z3-m1"
     try:
-        code = main(["sweep", "--config", TINY, "--devices", "8", "--steps", "3", "--warmup", "1", "--no-progress",
-                     "--repeats", "2", "--pass-steps", "2", "--only", "^d8t1p1-z[03]" if SLOW else "^d8t1p1-z0",
-                     "--only", "^d4t2p1-z1-sp", "-o", str(out)])
+        code = main(
+            [
+                "sweep",
+                "--config",
+                TINY,
+                "--devices",
+                "8",
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--no-progress",
+                "--repeats",
+                "2",
+                "--pass-steps",
+                "2",
+                "--only",
+                "^d8t1p1-z[03]" if SLOW else "^d8t1p1-z0",
+                "--only",
+                "^d4t2p1-z1-sp",
+                "-o",
+                str(out),
+            ]
+        )
     finally:
         os.environ.pop(sweep_lib.ABORT_ENV, None)
     doc = json.loads((out / "results.json").read_text())
@@ -148,12 +183,16 @@ def test_rerun_comparison(two_layouts):
     assert sweep_report.compare_runs(doc, records)[0] == "2 of 2 layouts have identical memory and collective bytes"
     records[1].temp_bytes += 1
     lines = sweep_report.compare_runs(doc, records)
-    assert lines[0].startswith("1 of 2") and "d4t2p1-z1-sp-m1: memory or collective bytes differ from the earlier run" in lines
+    assert (
+        lines[0].startswith("1 of 2")
+        and "d4t2p1-z1-sp-m1: memory or collective bytes differ from the earlier run" in lines
+    )
 
 
 def _timed(name: str, median: float, low: float, high: float, probes: list[float]) -> sweep_lib.SweepRecord:
-    return sweep_lib.SweepRecord(name, {}, step_time_median_s=median, step_time_min_s=low, step_time_max_s=high,
-                                 host_probe_s=probes)
+    return sweep_lib.SweepRecord(
+        name, {}, step_time_median_s=median, step_time_min_s=low, step_time_max_s=high, host_probe_s=probes
+    )
 
 
 def test_rerun_comparison_divides_out_the_host_speed():
@@ -171,7 +210,8 @@ def test_rerun_comparison_divides_out_the_host_speed():
         "0 of 2 median step times fall inside the earlier run's min-max spread",
         "1 of 2 host-corrected median step times fall inside it (the host probe, a, took x1.200 its earlier median "
         "time: each median divided by that)",
-        "b: median 3600 ms, host-corrected 3000 ms, outside the earlier spread [1900, 2100] ms"]
+        "b: median 3600 ms, host-corrected 3000 ms, outside the earlier spread [1900, 2100] ms",
+    ]
     # a different probe layout (e.g. another --only): no correction, said so
     previous["meta"]["host_probe"]["layout"] = "other"
     lines = sweep_report.compare_runs(previous, now)
@@ -187,25 +227,35 @@ def test_later_passes_pool_their_times_and_must_repeat_the_losses():
     assert (record.step_time_median_s, record.pass_medians_s) == (pytest.approx(0.11), [pytest.approx(0.11)])
     sweep_lib._add_pass(record, {"times": [8.0, 0.20, 0.30], "losses": [5.0, 4.0]}, 2, cfg, lay, 1, 1e10)
     assert record.status == "ok" and record.pass_medians_s == pytest.approx([0.11, 0.25])
-    assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx((0.10, 0.16, 0.30))
+    assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx(
+        (0.10, 0.16, 0.30)
+    )
     assert record.tokens_per_s == pytest.approx(lay.tokens_per_step / 0.16)
     sweep_lib._add_pass(record, {"times": [7.0, 0.40], "losses": [5.0]}, 3, cfg, lay, 1, 1e10)  # a shorter pass
     assert record.status == "ok" and record.pass_medians_s == pytest.approx([0.11, 0.25, 0.40])
-    assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx((0.10, 0.20, 0.40))
+    assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx(
+        (0.10, 0.20, 0.40)
+    )
     sweep_lib._add_pass(record, {"times": [1.0, 1.0, 1.0], "losses": [5.0, 4.0 + 4e-7]}, 3, cfg, lay, 1, 1e10)
-    assert record.status == "mismatch" and record.error == "pass 3 losses differ from pass 1 by 1.00e-07 relative (not deterministic)"
+    assert (
+        record.status == "mismatch"
+        and record.error == "pass 3 losses differ from pass 1 by 1.00e-07 relative (not deterministic)"
+    )
     crashed = sweep_lib.SweepRecord("d8", {}, step_times_s=[0.1], losses=[5.0])
     sweep_lib._add_pass(crashed, {"error": "ValueError: boom"}, 2, cfg, lay, 0, 1e10)
     assert (crashed.status, crashed.error) == ("crashed", "pass 2: ValueError: boom")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--repeats", "0"], "--repeats 0: use a pass count in [1, 20]"),
-    (["--list", "--repeats", "4"], "sweep --repeats has no effect with --list"),
-    (["--steps", "4", "--pass-steps", "5"], "--pass-steps 5: use a value in (2, 4]: more than --warmup"),
-    (["--pass-steps", "2"], "--pass-steps 2: use a value in (2, 8]"),
-    (["--list", "--pass-steps", "4"], "sweep --pass-steps has no effect with --list"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repeats", "0"], "--repeats 0: use a pass count in [1, 20]"),
+        (["--list", "--repeats", "4"], "sweep --repeats has no effect with --list"),
+        (["--steps", "4", "--pass-steps", "5"], "--pass-steps 5: use a value in (2, 4]: more than --warmup"),
+        (["--pass-steps", "2"], "--pass-steps 2: use a value in (2, 8]"),
+        (["--list", "--pass-steps", "4"], "sweep --pass-steps has no effect with --list"),
+    ],
+)
 def test_repeats_flag_is_checked(argv, message, capsys):
     assert main(["sweep", "--config", TINY, *argv]) == 2
     assert message in capsys.readouterr().err
@@ -214,8 +264,9 @@ def test_repeats_flag_is_checked(argv, message, capsys):
 def test_a_crashing_layout_is_recorded_and_the_sweep_goes_on():
     cfg = tiny_config(*SWEEP_DEFAULTS)
     bad = ParallelLayout(tensor=3, seq_len=64, microbatch_size=16)  # 3 does not divide the 4 heads
-    record = sweep_lib.run_layout(cfg, bad, [], steps=1, warmup=0, peak_flops=1e10,
-                                  cluster=sweep_lib.cpu_cluster(8, 1e10, 10.0))
+    record = sweep_lib.run_layout(
+        cfg, bad, [], steps=1, warmup=0, peak_flops=1e10, cluster=sweep_lib.cpu_cluster(8, 1e10, 10.0)
+    )
     assert record.status == "crashed" and record.error.startswith("ConfigError:") and "\n" not in record.error
 
 
@@ -228,14 +279,19 @@ def test_plan_sweep_picks_fitting_layouts_and_plots(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     # three searches (the 64-device 7B one, ~14 s, adds nothing the 64-device 70B one does not check)
-    rows = mod.best_layouts(("llama2_7b",), ("h100-80g",), (8,)) + mod.best_layouts(("llama2_70b",), ("h100-80g",),
-                                                                                    (8, 64))
+    rows = mod.best_layouts(("llama2_7b",), ("h100-80g",), (8,)) + mod.best_layouts(
+        ("llama2_70b",), ("h100-80g",), (8, 64)
+    )
     by = {(r["model"], r["devices"]): r for r in rows}
     assert not by[("llama2_70b", 8)]["fits"] and "does not fit" in by[("llama2_70b", 8)]["why"]
     for key in (("llama2_7b", 8), ("llama2_70b", 64)):
         r = by[key]
-        assert r["fits"] and r["memory_gb"] <= 72 and 0 < r["comm_share"] < 1 and r["data"] * r["tensor"] * r[
-            "pipeline"] * r["context"] == key[1]
+        assert (
+            r["fits"]
+            and r["memory_gb"] <= 72
+            and 0 < r["comm_share"] < 1
+            and r["data"] * r["tensor"] * r["pipeline"] * r["context"] == key[1]
+        )
     paths = mod.write(rows, str(tmp_path))
     assert os.path.getsize(paths["png"]) > 10_000
     fig = mod.plot(rows)

@@ -32,8 +32,15 @@ BATCH, SEQ, STEPS = 4, 32, 10
 def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=256, max_position_embeddings=64, attn_implementation="eager", dtype=torch.float32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        dtype=torch.float32,
     )
     model = transformers.LlamaForCausalLM(config).float()
     with torch.no_grad():  # norm scales away from 1 so a mixed-up norm mapping shows
@@ -126,7 +133,9 @@ def test_training_matches_torch_adamw(hf_dir, tmp_path):
     decay = [p for n, p in model.named_parameters() if "norm" not in n]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+        lr=o.lr,
+        betas=(o.b1, o.b2),
+        eps=o.eps,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_lambda(k, o.warmup_steps, STEPS, o.min_lr_ratio))
     clipped = 0
@@ -144,8 +153,10 @@ def test_training_matches_torch_adamw(hf_dir, tmp_path):
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         rel = abs(m["loss"] - loss.item()) / loss.item()
         clipped += torch_norm > o.clip_norm
-        print(f"step {step}: loss torch {loss.item():.7f} jaxpar {m['loss']:.7f} rel {rel:.2e} "
-              f"lr {torch_lr:.3e}/{m['lr']:.3e} grad-norm {torch_norm:.4f}/{m['grad_norm']:.4f}")
+        print(
+            f"step {step}: loss torch {loss.item():.7f} jaxpar {m['loss']:.7f} rel {rel:.2e} "
+            f"lr {torch_lr:.3e}/{m['lr']:.3e} grad-norm {torch_norm:.4f}/{m['grad_norm']:.4f}"
+        )
         assert rel < 1e-4, step
         assert m["lr"] == pytest.approx(torch_lr, rel=1e-6, abs=1e-12), step
         assert m["grad_norm"] == pytest.approx(torch_norm, rel=1e-4), step

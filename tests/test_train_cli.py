@@ -10,10 +10,23 @@ from tests.helpers import ROOT, TINY, child_env
 def test_default_config_learns_and_logs(tmp_path):
     workdir = tmp_path / "run"
     # a process of its own, as the README runs it, with LLVM's default optimisation (child_env)
-    run = subprocess.run([sys.executable, "-m", "jaxpar", "train", "--config", TINY, "--no-progress",
-                          "--config.train.steps=30", f"--config.train.workdir={workdir}"],
-                         env=child_env(fast_code=True, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            "--config",
+            TINY,
+            "--no-progress",
+            "--config.train.steps=30",
+            f"--config.train.workdir={workdir}",
+        ],
+        env=child_env(fast_code=True, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-2000:]
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

@@ -64,8 +64,19 @@ def test_round_trip_exact(tmp_path, overrides):
     assert ("lm_head.weight" in names) != model_cfg.tie_embeddings
     assert Q in names and len(names) == 2 + 9 * model_cfg.num_layers + (not model_cfg.tie_embeddings)
     back_cfg = weights.model_config_from_hf(out)
-    for key in ("embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size",
-                "tie_embeddings", "rope_theta", "norm_eps", "max_seq_len"):
+    for key in (
+        "embed_dim",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "vocab_size",
+        "tie_embeddings",
+        "rope_theta",
+        "norm_eps",
+        "max_seq_len",
+    ):
         assert back_cfg[key] == model_cfg[key], key
     assert_bitwise(params, weights.load_hf(out, model_cfg))
     with pytest.raises(FileExistsError):
@@ -157,12 +168,21 @@ def test_meta_permutation():
 def test_meta_names_are_renamed(tmp_path, saved, model_cfg):
     params, path = saved
     tensors = load_file(str(path / "model.safetensors"))
-    renames = {"model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
-               "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
-               "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
-               "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
-               "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
-               "post_attention_layernorm": "ffn_norm", "model.layers.": "layers."}
+    renames = {
+        "model.embed_tokens.": "tok_embeddings.",
+        "model.norm.": "norm.",
+        "lm_head.": "output.",
+        "self_attn.q_proj": "attention.wq",
+        "self_attn.k_proj": "attention.wk",
+        "self_attn.v_proj": "attention.wv",
+        "self_attn.o_proj": "attention.wo",
+        "mlp.gate_proj": "feed_forward.w1",
+        "mlp.down_proj": "feed_forward.w2",
+        "mlp.up_proj": "feed_forward.w3",
+        "input_layernorm": "attention_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "model.layers.": "layers.",
+    }
     meta = {}
     for name, value in tensors.items():
         heads = {"q_proj": model_cfg.num_heads, "k_proj": model_cfg.num_kv_heads}
@@ -247,9 +267,16 @@ def test_bad_torch_file_is_a_config_error(tmp_path, model_cfg):
 
 @pytest.mark.parametrize(
     "layout",
-    [("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"),
-     ("--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.train.microbatches=2",
-      "--config.parallel.zero_stage=1")],
+    [
+        ("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"),
+        (
+            "--config.mesh.data=2",
+            "--config.mesh.tensor=2",
+            "--config.mesh.pipeline=2",
+            "--config.train.microbatches=2",
+            "--config.parallel.zero_stage=1",
+        ),
+    ],
     ids=["zero3_tp2", "pipeline2"],
 )
 def test_init_from_hf_lands_in_the_layout(saved, layout):
@@ -287,10 +314,17 @@ def test_trainer_starts_from_hf_then_resumes_its_own_checkpoint(saved, tmp_path)
     from jaxpar.train.loop import Trainer
 
     params, path = saved
-    overrides = [f"--config.train.init_from={path}", f"--config.train.workdir={tmp_path}", "--config.data.source=synthetic",
-                 "--config.checkpoint.every=1", "--config.train.steps=1"]
+    overrides = [
+        f"--config.train.init_from={path}",
+        f"--config.train.workdir={tmp_path}",
+        "--config.data.source=synthetic",
+        "--config.checkpoint.every=1",
+        "--config.train.steps=1",
+    ]
     messages: list[str] = []
-    trainer = Trainer(tiny_config(*overrides), echo=messages.append, progress=False, weights_loader=weights.load_checked)
+    trainer = Trainer(
+        tiny_config(*overrides), echo=messages.append, progress=False, weights_loader=weights.load_checked
+    )
     trainer.initialize()
     assert any(m == f"initialised from HF weights in {path}" for m in messages)
     assert_bitwise(params, jax.device_get(trainer.params))
@@ -313,10 +347,18 @@ def test_export_writes_the_checkpoint_as_hf(tmp_path, capsys):
     from jaxpar.cli import main
     from jaxpar.train.loop import Trainer
 
-    overrides = [f"--config.train.workdir={tmp_path / 'run'}", "--config.data.source=synthetic",
-                 "--config.checkpoint.every=1", "--config.train.steps=1", "--config.mesh.data=2",
-                 "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.train.microbatches=2",
-                 "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2"]
+    overrides = [
+        f"--config.train.workdir={tmp_path / 'run'}",
+        "--config.data.source=synthetic",
+        "--config.checkpoint.every=1",
+        "--config.train.steps=1",
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.train.microbatches=2",
+        "--config.pipeline.schedule=interleaved",
+        "--config.pipeline.virtual_stages=2",
+    ]
     cfg = tiny_config(*overrides)
     trainer = Trainer(cfg, echo=lambda _: None, progress=False)
     trainer.initialize()

@@ -17,12 +17,14 @@ from jaxpar.config import ConfigError
 from tests.fuzzkit import cli_refused
 from tests.test_write_guard import FAST, snapshot
 
-HOLD = ("import fcntl, os, sys, time\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "os.write(fd, f'{os.getpid()} host-a\\n'.encode())\n"
-        "print('held', flush=True)\n"
-        "time.sleep(120)\n")
+HOLD = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "os.write(fd, f'{os.getpid()} host-a\\n'.encode())\n"
+    "print('held', flush=True)\n"
+    "time.sleep(120)\n"
+)
 
 
 def _run_workdir(path: pathlib.Path) -> pathlib.Path:
@@ -45,8 +47,10 @@ def test_a_second_run_in_a_live_runs_workdir_is_refused_naming_its_pid(tmp_path)
     finally:
         holder.kill()
         holder.wait()
-    assert line == (f"error: train.workdir='{run}' is in use by another jaxpar run (pid {holder.pid} on host-a, lock "
-                    f"{run / workdir.LOCK}); wait for it to end or give another train.workdir")
+    assert line == (
+        f"error: train.workdir='{run}' is in use by another jaxpar run (pid {holder.pid} on host-a, lock "
+        f"{run / workdir.LOCK}); wait for it to end or give another train.workdir"
+    )
     assert sorted(p.name for p in run.iterdir()) == [workdir.LOCK]  # nothing else written
 
 
@@ -63,8 +67,14 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path):
 
 
 RESUMES = [
-    ("never", "refused", ["train.resume=never: train.workdir='@RUN' holds checkpoints [3] of an earlier run",
-                          "set train.resume=restart to delete them and start over"]),
+    (
+        "never",
+        "refused",
+        [
+            "train.resume=never: train.workdir='@RUN' holds checkpoints [3] of an earlier run",
+            "set train.resume=restart to delete them and start over",
+        ],
+    ),
     ("auto", "kept", []),
     ("3", "kept", []),
     ("restart", "deleted", []),
@@ -76,8 +86,10 @@ def test_resume_modes_do_what_they_say(tmp_path, resume, outcome, words):
     run = _run_workdir(tmp_path / "run")
     before = snapshot(run)
     if outcome == "refused":
-        line = cli_refused("workdir resume", ["train", "--no-progress", f"--config.train.workdir={run}",
-                                              f"--config.train.resume={resume}", *FAST])
+        line = cli_refused(
+            "workdir resume",
+            ["train", "--no-progress", f"--config.train.workdir={run}", f"--config.train.resume={resume}", *FAST],
+        )
         assert all(w.replace("@RUN", str(run)) in line for w in words), line
         assert {k: v for k, v in snapshot(run).items() if k != workdir.LOCK} == before
         return
@@ -111,10 +123,12 @@ def test_another_optimizers_checkpoint_is_refused_by_name_and_kept(tmp_path_fact
             ckpt.restore({"params": params, "opt_state": opt})
     finally:
         ckpt.close()
-    assert str(raised.value) == (f"checkpoint 2 in {run / 'checkpoints'} holds the state of optimizer "
-                                 "optim.name='adamw' but the config has 'lion'; set --config.optim.name=adamw to "
-                                 "resume it, train.resume=restart to start over, or point train.workdir at another "
-                                 "folder")
+    assert str(raised.value) == (
+        f"checkpoint 2 in {run / 'checkpoints'} holds the state of optimizer "
+        "optim.name='adamw' but the config has 'lion'; set --config.optim.name=adamw to "
+        "resume it, train.resume=restart to start over, or point train.workdir at another "
+        "folder"
+    )
     assert snapshot(run) == before  # nothing deleted as "damaged"
 
 
@@ -134,9 +148,21 @@ def test_two_real_runs_in_one_workdir(tmp_path):
 
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    first = subprocess.Popen([sys.executable, "-m", "jaxpar", "train", "--no-progress", f"--config.train.workdir={run}",
-                              "--config.train.steps=100000"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            "--no-progress",
+            f"--config.train.workdir={run}",
+            "--config.train.steps=100000",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while workdir.holder(str(run)) != first.pid:
@@ -177,7 +203,9 @@ def test_a_workdir_entry_of_the_wrong_kind_is_refused_in_one_line(tmp_path, name
         (tmp_path / "elsewhere").write_text("mine")
         target.symlink_to(tmp_path / "elsewhere")
     before = snapshot(tmp_path)
-    line = cli_refused("workdir entries", ["train", "--no-progress", f"--config.train.workdir={run}",
-                                           "--config.checkpoint.every=1", *FAST])
+    line = cli_refused(
+        "workdir entries",
+        ["train", "--no-progress", f"--config.train.workdir={run}", "--config.checkpoint.every=1", *FAST],
+    )
     assert line == f"error: train.workdir='{run}': {words}; move it away or give another workdir"
     assert snapshot(tmp_path) == before  # nothing written, the link's target untouched

@@ -24,9 +24,15 @@ FAST = ["--config.train.steps=1", "--config.train.eval_batches=0", "--config.tra
 def user_tree(root: pathlib.Path) -> pathlib.Path:
     """A folder of a user's files, with the names jaxpar writes among them (report.md, config.json, ...)."""
     root.mkdir(parents=True, exist_ok=True)
-    files = {"report.md": b"# my notes\n", "config.json": b'{"architectures": ["LlamaForCausalLM"]}\n',
-             "model.safetensors": bytes(range(256)) * 4, "results.json": b"[1, 2]\n", "notes.txt": b"keep me\n",
-             "sub/data.bin": b"\x00\x01\x02", "ds.json": RECIPE.read_bytes()}
+    files = {
+        "report.md": b"# my notes\n",
+        "config.json": b'{"architectures": ["LlamaForCausalLM"]}\n',
+        "model.safetensors": bytes(range(256)) * 4,
+        "results.json": b"[1, 2]\n",
+        "notes.txt": b"keep me\n",
+        "sub/data.bin": b"\x00\x01\x02",
+        "ds.json": RECIPE.read_bytes(),
+    }
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
@@ -49,36 +55,77 @@ def _exported(tmp_path: pathlib.Path) -> pathlib.Path:
 
 # (argv with @TREE = the user's tree, @TMP = the test's folder; words the one line must hold)
 REFUSED = [
-    ("sweep -o a user's folder", ["sweep", "--devices", "2", "--steps", "2", "--warmup", "0", "-o", "@TREE"],
-     ["sweep -o @TREE", "holds files jaxpar did not write (cfg.py, config.json, ds.json, ...)"]),
-    ("sweep -o its own --config", ["sweep", "--config", "@TREE/cfg.py", "--devices", "2", "-o", "@TREE"],
-     ["contains the input --config"]),
-    ("export -o a user's folder", ["export", "-o", "@TREE", "--overwrite", "--config.train.workdir=@TMP/none"],
-     ["export -o @TREE", "holds files jaxpar did not write"]),
-    ("export -o the run's workdir", ["export", "-o", "@TREE", "--overwrite", "--config.train.workdir=@TREE"],
-     ["is the run's workdir train.workdir='@TREE'"]),
-    ("export -o a folder holding the workdir", ["export", "-o", "@TMP", "--overwrite",
-                                                "--config.train.workdir=@TREE"],
-     ["contains the run's workdir"]),
-    ("export -o without --overwrite", ["export", "-o", "@TREE", "--config.train.workdir=@TMP/none"],
-     ["exists; pass --overwrite"]),
-    ("port -o the input recipe", [*PORT, "@TREE/ds.json", "-o", "@TREE/ds.json", "--overwrite"],
-     ["port -o @TREE/ds.json: is the input the recipe"]),
-    ("port -o a user's file", [*PORT, "@TREE/ds.json", "-o", "@TREE/notes.txt", "--overwrite"],
-     ["jaxpar did not write this file"]),
+    (
+        "sweep -o a user's folder",
+        ["sweep", "--devices", "2", "--steps", "2", "--warmup", "0", "-o", "@TREE"],
+        ["sweep -o @TREE", "holds files jaxpar did not write (cfg.py, config.json, ds.json, ...)"],
+    ),
+    (
+        "sweep -o its own --config",
+        ["sweep", "--config", "@TREE/cfg.py", "--devices", "2", "-o", "@TREE"],
+        ["contains the input --config"],
+    ),
+    (
+        "export -o a user's folder",
+        ["export", "-o", "@TREE", "--overwrite", "--config.train.workdir=@TMP/none"],
+        ["export -o @TREE", "holds files jaxpar did not write"],
+    ),
+    (
+        "export -o the run's workdir",
+        ["export", "-o", "@TREE", "--overwrite", "--config.train.workdir=@TREE"],
+        ["is the run's workdir train.workdir='@TREE'"],
+    ),
+    (
+        "export -o a folder holding the workdir",
+        ["export", "-o", "@TMP", "--overwrite", "--config.train.workdir=@TREE"],
+        ["contains the run's workdir"],
+    ),
+    (
+        "export -o without --overwrite",
+        ["export", "-o", "@TREE", "--config.train.workdir=@TMP/none"],
+        ["exists; pass --overwrite"],
+    ),
+    (
+        "port -o the input recipe",
+        [*PORT, "@TREE/ds.json", "-o", "@TREE/ds.json", "--overwrite"],
+        ["port -o @TREE/ds.json: is the input the recipe"],
+    ),
+    (
+        "port -o a user's file",
+        [*PORT, "@TREE/ds.json", "-o", "@TREE/notes.txt", "--overwrite"],
+        ["jaxpar did not write this file"],
+    ),
     ("port -o without --overwrite", [*PORT, "@TREE/ds.json", "-o", "@TREE/report.md"], ["the file exists"]),
-    ("train in a user's folder", ["train", "--no-progress", "--config.train.workdir=@TREE", *FAST],
-     ["train.workdir='@TREE' holds files no run wrote"]),
-    ("train in a jaxpar export it reads", ["train", "--no-progress", "--config.train.workdir=@TMP/hf",
-                                           "--config.train.init_from=@TMP/hf", *FAST],
-     ["is or contains train.init_from"]),
-    ("train in an export folder", ["train", "--no-progress", "--config.train.workdir=@TMP/hf", *FAST],
-     ["is a jaxpar export folder"]),
+    (
+        "train in a user's folder",
+        ["train", "--no-progress", "--config.train.workdir=@TREE", *FAST],
+        ["train.workdir='@TREE' holds files no run wrote"],
+    ),
+    (
+        "train in a jaxpar export it reads",
+        ["train", "--no-progress", "--config.train.workdir=@TMP/hf", "--config.train.init_from=@TMP/hf", *FAST],
+        ["is or contains train.init_from"],
+    ),
+    (
+        "train in an export folder",
+        ["train", "--no-progress", "--config.train.workdir=@TMP/hf", *FAST],
+        ["is a jaxpar export folder"],
+    ),
 ]
 if os.environ.get("JAXPAR_SLOW") != "1":  # the default suite: one case per subcommand and kind
-    REFUSED = [c for c in REFUSED if c[0] in ("sweep -o a user's folder", "export -o the run's workdir",
-                                              "port -o the input recipe", "port -o a user's file",
-                                              "train in a user's folder", "train in a jaxpar export it reads")]
+    REFUSED = [
+        c
+        for c in REFUSED
+        if c[0]
+        in (
+            "sweep -o a user's folder",
+            "export -o the run's workdir",
+            "port -o the input recipe",
+            "port -o a user's file",
+            "train in a user's folder",
+            "train in a jaxpar export it reads",
+        )
+    ]
 
 
 @pytest.mark.parametrize("argv, words", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
@@ -114,34 +161,46 @@ def _fill(names: dict[str, bytes]):
     def fill(tmp: pathlib.Path) -> None:
         for name, data in names.items():
             (tmp / name).write_bytes(data)
+
     return fill
 
 
 def test_replace_folder_replaces_an_earlier_output_of_its_kind(tmp_path):
     out = tmp_path / "sweep"
     write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"one"}), flag="sweep -o")
-    write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"two", "a.png": b"p"}),
-                               flag="sweep -o", overwrite=True)
+    write_guard.replace_folder(
+        out, write_guard.SWEEP, _fill({"report.md": b"two", "a.png": b"p"}), flag="sweep -o", overwrite=True
+    )
     assert (out / "report.md").read_bytes() == b"two"
     assert json.loads((out / write_guard.MARKER).read_text())["entries"] == ["a.png", "report.md"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
 
 
-@pytest.mark.parametrize("case, prepare, words", [
-    ("a user's note dropped into it", lambda out: (out / "mine.txt").write_bytes(b"mine"),
-     "holds files jaxpar did not write there (mine.txt)"),
-    ("a folder of another kind", lambda out: write_guard.mark(out, write_guard.EXPORT),
-     "is a jaxpar export folder, not a sweep folder"),
-    ("no marker", lambda out: (out / write_guard.MARKER).unlink(), "holds files jaxpar did not write"),
-])
+@pytest.mark.parametrize(
+    "case, prepare, words",
+    [
+        (
+            "a user's note dropped into it",
+            lambda out: (out / "mine.txt").write_bytes(b"mine"),
+            "holds files jaxpar did not write there (mine.txt)",
+        ),
+        (
+            "a folder of another kind",
+            lambda out: write_guard.mark(out, write_guard.EXPORT),
+            "is a jaxpar export folder, not a sweep folder",
+        ),
+        ("no marker", lambda out: (out / write_guard.MARKER).unlink(), "holds files jaxpar did not write"),
+    ],
+)
 def test_replace_folder_refuses_what_jaxpar_did_not_write(tmp_path, case, prepare, words):  # noqa: ARG001
     out = tmp_path / "sweep"
     write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"one"}), flag="sweep -o")
     prepare(out)
     before = snapshot(out)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"two"}), flag="sweep -o",
-                                   overwrite=True)
+        write_guard.replace_folder(
+            out, write_guard.SWEEP, _fill({"report.md": b"two"}), flag="sweep -o", overwrite=True
+        )
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
 
@@ -197,12 +256,15 @@ def test_save_hf_overwrite_replaces_an_export_not_a_users_folder(tmp_path):
     assert (out / "mine.txt").read_bytes() == b"mine"
 
 
-@pytest.mark.parametrize("files, refused", [
-    ({"results.json": b'{"meta": {}, "layouts": []}', "report.md": b"# sweep"}, False),  # a sweep's, before markers
-    ({"results.json": b"[1, 2]", "report.md": b"# mine"}, True),  # not a sweep's results
-    ({"results.json": b'{"meta": {}, "layouts": []}', "notes.txt": b"mine"}, True),  # a file no sweep writes
-    ({"report.md": b"# mine"}, True),
-])
+@pytest.mark.parametrize(
+    "files, refused",
+    [
+        ({"results.json": b'{"meta": {}, "layouts": []}', "report.md": b"# sweep"}, False),  # a sweep's, before markers
+        ({"results.json": b"[1, 2]", "report.md": b"# mine"}, True),  # not a sweep's results
+        ({"results.json": b'{"meta": {}, "layouts": []}', "notes.txt": b"mine"}, True),  # a file no sweep writes
+        ({"report.md": b"# mine"}, True),
+    ],
+)
 def test_sweep_o_recognises_a_sweep_folder_from_before_markers(tmp_path, files, refused):
     from jaxpar.cli.sweep import older_sweep
 
@@ -213,10 +275,12 @@ def test_sweep_o_recognises_a_sweep_folder_from_before_markers(tmp_path, files, 
     before = snapshot(out)
     if refused:
         with pytest.raises(ConfigError, match="holds files jaxpar did not write"):
-            write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"new"}), flag="sweep -o",
-                                       overwrite=True, older=older_sweep)
+            write_guard.replace_folder(
+                out, write_guard.SWEEP, _fill({"report.md": b"new"}), flag="sweep -o", overwrite=True, older=older_sweep
+            )
         assert snapshot(out) == before
     else:
-        write_guard.replace_folder(out, write_guard.SWEEP, _fill({"report.md": b"new"}), flag="sweep -o",
-                                   overwrite=True, older=older_sweep)
+        write_guard.replace_folder(
+            out, write_guard.SWEEP, _fill({"report.md": b"new"}), flag="sweep -o", overwrite=True, older=older_sweep
+        )
         assert sorted(snapshot(out)) == [write_guard.MARKER, "report.md"]

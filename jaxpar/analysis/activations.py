@@ -70,10 +70,18 @@ class Dims:
     def of(cls, model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> Dims:
         t = layout.tensor
         s = layout.seq_len // layout.context
-        return cls(DTYPE_BYTES[model.compute_dtype], layout.microbatch_size if b is None else b, s,
-                   s / t if layout.sequence_parallel else s, model.embed_dim, model.num_heads * model.head_dim / t,
-                   model.num_kv_heads * model.head_dim / t, model.num_heads / t, model.mlp_dim / t,
-                   model.vocab_size / t)
+        return cls(
+            DTYPE_BYTES[model.compute_dtype],
+            layout.microbatch_size if b is None else b,
+            s,
+            s / t if layout.sequence_parallel else s,
+            model.embed_dim,
+            model.num_heads * model.head_dim / t,
+            model.num_kv_heads * model.head_dim / t,
+            model.num_heads / t,
+            model.mlp_dim / t,
+            model.vocab_size / t,
+        )
 
 
 def _attention(layout: ParallelLayout) -> str:
@@ -82,8 +90,9 @@ def _attention(layout: ParallelLayout) -> str:
     return "dot_product" if layout.attention == "dot_product" and layout.context == 1 else "blockwise"
 
 
-def layer_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: str | None = None,
-                         b: int | None = None) -> float:
+def layer_residual_bytes(
+    model: ConfigDict, layout: ParallelLayout, recompute: str | None = None, b: int | None = None
+) -> float:
     """Bytes one llama block saves for its backward, per microbatch (``b`` sequences), on one device.
 
     ``none`` (JAX keeps every residual the block's linearization needs; counted from the code):
@@ -234,8 +243,9 @@ def zero3_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
     return d.e * shared_tables(model, layout) + F32 * d.b * d.s * d.v
 
 
-def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2,
-                        tick: bool = False) -> float:
+def layer_working_bytes(
+    model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2, tick: bool = False
+) -> float:
     """One layer's working set on top of the residual stack and the gradient buffers: the larger of the
     last layer's forward attention and the layer's backward (its MLP phase), buffer by buffer:
 
@@ -269,8 +279,9 @@ def layer_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
     return max(_layer_working_phases(model, layout, b, layers, tick))
 
 
-def _layer_working_phases(model: ConfigDict, layout: ParallelLayout, b: int | None, layers: int, tick: bool
-                          ) -> tuple[float, float]:
+def _layer_working_phases(
+    model: ConfigDict, layout: ParallelLayout, b: int | None, layers: int, tick: bool
+) -> tuple[float, float]:
     """(forward, backward) of :func:`layer_working_bytes` (forward 0 without dot-product attention)."""
     d = Dims.of(model, layout, b)
     rec = layout.recompute
@@ -279,8 +290,12 @@ def _layer_working_phases(model: ConfigDict, layout: ParallelLayout, b: int | No
     weights = d.e * layer_params(model, layout)
     dot = _attention(layout) == "dot_product"
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
-    backward = (BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f + BACKWARD_HIDDEN_WIDE[rec] * d.e * d.b * d.s * d.h
-                + kv + weights)
+    backward = (
+        BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f
+        + BACKWARD_HIDDEN_WIDE[rec] * d.e * d.b * d.s * d.h
+        + kv
+        + weights
+    )
     if not dot:
         return 0.0, backward
     scores = d.b * d.n * d.s * d.s  # elements of one (b, n/t, s, s) array
@@ -291,15 +306,18 @@ def _layer_working_phases(model: ConfigDict, layout: ParallelLayout, b: int | No
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
-    if model.get("attention_dropout", 0.0) > 0 and layout.pipeline == 1:  # keep mask (1 byte), dropped fp32 probabilities
+    if (
+        model.get("attention_dropout", 0.0) > 0 and layout.pipeline == 1
+    ):  # keep mask (1 byte), dropped fp32 probabilities
         forward += (F32 + 1) * scores
         if rec != "none":  # recomputed with the layer (without recompute the stack keeps the mask)
             backward += (F32 + 1) * scores
     return forward, backward
 
 
-def layer_working_term(model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2
-                       ) -> tuple[str, float]:
+def layer_working_term(
+    model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2
+) -> tuple[str, float]:
     """(name, bytes) of the phase that sets :func:`layer_working_bytes`: the last layer's forward
     attention or one layer's backward."""
     forward, backward = _layer_working_phases(model, layout, b, layers, False)
@@ -326,22 +344,31 @@ class TempEstimate:
     pipeline_bytes: float  # stage-input and gradient slot buffers of the schedule
     update_bytes: float  # the optimizer phase's peak (reductions, ZeRO shards), when it is the larger
     phase: str  # backward | update | accumulator: which phase sets the peak
-    accumulator_bytes: float = 0.0  # 1F1B / interleaved: the accumulator copied beside itself (pipeline_accumulator_bytes)
+    accumulator_bytes: float = (
+        0.0  # 1F1B / interleaved: the accumulator copied beside itself (pipeline_accumulator_bytes)
+    )
     working_term: str = "one layer's backward"  # which working set sets working_bytes
 
     @property
     def total_bytes(self) -> float:
-        backward = (self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes
-                    + self.pipeline_bytes)
+        backward = (
+            self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
+        )
         return max(backward, self.update_bytes, self.accumulator_bytes)
 
     def terms(self) -> dict[str, float]:
         """The named terms of the phase that sets :attr:`total_bytes` (they sum to it)."""
-        backward = self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
+        backward = (
+            self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
+        )
         if self.total_bytes == backward:
-            out = {"residual stack": self.residual_bytes, self.working_term: self.working_bytes,
-                   "gradient buffers": self.gradient_bytes, "ZeRO-3 gathered layers": self.gather_bytes,
-                   "pipeline slot buffers": self.pipeline_bytes}
+            out = {
+                "residual stack": self.residual_bytes,
+                self.working_term: self.working_bytes,
+                "gradient buffers": self.gradient_bytes,
+                "ZeRO-3 gathered layers": self.gather_bytes,
+                "pipeline slot buffers": self.pipeline_bytes,
+            }
         elif self.total_bytes == self.update_bytes:
             out = {"optimizer update (gradients, their reduction, ZeRO shards)": self.update_bytes}
         else:
@@ -387,8 +414,9 @@ def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
     """Elements of the largest parameter array one device holds (a stacked layer weight holds the
     stage's layers)."""
     layers = model.num_layers // layout.pipeline
-    return max(shard_elements(t, layout.tensor, 1, False) * (layers if t.place == "layer" else 1)
-               for t in param_tensors(model))
+    return max(
+        shard_elements(t, layout.tensor, 1, False) * (layers if t.place == "layer" else 1) for t in param_tensors(model)
+    )
 
 
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
@@ -431,19 +459,32 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # one microbatch's stack, for every m: the accumulation scan runs each microbatch's forward and
         # backward inside one iteration (jaxpar.train.step: every microbatch in the loop, from zeros)
         residual = layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
-        candidates = [layer_working_term(model, layout, layers=layers), ("loss head", head_working_bytes(model, layout))]
+        candidates = [
+            layer_working_term(model, layout, layers=layers),
+            ("loss head", head_working_bytes(model, layout)),
+        ]
         grads = full_grads / n if zero3 else full_grads
         if zero3:  # no gathered layer added: it takes the place of the sliced one (see above)
-            candidates.append(("ZeRO-3 loss head (gathered weight, its gradient)", zero3_head_phase_bytes(model, layout)))
+            candidates.append(
+                ("ZeRO-3 loss head (gathered weight, its gradient)", zero3_head_phase_bytes(model, layout))
+            )
             grads += zero3_embedding_gradient_bytes(model, layout)
         term, working = max(candidates, key=lambda c: c[1])
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
             # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
             grads += full_grads / n if layout.zero_stage >= 2 else pb * layer_el
         update = update_bytes(model, layout, full_grads)
-        return TempEstimate(0, residual, working, grads, gather, 0.0, update,
-                            "update" if update > residual + working + grads + gather else "backward",
-                            working_term=term)
+        return TempEstimate(
+            0,
+            residual,
+            working,
+            grads,
+            gather,
+            0.0,
+            update,
+            "update" if update > residual + working + grads + gather else "backward",
+            working_term=term,
+        )
 
     chunk = model.num_layers // layout.stages
     last = stage == p - 1

@@ -154,12 +154,19 @@ class AotComparison:
             "estimated_temp_bytes": self.estimated_temp_bytes,
             "temp_ratio": self.temp_ratio,
             "memory": {
-                "argument_bytes": self.argument_bytes, "expected_argument_bytes": self.estimated_argument_bytes,
-                "temp_bytes": self.temp_bytes, "expected_temp_bytes": self.estimated_temp_bytes,
-                "temp_ratio": self.temp_ratio, "peak_bytes": self.peak_bytes,
-                "expected_peak_bytes": self.estimated_peak_bytes, "peak_ratio": self.peak_ratio,
-                **({"expected_stage_temp_bytes": self.estimated_stage_temp_bytes}
-                   if self.estimated_stage_temp_bytes else {}),
+                "argument_bytes": self.argument_bytes,
+                "expected_argument_bytes": self.estimated_argument_bytes,
+                "temp_bytes": self.temp_bytes,
+                "expected_temp_bytes": self.estimated_temp_bytes,
+                "temp_ratio": self.temp_ratio,
+                "peak_bytes": self.peak_bytes,
+                "expected_peak_bytes": self.estimated_peak_bytes,
+                "peak_ratio": self.peak_ratio,
+                **(
+                    {"expected_stage_temp_bytes": self.estimated_stage_temp_bytes}
+                    if self.estimated_stage_temp_bytes
+                    else {}
+                ),
                 "peak_terms": [{"term": name, "bytes": value} for name, value in self.peak_terms],
             },
             "collectives": {
@@ -250,8 +257,9 @@ def _compiled_axis_bytes(report: Any, layout: ParallelLayout | None = None) -> d
         return {axis: max(st.get(axis, 0.0) for st in report.stages) for axis in MESH_AXES}
     out = {axis: report.total_bytes(axis) for axis in MESH_AXES}
     if layout is not None and layout.context > 1 and layout.data > 1:
-        out[MeshAxis.CONTEXT] = sum(r.bytes_per_device for r in report.rows
-                                    if MeshAxis.CONTEXT in r.axes and MeshAxis.DATA not in r.axes)
+        out[MeshAxis.CONTEXT] = sum(
+            r.bytes_per_device for r in report.rows if MeshAxis.CONTEXT in r.axes and MeshAxis.DATA not in r.axes
+        )
     return out
 
 

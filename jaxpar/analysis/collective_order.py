@@ -27,8 +27,15 @@ import re
 
 from jaxpar.analysis.hlo import _CALLEE_LISTS, _CALLEES, Instr, parse_hlo
 
-COLLECTIVE_OPCODES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-                      "ragged-all-to-all", "collective-broadcast")
+COLLECTIVE_OPCODES = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+    "collective-broadcast",
+)
 NESTED_EXECUTORS = ("while", "conditional")  # thunks that run a nested thunk sequence, possibly asynchronously
 _NAME = re.compile(r"%?([\w.\-]+)\s*$")
 
@@ -73,8 +80,12 @@ def _passed_through(ins: Instr, by_name: dict[str, Instr], comps: dict[str, list
     value = names.get(_NAME.search(root.operands[k]).group(1))
     while value is not None and value.opcode == "bitcast":
         value = names.get(_NAME.search(value.operands[0]).group(1))
-    if (value is None or value.opcode != "get-tuple-element" or _INDEX.search(value.attrs) is None
-            or int(_INDEX.search(value.attrs).group(1)) != k):
+    if (
+        value is None
+        or value.opcode != "get-tuple-element"
+        or _INDEX.search(value.attrs) is None
+        or int(_INDEX.search(value.attrs).group(1)) != k
+    ):
         return None
     source = names.get(_NAME.search(value.operands[0]).group(1))
     if source is None or source.opcode != "parameter":
@@ -100,8 +111,9 @@ def unordered_in(comps: dict[str, list[Instr]]) -> list[UnorderedCollective]:
     def holds_collectives(comp: str) -> bool:
         if comp not in bearing:
             bearing[comp] = False  # HLO call graphs are acyclic; this only guards the recursion
-            bearing[comp] = any(_is_collective(i) or any(holds_collectives(c) for c in _callees(i, comps))
-                                for i in comps[comp])
+            bearing[comp] = any(
+                _is_collective(i) or any(holds_collectives(c) for c in _callees(i, comps)) for i in comps[comp]
+            )
         return bearing[comp]
 
     found = []

@@ -31,8 +31,10 @@ def device_count(pinned: list[dict[str, Any]]) -> int:
     """The one device count (data*tensor*pipeline*context) of the pinned layouts; a ConfigError if they differ."""
     sizes = {math.prod(p.get(axis, 1) for axis in MESH_AXES) for p in pinned}
     if len(sizes) != 1:
-        raise ConfigError(f"--layout: the layouts use different device counts ({sorted(sizes)}); give each the same "
-                          "data*tensor*pipeline*context")
+        raise ConfigError(
+            f"--layout: the layouts use different device counts ({sorted(sizes)}); give each the same "
+            "data*tensor*pipeline*context"
+        )
     return sizes.pop()
 
 
@@ -42,9 +44,14 @@ CHOICES = ("zero_stage", "recompute", "sequence_parallel", "microbatches", "sche
 def config_choices(cfg: ConfigDict) -> dict[str, Any]:
     """The layout choices a train config makes besides the mesh (what ``compare`` keeps when a
     ``--layout`` leaves them open)."""
-    return {"zero_stage": cfg.parallel.zero_stage, "recompute": cfg.model.remat,
-            "sequence_parallel": cfg.parallel.sequence_parallel, "microbatches": cfg.train.microbatches,
-            "schedule": cfg.pipeline.schedule, "virtual_stages": cfg.pipeline.virtual_stages}
+    return {
+        "zero_stage": cfg.parallel.zero_stage,
+        "recompute": cfg.model.remat,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "microbatches": cfg.train.microbatches,
+        "schedule": cfg.pipeline.schedule,
+        "virtual_stages": cfg.pipeline.virtual_stages,
+    }
 
 
 def _applicable(fixed: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -64,9 +71,15 @@ def _applicable(fixed: dict[str, Any], defaults: dict[str, Any]) -> dict[str, An
     return keep
 
 
-def compare_layouts(model: ConfigDict, cluster: Cluster, pinned: list[dict[str, Any]], global_batch: int,
-                    seq_len: int, options: PlanOptions, defaults: dict[str, Any] | None = None
-                    ) -> list[LayoutEstimate]:
+def compare_layouts(
+    model: ConfigDict,
+    cluster: Cluster,
+    pinned: list[dict[str, Any]],
+    global_batch: int,
+    seq_len: int,
+    options: PlanOptions,
+    defaults: dict[str, Any] | None = None,
+) -> list[LayoutEstimate]:
     """One estimate per pinned layout, in the order given.
 
     ``defaults`` (:func:`config_choices`) fill the choices a layout leaves open, as long as the layout
@@ -78,12 +91,16 @@ def compare_layouts(model: ConfigDict, cluster: Cluster, pinned: list[dict[str, 
     for given in pinned:
         given = {**{axis.value: 1 for axis in MESH_AXES}, **given}
         taken = _applicable(given, defaults or {})
-        order = [k for k in ("microbatches", "virtual_stages", "schedule", "sequence_parallel", "recompute",
-                             "zero_stage") if k in taken]
+        order = [
+            k
+            for k in ("microbatches", "virtual_stages", "schedule", "sequence_parallel", "recompute", "zero_stage")
+            if k in taken
+        ]
         while True:
             try:
-                found = search_layouts(model, cluster, num_devices, global_batch, seq_len, options,
-                                       {**given, **taken}, keep_unfit=True)
+                found = search_layouts(
+                    model, cluster, num_devices, global_batch, seq_len, options, {**given, **taken}, keep_unfit=True
+                )
                 break
             except ConfigError:
                 if not order:
@@ -93,8 +110,9 @@ def compare_layouts(model: ConfigDict, cluster: Cluster, pinned: list[dict[str, 
     return estimates
 
 
-def choice_sources(pinned: dict[str, Any], estimate: LayoutEstimate, defaults: dict[str, Any] | None = None
-                   ) -> dict[str, str]:
+def choice_sources(
+    pinned: dict[str, Any], estimate: LayoutEstimate, defaults: dict[str, Any] | None = None
+) -> dict[str, str]:
     """For each open choice of a layout: ``given`` (in ``--layout``), ``config`` (the config's value,
     kept) or ``chosen`` (searched: the config's value did not apply or is not known)."""
     out = {}
@@ -112,5 +130,7 @@ def choice_sources(pinned: dict[str, Any], estimate: LayoutEstimate, defaults: d
 def relative_to_first(estimates: list[LayoutEstimate]) -> list[dict[str, float]]:
     """Each layout's total memory and step time as a multiple of the first one's."""
     base = estimates[0]
-    return [{"memory": e.memory.total_bytes / base.memory.total_bytes, "step_time": e.step_time_s / base.step_time_s}
-            for e in estimates]
+    return [
+        {"memory": e.memory.total_bytes / base.memory.total_bytes, "step_time": e.step_time_s / base.step_time_s}
+        for e in estimates
+    ]

@@ -178,9 +178,14 @@ class CompiledReport:
         mem = None
         if self.memory is not None:
             mem = dataclasses.asdict(self.memory)
-            mem.update(argument_ratio=self.memory.argument_ratio, output_ratio=self.memory.output_ratio,
-                       temp_ratio=self.memory.temp_ratio, peak_bytes=self.memory.peak_bytes,
-                       expected_peak_bytes=self.memory.expected_peak_bytes, peak_ratio=self.memory.peak_ratio)
+            mem.update(
+                argument_ratio=self.memory.argument_ratio,
+                output_ratio=self.memory.output_ratio,
+                temp_ratio=self.memory.temp_ratio,
+                peak_bytes=self.memory.peak_bytes,
+                expected_peak_bytes=self.memory.expected_peak_bytes,
+                peak_ratio=self.memory.peak_ratio,
+            )
         return {
             "collectives": [dataclasses.asdict(r) | {"axes": list(r.axes), "ratio": r.ratio} for r in self.rows],
             "memory": mem,
@@ -234,7 +239,11 @@ def _collective(ins: Instr, symbols: dict[str, str], coords: np.ndarray, names: 
 
 
 def analyze_compiled(
-    compiled: Any, mesh: Any, *, expected: dict | None = None, expected_memory: dict | None = None,
+    compiled: Any,
+    mesh: Any,
+    *,
+    expected: dict | None = None,
+    expected_memory: dict | None = None,
     pipeline: Any = None,
 ) -> CompiledReport:
     """Collectives (by kind and mesh axes, bytes per device per step) and memory of ``compiled``.
@@ -276,8 +285,10 @@ def analyze_compiled(
     stages: list[dict[str, float]] = []
     if pipeline is not None:
         per_stage = [_stage_rows(ops, pipeline, d, coords, names) for d in range(pipeline.table.stages)]
-        stages = [{"stage": d, **{axis: sum(r.bytes_per_device for r in rows.values() if axis in r.axes)
-                                  for axis in names}} for d, rows in enumerate(per_stage)]
+        stages = [
+            {"stage": d, **{axis: sum(r.bytes_per_device for r in rows.values() if axis in r.axes) for axis in names}}
+            for d, rows in enumerate(per_stage)
+        ]
         rows = max(per_stage, key=lambda rows: sum(r.bytes_per_device for r in rows.values()))
     else:
         rows = {}
@@ -356,11 +367,15 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
     return float(ok.mean())
 
 
-def _stage_rows(ops: list[CollectiveOp], pipeline: Any, stage: int, coords: np.ndarray,
-                names: tuple[str, ...]) -> dict[tuple[str, tuple[str, ...]], CollectiveRow]:
+def _stage_rows(
+    ops: list[CollectiveOp], pipeline: Any, stage: int, coords: np.ndarray, names: tuple[str, ...]
+) -> dict[tuple[str, tuple[str, ...]], CollectiveRow]:
     """Rows of one pipeline stage (its device at data = tensor = 0)."""
-    device = next(i for i, c in enumerate(coords) if all(
-        c[k] == (stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names)))
+    device = next(
+        i
+        for i, c in enumerate(coords)
+        if all(c[k] == (stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names))
+    )
     rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
     for op in ops:
         share = pipeline_fraction(op.op_name, pipeline, stage)
@@ -408,8 +423,6 @@ def _flops(compiled: Any) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-
-
 # --------------------------------------------------------------------------- one layout
 
 
@@ -454,8 +467,7 @@ def mesh_for(cfg: ConfigDict) -> Any:
     return make_mesh(layout, devices[: layout.devices])
 
 
-def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str, Any] | None = None
-                   ) -> CompiledReport:
+def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str, Any] | None = None) -> CompiledReport:
     """Build the layout's :class:`~jaxpar.train.state.Setup`, compile its train step ahead of
     time from abstract arrays (nothing allocated), and analyze it against the formulas: the one
     compile path of ``inspect``, ``plan --aot`` and ``compare --aot``. ``compiler_options`` such as
@@ -516,8 +528,11 @@ def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledRep
     data = communication(cfg.model, layout, None, grad_bytes, "jaxpar")[MeshAxis.DATA]
     for st in report.stages:
         traffic = jaxpar_stage_traffic(cfg.model, layout, st["stage"], grad_bytes)  # ZeRO-2/3: per stage
-        st["expected"] = {MeshAxis.DATA: traffic.get(MeshAxis.DATA, (data.bytes,))[0], MeshAxis.TENSOR: traffic[MeshAxis.TENSOR][0],
-                          MeshAxis.PIPELINE: traffic[MeshAxis.PIPELINE][0]}
+        st["expected"] = {
+            MeshAxis.DATA: traffic.get(MeshAxis.DATA, (data.bytes,))[0],
+            MeshAxis.TENSOR: traffic[MeshAxis.TENSOR][0],
+            MeshAxis.PIPELINE: traffic[MeshAxis.PIPELINE][0],
+        }
     axes = (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE)
     busiest = max(report.stages, key=lambda st: sum(st[a] for a in axes))["stage"]
     report.warnings.append(

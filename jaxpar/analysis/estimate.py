@@ -80,8 +80,13 @@ def zero_paper_states(num_params: float, zero_stage: int, data: int) -> ModelSta
     return ModelStates(2 * num_params / shard[0], 2 * num_params / shard[1], 12 * num_params / shard[2])
 
 
-def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first", convention: str = "jaxpar",
-                 optim: ConfigDict | None = None) -> ModelStates:
+def model_states(
+    model: ConfigDict,
+    layout: ParallelLayout,
+    stage: str = "first",
+    convention: str = "jaxpar",
+    optim: ConfigDict | None = None,
+) -> ModelStates:
     """Model-state bytes per device of one pipeline stage, under one of two stated conventions.
 
     ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
@@ -95,15 +100,17 @@ def model_states(model: ConfigDict, layout: ParallelLayout, stage: str = "first"
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
     if convention == "paper":
-        return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage,
-                                 layout.data * layout.context)
+        return zero_paper_states(
+            _held_elements(model, layout, stage, False), layout.zero_stage, layout.data * layout.context
+        )
     full = _held_elements(model, layout, stage, False, every_stage=True)
     zero = _held_elements(model, layout, stage, True, every_stage=True)
     pb, z = DTYPE_BYTES[model.param_dtype], layout.zero_stage
     # optimizer state per parameter: jaxpar.optim.registry's formula (None: AdamW's mu + nu)
     per_param = 2.0 if optim is None else registry.state_elements_ratio(optim, model)
-    return ModelStates(pb * (zero if z >= 3 else full), pb * (zero if z >= 2 else full),
-                       per_param * pb * (zero if z else full))
+    return ModelStates(
+        pb * (zero if z >= 3 else full), pb * (zero if z >= 2 else full), per_param * pb * (zero if z else full)
+    )
 
 
 # --------------------------------------------------------------------------- activations
@@ -221,8 +228,9 @@ class MemoryEstimate:
         }
 
 
-def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar",
-                    optim: ConfigDict | None = None) -> MemoryEstimate:
+def memory_estimate(
+    model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", optim: ConfigDict | None = None
+) -> MemoryEstimate:
     """Model states + activations + temporaries per device; the heavier pipeline stage wins.
 
     ``jaxpar``: the temporaries of our own step, term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
@@ -239,14 +247,24 @@ def memory_estimate(model: ConfigDict, layout: ParallelLayout, convention: str =
         states, temp = model_states(model, layout, stage, convention, optim), temps[index]
         act = temp.residual_bytes
         transient = max(0.0, temp.total_bytes - act - states.gradient_bytes)
-        candidates.append(MemoryEstimate(convention, stage, *dataclasses.astuple(states), act, transient,
-                                         inflight_microbatches(layout, stage), temp.total_bytes,
-                                         tuple(t.total_bytes for t in temps)))
+        candidates.append(
+            MemoryEstimate(
+                convention,
+                stage,
+                *dataclasses.astuple(states),
+                act,
+                transient,
+                inflight_microbatches(layout, stage),
+                temp.total_bytes,
+                tuple(t.total_bytes for t in temps),
+            )
+        )
     return max(candidates, key=lambda c: c.total_bytes)
 
 
-def _paper_memory_estimate(model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None
-                           ) -> MemoryEstimate:
+def _paper_memory_estimate(
+    model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None
+) -> MemoryEstimate:
     """The published picture: ZeRO-paper states + Korthikanti-style stored activations (+ logits on
     the last stage) x in-flight microbatches + the gathered/cast weights of 2 layers (+ one layer's
     activations under full recompute); the heavier stage wins."""
@@ -366,8 +384,9 @@ def step_time(
     )
 
 
-def estimated_argument_bytes(model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar",
-                             optim: ConfigDict | None = None) -> float:
+def estimated_argument_bytes(
+    model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", optim: ConfigDict | None = None
+) -> float:
     """What the compiled step takes as arguments per device, estimated: parameters + optimizer state
     of :func:`memory_estimate` (``optim``'s state; None: AdamW's; the gradients are not arguments) +
     the step count (int32) + this data shard's batch (m x b x (s + 1) int32 tokens)."""
@@ -376,8 +395,9 @@ def estimated_argument_bytes(model: ConfigDict, layout: ParallelLayout, conventi
     return mem.params_bytes + mem.optimizer_bytes + 4 + batch
 
 
-def peak_terms(model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None, top: int = 3
-               ) -> list[tuple[str, float]]:
+def peak_terms(
+    model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None, top: int = 3
+) -> list[tuple[str, float]]:
     """The ``top`` largest terms of the estimated peak (arguments + temporaries, ``jaxpar`` convention) of
     the busiest pipeline stage, largest first, as (name, bytes per device): parameters, optimizer
     state and batch (:func:`estimated_argument_bytes`) beside the temporaries' terms of the phase that

@@ -176,8 +176,9 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
     return out
 
 
-def context_collectives(kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
-                        ) -> list[tuple[str, int, float, str]]:
+def context_collectives(
+    kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
+) -> list[tuple[str, int, float, str]]:
     """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
     ``context`` (:mod:`jaxpar.parallel.context`): ``kv_block_bytes`` = one rank's keys and values in
     the compute dtype (``act`` bytes), ``remat`` = 1 if the layer's forward is recomputed (it repeats
@@ -185,11 +186,15 @@ def context_collectives(kv_block_bytes: float, c: int, exchange: str, act: int, 
     values travel as two arrays of half the block; the ring's gradients travel in fp32."""
     half = kv_block_bytes / 2
     if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
-        return [("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
-                ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)")]
-    return [("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
-            ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
-            ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)")]
+        return [
+            ("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
+            ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)"),
+        ]
+    return [
+        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
+        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
+        ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)"),
+    ]
 
 
 def expected_memory(cfg: ConfigDict, placements: Any = None) -> dict[str, float]:

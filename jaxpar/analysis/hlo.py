@@ -153,12 +153,20 @@ _FUSION_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 def fused_computations(comps: dict[str, list[Instr]]) -> set[str]:
     """Names of the computations a ``fusion`` instruction calls: their instructions run inside one
     kernel (XLA:CPU: a generated loop, or a library call such as YNNPACK's), not as ops of their own."""
-    return {c for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
-            for c in _FUSION_CALLS.findall(ins.attrs)}
+    return {
+        c
+        for instrs in comps.values()
+        for ins in instrs
+        if ins.opcode == "fusion"
+        for c in _FUSION_CALLS.findall(ins.attrs)
+    }
 
 
 def executions(
-    entry: str, comps: dict[str, list[Instr]], warnings: list[str], cost: dict[str, float] | None = None,
+    entry: str,
+    comps: dict[str, list[Instr]],
+    warnings: list[str],
+    cost: dict[str, float] | None = None,
     all_branches: bool = False,
 ) -> dict[str, int]:
     """How many times each computation runs per call of ``entry`` (while bodies x trip count).

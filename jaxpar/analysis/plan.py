@@ -126,14 +126,22 @@ def evaluate_layout(
     c = layout.context
     # step_time divides the step's compute by data*tensor; each device also holds only s/c tokens of
     # every sequence, which is the same as c x the FLOP rate (compute and its backward window scale alike)
-    time = step_time(model, layout, cluster, efficiency=options.efficiency * c,
-                     dp_exposed_fraction=options.dp_exposed_fraction, comm=comm, convention=options.convention)
+    time = step_time(
+        model,
+        layout,
+        cluster,
+        efficiency=options.efficiency * c,
+        dp_exposed_fraction=options.dp_exposed_fraction,
+        comm=comm,
+        convention=options.convention,
+    )
     context_s = comm[MeshAxis.CONTEXT].time_s
     if context_s:  # exposed like the tensor traffic: the ring's sends wait on the previous hop's attention
         exposed = context_s / (1 - time.bubble_fraction)
         step = time.step_s + exposed
-        time = dataclasses.replace(time, step_s=step, bubble_s=time.bubble_s + exposed - context_s,
-                                   mfu=time.mfu * time.step_s / step)
+        time = dataclasses.replace(
+            time, step_s=step, bubble_s=time.bubble_s + exposed - context_s, mfu=time.mfu * time.step_s / step
+        )
     return LayoutEstimate(
         layout=layout,
         memory=memory_estimate(model, layout, options.convention, options.optim),
@@ -176,14 +184,16 @@ def _context_sizes(seq_len: int, fixed: dict[str, Any]) -> list[int]:
     return out
 
 
-def _meshes(model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any],
-            seq_len: int = 0):
+def _meshes(
+    model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any], seq_len: int = 0
+):
     """(data, tensor, pipeline, context) with pipeline dividing the layers, context from
     :func:`_context_sizes` and data dividing the global batch."""
     for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
         rest = num_devices // t if num_devices % t == 0 else 0
-        pipelines = [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest)
-                                                                     if model.num_layers % p == 0]
+        pipelines = (
+            [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest) if model.num_layers % p == 0]
+        )
         for p in pipelines:
             if not (rest and rest % p == 0 and model.num_layers % p == 0):
                 continue
@@ -258,8 +268,11 @@ def search_layouts(
     unknown = set(fixed) - {f.name for f in dataclasses.fields(ParallelLayout)}
     if unknown:
         raise ConfigError(f"plan: unknown layout field(s) {', '.join(sorted(unknown))}")
-    probe = {"schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b", "seq_len": seq_len,
-             "microbatches": fixed.get("pipeline", 1)} | fixed  # unpinned choices: ones every mesh can take
+    probe = {
+        "schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b",
+        "seq_len": seq_len,
+        "microbatches": fixed.get("pipeline", 1),
+    } | fixed  # unpinned choices: ones every mesh can take
     if probe.get("context", 1) > 1 and "attention" not in fixed:
         probe["attention"] = "blockwise"
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
@@ -280,9 +293,21 @@ def search_layouts(
             over_budget = False
             for b in sizes:
                 m = per_shard // b
-                layout = ParallelLayout(data=data, tensor=t, pipeline=p, virtual_stages=v, zero_stage=zero,
-                                        microbatches=m, microbatch_size=b, seq_len=seq_len, recompute=recompute,
-                                        sequence_parallel=sp, schedule=schedule, context=c, **attention)
+                layout = ParallelLayout(
+                    data=data,
+                    tensor=t,
+                    pipeline=p,
+                    virtual_stages=v,
+                    zero_stage=zero,
+                    microbatches=m,
+                    microbatch_size=b,
+                    seq_len=seq_len,
+                    recompute=recompute,
+                    sequence_parallel=sp,
+                    schedule=schedule,
+                    context=c,
+                    **attention,
+                )
                 try:
                     layout.validate(model)  # only layouts the step runs are candidates
                 except ConfigError:
@@ -349,7 +374,9 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
         )
     if lay.context > 1:
         where = "inside the node" if est.communication[MeshAxis.CONTEXT].link == "intra" else "across nodes"
-        how = "passes keys and values around a ring" if lay.context_exchange == "ring" else "all-gathers keys and values"
+        how = (
+            "passes keys and values around a ring" if lay.context_exchange == "ring" else "all-gathers keys and values"
+        )
         parts.append(
             f"context={lay.context} splits each sequence into {2 * lay.context} chunks and {how} {where} every layer "
             f"({est.context_s / est.step_time_s:.1%} of the step exposed)"
@@ -378,8 +405,10 @@ def plan_summary(
         "cluster": cluster.to_dict(),
         "devices": num_devices,
         "nodes": num_devices // cluster.devices_per_node,
-        "options": {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "optim"},
-                    "optimizer": options.optim.name if options.optim is not None else "adamw"},
+        "options": {
+            **{f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "optim"},
+            "optimizer": options.optim.name if options.optim is not None else "adamw",
+        },
         "memory_budget_bytes": cluster.memory_bytes * (1 - options.headroom),
         "layouts": [e.to_dict() for e in estimates],
     }

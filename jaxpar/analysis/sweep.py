@@ -31,9 +31,28 @@ from jaxpar.analysis.sweep_measure import PROBE_STEPS, HostProbe, SweepRecord, r
 from jaxpar.analysis.sweep_worker import ABORT_ENV, COLLECTIVE_TIMEOUT_FLAGS, Workers
 from jaxpar.config import ConfigDict, ConfigError
 
-__all__ = ["ABORT_ENV", "AXES", "COLLECTIVE_TIMEOUT_FLAGS", "PASS_STEPS", "STATUSES", "TOLERANCE", "HostProbe", "SweepRecord", "Workers",
-           "check_losses", "cpu_cluster", "device_cluster", "layout_name", "measure_copy_gbps", "run_layout",
-           "run_sweep_layouts", "select", "summarize_times", "sweep_layouts", "time_again"]
+__all__ = [
+    "ABORT_ENV",
+    "AXES",
+    "COLLECTIVE_TIMEOUT_FLAGS",
+    "PASS_STEPS",
+    "STATUSES",
+    "TOLERANCE",
+    "HostProbe",
+    "SweepRecord",
+    "Workers",
+    "check_losses",
+    "cpu_cluster",
+    "device_cluster",
+    "layout_name",
+    "measure_copy_gbps",
+    "run_layout",
+    "run_sweep_layouts",
+    "select",
+    "summarize_times",
+    "sweep_layouts",
+    "time_again",
+]
 
 PASS_STEPS = 5  # steps of each later pass, unless --steps is fewer
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}  # relative loss difference from the reference
@@ -61,9 +80,18 @@ def check_losses(records: list[SweepRecord], tolerance: float) -> SweepRecord | 
 # --------------------------------------------------------------------------- the sweep
 
 
-def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: int, only: Iterable[str] = (),
-                      tolerance: float | None = None, progress: bool = True, repeats: int = 6,
-                      pass_steps: int | None = None) -> tuple[list[SweepRecord], dict]:
+def run_sweep_layouts(
+    cfg: ConfigDict,
+    num_devices: int,
+    *,
+    steps: int,
+    warmup: int,
+    only: Iterable[str] = (),
+    tolerance: float | None = None,
+    progress: bool = True,
+    repeats: int = 6,
+    pass_steps: int | None = None,
+) -> tuple[list[SweepRecord], dict]:
     """Every selected layout of ``num_devices``, each for ``steps`` steps on the same batches;
     returns the records and the run's conditions (host, peak, cluster, tolerance, wall time).
 
@@ -99,21 +127,25 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     cluster = device_cluster(num_devices, peak)
     t = cfg.train
     layouts = select(sweep_layouts(cfg.model, num_devices, t.global_batch, t.seq_len, cluster), only)
-    stream = data_lib.make_batches(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
-                                   global_batch=t.global_batch, seed=t.seed)
+    stream = data_lib.make_batches(
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=t.global_batch, seed=t.seed
+    )
     batches = [stream.next() for _ in range(steps)]
     tolerance = TOLERANCE[cfg.model.compute_dtype] if tolerance is None else tolerance
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: use at least 1 pass")
     pass_steps = min(PASS_STEPS, steps) if pass_steps is None else pass_steps
     if not warmup < pass_steps <= steps:
-        raise ConfigError(f"--pass-steps {pass_steps}: use a value in ({warmup}, {steps}]: more than --warmup, "
-                          "at most --steps")
+        raise ConfigError(
+            f"--pass-steps {pass_steps}: use a value in ({warmup}, {steps}]: more than --warmup, at most --steps"
+        )
     records: list[SweepRecord] = []
     saved = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never read compiles back (time_again)
     try:
-        with _progress(progress) as bar, Workers(cfg, num_devices, batches, steps, warmup, peak, cluster,
-                                                       probe=layouts[0]) as workers:
+        with (
+            _progress(progress) as bar,
+            Workers(cfg, num_devices, batches, steps, warmup, peak, cluster, probe=layouts[0]) as workers,
+        ):
             over = bar.add_task("layouts", total=len(layouts) * repeats, name="", loss=float("nan"))
             inner = bar.add_task("steps", total=steps, name="", loss=float("nan"))
             for lay in layouts:
@@ -129,8 +161,9 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
                 for lay, record in zip(layouts, records):
                     bar.reset(inner, total=pass_steps, name=f"{record.name} (pass {number})", loss=float("nan"))
                     if record.status != "crashed":
-                        out = workers.again(lay, pass_steps,
-                                            on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
+                        out = workers.again(
+                            lay, pass_steps, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss)
+                        )
                         _add_pass(record, out, number, cfg, lay, warmup, peak)
                         if record.status == "crashed":
                             bar.console.print(f"[red]{record.name} crashed in pass {number}:[/] {record.error}")
@@ -163,8 +196,11 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
         "seq_len": t.seq_len,
         "tokens_per_step": t.global_batch * t.seq_len,
         "wall_s": time.perf_counter() - started,
-        "host_probe": {"layout": layout_name(layouts[0]), "steps_per_layout_and_pass": PROBE_STEPS,
-                       "median_s": _median([p for r in records for p in r.host_probe_s])},
+        "host_probe": {
+            "layout": layout_name(layouts[0]),
+            "steps_per_layout_and_pass": PROBE_STEPS,
+            "median_s": _median([p for r in records for p in r.host_probe_s]),
+        },
         "allocator": steady_malloc(apply=False),  # what each worker process set (sweep_worker._worker)
         "layouts": len(records),
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
@@ -172,8 +208,15 @@ def run_sweep_layouts(cfg: ConfigDict, num_devices: int, *, steps: int, warmup: 
     return records, meta
 
 
-def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: ConfigDict, layout: ParallelLayout,
-              warmup: int, peak: float) -> None:
+def _add_pass(
+    record: SweepRecord,
+    out: dict[str, Any],
+    number: int,
+    cfg: ConfigDict,
+    layout: ParallelLayout,
+    warmup: int,
+    peak: float,
+) -> None:
     """Fold a later pass into ``record``: its step times, or a crash; losses that are not bitwise
     pass 1's first ones make the layout a mismatch (the same program on the same inputs must repeat
     itself)."""
@@ -184,7 +227,7 @@ def _add_pass(record: SweepRecord, out: dict[str, Any], number: int, cfg: Config
     record.minor_faults.append(out.get("faults", []))
     if "probe_s" in out:
         record.host_probe_s.append(out["probe_s"])
-    if out["losses"] != record.losses[:len(out["losses"])] and record.status == "ok":
+    if out["losses"] != record.losses[: len(out["losses"])] and record.status == "ok":
         diff = max((abs(a - b) / abs(b) if b else abs(a - b)) for a, b in zip(out["losses"], record.losses))
         record.status = "mismatch"
         record.error = f"pass {number} losses differ from pass 1 by {diff:.2e} relative (not deterministic)"
@@ -209,7 +252,11 @@ def _progress(enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[name]}"), TextColumn("loss {task.fields[loss]:.4f} nats/token"),
-        TimeElapsedColumn(), disable=not enabled,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[name]}"),
+        TextColumn("loss {task.fields[loss]:.4f} nats/token"),
+        TimeElapsedColumn(),
+        disable=not enabled,
     )

@@ -29,7 +29,6 @@ from jaxpar.config import ConfigDict, ConfigError
 AXES = tuple(axis.value for axis in MESH_AXES)
 
 
-
 def layout_name(layout: ParallelLayout) -> str:
     """A short unique name: ``d2t2p2v2-z1-sp-interleaved-m4`` (mesh, ZeRO, +SP, schedule, microbatches);
     with context parallelism ``c<size>`` after the mesh (``c<size>ag`` for the all-gather exchange)."""
@@ -54,8 +53,9 @@ def _microbatches(layout: ParallelLayout) -> int:
     return layout.microbatches
 
 
-def sweep_layouts(model: ConfigDict, num_devices: int, global_batch: int, seq_len: int,
-                  cluster: Cluster) -> list[ParallelLayout]:
+def sweep_layouts(
+    model: ConfigDict, num_devices: int, global_batch: int, seq_len: int, cluster: Cluster
+) -> list[ParallelLayout]:
     """Every layout of ``num_devices`` the planner accepts for this batch, recompute off, one
     microbatch count per layout (see the module docstring), pure data parallelism first."""
     options = PlanOptions(headroom=0.0)
@@ -63,8 +63,9 @@ def sweep_layouts(model: ConfigDict, num_devices: int, global_batch: int, seq_le
     for schedule in ("1f1b", "gpipe", "interleaved"):
         fixed = {"recompute": "none", "schedule": schedule}
         try:
-            estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed,
-                                       keep_unfit=True)
+            estimates = search_layouts(
+                model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=True
+            )
         except ConfigError:
             continue  # e.g. no layout of this schedule
         for est in estimates:
@@ -77,8 +78,10 @@ def sweep_layouts(model: ConfigDict, num_devices: int, global_batch: int, seq_le
             lay = dataclasses.replace(lay, microbatches=m, microbatch_size=global_batch // (lay.data * m))
             found.setdefault(layout_name(lay), lay)
     order = {"1f1b": 0, "gpipe": 1, "interleaved": 2}
-    return sorted(found.values(), key=lambda x: (x.pipeline, x.tensor, x.virtual_stages, order[x.schedule],
-                                                 x.zero_stage, x.sequence_parallel))
+    return sorted(
+        found.values(),
+        key=lambda x: (x.pipeline, x.tensor, x.virtual_stages, order[x.schedule], x.zero_stage, x.sequence_parallel),
+    )
 
 
 def select(layouts: list[ParallelLayout], only: Iterable[str] = ()) -> list[ParallelLayout]:
@@ -114,8 +117,16 @@ def cpu_cluster(num_devices: int, peak_flops: float, copy_gbps: float) -> Cluste
     """Simulated CPU devices as a one-node cluster: the measured peak per device; links at the
     measured copy rate shared by the devices; memory unbounded for the planner (host RAM)."""
     link = max(copy_gbps / num_devices, 1e-3)
-    return Cluster("cpu-simulated", peak_flops / 1e12, 1e15, copy_gbps, num_devices, link, link,
-                   "simulated CPU devices: measured fp32 matmul peak and memory copy rate, shared")
+    return Cluster(
+        "cpu-simulated",
+        peak_flops / 1e12,
+        1e15,
+        copy_gbps,
+        num_devices,
+        link,
+        link,
+        "simulated CPU devices: measured fp32 matmul peak and memory copy rate, shared",
+    )
 
 
 def device_cluster(num_devices: int, peak_flops: float) -> Cluster:

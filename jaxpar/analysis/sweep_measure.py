@@ -77,8 +77,10 @@ class SweepRecord:
         return sum(self.est_collective_bytes.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"bytes_per_step": self.bytes_per_step,
-                                           "est_bytes_per_step": self.est_bytes_per_step}
+        return dataclasses.asdict(self) | {
+            "bytes_per_step": self.bytes_per_step,
+            "est_bytes_per_step": self.est_bytes_per_step,
+        }
 
 
 def _one_line(error: BaseException) -> str:
@@ -86,9 +88,19 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"[:300]
 
 
-def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int, warmup: int, peak_flops: float,
-               cluster: Cluster, on_step: Callable[[int, float], None] | None = None,
-               keep: dict[str, Any] | None = None, probe: HostProbe | None = None) -> SweepRecord:
+def run_layout(
+    cfg: ConfigDict,
+    layout: ParallelLayout,
+    batches: list,
+    *,
+    steps: int,
+    warmup: int,
+    peak_flops: float,
+    cluster: Cluster,
+    on_step: Callable[[int, float], None] | None = None,
+    keep: dict[str, Any] | None = None,
+    probe: HostProbe | None = None,
+) -> SweepRecord:
     """Compile ``layout`` once, analyse the executable, run it for ``steps`` steps; never raises
     for a failing layout (the record says ``crashed`` and why). ``keep``: where to leave the
     compiled step for :func:`time_again` (keyed by the layout's name); ``probe``: timed just before
@@ -102,9 +114,19 @@ def run_layout(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps:
     return record
 
 
-def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: list, steps: int, warmup: int,
-         peak_flops: float, cluster: Cluster, on_step: Callable[[int, float], None] | None,
-         keep: dict[str, Any] | None = None, probe: HostProbe | None = None) -> None:
+def _run(
+    record: SweepRecord,
+    cfg: ConfigDict,
+    layout: ParallelLayout,
+    batches: list,
+    steps: int,
+    warmup: int,
+    peak_flops: float,
+    cluster: Cluster,
+    on_step: Callable[[int, float], None] | None,
+    keep: dict[str, Any] | None = None,
+    probe: HostProbe | None = None,
+) -> None:
     from jaxpar.analysis.aot import _compiled_axis_bytes
     from jaxpar.analysis.compiled import analyze_compiled
     from jaxpar.analysis.estimate import DTYPE_BYTES
@@ -112,14 +134,16 @@ def _run(record: SweepRecord, cfg: ConfigDict, layout: ParallelLayout, batches: 
     lcfg = layout_config(cfg, layout)
     lcfg.train.steps = steps
     grad_bytes = DTYPE_BYTES[lcfg.parallel.grad_reduce_dtype]
-    est = evaluate_layout(lcfg.model, cluster, layout, PlanOptions(headroom=0.0, grad_reduce_bytes=grad_bytes,
-                                                                   optim=lcfg.optim))
+    est = evaluate_layout(
+        lcfg.model, cluster, layout, PlanOptions(headroom=0.0, grad_reduce_bytes=grad_bytes, optim=lcfg.optim)
+    )
     record.est_argument_bytes = estimated_argument_bytes(lcfg.model, layout, optim=lcfg.optim)
     mem = est.memory
     record.est_temp_bytes = mem.gradient_bytes + mem.activation_bytes + mem.transient_bytes
     # an axis the communication estimate does not price yet (context) counts 0 rather than crashing the sweep
-    record.est_collective_bytes = {axis: est.communication[axis].bytes if axis in est.communication else 0.0
-                                   for axis in AXES}
+    record.est_collective_bytes = {
+        axis: est.communication[axis].bytes if axis in est.communication else 0.0 for axis in AXES
+    }
     record.est_step_time_s = est.step_time_s
 
     start = time.perf_counter()
@@ -164,8 +188,9 @@ def _never_skip(mesh: Any) -> Any:
     return jax.device_put(np.array([np.inf, 0.0], np.float32), NamedSharding(mesh, P()))
 
 
-def _timed_steps(setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int,
-                 on_step: Callable[[int, float], None] | None) -> tuple[list[float], list[float], list[int]]:
+def _timed_steps(
+    setup: Any, compiled: Any, lcfg: ConfigDict, batches: list, steps: int, on_step: Callable[[int, float], None] | None
+) -> tuple[list[float], list[float], list[int]]:
     """Run ``steps`` steps from the config's initialisation; (seconds per step, loss per step, the
     process's minor page faults during each step: see :mod:`jaxpar.host_memory`)."""
     import jax
@@ -197,9 +222,17 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def time_again(cfg: ConfigDict, layout: ParallelLayout, batches: list, *, steps: int,
-               on_step: Callable[[int, float], None] | None = None, kept: dict[str, Any] | None = None,
-               probe: HostProbe | None = None, run_steps: int | None = None) -> dict[str, Any]:
+def time_again(
+    cfg: ConfigDict,
+    layout: ParallelLayout,
+    batches: list,
+    *,
+    steps: int,
+    on_step: Callable[[int, float], None] | None = None,
+    kept: dict[str, Any] | None = None,
+    probe: HostProbe | None = None,
+    run_steps: int | None = None,
+) -> dict[str, Any]:
     """A later pass over ``layout``: run pass 1's first ``steps`` steps again with the executable
     pass 1 compiled (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as
     after a worker died, for pass 1's ``run_steps``, default ``steps``: the learning-rate schedule
@@ -268,8 +301,9 @@ class HostProbe:
         return statistics.median(times)
 
 
-def summarize_times(record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayout, warmup: int,
-                    peak_flops: float) -> None:
+def summarize_times(
+    record: SweepRecord, lcfg: ConfigDict, layout: ParallelLayout, warmup: int, peak_flops: float
+) -> None:
     """Step-time statistics over the steady steps (the first ``warmup`` of each pass left out) of
     every pass, pooled: median, min, max, each pass's median, the tokens/s and MFU of the median, and
     the median minor page faults per step.

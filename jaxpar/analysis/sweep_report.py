@@ -21,20 +21,49 @@ from typing import Any
 from jaxpar.analysis.sweep import AXES, SweepRecord
 
 MIB = 2**20
-PLOTS = {"memory_vs_bytes": "memory per device vs collective bytes per step",
-         "step_time": "step time per layout (median, min-max whiskers)",
-         "estimate_vs_measured": "planner estimate vs measured (memory, step time)"}
-CSV_FIELDS = ("name", "status", "data", "tensor", "pipeline", "context", "virtual_stages", "zero_stage",
-              "sequence_parallel", "schedule", "microbatches", "compile_s", "step_time_median_s", "step_time_min_s",
-              "step_time_max_s", "pass_medians_s", "host_probe_s", "minor_faults_per_step", "tokens_per_s", "mfu",
-              "argument_bytes", "est_argument_bytes", "temp_bytes", "est_temp_bytes",
-              *(f"{a}_bytes" for a in AXES), *(f"est_{a}_bytes" for a in AXES), "est_step_time_s", "final_loss",
-              "loss_rel_diff", "error")
+PLOTS = {
+    "memory_vs_bytes": "memory per device vs collective bytes per step",
+    "step_time": "step time per layout (median, min-max whiskers)",
+    "estimate_vs_measured": "planner estimate vs measured (memory, step time)",
+}
+CSV_FIELDS = (
+    "name",
+    "status",
+    "data",
+    "tensor",
+    "pipeline",
+    "context",
+    "virtual_stages",
+    "zero_stage",
+    "sequence_parallel",
+    "schedule",
+    "microbatches",
+    "compile_s",
+    "step_time_median_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "pass_medians_s",
+    "host_probe_s",
+    "minor_faults_per_step",
+    "tokens_per_s",
+    "mfu",
+    "argument_bytes",
+    "est_argument_bytes",
+    "temp_bytes",
+    "est_temp_bytes",
+    *(f"{a}_bytes" for a in AXES),
+    *(f"est_{a}_bytes" for a in AXES),
+    "est_step_time_s",
+    "final_loss",
+    "loss_rel_diff",
+    "error",
+)
 
 
 def csv_row(r: SweepRecord) -> dict[str, Any]:
     row = {k: r.layout.get(k) for k in CSV_FIELDS if k in r.layout} | {
-        k: getattr(r, k) for k in CSV_FIELDS if hasattr(r, k)}
+        k: getattr(r, k) for k in CSV_FIELDS if hasattr(r, k)
+    }
     for a in AXES:
         row[f"{a}_bytes"], row[f"est_{a}_bytes"] = r.collective_bytes.get(a, 0.0), r.est_collective_bytes.get(a, 0.0)
     return row
@@ -91,8 +120,11 @@ def plot_estimate_vs_measured(records: list[SweepRecord]):
     ran = _ran(records)
     fig = Figure(figsize=(12, 5.5), layout="constrained")
     panels = (
-        ("memory per device (MiB)", [(r.est_argument_bytes + r.est_temp_bytes) / MIB for r in ran],
-         [(r.argument_bytes + r.temp_bytes) / MIB for r in ran]),
+        (
+            "memory per device (MiB)",
+            [(r.est_argument_bytes + r.est_temp_bytes) / MIB for r in ran],
+            [(r.argument_bytes + r.temp_bytes) / MIB for r in ran],
+        ),
         ("step time (ms)", [r.est_step_time_s * 1e3 for r in ran], [r.step_time_median_s * 1e3 for r in ran]),
     )
     for k, (what, est, measured) in enumerate(panels):
@@ -118,8 +150,11 @@ def render_plots(records: list[SweepRecord], outdir: str) -> dict[str, tuple[str
     """Write the three PNGs into ``outdir``; returns name -> (path, Figure)."""
     os.makedirs(outdir, exist_ok=True)
     out = {}
-    for name, make in (("memory_vs_bytes", plot_memory_vs_bytes), ("step_time", plot_step_times),
-                       ("estimate_vs_measured", plot_estimate_vs_measured)):
+    for name, make in (
+        ("memory_vs_bytes", plot_memory_vs_bytes),
+        ("step_time", plot_step_times),
+        ("estimate_vs_measured", plot_estimate_vs_measured),
+    ):
         fig = make(records)
         path = os.path.join(outdir, f"{name}.png")
         fig.savefig(path, dpi=130)
@@ -135,8 +170,20 @@ def _mib(value: float) -> str:
 
 
 def markdown_table(records: list[SweepRecord]) -> str:
-    head = ("layout", "status", "compile s", "step ms med [min, max]", "tokens/s", "MFU", "args MiB (est)",
-            "temps MiB (est)", *(f"{a} MiB (est)" for a in AXES), "est step ms", "final loss", "rel. diff")
+    head = (
+        "layout",
+        "status",
+        "compile s",
+        "step ms med [min, max]",
+        "tokens/s",
+        "MFU",
+        "args MiB (est)",
+        "temps MiB (est)",
+        *(f"{a} MiB (est)" for a in AXES),
+        "est step ms",
+        "final loss",
+        "rel. diff",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if r.status == "crashed":
@@ -148,16 +195,21 @@ def markdown_table(records: list[SweepRecord]) -> str:
             f"| {r.name} | {status} | {r.compile_s:.1f} | {r.step_time_median_s * 1e3:.0f} "
             f"[{r.step_time_min_s * 1e3:.0f}, {r.step_time_max_s * 1e3:.0f}] | {r.tokens_per_s:.0f} | {r.mfu:.1%} | "
             f"{_mib(r.argument_bytes)} ({_mib(r.est_argument_bytes)}) | {_mib(r.temp_bytes)} ({_mib(r.est_temp_bytes)})"
-            f" | {' | '.join(axes)} | {r.est_step_time_s * 1e3:.1f} | {r.final_loss:.7f} | {r.loss_rel_diff:.1e} |")
+            f" | {' | '.join(axes)} | {r.est_step_time_s * 1e3:.1f} | {r.final_loss:.7f} | {r.loss_rel_diff:.1e} |"
+        )
     return "\n".join(lines)
 
 
-def write_results(records: list[SweepRecord], meta: dict[str, Any], outdir: str,
-                  comparison: list[str] | None = None) -> dict[str, str]:
+def write_results(
+    records: list[SweepRecord], meta: dict[str, Any], outdir: str, comparison: list[str] | None = None
+) -> dict[str, str]:
     """results.csv, results.json, the PNGs and report.md in ``outdir``; returns name -> path."""
     os.makedirs(outdir, exist_ok=True)
-    paths = {"csv": os.path.join(outdir, "results.csv"), "json": os.path.join(outdir, "results.json"),
-             "md": os.path.join(outdir, "report.md")}
+    paths = {
+        "csv": os.path.join(outdir, "results.csv"),
+        "json": os.path.join(outdir, "results.json"),
+        "md": os.path.join(outdir, "report.md"),
+    }
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
@@ -211,8 +263,11 @@ def report_markdown(records: list[SweepRecord], meta: dict[str, Any], comparison
         parts += ["## Failures", ""] + [f"- {r.name}: {r.status}: {r.error}" for r in failures] + [""]
     retried = [r for r in records if r.retried]
     if retried:
-        parts += ["## Retried in a new process", ""] + [f"- {r.name} ({r.status} on the second attempt); the first "
-                                                         f"attempt: {r.retried}" for r in retried] + [""]
+        parts += (
+            ["## Retried in a new process", ""]
+            + [f"- {r.name} ({r.status} on the second attempt); the first attempt: {r.retried}" for r in retried]
+            + [""]
+        )
     if comparison:
         parts += ["## Re-run against the earlier results", ""] + [f"- {line}" for line in comparison] + [""]
     parts += ["## Figures", ""] + [f"![{title}]({name}.png)\n" for name, title in PLOTS.items()]
@@ -225,10 +280,12 @@ def _probe_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
     probe = meta.get("host_probe") or {}
     if not times:
         return "Host probe: none (no layout ran)."
-    return (f"Host probe (the host's speed, timed before every layout's steps in every pass: "
-            f"{probe.get('steps_per_layout_and_pass', '?')} steps of {probe.get('layout', '?')}, median): "
-            f"{statistics.median(times) * 1e3:.1f} ms over the sweep, range {min(times) * 1e3:.1f}-"
-            f"{max(times) * 1e3:.1f} ms. A re-run with `--baseline` divides this out.")
+    return (
+        f"Host probe (the host's speed, timed before every layout's steps in every pass: "
+        f"{probe.get('steps_per_layout_and_pass', '?')} steps of {probe.get('layout', '?')}, median): "
+        f"{statistics.median(times) * 1e3:.1f} ms over the sweep, range {min(times) * 1e3:.1f}-"
+        f"{max(times) * 1e3:.1f} ms. A re-run with `--baseline` divides this out."
+    )
 
 
 def _faults_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
@@ -239,12 +296,16 @@ def _faults_note(records: list[SweepRecord], meta: dict[str, Any]) -> str:
         return "Page faults: none measured (no layout ran)."
     worst = max(ran, key=lambda r: r.minor_faults_per_step)
     faulting = sum(r.minor_faults_per_step > 0 for r in ran)
-    head = (f"Allocator: {meta.get('allocator', 'not recorded')}. Minor page faults per timed step (median over "
-            "the steady steps): ")
+    head = (
+        f"Allocator: {meta.get('allocator', 'not recorded')}. Minor page faults per timed step (median over "
+        "the steady steps): "
+    )
     if not faulting:
         return head + f"0 on all {len(ran)} layouts."
-    return head + (f"0 on {len(ran) - faulting} of {len(ran)} layouts; the most, {worst.minor_faults_per_step:.0f}, "
-                   f"on {worst.name}.")
+    return head + (
+        f"0 on {len(ran) - faulting} of {len(ran)} layouts; the most, {worst.minor_faults_per_step:.0f}, "
+        f"on {worst.name}."
+    )
 
 
 def _load(values: Any) -> str:
@@ -258,9 +319,11 @@ def _passes(meta: dict[str, Any]) -> str:
     if repeats <= 1:
         return f"{first} of one pass"
     later = meta.get("pass_steps", steps)
-    return (f"{first} of pass 1 and steps {warmup + 1}-{later} of each of the {repeats - 1} later passes of {later} "
-            f"steps, pooled (the whole list ran {repeats} times, minutes apart, so the spread includes the host's "
-            "drift; each later pass reproduced pass 1's losses bit for bit, or the layout is marked)")
+    return (
+        f"{first} of pass 1 and steps {warmup + 1}-{later} of each of the {repeats - 1} later passes of {later} "
+        f"steps, pooled (the whole list ran {repeats} times, minutes apart, so the spread includes the host's "
+        "drift; each later pass reproduced pass 1's losses bit for bit, or the layout is marked)"
+    )
 
 
 def _load_note(meta: dict[str, Any]) -> str:
@@ -306,7 +369,10 @@ def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[s
             continue
         common += 1
         exact = (old["argument_bytes"], old["temp_bytes"], old["collective_bytes"]) == (
-            r.argument_bytes, r.temp_bytes, r.collective_bytes)
+            r.argument_bytes,
+            r.temp_bytes,
+            r.collective_bytes,
+        )
         same += exact
         if not exact:
             lines.append(f"{r.name}: memory or collective bytes differ from the earlier run")
@@ -317,16 +383,23 @@ def compare_runs(previous: dict[str, Any], records: list[SweepRecord]) -> list[s
             fixed = r.step_time_median_s / factor
             corrected_inside += low <= fixed <= high
             if not low <= fixed <= high:
-                lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms, host-corrected "
-                             f"{fixed * 1e3:.0f} ms, outside {spread}")
+                lines.append(
+                    f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms, host-corrected "
+                    f"{fixed * 1e3:.0f} ms, outside {spread}"
+                )
         elif not low <= r.step_time_median_s <= high:
             lines.append(f"{r.name}: median {r.step_time_median_s * 1e3:.0f} ms outside {spread}")
-    head = [f"{same} of {common} layouts have identical memory and collective bytes",
-            f"{inside} of {common} median step times fall inside the earlier run's min-max spread"]
+    head = [
+        f"{same} of {common} layouts have identical memory and collective bytes",
+        f"{inside} of {common} median step times fall inside the earlier run's min-max spread",
+    ]
     if factor is not None:
-        head.append(f"{corrected_inside} of {common} host-corrected median step times fall inside it (the host "
-                    f"probe, {probe_now}, took x{factor:.3f} its earlier median time: each median divided by that)")
+        head.append(
+            f"{corrected_inside} of {common} host-corrected median step times fall inside it (the host "
+            f"probe, {probe_now}, took x{factor:.3f} its earlier median time: each median divided by that)"
+        )
     elif probe_then != probe_now:
-        head.append(f"no host correction: the earlier run's probe layout ({probe_then}) is not this run's "
-                    f"({probe_now})")
+        head.append(
+            f"no host correction: the earlier run's probe layout ({probe_then}) is not this run's ({probe_now})"
+        )
     return head + lines

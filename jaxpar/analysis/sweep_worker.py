@@ -24,8 +24,10 @@ from jaxpar.analysis.sweep_grid import layout_name
 from jaxpar.analysis.sweep_measure import HostProbe, SweepRecord, run_layout, time_again
 from jaxpar.config import ConfigDict
 
-COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",
-                            "--xla_cpu_collective_timeout_seconds=600")
+COLLECTIVE_TIMEOUT_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+    "--xla_cpu_collective_timeout_seconds=600",
+)
 ABORT_ENV = "JAXPAR_SWEEP_ABORT"  # a layout name: its worker process aborts (tests of crash recording)
 
 
@@ -34,13 +36,30 @@ class Workers:
     failure aborts the whole process, no exception to catch), the layout is recorded as crashed with
     the first fatal line of the child's stderr, and a fresh child takes the next layout."""
 
-    def __init__(self, cfg: ConfigDict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
-                 cluster: Cluster, probe: ParallelLayout | None = None):
+    def __init__(
+        self,
+        cfg: ConfigDict,
+        num_devices: int,
+        batches: list,
+        steps: int,
+        warmup: int,
+        peak: float,
+        cluster: Cluster,
+        probe: ParallelLayout | None = None,
+    ):
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("spawn")  # a fresh JAX per child (fork would copy the parent's)
-        self.args = (cfg.to_dict(), num_devices, batches, steps, warmup, peak, cluster.to_dict(),
-                     dataclasses.asdict(probe) if probe is not None else None)
+        self.args = (
+            cfg.to_dict(),
+            num_devices,
+            batches,
+            steps,
+            warmup,
+            peak,
+            cluster.to_dict(),
+            dataclasses.asdict(probe) if probe is not None else None,
+        )
         self.steps = steps  # pass 1's; a later pass says its own (:meth:`again`)
         self.proc: Any = None
 
@@ -55,8 +74,9 @@ class Workers:
 
         self.errors = tempfile.NamedTemporaryFile("w+", prefix="jaxpar-sweep-", suffix=".err", delete=False)
         self.tasks, self.results = self.ctx.Queue(), self.ctx.Queue()
-        self.proc = self.ctx.Process(target=_worker, args=(*self.args, self.tasks, self.results, self.errors.name),
-                                     daemon=True)
+        self.proc = self.ctx.Process(
+            target=_worker, args=(*self.args, self.tasks, self.results, self.errors.name), daemon=True
+        )
         self.proc.start()
 
     def _stop(self) -> None:
@@ -82,8 +102,9 @@ class Workers:
         out = self._ask(True, layout, on_step, True, steps)
         return {"error": out.error} if isinstance(out, SweepRecord) else out
 
-    def _ask(self, again: bool, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool,
-             steps: int) -> Any:
+    def _ask(
+        self, again: bool, layout: ParallelLayout, on_step: Callable[[int, float], None], retry: bool, steps: int
+    ) -> Any:
         import queue
 
         if self.proc is None:
@@ -118,8 +139,19 @@ class Workers:
         return ((fatal or lines or ["no output"])[0])[:300]
 
 
-def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup: int, peak: float,
-            cluster_dict: dict, probe_layout: dict | None, tasks: Any, results: Any, errors: str) -> None:
+def _worker(
+    cfg_dict: dict,
+    num_devices: int,
+    batches: list,
+    steps: int,
+    warmup: int,
+    peak: float,
+    cluster_dict: dict,
+    probe_layout: dict | None,
+    tasks: Any,
+    results: Any,
+    errors: str,
+) -> None:
     """The child: stderr into ``errors``, then layouts from ``tasks`` until None."""
     import os
 
@@ -145,9 +177,32 @@ def _worker(cfg_dict: dict, num_devices: int, batches: list, steps: int, warmup:
             os.abort()
         on_step = lambda k, loss: results.put(("step", k, loss))  # noqa: E731
         if again:
-            results.put(("done", time_again(cfg, ParallelLayout(**item), batches, steps=pass_steps, on_step=on_step,
-                                            kept=kept, probe=probe, run_steps=steps)))
+            results.put(
+                (
+                    "done",
+                    time_again(
+                        cfg,
+                        ParallelLayout(**item),
+                        batches,
+                        steps=pass_steps,
+                        on_step=on_step,
+                        kept=kept,
+                        probe=probe,
+                        run_steps=steps,
+                    ),
+                )
+            )
             continue
-        record = run_layout(cfg, ParallelLayout(**item), batches, steps=steps, warmup=warmup, peak_flops=peak,
-                            cluster=cluster, on_step=on_step, keep=kept, probe=probe)
+        record = run_layout(
+            cfg,
+            ParallelLayout(**item),
+            batches,
+            steps=steps,
+            warmup=warmup,
+            peak_flops=peak,
+            cluster=cluster,
+            on_step=on_step,
+            keep=kept,
+            probe=probe,
+        )
         results.put(("done", record.to_dict()))

@@ -69,8 +69,12 @@ def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
     device ids it touches (t, t*c, t*c*N, all) fits in one; else it crosses the NIC. ``data`` is the
     gradient reduction over (data, context): its span includes the context ranks."""
     t, c = layout.tensor, layout.context
-    span = {MeshAxis.TENSOR: t, MeshAxis.CONTEXT: t * c, MeshAxis.DATA: t * c * layout.data,
-            MeshAxis.PIPELINE: layout.devices}[axis]
+    span = {
+        MeshAxis.TENSOR: t,
+        MeshAxis.CONTEXT: t * c,
+        MeshAxis.DATA: t * c * layout.data,
+        MeshAxis.PIPELINE: layout.devices,
+    }[axis]
     return "intra" if span <= cluster.devices_per_node else "inter"
 
 
@@ -159,7 +163,11 @@ def communication(
         tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
         traffic = {
             MeshAxis.DATA: (n, *data),
-            MeshAxis.TENSOR: (t, tp_calls * all_reduce_bytes(bsh, t), tp_calls * (2 if layout.sequence_parallel else 1)),
+            MeshAxis.TENSOR: (
+                t,
+                tp_calls * all_reduce_bytes(bsh, t),
+                tp_calls * (2 if layout.sequence_parallel else 1),
+            ),
             MeshAxis.PIPELINE: pipeline,
             MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
         }
@@ -241,8 +249,9 @@ def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, in
     return m * moved, m * calls
 
 
-def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
-                         grad_reduce_bytes: int = 4) -> dict[str, tuple[float, int]]:
+def jaxpar_stage_traffic(
+    model: ConfigDict, layout: ParallelLayout, stage: int, grad_reduce_bytes: int = 4
+) -> dict[str, tuple[float, int]]:
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
     executor (jaxpar/parallel/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
 
@@ -277,7 +286,13 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
     Checked against the compiled step per stage (tests/test_plan_aot.py: ratio 1.0000 on 1F1B,
     interleaved and GPipe, with and without SP and ZeRO-3).
     """
-    t, p, v, m, sp = layout.tensor, layout.pipeline, layout.virtual_stages, layout.microbatches, layout.sequence_parallel
+    t, p, v, m, sp = (
+        layout.tensor,
+        layout.pipeline,
+        layout.virtual_stages,
+        layout.microbatches,
+        layout.sequence_parallel,
+    )
     if p == 1:
         return {MeshAxis.TENSOR: _jaxpar_tensor(model, layout), MeshAxis.PIPELINE: (0.0, 0)}
     data = None  # ZeRO 0/1: the same on every stage (see communication)
@@ -291,8 +306,11 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
     send = m * ((v - (stage == p - 1)) + (v - (stage == 0)))
     # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
     # table), summed over pipeline, and the loss
-    held = [x for x in param_tensors(model) if x.name.startswith("final_norm") or x.name == "positions"
-            or (model.tie_embeddings and x.name == "embedding")]
+    held = [
+        x
+        for x in param_tensors(model)
+        if x.name.startswith("final_norm") or x.name == "positions" or (model.tie_embeddings and x.name == "embedding")
+    ]
     summed = 4 + 4 * sum(shard_elements(x, t, reduce_group(layout), layout.zero_stage >= 2) for x in held)
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
@@ -320,14 +338,21 @@ def jaxpar_stage_traffic(model: ConfigDict, layout: ParallelLayout, stage: int,
         if sp:  # norm-scale gradients: 2 per layer (+ the final norm on the last stage), per sequence
             moved += per_seq * (2 * c + last) * all_reduce_bytes(model.embed_dim * 4, t)
             calls += per_seq * (2 * c + last)
-    return {MeshAxis.TENSOR: (m * moved, m * calls), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
+    return {
+        MeshAxis.TENSOR: (m * moved, m * calls),
+        MeshAxis.PIPELINE: pipeline,
+        **({MeshAxis.DATA: data} if data else {}),
+    }
 
 
 def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:
     """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors."""
     n, t = reduce_group(layout), layout.tensor
-    return sum(all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n) for x in tensors
-               if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS))
+    return sum(
+        all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n)
+        for x in tensors
+        if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS)
+    )
 
 
 def _stage_groups(model: ConfigDict) -> tuple[list[ParamTensor], list[ParamTensor], list[ParamTensor]]:
@@ -335,12 +360,16 @@ def _stage_groups(model: ConfigDict) -> tuple[list[ParamTensor], list[ParamTenso
     embeds (embedding, positions), the last projects (output table or the tied embedding, final norm)."""
     tensors = param_tensors(model)
     table = [x for x in tensors if x.name == ("embedding" if model.tie_embeddings else "output")]
-    return ([x for x in tensors if x.place == "layer"], [x for x in tensors if x.place == "first"],
-            table + [x for x in tensors if x.name.startswith("final_norm")])
+    return (
+        [x for x in tensors if x.place == "layer"],
+        [x for x in tensors if x.place == "first"],
+        table + [x for x in tensors if x.name.startswith("final_norm")],
+    )
 
 
-def _jaxpar_pipeline_zero2(model: ConfigDict, layout: ParallelLayout, stage: int,
-                           grad_reduce_bytes: int = 4) -> tuple[float, int]:
+def _jaxpar_pipeline_zero2(
+    model: ConfigDict, layout: ParallelLayout, stage: int, grad_reduce_bytes: int = 4
+) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-2 (1F1B / interleaved): every
     backward tick reduce-scatters its chunk's layer gradients, and the first / last virtual stage's
     also the gradients of every non-layer parameter the stage holds (embedding or output table,

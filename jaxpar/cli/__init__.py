@@ -59,8 +59,10 @@ def _refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if action.option_strings and "" in values:
             raise ConfigError(f"{args.command} {action.option_strings[-1]}: empty value; give one or drop the flag")
         if any(isinstance(v, str) and "\x00" in v for v in values):
-            raise ConfigError(f"{args.command} {action.option_strings[-1] if action.option_strings else action.dest}: "
-                              "the value holds a NUL byte, which no path or name may; retype it")
+            raise ConfigError(
+                f"{args.command} {action.option_strings[-1] if action.option_strings else action.dest}: "
+                "the value holds a NUL byte, which no path or name may; retype it"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,12 @@ from jaxpar.console import wide_console
 HELP = "chosen layouts side by side: memory, step time, MFU, communication (--aot: compiled too)"
 KEYS = {  # key -> (ParallelLayout field, parser)
     **{axis.value: (axis.value, int) for axis in MESH_AXES},  # one mesh size per axis
-    "virtual": ("virtual_stages", int), "zero": ("zero_stage", int), "microbatches": ("microbatches", int),
-    "recompute": ("recompute", str), "sp": ("sequence_parallel", str), "schedule": ("schedule", str),
+    "virtual": ("virtual_stages", int),
+    "zero": ("zero_stage", int),
+    "microbatches": ("microbatches", int),
+    "recompute": ("recompute", str),
+    "sp": ("sequence_parallel", str),
+    "schedule": ("schedule", str),
     "exchange": ("context_exchange", str),  # with context > 1: ring | all_gather
 }
 
@@ -37,15 +41,20 @@ def parse_compare_layout(text: str) -> dict[str, Any]:
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, raw = (part.strip() for part in item.partition("="))
         if not sep or key not in KEYS or not raw:
-            raise ConfigError(f"--layout '{text}': expected comma-separated KEY=VALUE with KEY in {'|'.join(KEYS)}, "
-                              "e.g. --layout data=2,tensor=4,zero=1,sp=1")
+            raise ConfigError(
+                f"--layout '{text}': expected comma-separated KEY=VALUE with KEY in {'|'.join(KEYS)}, "
+                "e.g. --layout data=2,tensor=4,zero=1,sp=1"
+            )
         field, kind = KEYS[key]
         if field in out:
             raise ConfigError(f"--layout '{text}': {key} given twice; give each key once")
         if kind is int:
-            if not (raw.isascii() and raw.isdigit() and len(raw) < 19) or not (key == "zero" or 1 <= int(raw) <= MAX_DEVICES):
-                raise ConfigError(f"--layout '{text}': {key}={raw} must be an integer in "
-                                  f"[{0 if key == 'zero' else 1}, {MAX_DEVICES}]")
+            if not (raw.isascii() and raw.isdigit() and len(raw) < 19) or not (
+                key == "zero" or 1 <= int(raw) <= MAX_DEVICES
+            ):
+                raise ConfigError(
+                    f"--layout '{text}': {key}={raw} must be an integer in [{0 if key == 'zero' else 1}, {MAX_DEVICES}]"
+                )
             out[field] = int(raw)
         elif key == "sp":
             if raw.lower() not in ("0", "1", "true", "false"):
@@ -72,8 +81,11 @@ def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
     lay, parts = estimate.layout, []
     short = {"zero_stage": "zero", "sequence_parallel": "sp", "virtual_stages": "virtual"}
     for kind, label in (("config", "from the config"), ("chosen", "chosen by the search")):
-        names = [n for n, src in sources.items() if src == kind
-                 and (lay.pipeline > 1 or n not in ("schedule", "virtual_stages"))]
+        names = [
+            n
+            for n, src in sources.items()
+            if src == kind and (lay.pipeline > 1 or n not in ("schedule", "virtual_stages"))
+        ]
         if names:
             parts.append(f"{label}: " + ", ".join(f"{short.get(n, n)}={getattr(lay, n)}" for n in names))
     return "; ".join(parts) or "all choices given"
@@ -82,8 +94,14 @@ def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``jaxpar compare`` (``--config.x.y=v`` overrides arrive in ``args.overrides``)."""
     parser.add_argument("--config", default=None, help="config file (default: the built-in tiny model)")
-    parser.add_argument("--layout", action="append", required=True, dest="layouts", metavar="SPEC",
-                        help=f"a layout, KEY=VALUE,... with KEY in {'|'.join(KEYS)}; repeat for each layout")
+    parser.add_argument(
+        "--layout",
+        action="append",
+        required=True,
+        dest="layouts",
+        metavar="SPEC",
+        help=f"a layout, KEY=VALUE,... with KEY in {'|'.join(KEYS)}; repeat for each layout",
+    )
     parser.add_argument("--cluster", default="h100-80g", help=f"cluster preset: {', '.join(PRESETS)}")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: config)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: config train.seq_len)")
@@ -104,8 +122,12 @@ def run_compare(args: argparse.Namespace) -> int:
     num_devices = device_count(pinned)
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom}: use a value in [0, 1)")
-    options = PlanOptions(headroom=args.headroom, efficiency=args.efficiency,
-                          grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype], optim=cfg.optim)
+    options = PlanOptions(
+        headroom=args.headroom,
+        efficiency=args.efficiency,
+        grad_reduce_bytes=DTYPE_BYTES[cfg.parallel.grad_reduce_dtype],
+        optim=cfg.optim,
+    )
     global_batch, seq_len = args.global_batch or cfg.train.global_batch, args.seq or cfg.train.seq_len
     if args.aot:  # before the estimates: the parameter inventory starts JAX
         from jaxpar.analysis.aot import ensure_aot_devices
@@ -136,13 +158,19 @@ def run_compare(args: argparse.Namespace) -> int:
         return 0
     console = wide_console()
     budget = cluster.memory_bytes * (1 - options.headroom) / GIB
-    console.print(f"[bold]{model.name}[/] on {num_devices} x {cluster.name}; global batch {global_batch} x seq "
-                  f"{seq_len}; memory budget {budget:.1f} GiB per device (red: does not fit)")
+    console.print(
+        f"[bold]{model.name}[/] on {num_devices} x {cluster.name}; global batch {global_batch} x seq "
+        f"{seq_len}; memory budget {budget:.1f} GiB per device (red: does not fit)"
+    )
     render_table(estimates, cluster, title="the layouts as given")
     for i, (e, rel) in enumerate(zip(estimates, relative), 1):
-        console.print(f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"
-                      + ("" if e.fits else " (does not fit)") + _compiled_fit(aot, i - 1, budget * GIB) + "; "
-                      + _choices_text(e, sources[i - 1]))
+        console.print(
+            f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"
+            + ("" if e.fits else " (does not fit)")
+            + _compiled_fit(aot, i - 1, budget * GIB)
+            + "; "
+            + _choices_text(e, sources[i - 1])
+        )
     if aot:
         render_aot(aot, list(range(1, len(aot) + 1)), console, budget * GIB)
         console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")

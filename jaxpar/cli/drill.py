@@ -36,8 +36,10 @@ def run_drill(args: argparse.Namespace) -> int:
     note_workdir(args.workdir)
     result = drill.run_drill(config, overrides(args), args.workdir, args.processes, args.trials, args.seed)
     for i, f in enumerate(result["failures"], 1):
-        print(f"failure {i}: killed at step {f['killed_at_step']}, resumed from step {f['resumed_from_step']}, "
-              f"{f['steps_lost']} steps lost")
+        print(
+            f"failure {i}: killed at step {f['killed_at_step']}, resumed from step {f['resumed_from_step']}, "
+            f"{f['steps_lost']} steps lost"
+        )
     lost = [f["steps_lost"] for f in result["failures"]]
     print(f"steps lost per failure: mean {sum(lost) / len(lost):.1f}, max {max(lost)}")
     print(f"per-step losses match the uninterrupted run: {'yes' if result['losses_match'] else 'NO'}")

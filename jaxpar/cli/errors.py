@@ -76,8 +76,9 @@ def log_path() -> str:
 
 def internal_error(error: BaseException, argv: list[str]) -> int:
     """Write the traceback to :func:`log_path` and print one line naming the error and the file; returns 1."""
-    text = (f"{datetime.datetime.now(datetime.UTC).isoformat()} jaxpar {' '.join(argv)}\n"
-            + "".join(traceback.format_exception(error)))
+    text = f"{datetime.datetime.now(datetime.UTC).isoformat()} jaxpar {' '.join(argv)}\n" + "".join(
+        traceback.format_exception(error)
+    )
     path = log_path()
     try:
         with open(path, "w") as f:
@@ -141,10 +142,18 @@ def os_error(error: OSError, argv: list[str]) -> int:
         name = str(error.filename)
         name = name if len(name) <= 200 else name[:200] + "..."
         if name == STDOUT:
-            print(f"error: no space left on the device of the standard output ({error.strerror}); free space "
-                  "there or redirect the output elsewhere", file=sys.stderr, flush=True)
+            print(
+                f"error: no space left on the device of the standard output ({error.strerror}); free space "
+                "there or redirect the output elsewhere",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"error: no space left on the device of '{name}' ({error.strerror}); free space there or write "
-                  "elsewhere (an earlier output there is left as it was)", file=sys.stderr, flush=True)
+            print(
+                f"error: no space left on the device of '{name}' ({error.strerror}); free space there or write "
+                "elsewhere (an earlier output there is left as it was)",
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_BAD_INPUT
     return bad_path(error)

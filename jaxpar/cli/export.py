@@ -21,8 +21,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="the run's config file (default: configs/tiny.py)")
     parser.add_argument("-o", "--output", required=True, help="directory to write (safetensors + config.json)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier export in -o (never a folder jaxpar export did not write)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in -o (never a folder jaxpar export did not write)",
+    )
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -30,13 +33,17 @@ def run_export(args: argparse.Namespace) -> int:
     cfg = load_config(config_or_default(args), overrides(args))
     note_workdir(cfg.train.workdir)
     # before any read: -o may not be the run's workdir or an input, and replaces only an earlier export
-    write_guard.check_apart(args.output, "export -o", inputs={"--config": config_or_default(args),
-                                                              "train.init_from": cfg.train.init_from},
-                            workdirs={"train.workdir": cfg.train.workdir})
+    write_guard.check_apart(
+        args.output,
+        "export -o",
+        inputs={"--config": config_or_default(args), "train.init_from": cfg.train.init_from},
+        workdirs={"train.workdir": cfg.train.workdir},
+    )
     write_guard.check_folder_output(args.output, "export -o", write_guard.EXPORT, args.overwrite)
     from jaxpar.port.export import export_checkpoint
 
-    done = export_checkpoint(cfg, args.output, args.step, args.overwrite,
-                             echo=lambda line: print(f"note: {line}", file=sys.stderr))
+    done = export_checkpoint(
+        cfg, args.output, args.step, args.overwrite, echo=lambda line: print(f"note: {line}", file=sys.stderr)
+    )
     print(f"wrote {done.output}: checkpoint step {done.step} of {done.checkpoints} as an HF LLaMA checkpoint")
     return 0

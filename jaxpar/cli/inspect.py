@@ -60,8 +60,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         if mem is not None and mem.expected_peak_bytes:
             from jaxpar.analysis.estimate import format_peak_terms
 
-            print(f"estimated peak {mem.expected_peak_bytes / 2**30:.3f} GiB, largest terms: "
-                  f"{format_peak_terms(terms, mem.expected_peak_bytes)}")
+            print(
+                f"estimated peak {mem.expected_peak_bytes / 2**30:.3f} GiB, largest terms: "
+                f"{format_peak_terms(terms, mem.expected_peak_bytes)}"
+            )
         if schedule is not None:
             print(schedule["diagram"])
     return 0

@@ -34,8 +34,12 @@ def parse_layout(text: str) -> dict[str, int]:
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, raw = item.partition("=")
         number = raw.strip()
-        if (not sep or key.strip() not in LAYOUT_KEYS or not (number.isascii() and number.isdigit() and len(number) < 19)
-                or int(number) < 1):
+        if (
+            not sep
+            or key.strip() not in LAYOUT_KEYS
+            or not (number.isascii() and number.isdigit() and len(number) < 19)
+            or int(number) < 1
+        ):
             raise ConfigError(
                 f"--layout '{text}': expected comma-separated {'|'.join(LAYOUT_KEYS)}=<int >= 1>, "
                 "e.g. --layout data=1,tensor=8,pipeline=8,virtual=3"
@@ -62,16 +66,38 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
     console = console or wide_console()
     table = Table(title=title, title_justify="left")
     context = any(e.layout.context > 1 for e in estimates)  # the columns appear only when a layout uses it
-    for col in ("#", "data", "tensor", "pipe", *(("ctx",) if context else ()), "v", "ZeRO", "m", "b", "recompute",
-                "SP", "schedule"):
+    for col in (
+        "#",
+        "data",
+        "tensor",
+        "pipe",
+        *(("ctx",) if context else ()),
+        "v",
+        "ZeRO",
+        "m",
+        "b",
+        "recompute",
+        "SP",
+        "schedule",
+    ):
         table.add_column(col, justify="right" if col not in ("recompute", "schedule") else "left")
-    for col in ("states GiB", "act GiB", "total GiB", "step s", "MFU", "bubble", "TP s", "PP s",
-                *(("CP s",) if context else ()), "DP s*"):
+    for col in (
+        "states GiB",
+        "act GiB",
+        "total GiB",
+        "step s",
+        "MFU",
+        "bubble",
+        "TP s",
+        "PP s",
+        *(("CP s",) if context else ()),
+        "DP s*",
+    ):
         table.add_column(col, justify="right")
     for i, e in enumerate(estimates, 1):
         lay, mem, t = e.layout, e.memory, e.time
         style = None if e.fits else "red"
-        ctx = ((f"{lay.context}{'ag' if lay.context_exchange == 'all_gather' else ''}",) if context else ())
+        ctx = (f"{lay.context}{'ag' if lay.context_exchange == 'all_gather' else ''}",) if context else ()
         table.add_row(
             str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), *ctx, str(lay.virtual_stages),
             str(lay.zero_stage), str(lay.microbatches), str(lay.microbatch_size), lay.recompute,
@@ -110,8 +136,9 @@ def _versus_gib(estimated: float | None, compiled: float | None) -> str:
     return f"{gib(estimated)} -> {gib(compiled)} ({'-' if ratio is None else f'{ratio:.3f}'})"
 
 
-def render_aot(results: list[AotComparison], ranks: list[int], console: Any = None,
-               budget_bytes: float | None = None) -> None:
+def render_aot(
+    results: list[AotComparison], ranks: list[int], console: Any = None, budget_bytes: float | None = None
+) -> None:
     """The AOT check as a rich table: estimated vs compiled arguments, temporaries and peak (GiB per
     device) and collective bytes per axis (per device per step), with compiled / estimated ratios;
     a layout whose compiled peak exceeds ``budget_bytes`` is marked "does not fit (compiled)";
@@ -132,9 +159,13 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
         if budget_bytes is not None:
             table.add_column("compiled peak", justify="left")
         for rank, r in done:
-            cells = [str(rank), f"{r.compile_s:.1f}", _versus_gib(r.estimated_argument_bytes, r.argument_bytes),
-                     _versus_gib(r.estimated_temp_bytes, r.temp_bytes),
-                     _versus_gib(r.estimated_peak_bytes, r.peak_bytes)]
+            cells = [
+                str(rank),
+                f"{r.compile_s:.1f}",
+                _versus_gib(r.estimated_argument_bytes, r.argument_bytes),
+                _versus_gib(r.estimated_temp_bytes, r.temp_bytes),
+                _versus_gib(r.estimated_peak_bytes, r.peak_bytes),
+            ]
             cells += [_versus(r.estimated_bytes.get(axis), r.compiled_bytes.get(axis)) for axis in axes]
             if budget_bytes is not None:
                 fits = r.fits_compiled(budget_bytes)
@@ -143,13 +174,17 @@ def render_aot(results: list[AotComparison], ranks: list[int], console: Any = No
         console.print(table)
         for rank, r in done:
             if r.peak_terms and r.estimated_peak_bytes:
-                console.print(f"#{rank} estimated peak {gib(r.estimated_peak_bytes)} GiB, largest terms: "
-                              + format_peak_terms(r.peak_terms, r.estimated_peak_bytes))
+                console.print(
+                    f"#{rank} estimated peak {gib(r.estimated_peak_bytes)} GiB, largest terms: "
+                    + format_peak_terms(r.peak_terms, r.estimated_peak_bytes)
+                )
         staged = [(rank, r) for rank, r in done if r.estimated_stage_temp_bytes]
         for rank, r in staged:
-            console.print(f"#{rank} estimated temp GiB per pipeline stage: "
-                          + ", ".join(gib(t) for t in r.estimated_stage_temp_bytes)
-                          + f" (compiled: one buffer for every stage, {gib(r.temp_bytes)})")
+            console.print(
+                f"#{rank} estimated temp GiB per pipeline stage: "
+                + ", ".join(gib(t) for t in r.estimated_stage_temp_bytes)
+                + f" (compiled: one buffer for every stage, {gib(r.temp_bytes)})"
+            )
     for rank, r in zip(ranks, results):
         if r.skipped:
             console.print(f"[yellow]#{rank} not compiled:[/] {r.skipped}")
@@ -175,8 +210,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, help="rows to show")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--layout", default=None,
-                        help="pin mesh sizes, e.g. data=1,tensor=8,pipeline=8,virtual=3 (context=1 unless given)")
+    parser.add_argument(
+        "--layout",
+        default=None,
+        help="pin mesh sizes, e.g. data=1,tensor=8,pipeline=8,virtual=3 (context=1 unless given)",
+    )
     parser.add_argument("--microbatches", type=int, default=None, help="pin microbatches per step")
     parser.add_argument("--recompute", choices=RECOMPUTE, default=None, help="pin the recompute policy")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
@@ -198,8 +236,14 @@ def run_plan(args: argparse.Namespace) -> int:
     aot_top = getattr(args, "aot_top", None)
     needs("plan", "--aot-top", aot_top is not None, "--aot", getattr(args, "aot", False))
     excludes("plan", "--devices", args.devices is not None, "--nodes", args.nodes is not None)
-    at_least_one(devices=args.devices, nodes=args.nodes, global_batch=args.global_batch, seq=args.seq, top=args.top,
-                 microbatches=args.microbatches)
+    at_least_one(
+        devices=args.devices,
+        nodes=args.nodes,
+        global_batch=args.global_batch,
+        seq=args.seq,
+        top=args.top,
+        microbatches=args.microbatches,
+    )
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq, microbatches=args.microbatches)
     share("--efficiency", args.efficiency)
     cfg = load_config(args.config, overrides(args))
@@ -225,8 +269,10 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         num_devices = dpn
     if num_devices > MAX_DEVICES:
-        raise ConfigError(f"plan: {num_devices} devices is more than any cluster has; use at most {MAX_DEVICES} "
-                          f"({MAX_DEVICES // dpn} nodes of {dpn})")
+        raise ConfigError(
+            f"plan: {num_devices} devices is more than any cluster has; use at most {MAX_DEVICES} "
+            f"({MAX_DEVICES // dpn} nodes of {dpn})"
+        )
     if num_devices < 1 or num_devices % dpn:
         raise ConfigError(
             f"plan: {num_devices} devices is not a multiple of {dpn} devices per node on {cluster.name}; "
@@ -272,8 +318,13 @@ def run_plan(args: argparse.Namespace) -> int:
         aot_s = time.perf_counter() - start
     if args.json:
         doc = plan_summary(model, cluster, num_devices, shown, options)
-        doc |= {"global_batch": global_batch, "seq_len": seq_len, "searched": getattr(estimates, "considered", len(estimates)),
-                "fitting": getattr(estimates, "fitting", sum(e.fits for e in estimates)), "search_s": elapsed}
+        doc |= {
+            "global_batch": global_batch,
+            "seq_len": seq_len,
+            "searched": getattr(estimates, "considered", len(estimates)),
+            "fitting": getattr(estimates, "fitting", sum(e.fits for e in estimates)),
+            "search_s": elapsed,
+        }
         for row, result in zip(doc["layouts"], aot):
             row["aot"] = result.to_dict()
             if not result.skipped:

@@ -29,17 +29,26 @@ HELP = "import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe"
 
 def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``port`` sub-command to ``subparsers`` (from ``add_subparsers``); returns its parser."""
-    p = subparsers.add_parser("port", help=HELP,
-                              description="Import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe into a "
-                              "jaxpar config and report what became of every setting.")
+    p = subparsers.add_parser(
+        "port",
+        help=HELP,
+        description="Import a DeepSpeed / Megatron-LM / torchtitan / FSDP recipe into a "
+        "jaxpar config and report what became of every setting.",
+    )
     p.add_argument("source", choices=SOURCES, help="recipe kind")
     p.add_argument("file", help="ds_config.json, Megatron .args / launch script, torchtitan .toml, accelerate .yaml")
     p.add_argument("--world-size", type=int, default=None, help="total number of GPUs the recipe runs on")
     p.add_argument("--tensor", type=int, default=None, help="DeepSpeed only: tensor-parallel size (default 1)")
     p.add_argument("--pipeline", type=int, default=None, help="DeepSpeed only: pipeline stages (default 1)")
     p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="Megatron: shell variable")
-    p.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
-                   help="jaxpar field (model.vocab_size=128256) or DeepSpeed side input for \"auto\" (lr=3e-4)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="sets",
+        metavar="KEY=VALUE",
+        help='jaxpar field (model.vocab_size=128256) or DeepSpeed side input for "auto" (lr=3e-4)',
+    )
     p.add_argument("--allow-unresolved", action="store_true", help="use defaults for unresolved values (reported)")
     p.add_argument("-o", "--output", default=None, help="write a jaxpar config file (.py)")
     p.add_argument("--overwrite", action="store_true", help="replace an -o file an earlier port wrote")
@@ -64,7 +73,7 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
 
     given = overrides(args)
     if given:
-        key = given[0].split("=", 1)[0][len("--config."):]
+        key = given[0].split("=", 1)[0][len("--config.") :]
         raise ConfigError(f"port: {given[0]}: port does not take --config overrides; use --set {key}=VALUE")
     at_least_one(world_size=args.world_size, tensor=args.tensor, pipeline=args.pipeline)
     for flag, value in (("--world-size", args.world_size), ("--tensor", args.tensor), ("--pipeline", args.pipeline)):
@@ -76,21 +85,35 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
     variables = _pairs(args.var, "--var")
     if args.source != "deepspeed":
         if args.tensor is not None or args.pipeline is not None:
-            raise ConfigError(f"port {args.source}: --tensor/--pipeline apply to deepspeed only; this recipe names "
-                              "its own parallel sizes")
+            raise ConfigError(
+                f"port {args.source}: --tensor/--pipeline apply to deepspeed only; this recipe names "
+                "its own parallel sizes"
+            )
         if side:
             key = next(iter(side))
             close = suggest(key, sorted(flatten(default_config().to_dict())))
-            raise ConfigError(f"port {args.source}: --set {key}: not a jaxpar config key"
-                              + (f"; did you mean '{close}'?" if close else "; use section.field, e.g. model.vocab_size"))
+            raise ConfigError(
+                f"port {args.source}: --set {key}: not a jaxpar config key"
+                + (f"; did you mean '{close}'?" if close else "; use section.field, e.g. model.vocab_size")
+            )
     if variables and args.source != "megatron":
         raise ConfigError("port: --var sets shell variables of Megatron launch recipes only")
     if args.allow_unresolved and args.source == "fsdp":
-        raise ConfigError("port fsdp: --allow-unresolved applies to deepspeed, megatron and torchtitan recipes only "
-                          "(an FSDP config leaves no value open); drop it")
-    return port_recipe(args.source, args.file, world_size=args.world_size, tensor=args.tensor or 1,
-                       pipeline=args.pipeline or 1, variables=variables, side=side, fields=fields,
-                       allow_unresolved=args.allow_unresolved)
+        raise ConfigError(
+            "port fsdp: --allow-unresolved applies to deepspeed, megatron and torchtitan recipes only "
+            "(an FSDP config leaves no value open); drop it"
+        )
+    return port_recipe(
+        args.source,
+        args.file,
+        world_size=args.world_size,
+        tensor=args.tensor or 1,
+        pipeline=args.pipeline or 1,
+        variables=variables,
+        side=side,
+        fields=fields,
+        allow_unresolved=args.allow_unresolved,
+    )
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -110,8 +133,13 @@ def run_port(args: argparse.Namespace) -> int:
     """Port, print the report (table or JSON), write ``-o``; ConfigError when the result does not validate
     or ``-o`` names an existing file without ``--overwrite``."""
     if args.output:  # before porting: the same answer, without printing a report first
-        write_guard.check_file_output(args.output, "port -o", getattr(args, "overwrite", False), ported_by_jaxpar,
-                                      inputs={"the recipe": args.file})
+        write_guard.check_file_output(
+            args.output,
+            "port -o",
+            getattr(args, "overwrite", False),
+            ported_by_jaxpar,
+            inputs={"the recipe": args.file},
+        )
     cfg, report = port_file(args)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "report": report.to_dict()}, indent=2))
@@ -120,11 +148,17 @@ def run_port(args: argparse.Namespace) -> int:
     else:
         print(report.render_text())
     if report.problems:
-        raise ConfigError(f"port {args.source}: the ported config does not validate: {report.problems[0]}; adjust "
-                          "it with --set KEY=VALUE")
+        raise ConfigError(
+            f"port {args.source}: the ported config does not validate: {report.problems[0]}; adjust "
+            "it with --set KEY=VALUE"
+        )
     if args.output:
-        write_atomic(args.output, config_source(cfg, report, command_line(args), args.output),
-                     overwrite=getattr(args, "overwrite", False), source=args.file)
+        write_atomic(
+            args.output,
+            config_source(cfg, report, command_line(args), args.output),
+            overwrite=getattr(args, "overwrite", False),
+            source=args.file,
+        )
         if not args.json:
             print(f"wrote {args.output}")
     return 0

@@ -21,8 +21,12 @@ HELP = "run every valid layout of N devices for K steps: times, memory, bytes, l
 
 # The sweep's problem unless the command line overrides it: fp32 (the 1e-5 loss check is then
 # meaningful), a short sequence and a small batch so every layout compiles and runs in seconds.
-SWEEP_DEFAULTS = ("--config.model.compute_dtype=float32", "--config.train.seq_len=64",
-                  "--config.train.global_batch=16", "--config.optim.warmup_steps=2")
+SWEEP_DEFAULTS = (
+    "--config.model.compute_dtype=float32",
+    "--config.train.seq_len=64",
+    "--config.train.global_batch=16",
+    "--config.optim.warmup_steps=2",
+)
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,16 +35,33 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="devices (CPU: simulated) to lay out")
     parser.add_argument("--steps", type=int, default=8, help="steps per layout")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time statistics")
-    parser.add_argument("--repeats", type=int, default=6,
-                        help="passes over the whole layout list (default 6); step times pool them (the later passes reuse the "
-                             "compiles and must reproduce the losses bit for bit)")
-    parser.add_argument("--pass-steps", type=int, default=None,
-                        help="steps of each later pass (default: 5, or --steps if fewer); more, shorter passes put "
-                             "more of the host's drift inside the spread")
-    parser.add_argument("--only", action="append", default=[], metavar="REGEX",
-                        help="run only layouts whose name matches (repeatable), e.g. --only 'z3' --only '^d2t2'")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="relative loss tolerance vs the reference (default: fp32 1e-5, bf16 2e-2)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=6,
+        help="passes over the whole layout list (default 6); step times pool them (the later passes reuse the "
+        "compiles and must reproduce the losses bit for bit)",
+    )
+    parser.add_argument(
+        "--pass-steps",
+        type=int,
+        default=None,
+        help="steps of each later pass (default: 5, or --steps if fewer); more, shorter passes put "
+        "more of the host's drift inside the spread",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="run only layouts whose name matches (repeatable), e.g. --only 'z3' --only '^d2t2'",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative loss tolerance vs the reference (default: fp32 1e-5, bf16 2e-2)",
+    )
     parser.add_argument("--baseline", default=None, help="an earlier results.json to check this run against")
     parser.add_argument("--list", action="store_true", help="list the layouts and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -58,8 +79,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     _check_flags(args)
     if not args.list:  # before hours of runs: -o replaces only an earlier sweep's folder, never an input
         write_guard.check_apart(args.output, "sweep -o", inputs={"--config": config, "--baseline": args.baseline})
-        write_guard.check_folder_output(args.output, "sweep -o", write_guard.SWEEP, overwrite=True,
-                                        older=older_sweep)
+        write_guard.check_folder_output(args.output, "sweep -o", write_guard.SWEEP, overwrite=True, older=older_sweep)
     previous = None
     if args.baseline:
         try:
@@ -76,20 +96,38 @@ def run_sweep(args: argparse.Namespace) -> int:
             print(layout_name(lay))
         return 0
     records, meta = sweep_lib.run_sweep_layouts(
-        cfg, args.devices, steps=args.steps, warmup=args.warmup, only=args.only, tolerance=args.tolerance,
-        progress=not args.no_progress, repeats=args.repeats, pass_steps=args.pass_steps)
-    meta["command"] = "jaxpar " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith(("jaxpar", "__main__.py")) else (
-        shlex.join(["jaxpar", "sweep", *_argv(args)]))
+        cfg,
+        args.devices,
+        steps=args.steps,
+        warmup=args.warmup,
+        only=args.only,
+        tolerance=args.tolerance,
+        progress=not args.no_progress,
+        repeats=args.repeats,
+        pass_steps=args.pass_steps,
+    )
+    meta["command"] = (
+        "jaxpar " + shlex.join(sys.argv[1:])
+        if sys.argv[0].endswith(("jaxpar", "__main__.py"))
+        else (shlex.join(["jaxpar", "sweep", *_argv(args)]))
+    )
     meta["config"] = config
     comparison = sweep_report.compare_runs(previous, records) if previous else None
     written: dict[str, str] = {}  # into a temporary sibling, renamed over an earlier sweep's folder at the end
-    write_guard.replace_folder(args.output, write_guard.SWEEP, flag="sweep -o", overwrite=True, older=older_sweep,
-                               fill=lambda tmp: written.update(sweep_report.write_results(records, meta, str(tmp),
-                                                                                          comparison)))
+    write_guard.replace_folder(
+        args.output,
+        write_guard.SWEEP,
+        flag="sweep -o",
+        overwrite=True,
+        older=older_sweep,
+        fill=lambda tmp: written.update(sweep_report.write_results(records, meta, str(tmp), comparison)),
+    )
     paths = {name: os.path.join(args.output, os.path.basename(path)) for name, path in written.items()}
     c = meta["counts"]
-    print(f"{meta['layouts']} layouts: {c['ok']} ok, {c['mismatch']} loss mismatches, {c['crashed']} crashed "
-          f"({meta['wall_s'] / 60:.1f} min); reference {meta['reference']}, tolerance {meta['tolerance']:g}")
+    print(
+        f"{meta['layouts']} layouts: {c['ok']} ok, {c['mismatch']} loss mismatches, {c['crashed']} crashed "
+        f"({meta['wall_s'] / 60:.1f} min); reference {meta['reference']}, tolerance {meta['tolerance']:g}"
+    )
     for r in records:
         if not r.ok:
             print(f"  {r.name}: {r.status}: {r.error}")
@@ -99,8 +137,14 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0 if c["ok"] == meta["layouts"] else 1
 
 
-SWEEP_FILES = ("results.csv", "results.json", "report.md", "memory_vs_bytes.png", "step_time.png",
-               "estimate_vs_measured.png")
+SWEEP_FILES = (
+    "results.csv",
+    "results.json",
+    "report.md",
+    "memory_vs_bytes.png",
+    "step_time.png",
+    "estimate_vs_measured.png",
+)
 
 
 def older_sweep(folder: pathlib.Path, names: list[str]) -> bool:
@@ -131,8 +175,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup {args.warmup}: use a value in [0, --steps) so some steps are timed")
     if args.pass_steps is not None and not args.warmup < args.pass_steps <= args.steps:
-        raise ConfigError(f"--pass-steps {args.pass_steps}: use a value in ({args.warmup}, {args.steps}]: more than "
-                          "--warmup so some steps are timed, at most --steps")
+        raise ConfigError(
+            f"--pass-steps {args.pass_steps}: use a value in ({args.warmup}, {args.steps}]: more than "
+            "--warmup so some steps are timed, at most --steps"
+        )
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
         raise ConfigError(f"--tolerance {args.tolerance}: use a finite relative tolerance > 0, e.g. 1e-5")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -143,12 +189,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         for name in ("steps", "warmup", "repeats", "pass_steps", "tolerance", "baseline", "output", "no_progress"):
             if getattr(args, name) != parser.get_default(name):
                 flag = "-o" if name == "output" else f"--{name.replace('_', '-')}"
-                raise ConfigError(f"sweep {flag} has no effect with --list (it only lists the layouts); drop one of them")
+                raise ConfigError(
+                    f"sweep {flag} has no effect with --list (it only lists the layouts); drop one of them"
+                )
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
-    out = ["--config", args.config or "configs/tiny.py", "--devices", str(args.devices), "--steps", str(args.steps),
-           "--repeats", str(args.repeats)]
+    out = [
+        "--config",
+        args.config or "configs/tiny.py",
+        "--devices",
+        str(args.devices),
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+    ]
     if args.pass_steps is not None:
         out += ["--pass-steps", str(args.pass_steps)]
     for pattern in args.only:

@@ -43,8 +43,9 @@ _KV_PAD = jnp.iinfo(jnp.int32).max
 # ----------------------------------------------------------------------------------- reference
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                          q_offset: int = 0, kv_offset: int = 0, noise=None) -> jax.Array:
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset: int = 0, kv_offset: int = 0, noise=None
+) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
     Scores in fp32, scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``,
@@ -81,8 +82,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     if noise is not None:
         heads = jnp.arange(n, dtype=jnp.int32).reshape(kv, n // kv)
-        probs = noise.apply(noise.keep(heads, q_offset + jnp.arange(sq, dtype=jnp.int32),
-                                       kv_offset + jnp.arange(sk, dtype=jnp.int32)), probs)
+        probs = noise.apply(
+            noise.keep(heads, q_offset + jnp.arange(sq, dtype=jnp.int32), kv_offset + jnp.arange(sk, dtype=jnp.int32)),
+            probs,
+        )
     out = jnp.einsum("bkqt,bktd->bkqd", probs.reshape(b, kv, g * sq, sk), vh)  # (b, kv, g*sq, d)
     return out.reshape(b, kv, g, sq, d).transpose(0, 3, 1, 2, 4).reshape(b, sq, n, d)
 
@@ -210,8 +213,9 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=
     return _unblock(out, sq).reshape(b, sq, n, d), _unblock(lse, sq).reshape(b, sq, n)
 
 
-def _flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None,
-                    noise=None):
+def _flash_backward(
+    q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None, noise=None
+):
     """FlashAttention-2 backward pass (Dao 2023, Algorithm 2): recompute each needed block's
     probabilities from ``lse``; the outer loop runs over key/value blocks and keeps their dK, dV in
     the carry, the inner loop over the query blocks that see them and adds into dQ.
@@ -312,10 +316,18 @@ def _flash_dropout_bwd(block_q, block_kv, causal, res, cts):
 _flash_dropout.defvjp(_flash_dropout_fwd, _flash_dropout_bwd)
 
 
-def blockwise_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int, block_kv: int,
-                                 causal: bool = True, q_positions: jax.Array | None = None,
-                                 kv_positions: jax.Array | None = None,
-                                 noise=None) -> tuple[jax.Array, jax.Array]:
+def blockwise_attention_with_lse(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    block_q: int,
+    block_kv: int,
+    causal: bool = True,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    noise=None,
+) -> tuple[jax.Array, jax.Array]:
     """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32.
 
     ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero
@@ -326,8 +338,9 @@ def blockwise_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, bl
     """
     b, sq, n, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
-        raise ValueError(f"attention shapes q {q.shape}, k {k.shape}, v {v.shape}: want (b,sq,n,d), (b,sk,kv,d), "
-                         "n % kv == 0")
+        raise ValueError(
+            f"attention shapes q {q.shape}, k {k.shape}, v {v.shape}: want (b,sq,n,d), (b,sk,kv,d), n % kv == 0"
+        )
     sk = k.shape[1]
     q_pos = jnp.arange(sq, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions, jnp.int32)
     kv_pos = jnp.arange(sk, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
@@ -338,9 +351,18 @@ def blockwise_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, bl
     return _flash(q, k, v, q_pos, kv_pos, min(block_q, sq), min(block_kv, sk), causal)
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int, block_kv: int,
-                        causal: bool = True, q_positions: jax.Array | None = None,
-                        kv_positions: jax.Array | None = None, noise=None) -> jax.Array:
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    block_q: int,
+    block_kv: int,
+    causal: bool = True,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    noise=None,
+) -> jax.Array:
     """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
 
     Same result as :func:`dot_product_attention` (fp32 scores, fp32 online softmax: running max,
@@ -373,12 +395,22 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     that runs query blocks in parallel: this path trades speed for memory on any backend; on NVIDIA
     GPUs :func:`cudnn_attention` is the fast path.
     """
-    return blockwise_attention_with_lse(q, k, v, block_q=block_q, block_kv=block_kv, causal=causal,
-                                        q_positions=q_positions, kv_positions=kv_positions, noise=noise)[0]
+    return blockwise_attention_with_lse(
+        q,
+        k,
+        v,
+        block_q=block_q,
+        block_kv=block_kv,
+        causal=causal,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        noise=noise,
+    )[0]
 
 
-def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
-                   lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def merge_partials(
+    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Exact attention over keys A ∪ B from attention over A and over B (disjoint key sets).
 
     ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))`` and
@@ -392,14 +424,16 @@ def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
     total = wa + wb
     seen = total > 0
     total_safe = jnp.where(seen, total, 1.0)
-    out = (out_a.astype(_F32) * (wa / total_safe)[..., None] + out_b.astype(_F32) * (wb / total_safe)[..., None])
+    out = out_a.astype(_F32) * (wa / total_safe)[..., None] + out_b.astype(_F32) * (wb / total_safe)[..., None]
     return out.astype(out_a.dtype), jnp.where(seen, m + jnp.log(total_safe), _NEG_INF)
 
 
 # ----------------------------------------------------------------------------------- cuDNN
 
-DROPOUT_CUDNN = ("model.attention=cudnn cannot take model.attention_dropout > 0 (cuDNN draws its own mask, not "
-                 "jaxpar's per-index one); use model.attention=blockwise or auto, or model.attention_dropout=0")
+DROPOUT_CUDNN = (
+    "model.attention=cudnn cannot take model.attention_dropout > 0 (cuDNN draws its own mask, not "
+    "jaxpar's per-index one); use model.attention=blockwise or auto, or model.attention_dropout=0"
+)
 
 
 def cudnn_unsupported_reason(head_dim: int, compute_dtype: str, compute_capability: str | None) -> str | None:
@@ -409,13 +443,17 @@ def cudnn_unsupported_reason(head_dim: int, compute_dtype: str, compute_capabili
     fp16/bf16 inputs; head dim a multiple of 8 and at most 128, or 256 from Hopper (sm_90) on.
     """
     if compute_dtype not in ("bfloat16", "float16"):
-        return (f"model.compute_dtype={compute_dtype} is not supported by cuDNN attention (fp16/bf16 only); "
-                "set model.compute_dtype=bfloat16 or model.attention=blockwise")
+        return (
+            f"model.compute_dtype={compute_dtype} is not supported by cuDNN attention (fp16/bf16 only); "
+            "set model.compute_dtype=bfloat16 or model.attention=blockwise"
+        )
     hopper = compute_capability is not None and tuple(int(x) for x in compute_capability.split(".")) >= (9, 0)
     limit = 256 if hopper else 128
     if head_dim % 8 or head_dim > limit:
-        return (f"model.head_dim={head_dim} is not supported by cuDNN attention (a multiple of 8, at most {limit} on "
-                f"this GPU); use a head_dim like {min(limit, max(8, head_dim // 8 * 8))} or model.attention=blockwise")
+        return (
+            f"model.head_dim={head_dim} is not supported by cuDNN attention (a multiple of 8, at most {limit} on "
+            f"this GPU); use a head_dim like {min(limit, max(8, head_dim // 8 * 8))} or model.attention=blockwise"
+        )
     return None
 
 
@@ -439,8 +477,15 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
-def resolve_attention(name: str, backend: str, head_dim: int, *, compute_dtype: str = "bfloat16",
-                      compute_capability: str | None = None, attention_dropout: float = 0.0) -> str:
+def resolve_attention(
+    name: str,
+    backend: str,
+    head_dim: int,
+    *,
+    compute_dtype: str = "bfloat16",
+    compute_capability: str | None = None,
+    attention_dropout: float = 0.0,
+) -> str:
     """The implementation ``model.attention=name`` runs on ``backend`` (``jax.default_backend()``).
 
     ``auto``: ``cudnn`` on a GPU when the kernel takes the head dim and dtype, ``blockwise``
@@ -460,8 +505,10 @@ def resolve_attention(name: str, backend: str, head_dim: int, *, compute_dtype: 
         return "blockwise"
     on_gpu = backend in ("gpu", "cuda")
     if name == "cudnn" and not on_gpu:
-        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU, the backend is {backend}; "
-                          "use model.attention=auto or blockwise")
+        raise ConfigError(
+            f"model.attention=cudnn needs an NVIDIA GPU, the backend is {backend}; "
+            "use model.attention=auto or blockwise"
+        )
     if not on_gpu:
         return "blockwise"
     cc = compute_capability if compute_capability is not None else _gpu_compute_capability()

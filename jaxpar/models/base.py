@@ -155,8 +155,9 @@ class Model(abc.ABC):
         if not ctx.zero3:
             return params
         dims, dt = ctx.zero3_dims, DTYPES[ctx.compute_dtype]
-        return {k: v if k == self.stacked else zero.gather_tree(v, dims[k], ctx.data_axis, dt)
-                for k, v in params.items()}
+        return {
+            k: v if k == self.stacked else zero.gather_tree(v, dims[k], ctx.data_axis, dt) for k, v in params.items()
+        }
 
     def run_blocks(self, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
         """Scan :meth:`block` over the leading ``layers`` dim of ``blocks`` (gathering each layer
@@ -207,8 +208,15 @@ def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
     return one
 
 
-def scan_layers(block, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext,
-                stacked: str = "blocks", carried: Any = None) -> Any:
+def scan_layers(
+    block,
+    x: jax.Array,
+    blocks: dict,
+    positions: jax.Array,
+    ctx: ShardContext,
+    stacked: str = "blocks",
+    carried: Any = None,
+) -> Any:
     """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or
     ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters).
 

@@ -115,8 +115,9 @@ def append_rows(batch: jax.Array, global_batch: int, data_axis: str) -> jax.Arra
     (``m * B/M + rank * b + r``). Inside ``shard_map`` (``data_axis`` bound)."""
     m, b = batch.shape[:2]
     start = jax.lax.axis_index(data_axis) * b
-    rows = (jnp.arange(m, dtype=jnp.int32)[:, None] * (global_batch // m) + start
-            + jnp.arange(b, dtype=jnp.int32)[None, :])
+    rows = (
+        jnp.arange(m, dtype=jnp.int32)[:, None] * (global_batch // m) + start + jnp.arange(b, dtype=jnp.int32)[None, :]
+    )
     return jnp.concatenate([batch, rows[..., None].astype(batch.dtype)], axis=-1)
 
 
@@ -147,8 +148,9 @@ def hidden(x: jax.Array, positions: jax.Array, site: int, ctx: Any) -> jax.Array
     if not active(ctx) or ctx.dropout == 0:
         return x
     noise = ctx.noise
-    keep = keep_mask(site_key(noise, site), *outer(noise.rows, positions, jnp.arange(x.shape[-1], dtype=jnp.int32)),
-                     rate=ctx.dropout)
+    keep = keep_mask(
+        site_key(noise, site), *outer(noise.rows, positions, jnp.arange(x.shape[-1], dtype=jnp.int32)), rate=ctx.dropout
+    )
     return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - ctx.dropout), x.dtype), jnp.zeros((), x.dtype))
 
 

@@ -234,9 +234,17 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     v = jnp.einsum("bsh,hnd->bsnd", h, w(a["wv"]))
     if ctx.position == "rope":
         q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
-    att = context.causal_attention(q, k, v, positions, implementation=ctx.attention, block=ctx.attention_block,
-                                   axis=ctx.context_axis, exchange=ctx.context_exchange,
-                                   noise=dropout.for_attention(ctx, q.shape[2], ctx.tensor_axis))
+    att = context.causal_attention(
+        q,
+        k,
+        v,
+        positions,
+        implementation=ctx.attention,
+        block=ctx.attention_block,
+        axis=ctx.context_axis,
+        exchange=ctx.context_exchange,
+        noise=dropout.for_attention(ctx, q.shape[2], ctx.tensor_axis),
+    )
     o = jnp.einsum("bsnd,ndh->bsh", att, w(a["wo"]))
     x = x + _branch(o, positions, dropout.ATTENTION_OUT, ctx)
 
@@ -269,8 +277,9 @@ def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Arra
         if ctx.context_axis is None:
             pos = jax.lax.dynamic_slice_in_dim(params["pos_embed"], start, seq_local, axis=0)
         else:  # this context rank's two chunks (jaxpar.parallel.context), then the tensor rank's share
-            positions = jax.lax.dynamic_slice_in_dim(context.rank_positions(ctx.context_axis, tokens.shape[1]),
-                                                     start, seq_local)
+            positions = jax.lax.dynamic_slice_in_dim(
+                context.rank_positions(ctx.context_axis, tokens.shape[1]), start, seq_local
+            )
             pos = jnp.take(params["pos_embed"], positions, axis=0)
         x = x + pos.astype(x.dtype)[None]
     if dropout.active(ctx):  # Megatron's embedding dropout, at the hidden rate
@@ -335,14 +344,26 @@ _L = "model.layers.{i}."
 HF_LLAMA = HFMap(
     tensors=(
         HFTensor(("embed",), "model.embed_tokens.weight", "copy", "(vocab_size, embed_dim)"),
-        HFTensor(("blocks", "attn", "wq"), _L + "self_attn.q_proj.weight", "heads_in",
-                 "(num_heads*head_dim, embed_dim)", rope=True),
-        HFTensor(("blocks", "attn", "wk"), _L + "self_attn.k_proj.weight", "heads_in",
-                 "(num_kv_heads*head_dim, embed_dim)", rope=True),
-        HFTensor(("blocks", "attn", "wv"), _L + "self_attn.v_proj.weight", "heads_in",
-                 "(num_kv_heads*head_dim, embed_dim)"),
-        HFTensor(("blocks", "attn", "wo"), _L + "self_attn.o_proj.weight", "heads_out",
-                 "(embed_dim, num_heads*head_dim)"),
+        HFTensor(
+            ("blocks", "attn", "wq"),
+            _L + "self_attn.q_proj.weight",
+            "heads_in",
+            "(num_heads*head_dim, embed_dim)",
+            rope=True,
+        ),
+        HFTensor(
+            ("blocks", "attn", "wk"),
+            _L + "self_attn.k_proj.weight",
+            "heads_in",
+            "(num_kv_heads*head_dim, embed_dim)",
+            rope=True,
+        ),
+        HFTensor(
+            ("blocks", "attn", "wv"), _L + "self_attn.v_proj.weight", "heads_in", "(num_kv_heads*head_dim, embed_dim)"
+        ),
+        HFTensor(
+            ("blocks", "attn", "wo"), _L + "self_attn.o_proj.weight", "heads_out", "(embed_dim, num_heads*head_dim)"
+        ),
         HFTensor(("blocks", "mlp", "w_gate"), _L + "mlp.gate_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
         HFTensor(("blocks", "mlp", "w_up"), _L + "mlp.up_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
         HFTensor(("blocks", "mlp", "w_down"), _L + "mlp.down_proj.weight", "transpose", "(embed_dim, mlp_dim)"),
@@ -355,10 +376,18 @@ HF_LLAMA = HFMap(
     # rates: config.json's attention_dropout is read on import (jaxpar.port.weights) but is a training
     # choice, which fine-tuning may change, not a property of the weights.
     config_fields=(
-        ("vocab_size", "vocab_size"), ("embed_dim", "hidden_size"), ("num_layers", "num_hidden_layers"),
-        ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
-        ("mlp_dim", "intermediate_size"), ("tie_embeddings", "tie_word_embeddings"), ("rope_theta", "rope_theta"),
-        ("norm_eps", "rms_norm_eps"), ("mlp_activation", "hidden_act"), ("norm", "model_type"),
+        ("vocab_size", "vocab_size"),
+        ("embed_dim", "hidden_size"),
+        ("num_layers", "num_hidden_layers"),
+        ("num_heads", "num_attention_heads"),
+        ("num_kv_heads", "num_key_value_heads"),
+        ("head_dim", "head_dim"),
+        ("mlp_dim", "intermediate_size"),
+        ("tie_embeddings", "tie_word_embeddings"),
+        ("rope_theta", "rope_theta"),
+        ("norm_eps", "rms_norm_eps"),
+        ("mlp_activation", "hidden_act"),
+        ("norm", "model_type"),
         ("position", "model_type"),
     ),
     requires=(("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope")),

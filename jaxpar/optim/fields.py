@@ -12,10 +12,21 @@ from typing import Any
 from jaxpar.errors import ConfigError
 
 # fields every optimizer reads: the learning-rate schedule (jaxpar.optim.lr) and clipping
-COMMON_FIELDS = frozenset({
-    "name", "lr", "min_lr_ratio", "warmup_steps", "decay_steps", "schedule", "warmup_type",
-    "warmup_init_lr", "schedule_offset", "decay_start_step", "clip_norm",
-})
+COMMON_FIELDS = frozenset(
+    {
+        "name",
+        "lr",
+        "min_lr_ratio",
+        "warmup_steps",
+        "decay_steps",
+        "schedule",
+        "warmup_type",
+        "warmup_init_lr",
+        "schedule_offset",
+        "decay_start_step",
+        "clip_norm",
+    }
+)
 ADAM_FIELDS = frozenset({"b1", "b2", "eps", "weight_decay", "decoupled_weight_decay"})
 # optim.name -> the fields it reads beyond COMMON_FIELDS
 OPTIMIZER_FIELDS: dict[str, frozenset[str]] = {
@@ -39,15 +50,19 @@ def check_fields(o: Any, defaults: Any) -> None:
         _check_factory(o.name)  # it reads whichever fields it likes; it runs when the step is built
         return
     if o.name not in OPTIMIZER_FIELDS:
-        raise ConfigError(f"optim.name='{o.name}': use one of {', '.join(OPTIMIZER_FIELDS)} or path/to/file.py:"
-                          "function returning an optax.GradientTransformation")
+        raise ConfigError(
+            f"optim.name='{o.name}': use one of {', '.join(OPTIMIZER_FIELDS)} or path/to/file.py:"
+            "function returning an optax.GradientTransformation"
+        )
     fields = OPTIMIZER_FIELDS[o.name]
     for key in sorted(defaults.keys()):
         if key in COMMON_FIELDS or key in fields or o[key] == defaults[key]:
             continue
         used = ", ".join(sorted(fields)) or "none"
-        raise ConfigError(f"optim.{key}={o[key]!r} has no effect with optim.name='{o.name}' (it reads {used}); "
-                          f"remove it or keep the default {defaults[key]!r}")
+        raise ConfigError(
+            f"optim.{key}={o[key]!r} has no effect with optim.name='{o.name}' (it reads {used}); "
+            f"remove it or keep the default {defaults[key]!r}"
+        )
     if o.name in ("lion", "adafactor") and o.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay={o.weight_decay}: must be >= 0")
     if o.name in ("sgd", "adafactor", "muon") and not (o.momentum == -1 or 0 <= o.momentum < 1):
@@ -64,8 +79,10 @@ def _check_factory(spec: str) -> None:
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise ConfigError(f"optim.name='{spec}': cannot import '{where}'; give path/to/file.py:function or "
-                              "package.module:function")
+            raise ConfigError(
+                f"optim.name='{spec}': cannot import '{where}'; give path/to/file.py:function or "
+                "package.module:function"
+            )
         return
     path = pathlib.Path(where)
     if not path.is_file():

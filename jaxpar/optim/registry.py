@@ -153,11 +153,14 @@ def _build_adafactor(o: ConfigDict, schedule: Callable, placements: Any) -> opta
 
     # optax.adafactor adds weight_decay_rate * p after the learning rate: a schedule makes it lr(k) * wd.
     inner = lambda wd: optax.adafactor(  # noqa: E731
-        schedule, momentum=momentum(o) or None, weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd
-        else None)
+        schedule,
+        momentum=momentum(o) or None,
+        weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd else None,
+    )
     dims = jax.tree.map(lambda lay: batch_dims(lay.logical), placements, is_leaf=is_placement)
-    labels = jax.tree.map(lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", placements,
-                          is_leaf=is_placement)
+    labels = jax.tree.map(
+        lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", placements, is_leaf=is_placement
+    )
     return per_tensor({"decay": inner(True), "plain": inner(False)}, labels, dims)
 
 
@@ -209,8 +212,15 @@ def _build_muon(o: ConfigDict, schedule: Callable, placements: Any) -> optax.Gra
     from jaxpar.sharding import is_placement
 
     dims = jax.tree.map(lambda lay: muon_dims(lay.logical), placements, is_leaf=is_placement)
-    tx = muon(schedule, beta=momentum(o), eps=o.eps, nesterov=o.nesterov, adam_b1=o.b1, adam_b2=o.b2,
-              muon_weight_dimension_numbers=dims)
+    tx = muon(
+        schedule,
+        beta=momentum(o),
+        eps=o.eps,
+        nesterov=o.nesterov,
+        adam_b1=o.b1,
+        adam_b2=o.b2,
+        muon_weight_dimension_numbers=dims,
+    )
     if not o.weight_decay:
         return tx
     return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, _mask(placements)))
@@ -286,8 +296,10 @@ def get(name: str) -> Optimizer:
     if is_custom(name):
         return _custom(name)
     if name not in OPTIMIZERS:  # muon without optax.contrib.muon, or an unknown name
-        raise ConfigError(f"optim.name='{name}': this optax offers {', '.join(OPTIMIZERS)}; use one of them or {', '.join(OPTIMIZERS)} or path/to/file.py:function "
-                          "returning an optax.GradientTransformation")
+        raise ConfigError(
+            f"optim.name='{name}': this optax offers {', '.join(OPTIMIZERS)}; use one of them or {', '.join(OPTIMIZERS)} or path/to/file.py:function "
+            "returning an optax.GradientTransformation"
+        )
     return OPTIMIZERS[name]
 
 
@@ -307,8 +319,10 @@ def local_state_bytes(optim_cfg: ConfigDict, shape: tuple[int, ...], layout: Any
     spec :mod:`jaxpar.optim.state` derives from the parameter's optimizer spec."""
     from jaxpar.optim.state import local_size, spec_for
 
-    return sum(local_size(s, spec_for(kept, layout.optimizer), mesh_shape) * 4
-               for s, kept in state_leaves(optim_cfg, shape, layout.logical))
+    return sum(
+        local_size(s, spec_for(kept, layout.optimizer), mesh_shape) * 4
+        for s, kept in state_leaves(optim_cfg, shape, layout.logical)
+    )
 
 
 def state_elements_ratio(optim_cfg: ConfigDict, model_cfg: ConfigDict) -> float:

@@ -73,7 +73,7 @@ def owner(path: Path, params_index: list[tuple[Path, Any]]) -> tuple[int, int] |
     for i, (ppath, _) in enumerate(params_index):
         n = len(ppath)
         for start in range(len(path) - n + 1):
-            if path[start:start + n] == ppath and (best is None or n > len(params_index[best[0]][0])):
+            if path[start : start + n] == ppath and (best is None or n > len(params_index[best[0]][0])):
                 best = (i, start)
                 break
     return best
@@ -82,8 +82,9 @@ def owner(path: Path, params_index: list[tuple[Path, Any]]) -> tuple[int, int] |
 def state_specs(abstract_state: Any, abstract_params: Any, param_specs: Any) -> Any:
     """A PartitionSpec per state leaf (see the module docstring)."""
     index = _param_paths(abstract_params)
-    specs = [s for _, s in _param_paths(jax.tree.map(lambda s: _Box(s), param_specs,
-                                                    is_leaf=lambda x: isinstance(x, P)))]
+    specs = [
+        s for _, s in _param_paths(jax.tree.map(lambda s: _Box(s), param_specs, is_leaf=lambda x: isinstance(x, P)))
+    ]
 
     def one(path, leaf):
         hit = owner(tuple(path), index)
@@ -114,8 +115,14 @@ def local_size(shape: tuple[int, ...], spec: P, mesh_shape: dict) -> int:
 # --------------------------------------------------------------------------- pipeline forms
 
 
-def convert_state(state: Any, target: Any, dst_params: Any, to_model: bool,
-                  permute: Callable[[jax.Array, int], jax.Array], has_ends: bool) -> Any:
+def convert_state(
+    state: Any,
+    target: Any,
+    dst_params: Any,
+    to_model: bool,
+    permute: Callable[[jax.Array, int], jax.Array],
+    has_ends: bool,
+) -> Any:
     """Move optimizer ``state`` from one form to the layout of ``target`` (an abstract state for
     ``dst_params``, the parameters in the other form). ``permute(x, dim)`` reorders the stacked
     layer dim ``dim`` of ``x``
@@ -130,7 +137,7 @@ def convert_state(state: Any, target: Any, dst_params: Any, to_model: bool,
             out.append(src[path])
             continue
         ppath, pleaf = dst_index[hit[0]]
-        pre, post = path[:hit[1]], path[hit[1] + len(ppath):]
+        pre, post = path[: hit[1]], path[hit[1] + len(ppath) :]
         name = _key(ppath[0])
         if has_ends and to_model and name in ("embed", "lm_head"):
             ends = src[pre + (jax.tree_util.DictKey("ends"),) + post]
@@ -154,8 +161,10 @@ def _key(k: Any) -> str:
 
 def _check_square(shape: tuple[int, ...], slot_leaf: tuple[int, ...]) -> None:
     if len(shape) >= 2 and shape[-1] == shape[-2] and tuple(slot_leaf) != tuple(shape[-2:]) and slot_leaf:
-        raise ConfigError("optimizer state: a factored moment of a square output layer (vocab_size == embed_dim) "
-                          "cannot move between pipeline forms; use model.tie_embeddings or another optimizer")
+        raise ConfigError(
+            "optimizer state: a factored moment of a square output layer (vocab_size == embed_dim) "
+            "cannot move between pipeline forms; use model.tie_embeddings or another optimizer"
+        )
 
 
 def _from_ends(ends: jax.Array, name: str, param_shape: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:

@@ -28,8 +28,9 @@ def _vmapped(fn: Callable, batch_dims: int) -> Callable:
     return fn
 
 
-def per_tensor(transforms: dict[str, optax.GradientTransformation], labels: Any, batch_dims: Any
-               ) -> optax.GradientTransformation:
+def per_tensor(
+    transforms: dict[str, optax.GradientTransformation], labels: Any, batch_dims: Any
+) -> optax.GradientTransformation:
     """``transforms[label]`` applied to each parameter leaf on its own, vmapped over its leading
     ``batch_dims`` dims.
 

@@ -60,9 +60,12 @@ def chunk_positions(rank: jax.Array | int, c: int, n_local: int) -> jax.Array:
 def all_positions(c: int, n_local: int) -> np.ndarray:
     """Positions of every rank's tokens in rank order (what a tiled all-gather over ``context`` holds)."""
     half = n_local // 2
-    return np.concatenate([np.concatenate([np.arange(i * half, (i + 1) * half),
-                                           np.arange((2 * c - 1 - i) * half, (2 * c - i) * half)])
-                           for i in range(c)]).astype(np.int32)
+    return np.concatenate(
+        [
+            np.concatenate([np.arange(i * half, (i + 1) * half), np.arange((2 * c - 1 - i) * half, (2 * c - i) * half)])
+            for i in range(c)
+        ]
+    ).astype(np.int32)
 
 
 def rank_positions(axis: str | None, n_local: int) -> jax.Array:
@@ -81,8 +84,18 @@ def split_tokens(tokens: jax.Array, axis: str | None) -> tuple[jax.Array, jax.Ar
     return jnp.take(tokens, pos, axis=1), jnp.take(tokens, pos + 1, axis=1), pos
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, implementation: str,
-                     block: int, axis: str | None = None, exchange: str = "ring", noise=None) -> jax.Array:
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    implementation: str,
+    block: int,
+    axis: str | None = None,
+    exchange: str = "ring",
+    noise=None,
+) -> jax.Array:
     """A layer's causal attention as the layout runs it: ``implementation`` (resolved:
     ``dot_product`` | ``blockwise`` | ``cudnn``, :func:`jaxpar.models.attention.resolve_attention`) on
     this rank's tokens at ``positions``; with a context ``axis``, the ``exchange`` over it
@@ -99,15 +112,25 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 # ----------------------------------------------------------------------------------- all-gather
 
 
-def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
-                         block_q: int, block_kv: int, noise=None) -> jax.Array:
+def all_gather_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    axis: str,
+    *,
+    block_q: int,
+    block_kv: int,
+    noise=None,
+) -> jax.Array:
     """Causal attention of this rank's queries over every rank's keys and values, gathered over ``axis``."""
     c = lax.axis_size(axis)
     k_all = lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = lax.all_gather(v, axis, axis=1, tiled=True)
     kv_pos = jnp.asarray(all_positions(c, k.shape[1]))
-    return attn.blockwise_attention(q, k_all, v_all, block_q=block_q, block_kv=block_kv,
-                                    q_positions=positions, kv_positions=kv_pos, noise=noise)
+    return attn.blockwise_attention(
+        q, k_all, v_all, block_q=block_q, block_kv=block_kv, q_positions=positions, kv_positions=kv_pos, noise=noise
+    )
 
 
 # ----------------------------------------------------------------------------------- ring
@@ -133,8 +156,7 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise=None):
 
     def hop(j, kk, vv):  # partial attention over the block that started at rank (me - j) mod c
         kv_pos = chunk_positions((me - j) % c, c, n_local)
-        return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32,
-                                   noise=noise)
+        return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32, noise=noise)
 
     kk, vv = k, v
     out = lse = None
@@ -163,8 +185,9 @@ def _ring_bwd(axis, block_q, block_kv, res, dout, noise=None):
         if j < c - 1:  # the next block's keys and values travel while this one's gradients are computed
             nk, nv = _send((kk, vv), axis, c)
         kv_pos = chunk_positions((me - j) % c, c, n_local)
-        dq_j, dk_j, dv_j = attn._flash_backward(q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse,
-                                                block_q, block_kv, True, out_dtype=_F32, noise=noise)
+        dq_j, dk_j, dv_j = attn._flash_backward(
+            q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse, block_q, block_kv, True, out_dtype=_F32, noise=noise
+        )
         dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
         dk, dv = _send((dk, dv), axis, c)  # with their block: after c hops they are home
         if j < c - 1:
@@ -196,15 +219,25 @@ def _ring_dropout_bwd(axis, block_q, block_kv, res, dout):
 _ring_dropout.defvjp(_ring_dropout_fwd, _ring_dropout_bwd)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
-                   block_q: int, block_kv: int, noise=None) -> jax.Array:
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    axis: str,
+    *,
+    block_q: int,
+    block_kv: int,
+    noise=None,
+) -> jax.Array:
     """Causal ring attention over ``axis``: this rank's queries ``q`` (b, n, heads, d) at
     ``positions`` (n,) (:func:`rank_positions`) against every rank's keys and values, passed around
     the ring; exact (fp32 merge of the partial results) and never holding more than two ranks'
     keys and values. ``noise``: attention dropout (:class:`jaxpar.models.dropout.AttentionNoise`)."""
     if lax.axis_size(axis) == 1:
-        return attn.blockwise_attention(q, k, v, block_q=block_q, block_kv=block_kv, q_positions=positions,
-                                        kv_positions=positions, noise=noise)
+        return attn.blockwise_attention(
+            q, k, v, block_q=block_q, block_kv=block_kv, q_positions=positions, kv_positions=positions, noise=noise
+        )
     if noise is not None:
         return _ring_dropout(q, k, v, positions, noise, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))
     return _ring(q, k, v, positions, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))

@@ -47,7 +47,9 @@ def zero3_dims(placements: Any) -> Any | None:
     """Tree of the dims ZeRO-3 splits over ``data`` (one int per parameter, ``NOT_GATHERED`` for
     those stored whole), from a tree of :class:`~jaxpar.sharding.ParamPlacement`; ``None`` when no
     parameter is stored sharded (ZeRO 0-2)."""
-    dims = jax.tree.map(lambda lay: lay.zero_dim if lay.sharded_storage else NOT_GATHERED, placements, is_leaf=is_placement)
+    dims = jax.tree.map(
+        lambda lay: lay.zero_dim if lay.sharded_storage else NOT_GATHERED, placements, is_leaf=is_placement
+    )
     return dims if any(d != NOT_GATHERED for d in jax.tree.leaves(dims)) else None
 
 
@@ -96,8 +98,9 @@ def remat_policy(remat: str) -> Any:
         return policies.nothing_saveable
     if remat == "selective":  # keep weight-matmul outputs, recompute the attention core
         # dense's dot sits inside a custom_vjp the dot policy does not see into: its output is named
-        return policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
-                                                policies.save_only_these_names(DENSE_NAME))
+        return policies.save_from_both_policies(
+            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(DENSE_NAME)
+        )
     return _save_all_but_zero3_gathers
 
 

@@ -230,8 +230,14 @@ class Shell:
             return mark("$((" + expr + "))")
 
 
-_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: int(a / b), ast.Mod: lambda a, b: a % b}
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Div: lambda a, b: int(a / b),
+    ast.Mod: lambda a, b: a % b,
+}
 
 
 def _evaluate(node: ast.AST) -> int:
@@ -315,8 +321,10 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         if in_flags:
             words += line_words
             continue
-        script = next((k for k, w in enumerate(line_words) if w.rsplit("/", 1)[-1].startswith("pretrain_")
-                       and w.endswith(".py")), None)
+        script = next(
+            (k for k, w in enumerate(line_words) if w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py")),
+            None,
+        )
         if script is not None:
             first = next((k for k, w in enumerate(line_words[:script]) if w.startswith("--")), script)
             words = line_words[first:script] + line_words[script + 1 :]

@@ -22,66 +22,139 @@ _NOOP = "no-op in jaxpar: "
 _LOGGING = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
 _BUCKET = _NOOP + "XLA schedules, fuses and overlaps the collectives; there are no buckets to size"
 TOP_NOOP = {
-    "steps_per_print": None, "wall_clock_breakdown": _LOGGING, "memory_breakdown": _LOGGING,
-    "dump_state": _LOGGING, "wandb": _LOGGING,
-    "csv_monitor": _LOGGING, "comet": _LOGGING, "timers": _LOGGING,
+    "steps_per_print": None,
+    "wall_clock_breakdown": _LOGGING,
+    "memory_breakdown": _LOGGING,
+    "dump_state": _LOGGING,
+    "wandb": _LOGGING,
+    "csv_monitor": _LOGGING,
+    "comet": _LOGGING,
+    "timers": _LOGGING,
     "zero_allow_untested_optimizer": _NOOP + "jaxpar's ZeRO works with its one optimizer (AdamW)",
     "zero_force_ds_cpu_optimizer": _NOOP + "no CPU optimizer in jaxpar",
     "prescale_gradients": _NOOP + "gradients are averaged in parallel.grad_reduce_dtype; pre-division only "
     "guards fp16 overflow",
     "gradient_predivide_factor": _NOOP + "gradients are averaged in parallel.grad_reduce_dtype",
-    "disable_allgather": _BUCKET, "checkpoint": _NOOP + "orbax checkpoints are sharded and restore onto any mesh",
-    "compile": _NOOP + "XLA always compiles the whole step", "seq_parallel_communication_data_type": _BUCKET,
+    "disable_allgather": _BUCKET,
+    "checkpoint": _NOOP + "orbax checkpoints are sharded and restore onto any mesh",
+    "compile": _NOOP + "XLA always compiles the whole step",
+    "seq_parallel_communication_data_type": _BUCKET,
 }
 TOP_UNSUPPORTED = {
     "amp": "apex AMP has no jaxpar counterpart; use bf16 (model.compute_dtype=bfloat16)",
-    "sparse_gradients": "no sparse gradients in jaxpar", "sparse_attention": "no sparse attention in jaxpar",
-    "elasticity": "no elastic batch sizing in jaxpar", "curriculum_learning": "no curriculum learning in jaxpar",
-    "data_efficiency": "no data sampling/routing schedules in jaxpar", "compression_training": "no compression",
-    "quantize_training": "no quantized training", "weight_quantization": "no weight quantization",
-    "eigenvalue": "no eigenvalue tracking", "progressive_layer_drop": "no layer drop", "autotuning": "no autotuner",
-    "hybrid_engine": "no RLHF hybrid engine", "aio": "no NVMe offload (jaxpar keeps state on the accelerators)",
-    "nebula": "no Nebula checkpoint service", "data_types": "no separate gradient-accumulation dtype setting",
+    "sparse_gradients": "no sparse gradients in jaxpar",
+    "sparse_attention": "no sparse attention in jaxpar",
+    "elasticity": "no elastic batch sizing in jaxpar",
+    "curriculum_learning": "no curriculum learning in jaxpar",
+    "data_efficiency": "no data sampling/routing schedules in jaxpar",
+    "compression_training": "no compression",
+    "quantize_training": "no quantized training",
+    "weight_quantization": "no weight quantization",
+    "eigenvalue": "no eigenvalue tracking",
+    "progressive_layer_drop": "no layer drop",
+    "autotuning": "no autotuner",
+    "hybrid_engine": "no RLHF hybrid engine",
+    "aio": "no NVMe offload (jaxpar keeps state on the accelerators)",
+    "nebula": "no Nebula checkpoint service",
+    "data_types": "no separate gradient-accumulation dtype setting",
 }
-ZERO_NOOP = {k: _BUCKET for k in (
-    "allgather_partitions", "allgather_bucket_size", "reduce_bucket_size", "overlap_comm", "reduce_scatter",
-    "contiguous_gradients", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-    "stage3_max_reuse_distance", "round_robin_gradients", "use_multi_rank_bucket_allreduce",
-    "stage3_module_granularity_threshold", "memory_efficient_linear", "mics_hierarchical_params_gather")}
-ZERO_NOOP.update({
-    "stage3_param_persistence_threshold": _NOOP + "1-D parameters (norms) stay replicated by jaxpar's rules; "
-    "parallel.max_replicated_fraction bounds the replicated share",
-    "stage3_model_persistence_threshold": _NOOP + "see stage3_param_persistence_threshold",
-    "stage3_gather_16bit_weights_on_model_save": _NOOP + "orbax saves sharded checkpoints; no gather on save",
-    "stage3_gather_fp16_weights_on_model_save": _NOOP + "orbax saves sharded checkpoints; no gather on save",
-    "elastic_checkpoint": _NOOP + "orbax checkpoints restore onto any mesh",
-    "load_from_fp32_weights": _NOOP + "master weights are param_dtype=float32 already",
-    "ignore_unused_parameters": _NOOP + "jax differentiates the whole tree", "legacy_stage1": _BUCKET,
-    "pipeline_loading_checkpoint": _BUCKET, "override_module_apply": _BUCKET, "log_trace_cache_warnings": _LOGGING,
-})
-_OFFLOAD = "jaxpar keeps all training state on the accelerators; nearest: ZeRO-3 sharding over data " \
-           "(parallel.zero_stage=3), which divides the state by the data size instead of moving it to CPU"
-ZERO_OTHER = ("stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
-              "cpu_offload_use_pin_memory", "zero_hpz_partition_size", "zero_quantized_weights",
-              "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size")
+ZERO_NOOP = {
+    k: _BUCKET
+    for k in (
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "reduce_bucket_size",
+        "overlap_comm",
+        "reduce_scatter",
+        "contiguous_gradients",
+        "sub_group_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "round_robin_gradients",
+        "use_multi_rank_bucket_allreduce",
+        "stage3_module_granularity_threshold",
+        "memory_efficient_linear",
+        "mics_hierarchical_params_gather",
+    )
+}
+ZERO_NOOP.update(
+    {
+        "stage3_param_persistence_threshold": _NOOP + "1-D parameters (norms) stay replicated by jaxpar's rules; "
+        "parallel.max_replicated_fraction bounds the replicated share",
+        "stage3_model_persistence_threshold": _NOOP + "see stage3_param_persistence_threshold",
+        "stage3_gather_16bit_weights_on_model_save": _NOOP + "orbax saves sharded checkpoints; no gather on save",
+        "stage3_gather_fp16_weights_on_model_save": _NOOP + "orbax saves sharded checkpoints; no gather on save",
+        "elastic_checkpoint": _NOOP + "orbax checkpoints restore onto any mesh",
+        "load_from_fp32_weights": _NOOP + "master weights are param_dtype=float32 already",
+        "ignore_unused_parameters": _NOOP + "jax differentiates the whole tree",
+        "legacy_stage1": _BUCKET,
+        "pipeline_loading_checkpoint": _BUCKET,
+        "override_module_apply": _BUCKET,
+        "log_trace_cache_warnings": _LOGGING,
+    }
+)
+_OFFLOAD = (
+    "jaxpar keeps all training state on the accelerators; nearest: ZeRO-3 sharding over data "
+    "(parallel.zero_stage=3), which divides the state by the data size instead of moving it to CPU"
+)
+ZERO_OTHER = (
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "cpu_offload",
+    "cpu_offload_params",
+    "cpu_offload_use_pin_memory",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "mics_shard_size",
+)
 _XLA_REMAT = _NOOP + "XLA plans the rematerialized buffers"
 SECTION_KEYS = {  # key -> (status, jaxpar target, note)
     "activation_checkpointing": {
-        "partition_activations": ("unsupported", "", "saved activations are not split over tensor ranks; nearest: "
-                                  "parallel.sequence_parallel with mesh.tensor > 1"),
+        "partition_activations": (
+            "unsupported",
+            "",
+            "saved activations are not split over tensor ranks; nearest: "
+            "parallel.sequence_parallel with mesh.tensor > 1",
+        ),
         "cpu_checkpointing": ("unsupported", "", "no activation offload to CPU in jaxpar"),
-        **dict.fromkeys(("contiguous_memory_optimization", "number_checkpoints", "synchronize_checkpoint_boundary",
-                         "profile"), ("approximated", "", _XLA_REMAT))},
+        **dict.fromkeys(
+            ("contiguous_memory_optimization", "number_checkpoints", "synchronize_checkpoint_boundary", "profile"),
+            ("approximated", "", _XLA_REMAT),
+        ),
+    },
     "pipeline": {
         "activation_checkpoint_interval": ("mapped", "model.remat", "0: none, 1: every layer (full)"),
-        **dict.fromkeys(("stages", "partition"), ("approximated", "mesh.pipeline", "stages come from --pipeline; "
-                                                  "jaxpar splits layers evenly over stages")),
-        **dict.fromkeys(("seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"),
-                        ("approximated", "", _NOOP + "jaxpar seeds and partitions by construction"))},
+        **dict.fromkeys(
+            ("stages", "partition"),
+            ("approximated", "mesh.pipeline", "stages come from --pipeline; jaxpar splits layers evenly over stages"),
+        ),
+        **dict.fromkeys(
+            ("seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"),
+            ("approximated", "", _NOOP + "jaxpar seeds and partitions by construction"),
+        ),
+    },
 }
-TOP_HANDLED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-               "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast", "zero_optimization", "gradient_clipping",
-               "activation_checkpointing", "pipeline", "communication_data_type", "tensor_parallel")
+TOP_HANDLED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "torch_autocast",
+    "zero_optimization",
+    "gradient_clipping",
+    "activation_checkpointing",
+    "pipeline",
+    "communication_data_type",
+    "tensor_parallel",
+)
 TOP_OBSERVABILITY = ("tensorboard", "flops_profiler")  # mapped by _observability
 KNOWN_TOP = tuple(TOP_HANDLED) + TOP_OBSERVABILITY + tuple(TOP_NOOP) + tuple(TOP_UNSUPPORTED)
 # "auto" values the HF Trainer fills, by side-input name (first found wins) and its default.
@@ -135,9 +208,15 @@ class _Ctx:
         return default
 
 
-def port_deepspeed(path_or_dict: str | pathlib.Path | dict, *, world_size: int | None = None, tensor: int = 1,
-                   pipeline: int = 1, side_inputs: dict[str, Any] | None = None,
-                   allow_unresolved: bool = False) -> tuple[ConfigDict, Report]:
+def port_deepspeed(
+    path_or_dict: str | pathlib.Path | dict,
+    *,
+    world_size: int | None = None,
+    tensor: int = 1,
+    pipeline: int = 1,
+    side_inputs: dict[str, Any] | None = None,
+    allow_unresolved: bool = False,
+) -> tuple[ConfigDict, Report]:
     """Port a DeepSpeed config (path or dict); ``tensor``/``pipeline`` are the model-parallel sizes.
 
     ``side_inputs`` fill ``"auto"`` values (``{"lr": 3e-4, "world_size": 8}``; leaf names, HF
@@ -170,20 +249,28 @@ def port_deepspeed(path_or_dict: str | pathlib.Path | dict, *, world_size: int |
     _misc(ctx)
     _observability(ctx)
     if ctx.unresolved:
-        names = ", ".join(f"{n} (needed to split the batch; --world-size N)" if n == "world_size" else
-                          f"{n} (\"auto\", filled by the HF Trainer)" for n in sorted(set(ctx.unresolved)))
-        raise ConfigError(f"deepspeed: unresolved values: {names}; give each with --set NAME=VALUE (e.g. --set "
-                          "lr=3e-4 --set world_size=8) or pass --allow-unresolved for defaults")
+        names = ", ".join(
+            f"{n} (needed to split the batch; --world-size N)"
+            if n == "world_size"
+            else f'{n} ("auto", filled by the HF Trainer)'
+            for n in sorted(set(ctx.unresolved))
+        )
+        raise ConfigError(
+            f"deepspeed: unresolved values: {names}; give each with --set NAME=VALUE (e.g. --set "
+            "lr=3e-4 --set world_size=8) or pass --allow-unresolved for defaults"
+        )
     known = {"world_size", *AUTO_ALIASES, *(n for names, _ in AUTO_ALIASES.values() for n in names)}
     for name in [n for n in side if n not in ctx.used]:
         if name not in known and not _is_auto(raw, name):  # a typo would otherwise vanish
-            raise ConfigError(f"deepspeed: --set {name}: neither a jaxpar config key (section.field) nor a side input "
-                              "for an \"auto\" value (lr, betas, eps, weight_decay, warmup_num_steps, "
-                              "train_micro_batch_size_per_gpu, ...); check the name or drop it")
-        report.approximated(f"--set {name}", side[name], "", "not used: no \"auto\" value of this recipe takes it")
+            raise ConfigError(
+                f"deepspeed: --set {name}: neither a jaxpar config key (section.field) nor a side input "
+                'for an "auto" value (lr, betas, eps, weight_decay, warmup_num_steps, '
+                "train_micro_batch_size_per_gpu, ...); check the name or drop it"
+            )
+        report.approximated(f"--set {name}", side[name], "", 'not used: no "auto" value of this recipe takes it')
     for path, value in ctx.defaulted.items():
         entry = report.find(path) or report.approximated(path, "auto")
-        entry.status, entry.note = "approximated", f"unresolved \"auto\": default {value!r} used (--allow-unresolved)"
+        entry.status, entry.note = "approximated", f'unresolved "auto": default {value!r} used (--allow-unresolved)'
     return build_config(ctx.values, report), report
 
 
@@ -209,24 +296,30 @@ def _load(path_or_dict: str | pathlib.Path | dict) -> tuple[dict, str]:
         keys = [k for k, _ in pairs]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
-            raise ConfigError(f"deepspeed: {path.name} repeats key(s) {', '.join(dup)} (DeepSpeed rejects "
-                              "duplicates); keep one of each")
+            raise ConfigError(
+                f"deepspeed: {path.name} repeats key(s) {', '.join(dup)} (DeepSpeed rejects "
+                "duplicates); keep one of each"
+            )
         return dict(pairs)
 
     try:
         raw = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
-        names = sorted(set(re.findall(r":\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?=[,}\]\n])", text))
-                       - {"true", "false", "null"})
+        names = sorted(
+            set(re.findall(r":\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?=[,}\]\n])", text)) - {"true", "false", "null"}
+        )
         if names:
             raise ConfigError(
                 f"deepspeed: {path.name} is not strict JSON: placeholder(s) {', '.join(names)} (a template the "
-                f"launch script fills in, e.g. with sed); substitute real values and port the result") from None
-        raise ConfigError(f"deepspeed: {path.name} is not valid JSON (line {e.lineno}, column {e.colno}: "
-                          f"{e.msg}); fix the syntax") from None
+                f"launch script fills in, e.g. with sed); substitute real values and port the result"
+            ) from None
+        raise ConfigError(
+            f"deepspeed: {path.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix the syntax"
+        ) from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"deepspeed: {path.name} holds a JSON {type(raw).__name__}, not an object; "
-                          "pass a ds_config.json")
+        raise ConfigError(
+            f"deepspeed: {path.name} holds a JSON {type(raw).__name__}, not an object; pass a ds_config.json"
+        )
     return raw, str(path)
 
 
@@ -243,31 +336,40 @@ def _int(ctx: _Ctx, path: str) -> int | None:
 
 def _batch(ctx: _Ctx, world: int | None, tensor: int, pipeline: int) -> None:
     """DeepSpeed's batch arithmetic (_set_batch_related_parameters + _batch_assertion) on DP."""
-    tb, mb, gas = (_int(ctx, k) for k in
-                   ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+    tb, mb, gas = (
+        _int(ctx, k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    )
     mp = tensor * pipeline
     if tensor < 1 or pipeline < 1:
         raise ConfigError(f"deepspeed: tensor={tensor}, pipeline={pipeline}: sizes must be >= 1")
     dp = None
     if world is not None:
         if world % mp:
-            raise ConfigError(f"deepspeed: world size {world} is not divisible by tensor*pipeline = {tensor}*"
-                              f"{pipeline} = {mp}; pass a world size that is a multiple of {mp}")
+            raise ConfigError(
+                f"deepspeed: world size {world} is not divisible by tensor*pipeline = {tensor}*"
+                f"{pipeline} = {mp}; pass a world size that is a multiple of {mp}"
+            )
         dp = world // mp
     given = {"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas}
     if tb is None and mb is None:
         if gas is not None:
             ctx.values["train.microbatches"] = gas
             ctx.report.mapped("gradient_accumulation_steps", gas, "train.microbatches")
-        ctx.report.approximated("(batch size)", None, "train.global_batch",
-                                "no train_batch_size or train_micro_batch_size_per_gpu: jaxpar defaults kept")
+        ctx.report.approximated(
+            "(batch size)",
+            None,
+            "train.global_batch",
+            "no train_batch_size or train_micro_batch_size_per_gpu: jaxpar defaults kept",
+        )
         if dp is not None:
             ctx.values.update({"mesh.data": dp, "mesh.tensor": tensor, "mesh.pipeline": pipeline})
         return
     if tb is not None and mb is not None and gas is not None and dp is None:
         if tb % (mb * gas):
-            raise ConfigError(f"deepspeed: train_batch_size={tb} is not train_micro_batch_size_per_gpu={mb} * "
-                              f"gradient_accumulation_steps={gas} * DP for any integer DP; fix one of the three")
+            raise ConfigError(
+                f"deepspeed: train_batch_size={tb} is not train_micro_batch_size_per_gpu={mb} * "
+                f"gradient_accumulation_steps={gas} * DP for any integer DP; fix one of the three"
+            )
         dp = tb // (mb * gas)
     if dp is None:
         if not ctx.allow:
@@ -287,14 +389,25 @@ def _batch(ctx: _Ctx, world: int | None, tensor: int, pipeline: int) -> None:
         tb, gas = mb * dp, 1
     if not mb or not gas or tb != mb * gas * dp:
         shown = ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
-        raise ConfigError(f"deepspeed: {shown} with DP={dp} (world {dp * mp} / tensor*pipeline {mp}) breaks "
-                          f"train_batch_size = micro_batch * gradient_accumulation_steps * DP; fix one of them")
-    ctx.values.update({"mesh.data": dp, "mesh.tensor": tensor, "mesh.pipeline": pipeline,
-                       "train.global_batch": tb, "train.microbatches": gas})
+        raise ConfigError(
+            f"deepspeed: {shown} with DP={dp} (world {dp * mp} / tensor*pipeline {mp}) breaks "
+            f"train_batch_size = micro_batch * gradient_accumulation_steps * DP; fix one of them"
+        )
+    ctx.values.update(
+        {
+            "mesh.data": dp,
+            "mesh.tensor": tensor,
+            "mesh.pipeline": pipeline,
+            "train.global_batch": tb,
+            "train.microbatches": gas,
+        }
+    )
     ctx.report.mapped("(world size)", dp * mp, "mesh.data", f"DP = world / (tensor*pipeline) = {dp}")
-    for key, target, value in (("train_batch_size", "train.global_batch", tb),
-                               ("train_micro_batch_size_per_gpu", "train.global_batch/(microbatches*data)", mb),
-                               ("gradient_accumulation_steps", "train.microbatches", gas)):
+    for key, target, value in (
+        ("train_batch_size", "train.global_batch", tb),
+        ("train_micro_batch_size_per_gpu", "train.global_batch/(microbatches*data)", mb),
+        ("gradient_accumulation_steps", "train.microbatches", gas),
+    ):
         note = "" if given[key] is not None else "derived as DeepSpeed does"
         ctx.report.mapped(key if key in ctx.raw else f"{key} (derived)", value, target, note)
 
@@ -307,8 +420,7 @@ def _precision(ctx: _Ctx) -> None:
     bf16_on = bool(ctx.get(f"{bf16_key}.enabled", False)) if isinstance(bf16, dict) else False
     autocast = ctx.raw.get("torch_autocast", {}) or {}
     if fp16_on and bf16_on:
-        raise ConfigError("deepspeed: fp16.enabled and bf16.enabled are both true (DeepSpeed rejects this); "
-                          "enable one")
+        raise ConfigError("deepspeed: fp16.enabled and bf16.enabled are both true (DeepSpeed rejects this); enable one")
     dtype = "float16" if fp16_on else "bfloat16" if bf16_on else "float32"
     if autocast.get("enabled"):
         dtype = {"torch.float16": "float16", "float16": "float16"}.get(str(autocast.get("dtype")), "bfloat16")
@@ -317,19 +429,28 @@ def _precision(ctx: _Ctx) -> None:
         block = ctx.raw.get(section)
         if block is None:
             continue
-        for key, value in (block.items() if isinstance(block, dict) else [("enabled", block)]):
+        for key, value in block.items() if isinstance(block, dict) else [("enabled", block)]:
             src = f"{section}.{key}"
             if key == "enabled" or (section == "torch_autocast" and key == "dtype"):
-                ctx.report.mapped(src, value, "model.compute_dtype" if on else "",
-                                  f"compute dtype {dtype}" if on else "disabled")
+                ctx.report.mapped(
+                    src, value, "model.compute_dtype" if on else "", f"compute dtype {dtype}" if on else "disabled"
+                )
             elif not on:
                 ctx.report.approximated(src, value, "", _NOOP + f"{section} is disabled")
             elif key == "auto_cast" or section == "torch_autocast":
-                ctx.report.approximated(src, value, "model.compute_dtype",
-                                        "jaxpar casts inputs and activations to the compute dtype throughout")
+                ctx.report.approximated(
+                    src,
+                    value,
+                    "model.compute_dtype",
+                    "jaxpar casts inputs and activations to the compute dtype throughout",
+                )
             else:
-                ctx.report.unsupported(src, value, "no loss-scaling settings in jaxpar; bf16 "
-                                       "(model.compute_dtype=bfloat16) trains without a loss scale")
+                ctx.report.unsupported(
+                    src,
+                    value,
+                    "no loss-scaling settings in jaxpar; bf16 "
+                    "(model.compute_dtype=bfloat16) trains without a loss scale",
+                )
     if "fp16" not in ctx.raw and bf16_key not in ctx.raw and not autocast:
         ctx.report.mapped("(precision)", None, "model.compute_dtype", "neither fp16 nor bf16: DeepSpeed trains in fp32")
 
@@ -337,47 +458,71 @@ def _precision(ctx: _Ctx) -> None:
 def _optimizer(ctx: _Ctx) -> float | None:
     opt = ctx.raw.get("optimizer")
     if not isinstance(opt, dict):
-        ctx.report.approximated("(optimizer)", None, "", "no optimizer section: the training script builds it; "
-                                "optim.* left at jaxpar defaults")
+        ctx.report.approximated(
+            "(optimizer)",
+            None,
+            "",
+            "no optimizer section: the training script builds it; optim.* left at jaxpar defaults",
+        )
         return None
     kind = str(opt.get("type", ""))
     params = opt.get("params", {}) or {}
     if kind.lower() not in ("adam", "adamw"):
-        ctx.report.unsupported("optimizer.type", kind,
-                               "this port maps Adam/AdamW only; optim.* left at defaults, pick optim.name by hand")
+        ctx.report.unsupported(
+            "optimizer.type", kind, "this port maps Adam/AdamW only; optim.* left at defaults, pick optim.name by hand"
+        )
         for key, value in params.items():
             ctx.report.unsupported(f"optimizer.params.{key}", value, f"belongs to the {kind} optimizer")
         return None
     decoupled = kind.lower() == "adamw" or bool(ctx.get("optimizer.params.adam_w_mode", True))
-    ctx.report.mapped("optimizer.type", kind, "optim.name, optim.decoupled_weight_decay",
-                      "AdamW (decoupled)" if decoupled else "Adam with L2 (adam_w_mode false)")
+    ctx.report.mapped(
+        "optimizer.type",
+        kind,
+        "optim.name, optim.decoupled_weight_decay",
+        "AdamW (decoupled)" if decoupled else "Adam with L2 (adam_w_mode false)",
+    )
     torch_adamw = bool(params.get("torch_adam")) and decoupled
     lr = float(ctx.get("optimizer.params.lr", 1e-3))
     betas = ctx.get("optimizer.params.betas", [0.9, 0.999])
-    ctx.values.update({
-        "optim.name": "adamw", "optim.decoupled_weight_decay": decoupled, "optim.lr": lr,
-        "optim.b1": float(betas[0]), "optim.b2": float(betas[1]), "optim.eps": float(ctx.get("optimizer.params.eps", 1e-8)),
-        "optim.weight_decay": float(ctx.get("optimizer.params.weight_decay", 0.01 if torch_adamw else 0.0)),
-    })
-    targets = {"lr": "optim.lr", "betas": "optim.b1, optim.b2", "eps": "optim.eps",
-               "weight_decay": "optim.weight_decay", "adam_w_mode": "optim.decoupled_weight_decay"}
+    ctx.values.update(
+        {
+            "optim.name": "adamw",
+            "optim.decoupled_weight_decay": decoupled,
+            "optim.lr": lr,
+            "optim.b1": float(betas[0]),
+            "optim.b2": float(betas[1]),
+            "optim.eps": float(ctx.get("optimizer.params.eps", 1e-8)),
+            "optim.weight_decay": float(ctx.get("optimizer.params.weight_decay", 0.01 if torch_adamw else 0.0)),
+        }
+    )
+    targets = {
+        "lr": "optim.lr",
+        "betas": "optim.b1, optim.b2",
+        "eps": "optim.eps",
+        "weight_decay": "optim.weight_decay",
+        "adam_w_mode": "optim.decoupled_weight_decay",
+    }
     for key, target in targets.items():
         if key not in params and key != "adam_w_mode":
-            ctx.report.mapped(f"optimizer.params.{key} (default)", ctx.values[target.split(",")[0]], target,
-                              "DeepSpeed/torch default")
+            ctx.report.mapped(
+                f"optimizer.params.{key} (default)", ctx.values[target.split(",")[0]], target, "DeepSpeed/torch default"
+            )
     for key, value in params.items():
         src = f"optimizer.params.{key}"
         if key in targets:
             ctx.report.mapped(src, value, targets[key], f"= {ctx.get(src)!r}" if value == "auto" else "")
         elif key in ("torch_adam", "fused", "capturable", "foreach", "set_grad_none"):
-            ctx.report.approximated(src, value, "", _NOOP + "implementation choice; jaxpar's AdamW runs inside the XLA step")
+            ctx.report.approximated(
+                src, value, "", _NOOP + "implementation choice; jaxpar's AdamW runs inside the XLA step"
+            )
         elif key in ("amsgrad", "bias_correction") and bool(value) == (key == "amsgrad"):
             ctx.report.unsupported(src, value, f"jaxpar's AdamW has no {key} switch")
         elif key in ("amsgrad", "bias_correction"):
             ctx.report.mapped(src, value, "", "jaxpar's behaviour")
         else:
-            ctx.report.unknown(src, value, [f"optimizer.params.{k}" for k in (*targets, "torch_adam", "amsgrad")],
-                               "DeepSpeed Adam")
+            ctx.report.unknown(
+                src, value, [f"optimizer.params.{k}" for k in (*targets, "torch_adam", "amsgrad")], "DeepSpeed Adam"
+            )
     return lr
 
 
@@ -385,14 +530,25 @@ def schedule_fields(kind: str, params: dict[str, Any], optimizer_lr: float | Non
     """optim fields reproducing DeepSpeed's scheduler ``kind`` exactly (see jaxpar.optim.lr)."""
     warmup = max(2, int(params.get("warmup_num_steps", 1000)))  # DeepSpeed: max(2, warmup_num_steps)
     wtype = params.get("warmup_type", "log")
-    fields: dict[str, Any] = {"warmup_steps": warmup, "warmup_type": wtype if wtype in ("log", "linear") else "log",
-                              "schedule_offset": 1, "decay_start_step": -1, "decay_steps": -1}
+    fields: dict[str, Any] = {
+        "warmup_steps": warmup,
+        "warmup_type": wtype if wtype in ("log", "linear") else "log",
+        "schedule_offset": 1,
+        "decay_start_step": -1,
+        "decay_steps": -1,
+    }
     if kind == "WarmupCosineLR":
         lr = optimizer_lr if optimizer_lr is not None else 1e-3
         total = int(params["total_num_steps"])
-        return {**fields, "lr": lr, "warmup_init_lr": lr * float(params.get("warmup_min_ratio", 0.0)),
-                "schedule": "cosine", "min_lr_ratio": float(params.get("cos_min_ratio", 0.0001)),
-                "decay_start_step": warmup - 1, "decay_steps": total - 1}
+        return {
+            **fields,
+            "lr": lr,
+            "warmup_init_lr": lr * float(params.get("warmup_min_ratio", 0.0)),
+            "schedule": "cosine",
+            "min_lr_ratio": float(params.get("cos_min_ratio", 0.0001)),
+            "decay_start_step": warmup - 1,
+            "decay_steps": total - 1,
+        }
     default_max = optimizer_lr if kind == "WarmupLR" and optimizer_lr is not None else 1e-3
     peak = float(params.get("warmup_max_lr") if params.get("warmup_max_lr") is not None else default_max)
     low = float(params.get("warmup_min_lr", 0.0))
@@ -408,18 +564,26 @@ def _scheduler(ctx: _Ctx, opt_lr: float | None) -> None:
     sched = ctx.raw.get("scheduler")
     if not isinstance(sched, dict):
         ctx.values.update({"optim.schedule": "constant", "optim.warmup_steps": 0})
-        ctx.report.approximated("(scheduler)", None, "optim.schedule", "no scheduler section: constant lr (unless "
-                                "the training script passes one; then set optim.* by hand)")
+        ctx.report.approximated(
+            "(scheduler)",
+            None,
+            "optim.schedule",
+            "no scheduler section: constant lr (unless the training script passes one; then set optim.* by hand)",
+        )
         return
     kind = str(sched.get("type", ""))
     raw_params = sched.get("params", {}) or {}
-    known = {"WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
-             "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
-             "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-                                "warmup_type")}
+    known = {
+        "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+        "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+        "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"),
+    }
     if kind not in known:
-        ctx.report.unsupported("scheduler.type", kind, "jaxpar reproduces WarmupLR, WarmupDecayLR and WarmupCosineLR; "
-                               "optim schedule left at jaxpar defaults")
+        ctx.report.unsupported(
+            "scheduler.type",
+            kind,
+            "jaxpar reproduces WarmupLR, WarmupDecayLR and WarmupCosineLR; optim schedule left at jaxpar defaults",
+        )
         return
     params = {k: ctx.get(f"scheduler.params.{k}") for k in known[kind] if k in raw_params}
     if "total_num_steps" in known[kind] and "total_num_steps" not in raw_params:
@@ -432,12 +596,22 @@ def _scheduler(ctx: _Ctx, opt_lr: float | None) -> None:
     notes = apply_schedule_fields(fields, ctx.values)
     if kind != "WarmupLR":
         ctx.values["train.steps"] = int(params["total_num_steps"])
-    ctx.report.add("scheduler.type", kind, "approximated" if notes else "mapped", "optim.*",
-                   "; ".join(notes) or "exact, DeepSpeed's last_batch_iteration = k - 1 at update k")
-    targets = {"warmup_min_lr": "optim.warmup_init_lr", "warmup_max_lr": "optim.lr",
-               "warmup_num_steps": "optim.warmup_steps", "warmup_type": "optim.warmup_type",
-               "total_num_steps": "train.steps, optim.decay_steps", "warmup_min_ratio": "optim.warmup_init_lr",
-               "cos_min_ratio": "optim.min_lr_ratio"}
+    ctx.report.add(
+        "scheduler.type",
+        kind,
+        "approximated" if notes else "mapped",
+        "optim.*",
+        "; ".join(notes) or "exact, DeepSpeed's last_batch_iteration = k - 1 at update k",
+    )
+    targets = {
+        "warmup_min_lr": "optim.warmup_init_lr",
+        "warmup_max_lr": "optim.lr",
+        "warmup_num_steps": "optim.warmup_steps",
+        "warmup_type": "optim.warmup_type",
+        "total_num_steps": "train.steps, optim.decay_steps",
+        "warmup_min_ratio": "optim.warmup_init_lr",
+        "cos_min_ratio": "optim.min_lr_ratio",
+    }
     for key, value in raw_params.items():
         src = f"scheduler.params.{key}"
         if key in known[kind]:
@@ -459,8 +633,9 @@ def _zero(ctx: _Ctx) -> None:
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed: zero_optimization.stage={stage}: use 0, 1, 2 or 3")
     ctx.values["parallel.zero_stage"] = stage
-    ctx.report.mapped("zero_optimization.stage", stage, "parallel.zero_stage",
-                      "" if "stage" in zero else "DeepSpeed default 0")
+    ctx.report.mapped(
+        "zero_optimization.stage", stage, "parallel.zero_stage", "" if "stage" in zero else "DeepSpeed default 0"
+    )
     for key, value in zero.items():
         src = f"zero_optimization.{key}"
         if key == "stage":
@@ -477,23 +652,41 @@ def _zero(ctx: _Ctx) -> None:
             ctx.report.approximated(src, value, "", _NOOP + "no offload in jaxpar")
         elif key == "zero_quantized_gradients" and value:
             ctx.values["parallel.grad_reduce_dtype"] = "bfloat16"
-            ctx.report.approximated(src, value, "parallel.grad_reduce_dtype", "ZeRO++ qgZ (int4 gradient "
-                                    "reduce-scatter) has no jaxpar counterpart; nearest: bf16 gradient reduction")
+            ctx.report.approximated(
+                src,
+                value,
+                "parallel.grad_reduce_dtype",
+                "ZeRO++ qgZ (int4 gradient reduce-scatter) has no jaxpar counterpart; nearest: bf16 gradient reduction",
+            )
         elif key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights") and value:
-            ctx.report.unsupported(src, value, "ZeRO++ qwZ (int8 weight all-gather): jaxpar gathers weights in "
-                                   "param_dtype/compute dtype; nearest: parallel.zero_stage=3 as configured")
+            ctx.report.unsupported(
+                src,
+                value,
+                "ZeRO++ qwZ (int8 weight all-gather): jaxpar gathers weights in "
+                "param_dtype/compute dtype; nearest: parallel.zero_stage=3 as configured",
+            )
         elif key == "zero_hpz_partition_size" and int(value) > 1:
-            ctx.report.unsupported(src, value, "ZeRO++ hpZ (secondary intra-node weight copy): jaxpar shards "
-                                   "parameters over the whole data axis, no secondary partition")
+            ctx.report.unsupported(
+                src,
+                value,
+                "ZeRO++ hpZ (secondary intra-node weight copy): jaxpar shards "
+                "parameters over the whole data axis, no secondary partition",
+            )
         elif key == "mics_shard_size" and int(value) > 0:
-            ctx.report.approximated(src, value, "parallel.zero_stage", "MiCS shards within groups of "
-                                    f"{value} and replicates across them; jaxpar shards over the whole data axis "
-                                    "(ZeRO-3): less memory, all-gathers span every data rank")
+            ctx.report.approximated(
+                src,
+                value,
+                "parallel.zero_stage",
+                "MiCS shards within groups of "
+                f"{value} and replicates across them; jaxpar shards over the whole data axis "
+                "(ZeRO-3): less memory, all-gathers span every data rank",
+            )
         elif key in ZERO_OTHER:
             ctx.report.approximated(src, value, "", _NOOP + "disabled")
         else:
-            ctx.report.unknown(src, value, [f"zero_optimization.{k}" for k in (*ZERO_NOOP, *ZERO_OTHER)],
-                               "DeepSpeed ZeRO")
+            ctx.report.unknown(
+                src, value, [f"zero_optimization.{k}" for k in (*ZERO_NOOP, *ZERO_OTHER)], "DeepSpeed ZeRO"
+            )
 
 
 def _misc(ctx: _Ctx) -> None:
@@ -501,30 +694,39 @@ def _misc(ctx: _Ctx) -> None:
     if "gradient_clipping" in ctx.raw:
         clip = float(ctx.get("gradient_clipping", 0.0) or 0.0)
         ctx.values["optim.clip_norm"] = clip
-        ctx.report.mapped("gradient_clipping", ctx.raw["gradient_clipping"], "optim.clip_norm",
-                          f"= {clip}" if ctx.raw["gradient_clipping"] == "auto" else "")
+        ctx.report.mapped(
+            "gradient_clipping",
+            ctx.raw["gradient_clipping"],
+            "optim.clip_norm",
+            f"= {clip}" if ctx.raw["gradient_clipping"] == "auto" else "",
+        )
     else:
         ctx.values["optim.clip_norm"] = 0.0
         ctx.report.mapped("gradient_clipping (default)", 0.0, "optim.clip_norm", "DeepSpeed default: no clipping")
     ac = ctx.raw.get("activation_checkpointing")
     if isinstance(ac, dict):
         ctx.values["model.remat"] = "full"
-        ctx.report.approximated("activation_checkpointing", "{...}", "model.remat", "the section configures the "
-                                "checkpointing the model code calls; jaxpar rematerializes every layer (full)")
+        ctx.report.approximated(
+            "activation_checkpointing",
+            "{...}",
+            "model.remat",
+            "the section configures the checkpointing the model code calls; jaxpar rematerializes every layer (full)",
+        )
     remat = "full" if int((ctx.raw.get("pipeline") or {}).get("activation_checkpoint_interval", 0) or 0) > 0 else None
     if remat:
         ctx.values["model.remat"] = remat
     for section in ("activation_checkpointing", "pipeline"):
         block = ctx.raw.get(section)
-        for key, value in (block.items() if isinstance(block, dict) else []):
+        for key, value in block.items() if isinstance(block, dict) else []:
             status, target, note = SECTION_KEYS[section].get(key, ("unknown", "", ""))
             if key in ("partition_activations", "cpu_checkpointing") and not value:
                 status, note = "approximated", _NOOP + "disabled"
             if key == "activation_checkpoint_interval" and int(value) > 1:
                 status, note = "approximated", "jaxpar rematerializes every layer, not every n-th"
             if status == "unknown":
-                ctx.report.unknown(f"{section}.{key}", value, [f"{section}.{k}" for k in SECTION_KEYS[section]],
-                                   "DeepSpeed")
+                ctx.report.unknown(
+                    f"{section}.{key}", value, [f"{section}.{k}" for k in SECTION_KEYS[section]], "DeepSpeed"
+                )
             else:
                 ctx.report.add(f"{section}.{key}", value, status, target, note)
     if "communication_data_type" in ctx.raw:
@@ -536,8 +738,12 @@ def _misc(ctx: _Ctx) -> None:
         else:
             ctx.report.unsupported("communication_data_type", value, "jaxpar reduces in float32 or bfloat16")
     if "tensor_parallel" in ctx.raw:
-        ctx.report.approximated("tensor_parallel", ctx.raw["tensor_parallel"], "mesh.tensor",
-                                "AutoTP: jaxpar's tensor size comes from --tensor")
+        ctx.report.approximated(
+            "tensor_parallel",
+            ctx.raw["tensor_parallel"],
+            "mesh.tensor",
+            "AutoTP: jaxpar's tensor size comes from --tensor",
+        )
 
 
 def _observability(ctx: _Ctx) -> None:
@@ -545,20 +751,31 @@ def _observability(ctx: _Ctx) -> None:
     a jax.profiler trace of its ``profile_step`` (train.profile_steps)."""
     tb = ctx.raw.get("tensorboard")
     if isinstance(tb, dict) and tb.get("enabled", False):
-        ctx.report.approximated("tensorboard", tb, "train.workdir", "jaxpar always writes TensorBoard event files "
-                                "(loss, grad norm, lr, step time, tokens/s, MFU, validation) into train.workdir beside "
-                                "metrics.jsonl; output_path/job_name are not used")
+        ctx.report.approximated(
+            "tensorboard",
+            tb,
+            "train.workdir",
+            "jaxpar always writes TensorBoard event files "
+            "(loss, grad norm, lr, step time, tokens/s, MFU, validation) into train.workdir beside "
+            "metrics.jsonl; output_path/job_name are not used",
+        )
     elif "tensorboard" in ctx.raw:
-        ctx.report.approximated("tensorboard", tb, "", _NOOP + "disabled (jaxpar writes TensorBoard events to "
-                                "train.workdir anyway)")
+        ctx.report.approximated(
+            "tensorboard", tb, "", _NOOP + "disabled (jaxpar writes TensorBoard events to train.workdir anyway)"
+        )
     fp = ctx.raw.get("flops_profiler")
     if isinstance(fp, dict) and fp.get("enabled", False):
         # DeepSpeed profiles while engine.global_steps (steps done, from 0) == profile_step (default 1):
         # the (profile_step + 1)-th step, jaxpar's step numbers start at 1
         step = int(fp.get("profile_step", 1)) + 1
         ctx.values["train.profile_steps"] = f"{step},{step}"
-        ctx.report.approximated("flops_profiler", fp, "train.profile_steps", f"a jax.profiler trace of step {step} "
-                                "(per-op times in TensorBoard/Perfetto) instead of DeepSpeed's per-module FLOPs table; "
-                                "model FLOPs and MFU are logged every step in metrics.jsonl")
+        ctx.report.approximated(
+            "flops_profiler",
+            fp,
+            "train.profile_steps",
+            f"a jax.profiler trace of step {step} "
+            "(per-op times in TensorBoard/Perfetto) instead of DeepSpeed's per-module FLOPs table; "
+            "model FLOPs and MFU are logged every step in metrics.jsonl",
+        )
     elif "flops_profiler" in ctx.raw:
         ctx.report.approximated("flops_profiler", fp, "", _NOOP + "disabled")

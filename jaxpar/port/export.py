@@ -31,8 +31,9 @@ class Exported:
     checkpoints: str
 
 
-def export_checkpoint(cfg: ConfigDict, output: str, step: int | None = None, overwrite: bool = False,
-                      echo: Callable[[str], None] = print) -> Exported:
+def export_checkpoint(
+    cfg: ConfigDict, output: str, step: int | None = None, overwrite: bool = False, echo: Callable[[str], None] = print
+) -> Exported:
     """Write the parameters of checkpoint ``step`` (default: the newest that restores) under
     ``cfg.train.workdir`` to ``output`` as HF safetensors + config.json; :class:`ConfigError` for a model
     HF's LLaMA cannot hold, a missing checkpoint, a damaged ``step`` or another model's checkpoint
@@ -43,8 +44,10 @@ def export_checkpoint(cfg: ConfigDict, output: str, step: int | None = None, ove
 
     weights.hf_config_from_model(cfg.model)  # a model HF's LLaMA cannot hold fails here, before any read
     directory = os.path.join(cfg.train.workdir, "checkpoints")
-    missing = ConfigError(f"train.workdir='{cfg.train.workdir}': no checkpoint in {os.path.abspath(directory)}; "
-                          "train first or point --config.train.workdir at a run")
+    missing = ConfigError(
+        f"train.workdir='{cfg.train.workdir}': no checkpoint in {os.path.abspath(directory)}; "
+        "train first or point --config.train.workdir at a run"
+    )
     if not os.path.isdir(directory):
         raise missing
     params, _ = one_device_checkpoint_state(cfg)

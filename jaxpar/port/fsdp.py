@@ -32,11 +32,31 @@ FSDP_NOOP = {
     "fsdp_use_orig_params": _NOOP + "jax parameters are a plain pytree",
     "fsdp_version": _NOOP + "FSDP1 and FSDP2 shard the same way here",
 }
-TOP_NOOP = ("compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "machine_rank", "main_process_ip",
-            "main_process_port", "main_training_function", "rdzv_backend", "same_network", "tpu_env",
-            "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "gpu_ids", "dynamo_config")
-FSDP_KEYS = (*FSDP_NOOP, "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-             "fsdp_activation_checkpointing")
+TOP_NOOP = (
+    "compute_environment",
+    "debug",
+    "downcast_bf16",
+    "enable_cpu_affinity",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "main_training_function",
+    "rdzv_backend",
+    "same_network",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "use_cpu",
+    "gpu_ids",
+    "dynamo_config",
+)
+FSDP_KEYS = (
+    *FSDP_NOOP,
+    "fsdp_sharding_strategy",
+    "fsdp_reshard_after_forward",
+    "fsdp_offload_params",
+    "fsdp_activation_checkpointing",
+)
 
 
 def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tuple[ConfigDict, Report]:
@@ -58,8 +78,9 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     values: dict[str, Any] = {}
     kind = str(raw.get("distributed_type", "NO"))
     if kind == "DEEPSPEED":
-        raise ConfigError(f"fsdp: {path.name} uses distributed_type DEEPSPEED; port its DeepSpeed JSON with "
-                          "`jaxpar port deepspeed`")
+        raise ConfigError(
+            f"fsdp: {path.name} uses distributed_type DEEPSPEED; port its DeepSpeed JSON with `jaxpar port deepspeed`"
+        )
     world = world_size if world_size is not None else int(raw.get("num_processes", 1))
     machines = int(raw.get("num_machines", 1))
     fsdp = raw.get("fsdp_config", {}) or {}
@@ -68,20 +89,38 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
     if values.get("train.global_batch", 16) % world:
         values["train.global_batch"] = world
-        report.approximated("(batch size)", None, "train.global_batch", f"not in the accelerate config; one "
-                            f"sequence per device ({world}) so the jaxpar default divides the data axis")
+        report.approximated(
+            "(batch size)",
+            None,
+            "train.global_batch",
+            f"not in the accelerate config; one "
+            f"sequence per device ({world}) so the jaxpar default divides the data axis",
+        )
     else:
-        report.approximated("(batch size)", None, "train.global_batch", "not in the accelerate config (the training "
-                            "script decides); jaxpar default kept")
-    report.approximated("(model, optimizer)", None, "model.*, optim.*", "not in the accelerate config; jaxpar "
-                        "defaults kept: set them with --set or edit the generated config")
+        report.approximated(
+            "(batch size)",
+            None,
+            "train.global_batch",
+            "not in the accelerate config (the training script decides); jaxpar default kept",
+        )
+    report.approximated(
+        "(model, optimizer)",
+        None,
+        "model.*, optim.*",
+        "not in the accelerate config; jaxpar defaults kept: set them with --set or edit the generated config",
+    )
     for key, value in raw.items():
         if key == "fsdp_config":
             continue
         if key == "distributed_type":
             ok = kind in ("FSDP", "MULTI_GPU", "NO")
-            report.add(key, value, "mapped" if ok else "unsupported", "parallel.zero_stage",
-                       "" if ok else "only FSDP / MULTI_GPU / NO map onto jaxpar")
+            report.add(
+                key,
+                value,
+                "mapped" if ok else "unsupported",
+                "parallel.zero_stage",
+                "" if ok else "only FSDP / MULTI_GPU / NO map onto jaxpar",
+            )
         elif key == "num_processes":
             report.mapped(key, value, "mesh.data", "" if world_size is None else f"overridden: --world-size {world}")
         elif key == "num_machines":
@@ -96,20 +135,32 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         elif key in TOP_NOOP:
             report.approximated(key, value, "", _NOOP + "launcher/environment setting")
         else:
-            report.unknown(key, value, [*TOP_NOOP, "distributed_type", "num_processes", "num_machines",
-                                        "mixed_precision", "fsdp_config"], "accelerate")
+            report.unknown(
+                key,
+                value,
+                [*TOP_NOOP, "distributed_type", "num_processes", "num_machines", "mixed_precision", "fsdp_config"],
+                "accelerate",
+            )
     for key, value in fsdp.items():
         src = f"fsdp_config.{key}"
         if key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
             hybrid = strategy.startswith("HYBRID")
-            note = (f"{strategy} ~ ZeRO-{stage}" + (f" inside each node and replicated across {machines} node(s); "
-                    f"jaxpar shards over the whole data axis ({world} ranks): less memory per device, all-gathers "
-                    "cross nodes" if hybrid else ""))
+            note = f"{strategy} ~ ZeRO-{stage}" + (
+                f" inside each node and replicated across {machines} node(s); "
+                f"jaxpar shards over the whole data axis ({world} ranks): less memory per device, all-gathers "
+                "cross nodes"
+                if hybrid
+                else ""
+            )
             report.add(src, value, "approximated" if hybrid else "mapped", "parallel.zero_stage", note)
         elif key == "fsdp_offload_params":
             if value:
-                report.unsupported(src, value, "jaxpar keeps parameters on the accelerators; nearest: ZeRO-3 "
-                                   f"(parallel.zero_stage=3{', already set' if stage == 3 else ''})")
+                report.unsupported(
+                    src,
+                    value,
+                    "jaxpar keeps parameters on the accelerators; nearest: ZeRO-3 "
+                    f"(parallel.zero_stage=3{', already set' if stage == 3 else ''})",
+                )
             else:
                 report.mapped(src, value, "", "no offload, as in jaxpar")
         elif key == "fsdp_activation_checkpointing":
@@ -137,5 +188,6 @@ def _strategy(fsdp: dict, kind: str) -> str:
         return STRATEGIES[int(text) - 1]
     if text in STRATEGIES:
         return text
-    raise ConfigError(f"fsdp: fsdp_config.fsdp_sharding_strategy={value!r}: use one of {', '.join(STRATEGIES)} "
-                      "(or 1..5)")
+    raise ConfigError(
+        f"fsdp: fsdp_config.fsdp_sharding_strategy={value!r}: use one of {', '.join(STRATEGIES)} (or 1..5)"
+    )

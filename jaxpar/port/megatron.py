@@ -26,29 +26,112 @@ _PERF = _NOOP + "kernel/runtime detail that XLA decides"
 _LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
 _DATA = _NOOP + "data loading detail"
 _CKPT = _NOOP + "checkpoint detail; orbax saves sharded checkpoints under train.workdir"
-_TB = ("jaxpar always writes TensorBoard event files into train.workdir, every step: loss, grad norm, lr, step "
-       "time, tokens/s, MFU (and validation at each evaluation)")
-TENSORBOARD_FLAGS = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
-                     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
-                     "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "--tensorboard-log-interval")
-NOOP = {**dict.fromkeys(("--node_rank", "--master_addr", "--master_port", "--rdzv_endpoint", "--rdzv_backend",
-                         "--rdzv_id", "--max_restarts", "--tee", "--wait", "--kill-on-bad-exit", "--standalone",
-                         "--node-rank", "--master-addr", "--master-port"), _LAUNCH),
-        **dict.fromkeys(("--use-mcore-models", "--attention-backend", "--use-flash-attn", "--no-masked-softmax-fusion",
-                         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
-                         "--cross-entropy-loss-fusion", "--manual-gc", "--manual-gc-interval",
-                         "--empty-unused-memory-level", "--overlap-grad-reduce", "--overlap-param-gather",
-                         "--tp-comm-overlap", "--DDP-impl", "--distributed-backend", "--distributed-timeout-minutes",
-                         "--exit-duration-in-mins", "--exit-interval", "--abort-on-unmet-fused-kernel-constraints",
-                         "--kill-switch-path", "--no-query-key-layer-scaling", "--apply-query-key-layer-scaling",
-                         "--attention-softmax-in-fp32", "--no-position-embedding", "--use-legacy-models"), _PERF),
-        **dict.fromkeys(("--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--wandb-project",
-                         "--wandb-exp-name", "--wandb-save-dir", "--timing-log-level", "--log-progress"), _LOG),
-        **dict.fromkeys(("--num-workers", "--valid-num-workers", "--data-impl", "--dataloader-type",
-                         "--no-create-attention-mask-in-dataloader", "--tokenizer-model", "--tokenizer-name-or-path",
-                         "--vocab-file", "--merge-file", "--data-cache-path"), _DATA),
-        **dict.fromkeys(("--ckpt-format", "--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng",
-                         "--use-checkpoint-args", "--async-save", "--finetune"), _CKPT)}
+_TB = (
+    "jaxpar always writes TensorBoard event files into train.workdir, every step: loss, grad norm, lr, step "
+    "time, tokens/s, MFU (and validation at each evaluation)"
+)
+TENSORBOARD_FLAGS = (
+    "--log-timers-to-tensorboard",
+    "--log-batch-size-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard",
+    "--log-memory-to-tensorboard",
+    "--log-world-size-to-tensorboard",
+    "--tensorboard-queue-size",
+    "--tensorboard-log-interval",
+)
+NOOP = {
+    **dict.fromkeys(
+        (
+            "--node_rank",
+            "--master_addr",
+            "--master_port",
+            "--rdzv_endpoint",
+            "--rdzv_backend",
+            "--rdzv_id",
+            "--max_restarts",
+            "--tee",
+            "--wait",
+            "--kill-on-bad-exit",
+            "--standalone",
+            "--node-rank",
+            "--master-addr",
+            "--master-port",
+        ),
+        _LAUNCH,
+    ),
+    **dict.fromkeys(
+        (
+            "--use-mcore-models",
+            "--attention-backend",
+            "--use-flash-attn",
+            "--no-masked-softmax-fusion",
+            "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-gradient-accumulation-fusion",
+            "--cross-entropy-loss-fusion",
+            "--manual-gc",
+            "--manual-gc-interval",
+            "--empty-unused-memory-level",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--tp-comm-overlap",
+            "--DDP-impl",
+            "--distributed-backend",
+            "--distributed-timeout-minutes",
+            "--exit-duration-in-mins",
+            "--exit-interval",
+            "--abort-on-unmet-fused-kernel-constraints",
+            "--kill-switch-path",
+            "--no-query-key-layer-scaling",
+            "--apply-query-key-layer-scaling",
+            "--attention-softmax-in-fp32",
+            "--no-position-embedding",
+            "--use-legacy-models",
+        ),
+        _PERF,
+    ),
+    **dict.fromkeys(
+        (
+            "--log-throughput",
+            "--log-params-norm",
+            "--log-num-zeros-in-grad",
+            "--wandb-project",
+            "--wandb-exp-name",
+            "--wandb-save-dir",
+            "--timing-log-level",
+            "--log-progress",
+        ),
+        _LOG,
+    ),
+    **dict.fromkeys(
+        (
+            "--num-workers",
+            "--valid-num-workers",
+            "--data-impl",
+            "--dataloader-type",
+            "--no-create-attention-mask-in-dataloader",
+            "--tokenizer-model",
+            "--tokenizer-name-or-path",
+            "--vocab-file",
+            "--merge-file",
+            "--data-cache-path",
+        ),
+        _DATA,
+    ),
+    **dict.fromkeys(
+        (
+            "--ckpt-format",
+            "--no-load-optim",
+            "--no-load-rng",
+            "--no-save-optim",
+            "--no-save-rng",
+            "--use-checkpoint-args",
+            "--async-save",
+            "--finetune",
+        ),
+        _CKPT,
+    ),
+}
 _MOE = "mixture-of-experts: jaxpar has dense MLPs only (the ported model is the dense backbone, one MLP per layer)"
 UNSUPPORTED = {
     "--embed-layernorm": "no layer norm after the embedding in jaxpar's models",
@@ -58,12 +141,24 @@ UNSUPPORTED = {
     "--decoupled-min-lr": "one learning rate for all parameters in jaxpar",
     "--distribute-saved-activations": "saved activations are not split over tensor ranks; nearest: sequence parallel",
     "--loss-scale": "no fp16 loss-scaling settings in jaxpar; bf16 trains without a loss scale",
-    "--squared-relu": "jaxpar MLPs are SwiGLU or GeLU", "--qk-layernorm": "no QK layer norm in jaxpar",
+    "--squared-relu": "jaxpar MLPs are SwiGLU or GeLU",
+    "--qk-layernorm": "no QK layer norm in jaxpar",
     "--add-qkv-bias": "jaxpar linear layers have no bias",
-    **dict.fromkeys(("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"),
-                    "no fp16 loss-scaling settings in jaxpar"),
-    **dict.fromkeys(("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-param-gather",
-                     "--fp8-amax-compute-algo"), "no fp8 training in jaxpar"),
+    **dict.fromkeys(
+        ("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"),
+        "no fp16 loss-scaling settings in jaxpar",
+    ),
+    **dict.fromkeys(
+        (
+            "--fp8-format",
+            "--fp8-recipe",
+            "--fp8-margin",
+            "--fp8-amax-history-len",
+            "--fp8-param-gather",
+            "--fp8-amax-compute-algo",
+        ),
+        "no fp8 training in jaxpar",
+    ),
 }
 KNOWN = (*NOOP, *UNSUPPORTED)  # plus every flag the mapping code reads (_Args.known)
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
@@ -133,12 +228,18 @@ class _Args:
                 self.note(name, "mapped", "", "read with the flags it depends on")
             else:
                 self.reported.add(name)
-                self.report.unknown(name, show(" ".join(self.flags[name])) or True, [*KNOWN, *self.known],
-                                    "Megatron-LM")
+                self.report.unknown(
+                    name, show(" ".join(self.flags[name])) or True, [*KNOWN, *self.known], "Megatron-LM"
+                )
 
 
-def port_megatron(path_or_text: str | pathlib.Path, *, variables: dict[str, str] | None = None,
-                  world_size: int | None = None, allow_unresolved: bool = False) -> tuple[ConfigDict, Report]:
+def port_megatron(
+    path_or_text: str | pathlib.Path,
+    *,
+    variables: dict[str, str] | None = None,
+    world_size: int | None = None,
+    allow_unresolved: bool = False,
+) -> tuple[ConfigDict, Report]:
     """Port a Megatron recipe (path, or the text itself) to ``(config, report)``.
 
     ``variables`` set shell variables (they win over the script's assignments); ``world_size``
@@ -157,15 +258,18 @@ def port_megatron(path_or_text: str | pathlib.Path, *, variables: dict[str, str]
     _misc(a, values)
     _observability(a, values)
     if a.unresolved and not allow_unresolved:
-        names = ", ".join(f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
-                          for v, fs in a.unresolved.items())
+        names = ", ".join(
+            f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
+            for v, fs in a.unresolved.items()
+        )
         raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
     _layout(a, values, sizes, layers)
     a.finish()
     unused = [n for n in (variables or {}) if n not in shell.read and n not in SIZE_VARIABLES]
     if unused:
-        raise ConfigError(f"megatron: --var {unused[0]}: the recipe never uses ${unused[0]}; check the name "
-                          "(case matters) or drop it")
+        raise ConfigError(
+            f"megatron: --var {unused[0]}: the recipe never uses ${unused[0]}; check the name (case matters) or drop it"
+        )
     return build_config(values, report), report
 
 
@@ -187,8 +291,10 @@ def _flags(text: str, shell: Shell, report: Report) -> list[tuple[str, list[str]
     """Run the assignments and return the flags, reporting repaired lines and stray words."""
     flags, stray, repaired = launch_flags(text, shell)
     if not flags and not stray:
-        raise ConfigError("megatron: no '# flags' section and no pretrain_*.py command found; pass a .args recipe "
-                          "(assignments, a '# flags' line, one flag per line) or the launch script")
+        raise ConfigError(
+            "megatron: no '# flags' section and no pretrain_*.py command found; pass a .args recipe "
+            "(assignments, a '# flags' line, one flag per line) or the launch script"
+        )
     for number, line in repaired:
         report.approximated(f"(line {number})", line, "", "unbalanced quote removed")
     for word in stray:
@@ -198,17 +304,27 @@ def _flags(text: str, shell: Shell, report: Report) -> list[tuple[str, list[str]
 
 def _sizes(a: _Args, shell: Shell, world_size: int | None) -> dict[str, Any]:
     """Parallel sizes, batch sizes and the world size (None where unresolved)."""
-    s = {"tp": a.get("--tensor-model-parallel-size", int, 1), "pp": a.get("--pipeline-model-parallel-size", int, 1),
-         "cp": a.get("--context-parallel-size", int, 1), "mbs": a.get("--micro-batch-size", int, 1),
-         "gbs": a.get("--global-batch-size", int), "world": world_size, "how": "--world-size"}
+    s = {
+        "tp": a.get("--tensor-model-parallel-size", int, 1),
+        "pp": a.get("--pipeline-model-parallel-size", int, 1),
+        "cp": a.get("--context-parallel-size", int, 1),
+        "mbs": a.get("--micro-batch-size", int, 1),
+        "gbs": a.get("--global-batch-size", int),
+        "world": world_size,
+        "how": "--world-size",
+    }
     if s["world"] is None and "WORLD_SIZE" in shell.user:
         s["world"], s["how"] = int(shell.user["WORLD_SIZE"]), "--var WORLD_SIZE"
     explicit = s["world"] is not None  # then the launcher sizes are not needed
     nproc = a.get("--nproc_per_node", int, soft=explicit) or a.get("--nproc-per-node", int, soft=explicit)
     nnodes = a.get("--nnodes", str, "1", soft=explicit)
     for name in ("--nproc_per_node", "--nproc-per-node", "--nnodes"):
-        a.note(name, "mapped", "mesh.data", f"overridden by {s['how']}" if explicit else
-               "world size = --nproc_per_node * --nnodes")
+        a.note(
+            name,
+            "mapped",
+            "mesh.data",
+            f"overridden by {s['how']}" if explicit else "world size = --nproc_per_node * --nnodes",
+        )
     if s["world"] is None and nproc and nnodes:
         if not nnodes.rsplit(":", 1)[-1].isdigit():
             raise ConfigError(f"megatron: --nnodes {nnodes!r} is not a node count (N or MIN:MAX); fix the value")
@@ -232,16 +348,28 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
     if world is None:
         world, s["how"] = mp, "assumed (unresolved)"
     if world % mp:
-        raise ConfigError(f"megatron: world size {world} ({s['how']}) is not divisible by TP*PP*CP = {tp}*{pp}*{cp} "
-                          f"= {mp}; pass --var for the node count or --world-size with a multiple of {mp}")
+        raise ConfigError(
+            f"megatron: world size {world} ({s['how']}) is not divisible by TP*PP*CP = {tp}*{pp}*{cp} "
+            f"= {mp}; pass --var for the node count or --world-size with a multiple of {mp}"
+        )
     dp = world // mp
     gbs = gbs or mbs * dp
     if gbs % (mbs * dp):
-        raise ConfigError(f"megatron: --global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} * DP "
-                          f"{dp}; use a multiple of {mbs * dp}")
+        raise ConfigError(
+            f"megatron: --global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} * DP "
+            f"{dp}; use a multiple of {mbs * dp}"
+        )
     data, micro = dp, gbs // (mbs * dp)
-    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.context": cp,
-                   "train.global_batch": gbs, "train.microbatches": micro})
+    values.update(
+        {
+            "mesh.data": data,
+            "mesh.tensor": tp,
+            "mesh.pipeline": pp,
+            "mesh.context": cp,
+            "train.global_batch": gbs,
+            "train.microbatches": micro,
+        }
+    )
     a.note("--tensor-model-parallel-size", "mapped", "mesh.tensor")
     a.note("--micro-batch-size", "mapped", "train.microbatches", f"microbatches = GBS / (MBS * DP) = {micro}")
     a.note("--global-batch-size", "mapped", "train.global_batch", f"DP = {world} / (TP*PP*CP) = {dp}")
@@ -250,8 +378,10 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
     per_stage = a.get("--num-layers-per-virtual-pipeline-stage", int)
     if per_stage:
         if layers % (pp * per_stage):
-            raise ConfigError(f"megatron: --num-layers {layers} is not divisible by --pipeline-model-parallel-size "
-                              f"{pp} * --num-layers-per-virtual-pipeline-stage {per_stage}; fix one of them")
+            raise ConfigError(
+                f"megatron: --num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} * --num-layers-per-virtual-pipeline-stage {per_stage}; fix one of them"
+            )
         virtual = layers // (pp * per_stage)
     if virtual > 1:
         values.update({"pipeline.virtual_stages": virtual, "pipeline.schedule": "interleaved"})
@@ -259,26 +389,50 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         values["pipeline.schedule"] = "1f1b"
     for name in ("--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size"):
         a.note(name, "mapped", "pipeline.virtual_stages, pipeline.schedule", f"{virtual} virtual stages, interleaved")
-    a.note("--pipeline-model-parallel-size", "mapped", "mesh.pipeline, pipeline.schedule",
-           "Megatron's 1F1B" if pp > 1 and virtual == 1 else "")
+    a.note(
+        "--pipeline-model-parallel-size",
+        "mapped",
+        "mesh.pipeline, pipeline.schedule",
+        "Megatron's 1F1B" if pp > 1 and virtual == 1 else "",
+    )
     sp = a.get("--sequence-parallel", bool, False) and tp > 1
     values["parallel.sequence_parallel"] = sp
-    a.note("--sequence-parallel", "mapped" if sp else "approximated", "parallel.sequence_parallel",
-           "" if sp else "off: Megatron disables sequence parallelism when TP = 1")
+    a.note(
+        "--sequence-parallel",
+        "mapped" if sp else "approximated",
+        "parallel.sequence_parallel",
+        "" if sp else "off: Megatron disables sequence parallelism when TP = 1",
+    )
     deepspeed = a.get("--deepspeed", bool, False)
     stage = 1 if a.get("--use-distributed-optimizer", bool, False) else 0
     stage = max(stage, a.get("--zero-stage", int, 0) or 0) if deepspeed else stage
     values["parallel.zero_stage"] = stage
     a.note("--use-distributed-optimizer", "mapped", "parallel.zero_stage", "distributed optimizer = ZeRO-1")
-    a.note("--zero-stage", "mapped" if deepspeed else "approximated", "parallel.zero_stage",
-           "" if deepspeed else "ignored without --deepspeed")
+    a.note(
+        "--zero-stage",
+        "mapped" if deepspeed else "approximated",
+        "parallel.zero_stage",
+        "" if deepspeed else "ignored without --deepspeed",
+    )
     a.note("--deepspeed", "approximated", "", "Megatron-DeepSpeed: the DeepSpeed JSON decides ZeRO and precision too")
-    a.note("--deepspeed_config", "approximated", "", "port that JSON too: jaxpar port deepspeed FILE --world-size "
-           f"{world} --tensor {tp} --pipeline {pp}, and compare")
-    for name, note in (("--rampup-batch-size", "constant global batch from step 0; Megatron ramps it up, so its "
-                        "sample-counted schedule and iteration count differ during the ramp"),
-                       ("--step-batch-size-schedule", "constant global batch (the --global-batch-size value); "
-                        "Megatron steps the batch up at token thresholds")):
+    a.note(
+        "--deepspeed_config",
+        "approximated",
+        "",
+        "port that JSON too: jaxpar port deepspeed FILE --world-size "
+        f"{world} --tensor {tp} --pipeline {pp}, and compare",
+    )
+    for name, note in (
+        (
+            "--rampup-batch-size",
+            "constant global batch from step 0; Megatron ramps it up, so its "
+            "sample-counted schedule and iteration count differ during the ramp",
+        ),
+        (
+            "--step-batch-size-schedule",
+            "constant global batch (the --global-batch-size value); Megatron steps the batch up at token thresholds",
+        ),
+    ):
         a.note(name, "approximated", "train.global_batch", note)
 
 
@@ -294,10 +448,18 @@ def _context(a: _Args, values: dict[str, Any], cp: int) -> None:
     when every layer uses the same one."""
     seq = values.get("train.seq_len", 0)
     if cp > 1 and seq and seq % (2 * cp):
-        raise ConfigError(f"megatron: --seq-length {seq} is not divisible by 2 * --context-parallel-size {cp} = "
-                          f"{2 * cp} (each CP rank holds two chunks of the sequence); use a multiple of {2 * cp}")
-    a.note("--context-parallel-size", "mapped", "mesh.context, model.attention", "" if cp == 1 else
-           f"the sequence split over {cp} context ranks, {2 * cp} load-balanced chunks; blockwise attention")
+        raise ConfigError(
+            f"megatron: --seq-length {seq} is not divisible by 2 * --context-parallel-size {cp} = "
+            f"{2 * cp} (each CP rank holds two chunks of the sequence); use a multiple of {2 * cp}"
+        )
+    a.note(
+        "--context-parallel-size",
+        "mapped",
+        "mesh.context, model.attention",
+        ""
+        if cp == 1
+        else f"the sequence split over {cp} context ranks, {2 * cp} load-balanced chunks; blockwise attention",
+    )
     kinds = str(a.get("--cp-comm-type", str, "p2p")).split()
     exchange = CP_COMM_TYPES.get(kinds[0], "ring") if len(set(kinds)) == 1 else "ring"
     in_pipeline = values.get("mesh.pipeline", 1) > 1 and exchange == "ring"
@@ -309,18 +471,26 @@ def _context(a: _Args, values: dict[str, Any], cp: int) -> None:
     if cp == 1:
         note = "no effect without --context-parallel-size > 1"
     elif in_pipeline:
-        note = (f"{' '.join(kinds)}: jaxpar runs the ring only outside pipeline stages; with "
-                "--pipeline-model-parallel-size > 1 keys and values are all-gathered instead (the same attention)")
+        note = (
+            f"{' '.join(kinds)}: jaxpar runs the ring only outside pipeline stages; with "
+            "--pipeline-model-parallel-size > 1 keys and values are all-gathered instead (the same attention)"
+        )
     elif exact:
         note = "ring: keys and values passed rank to rank" if exchange == "ring" else "keys and values all-gathered"
     else:
-        note = (f"{' '.join(kinds)}: jaxpar has no all-to-all (Ulysses) or hierarchical or per-layer exchange; the "
-                "ring (p2p) runs instead: the same attention, different messages")
+        note = (
+            f"{' '.join(kinds)}: jaxpar has no all-to-all (Ulysses) or hierarchical or per-layer exchange; the "
+            "ring (p2p) runs instead: the same attention, different messages"
+        )
     a.note("--cp-comm-type", "mapped" if exact and cp > 1 else "approximated", "parallel.context_exchange", note)
     if in_pipeline and "--cp-comm-type" not in a.flags:  # the default changed: say so
         a.report.add("--cp-comm-type (default)", "p2p", "approximated", "parallel.context_exchange", note)
-    a.note("--hierarchical-context-parallel-sizes", "approximated", "parallel.context_exchange",
-           "one flat ring over all context ranks")
+    a.note(
+        "--hierarchical-context-parallel-sizes",
+        "approximated",
+        "parallel.context_exchange",
+        "one flat ring over all context ranks",
+    )
 
 
 def _model(a: _Args, values: dict[str, Any]) -> int:
@@ -333,50 +503,89 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
                 raise ConfigError(f"megatron: {name} is missing; Megatron needs it (add the flag)")
         return 0
     if not a.has("--kv-channels") and hidden % heads:
-        raise ConfigError(f"megatron: --hidden-size {hidden} is not divisible by --num-attention-heads {heads}; "
-                          "give --kv-channels")
+        raise ConfigError(
+            f"megatron: --hidden-size {hidden} is not divisible by --num-attention-heads {heads}; give --kv-channels"
+        )
     gqa = a.get("--group-query-attention", bool, False)
     kv = a.get("--num-query-groups", int, 1) if gqa else a.get("--num-key-value-heads", int, heads)
     swiglu = a.get("--swiglu", bool, False)
     ffn = a.get("--ffn-hidden-size", int) or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
     norm = str(a.get("--normalization", str, "LayerNorm")).lower()
     maxpos = a.get("--max-position-embeddings", int, seq)
-    position = a.get("--position-embedding-type", str, "rope" if a.has("--use-rotary-position-embeddings")
-                     else "learned_absolute")
-    values.update({
-        "model.num_layers": layers, "model.embed_dim": hidden, "model.num_heads": heads, "model.num_kv_heads": kv,
-        "model.head_dim": a.get("--kv-channels", int, hidden // heads), "model.mlp_dim": ffn,
-        "model.mlp_activation": "swiglu" if swiglu else "gelu", "model.norm": "rmsnorm" if norm == "rmsnorm" else
-        "layernorm", "model.norm_eps": a.get("--norm-epsilon", float) or a.get("--layernorm-epsilon", float, 1e-5),
-        "model.position": "learned" if position == "learned_absolute" else "rope",
-        # the classic GPT block is its own family (jaxpar.models.gpt); any other mix runs as llama
-        "model.name": "gpt" if (not swiglu and norm != "rmsnorm" and position == "learned_absolute") else "llama",
-        "model.rope_theta": a.get("--rotary-base", float, 10000.0), "model.max_seq_len": max(maxpos, seq),
-        "model.tie_embeddings": not a.get("--untie-embeddings-and-output-weights", bool, False),
-        "model.init_std": a.get("--init-method-std", float, 0.02), "train.seq_len": seq})
-    for name, target in (("--num-layers", "model.num_layers"), ("--hidden-size", "model.embed_dim"),
-                         ("--num-attention-heads", "model.num_heads"), ("--kv-channels", "model.head_dim"),
-                         ("--num-query-groups", "model.num_kv_heads"), ("--num-key-value-heads", "model.num_kv_heads"),
-                         ("--group-query-attention", "model.num_kv_heads"), ("--swiglu", "model.mlp_activation"),
-                         ("--norm-epsilon", "model.norm_eps"), ("--layernorm-epsilon", "model.norm_eps"),
-                         ("--rotary-base", "model.rope_theta"), ("--seq-length", "train.seq_len"),
-                         ("--max-position-embeddings", "model.max_seq_len"), ("--init-method-std", "model.init_std"),
-                         ("--untie-embeddings-and-output-weights", "model.tie_embeddings"),
-                         ("--use-rotary-position-embeddings", "model.position")):
+    position = a.get(
+        "--position-embedding-type", str, "rope" if a.has("--use-rotary-position-embeddings") else "learned_absolute"
+    )
+    values.update(
+        {
+            "model.num_layers": layers,
+            "model.embed_dim": hidden,
+            "model.num_heads": heads,
+            "model.num_kv_heads": kv,
+            "model.head_dim": a.get("--kv-channels", int, hidden // heads),
+            "model.mlp_dim": ffn,
+            "model.mlp_activation": "swiglu" if swiglu else "gelu",
+            "model.norm": "rmsnorm" if norm == "rmsnorm" else "layernorm",
+            "model.norm_eps": a.get("--norm-epsilon", float) or a.get("--layernorm-epsilon", float, 1e-5),
+            "model.position": "learned" if position == "learned_absolute" else "rope",
+            # the classic GPT block is its own family (jaxpar.models.gpt); any other mix runs as llama
+            "model.name": "gpt" if (not swiglu and norm != "rmsnorm" and position == "learned_absolute") else "llama",
+            "model.rope_theta": a.get("--rotary-base", float, 10000.0),
+            "model.max_seq_len": max(maxpos, seq),
+            "model.tie_embeddings": not a.get("--untie-embeddings-and-output-weights", bool, False),
+            "model.init_std": a.get("--init-method-std", float, 0.02),
+            "train.seq_len": seq,
+        }
+    )
+    for name, target in (
+        ("--num-layers", "model.num_layers"),
+        ("--hidden-size", "model.embed_dim"),
+        ("--num-attention-heads", "model.num_heads"),
+        ("--kv-channels", "model.head_dim"),
+        ("--num-query-groups", "model.num_kv_heads"),
+        ("--num-key-value-heads", "model.num_kv_heads"),
+        ("--group-query-attention", "model.num_kv_heads"),
+        ("--swiglu", "model.mlp_activation"),
+        ("--norm-epsilon", "model.norm_eps"),
+        ("--layernorm-epsilon", "model.norm_eps"),
+        ("--rotary-base", "model.rope_theta"),
+        ("--seq-length", "train.seq_len"),
+        ("--max-position-embeddings", "model.max_seq_len"),
+        ("--init-method-std", "model.init_std"),
+        ("--untie-embeddings-and-output-weights", "model.tie_embeddings"),
+        ("--use-rotary-position-embeddings", "model.position"),
+    ):
         ok = not (name == "--num-query-groups" and not gqa)
-        a.note(name, "mapped" if ok else "approximated", target, "" if ok else "ignored without --group-query-attention")
+        a.note(
+            name, "mapped" if ok else "approximated", target, "" if ok else "ignored without --group-query-attention"
+        )
     a.note("--ffn-hidden-size", "mapped", "model.mlp_dim")
     if not a.has("--ffn-hidden-size"):
-        a.report.mapped("--ffn-hidden-size (default)", ffn, "model.mlp_dim",
-                        "SwiGLU default int(4h*2/3/64)*64" if swiglu else "4 * hidden")
-    a.note("--normalization", "mapped" if norm in ("rmsnorm", "layernorm") else "unsupported", "model.norm",
-           "" if norm in ("rmsnorm", "layernorm") else "jaxpar has RMSNorm and LayerNorm; LayerNorm kept")
+        a.report.mapped(
+            "--ffn-hidden-size (default)",
+            ffn,
+            "model.mlp_dim",
+            "SwiGLU default int(4h*2/3/64)*64" if swiglu else "4 * hidden",
+        )
+    a.note(
+        "--normalization",
+        "mapped" if norm in ("rmsnorm", "layernorm") else "unsupported",
+        "model.norm",
+        "" if norm in ("rmsnorm", "layernorm") else "jaxpar has RMSNorm and LayerNorm; LayerNorm kept",
+    )
     ok = position in ("rope", "learned_absolute")
-    a.note("--position-embedding-type", "mapped" if ok else "unsupported", "model.position",
-           "" if ok else f"no {position} positions in jaxpar; RoPE (relative, like {position}) used instead")
+    a.note(
+        "--position-embedding-type",
+        "mapped" if ok else "unsupported",
+        "model.position",
+        "" if ok else f"no {position} positions in jaxpar; RoPE (relative, like {position}) used instead",
+    )
     percent = a.get("--rotary-percent", float, 1.0)
-    a.note("--rotary-percent", "mapped" if percent == 1.0 else "unsupported", "", "" if percent == 1.0 else
-           "jaxpar rotates the full head dimension")
+    a.note(
+        "--rotary-percent",
+        "mapped" if percent == 1.0 else "unsupported",
+        "",
+        "" if percent == 1.0 else "jaxpar rotates the full head dimension",
+    )
     # Megatron's dropout (default 0.1 each): --hidden-dropout on the embedding output and before each
     # residual add, --attention-dropout on the softmax probabilities: jaxpar's placement (jaxpar.models.dropout)
     for name, target in (("--attention-dropout", "model.attention_dropout"), ("--hidden-dropout", "model.dropout")):
@@ -408,8 +617,13 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
         size = TOKENIZER_VOCAB.get(tokenizer or "GPT2BPETokenizer")
     if size is None:
         a.note("--tokenizer-type", "approximated", "model.vocab_size", "vocabulary size unknown from the recipe")
-        a.report.approximated("(vocabulary)", None, "model.vocab_size", "the recipe does not fix the vocabulary size: "
-                              "model.vocab_size left at the jaxpar default; set it with --set model.vocab_size=N")
+        a.report.approximated(
+            "(vocabulary)",
+            None,
+            "model.vocab_size",
+            "the recipe does not fix the vocabulary size: "
+            "model.vocab_size left at the jaxpar default; set it with --set model.vocab_size=N",
+        )
         return
     padded = -(-size // multiple) * multiple
     values["model.vocab_size"] = padded
@@ -421,20 +635,38 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
         a.report.approximated("(vocabulary)", size, "model.vocab_size", f"GPT-2 BPE (--vocab-file/--merge-file): {how}")
 
 
-def schedule_fields(lr: float, min_lr: float, style: str, warmup: float, decay: float, warmup_init: float = 0.0,
-                    wsd_decay: float | None = None, wsd_style: str = "linear") -> dict[str, Any]:
+def schedule_fields(
+    lr: float,
+    min_lr: float,
+    style: str,
+    warmup: float,
+    decay: float,
+    warmup_init: float = 0.0,
+    wsd_decay: float | None = None,
+    wsd_style: str = "linear",
+) -> dict[str, Any]:
     """optim fields reproducing Megatron's OptimizerParamScheduler; steps in iterations (may be fractional)."""
     shapes = {"constant": "constant", "linear": "linear", "cosine": "cosine", "inverse-square-root": "inverse_sqrt"}
     wsd = {"linear": "linear", "cosine": "cosine", "minus_sqrt": "sqrt"}
     if style not in shapes and not (style == "WSD" and wsd_style in wsd and wsd_decay is not None):
-        raise ConfigError(f"megatron: --lr-decay-style {style} (wsd style {wsd_style}) has no jaxpar counterpart; "
-                          f"use one of {', '.join(shapes)} or WSD with linear/cosine/minus_sqrt")
+        raise ConfigError(
+            f"megatron: --lr-decay-style {style} (wsd style {wsd_style}) has no jaxpar counterpart; "
+            f"use one of {', '.join(shapes)} or WSD with linear/cosine/minus_sqrt"
+        )
     if not 0 <= min_lr <= lr:
         raise ConfigError(f"megatron: --min-lr {min_lr} must lie in [0, --lr {lr}]")
     as_int = lambda x: int(x) if float(x).is_integer() else float(x)  # noqa: E731
-    fields = {"lr": lr, "min_lr_ratio": min_lr / lr, "warmup_init_lr": warmup_init, "warmup_type": "linear",
-              "warmup_steps": as_int(warmup), "decay_steps": as_int(decay), "decay_start_step": -1,
-              "schedule_offset": 0, "schedule": shapes.get(style) or wsd[wsd_style]}
+    fields = {
+        "lr": lr,
+        "min_lr_ratio": min_lr / lr,
+        "warmup_init_lr": warmup_init,
+        "warmup_type": "linear",
+        "warmup_steps": as_int(warmup),
+        "decay_steps": as_int(decay),
+        "decay_start_step": -1,
+        "schedule_offset": 0,
+        "schedule": shapes.get(style) or wsd[wsd_style],
+    }
     if style == "WSD":
         fields["decay_start_step"] = as_int(decay - wsd_decay)
     return fields
@@ -443,14 +675,24 @@ def schedule_fields(lr: float, min_lr: float, style: str, warmup: float, decay: 
 def _optim(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> None:
     optimizer = a.get("--optimizer", str, "adam")
     if optimizer != "adam":
-        a.note("--optimizer", "unsupported", "optim.name",
-               f"this port maps Adam only ({optimizer} requested); pick optim.name by hand")
+        a.note(
+            "--optimizer",
+            "unsupported",
+            "optim.name",
+            f"this port maps Adam only ({optimizer} requested); pick optim.name by hand",
+        )
     a.note("--optimizer", "mapped", "optim.name", "Megatron's adam is AdamW (decoupled weight decay)")
-    for name, key, default in (("--adam-beta1", "optim.b1", 0.9), ("--adam-beta2", "optim.b2", 0.999),
-                               ("--adam-eps", "optim.eps", 1e-8), ("--weight-decay", "optim.weight_decay", 0.01),
-                               ("--clip-grad", "optim.clip_norm", 1.0)):
+    for name, key, default in (
+        ("--adam-beta1", "optim.b1", 0.9),
+        ("--adam-beta2", "optim.b2", 0.999),
+        ("--adam-eps", "optim.eps", 1e-8),
+        ("--weight-decay", "optim.weight_decay", 0.01),
+        ("--clip-grad", "optim.clip_norm", 1.0),
+    ):
         values[key] = a.get(name, float, default)
-        a.note(name, "mapped", key, "biases and 1-D parameters skip weight decay in both" if key.endswith("decay") else "")
+        a.note(
+            name, "mapped", key, "biases and 1-D parameters skip weight decay in both" if key.endswith("decay") else ""
+        )
         if not a.has(name):
             a.report.mapped(f"{name} (default)", default, key, "Megatron default")
     if a.get("--start-weight-decay", float) != a.get("--end-weight-decay", float):
@@ -466,29 +708,54 @@ def _optim(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> None:
     unit = 1 if iters else gbs  # the schedule counts samples: num_steps grows by GBS per update
     decay = a.get("--lr-decay-iters" if iters else "--lr-decay-samples", int) or (iters or samples)
     fraction = a.get("--lr-warmup-fraction", float)
-    warmup = fraction * decay if fraction is not None else a.get("--lr-warmup-iters" if iters else
-                                                                 "--lr-warmup-samples", int, 0)
+    warmup = (
+        fraction * decay
+        if fraction is not None
+        else a.get("--lr-warmup-iters" if iters else "--lr-warmup-samples", int, 0)
+    )
     wsd = a.get("--lr-wsd-decay-iters" if iters else "--lr-wsd-decay-samples", int)
-    fields = schedule_fields(lr, a.get("--min-lr", float, 0.0), a.get("--lr-decay-style", str, "linear"),
-                             warmup / unit, decay / unit, a.get("--lr-warmup-init", float, 0.0),
-                             None if wsd is None else wsd / unit, a.get("--lr-wsd-decay-style", str, "linear"))
+    fields = schedule_fields(
+        lr,
+        a.get("--min-lr", float, 0.0),
+        a.get("--lr-decay-style", str, "linear"),
+        warmup / unit,
+        decay / unit,
+        a.get("--lr-warmup-init", float, 0.0),
+        None if wsd is None else wsd / unit,
+        a.get("--lr-wsd-decay-style", str, "linear"),
+    )
     notes = apply_schedule_fields(fields, values)
     values["train.steps"] = iters or samples // gbs
     if fields["schedule"] == "inverse_sqrt" and warmup < unit:
-        notes.append("inverse-square-root with warmup under one iteration: Megatron's samples-based arithmetic "
-                     "makes the first steps lr/sqrt(GBS*k)")
+        notes.append(
+            "inverse-square-root with warmup under one iteration: Megatron's samples-based arithmetic "
+            "makes the first steps lr/sqrt(GBS*k)"
+        )
     status = "approximated" if notes else "mapped"
-    a.note("--lr-decay-style", status, "optim.schedule", "; ".join(notes) or "exact; update k runs at num_steps = k*GBS")
+    a.note(
+        "--lr-decay-style", status, "optim.schedule", "; ".join(notes) or "exact; update k runs at num_steps = k*GBS"
+    )
     if not a.has("--lr-decay-style"):
         a.report.add("--lr-decay-style (default)", "linear", status, "optim.schedule", "Megatron default")
-    targets = {"--lr": "optim.lr", "--min-lr": "optim.min_lr_ratio", "--lr-warmup-init": "optim.warmup_init_lr",
-               "--lr-warmup-iters": "optim.warmup_steps", "--lr-warmup-fraction": "optim.warmup_steps",
-               "--lr-warmup-samples": "optim.warmup_steps", "--lr-decay-iters": "optim.decay_steps",
-               "--lr-decay-samples": "optim.decay_steps", "--lr-wsd-decay-iters": "optim.decay_start_step",
-               "--lr-wsd-decay-samples": "optim.decay_start_step", "--lr-wsd-decay-style": "optim.schedule",
-               "--train-iters": "train.steps", "--train-samples": "train.steps"}
+    targets = {
+        "--lr": "optim.lr",
+        "--min-lr": "optim.min_lr_ratio",
+        "--lr-warmup-init": "optim.warmup_init_lr",
+        "--lr-warmup-iters": "optim.warmup_steps",
+        "--lr-warmup-fraction": "optim.warmup_steps",
+        "--lr-warmup-samples": "optim.warmup_steps",
+        "--lr-decay-iters": "optim.decay_steps",
+        "--lr-decay-samples": "optim.decay_steps",
+        "--lr-wsd-decay-iters": "optim.decay_start_step",
+        "--lr-wsd-decay-samples": "optim.decay_start_step",
+        "--lr-wsd-decay-style": "optim.schedule",
+        "--train-iters": "train.steps",
+        "--train-samples": "train.steps",
+    }
     for name, target in targets.items():
-        a.note(name, status if name != "--lr" else "mapped", target, "samples / global batch" if "sample" in name else "")
+        a.note(
+            name, status if name != "--lr" else "mapped", target, "samples / global batch" if "sample" in name else ""
+        )
 
 
 def _observability(a: _Args, values: dict[str, Any]) -> None:
@@ -505,10 +772,16 @@ def _observability(a: _Args, values: dict[str, Any]) -> None:
             values["train.profile_steps"] = f"{start + 1},{end}"
             a.note("--profile", "mapped", "train.profile_steps", f"a jax.profiler trace of steps {start + 1}-{end}")
         else:
-            a.note("--profile", "approximated", "", _NOOP + f"--profile-step-end {end} <= start {start}: Megatron "
-                   "traces nothing")
+            a.note(
+                "--profile",
+                "approximated",
+                "",
+                _NOOP + f"--profile-step-end {end} <= start {start}: Megatron traces nothing",
+            )
         for name in ("--profile-step-start", "--profile-step-end"):
-            a.note(name, "mapped", "train.profile_steps", "Megatron counts steps done from 0: jaxpar steps start+1..end")
+            a.note(
+                name, "mapped", "train.profile_steps", "Megatron counts steps done from 0: jaxpar steps start+1..end"
+            )
         a.note("--profile-ranks", "approximated", "train.profile_steps", "every jaxpar process traces its own devices")
     else:
         for name in ("--profile-step-start", "--profile-step-end", "--profile-ranks"):
@@ -522,7 +795,9 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
     for name in ("--bf16", "--fp16"):
         a.note(name, "mapped", "model.compute_dtype")
     if dtype == "float32":
-        a.report.mapped("(precision)", "fp32", "model.compute_dtype", "neither --bf16 nor --fp16: Megatron trains in fp32")
+        a.report.mapped(
+            "(precision)", "fp32", "model.compute_dtype", "neither --bf16 nor --fp16: Megatron trains in fp32"
+        )
     if a.get("--grad-reduce-in-bf16", bool, False):
         values["parallel.grad_reduce_dtype"] = "bfloat16"
     a.note("--grad-reduce-in-bf16", "mapped", "parallel.grad_reduce_dtype")
@@ -536,21 +811,32 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
         values["model.remat"] = granularity if granularity in ("full", "selective") else "full"
     for name in ("--recompute-granularity", "--recompute-activations", "--checkpoint-activations"):
         a.note(name, "mapped", "model.remat")
-    for name, note in (("--recompute-method", "jaxpar rematerializes every layer"),
-                       ("--recompute-num-layers", "jaxpar rematerializes every layer"),
-                       ("--deepspeed-activation-checkpointing", "DeepSpeed's implementation; same policy in jaxpar"),
-                       ("--pp-partition-method", "jaxpar splits layers evenly over pipeline stages"),
-                       ("--calculate-per-token-loss", "jaxpar averages the loss over the tokens of the global batch"),
-                       ("--load", "train.resume=auto resumes from train.workdir")):
+    for name, note in (
+        ("--recompute-method", "jaxpar rematerializes every layer"),
+        ("--recompute-num-layers", "jaxpar rematerializes every layer"),
+        ("--deepspeed-activation-checkpointing", "DeepSpeed's implementation; same policy in jaxpar"),
+        ("--pp-partition-method", "jaxpar splits layers evenly over pipeline stages"),
+        ("--calculate-per-token-loss", "jaxpar averages the loss over the tokens of the global batch"),
+        ("--load", "train.resume=auto resumes from train.workdir"),
+    ):
         a.note(name, "approximated", "train.resume" if name == "--load" else "", note)
-    for name, key, kind in (("--seed", "train.seed", int), ("--log-interval", "train.log_every", int),
-                            ("--eval-interval", "train.eval_every", int), ("--eval-iters", "train.eval_batches", int),
-                            ("--save-interval", "checkpoint.every", int), ("--save", "train.workdir", str)):
+    for name, key, kind in (
+        ("--seed", "train.seed", int),
+        ("--log-interval", "train.log_every", int),
+        ("--eval-interval", "train.eval_every", int),
+        ("--eval-iters", "train.eval_batches", int),
+        ("--save-interval", "checkpoint.every", int),
+        ("--save", "train.workdir", str),
+    ):
         value = a.get(name, kind, soft=True)
         if value is not None:
             values[key] = value
-        a.note(name, "mapped" if value is not None else "approximated", key, "" if value is not None else
-               "value unresolved: jaxpar default kept")
+        a.note(
+            name,
+            "mapped" if value is not None else "approximated",
+            key,
+            "" if value is not None else "value unresolved: jaxpar default kept",
+        )
     if values.get("train.eval_batches") == 0:  # Megatron: --eval-iters 0 evaluates at no interval
         values["train.eval_every"] = 0
     data = a.get("--data-path", str, soft=True)
@@ -561,8 +847,12 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
         parts = data.split()
         prefixes = parts[1::2] if len(parts) > 1 and len(parts) % 2 == 0 else parts
         values.update({"data.source": "megatron", "data.path": prefixes[0]})
-        a.note("--data-path", "mapped" if len(prefixes) == 1 else "approximated", "data.path",
-               "" if len(prefixes) == 1 else f"first of {len(prefixes)} blended prefixes")
+        a.note(
+            "--data-path",
+            "mapped" if len(prefixes) == 1 else "approximated",
+            "data.path",
+            "" if len(prefixes) == 1 else f"first of {len(prefixes)} blended prefixes",
+        )
     a.note("--data-path", "approximated", "data.path", "value unresolved: data left at the jaxpar default")
     split = [float(x) for x in str(a.get("--split", str, "969,30,1")).replace("/", ",").split(",") if x.strip()]
     if a.has("--split") and len(split) >= 2 and 0 < sum(split[1:]) < sum(split):

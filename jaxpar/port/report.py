@@ -45,8 +45,13 @@ class Entry:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "value": _jsonable(self.value), "status": self.status,
-                "target": self.target, "note": self.note}
+        return {
+            "source": self.source,
+            "value": _jsonable(self.value),
+            "status": self.status,
+            "target": self.target,
+            "note": self.note,
+        }
 
 
 @dataclasses.dataclass
@@ -96,8 +101,13 @@ class Report:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "source": self.source_path, "counts": self.counts(),
-                "problems": list(self.problems), "entries": [e.to_dict() for e in self.entries]}
+        return {
+            "kind": self.kind,
+            "source": self.source_path,
+            "counts": self.counts(),
+            "problems": list(self.problems),
+            "entries": [e.to_dict() for e in self.entries],
+        }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -210,11 +220,15 @@ def apply_schedule_fields(fields: dict[str, Any], values: dict[str, Any]) -> lis
         if kind is None:
             default = OPTIONAL_FIELDS.get(key)
             if key == "decay_start_step" and value not in (default, warmup):
-                notes.append(f"needs {full}={value:g} (not in this jaxpar's config schema): the decay starts at "
-                             f"step {warmup:g} instead")
+                notes.append(
+                    f"needs {full}={value:g} (not in this jaxpar's config schema): the decay starts at "
+                    f"step {warmup:g} instead"
+                )
             elif key == "schedule_offset" and value != default:
-                notes.append(f"needs {full}={value} (not in this jaxpar's config schema): jaxpar's update k uses "
-                             f"the lr the source uses at update k+{value}")
+                notes.append(
+                    f"needs {full}={value} (not in this jaxpar's config schema): jaxpar's update k uses "
+                    f"the lr the source uses at update k+{value}"
+                )
             continue
         if kind is int and isinstance(value, float):
             rounded = int(round(value))

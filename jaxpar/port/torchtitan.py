@@ -18,43 +18,110 @@ from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.port.report import Report, apply_schedule_fields, build_config
 
 # flavor -> (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of, rope_theta); vocab from the tokenizer
-LLAMA3_FLAVORS = {"8B": (4096, 32, 32, 8, 1.3, 1024, 500000.0), "70B": (8192, 80, 64, 8, 1.3, 4096, 500000.0),
-                  "405B": (16384, 126, 128, 8, 1.2, 4096, 500000.0)}
+LLAMA3_FLAVORS = {
+    "8B": (4096, 32, 32, 8, 1.3, 1024, 500000.0),
+    "70B": (8192, 80, 64, 8, 1.3, 4096, 500000.0),
+    "405B": (16384, 126, 128, 8, 1.2, 4096, 500000.0),
+}
 LLAMA3_VOCAB = 128256
 _NOOP = "no-op in jaxpar: "
 _LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
-_TB = ("jaxpar always writes TensorBoard event files into train.workdir, every step (loss, grad norm, lr, step time, "
-       "tokens/s, MFU, validation)")
-PROFILING_KEYS = ("enable_profiling", "save_traces_folder", "profile_freq", "enable_memory_snapshot",
-                  "save_memory_snapshot_folder")
-NOOP_SECTIONS = {"comm": _NOOP + "XLA manages collectives and their timeouts",
-                 "memory_estimation": _NOOP + "use `jaxpar plan` for memory estimates",
-                 "compile": _NOOP + "XLA always compiles the whole step"}
-UNSUPPORTED_SECTIONS = {"fault_tolerance": "no fault-tolerant replica groups in jaxpar",
-                        "experimental": "experimental torchtitan features have no jaxpar counterpart"}
+_TB = (
+    "jaxpar always writes TensorBoard event files into train.workdir, every step (loss, grad norm, lr, step time, "
+    "tokens/s, MFU, validation)"
+)
+PROFILING_KEYS = (
+    "enable_profiling",
+    "save_traces_folder",
+    "profile_freq",
+    "enable_memory_snapshot",
+    "save_memory_snapshot_folder",
+)
+NOOP_SECTIONS = {
+    "comm": _NOOP + "XLA manages collectives and their timeouts",
+    "memory_estimation": _NOOP + "use `jaxpar plan` for memory estimates",
+    "compile": _NOOP + "XLA always compiles the whole step",
+}
+UNSUPPORTED_SECTIONS = {
+    "fault_tolerance": "no fault-tolerant replica groups in jaxpar",
+    "experimental": "experimental torchtitan features have no jaxpar counterpart",
+}
 KNOWN = {
     "job": ("config_file", "dump_folder", "description", "print_args", "print_config", "custom_config_module"),
-    "metrics": ("log_freq", "enable_tensorboard", "disable_color_printing", "save_tb_folder", "save_for_all_ranks",
-                "enable_wandb"),
+    "metrics": (
+        "log_freq",
+        "enable_tensorboard",
+        "disable_color_printing",
+        "save_tb_folder",
+        "save_for_all_ranks",
+        "enable_wandb",
+    ),
     "model": ("name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion"),
     "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "early_step_in_backward"),
     "lr_scheduler": ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min"),
-    "training": ("dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps",
-                 "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce", "gc_freq", "gc_debug",
-                 "seed", "deterministic", "batch_size"),
-    "parallelism": ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
-                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
-                    "pipeline_parallel_degree", "pipeline_parallel_split_points", "pipeline_parallel_schedule",
-                    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
-                    "pipeline_parallel_layers_per_stage", "module_fqns_per_model_part", "context_parallel_degree",
-                    "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree",
-                    "enable_compiled_autograd"),
-    "checkpoint": ("enable", "enable_checkpoint", "folder", "interval", "last_save_model_only", "export_dtype",
-                   "async_mode", "keep_latest_k", "load_step", "exclude_from_loading", "initial_load_path",
-                   "initial_load_model_only", "initial_load_in_hf", "last_save_in_hf", "create_seed_checkpoint",
-                   "enable_first_step_checkpoint"),
-    "activation_checkpoint": ("mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
-                              "early_stop", "memory_budget", "visualize_memory_budget_pareto"),
+    "training": (
+        "dataset",
+        "dataset_path",
+        "local_batch_size",
+        "global_batch_size",
+        "seq_len",
+        "max_norm",
+        "steps",
+        "enable_cpu_offload",
+        "mixed_precision_param",
+        "mixed_precision_reduce",
+        "gc_freq",
+        "gc_debug",
+        "seed",
+        "deterministic",
+        "batch_size",
+    ),
+    "parallelism": (
+        "data_parallel_replicate_degree",
+        "data_parallel_shard_degree",
+        "fsdp_reshard_after_forward",
+        "tensor_parallel_degree",
+        "disable_loss_parallel",
+        "enable_async_tensor_parallel",
+        "pipeline_parallel_degree",
+        "pipeline_parallel_split_points",
+        "pipeline_parallel_schedule",
+        "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_microbatch_size",
+        "pipeline_parallel_layers_per_stage",
+        "module_fqns_per_model_part",
+        "context_parallel_degree",
+        "context_parallel_rotate_method",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+        "enable_compiled_autograd",
+    ),
+    "checkpoint": (
+        "enable",
+        "enable_checkpoint",
+        "folder",
+        "interval",
+        "last_save_model_only",
+        "export_dtype",
+        "async_mode",
+        "keep_latest_k",
+        "load_step",
+        "exclude_from_loading",
+        "initial_load_path",
+        "initial_load_model_only",
+        "initial_load_in_hf",
+        "last_save_in_hf",
+        "create_seed_checkpoint",
+        "enable_first_step_checkpoint",
+    ),
+    "activation_checkpoint": (
+        "mode",
+        "selective_ac_option",
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop",
+        "memory_budget",
+        "visualize_memory_budget_pareto",
+    ),
     "validation": ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps"),
 }
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
@@ -68,19 +135,34 @@ def ffn_dim(dim: int, multiplier: float | None, multiple_of: int) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def schedule_fields(lr: float, warmup: int, steps: int, decay_ratio: float | None = None,
-                    decay_type: str = "linear", min_lr_factor: float = 0.0) -> dict[str, Any]:
+def schedule_fields(
+    lr: float,
+    warmup: int,
+    steps: int,
+    decay_ratio: float | None = None,
+    decay_type: str = "linear",
+    min_lr_factor: float = 0.0,
+) -> dict[str, Any]:
     """optim fields reproducing torchtitan's linear_warmup_stable_decay (current, min_lr_factor version)."""
     warmup = min(int(warmup), steps)
     decay = round(steps * decay_ratio) if decay_ratio is not None else steps - warmup
     decay = min(decay, steps - warmup)
-    return {"lr": lr, "warmup_steps": max(warmup - 1, 0), "warmup_init_lr": lr / warmup if warmup else 0.0,
-            "warmup_type": "linear", "schedule": decay_type, "min_lr_ratio": float(min_lr_factor),
-            "decay_start_step": steps - decay, "decay_steps": steps, "schedule_offset": 0}
+    return {
+        "lr": lr,
+        "warmup_steps": max(warmup - 1, 0),
+        "warmup_init_lr": lr / warmup if warmup else 0.0,
+        "warmup_type": "linear",
+        "schedule": decay_type,
+        "min_lr_ratio": float(min_lr_factor),
+        "decay_start_step": steps - decay,
+        "decay_steps": steps,
+        "schedule_offset": 0,
+    }
 
 
-def port_torchtitan(path: str | pathlib.Path, *, world_size: int | None = None,
-                    allow_unresolved: bool = False) -> tuple[ConfigDict, Report]:
+def port_torchtitan(
+    path: str | pathlib.Path, *, world_size: int | None = None, allow_unresolved: bool = False
+) -> tuple[ConfigDict, Report]:
     """Port a torchtitan ``.toml`` job config; ``world_size`` resolves ``data_parallel_shard_degree = -1``."""
     path = pathlib.Path(path)
     if not path.is_file():
@@ -94,8 +176,10 @@ def port_torchtitan(path: str | pathlib.Path, *, world_size: int | None = None,
     sec = {name: raw.get(name, {}) for name in KNOWN}
     for name, table in sec.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"torchtitan: [{name}] is a {type(table).__name__}, not a table; write it as [{name}] "
-                              "with key = value lines")
+            raise ConfigError(
+                f"torchtitan: [{name}] is a {type(table).__name__}, not a table; write it as [{name}] "
+                "with key = value lines"
+            )
     _parallel(sec["parallelism"], sec["training"], world_size, allow_unresolved, values, report)
     _model(sec["model"], sec["training"], values, report)
     _optim(sec["optimizer"], sec["lr_scheduler"], sec["training"], values, report)
@@ -115,49 +199,78 @@ def _count(section: dict, key: str, default: int, auto: bool = False, zero: bool
 
 
 def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, report: Report) -> None:
-    rep, shard = _count(p, "parallelism.data_parallel_replicate_degree", 1), _count(
-        p, "parallelism.data_parallel_shard_degree", -1, auto=True)
+    rep, shard = (
+        _count(p, "parallelism.data_parallel_replicate_degree", 1),
+        _count(p, "parallelism.data_parallel_shard_degree", -1, auto=True),
+    )
     tp, pp = _count(p, "parallelism.tensor_parallel_degree", 1), _count(p, "parallelism.pipeline_parallel_degree", 1)
     cp = _count(p, "parallelism.context_parallel_degree", 1)
     fixed = rep * tp * pp * cp
     if shard == -1:
         if world is None and not allow:
-            raise ConfigError("torchtitan: parallelism.data_parallel_shard_degree = -1 takes the remaining ranks, so "
-                              "the world size is needed; pass --world-size N (the GPUs the preset was written for)")
+            raise ConfigError(
+                "torchtitan: parallelism.data_parallel_shard_degree = -1 takes the remaining ranks, so "
+                "the world size is needed; pass --world-size N (the GPUs the preset was written for)"
+            )
         world = world if world is not None else fixed
         if world % fixed:
-            raise ConfigError(f"torchtitan: world size {world} is not divisible by replicate*tensor*pipeline*context "
-                              f"= {rep}*{tp}*{pp}*{cp} = {fixed}; pass a multiple of {fixed}")
+            raise ConfigError(
+                f"torchtitan: world size {world} is not divisible by replicate*tensor*pipeline*context "
+                f"= {rep}*{tp}*{pp}*{cp} = {fixed}; pass a multiple of {fixed}"
+            )
         shard = world // fixed
     elif world is not None and world != fixed * shard:
-        raise ConfigError(f"torchtitan: the parallelism degrees multiply to {fixed * shard} but the world size is "
-                          f"{world}; make their product equal the world size (or set data_parallel_shard_degree=-1)")
+        raise ConfigError(
+            f"torchtitan: the parallelism degrees multiply to {fixed * shard} but the world size is "
+            f"{world}; make their product equal the world size (or set data_parallel_shard_degree=-1)"
+        )
     dp = rep * shard
     local = _count(t, "training.local_batch_size", _count(t, "training.batch_size", 8))
     global_batch = _count(t, "training.global_batch_size", -1, auto=True, zero=True)
     global_batch = local * dp if global_batch in (-1, 0) else global_batch
     if global_batch % (local * dp):
-        raise ConfigError(f"torchtitan: training.global_batch_size {global_batch} is not a multiple of "
-                          f"local_batch_size {local} * data-parallel degree {dp}; fix one of them")
+        raise ConfigError(
+            f"torchtitan: training.global_batch_size {global_batch} is not a multiple of "
+            f"local_batch_size {local} * data-parallel degree {dp}; fix one of them"
+        )
     accum = global_batch // (local * dp)
     pp_micro = _count(p, "parallelism.pipeline_parallel_microbatch_size", 1)
     micro = accum * (local // pp_micro if pp > 1 and local % pp_micro == 0 else 1)
-    values.update({"mesh.data": dp, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.context": cp,
-                   "train.global_batch": global_batch, "train.microbatches": micro,
-                   "parallel.zero_stage": 3 if shard > 1 else 0})
+    values.update(
+        {
+            "mesh.data": dp,
+            "mesh.tensor": tp,
+            "mesh.pipeline": pp,
+            "mesh.context": cp,
+            "train.global_batch": global_batch,
+            "train.microbatches": micro,
+            "parallel.zero_stage": 3 if shard > 1 else 0,
+        }
+    )
     rotate = _context(p, t, cp, values, report)
-    note = {"data_parallel_shard_degree": f"FSDP over {shard} ranks = ZeRO-3 on mesh.data" if shard > 1 else
-            "no FSDP sharding: ZeRO-0", "data_parallel_replicate_degree": "" if rep == 1 or shard == 1 else
-            f"HSDP: jaxpar shards over all {dp} data ranks instead of {shard} and replicating {rep}x",
-            "context_parallel_degree": "" if cp == 1 else f"the sequence split over {cp} context ranks in {2 * cp} "
-            "load-balanced chunks; blockwise attention; FSDP and gradients over data x context",
-            "context_parallel_rotate_method": rotate, "pipeline_parallel_microbatch_size":
-            f"microbatches = local/microbatch size * accumulation = {micro}"}
-    target = {"data_parallel_replicate_degree": "mesh.data", "data_parallel_shard_degree": "mesh.data, "
-              "parallel.zero_stage", "tensor_parallel_degree": "mesh.tensor", "pipeline_parallel_degree":
-              "mesh.pipeline", "context_parallel_degree": "mesh.context, model.attention",
-              "context_parallel_rotate_method": "parallel.context_exchange",
-              "pipeline_parallel_microbatch_size": "train.microbatches"}
+    note = {
+        "data_parallel_shard_degree": f"FSDP over {shard} ranks = ZeRO-3 on mesh.data"
+        if shard > 1
+        else "no FSDP sharding: ZeRO-0",
+        "data_parallel_replicate_degree": ""
+        if rep == 1 or shard == 1
+        else f"HSDP: jaxpar shards over all {dp} data ranks instead of {shard} and replicating {rep}x",
+        "context_parallel_degree": ""
+        if cp == 1
+        else f"the sequence split over {cp} context ranks in {2 * cp} "
+        "load-balanced chunks; blockwise attention; FSDP and gradients over data x context",
+        "context_parallel_rotate_method": rotate,
+        "pipeline_parallel_microbatch_size": f"microbatches = local/microbatch size * accumulation = {micro}",
+    }
+    target = {
+        "data_parallel_replicate_degree": "mesh.data",
+        "data_parallel_shard_degree": "mesh.data, parallel.zero_stage",
+        "tensor_parallel_degree": "mesh.tensor",
+        "pipeline_parallel_degree": "mesh.pipeline",
+        "context_parallel_degree": "mesh.context, model.attention",
+        "context_parallel_rotate_method": "parallel.context_exchange",
+        "pipeline_parallel_microbatch_size": "train.microbatches",
+    }
     schedule = str(p.get("pipeline_parallel_schedule", "1F1B"))
     if pp > 1 and schedule in SCHEDULES:
         values["pipeline.schedule"] = SCHEDULES[schedule]
@@ -167,24 +280,42 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
         src = f"parallelism.{key}"
         if key in target:
             bad = (key == "context_parallel_rotate_method" and (cp == 1 or str(value) not in ROTATE_METHODS)) or (
-                key == "data_parallel_replicate_degree" and note[key])
+                key == "data_parallel_replicate_degree" and note[key]
+            )
             report.add(src, value, "approximated" if bad else "mapped", target[key], note.get(key, ""))
         elif key == "pipeline_parallel_schedule":
             ok = pp == 1 or schedule in ("1F1B", "GPipe")
-            report.add(src, value, "mapped" if ok else "approximated", "pipeline.schedule", "" if pp > 1 else
-                       "no-op: pipeline_parallel_degree = 1" if ok else "interleaved with 2 virtual stages per rank")
+            report.add(
+                src,
+                value,
+                "mapped" if ok else "approximated",
+                "pipeline.schedule",
+                ""
+                if pp > 1
+                else "no-op: pipeline_parallel_degree = 1"
+                if ok
+                else "interleaved with 2 virtual stages per rank",
+            )
         elif key in ("expert_parallel_degree", "expert_tensor_parallel_degree") and int(value) > 1:
             report.unsupported(src, value, "mixture-of-experts parallelism: jaxpar has dense MLPs only")
         elif key == "fsdp_reshard_after_forward":
-            report.approximated(src, value, "parallel.zero_stage", "jaxpar's ZeRO-3 re-gathers parameters in the "
-                                "backward pass (reshard after forward)")
+            report.approximated(
+                src,
+                value,
+                "parallel.zero_stage",
+                "jaxpar's ZeRO-3 re-gathers parameters in the backward pass (reshard after forward)",
+            )
         elif key in KNOWN["parallelism"]:
             report.approximated(src, value, "", _NOOP + "XLA decides this (or it is off)")
         else:
             report.unknown(src, value, [f"parallelism.{k}" for k in KNOWN["parallelism"]], "torchtitan")
     report.mapped("(world size)", dp * cp * tp * pp, "mesh.data", f"data = replicate*shard = {dp}")
-    report.mapped("training.local_batch_size", local, "train.global_batch", f"global batch = {global_batch} "
-                  f"({accum} accumulation step(s))")
+    report.mapped(
+        "training.local_batch_size",
+        local,
+        "train.global_batch",
+        f"global batch = {global_batch} ({accum} accumulation step(s))",
+    )
 
 
 # parallelism.context_parallel_rotate_method -> parallel.context_exchange (jaxpar.parallel.context)
@@ -198,25 +329,35 @@ def _context(p: dict, t: dict, cp: int, values: dict, report: Report) -> str:
     Returns the rotate method's report note."""
     seq = _count(t, "training.seq_len", 2048)
     if cp > 1 and seq % (2 * cp):
-        raise ConfigError(f"torchtitan: training.seq_len {seq} is not divisible by 2 * "
-                          f"parallelism.context_parallel_degree {cp} = {2 * cp} (each context rank holds two chunks "
-                          f"of the sequence); use a multiple of {2 * cp}")
+        raise ConfigError(
+            f"torchtitan: training.seq_len {seq} is not divisible by 2 * "
+            f"parallelism.context_parallel_degree {cp} = {2 * cp} (each context rank holds two chunks "
+            f"of the sequence); use a multiple of {2 * cp}"
+        )
     method = str(p.get("context_parallel_rotate_method", "allgather"))
     exchange = ROTATE_METHODS.get(method, "ring")
     if cp == 1:
         return "no effect: context_parallel_degree = 1"
     if exchange == "ring" and values.get("mesh.pipeline", 1) > 1:  # the ring runs only outside pipeline stages
         values.update({"model.attention": "blockwise", "parallel.context_exchange": "all_gather"})
-        return (f"{method}: jaxpar runs the ring only outside pipeline stages; with pipeline parallelism keys "
-                "and values are all-gathered instead (the same attention, different messages)")
+        return (
+            f"{method}: jaxpar runs the ring only outside pipeline stages; with pipeline parallelism keys "
+            "and values are all-gathered instead (the same attention, different messages)"
+        )
     values.update({"model.attention": "blockwise", "parallel.context_exchange": exchange})
     if "context_parallel_rotate_method" not in p:
-        report.mapped("parallelism.context_parallel_rotate_method (default)", method, "parallel.context_exchange",
-                      "torchtitan's default: keys and values all-gathered")
+        report.mapped(
+            "parallelism.context_parallel_rotate_method (default)",
+            method,
+            "parallel.context_exchange",
+            "torchtitan's default: keys and values all-gathered",
+        )
     if method in ROTATE_METHODS:
         return "keys and values all-gathered over the context ranks"
-    return (f"{method}: no all-to-all rotation in jaxpar; the ring (keys and values passed rank to rank by "
-            "collective-permute) runs instead: the same attention, different messages")
+    return (
+        f"{method}: no all-to-all rotation in jaxpar; the ring (keys and values passed rank to rank by "
+        "collective-permute) runs instead: the same attention, different messages"
+    )
 
 
 def _model(m: dict, t: dict, values: dict, report: Report) -> None:
@@ -226,24 +367,45 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
     report.mapped("training.seq_len", seq, "train.seq_len, model.max_seq_len")
     if name == "llama3" and flavor in LLAMA3_FLAVORS:
         dim, layers, heads, kv, mult, multiple, theta = LLAMA3_FLAVORS[flavor]
-        values.update({"model.embed_dim": dim, "model.num_layers": layers, "model.num_heads": heads,
-                       "model.num_kv_heads": kv, "model.head_dim": dim // heads, "model.mlp_dim":
-                       ffn_dim(dim, mult, multiple), "model.rope_theta": theta, "model.vocab_size": LLAMA3_VOCAB,
-                       "model.norm_eps": 1e-5, "model.tie_embeddings": False, "model.mlp_activation": "swiglu",
-                       "model.norm": "rmsnorm", "model.position": "rope"})
+        values.update(
+            {
+                "model.embed_dim": dim,
+                "model.num_layers": layers,
+                "model.num_heads": heads,
+                "model.num_kv_heads": kv,
+                "model.head_dim": dim // heads,
+                "model.mlp_dim": ffn_dim(dim, mult, multiple),
+                "model.rope_theta": theta,
+                "model.vocab_size": LLAMA3_VOCAB,
+                "model.norm_eps": 1e-5,
+                "model.tie_embeddings": False,
+                "model.mlp_activation": "swiglu",
+                "model.norm": "rmsnorm",
+                "model.position": "rope",
+            }
+        )
         report.mapped("model.name", name, "model.*")
-        report.mapped("model.flavor", flavor, "model.*", f"Llama 3 {flavor}; vocabulary {LLAMA3_VOCAB} from the "
-                      "Llama 3 tokenizer")
+        report.mapped(
+            "model.flavor", flavor, "model.*", f"Llama 3 {flavor}; vocabulary {LLAMA3_VOCAB} from the Llama 3 tokenizer"
+        )
     else:
-        why = "mixture-of-experts model: jaxpar has dense MLPs only" if name in ("deepseek_v3", "llama4") else \
-            "no known jaxpar shape for this flavor"
+        why = (
+            "mixture-of-experts model: jaxpar has dense MLPs only"
+            if name in ("deepseek_v3", "llama4")
+            else "no known jaxpar shape for this flavor"
+        )
         report.unsupported("model.name", name, f"{why}; model.* left at jaxpar defaults, set them by hand")
         report.unsupported("model.flavor", flavor, why)
     converters = list(m.get("converters", []))
     for key, value in m.items():
         if key == "converters":
-            report.add(f"model.{key}", value, "unsupported" if converters else "mapped", "",
-                       "no float8/MX training in jaxpar" if converters else "none")
+            report.add(
+                f"model.{key}",
+                value,
+                "unsupported" if converters else "mapped",
+                "",
+                "no float8/MX training in jaxpar" if converters else "none",
+            )
         elif key not in ("name", "flavor"):
             status = "approximated" if key in KNOWN["model"] else "unknown"
             if status == "unknown":
@@ -255,20 +417,42 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
 def _optim(o: dict, s: dict, t: dict, values: dict, report: Report) -> None:
     name = str(o.get("name", "AdamW"))
     if name not in ("AdamW", "Adam"):
-        report.unsupported("optimizer.name", name,
-                           "this port maps AdamW/Adam only; optim.* left at jaxpar defaults, pick optim.name by hand")
+        report.unsupported(
+            "optimizer.name",
+            name,
+            "this port maps AdamW/Adam only; optim.* left at jaxpar defaults, pick optim.name by hand",
+        )
         return
     lr = float(o.get("lr", 8e-4))
-    values.update({"optim.decoupled_weight_decay": name == "AdamW", "optim.lr": lr,
-                   "optim.b1": float(o.get("beta1", 0.9)), "optim.b2": float(o.get("beta2", 0.95)),
-                   "optim.eps": float(o.get("eps", 1e-8)), "optim.weight_decay": float(o.get("weight_decay", 0.1)),
-                   "optim.clip_norm": float(t.get("max_norm", 1.0)), "train.steps": int(t.get("steps", 10000))})
-    targets = {"name": "optim.decoupled_weight_decay", "lr": "optim.lr", "beta1": "optim.b1", "beta2": "optim.b2",
-               "eps": "optim.eps", "weight_decay": "optim.weight_decay"}
+    values.update(
+        {
+            "optim.decoupled_weight_decay": name == "AdamW",
+            "optim.lr": lr,
+            "optim.b1": float(o.get("beta1", 0.9)),
+            "optim.b2": float(o.get("beta2", 0.95)),
+            "optim.eps": float(o.get("eps", 1e-8)),
+            "optim.weight_decay": float(o.get("weight_decay", 0.1)),
+            "optim.clip_norm": float(t.get("max_norm", 1.0)),
+            "train.steps": int(t.get("steps", 10000)),
+        }
+    )
+    targets = {
+        "name": "optim.decoupled_weight_decay",
+        "lr": "optim.lr",
+        "beta1": "optim.b1",
+        "beta2": "optim.b2",
+        "eps": "optim.eps",
+        "weight_decay": "optim.weight_decay",
+    }
     for key, target in targets.items():
         note = "torchtitan decays every parameter; jaxpar skips norms (1-D)" if key == "weight_decay" else ""
-        report.add(f"optimizer.{key}" + ("" if key in o else " (default)"), o.get(key, values.get(target)),
-                   "approximated" if note else "mapped", target, note)
+        report.add(
+            f"optimizer.{key}" + ("" if key in o else " (default)"),
+            o.get(key, values.get(target)),
+            "approximated" if note else "mapped",
+            target,
+            note,
+        )
     for key, value in o.items():
         if key not in targets:
             if key in KNOWN["optimizer"]:
@@ -276,15 +460,27 @@ def _optim(o: dict, s: dict, t: dict, values: dict, report: Report) -> None:
             else:
                 report.unknown(f"optimizer.{key}", value, [f"optimizer.{k}" for k in KNOWN["optimizer"]], "torchtitan")
     steps = values["train.steps"]
-    fields = schedule_fields(lr, int(s.get("warmup_steps", 200)), steps, s.get("decay_ratio"),
-                             str(s.get("decay_type", "linear")), float(s.get("min_lr_factor", s.get("lr_min", 0.0))))
+    fields = schedule_fields(
+        lr,
+        int(s.get("warmup_steps", 200)),
+        steps,
+        s.get("decay_ratio"),
+        str(s.get("decay_type", "linear")),
+        float(s.get("min_lr_factor", s.get("lr_min", 0.0))),
+    )
     notes = apply_schedule_fields(fields, values)
-    report.add("lr_scheduler", dict(s), "approximated" if notes else "mapped", "optim.*",
-               "; ".join(notes) or "exact: LambdaLR factor at last_epoch = k for update k")
+    report.add(
+        "lr_scheduler",
+        dict(s),
+        "approximated" if notes else "mapped",
+        "optim.*",
+        "; ".join(notes) or "exact: LambdaLR factor at last_epoch = k for update k",
+    )
     for key, value in s.items():
         if key not in KNOWN["lr_scheduler"]:
-            report.unknown(f"lr_scheduler.{key}", value, [f"lr_scheduler.{k}" for k in KNOWN["lr_scheduler"]],
-                           "torchtitan")
+            report.unknown(
+                f"lr_scheduler.{key}", value, [f"lr_scheduler.{k}" for k in KNOWN["lr_scheduler"]], "torchtitan"
+            )
 
 
 def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
@@ -293,21 +489,44 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
     param = str(t.get("mixed_precision_param", "bfloat16"))
     values["model.compute_dtype"] = param if param in ("float32", "bfloat16", "float16") else "bfloat16"
     values["parallel.grad_reduce_dtype"] = "bfloat16" if t.get("mixed_precision_reduce") == "bfloat16" else "float32"
-    report.mapped("training.mixed_precision_param" + ("" if "mixed_precision_param" in t else " (default)"), param,
-                  "model.compute_dtype", "torchtitan's FSDP mixed precision")
-    handled = {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "max_norm", "steps",
-               "mixed_precision_param"}
+    report.mapped(
+        "training.mixed_precision_param" + ("" if "mixed_precision_param" in t else " (default)"),
+        param,
+        "model.compute_dtype",
+        "torchtitan's FSDP mixed precision",
+    )
+    handled = {
+        "local_batch_size",
+        "batch_size",
+        "global_batch_size",
+        "seq_len",
+        "max_norm",
+        "steps",
+        "mixed_precision_param",
+    }
     for key, value in t.items():
         src = f"training.{key}"
         if key in ("max_norm", "steps", "global_batch_size", "mixed_precision_reduce"):
-            report.mapped(src, value, {"max_norm": "optim.clip_norm", "steps": "train.steps", "global_batch_size":
-                                       "train.global_batch", "mixed_precision_reduce": "parallel.grad_reduce_dtype"}[key])
+            report.mapped(
+                src,
+                value,
+                {
+                    "max_norm": "optim.clip_norm",
+                    "steps": "train.steps",
+                    "global_batch_size": "train.global_batch",
+                    "mixed_precision_reduce": "parallel.grad_reduce_dtype",
+                }[key],
+            )
         elif key == "seed" and value is not None:
             values["train.seed"] = int(value)
             report.mapped(src, value, "train.seed")
         elif key in ("dataset", "dataset_path"):
-            report.approximated(src, value, "data.source", "no torchtitan dataset loaders in jaxpar; point data.path "
-                                "at a token .bin or Megatron prefix")
+            report.approximated(
+                src,
+                value,
+                "data.source",
+                "no torchtitan dataset loaders in jaxpar; point data.path at a token .bin or Megatron prefix",
+            )
         elif key == "enable_cpu_offload" and value:
             report.unsupported(src, value, "jaxpar keeps state on the accelerators; nearest: ZeRO-3 (already used)")
         elif key not in handled:
@@ -321,8 +540,12 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
     report.mapped("activation_checkpoint.mode" + ("" if "mode" in ac else " (default)"), mode, "model.remat")
     for key, value in ac.items():
         if key != "mode":
-            report.approximated(f"activation_checkpoint.{key}", value, "model.remat", "jaxpar's selective policy "
-                                "keeps matmul outputs and recomputes the rest, on every layer")
+            report.approximated(
+                f"activation_checkpoint.{key}",
+                value,
+                "model.remat",
+                "jaxpar's selective policy keeps matmul outputs and recomputes the rest, on every layer",
+            )
     ck, job, metrics, val = sec["checkpoint"], sec["job"], sec["metrics"], sec["validation"]
     if ck.get("enable", ck.get("enable_checkpoint", False)):
         values["checkpoint.every"] = int(ck.get("interval", 500))
@@ -332,18 +555,27 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
         values["train.log_every"] = int(metrics["log_freq"])
     if val.get("enable"):
         values.update({"train.eval_every": int(val.get("freq", 500)), "train.eval_batches": int(val.get("steps", 8))})
-    mapped = {"checkpoint.enable": "checkpoint.every", "checkpoint.interval": "checkpoint.every",
-              "job.dump_folder": "train.workdir", "metrics.log_freq": "train.log_every",
-              "validation.enable": "train.eval_every", "validation.freq": "train.eval_every",
-              "validation.steps": "train.eval_batches"}
+    mapped = {
+        "checkpoint.enable": "checkpoint.every",
+        "checkpoint.interval": "checkpoint.every",
+        "job.dump_folder": "train.workdir",
+        "metrics.log_freq": "train.log_every",
+        "validation.enable": "train.eval_every",
+        "validation.freq": "train.eval_every",
+        "validation.steps": "train.eval_batches",
+    }
     for section in ("checkpoint", "job", "metrics", "validation"):
         for key, value in sec[section].items():
             src = f"{section}.{key}"
             if src in mapped:
                 report.mapped(src, value, mapped[src])
             elif src in ("metrics.enable_tensorboard", "metrics.save_tb_folder"):
-                report.approximated(src, value, "train.workdir" if value else "", _TB + (
-                    "; the folder given is not used" if key == "save_tb_folder" else ""))
+                report.approximated(
+                    src,
+                    value,
+                    "train.workdir" if value else "",
+                    _TB + ("; the folder given is not used" if key == "save_tb_folder" else ""),
+                )
             elif key in KNOWN[section]:
                 report.approximated(src, value, "", _LOG if section in ("job", "metrics") else _NOOP + "detail")
             else:
@@ -358,11 +590,17 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
         elif name in UNSUPPORTED_SECTIONS:
             report.unsupported(name, value, UNSUPPORTED_SECTIONS[name])
         elif name in ("quantize", "float8", "mx"):
-            report.add(name, value, "unsupported" if converters else "approximated", "",
-                       "no float8/MX training in jaxpar" if converters else _NOOP + "model.converters does not "
-                       "enable it")
+            report.add(
+                name,
+                value,
+                "unsupported" if converters else "approximated",
+                "",
+                "no float8/MX training in jaxpar" if converters else _NOOP + "model.converters does not enable it",
+            )
         else:
-            report.unknown(name, value, [*KNOWN, "profiling", *NOOP_SECTIONS, *UNSUPPORTED_SECTIONS, "quantize"], "torchtitan")
+            report.unknown(
+                name, value, [*KNOWN, "profiling", *NOOP_SECTIONS, *UNSUPPORTED_SECTIONS, "quantize"], "torchtitan"
+            )
 
 
 def _profiling(prof: Any, values: dict[str, Any], report: Report) -> None:
@@ -381,13 +619,18 @@ def _profiling(prof: Any, values: dict[str, Any], report: Report) -> None:
     for key, value in prof.items():
         src = f"profiling.{key}"
         if key in ("enable_profiling", "profile_freq") and enabled:
-            report.approximated(src, value, "train.profile_steps", f"a jax.profiler trace of step {freq}, once "
-                                "(torchtitan repeats it every profile_freq steps)")
+            report.approximated(
+                src,
+                value,
+                "train.profile_steps",
+                f"a jax.profiler trace of step {freq}, once (torchtitan repeats it every profile_freq steps)",
+            )
         elif key == "save_traces_folder" and enabled:
             report.approximated(src, value, "train.profile_steps", "the trace goes to <train.workdir>/profile")
         elif key in ("enable_memory_snapshot", "save_memory_snapshot_folder") and value:
-            report.unsupported(src, value, "no CUDA memory snapshots in jaxpar; nearest: `jaxpar inspect` "
-                               "(compiled per-device memory)")
+            report.unsupported(
+                src, value, "no CUDA memory snapshots in jaxpar; nearest: `jaxpar inspect` (compiled per-device memory)"
+            )
         elif key in PROFILING_KEYS:
             report.approximated(src, value, "", _NOOP + "profiling is disabled")
         else:

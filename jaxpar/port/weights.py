@@ -56,7 +56,9 @@ PathLike = str | os.PathLike
 ReadHook = Callable[[str, tuple[int, ...]], None]
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|^rope\.freqs)$")  # derived buffers, not parameters
 _META_NAMES = (  # Meta consolidated name -> HF name
-    (r"^tok_embeddings\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^output\.", "lm_head."),
+    (r"^tok_embeddings\.", "model.embed_tokens."),
+    (r"^norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
     (r"^layers\.(\d+)\.attention\.w([qkvo])\.", r"model.layers.\1.self_attn.\2_proj."),
     (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
     (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
@@ -87,8 +89,10 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
     except (TypeError, ValueError, AttributeError, OverflowError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"config.json: a value has the wrong type ({type(e).__name__}: {e}); replace it with the "
-                          "checkpoint's original") from None
+        raise ConfigError(
+            f"config.json: a value has the wrong type ({type(e).__name__}: {e}); replace it with the "
+            "checkpoint's original"
+        ) from None
 
 
 def _model_config(hf: dict) -> ConfigDict:
@@ -130,8 +134,10 @@ def _model_config(hf: dict) -> ConfigDict:
     for key, field in (("attention_dropout", "attention_dropout"), ("hidden_dropout", "dropout")):
         rate = float(hf.get(key) or 0.0)
         if not (math.isfinite(rate) and 0 <= rate < 1):
-            raise ConfigError(f"{where}: {key}={json.dumps(hf.get(key))} is not a drop probability; use a value in "
-                              "[0, 1) (0: no dropout)")
+            raise ConfigError(
+                f"{where}: {key}={json.dumps(hf.get(key))} is not a drop probability; use a value in "
+                "[0, 1) (0: no dropout)"
+            )
         m[field] = rate
     m.mlp_activation, m.norm, m.position = "swiglu", "rmsnorm", "rope"
     return m
@@ -142,13 +148,26 @@ def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
     _hf_map(model_cfg)
     m = model_cfg
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": m.embed_dim, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "rope_scaling": None, "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
-        "mlp_bias": False, "initializer_range": m.init_std, "torch_dtype": m.param_dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": m.embed_dim,
+        "intermediate_size": m.mlp_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": m.init_std,
+        "torch_dtype": m.param_dtype,
         # HF LLaMA has attention dropout only (model.dropout has no config.json field there)
         "attention_dropout": m.attention_dropout,
     }
@@ -168,11 +187,13 @@ def _json_object(p: pathlib.Path) -> dict:
         value = json.loads(p.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, OSError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise ConfigError(f"{p}: not a readable JSON file ({type(e).__name__}: {first}); replace it with the "
-                          "checkpoint's original") from None
+        raise ConfigError(
+            f"{p}: not a readable JSON file ({type(e).__name__}: {first}); replace it with the checkpoint's original"
+        ) from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{p}: holds a JSON {type(value).__name__}, not an object; replace it with the checkpoint's "
-                          "original")
+        raise ConfigError(
+            f"{p}: holds a JSON {type(value).__name__}, not an object; replace it with the checkpoint's original"
+        )
     return value
 
 
@@ -345,14 +366,17 @@ def _find_files(p: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     if p.name.endswith(".index.json"):
         weight_map = _json_object(p).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ConfigError(f"{p}: no 'weight_map' of tensor name -> file name; replace it with the checkpoint's "
-                              "original")
+            raise ConfigError(
+                f"{p}: no 'weight_map' of tensor name -> file name; replace it with the checkpoint's original"
+            )
         files = [p.parent / f for f in sorted(set(weight_map.values()))]
         absent = [f for f in files if not f.is_file()]
         if absent:
-            raise ConfigError(f"{p} names shard '{absent[0].name}' which is missing"
-                              + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
-                              + "; download every shard of the checkpoint")
+            raise ConfigError(
+                f"{p} names shard '{absent[0].name}' which is missing"
+                + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+                + "; download every shard of the checkpoint"
+            )
         return ("safetensors" if "safetensors" in p.name else "torch"), files
     return ("safetensors" if p.suffix == ".safetensors" else "torch"), [p]
 
@@ -362,8 +386,10 @@ def _torch_load(path: pathlib.Path) -> dict:
     try:
         import torch
     except ImportError:
-        raise ConfigError(f"{path}: reading a torch state-dict file needs PyTorch (pip install torch), "
-                          "or convert the checkpoint to safetensors") from None
+        raise ConfigError(
+            f"{path}: reading a torch state-dict file needs PyTorch (pip install torch), "
+            "or convert the checkpoint to safetensors"
+        ) from None
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -403,25 +429,33 @@ def _check(src: _Source, leaves: list[_Leaf], model_cfg: ConfigDict) -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         leaf = expected[missing[0]]
-        raise ConfigError(f"checkpoint lacks tensor '{missing[0]}' (expected {leaf.what} = {leaf.hf_shape}){more}{hint}")
+        raise ConfigError(
+            f"checkpoint lacks tensor '{missing[0]}' (expected {leaf.what} = {leaf.hf_shape}){more}{hint}"
+        )
     unexpected = sorted(present - set(expected))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConfigError(f"checkpoint has unexpected tensor '{unexpected[0]}' {src.shape(unexpected[0])}{more} "
-                          f"that model_cfg (num_layers={model_cfg.num_layers}, "
-                          f"tie_embeddings={model_cfg.tie_embeddings}) has no place for{hint}")
+        raise ConfigError(
+            f"checkpoint has unexpected tensor '{unexpected[0]}' {src.shape(unexpected[0])}{more} "
+            f"that model_cfg (num_layers={model_cfg.num_layers}, "
+            f"tie_embeddings={model_cfg.tie_embeddings}) has no place for{hint}"
+        )
     for name, leaf in expected.items():
         stored = src.dtype(name)
         if stored.upper().removeprefix("TORCH.") not in FLOAT_DTYPES:
-            raise ConfigError(f"tensor '{name}' is stored as {stored}, not a float dtype; weights must be float "
-                              "(F32, BF16, F16, F64): is this a quantized or corrupted checkpoint?")
+            raise ConfigError(
+                f"tensor '{name}' is stored as {stored}, not a float dtype; weights must be float "
+                "(F32, BF16, F16, F64): is this a quantized or corrupted checkpoint?"
+            )
         if src.shape(name) != leaf.hf_shape:
-            raise ConfigError(f"tensor '{name}' has shape {src.shape(name)} but model_cfg expects "
-                              f"{leaf.what} = {leaf.hf_shape}{hint}")
+            raise ConfigError(
+                f"tensor '{name}' has shape {src.shape(name)} but model_cfg expects {leaf.what} = {leaf.hf_shape}{hint}"
+            )
 
 
-def _read_heads(read: Callable, axis: int, sn: slice, sd: slice, d: int, other: slice,
-                perm: np.ndarray | None) -> np.ndarray:
+def _read_heads(
+    read: Callable, axis: int, sn: slice, sd: slice, d: int, other: slice, perm: np.ndarray | None
+) -> np.ndarray:
     """Heads ``sn`` x head dims ``sd`` of an HF tensor whose dim ``axis`` is ``heads*d``; that dim
     comes back split in two. ``perm`` (Meta layout) maps each HF row of a head to the stored row."""
 
@@ -440,8 +474,9 @@ def _read_heads(read: Callable, axis: int, sn: slice, sd: slice, d: int, other: 
     return np.stack(heads, axis=axis)
 
 
-def _read_one(src: _Source, name: str, leaf: _Leaf, idx: tuple[slice, ...], meta: bool,
-              on_read: ReadHook | None) -> np.ndarray:
+def _read_one(
+    src: _Source, name: str, leaf: _Leaf, idx: tuple[slice, ...], meta: bool, on_read: ReadHook | None
+) -> np.ndarray:
     """The slice ``idx`` (jaxpar layout, one layer) of HF tensor ``name``."""
 
     def read(hf_idx: tuple[slice, ...]) -> np.ndarray:
@@ -470,16 +505,28 @@ def _read_leaf(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, 
 
 def _read_block(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None, idx: tuple) -> np.ndarray:
     if not leaf.stacked:
-        return _finite(leaf.hf, np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read),
-                                                     dtype=leaf.dtype))
+        return _finite(
+            leaf.hf, np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read), dtype=leaf.dtype)
+        )
     layers = range(idx[0].start, idx[0].stop)
-    out = [_finite(leaf.hf.format(i=i), np.asarray(_read_one(src, leaf.hf.format(i=i), leaf, idx[1:], meta, on_read),
-                                                   leaf.dtype)) for i in layers]
+    out = [
+        _finite(
+            leaf.hf.format(i=i),
+            np.asarray(_read_one(src, leaf.hf.format(i=i), leaf, idx[1:], meta, on_read), leaf.dtype),
+        )
+        for i in layers
+    ]
     return np.stack(out)
 
 
-def load_hf(path: PathLike, model_cfg: ConfigDict, shardings: Any = None, *, meta_interleaved: bool = False,
-            on_read: ReadHook | None = None) -> dict:
+def load_hf(
+    path: PathLike,
+    model_cfg: ConfigDict,
+    shardings: Any = None,
+    *,
+    meta_interleaved: bool = False,
+    on_read: ReadHook | None = None,
+) -> dict:
     """Load an HF LLaMA checkpoint into jaxpar's parameter tree, cast to ``model.param_dtype``.
 
     ``path``: a checkpoint directory, a ``.safetensors`` file, a ``*.index.json`` or a torch
@@ -500,8 +547,10 @@ def load_hf(path: PathLike, model_cfg: ConfigDict, shardings: Any = None, *, met
         flat, tree = jax.tree.flatten(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         if tree != treedef:
             raise ValueError(f"shardings {tree} does not match the parameter tree {treedef}")
-        out = [jax.make_array_from_callback(leaf.shape, s, functools.partial(_read_leaf, src, leaf, meta, on_read))
-               for leaf, s in zip(leaves, flat)]
+        out = [
+            jax.make_array_from_callback(leaf.shape, s, functools.partial(_read_leaf, src, leaf, meta, on_read))
+            for leaf, s in zip(leaves, flat)
+        ]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -540,8 +589,9 @@ def hf_tensors(params: dict, model_cfg: ConfigDict) -> dict[str, np.ndarray]:
     return {name: fetch() for name, _, fetch in _hf_items(params, model_cfg)}
 
 
-def save_hf(params: dict, model_cfg: ConfigDict, out_dir: PathLike, *, max_shard_bytes: int = 5 * 2**30,
-            overwrite: bool = False) -> pathlib.Path:
+def save_hf(
+    params: dict, model_cfg: ConfigDict, out_dir: PathLike, *, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False
+) -> pathlib.Path:
     """Write ``params`` as an HF LLaMA checkpoint: safetensors (sharded with an index past
     ``max_shard_bytes``) and ``config.json``, in a temporary directory renamed into place
     (:func:`jaxpar.write_guard.replace_folder`: ``overwrite`` replaces only an earlier export).
@@ -561,6 +611,7 @@ def save_hf(params: dict, model_cfg: ConfigDict, out_dir: PathLike, *, max_shard
             size = 0
         shards[-1].append((name, fetch))
         size += nbytes
+
     def fill(tmp: pathlib.Path) -> None:
         weight_map, total = {}, 0
         for k, shard in enumerate(shards):

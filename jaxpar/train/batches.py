@@ -29,7 +29,10 @@ class BatchFeed:
     def __init__(self, mesh: Mesh, train_cfg: ConfigDict):
         self.mesh = mesh
         self.microbatches, self.global_batch, self.seq_len = (
-            train_cfg.microbatches, train_cfg.global_batch, train_cfg.seq_len)
+            train_cfg.microbatches,
+            train_cfg.global_batch,
+            train_cfg.seq_len,
+        )
         self.batch_sharding = NamedSharding(mesh, BATCH_SPEC)
         self.eval_sharding = NamedSharding(mesh, EVAL_SPEC)
 
@@ -47,8 +50,10 @@ class BatchFeed:
         sizes = {len(share) for share in shares}
         data = self.mesh.shape[MeshAxis.DATA]
         if len(sizes) != 1 or sum(sizes) * len(shares) != data:
-            raise ConfigError(f"mesh.data={data} does not split evenly over the {len(groups)} "
-                              "processes; choose a mesh whose data shards divide among the hosts")
+            raise ConfigError(
+                f"mesh.data={data} does not split evenly over the {len(groups)} "
+                "processes; choose a mesh whose data shards divide among the hosts"
+            )
         return shares.index(tuple(sorted(groups[jax.process_index()]))), len(shares)
 
     def batch_shape(self) -> tuple[int, int, int]:

@@ -62,8 +62,9 @@ class BadStepGuard:
             self.history.append(loss)
 
 
-def _advance(history: jax.Array, count: jax.Array, loss: jax.Array, skipped: jax.Array, *, spike_factor: float,
-             inject: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _advance(
+    history: jax.Array, count: jax.Array, loss: jax.Array, skipped: jax.Array, *, spike_factor: float, inject: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one step's (loss, skipped) into the ring ``history`` (``count`` good losses seen so far),
     then the next step's guard ``[max_loss, loss_offset]``: :meth:`BadStepGuard.max_loss` on device."""
     good = skipped == 0
@@ -94,18 +95,25 @@ class SpikeThreshold:
     def __init__(self, spike_factor: float, replicated: NamedSharding):
         self.history = _replicated(np.full((WINDOW,), np.inf, np.float32), replicated)
         self.count = _replicated(np.array(0, np.int32), replicated)
-        self._nothing = {"loss": _replicated(np.array(np.nan, np.float32), replicated),
-                         "skipped": _replicated(np.array(1, np.int32), replicated)}  # folds as "no good loss"
+        self._nothing = {
+            "loss": _replicated(np.array(np.nan, np.float32), replicated),
+            "skipped": _replicated(np.array(1, np.int32), replicated),
+        }  # folds as "no good loss"
         self._unfolded: dict[str, Any] | None = None
         shardings = (replicated, replicated, replicated)
-        self._advance = {inject: jax.jit(functools.partial(_advance, spike_factor=float(spike_factor), inject=inject),
-                                         out_shardings=shardings) for inject in (False, True)}
+        self._advance = {
+            inject: jax.jit(
+                functools.partial(_advance, spike_factor=float(spike_factor), inject=inject), out_shardings=shardings
+            )
+            for inject in (False, True)
+        }
 
     def guard(self, inject: bool = False) -> jax.Array:
         """The next step's guard; ``inject`` makes its loss NaN (``train.inject_bad_steps``)."""
         metrics = self._unfolded or self._nothing
         self.history, self.count, guard = self._advance[inject](
-            self.history, self.count, metrics["loss"], metrics["skipped"])
+            self.history, self.count, metrics["loss"], metrics["skipped"]
+        )
         self._unfolded = None
         return guard
 

@@ -106,8 +106,13 @@ class TrainingDiverged(JaxparError):
 class Trainer:
     """Owns one run: the layout (:class:`Setup`), the data iterators, the state and the log."""
 
-    def __init__(self, cfg: ConfigDict, echo: Callable[[str], None] = print, progress: bool = True,
-                 weights_loader: Callable[[str, ConfigDict, Any], Any] | None = None):
+    def __init__(
+        self,
+        cfg: ConfigDict,
+        echo: Callable[[str], None] = print,
+        progress: bool = True,
+        weights_loader: Callable[[str, ConfigDict, Any], Any] | None = None,
+    ):
         """``weights_loader(path, model_cfg, shardings)``: reads ``train.init_from`` onto the mesh
         (the CLI passes :func:`jaxpar.port.weights.load_checked`: the HF format lives with the
         importers, and the trainer does not import them)."""
@@ -121,22 +126,43 @@ class Trainer:
         t = cfg.train
         pidx, pcount = self.setup.feed.data_split  # the rows of this process's data shards
         self.batches = data_lib.make_batches(
-            cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=t.global_batch,
-            seed=t.seed, split="train", process_index=pidx, process_count=pcount,
+            cfg.data,
+            vocab_size=cfg.model.vocab_size,
+            seq_len=t.seq_len,
+            global_batch=t.global_batch,
+            seed=t.seed,
+            split="train",
+            process_index=pidx,
+            process_count=pcount,
         )
         unit_rows = math.lcm(self.mesh.shape[MeshAxis.DATA], pcount)  # eval rows must split over both
         eval_rows = unit_rows * max(1, (t.global_batch // t.microbatches) // unit_rows)
-        self.eval_data = data_lib.eval_batches(
-            cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, global_batch=eval_rows,
-            seed=t.seed, num_batches=t.eval_batches, process_index=pidx, process_count=pcount,
-        ) if t.eval_batches else []
+        self.eval_data = (
+            data_lib.eval_batches(
+                cfg.data,
+                vocab_size=cfg.model.vocab_size,
+                seq_len=t.seq_len,
+                global_batch=eval_rows,
+                seed=t.seed,
+                num_batches=t.eval_batches,
+                process_index=pidx,
+                process_count=pcount,
+            )
+            if t.eval_batches
+            else []
+        )
         peak, self.peak_source = device_peak_flops(self.layout.devices)
         self.log = MetricsLog(
-            t.workdir, model_flops_per_token(cfg.model, t.seq_len), peak, self.layout.devices,
-            t.warmup_steps_excluded, write=jax.process_index() == 0,  # one writer, whatever the mesh
+            t.workdir,
+            model_flops_per_token(cfg.model, t.seq_len),
+            peak,
+            self.layout.devices,
+            t.warmup_steps_excluded,
+            write=jax.process_index() == 0,  # one writer, whatever the mesh
         )
-        self.checkpoints = Checkpointer(t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo,
-                                        model=cfg.model, optimizer=cfg.optim.name)
+        self.checkpoints = Checkpointer(
+            t.workdir, cfg.checkpoint.every, cfg.checkpoint.keep, self.echo, model=cfg.model, optimizer=cfg.optim.name
+        )
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0
@@ -163,8 +189,10 @@ class Trainer:
         if restored is None:
             if self.cfg.train.init_from:  # fine-tuning: start from HF weights, a fresh optimizer
                 if self.weights_loader is None:
-                    raise ConfigError("train.init_from is set but this trainer has no weights loader; run "
-                                      "`jaxpar train`, or pass Trainer(weights_loader=jaxpar.port.weights.load_checked)")
+                    raise ConfigError(
+                        "train.init_from is set but this trainer has no weights loader; run "
+                        "`jaxpar train`, or pass Trainer(weights_loader=jaxpar.port.weights.load_checked)"
+                    )
 
                 hf = self.weights_loader(self.cfg.train.init_from, self.cfg.model, self.setup.model_param_shardings)
                 self.params, self.opt_state = self.setup.init_from_hf(hf)
@@ -230,8 +258,9 @@ class Trainer:
         self._profile_start(self.step + 1)
         start = time.perf_counter()
         guard = self.spike.guard(inject=fed.number in self.inject_bad)
-        self.params, self.opt_state, metrics = self.setup.train_step(self.params, self.opt_state, fed.array,
-                                                                     guard=guard)
+        self.params, self.opt_state, metrics = self.setup.train_step(
+            self.params, self.opt_state, fed.array, guard=guard
+        )
         self.spike.dispatched(metrics)
         self.step += 1
         self._inflight = _InFlight(self.step, fed, metrics, start)
@@ -240,8 +269,13 @@ class Trainer:
         """Whether the loop reads ``step``'s metrics before dispatching another step: the steps after
         which it checkpoints, evaluates, ends a profile, stops or finishes."""
         t = self.cfg.train
-        return bool(step >= t.steps or self.checkpoints.should_save(step) or (t.eval_every and step % t.eval_every == 0)
-                    or (self.profile and step == self.profile[1]) or self.stop_signal is not None)
+        return bool(
+            step >= t.steps
+            or self.checkpoints.should_save(step)
+            or (t.eval_every and step % t.eval_every == 0)
+            or (self.profile and step == self.profile[1])
+            or self.stop_signal is not None
+        )
 
     def _drain(self) -> list[dict[str, float]]:
         """Read the step in flight, if any."""
@@ -259,11 +293,14 @@ class Trainer:
         self._profile_stop(flight.step)
         self.guard.observe(float(values["loss"]), bool(values["skipped"]))
         self.good_steps += int(not values["skipped"] and np.isfinite(values["loss"]))
-        row = self.log.record(flight.step, elapsed, self.layout.tokens_per_step,
-                              {**values, "bad_steps_total": self.guard.total})
+        row = self.log.record(
+            flight.step, elapsed, self.layout.tokens_per_step, {**values, "bad_steps_total": self.guard.total}
+        )
         if values["skipped"]:
-            self.echo(f"step {flight.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
-                      f"{float(values['grad_norm']):.4g}; {self.guard.consecutive} in a row, {self.guard.total} in all)")
+            self.echo(
+                f"step {flight.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
+                f"{float(values['grad_norm']):.4g}; {self.guard.consecutive} in a row, {self.guard.total} in all)"
+            )
         if self.guard.consecutive >= self.cfg.train.max_bad_steps:
             self.rollback(flight.step)
         return row
@@ -277,8 +314,10 @@ class Trainer:
         if self.profiling and (force or step >= self.profile[1]):
             jax.profiler.stop_trace()
             self.profiling = False
-            self.echo(f"profile of steps {self.profile[0]}-{min(step, self.profile[1])}: "
-                      f"{os.path.join(self.cfg.train.workdir, 'profile')}")
+            self.echo(
+                f"profile of steps {self.profile[0]}-{min(step, self.profile[1])}: "
+                f"{os.path.join(self.cfg.train.workdir, 'profile')}"
+            )
 
     def rollback(self, bad_at: int) -> None:
         """Too many bad steps in a row, the last at step ``bad_at``: restore the newest checkpoint, keep
@@ -321,9 +360,11 @@ class Trainer:
         )
         p = cfg.parallel
         if p.zero_stage == 3 and p.grad_reduce_dtype != cfg.model.compute_dtype:
-            self.echo(f"note: ZeRO-3 gathers parameters and reduce-scatters their gradients in {cfg.model.compute_dtype} "
-                      f"(model.compute_dtype); parallel.grad_reduce_dtype={p.grad_reduce_dtype} applies to the "
-                      "parameters ZeRO cannot split")
+            self.echo(
+                f"note: ZeRO-3 gathers parameters and reduce-scatters their gradients in {cfg.model.compute_dtype} "
+                f"(model.compute_dtype); parallel.grad_reduce_dtype={p.grad_reduce_dtype} applies to the "
+                "parameters ZeRO cannot split"
+            )
         if jax.process_index() == 0:
             write_run_config(cfg, cfg.train.workdir)
         try:
@@ -376,8 +417,9 @@ class Trainer:
                     if not np.isfinite(last["loss"]):
                         self.echo(f"step {last['step']}: loss is {last['loss']}")
                     if cfg.train.log_every and last["step"] % cfg.train.log_every == 0 and not self.show_progress:
-                        self.echo(f"step {last['step']}: loss {last['loss']:.4f} {LOSS_UNIT} "
-                                  f"{last['tokens_per_s']:.0f} tok/s")
+                        self.echo(
+                            f"step {last['step']}: loss {last['loss']:.4f} {LOSS_UNIT} {last['tokens_per_s']:.0f} tok/s"
+                        )
                 if self._inflight is not None:
                     continue  # not a sync step: no checkpoint, evaluation or stop is due after it
                 if self.checkpoints.should_save(self.step) or self.stop_signal is not None:
@@ -385,7 +427,9 @@ class Trainer:
                 if self.stop_signal is not None:
                     self.checkpoints.wait()
                     name = signal.Signals(self.stop_signal).name
-                    self.echo(f"{name}: checkpoint of step {self.step} written to {self.checkpoints.directory}; exiting")
+                    self.echo(
+                        f"{name}: checkpoint of step {self.step} written to {self.checkpoints.directory}; exiting"
+                    )
                     return {"preempted": True, "step": self.step}
                 if eval_every and self.step % eval_every == 0 and self.step < cfg.train.steps:
                     self.log.record_event({"step": self.step, "val_bits": self.evaluate(), "unit": unit})
@@ -414,11 +458,13 @@ class Trainer:
             seen = f" (validation {val_end:.4g})" if val_end is not None else ""
             raise TrainingDiverged(
                 f"training produced no finite loss in {self.guard.total} steps{seen}; "
-                "check the config values (optim.lr, model.init_std) and the data, or train.init_from's weights")
+                "check the config values (optim.lr, model.init_std) and the data, or train.init_from's weights"
+            )
         if val_end is not None and not math.isfinite(val_end):
             raise TrainingDiverged(
                 f"validation loss at step {self.step} is {val_end} (start {val_start:.4g}): the run diverged; lower "
-                "optim.lr or check train.init_from's weights")
+                "optim.lr or check train.init_from's weights"
+            )
 
     def _progress(self) -> Progress:
         return Progress(

@@ -47,8 +47,9 @@ class Setup:
         self.pipeline = pipeline_lib.Pipeline.from_config(cfg, self.model) if cfg.mesh.pipeline > 1 else None
         # XLA:CPU (jax 0.10) pipeline executables read back from the persistent compilation cache
         # compute wrong losses: this layout's programs compile without it (jaxpar.compat)
-        self.skips_cache = (self.pipeline is not None and mesh.devices.flat[0].platform == "cpu"
-                            and cached_pipelines_are_wrong())
+        self.skips_cache = (
+            self.pipeline is not None and mesh.devices.flat[0].platform == "cpu" and cached_pipelines_are_wrong()
+        )
         self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
         stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.model_abstract_params = self.model.abstract_params()
@@ -61,8 +62,11 @@ class Setup:
             )
             self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
         self.placements = param_placements(self.abstract_params, self.logical, self.strategy, mesh)
-        model_placements = self.placements if stages == 1 else param_placements(
-            self.model_abstract_params, model_logical, self.strategy, mesh)
+        model_placements = (
+            self.placements
+            if stages == 1
+            else param_placements(self.model_abstract_params, model_logical, self.strategy, mesh)
+        )
         self.model_placements = model_placements
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
         self.optimizer = registry.get(cfg.optim.name)
@@ -82,9 +86,17 @@ class Setup:
         self.feed = BatchFeed(mesh, cfg.train)  # batch shapes, shardings, which rows this process feeds
         # model.attention resolved on this backend (auto: cuDNN on NVIDIA GPUs where it takes the shapes,
         # blockwise elsewhere and always with context parallelism, which merges blockwise partials)
-        self.attention = "blockwise" if self.layout.context > 1 else resolve_attention(
-            self.layout.attention, mesh.devices.flat[0].platform, cfg.model.head_dim,
-            compute_dtype=cfg.model.compute_dtype, attention_dropout=cfg.model.attention_dropout)
+        self.attention = (
+            "blockwise"
+            if self.layout.context > 1
+            else resolve_attention(
+                self.layout.attention,
+                mesh.devices.flat[0].platform,
+                cfg.model.head_dim,
+                compute_dtype=cfg.model.compute_dtype,
+                attention_dropout=cfg.model.attention_dropout,
+            )
+        )
         self.builder = StepBuilder(
             layout=self.layout,
             attention=self.attention,
@@ -119,8 +131,10 @@ class Setup:
                 return params, self.init_opt_state(params)
 
             self._init = _init
-        with jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null(), \
-                persistent_cache_skipped(self.skips_cache):
+        with (
+            jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null(),
+            persistent_cache_skipped(self.skips_cache),
+        ):
             return self._init(jax.random.key(seed))
 
     def init_from_hf(self, source: Any) -> tuple[Any, Any]:
@@ -128,8 +142,9 @@ class Setup:
         model-form parameters loaded with :attr:`model_param_shardings` (the trainer's edge reads
         them with ``jaxpar.port.weights.load_checked``, each device reading only its shard)."""
         with persistent_cache_skipped(self.skips_cache):
-            opt = jax.jit(functools.partial(self.init_opt_state, model_form=True),
-                          out_shardings=self.model_opt_shardings)(source)
+            opt = jax.jit(
+                functools.partial(self.init_opt_state, model_form=True), out_shardings=self.model_opt_shardings
+            )(source)
         return self.from_model_order(source, opt)
 
     # ------------------------------------------------------------------ optimizer state
@@ -156,8 +171,11 @@ class Setup:
         if p <= 1 or (v <= 1 and not pipeline_lib.has_ends(self.cfg.model, p)):  # the forms are one
             return params, opt
         move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
-        out = (self.model_param_shardings, self.model_opt_shardings) if to_model else (
-            self.param_shardings, self.opt_shardings)
+        out = (
+            (self.model_param_shardings, self.model_opt_shardings)
+            if to_model
+            else (self.param_shardings, self.opt_shardings)
+        )
         dst = self.model_abstract_params if to_model else self.abstract_params
         target = jax.eval_shape(functools.partial(self.init_opt_state, model_form=to_model), dst)
         order = pipeline_lib.layer_order(self.cfg.model.num_layers, p, v)
@@ -219,8 +237,11 @@ class Setup:
     def abstract_state(self, model_form: bool = False) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
         """Abstract (params, opt_state, batch) carrying their shardings: the stage form for AOT
         lowering, the model form (``model_form``) for restoring a checkpoint."""
-        tree, p_sh, o_sh = (self.model_abstract_params, self.model_param_shardings, self.model_opt_shardings) if (
-            model_form) else (self.abstract_params, self.param_shardings, self.opt_shardings)
+        tree, p_sh, o_sh = (
+            (self.model_abstract_params, self.model_param_shardings, self.model_opt_shardings)
+            if (model_form)
+            else (self.abstract_params, self.param_shardings, self.opt_shardings)
+        )
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, p_sh)
         opt = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), tree)
         opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, o_sh)
@@ -259,8 +280,15 @@ class TrainStep:
     def __init__(self, jitted: Any, replicated: NamedSharding):
         self.jitted, self.replicated = jitted, replicated
 
-    def __call__(self, params: Any, opt_state: Any, batch: jax.Array, max_loss: float = float("inf"),
-                 loss_offset: float = 0.0, guard: jax.Array | None = None) -> tuple[Any, Any, dict]:
+    def __call__(
+        self,
+        params: Any,
+        opt_state: Any,
+        batch: jax.Array,
+        max_loss: float = float("inf"),
+        loss_offset: float = 0.0,
+        guard: jax.Array | None = None,
+    ) -> tuple[Any, Any, dict]:
         if guard is None:
             values = np.array([max_loss, loss_offset], np.float32)  # same on every process
             guard = jax.make_array_from_callback(values.shape, self.replicated, lambda index: values[index])

@@ -109,16 +109,20 @@ class StepBuilder:
 
     def _grad_norm(self, grads: Any) -> jax.Array:
         def sq(lay: ParamPlacement, g):
-            axes = tuple(a for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE, MeshAxis.CONTEXT)
-                         if zero.is_split_over(lay, a))
+            axes = tuple(
+                a
+                for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE, MeshAxis.CONTEXT)
+                if zero.is_split_over(lay, a)
+            )
             s = jnp.sum(jnp.square(g))
             return jax.lax.psum(s, axes) if axes else s
 
         return jnp.sqrt(sum(jax.tree.leaves(zero.map_placements(sq, self.placements, grads))))
 
     # ------------------------------------------------------------------ step
-    def local_grads(self, params: Any, batch: jax.Array, guard: jax.Array,
-                    step: jax.Array | None = None) -> tuple[Any, jax.Array, jax.Array]:
+    def local_grads(
+        self, params: Any, batch: jax.Array, guard: jax.Array, step: jax.Array | None = None
+    ) -> tuple[Any, jax.Array, jax.Array]:
         """This shard's reduced, clipped gradients (laid out like the optimizer state), the loss
         (+ ``guard[1]``) and the global gradient norm (before clipping). ``step`` (the optimizer
         count; with dropout only) keys the dropout masks: each sequence's global row travels with
@@ -163,8 +167,9 @@ class StepBuilder:
                 micro_loss, g = reduced_grads(tokens)
                 return (acc_loss + micro_loss, jax.tree.map(jnp.add, acc, g)), None
 
-            zeros = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)),
-                                 jax.eval_shape(reduced_grads, batch[0]))
+            zeros = jax.tree.map(
+                lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)), jax.eval_shape(reduced_grads, batch[0])
+            )
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
         if stage < 2:
             grads = self._reduce(grads, scatter=stage == 1)
@@ -208,12 +213,16 @@ class StepBuilder:
         step = opt_state["count"]
         keyed = (step,) if self.dropout else ()  # the step keys the dropout masks
         grads, loss, grad_norm = jax.shard_map(
-            self.local_grads, mesh=self.mesh, in_specs=(self.param_specs(), BATCH_SPEC, P(), *((P(),) * len(keyed))),
-            out_specs=(grad_specs, P(), P()))(params, batch, guard, *keyed)
+            self.local_grads,
+            mesh=self.mesh,
+            in_specs=(self.param_specs(), BATCH_SPEC, P(), *((P(),) * len(keyed))),
+            out_specs=(grad_specs, P(), P()),
+        )(params, batch, guard, *keyed)
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
-        view = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)),
-                            params, grad_specs)
+        view = jax.tree.map(
+            lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)), params, grad_specs
+        )
         updates, tx_state = self.tx.update(grads, opt_state["tx"], view)
         new_params = optax.apply_updates(view, updates)
         if self.skip_bad_steps:

@@ -5,6 +5,7 @@ constant or output allocations are left out; what remains is what ``temp_size_in
 
     python experiments/results/2026-12-04-memory-six/live.py DUMP_DIR [--top 40]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,8 @@ VALUE = re.compile(r"value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\
 
 def load(dump: pathlib.Path):
     ba = max(dump.glob("*train_step*after_optimizations-buffer-assignment.txt"), default=None) or max(
-        dump.glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
+        dump.glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size
+    )
     lr = pathlib.Path(str(ba).replace("-buffer-assignment.txt", "-live-range.txt"))
     temp_values, temp_size = {}, 0
     kind = None
@@ -73,8 +75,10 @@ def main() -> None:
 
     curve = [union(live_at(t)) for t in range(n)]
     at = a.at if a.at is not None else max(range(n), key=curve.__getitem__)
-    print(f"temp allocation {temp_size / 2**20:.2f} MiB; live temp bytes at {at} ({seq.get(at)}): "
-          f"{curve[at] / 2**20:.2f} MiB (max over the schedule {max(curve) / 2**20:.2f})")
+    print(
+        f"temp allocation {temp_size / 2**20:.2f} MiB; live temp bytes at {at} ({seq.get(at)}): "
+        f"{curve[at] / 2**20:.2f} MiB (max over the schedule {max(curve) / 2**20:.2f})"
+    )
     rows = sorted(live_at(at).values(), reverse=True)
     tot = 0
     for size, name, shape in rows[: a.top]:

@@ -3,6 +3,7 @@ in the log do not depend on the estimate, so a changed estimate can be held agai
 
     python experiments/results/2026-12-04-memory-six/reestimate_random.py LOG SEED [LOG SEED ...]
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,11 @@ def evaluate(log: str, seed: int) -> None:
         args = estimated_argument_bytes(cfg.model, lay, "jaxpar", cfg.optim)
         out.append((compiled / est, (args + compiled) / (args + est), case, desc))
     bad = [o for o in out if abs(o[0] - 1) > T.TEMP_BOUND or abs(o[1] - 1) > T.PEAK_BOUND]
-    print(f"{log} seed {seed}: {len(out)} layouts, compiled/est temp {min(o[0] for o in out):.3f}-"
-          f"{max(o[0] for o in out):.3f}, peak {min(o[1] for o in out):.3f}-{max(o[1] for o in out):.3f}; "
-          f"outside the bounds: {len(bad)}")
+    print(
+        f"{log} seed {seed}: {len(out)} layouts, compiled/est temp {min(o[0] for o in out):.3f}-"
+        f"{max(o[0] for o in out):.3f}, peak {min(o[1] for o in out):.3f}-{max(o[1] for o in out):.3f}; "
+        f"outside the bounds: {len(bad)}"
+    )
     for o in bad:
         print(f"    temp {o[0]:.3f} peak {o[1]:.3f} case {o[2]}: {o[3]}")
 

@@ -4,6 +4,7 @@ assignment of each compile (``xla_dump_to``) for the live-set analysis.
 
     python experiments/results/2026-12-04-memory-six/six.py [--only NAME] [--dump /tmp/six] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,14 +18,36 @@ sys.path.insert(0, str(ROOT))
 SIX = {
     "tiny_d8_z0_none": ("tiny.py", ["mesh.data=8", "mesh.tensor=1", "parallel.zero_stage=0", "model.remat=none"]),
     "tiny_d8_z3_full": ("tiny.py", ["mesh.data=8", "mesh.tensor=1", "parallel.zero_stage=3", "model.remat=full"]),
-    "tiny_d4t2_z1_selective": ("tiny.py", ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=1",
-                                           "model.remat=selective"]),
-    "tiny_d2t2p2_z0_full_m4": ("tiny.py", ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "parallel.zero_stage=0",
-                                           "model.remat=full", "train.microbatches=4"]),
-    "tiny_d4p2_z2_none_m4": ("tiny.py", ["mesh.data=4", "mesh.tensor=1", "mesh.pipeline=2", "parallel.zero_stage=2",
-                                         "model.remat=none", "train.microbatches=4"]),
-    "1b_d4t2_z3_selective": ("llama_1b.py", ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=3",
-                                             "model.remat=selective"]),
+    "tiny_d4t2_z1_selective": (
+        "tiny.py",
+        ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=1", "model.remat=selective"],
+    ),
+    "tiny_d2t2p2_z0_full_m4": (
+        "tiny.py",
+        [
+            "mesh.data=2",
+            "mesh.tensor=2",
+            "mesh.pipeline=2",
+            "parallel.zero_stage=0",
+            "model.remat=full",
+            "train.microbatches=4",
+        ],
+    ),
+    "tiny_d4p2_z2_none_m4": (
+        "tiny.py",
+        [
+            "mesh.data=4",
+            "mesh.tensor=1",
+            "mesh.pipeline=2",
+            "parallel.zero_stage=2",
+            "model.remat=none",
+            "train.microbatches=4",
+        ],
+    ),
+    "1b_d4t2_z3_selective": (
+        "llama_1b.py",
+        ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=3", "model.remat=selective"],
+    ),
 }
 
 
@@ -35,6 +58,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     from jaxpar.distributed import ensure_host_devices
+
     ensure_host_devices(8)
     from jaxpar.analysis import activations as A
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
@@ -54,15 +78,26 @@ def main() -> None:
         mem = analyze_layout(cfg, compiler_options=opts).memory
         lay = ParallelLayout.from_config(cfg)
         terms = [t.to_dict() for t in A.stage_temps(cfg.model, lay)]
-        out[name] = {"temp_bytes": mem.temp_bytes, "expected_temp_bytes": mem.expected_temp_bytes,
-                     "argument_bytes": mem.argument_bytes, "expected_argument_bytes": mem.expected_argument_bytes,
-                     "temp_ratio": mem.temp_ratio, "peak_ratio": mem.peak_ratio, "terms": terms,
-                     "compile_s": time.time() - t0, "b": lay.microbatch_size, "s": lay.seq_len}
+        out[name] = {
+            "temp_bytes": mem.temp_bytes,
+            "expected_temp_bytes": mem.expected_temp_bytes,
+            "argument_bytes": mem.argument_bytes,
+            "expected_argument_bytes": mem.expected_argument_bytes,
+            "temp_ratio": mem.temp_ratio,
+            "peak_ratio": mem.peak_ratio,
+            "terms": terms,
+            "compile_s": time.time() - t0,
+            "b": lay.microbatch_size,
+            "s": lay.seq_len,
+        }
         MiB = 2**20
-        print(f"{name}: b={lay.microbatch_size} s={lay.seq_len} temp {mem.temp_bytes / MiB:.1f} MiB est "
-              f"{mem.expected_temp_bytes / MiB:.1f} (compiled/est {mem.temp_ratio:.3f}, est/compiled "
-              f"{1 / mem.temp_ratio:.3f}); peak c/e {mem.peak_ratio:.3f} (e/c {1 / mem.peak_ratio:.3f}); "
-              f"args {mem.argument_bytes / MiB:.1f} MiB; {time.time() - t0:.0f}s", flush=True)
+        print(
+            f"{name}: b={lay.microbatch_size} s={lay.seq_len} temp {mem.temp_bytes / MiB:.1f} MiB est "
+            f"{mem.expected_temp_bytes / MiB:.1f} (compiled/est {mem.temp_ratio:.3f}, est/compiled "
+            f"{1 / mem.temp_ratio:.3f}); peak c/e {mem.peak_ratio:.3f} (e/c {1 / mem.peak_ratio:.3f}); "
+            f"args {mem.argument_bytes / MiB:.1f} MiB; {time.time() - t0:.0f}s",
+            flush=True,
+        )
         for t in terms:
             print("   ", {k: (round(v / MiB, 2) if isinstance(v, float) else v) for k, v in t.items()}, flush=True)
     if args.json:

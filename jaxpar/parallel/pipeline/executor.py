@@ -75,7 +75,8 @@ def _send(x: jax.Array, pattern: jax.Array, pairs: tuple, direction: str) -> jax
     """ppermute ``x`` over ``pipeline`` with this tick's pairs (pattern 0: nothing is sent)."""
     branches = [jnp.zeros_like] + [
         _scoped(f"{SCOPE_SEND}_{direction}_{k}", functools.partial(jax.lax.ppermute, axis_name=AXIS, perm=list(p)))
-        for k, p in enumerate(pairs) if k
+        for k, p in enumerate(pairs)
+        if k
     ]
     return jax.lax.switch(pattern, branches, x) if len(branches) > 1 else jnp.zeros_like(x)
 
@@ -108,8 +109,11 @@ def _scatter_shared(grads: dict, dims: dict, dtype: Any, owner: jax.Array, group
         return jax.tree.map(lambda x, dim: _scatter(x, dim, dtype, group), g, dims)
 
     def skip(g):
-        return jax.tree.map(lambda x, dim: jnp.zeros(tuple(k // n if i == dim else k for i, k in enumerate(x.shape)),
-                                                     jnp.float32), g, dims)
+        return jax.tree.map(
+            lambda x, dim: jnp.zeros(tuple(k // n if i == dim else k for i, k in enumerate(x.shape)), jnp.float32),
+            g,
+            dims,
+        )
 
     return _cond(owner, _scoped(SCOPE_ENDS, scatter), skip, grads)
 
@@ -135,7 +139,9 @@ def _chunk(blocks: dict, chunk: jax.Array, virtual_stages: int) -> dict:
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0), blocks)
 
 
-def _layer0(chunk: jax.Array | int, stages: int, virtual_stages: int, blocks: dict, ctx: ShardContext) -> jax.Array | int:
+def _layer0(
+    chunk: jax.Array | int, stages: int, virtual_stages: int, blocks: dict, ctx: ShardContext
+) -> jax.Array | int:
     """Model-form index of the first layer of this device's chunk ``chunk`` (virtual stage
     ``chunk * p + d``; :func:`~jaxpar.parallel.pipeline.forms.layer_order`): keys dropout masks
     (0, nothing traced, without dropout)."""
@@ -145,14 +151,26 @@ def _layer0(chunk: jax.Array | int, stages: int, virtual_stages: int, blocks: di
     return (chunk * stages + jax.lax.axis_index(AXIS)) * size
 
 
-def _stage(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array, last: jax.Array | None,
-           ctx: ShardContext, scale: float, layer0: jax.Array | int = 0) -> tuple[jax.Array, jax.Array | None]:
+def _stage(
+    model: Model,
+    shared: dict,
+    chunk: dict,
+    x_in: jax.Array,
+    tokens: jax.Array,
+    first: jax.Array,
+    last: jax.Array | None,
+    ctx: ShardContext,
+    scale: float,
+    layer0: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array | None]:
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss. ``layer0``: the model-form index of
     the chunk's first layer (dropout masks; :func:`_layer0`)."""
     tokens, ctx = dropout.bind(tokens, ctx)  # the row column of dropout, if any
     inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
-    x = _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, shared, ctx), inputs, ctx)), lambda x: x, x_in)
+    x = _cond(
+        first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, shared, ctx), inputs, ctx)), lambda x: x, x_in
+    )
     y = model.run_blocks(x, chunk, positions, dropout.at_layer(ctx, layer0))
 
     def loss(y):
@@ -161,10 +179,23 @@ def _stage(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax
     return y, None if last is None else _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
 
 
-def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.Array, tokens: jax.Array, first: jax.Array,
-                             last: jax.Array, g_y: jax.Array, acc: dict, row: jax.Array, ctx: ShardContext,
-                             scale: float, dims: dict, dtype: Any,
-                             layer0: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, dict]:
+def _stage_backward_by_layer(
+    model: Model,
+    shared: dict,
+    chunk: dict,
+    x_in: jax.Array,
+    tokens: jax.Array,
+    first: jax.Array,
+    last: jax.Array,
+    g_y: jax.Array,
+    acc: dict,
+    row: jax.Array,
+    ctx: ShardContext,
+    scale: float,
+    dims: dict,
+    dtype: Any,
+    layer0: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array, dict]:
     """The backward of :func:`_stage` layer by layer, for full rematerialisation: a forward scan keeps
     each layer's input, then a reverse scan recomputes one layer under ``jax.vjp`` and adds its
     weight gradient into rows ``row + l`` of ``acc["blocks"]`` in place, so no stacked gradient of
@@ -179,7 +210,9 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
         return one(x, layer, layer0 + j) if dropout.active(ctx) else one(x, layer)
 
     def embed(sh, x):
-        return _cond(first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, sh, ctx), inputs, ctx)), lambda x: x, x)
+        return _cond(
+            first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, sh, ctx), inputs, ctx)), lambda x: x, x
+        )
 
     def head(sh, y):
         def loss(y):
@@ -216,11 +249,14 @@ def _stage_backward_by_layer(model: Model, shared: dict, chunk: dict, x_in: jax.
     return loss, d_x, {**acc_shared, "blocks": acc_blocks}
 
 
-def _boundary_types(model: Model, shared: dict, blocks: dict, batch: jax.Array, ctx: ShardContext, v: int,
-                    scale: float) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
+def _boundary_types(
+    model: Model, shared: dict, blocks: dict, batch: jax.Array, ctx: ShardContext, v: int, scale: float
+) -> tuple[jax.ShapeDtypeStruct, frozenset, frozenset]:
     """(activation shape/dtype, its varying axes, the loss's varying axes), traced abstractly."""
     tokens, bound = dropout.bind(batch[0], ctx)
-    emb = jax.eval_shape(lambda: model.embed(_view(model, shared, bound), split_tokens(tokens, ctx.context_axis)[0], bound))
+    emb = jax.eval_shape(
+        lambda: model.embed(_view(model, shared, bound), split_tokens(tokens, ctx.context_axis)[0], bound)
+    )
     axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(model, shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
@@ -249,8 +285,16 @@ def _store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
     return buf.at[slot].set(x, mode="drop")
 
 
-def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: ShardContext, table: ScheduleTable,
-                             prog: Program, scale: float, scatter: tuple[dict, Any] | None) -> tuple[jax.Array, dict]:
+def _explicit_loss_and_grads(
+    model: Model,
+    params: dict,
+    batch: jax.Array,
+    ctx: ShardContext,
+    table: ScheduleTable,
+    prog: Program,
+    scale: float,
+    scatter: tuple[dict, Any] | None,
+) -> tuple[jax.Array, dict]:
     """1F1B / interleaved: one scan over the table's ticks, explicit ``jax.vjp`` per backward.
     ``scatter`` (ZeRO-2): (dims tree like ``params``, reduce dtype); each backward tick
     reduce-scatters its gradients over ``data`` into an accumulator sharded like the optimizer."""
@@ -278,7 +322,9 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
             return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(act_buf, act_slot, 0, False), start, n, 0)
 
         def grad_in(start=0, n=act.shape[0]):
-            return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(grad_buf, grad_slot, 0, False), start, n, 0)
+            return jax.lax.dynamic_slice_in_dim(
+                jax.lax.dynamic_index_in_dim(grad_buf, grad_slot, 0, False), start, n, 0
+            )
 
         first, last = (chunk == 0) & (d == 0), (chunk == v - 1) & (d == p - 1)
         tokens = jax.lax.dynamic_index_in_dim(batch, mb, 0, keepdims=False)
@@ -287,8 +333,18 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
             return zeros_act(), zeros_act(), acc, loss
 
         def forward(acc, loss):
-            y, _ = _stage(model, shared, _chunk(blocks, chunk, v), act_in(), tokens, first, None, ctx, scale,
-                          _layer0(chunk, p, v, blocks, ctx))
+            y, _ = _stage(
+                model,
+                shared,
+                _chunk(blocks, chunk, v),
+                act_in(),
+                tokens,
+                first,
+                None,
+                ctx,
+                scale,
+                _layer0(chunk, p, v, blocks, ctx),
+            )
             return y, zeros_act(), acc, loss
 
         def backward(acc, loss):
@@ -304,12 +360,28 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
                 x_in, g_y = act_in(j * rows, rows), grad_in(j * rows, rows)
                 if by_layer:
                     stage_loss, d_x, acc = _stage_backward_by_layer(
-                        model, shared, _chunk(blocks, chunk, v), x_in, part(tokens), first, last, g_y, acc, chunk * size,
-                        ctx, scale, dims, dtype, _layer0(chunk, p, v, blocks, ctx)
+                        model,
+                        shared,
+                        _chunk(blocks, chunk, v),
+                        x_in,
+                        part(tokens),
+                        first,
+                        last,
+                        g_y,
+                        acc,
+                        chunk * size,
+                        ctx,
+                        scale,
+                        dims,
+                        dtype,
+                        _layer0(chunk, p, v, blocks, ctx),
                     )
                 else:
+
                     def f(sh, ch, x):
-                        return _stage(model, sh, ch, x, part(tokens), first, last, ctx, scale, _layer0(chunk, p, v, blocks, ctx))
+                        return _stage(
+                            model, sh, ch, x, part(tokens), first, last, ctx, scale, _layer0(chunk, p, v, blocks, ctx)
+                        )
 
                     (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
                     g_y = jnp.where(last, jnp.zeros_like(y), g_y)
@@ -319,11 +391,15 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
 
                     def add(a, g, dim):  # into this chunk's rows of the stage's stacked layers
                         old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0)
-                        return jax.lax.dynamic_update_slice_in_dim(a, old + _scatter(g, dim, dtype, ctx.data_axis), chunk * size, 0)
+                        return jax.lax.dynamic_update_slice_in_dim(
+                            a, old + _scatter(g, dim, dtype, ctx.data_axis), chunk * size, 0
+                        )
 
                     d_shared = _scatter_shared(d_shared, dims_shared, dtype, first | last, ctx.data_axis)
-                    acc = {**jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared),
-                           "blocks": jax.tree.map(add, acc_blocks, d_chunk, dims_blocks)}
+                    acc = {
+                        **jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared),
+                        "blocks": jax.tree.map(add, acc_blocks, d_chunk, dims_blocks),
+                    }
                 d_in = jax.lax.dynamic_update_slice_in_dim(d_in, _vary(d_x, _varying(d_in)), j * rows, 0)
                 out = (acc, loss + stage_loss, d_in)
                 return jax.tree.map(lambda new, old: _vary(new, _varying(old)), out, carry), None
@@ -336,8 +412,17 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
     def tick(carry, xs):
         act_buf, grad_buf, acc, loss = carry
         row = {name: column[d] for name, column in xs["per_stage"].items()}
-        send_f, send_b, acc, loss = run(row["kind"], row["microbatch"], row["chunk"], act_buf, grad_buf,
-                                        row["act_read"], row["grad_read"], acc, loss)
+        send_f, send_b, acc, loss = run(
+            row["kind"],
+            row["microbatch"],
+            row["chunk"],
+            act_buf,
+            grad_buf,
+            row["act_read"],
+            row["grad_read"],
+            acc,
+            loss,
+        )
         recv_f = _send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd")
         recv_b = _send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd")
         act_buf = _store(act_buf, recv_f, row["act_write"])
@@ -355,8 +440,9 @@ def _explicit_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: 
     return _reduce_shared(loss, grads)
 
 
-def _gpipe_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: ShardContext, table: ScheduleTable,
-                          prog: Program, scale: float) -> tuple[jax.Array, dict]:
+def _gpipe_loss_and_grads(
+    model: Model, params: dict, batch: jax.Array, ctx: ShardContext, table: ScheduleTable, prog: Program, scale: float
+) -> tuple[jax.Array, dict]:
     """GPipe: the forward ticks as a differentiated scan; JAX's transpose runs the backward ticks."""
     p, m = table.stages, table.microbatches
     d = jax.lax.axis_index(AXIS)
@@ -373,7 +459,9 @@ def _gpipe_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: Sha
             tokens = jax.lax.dynamic_index_in_dim(batch, jnp.clip(mb, 0, m - 1), 0, keepdims=False)
 
             def work(x):
-                return _stage(model, shared, blocks, x, tokens, d == 0, d == p - 1, ctx, scale, _layer0(0, p, 1, blocks, ctx))
+                return _stage(
+                    model, shared, blocks, x, tokens, d == 0, d == p - 1, ctx, scale, _layer0(0, p, 1, blocks, ctx)
+                )
 
             def skip(x):
                 return x, jnp.zeros((), jnp.float32)
@@ -390,8 +478,9 @@ def _gpipe_loss_and_grads(model: Model, params: dict, batch: jax.Array, ctx: Sha
     return _reduce_shared(loss, grads)
 
 
-def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, stages: int,
-                  virtual_stages: int) -> jax.Array:
+def eval_loss_sum(
+    model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, stages: int, virtual_stages: int
+) -> jax.Array:
     """Summed loss of ``tokens`` (b, s+1) through the pipeline, forward only: the microbatch walks
     the p*v virtual stages in order (one stage busy at a time); the loss is summed over stages."""
     p, v = stages, virtual_stages
@@ -403,8 +492,9 @@ def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardConte
     ring = [(j, (j + 1) % p) for j in range(p)]
 
     def run(x, k):
-        return _cond(d == k % p, lambda x: model.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx),
-                     lambda x: x, x)
+        return _cond(
+            d == k % p, lambda x: model.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx), lambda x: x, x
+        )
 
     def step(x, k):
         return jax.lax.ppermute(run(x, k), AXIS, ring), None
@@ -436,8 +526,9 @@ class Pipeline:
         )
         return cls(table, compile_program(table), model or get_model(cfg.model))
 
-    def loss_and_grads(self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float,
-                       scatter: tuple[dict, Any] | None = None) -> tuple[jax.Array, dict]:
+    def loss_and_grads(
+        self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float, scatter: tuple[dict, Any] | None = None
+    ) -> tuple[jax.Array, dict]:
         """Inside the shard_map: the scaled loss summed over stages and microbatches, and the local
         gradients (block gradients of this stage's layers; embedding / head gradients summed over
         stages). ``params`` must vary over ``pipeline`` (and over ``data`` unless ZeRO-sharded).
