@@ -74,3 +74,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
     for family, count in sorted(counts.items()):
         terminalreporter.write_line(f"{family:<40} {count:>5}")
     terminalreporter.write_line(f"{'total':<40} {sum(counts.values()):>5}")
+
+
+# The longest test files (2026-12-04 fresh-clone run: the SLURM cluster, the fault drills, the
+# optimizer and equivalence grids, the multi-process runs) go first: pytest-xdist's loadfile hands
+# files out in collection order, and a long file handed out last leaves the other worker idle.
+LONG_FILES = (
+    "test_slurm.py",
+    "test_fault.py",
+    "test_optim.py",
+    "test_multiprocess.py",
+    "test_equivalence.py",
+    "test_sweep.py",
+    "test_compile_cache.py",
+    "test_train_cli.py",
+    "test_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pytest's hook signature
+    """Long files first, each file's tests kept together and in order (the same order on every worker)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order
