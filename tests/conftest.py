@@ -78,7 +78,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
 
 # The longest test files (2026-12-04 fresh-clone run: the SLURM cluster, the fault drills, the
 # optimizer and equivalence grids, the multi-process runs) go first: pytest-xdist's loadfile hands
-# files out in collection order, and a long file handed out last leaves the other worker idle.
+# files out in collection order (with --no-loadscope-reorder, pyproject.toml: else it orders them by
+# test count, which put the 5-test SLURM file last), and a long file handed out last leaves the
+# other worker idle.
 LONG_FILES = (
     "test_slurm.py",
     "test_fault.py",
