@@ -33,6 +33,16 @@ from jaxpar import write_guard
 from jaxpar.config import ConfigDict, ConfigError
 
 
+def _one_writer_per_shard() -> None:
+    """Have orbax write each shard from its first replica (its default on GPUs), not split across the
+    replicas of a replicated array: on CPU the split slices every array by a fresh ``jit`` at each
+    save, about 0.7 s of compiling per save of the tiny model for no gain in what is written. Set on
+    orbax's global handler registry for ``jax.Array``; the files are the same either way."""
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+    )
+
+
 class Checkpointer:
     """Save / restore the training state under ``<workdir>/checkpoints``."""
 
@@ -49,6 +59,7 @@ class Checkpointer:
         (it is another run's, not damaged: nothing is deleted)."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.every, self.echo, self.model, self.optimizer = every, echo, model, optimizer
+        _one_writer_per_shard()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 

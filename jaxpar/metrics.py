@@ -162,9 +162,7 @@ class TensorBoardWriter:
     SKIP = frozenset({"step", "time"})
 
     def __init__(self, logdir: str):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(logdir=logdir, flush_secs=10)
+        self.writer = _summary_writer_class()(logdir=logdir, flush_secs=10)
 
     def scalars(self, step: int, row: dict[str, Any], prefix: str) -> None:
         for key, value in row.items():
@@ -174,6 +172,24 @@ class TensorBoardWriter:
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
+
+
+def _summary_writer_class() -> type:
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch. tensorboardX imports ``torch``
+    when it is installed only to accept torch tensors as values (1.5-2.5 s on every run's start);
+    jaxpar writes Python floats, so a torch not yet imported is hidden for the duration of the import."""
+    import sys
+
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def read_event_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
