@@ -153,19 +153,29 @@ def _sbatch(
     return job
 
 
-def _train_one_process(workdir: pathlib.Path) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxpar",
-        "train",
-        "--config",
-        TINY,
-        "--no-progress",
-        *RUN,
-        f"--config.train.workdir={workdir}",
-    ]
-    return subprocess.run(cmd, env=_user_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+class OneProcess:
+    """A one-process 8-device run started in the background (it overlaps the cluster's start and the
+    jobs' scheduling waits); :meth:`result` waits for it and returns its workdir and losses."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.workdir = workdir
+        cmd = [sys.executable, "-m", "jaxpar", "train", "--config", TINY, "--no-progress", *RUN]
+        self.proc = subprocess.Popen(
+            [*cmd, f"--config.train.workdir={workdir}"],
+            env=_user_env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._losses: dict[int, float] | None = None
+
+    def result(self) -> tuple[pathlib.Path, dict[int, float]]:
+        if self._losses is None:
+            _, err = self.proc.communicate(timeout=240)
+            assert self.proc.returncode == 0, err[-2000:]
+            self._losses = _losses(self.workdir)
+        return self.workdir, self._losses
 
 
 def _losses(workdir: pathlib.Path) -> dict[int, float]:
@@ -187,14 +197,12 @@ def _close(ours: dict[int, float], reference: dict[int, float], rel: float = 1e-
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("one") / "run"
-    done = _train_one_process(workdir)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return workdir, _losses(workdir)
+    """The single-process reference, started before the cluster (fixtures run in request order)."""
+    return OneProcess(tmp_path_factory.mktemp("one") / "run")
 
 
 @pytest.fixture(scope="module")
-def two_nodes(cluster, tmp_path_factory, one_process):
+def two_nodes(one_process, cluster, tmp_path_factory):
     """The uninterrupted run: sbatch of the shipped script on 2 nodes, one task each."""
     workdir = tmp_path_factory.mktemp("two") / "run"
     done = _sbatch(cluster, workdir, "--nodes=2", "--ntasks-per-node=1")
@@ -205,7 +213,7 @@ def two_nodes(cluster, tmp_path_factory, one_process):
 def test_two_nodes_train_the_single_process_losses(two_nodes, one_process):
     workdir, losses = two_nodes
     assert "2 tasks, coordinator 127.0.0.1:" in _log(workdir)
-    _close(losses, one_process[1])
+    _close(losses, one_process.result()[1])
 
 
 def _task_pid(job: str, procid: int) -> int | None:
@@ -245,6 +253,7 @@ def test_kill_9_of_one_task_fails_the_job_and_sbatch_resumes_bitwise(cluster, tm
     # the resumed run: a one-process resume of a copy, and sbatch again in place
     copy = tmp_path / "copy"
     shutil.copytree(workdir, copy)
+    alone = OneProcess(copy)  # alongside the sbatch below
     done = _sbatch(cluster, workdir, "--nodes=2", "--ntasks-per-node=1")
     assert done.returncode == 0, done.stderr + _log(workdir)[-3000:]
     resumed = [line for line in _log(workdir).splitlines() if line.startswith("resumed from checkpoint at step")]
@@ -252,14 +261,12 @@ def test_kill_9_of_one_task_fails_the_job_and_sbatch_resumes_bitwise(cluster, tm
     step = int(resumed[-1].split("step ")[1].split()[0])
     assert step > 0 and step % EVERY == 0 and step <= max(lost)
     assert _losses(workdir) == two_nodes[1]  # bitwise: the same layout as the uninterrupted run
-    alone = _train_one_process(copy)
-    assert alone.returncode == 0, alone.stderr[-2000:]
-    _close(_losses(copy), two_nodes[1])
+    _close(alone.result()[1], two_nodes[1])
 
 
 def test_two_nodes_of_two_tasks_resume_a_one_process_checkpoint(cluster, tmp_path, one_process):
     """4 processes on 2 nodes take over the one-process run half-way and end on its losses."""
-    source, reference = one_process
+    source, reference = one_process.result()
     workdir = tmp_path / "run"
     shutil.copytree(source, workdir)
     keep = STEPS // 2
