@@ -11,8 +11,8 @@ Sources, in order (:func:`launch_spec` decides every value; JAX's own detection 
 * otherwise a single process: nothing to do.
 
 On CPU the processes talk over gloo. A coordinator that does not resolve is refused before JAX
-starts; one that does not answer within ``JAXPAR_COORDINATOR_TIMEOUT`` seconds (default 120) is one
-line. A process that dies stops sending heartbeats; the coordination service then fails the others
+starts; one that does not answer, or a job that not every process joins, within
+``JAXPAR_COORDINATOR_TIMEOUT`` seconds (default 120) is one line. A process that dies stops sending heartbeats; the coordination service then fails the others
 after ``JAXPAR_HEARTBEAT_TIMEOUT`` seconds (default 100, as JAX) instead of letting them hang.
 """
 
@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 
@@ -261,16 +262,23 @@ def initialize_from_env() -> bool:
     wait = coordinator_timeout()
     check_coordinator(spec, wait)
     _gloo_on_cpu()
-    # A peer that never registers still ends in jax.distributed's own abort, after the same wait.
-    jax.distributed.initialize(
-        coordinator_address=spec.coordinator,
-        num_processes=spec.num_processes,
-        process_id=spec.process_id,
-        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids is not None else None,
-        cluster_detection_method="deactivate",
-        heartbeat_timeout_seconds=timeout,
-        initialization_timeout=wait,
-    )
+    # A peer that never registers would end in jax.distributed's C++ abort (a stack trace, exit 134)
+    # once its own deadline passes: ours comes first and says it in one line.
+    watchdog = threading.Timer(wait, _registration_timed_out, args=(spec, wait))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator,
+            num_processes=spec.num_processes,
+            process_id=spec.process_id,
+            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids is not None else None,
+            cluster_detection_method="deactivate",
+            heartbeat_timeout_seconds=timeout,
+            initialization_timeout=wait + REGISTRATION_MARGIN_S,
+        )
+    finally:
+        watchdog.cancel()
     # One line per process: where it runs and what it drives (the GPU-binding check of a new cluster).
     devices = jax.local_devices()
     print(
@@ -279,6 +287,22 @@ def initialize_from_env() -> bool:
         flush=True,
     )
     return True
+
+
+REGISTRATION_MARGIN_S = 30  # JAX's own registration deadline lies this far past jaxpar's
+
+
+def _registration_timed_out(spec: LaunchSpec, wait: int) -> None:
+    """The watchdog of :func:`initialize_from_env`: not every process registered within ``wait``
+    seconds. One line on stderr and exit 2 (no run has started, nothing is written yet)."""
+    others = "the other processes" if spec.process_id == 0 else "process 0 or the other processes"
+    sys.stderr.write(
+        f"error: process {spec.process_id}/{spec.num_processes}: {others} did not join the job at "
+        f"{spec.coordinator} within {wait}s (JAXPAR_COORDINATOR_TIMEOUT); start all {spec.num_processes} "
+        "processes with the same coordinator (see their logs), or raise JAXPAR_COORDINATOR_TIMEOUT\n"
+    )
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def _heartbeat_timeout() -> int:

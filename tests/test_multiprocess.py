@@ -269,6 +269,31 @@ def test_a_coordinator_that_does_not_answer_fails_within_the_bound(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_a_peer_that_never_joins_is_one_line_within_the_bound(tmp_path):
+    """Process 0 of 2 alone: the coordinator runs, nobody else registers. jaxpar's watchdog ends it
+    in one line before jax.distributed's own deadline (a C++ abort with a stack trace, exit 134)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _clean_env(
+        JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+        JAXPAR_NUM_PROCESSES="2",
+        JAXPAR_PROCESS_ID="0",
+        JAXPAR_COORDINATOR_TIMEOUT="3",
+    )
+    started = time.time()
+    done = _train([], tmp_path / "run", env)
+    assert time.time() - started < 3 + distributed.REGISTRATION_MARGIN_S
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: process 0/2: the other processes did not join the job at 127.0.0.1:{port} within 3s "
+        "(JAXPAR_COORDINATOR_TIMEOUT); start all 2 processes with the same coordinator (see their logs), "
+        "or raise JAXPAR_COORDINATOR_TIMEOUT"
+    ]
+
+
 def test_tensor_and_context_must_stay_inside_a_node():
     from types import SimpleNamespace
 
