@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -38,9 +39,22 @@ def _one_writer_per_shard() -> None:
     replicas of a replicated array: on CPU the split slices every array by a fresh ``jit`` at each
     save, about 0.7 s of compiling per save of the tiny model for no gain in what is written. Set on
     orbax's global handler registry for ``jax.Array``; the files are the same either way."""
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
-    )
+    global _ONE_WRITER
+    if _ONE_WRITER:
+        return
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns of every override, this intended one included
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+        )
+    finally:
+        absl.setLevel(level)
+    _ONE_WRITER = True
+
+
+_ONE_WRITER = False
 
 
 class Checkpointer:
