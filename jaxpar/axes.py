@@ -19,22 +19,47 @@ class MeshAxis(enum.StrEnum):
     TENSOR = "tensor"  # Megatron tensor parallelism (innermost: neighbouring devices)
     PIPELINE = "pipeline"  # pipeline stages (outermost: the axis that crosses nodes)
     CONTEXT = "context"  # context parallelism: the sequence split over devices (ring / all-gather attention)
+    EXPERT = "expert"  # expert parallelism: MoE experts split over devices; more data parallelism elsewhere
 
 
 # Every axis, in the order the config and reports list them.
-MESH_AXES: tuple[MeshAxis, ...] = (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE, MeshAxis.CONTEXT)
+MESH_AXES: tuple[MeshAxis, ...] = (
+    MeshAxis.DATA,
+    MeshAxis.TENSOR,
+    MeshAxis.PIPELINE,
+    MeshAxis.CONTEXT,
+    MeshAxis.EXPERT,
+)
 # Order of the device array, outermost first: pipeline crosses nodes, tensor stays inside one;
 # context sits between data and tensor (torchtitan's pp, dp, cp, tp order): its ring exchanges
-# every layer, so it is kept closer than data, whose reductions come once per step.
-DEVICE_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR)
+# every layer, so it is kept closer than data, whose reductions come once per step. expert sits
+# between data and context: its dispatch and combine run every MoE layer (closer than data), but
+# move the activations once per layer where the context ring moves K/V blocks per block pair.
+DEVICE_ORDER: tuple[MeshAxis, ...] = (
+    MeshAxis.PIPELINE,
+    MeshAxis.DATA,
+    MeshAxis.EXPERT,
+    MeshAxis.CONTEXT,
+    MeshAxis.TENSOR,
+)
 
 
-def data_group(context: int) -> MeshAxis | tuple[MeshAxis, ...]:
-    """The axes that split the batch and over which ZeRO shards and gradients are reduced: ``data``,
-    or ``(data, context)`` with context parallelism (as torchtitan's FSDP over dp_shard x cp: every
-    context rank holds a different part of the sequence, so its gradients are partial sums too).
-    A single name when ``context == 1``, so those layouts trace exactly as before the axis existed."""
-    return MeshAxis.DATA if context == 1 else (MeshAxis.DATA, MeshAxis.CONTEXT)
+def batch_axes(expert: int = 1) -> MeshAxis | tuple[MeshAxis, ...]:
+    """The axes that split the batch's sequences: ``data``, or ``(data, expert)``: ``expert`` takes
+    its devices from data parallelism (the layers other than the experts see ``data x expert`` as
+    their data-parallel group, as in Megatron-core's MoE parallel folding and MaxText)."""
+    return MeshAxis.DATA if expert == 1 else (MeshAxis.DATA, MeshAxis.EXPERT)
+
+
+def data_group(context: int, expert: int = 1) -> MeshAxis | tuple[MeshAxis, ...]:
+    """The axes over which ZeRO shards and gradients are reduced, for every parameter but the
+    experts': the batch axes (:func:`batch_axes`), and ``context`` with context parallelism (as
+    torchtitan's FSDP over dp_shard x cp: every context rank holds a different part of the sequence,
+    so its gradients are partial sums too). The experts' group leaves ``expert`` out (their weights
+    are split over it). A single name when ``context == expert == 1``, so those layouts trace
+    exactly as before the axes existed."""
+    axes = (*group_axes(batch_axes(expert)), *((MeshAxis.CONTEXT,) if context > 1 else ()))
+    return axes[0] if len(axes) == 1 else axes
 
 
 def group_axes(group: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
 FILE_SOURCES = ("bin", "megatron")  # the data sources that read data.path
 MAX_DEVICES = 1 << 20  # more accelerators than any cluster has: a larger mesh is a typo, not a plan
 MAX_PARAMS = 10**13  # parameters: beyond any model a cluster of MAX_DEVICES trains
+MOE_FIELDS = ("experts_per_token", "router_score", "router_norm_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff")
 MAX_DIM = 1 << 24  # one model dimension (vocabulary, width, heads, layers, sequence length)
 
 
@@ -81,6 +82,13 @@ def default_config() -> ConfigDict:
         0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
     )
     c.model.attention_dropout = 0.0  # dropout on the softmax probabilities; 0: off
+    # mixture of experts (jaxpar.models.moe): every layer's MLP is num_experts SwiGLU experts of mlp_dim
+    c.model.num_experts = 0  # 0: a dense MLP in every layer
+    c.model.experts_per_token = 2  # top-k experts each token runs through
+    c.model.router_score = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    c.model.router_norm_topk = True  # renormalise the top-k weights to sum 1
+    c.model.moe_aux_loss_coeff = 0.0  # Switch load-balancing loss weight (Megatron --moe-aux-loss-coeff)
+    c.model.moe_z_loss_coeff = 0.0  # router z-loss weight (Megatron --moe-z-loss-coeff)
 
     c.optim = ConfigDict()
     c.optim.name = "adamw"  # adamw | lion | sgd | adafactor | muon | path/to/file.py:fn (jaxpar.optim.registry)
@@ -384,6 +392,7 @@ def _validate_model(mo: ConfigDict) -> None:
             math.isfinite(mo[name]) and 0 <= mo[name] < 1,
             f"model.{name}={mo[name]}: use a drop probability in [0, 1), e.g. 0.1 (0: no dropout)",
         )
+    _validate_moe(mo)
     count = _rough_param_count(mo)
     _require(
         count <= MAX_PARAMS,
@@ -391,11 +400,41 @@ def _validate_model(mo: ConfigDict) -> None:
     )
 
 
+def _validate_moe(mo: ConfigDict) -> None:
+    """The MoE fields' domains; with ``num_experts=0`` every other MoE field must keep its default
+    (it would have no effect)."""
+    _require(0 <= mo.num_experts <= MAX_DIM, f"model.num_experts={mo.num_experts}: use 0 (dense) or a count >= 2")
+    _require(mo.num_experts != 1, "model.num_experts=1 is a dense MLP with a router; use 0 (dense) or >= 2 experts")
+    if not mo.num_experts:
+        base = default_config().model
+        for name in MOE_FIELDS:
+            _require(
+                mo[name] == base[name],
+                f"model.{name}={mo[name]!r} has no effect with model.num_experts=0 (a dense MLP); set "
+                f"--config.model.num_experts or leave model.{name} at {base[name]!r}",
+            )
+        return
+    _require(
+        1 <= mo.experts_per_token <= mo.num_experts,
+        f"model.experts_per_token={mo.experts_per_token}: use 1 to model.num_experts={mo.num_experts}",
+    )
+    _require(
+        mo.router_score in ("softmax", "sigmoid"),
+        f"model.router_score='{mo.router_score}': use softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)",
+    )
+    _require(mo.mlp_activation == "swiglu", f"model.mlp_activation='{mo.mlp_activation}': the MoE experts are SwiGLU")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        _require(
+            math.isfinite(mo[name]) and mo[name] >= 0, f"model.{name}={mo[name]}: use a finite weight >= 0 (0: off)"
+        )
+
+
 def _rough_param_count(mo: ConfigDict) -> int:
     """Parameters of a decoder of these sizes, to within norms and biases: enough to refuse what no
     cluster could hold without importing the model (the exact count: ``jaxpar.models.inventory``)."""
     attention = mo.embed_dim * mo.head_dim * (2 * mo.num_heads + 2 * mo.num_kv_heads)
-    return mo.num_layers * (attention + 3 * mo.embed_dim * mo.mlp_dim) + 2 * mo.vocab_size * mo.embed_dim
+    mlp = 3 * mo.embed_dim * mo.mlp_dim * max(mo.num_experts, 1)
+    return mo.num_layers * (attention + mlp) + 2 * mo.vocab_size * mo.embed_dim
 
 
 def _validate_optim(o: ConfigDict) -> None:

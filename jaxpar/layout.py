@@ -53,13 +53,14 @@ class ParallelLayout:
     attention: str = "dot_product"  # auto | dot_product | blockwise | cudnn (model.attention)
     attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
     context_exchange: str = "ring"  # ring | all_gather (used when context > 1)
+    expert: int = 1  # expert parallelism: MoE experts split over `expert`; the batch over data x expert
 
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelLayout:
         """The layout a train config (a ``ConfigDict``) runs: global_batch / (microbatches * data)
         sequences per shard and microbatch."""
         mesh, train = cfg.mesh, cfg.train
-        per_step = train.microbatches * mesh.data
+        per_step = train.microbatches * mesh.data * mesh.expert
         return cls(
             **{axis.value: mesh[axis.value] for axis in MESH_AXES},
             virtual_stages=cfg.pipeline.virtual_stages,
@@ -89,14 +90,19 @@ class ParallelLayout:
         return math.prod(self.mesh.values())
 
     @property
+    def batch_shards(self) -> int:
+        """How many shards the batch's sequences are split into: ``data x expert``."""
+        return self.data * self.expert
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
-        return self.microbatch_size * self.microbatches * self.data
+        return self.microbatch_size * self.microbatches * self.batch_shards
 
     @property
     def microbatch_sequences(self) -> int:
         """Global sequences per microbatch."""
-        return self.microbatch_size * self.data
+        return self.microbatch_size * self.batch_shards
 
     @property
     def tokens_per_step(self) -> int:
@@ -158,7 +164,29 @@ class ParallelLayout:
         self._validate_pipeline(model)
         return self
 
+    def _validate_experts(self, model: Mapping[str, Any]) -> None:
+        experts = model.get("num_experts", 0)
+        if self.expert == 1:
+            return
+        _require(
+            experts > 0,
+            f"mesh.expert={self.expert} but model.num_experts=0 (a dense model has no experts to split); "
+            "set --config.mesh.expert=1, or put those devices on mesh.data",
+        )
+        _require(
+            experts % self.expert == 0,
+            f"model.num_experts={experts} is not divisible by mesh.expert={self.expert}; choose an expert "
+            f"size that divides {experts}",
+        )
+        _require(
+            self.pipeline == 1 or self.zero_stage < 2,
+            f"parallel.zero_stage={self.zero_stage} with mesh.expert={self.expert} and mesh.pipeline="
+            f"{self.pipeline} is not supported yet (the pipeline's sharded gradient ticks reduce every "
+            "parameter over one group); use --config.parallel.zero_stage=1 or mesh.pipeline=1",
+        )
+
     def _validate_model(self, model: Mapping[str, Any]) -> None:
+        self._validate_experts(model)
         for name in TENSOR_SPLIT_FIELDS:
             _require(
                 model[name] % self.tensor == 0,
@@ -209,18 +237,20 @@ class ParallelLayout:
         )
 
     def _validate_batch(self, global_batch: int | None) -> None:
-        per_step = self.microbatches * self.data
+        per_step = self.microbatches * self.batch_shards
+        names = "train.microbatches*mesh.data" + ("*mesh.expert" if self.expert > 1 else "")
+        sizes = f"{self.microbatches}*{self.data}" + (f"*{self.expert}" if self.expert > 1 else "")
         if global_batch is not None:
             _require(global_batch >= 1, f"train.global_batch={global_batch}: must be >= 1")
             _require(
                 global_batch % per_step == 0,
-                f"train.global_batch={global_batch} is not divisible by train.microbatches*mesh.data="
-                f"{self.microbatches}*{self.data}={per_step}; use a multiple of {per_step}",
+                f"train.global_batch={global_batch} is not divisible by {names}="
+                f"{sizes}={per_step}; use a multiple of {per_step}",
             )
         _require(
             self.microbatch_size >= 1,
             f"train.global_batch={self.global_batch} gives {self.microbatch_size} sequences per data shard "
-            f"and microbatch; use at least train.microbatches*mesh.data={per_step} sequences",
+            f"and microbatch; use at least {names}={per_step} sequences",
         )
 
     def _validate_pipeline(self, model: Mapping[str, Any]) -> None:

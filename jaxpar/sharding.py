@@ -41,8 +41,11 @@ TENSOR_RULES: Mapping[str, str] = {
     "vocab": MeshAxis.TENSOR,  # vocabulary-parallel embedding and logits / cross-entropy
     "heads": MeshAxis.TENSOR,  # QKV column-parallel, attention output row-parallel
     "kv_heads": MeshAxis.TENSOR,
-    "mlp": MeshAxis.TENSOR,  # MLP up/gate column-parallel, down row-parallel
+    "mlp": MeshAxis.TENSOR,  # MLP up/gate column-parallel, down row-parallel (the experts' too)
 }
+# Expert parallelism: MoE expert weights split over `expert` (jaxpar.models.moe). With
+# mesh.expert == 1 it is a no-op, like the tensor rules.
+EXPERT_RULES: Mapping[str, str] = {"experts": MeshAxis.EXPERT}
 # Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
 # With an untied output layer the embedding and output layer share one table per stage
 # (jaxpar.parallel.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
@@ -54,7 +57,7 @@ NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 class Strategy:
     """A parallel layout's logic: rules table + ZeRO stage + sequence parallelism."""
 
-    rules: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(TENSOR_RULES))
+    rules: Mapping[str, str] = dataclasses.field(default_factory=lambda: {**TENSOR_RULES, **EXPERT_RULES})
     zero_stage: int = 0
     sequence_parallel: bool = False
     grad_reduce_dtype: str = "float32"
@@ -63,7 +66,7 @@ class Strategy:
     @classmethod
     def from_config(cls, parallel_cfg: ConfigDict, pipeline: int = 1) -> Strategy:
         """``pipeline``: the mesh's pipeline size; above 1 the layers are split over ``pipeline``."""
-        rules = {**TENSOR_RULES, **(PIPELINE_RULES if pipeline > 1 else {})}
+        rules = {**TENSOR_RULES, **EXPERT_RULES, **(PIPELINE_RULES if pipeline > 1 else {})}
         return cls(
             rules=rules,
             zero_stage=parallel_cfg.zero_stage,
@@ -134,7 +137,10 @@ def param_placement(
                 f"choose mesh.{axis} that divides {size}"
             )
         compute.append(axis)
-    group = data_group(mesh_shape.get(MeshAxis.CONTEXT, 1))
+    # the experts' weights are split over `expert`: their group leaves it out (jaxpar.axes.data_group)
+    split_over_expert = MeshAxis.EXPERT in compute
+    expert = 1 if split_over_expert else mesh_shape.get(MeshAxis.EXPERT, 1)
+    group = data_group(mesh_shape.get(MeshAxis.CONTEXT, 1), expert)
     zdim = zero_dim(shape, logical, strategy.rules, math.prod(mesh_shape[a] for a in group_axes(group)))
     stage = strategy.zero_stage
     return ParamPlacement(

@@ -18,7 +18,7 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--config.mesh.data=2"], "mesh: data*tensor*pipeline*context = 2*2*1*1 = 4 but 8 devices"),
+        (["--config.mesh.data=2"], "mesh: data*tensor*pipeline*context*expert = 2*2*1*1*1 = 4 but 8 devices"),
         (["--config.mesh.tensor=8", "--config.mesh.data=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
         (["--config.model.num_kv_heads=3"], "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
         (["--config.train.global_batch=6"], "train.global_batch=6 is not divisible by train.microbatches*mesh.data"),
@@ -85,14 +85,16 @@ def test_real_shapes_load_and_count():
     from jaxpar.models.inventory import count_params
 
     counts = {}
-    for name in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b"):
+    for name in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "mixtral_8x7b"):
         counts[name] = count_params(load_config(str(TINY).replace("tiny", name)).model)
-    # Published parameter counts (Touvron et al. 2023; Meta LLaMA-3 model card).
+    # Published parameter counts (Touvron et al. 2023; Meta LLaMA-3 model card; Mixtral 8x7B's 46.7B,
+    # Jiang et al. 2024, as the HF checkpoint's tensors sum).
     assert counts == {
         "llama2_7b": 6_738_415_616,
         "llama2_13b": 13_015_864_320,
         "llama2_70b": 68_976_648_192,
         "llama3_8b": 8_030_261_248,
+        "mixtral_8x7b": 46_702_792_704,
     }
 
 

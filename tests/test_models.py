@@ -25,7 +25,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.py"))
 
 
 def test_unknown_model_name_is_one_line_listing_the_known_ones():
-    with pytest.raises(ConfigError, match=r"^model.name='bogus' is not a known model; use one of gpt, llama$") as e:
+    with pytest.raises(ConfigError, match=r"^model.name='bogus' is not a known model; use one of gpt, llama, mixtral$") as e:
         tiny_config("--config.model.name=bogus")
     assert "\n" not in str(e.value)
 
@@ -49,6 +49,7 @@ def test_gpt_family_pins_the_classic_block():
 def test_configs_name_their_family():
     names = {path.stem: load_config(str(path)).model.name for path in CONFIGS}
     assert names.pop("gpt3_175b") == "gpt"
+    assert {names.pop("mixtral_8x7b"), names.pop("tiny_mixtral")} == {"mixtral"}
     assert set(names.values()) == {"llama"}
 
 
@@ -60,7 +61,10 @@ def closed_form_count(m) -> int:
     h, f, v = m.embed_dim, m.mlp_dim, m.vocab_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     norm = 2 if m.norm == "layernorm" else 1
-    per_layer = 2 * h * q + 2 * h * kv + (3 if m.mlp_activation == "swiglu" else 2) * h * f + 2 * h * norm
+    mlp = (3 if m.mlp_activation == "swiglu" else 2) * h * f
+    if m.num_experts:  # the experts and the router
+        mlp = m.num_experts * mlp + h * m.num_experts
+    per_layer = 2 * h * q + 2 * h * kv + mlp + 2 * h * norm
     positions = m.max_seq_len * h if m.position == "learned" else 0
     return m.num_layers * per_layer + v * h * (1 if m.tie_embeddings else 2) + h * norm + positions
 

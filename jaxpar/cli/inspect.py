@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import config_or_default, needs, overrides
+from jaxpar.cli.common import config_or_default, modelled, needs, overrides
 from jaxpar.config import load_config
 from jaxpar.distributed import ensure_host_devices
 from jaxpar.layout import ParallelLayout
@@ -39,7 +39,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     Raises :class:`~jaxpar.config.ConfigError` on bad input (the CLI turns it into exit code 2).
     """
     needs("inspect", "--ops", getattr(args, "ops", False), "--json", getattr(args, "json", False))
-    cfg = load_config(config_or_default(args), overrides(args))
+    cfg = modelled(load_config(config_or_default(args), overrides(args)), "inspect")
     ensure_host_devices(ParallelLayout.from_config(cfg).devices)
     from jaxpar.analysis.compiled import analyze_layout
 

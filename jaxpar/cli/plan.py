@@ -19,7 +19,7 @@ from jaxpar.analysis.clusters import GIB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params, format_peak_terms
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES, MeshAxis
-from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
+from jaxpar.cli.common import at_least_one, at_most, excludes, modelled, needs, overrides, share
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
@@ -246,7 +246,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq, microbatches=args.microbatches)
     share("--efficiency", args.efficiency)
-    cfg = load_config(args.config, overrides(args))
+    cfg = modelled(load_config(args.config, overrides(args)), "plan")
     model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
     cluster = get_cluster(args.cluster)
     fixed = parse_layout(args.layout) if args.layout else {}

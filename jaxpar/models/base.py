@@ -51,11 +51,16 @@ class ShardContext:
     tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
     data_axis: str | tuple[str, ...] | None = None  # the ZeRO group: data, or (data, context)
     context_axis: str | None = None  # set when mesh.context > 1 (jaxpar.parallel.context)
+    expert_axis: str | None = None  # the axis MoE experts are split over (jaxpar.models.moe)
+    microbatches: int = 1  # per optimizer step: losses added once per microbatch are weighted 1/m
     context_exchange: str = "ring"  # ring | all_gather
     attention: str = "dot_product"  # resolved implementation: dot_product | blockwise | cudnn
     attention_block: int = 512
     sequence_parallel: bool = False
     zero3_dims: Any = dataclasses.field(default=None, hash=False)
+    # ZeRO-3's gather group per parameter where they differ (the experts' leaves out `expert`;
+    # jaxpar.parallel.zero.zero3_groups); None: every parameter is gathered over data_axis
+    zero3_groups: Any = dataclasses.field(default=None, hash=False)
     remat: str = "none"
     compute_dtype: str = "bfloat16"
     dropout: float = 0.0  # model.dropout (hidden); jaxpar.models.dropout
@@ -155,8 +160,10 @@ class Model(abc.ABC):
         if not ctx.zero3:
             return params
         dims, dt = ctx.zero3_dims, DTYPES[ctx.compute_dtype]
+        groups = ctx.zero3_groups
         return {
-            k: v if k == self.stacked else zero.gather_tree(v, dims[k], ctx.data_axis, dt) for k, v in params.items()
+            k: v if k == self.stacked else zero.gather_tree(v, dims[k], ctx.data_axis, dt, groups and groups[k])
+            for k, v in params.items()
         }
 
     def run_blocks(self, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -198,11 +205,12 @@ def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
     """``(x, layer[, index]) -> block(x, gathered layer)``: one stored layer, gathered under ZeRO-3;
     ``index`` (with dropout): the layer's model-form index, which keys its masks."""
     dims = zero.layer_dims(ctx.zero3_dims[stacked]) if ctx.zero3 else None
+    groups = ctx.zero3_groups[stacked] if ctx.zero3 and ctx.zero3_groups is not None else None
     dt = DTYPES[ctx.compute_dtype]
 
     def one(x: jax.Array, layer: dict, index: jax.Array | None = None) -> jax.Array:
         if dims is not None:
-            layer = zero.gather_tree(layer, dims, ctx.data_axis, dt)
+            layer = zero.gather_tree(layer, dims, ctx.data_axis, dt, groups)
         return block(x, layer, positions, ctx if index is None else dropout.at_layer(ctx, index))
 
     return one

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigDict
-from jaxpar.models import base, dropout
+from jaxpar.models import base, dropout, moe
 from jaxpar.models.base import DTYPES, HFMap, HFTensor, Model
 from jaxpar.models.matmul import dense
 from jaxpar.parallel import context
@@ -102,7 +102,12 @@ class Blocks(nnx.Module):
         self.attn_norm = Norm(m.embed_dim, m.norm, dtype, stack=(m.num_layers,))
         self.attn = Attention(m, ka, dtype)
         self.mlp_norm = Norm(m.embed_dim, m.norm, dtype, stack=(m.num_layers,))
-        self.mlp = Mlp(m, km, dtype)
+        if m.num_experts:
+            L = m.num_layers
+            std, out_std = m.init_std, m.init_std / math.sqrt(2 * L)
+            self.moe = moe.Experts(L, m.embed_dim, m.mlp_dim, m.num_experts, std, out_std, km, dtype)
+        else:
+            self.mlp = Mlp(m, km, dtype)
 
 
 class Llama(nnx.Module):
@@ -148,6 +153,28 @@ class ShardContext(base.ShardContext):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     position: str = "rope"
+    # mixture of experts (model.num_experts > 0; jaxpar.models.moe)
+    num_experts: int = 0
+    experts_per_token: int = 2
+    router_score: str = "softmax"
+    router_norm_topk: bool = True
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+
+    @property
+    def moe(self) -> moe.MoeSettings:
+        """The MoE layer's settings, with the token-splitting axes of this shard."""
+        return moe.MoeSettings(
+            num_experts=self.num_experts,
+            top_k=self.experts_per_token,
+            score=self.router_score,
+            norm_topk=self.router_norm_topk,
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            z_loss_coeff=self.moe_z_loss_coeff,
+            loss_scale=1.0 / self.microbatches,
+            expert_axis=self.expert_axis,
+            token_axes=moe.token_axes(self.data_axis, self.tensor_axis, self.sequence_parallel),
+        )
 
 
 def _axis_size(axis: str | None) -> int:
@@ -193,6 +220,14 @@ def _gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
     if ctx.sequence_parallel:
         return jax.lax.all_gather(x, ctx.tensor_axis, axis=1, tiled=True)
     return jax.lax.pcast(x, ctx.tensor_axis, to="varying")
+
+
+def _gather_routing(a: jax.Array, ctx: ShardContext) -> jax.Array:
+    """Routing decisions (b, s_local, k) made on this tensor rank's tokens, for the whole sequence
+    the experts see: all-gathered over ``tensor`` under sequence parallelism, else as they are."""
+    if ctx.tensor_axis is None or not ctx.sequence_parallel:
+        return a
+    return jax.lax.all_gather(a, ctx.tensor_axis, axis=1, tiled=True)
 
 
 def _reduce_tensor(x: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -248,6 +283,16 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     o = jnp.einsum("bsnd,ndh->bsh", att, w(a["wo"]))
     x = x + _branch(o, positions, dropout.ATTENTION_OUT, ctx)
 
+    if "moe" in p:
+        y = moe.moe_mlp(
+            _norm(x, p["mlp_norm"], ctx),
+            p["moe"],
+            ctx.moe,
+            dt,
+            lambda a: _gather_seq(a, ctx),
+            lambda a: _gather_routing(a, ctx),
+        )
+        return x + _branch(y, positions, dropout.MLP_OUT, ctx)
     h = _gather_seq(_norm(x, p["mlp_norm"], ctx), ctx)
     m = p["mlp"]
     up = dense(h, w(m["w_up"]))
@@ -332,6 +377,12 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         norm_eps=model_cfg.norm_eps,
         rope_theta=model_cfg.rope_theta,
         position=model_cfg.position,
+        num_experts=model_cfg.num_experts,
+        experts_per_token=model_cfg.experts_per_token,
+        router_score=model_cfg.router_score,
+        router_norm_topk=model_cfg.router_norm_topk,
+        moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
         dropout=model_cfg.get("dropout", 0.0),
         attention_dropout=model_cfg.get("attention_dropout", 0.0),
         **overrides,

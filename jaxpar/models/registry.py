@@ -12,6 +12,7 @@ from jaxpar.errors import ConfigError
 FAMILIES: dict[str, str] = {
     "llama": "jaxpar.models.llama:LlamaModel",
     "gpt": "jaxpar.models.gpt:GptModel",
+    "mixtral": "jaxpar.models.mixtral:MixtralModel",
 }
 _registered: dict[str, type] = {}
 

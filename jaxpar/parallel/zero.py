@@ -53,6 +53,18 @@ def zero3_dims(placements: Any) -> Any | None:
     return dims if any(d != NOT_GATHERED for d in jax.tree.leaves(dims)) else None
 
 
+def zero3_groups(placements: Any) -> Any | None:
+    """Tree of the axes each parameter's ZeRO-3 shards are gathered over (its
+    :attr:`~jaxpar.sharding.ParamPlacement.zero_axes`), or ``None`` when every parameter uses the
+    same group (no ``expert`` axis): then the context's ``data_axis`` is the group."""
+    groups = jax.tree.map(lambda lay: lay.zero_axes, placements, is_leaf=is_placement)
+    return groups if len({group_axes(g) for g in jax.tree.leaves(groups, is_leaf=_is_group)}) > 1 else None
+
+
+def _is_group(x: Any) -> bool:
+    return isinstance(x, str) or (isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+
+
 def layer_dims(dims: Any) -> Any:
     """The dims tree of one layer of a stacked (scanned) subtree: the leading ``layers`` dim is gone."""
     return jax.tree.map(lambda d: d - 1 if d != NOT_GATHERED else NOT_GATHERED, dims)
@@ -69,17 +81,26 @@ def gather_param(p: jax.Array, dim: int, data_axis: str | tuple[str, ...], compu
     return checkpoint_name(jax.lax.all_gather(p, data_axis, axis=dim, tiled=True), ZERO3_NAME)
 
 
-def gather_tree(tree: Any, dims: Any, data_axis: str | tuple[str, ...], compute_dtype: Any) -> Any:
-    """Gather every leaf of ``tree`` whose entry in ``dims`` (same structure) is a dim."""
+def gather_tree(tree: Any, dims: Any, data_axis: str | tuple[str, ...], compute_dtype: Any, groups: Any = None) -> Any:
+    """Gather every leaf of ``tree`` whose entry in ``dims`` (same structure) is a dim, over
+    ``data_axis``, or over its entry in ``groups`` (:func:`zero3_groups`) where given."""
+    if groups is None:
+        return jax.tree.map(
+            lambda p, d: p if d == NOT_GATHERED else gather_param(p, d, data_axis, compute_dtype), tree, dims
+        )
     return jax.tree.map(
-        lambda p, d: p if d == NOT_GATHERED else gather_param(p, d, data_axis, compute_dtype), tree, dims
+        lambda p, d, g: p if d == NOT_GATHERED else gather_param(p, d, g, compute_dtype),
+        tree,
+        dims,
+        jax.tree.unflatten(jax.tree.structure(dims), jax.tree.leaves(groups, is_leaf=_is_group)),
     )
 
 
 def _is_zero3_gather(prim: Any, params: dict) -> bool:
     if prim.name == "name":
         return params.get("name") == ZERO3_NAME
-    if "all_gather" in prim.name:
+    if "all_gather" in prim.name:  # over data: a gathered parameter (the experts' all-gather of
+        # tokens runs over `expert` alone)
         axes = params.get("axis_name", ())
         return MeshAxis.DATA in (axes if isinstance(axes, tuple) else (axes,))
     return False

@@ -98,8 +98,8 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
 def _model_config(hf: dict) -> ConfigDict:
     where = "config.json"
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
-        raise ConfigError(f"{where}: model_type='{model_type}' is not supported; use a LLaMA-family model")
+    if model_type not in ("llama", "mistral", "mixtral"):
+        raise ConfigError(f"{where}: model_type='{model_type}' is not supported; use a LLaMA-family or Mixtral model")
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act='{act}' is not supported; jaxpar's SwiGLU MLP needs silu")
@@ -140,16 +140,45 @@ def _model_config(hf: dict) -> ConfigDict:
             )
         m[field] = rate
     m.mlp_activation, m.norm, m.position = "swiglu", "rmsnorm", "rope"
+    if model_type == "mixtral":
+        _mixtral_fields(hf, m, where)
     return m
+
+
+def _mixtral_fields(hf: dict, m: ConfigDict, where: str) -> None:
+    """The MoE fields of a Mixtral ``config.json``. Its load-balancing loss is a training choice,
+    read only where ``output_router_logits`` turns it on: HF's ``router_aux_loss_coef`` weighs
+    ``E * sum_e count_e / T * P_e``, ``k`` times jaxpar's Switch loss (:mod:`jaxpar.models.moe`), so
+    the coefficient is multiplied by ``k`` for the same objective."""
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if key not in hf:
+            raise ConfigError(f"{where}: '{key}' is missing; is this an HF Mixtral config.json?")
+    m.name = "mixtral"
+    m.num_experts = int(hf["num_local_experts"])
+    m.experts_per_token = int(hf["num_experts_per_tok"])
+    if hf.get("output_router_logits"):
+        m.moe_aux_loss_coeff = float(hf.get("router_aux_loss_coef", 0.0)) * m.experts_per_token
 
 
 def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
     """The HF ``LlamaForCausalLM`` ``config.json`` for ``model_cfg`` (inverse of :func:`model_config_from_hf`)."""
     _hf_map(model_cfg)
     m = model_cfg
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    mixtral = m.name == "mixtral"
+    experts = (
+        {
+            "num_local_experts": m.num_experts,
+            "num_experts_per_tok": m.experts_per_token,
+            "output_router_logits": bool(m.moe_aux_loss_coeff),
+            "router_aux_loss_coef": m.moe_aux_loss_coeff / m.experts_per_token,
+            "sliding_window": None,
+        }
+        if mixtral
+        else {}
+    )
+    return experts | {
+        "architectures": ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"],
+        "model_type": "mixtral" if mixtral else "llama",
         "hidden_act": "silu",
         "hidden_size": m.embed_dim,
         "intermediate_size": m.mlp_dim,
@@ -258,17 +287,22 @@ def to_meta_interleaved(w: np.ndarray, num_heads: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     path: tuple[str, ...]
-    hf: str  # name, with {i} for stacked leaves
+    hf: str  # name, with {i} for stacked leaves and {e} for expert-stacked ones
     kind: str
     what: str  # the HF shape in model_cfg terms, for error messages
-    shape: tuple[int, ...]  # jaxpar shape (with L for stacked leaves)
+    shape: tuple[int, ...]  # jaxpar shape (with L for stacked leaves, then E for expert-stacked ones)
     dtype: Any
     stacked: bool
     rope: bool
 
     @property
+    def experts(self) -> bool:
+        """One HF tensor per expert: the jaxpar array's dim after ``layers`` stacks them."""
+        return "{e}" in self.hf
+
+    @property
     def hf_shape(self) -> tuple[int, ...]:
-        s = self.shape[1:] if self.stacked else self.shape
+        s = self.shape[int(self.stacked) + int(self.experts) :]
         if self.kind == "transpose":
             return s[::-1]
         if self.kind == "heads_in":  # (h, n, d) -> (n*d, h)
@@ -277,8 +311,15 @@ class _Leaf:
             return (s[2], s[0] * s[1])
         return s
 
-    def names(self, num_layers: int) -> list[str]:
-        return [self.hf.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf]
+    def name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return self.hf.format(i=layer, e=expert) if self.stacked else self.hf
+
+    def names(self) -> list[str]:
+        """Every HF name of this leaf, layer-major then expert."""
+        if not self.stacked:
+            return [self.hf]
+        experts = range(self.shape[1]) if self.experts else [None]
+        return [self.name(i, e) for i in range(self.shape[0]) for e in experts]
 
 
 def _leaves(model_cfg: ConfigDict) -> tuple[list[_Leaf], Any]:
@@ -420,7 +461,7 @@ def _finite(name: str, block: np.ndarray) -> np.ndarray:
 
 def _check(src: _Source, leaves: list[_Leaf], model_cfg: ConfigDict) -> None:
     """Every expected tensor present, nothing unexpected, every shape right; else ConfigError."""
-    expected = {name: leaf for leaf in leaves for name in leaf.names(model_cfg.num_layers)}
+    expected = {name: leaf for leaf in leaves for name in leaf.names()}
     present = {n for n in src.tensors if not _IGNORED.search(n)}
     if model_cfg.tie_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints store the copy; HF ignores it too
@@ -508,15 +549,15 @@ def _read_block(src: _Source, leaf: _Leaf, meta: bool, on_read: ReadHook | None,
         return _finite(
             leaf.hf, np.ascontiguousarray(_read_one(src, leaf.hf, leaf, idx, meta, on_read), dtype=leaf.dtype)
         )
+
+    def one(name: str, rest: tuple) -> np.ndarray:
+        return _finite(name, np.asarray(_read_one(src, name, leaf, rest, meta, on_read), leaf.dtype))
+
     layers = range(idx[0].start, idx[0].stop)
-    out = [
-        _finite(
-            leaf.hf.format(i=i),
-            np.asarray(_read_one(src, leaf.hf.format(i=i), leaf, idx[1:], meta, on_read), leaf.dtype),
-        )
-        for i in layers
-    ]
-    return np.stack(out)
+    if not leaf.experts:
+        return np.stack([one(leaf.name(i), idx[1:]) for i in layers])
+    experts = range(idx[1].start, idx[1].stop)
+    return np.stack([np.stack([one(leaf.name(i, e), idx[2:]) for e in experts]) for i in layers])
 
 
 def load_hf(
@@ -574,13 +615,17 @@ def _hf_items(params: dict, model_cfg: ConfigDict) -> list[tuple[str, _Leaf, Cal
     by_path = {leaf.path: (leaf, v) for leaf, v in zip(leaves, treedef.flatten_up_to(params))}
     ordered = [by_path[t.path] for t in _hf_map(model_cfg).tensors if t.path in by_path]
 
-    def thunk(leaf: _Leaf, value: Any, layer: int | None) -> Callable[[], np.ndarray]:
-        return lambda: _to_hf(leaf, np.asarray(value if layer is None else value[layer]))
+    def thunk(leaf: _Leaf, value: Any, *index: int) -> Callable[[], np.ndarray]:
+        return lambda: _to_hf(leaf, np.asarray(value[index] if index else value))
 
-    items = [(leaf.hf, leaf, thunk(leaf, v, None)) for leaf, v in ordered if leaf.path == ("embed",)]
+    items = [(leaf.hf, leaf, thunk(leaf, v)) for leaf, v in ordered if leaf.path == ("embed",)]
     for i in range(model_cfg.num_layers):
-        items += [(leaf.hf.format(i=i), leaf, thunk(leaf, v, i)) for leaf, v in ordered if leaf.stacked]
-    items += [(leaf.hf, leaf, thunk(leaf, v, None)) for leaf, v in ordered if leaf.path[0] in ("final_norm", "lm_head")]
+        for leaf, v in ordered:
+            if leaf.stacked and leaf.experts:
+                items += [(leaf.name(i, e), leaf, thunk(leaf, v, i, e)) for e in range(leaf.shape[1])]
+            elif leaf.stacked:
+                items += [(leaf.name(i), leaf, thunk(leaf, v, i))]
+    items += [(leaf.hf, leaf, thunk(leaf, v)) for leaf, v in ordered if leaf.path[0] in ("final_norm", "lm_head")]
     return items
 
 

@@ -16,11 +16,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MeshAxis, batch_axes, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 
-BATCH_SPEC = P(None, MeshAxis.DATA, None)  # (microbatches, sequences, seq_len + 1)
-EVAL_SPEC = P(MeshAxis.DATA, None)  # (sequences, seq_len + 1)
+
+def batch_spec(mesh: Mesh) -> P:
+    """A training batch's spec: (microbatches, sequences, seq_len + 1), sequences split over
+    ``data`` (x ``expert``: :func:`jaxpar.axes.batch_axes`)."""
+    return P(None, _rows(mesh), None)
+
+
+def eval_spec(mesh: Mesh) -> P:
+    """An evaluation batch's spec: (sequences, seq_len + 1), split like the training rows."""
+    return P(_rows(mesh), None)
+
+
+def _rows(mesh: Mesh):
+    return batch_axes(dict(mesh.shape).get(MeshAxis.EXPERT, 1))
 
 
 class BatchFeed:
@@ -33,8 +45,8 @@ class BatchFeed:
             train_cfg.global_batch,
             train_cfg.seq_len,
         )
-        self.batch_sharding = NamedSharding(mesh, BATCH_SPEC)
-        self.eval_sharding = NamedSharding(mesh, EVAL_SPEC)
+        self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+        self.eval_sharding = NamedSharding(mesh, eval_spec(mesh))
 
     @functools.cached_property
     def data_split(self) -> tuple[int, int]:
@@ -42,16 +54,20 @@ class BatchFeed:
         feeds the rows of the ``data`` shards its devices hold; processes that hold the same ones
         (e.g. different pipeline stages of one data shard: pipeline is the outermost axis, so it
         is what splits over hosts first) feed the same rows."""
-        axis = self.mesh.axis_names.index(MeshAxis.DATA)
+        axes = [self.mesh.axis_names.index(a) for a in group_axes(_rows(self.mesh))]
+        sizes_of = [self.mesh.devices.shape[a] for a in axes]
         groups: dict[int, set[int]] = {}
-        for index, device in np.ndenumerate(self.mesh.devices):
-            groups.setdefault(device.process_index, set()).add(index[axis])
+        for index, device in np.ndenumerate(self.mesh.devices):  # the row shard: data-major, as P((data, expert))
+            groups.setdefault(device.process_index, set()).add(
+                int(np.ravel_multi_index([index[a] for a in axes], sizes_of))
+            )
         shares = sorted({tuple(sorted(g)) for g in groups.values()})
         sizes = {len(share) for share in shares}
-        data = self.mesh.shape[MeshAxis.DATA]
+        data = int(np.prod(sizes_of))
         if len(sizes) != 1 or sum(sizes) * len(shares) != data:
+            what = "mesh.data" if len(axes) == 1 else "mesh.data*mesh.expert"
             raise ConfigError(
-                f"mesh.data={data} does not split evenly over the {len(groups)} "
+                f"{what}={data} does not split evenly over the {len(groups)} "
                 "processes; choose a mesh whose data shards divide among the hosts"
             )
         return shares.index(tuple(sorted(groups[jax.process_index()]))), len(shares)

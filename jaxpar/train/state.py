@@ -33,7 +33,7 @@ from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_placements, specs
-from jaxpar.train.batches import BATCH_SPEC, EVAL_SPEC, BatchFeed
+from jaxpar.train.batches import BatchFeed, batch_spec, eval_spec
 from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
 
 
@@ -207,7 +207,7 @@ class Setup:
             step = jax.shard_map(
                 builder.local_step,
                 mesh=self.mesh,
-                in_specs=(self.param_specs, self.opt_specs, BATCH_SPEC, P()),
+                in_specs=(self.param_specs, self.opt_specs, batch_spec(self.mesh), P()),
                 out_specs=(self.param_specs, self.opt_specs, P()),
             )
         else:  # gradients in a shard_map, the optax update under GSPMD (StepBuilder.global_step)
@@ -229,7 +229,7 @@ class Setup:
                 return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), ctx.data_axis)
             return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), ctx.data_axis)
 
-        fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, EVAL_SPEC), out_specs=P())
+        fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, eval_spec(self.mesh)), out_specs=P())
         jitted = jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))
         return Uncached(jitted) if self.skips_cache else jitted
 

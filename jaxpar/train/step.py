@@ -43,7 +43,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis, data_group
+from jaxpar.axes import MeshAxis, batch_axes, data_group
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
@@ -52,7 +52,7 @@ from jaxpar.models.base import Model, ShardContext
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamPlacement, Strategy, is_placement
-from jaxpar.train.batches import BATCH_SPEC
+from jaxpar.train.batches import batch_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +89,14 @@ class StepBuilder:
 
     def context(self) -> ShardContext:
         """The model's shard context: mesh axes, sequence parallelism and ZeRO-3's tree of split dims."""
-        c = self.layout.context
+        c, e = self.layout.context, self.layout.expert
         return self.model.context(
             tensor_axis=MeshAxis.TENSOR,
-            data_axis=data_group(c),
+            data_axis=data_group(c, e),
             context_axis=MeshAxis.CONTEXT if c > 1 else None,
+            expert_axis=MeshAxis.EXPERT,  # bound at size 1 too: the experts' weights are split over it
+            microbatches=self.microbatches,
+            zero3_groups=zero.zero3_groups(self.placements),
             context_exchange=self.layout.context_exchange,
             attention=self.attention,
             attention_block=self.layout.attention_block,
@@ -111,7 +114,7 @@ class StepBuilder:
         def sq(lay: ParamPlacement, g):
             axes = tuple(
                 a
-                for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE, MeshAxis.CONTEXT)
+                for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE, MeshAxis.CONTEXT, MeshAxis.EXPERT)
                 if zero.is_split_over(lay, a)
             )
             s = jnp.sum(jnp.square(g))
@@ -130,8 +133,9 @@ class StepBuilder:
         ctx = self.context()
         if self.dropout:
             ctx = dataclasses.replace(ctx, noise=dropout.Noise(dropout.step_key(self.seed, step)))
-            global_batch = batch.shape[0] * batch.shape[1] * jax.lax.axis_size(MeshAxis.DATA)
-            batch = dropout.append_rows(batch, global_batch, MeshAxis.DATA)
+            rows = batch_axes(self.layout.expert)
+            global_batch = batch.shape[0] * batch.shape[1] * jax.lax.axis_size(rows)
+            batch = dropout.append_rows(batch, global_batch, rows)
         stage = self.strategy.zero_stage
         scale = 1.0 / self.global_tokens
 
@@ -215,7 +219,7 @@ class StepBuilder:
         grads, loss, grad_norm = jax.shard_map(
             self.local_grads,
             mesh=self.mesh,
-            in_specs=(self.param_specs(), BATCH_SPEC, P(), *((P(),) * len(keyed))),
+            in_specs=(self.param_specs(), batch_spec(self.mesh), P(), *((P(),) * len(keyed))),
             out_specs=(grad_specs, P(), P()),
         )(params, batch, guard, *keyed)
         lr = self.schedule(step)

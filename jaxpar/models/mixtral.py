@@ -1,0 +1,64 @@
+"""The ``mixtral`` family: LLaMA's decoder with a mixture-of-experts MLP in every layer (Jiang et
+al. 2024, "Mixtral of Experts"): ``num_experts`` SwiGLU experts of ``mlp_dim``, a softmax router
+whose top ``experts_per_token`` weights are renormalised to sum 1 (:mod:`jaxpar.models.moe`).
+
+The code paths are the ``llama`` family's (:mod:`jaxpar.models.llama`; a ``llama`` config with
+``num_experts > 0`` computes the same function); this family pins the settings HF
+``MixtralForCausalLM`` checkpoints hold and carries their tensor names: per layer
+``block_sparse_moe.gate.weight`` (E, h) and ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``
+(gate, up: (f, h); down: (h, f)), as ``save_pretrained`` writes them.
+"""
+
+from __future__ import annotations
+
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.models.base import HFMap, HFTensor
+from jaxpar.models.llama import HF_LLAMA, LlamaModel
+
+# The settings a Mixtral checkpoint computes with: (model field, required value)
+MIXTRAL_BLOCK = (
+    ("norm", "rmsnorm"),
+    ("mlp_activation", "swiglu"),
+    ("position", "rope"),
+    ("router_score", "softmax"),
+    ("router_norm_topk", True),
+)
+
+_L = "model.layers.{i}.block_sparse_moe."
+HF_MIXTRAL = HFMap(
+    tensors=(
+        *(t for t in HF_LLAMA.tensors if t.path[:2] != ("blocks", "mlp")),
+        HFTensor(("blocks", "moe", "router"), _L + "gate.weight", "transpose", "(num_experts, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_gate"), _L + "experts.{e}.w1.weight", "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_up"), _L + "experts.{e}.w3.weight", "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_down"), _L + "experts.{e}.w2.weight", "transpose", "(embed_dim, mlp_dim)"),
+    ),
+    config_fields=(
+        *HF_LLAMA.config_fields,
+        ("num_experts", "num_local_experts"),
+        ("experts_per_token", "num_experts_per_tok"),
+    ),
+    requires=MIXTRAL_BLOCK,
+    label="HF Mixtral",
+)
+
+
+class MixtralModel(LlamaModel):
+    """``model.name=mixtral``: LLaMA's code paths with a softmax-routed MoE MLP in every layer."""
+
+    name = "mixtral"
+    hf = HF_MIXTRAL
+
+    @classmethod
+    def validate(cls, cfg: ConfigDict) -> None:
+        if cfg.num_experts < 2:
+            raise ConfigError(
+                f"model.num_experts={cfg.num_experts}: model.name=mixtral is a mixture of experts; set "
+                "--config.model.num_experts=8 (Mixtral 8x7B), or use model.name=llama for a dense model"
+            )
+        for field, want in MIXTRAL_BLOCK:
+            if cfg[field] != want:
+                raise ConfigError(
+                    f"model.{field}={cfg[field]!r}: model.name=mixtral needs model.{field}={want!r}; "
+                    "use model.name=llama with model.num_experts for other combinations"
+                )

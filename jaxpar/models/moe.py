@@ -1,0 +1,193 @@
+"""Mixture-of-experts MLP: a router picks ``k`` of ``E`` SwiGLU experts per token (Shazeer et al.
+2017; Fedus et al. 2022, Switch; Jiang et al. 2024, Mixtral), computed shard-locally inside the
+step's ``shard_map`` with explicit collectives.
+
+**Routing.** Router logits ``x @ W_r`` (fp32). ``softmax`` (Mixtral, Qwen3-MoE): probabilities over
+all experts, the top ``k`` kept, renormalised to sum 1 when ``norm_topk`` (Mixtral always; Qwen3's
+``norm_topk_prob``). ``sigmoid`` (DeepSeek-V3): independent scores, the top ``k`` kept,
+renormalised when ``norm_topk``.
+
+**Dropless dispatch over ``expert``** (Megatron-core's ``allgather`` token dispatcher). Experts are
+split over the ``expert`` axis (``E / expert`` per rank); tokens are split over ``data x expert``.
+Each rank all-gathers the tokens and their routing of its ``expert`` group, sorts the (token,
+choice) pairs by expert, runs its local experts as grouped matmuls (``jax.lax.ragged_dot``: rows
+past the local experts' groups are neither computed into nor read), weights each row by its router
+weight, sums the rows back onto their tokens and reduce-scatters the partial sums over ``expert``,
+so every rank gets its own tokens back with all ``k`` experts added. No token is dropped and no
+buffer is padded to a capacity. Bytes per layer and rank (forward): an all-gather and a
+reduce-scatter of ``(expert - 1) / expert`` of the group's ``T x h`` activations. (The
+``ragged_all_to_all`` dispatcher, which moves only the routed rows, does not run on XLA:CPU.)
+
+Expert weights are also split over ``tensor`` on their ``mlp`` dim (gate/up column-parallel, down
+row-parallel), so the MoE output is reduced over ``tensor`` like the dense MLP's.
+
+**Auxiliary losses** (their value is not in the reported loss; their gradient is in the step, as
+Megatron-core's ``MoEAuxLossAutoScaler`` does): the Switch load-balancing loss
+``E * sum_e f_e * P_e`` with ``f_e`` the share of the ``T*k`` choices that went to expert ``e`` and
+``P_e`` the mean router probability of ``e`` (Fedus et al. 2022, eq. 4; Megatron-core's
+``switch_load_balancing_loss_func``: 1 at perfect balance), and the router z-loss
+``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, ST-MoE, eq. 5). Both are computed over every
+token of the microbatch (``f_e``, ``P_e`` and the z-loss sum reduced over the token-splitting axes),
+so every layout computes the loss of one device; each is weighted by its coefficient divided by
+the microbatch count, as Megatron adds it once per microbatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.axes import group_axes
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSettings:
+    """What the MoE layer computes (from ``model.*``) and where its collectives run (from the step)."""
+
+    num_experts: int
+    top_k: int
+    score: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool = True
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    loss_scale: float = 1.0  # 1 / microbatches: the auxiliary losses are added once per microbatch
+    expert_axis: str | None = None  # set when mesh.expert > 1
+    token_axes: tuple[str, ...] = ()  # every axis the router's tokens are split over (for the aux statistics)
+
+
+class Experts(nnx.Module):
+    """Router and expert weights of every layer, stacked on ``layers`` then ``experts``."""
+
+    def __init__(self, num_layers: int, h: int, f: int, num_experts: int, std: float, out_std: float, key, dtype):
+        L, E = num_layers, num_experts
+        kr, kg, ku, kd = jax.random.split(key, 4)
+
+        def param(k, shape, axes, s):
+            return nnx.Param(s * jax.random.normal(k, shape, dtype), logical_axes=axes)
+
+        self.router = param(kr, (L, h, E), ("layers", "embed", "router"), std)
+        self.w_gate = param(kg, (L, E, h, f), ("layers", "experts", "embed", "mlp"), std)
+        self.w_up = param(ku, (L, E, h, f), ("layers", "experts", "embed", "mlp"), std)
+        self.w_down = param(kd, (L, E, f, h), ("layers", "experts", "mlp", "embed"), out_std)
+
+
+def route(logits: jax.Array, s: MoeSettings) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(weights, experts, probs)`` of fp32 router ``logits`` (T, E): the ``k`` chosen experts per
+    token, their combine weights, and every expert's score (for the load-balancing loss)."""
+    probs = jax.nn.softmax(logits, axis=-1) if s.score == "softmax" else jax.nn.sigmoid(logits)
+    weights, experts = jax.lax.top_k(probs, s.top_k)
+    if s.norm_topk:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts, probs
+
+
+def aux_loss(logits: jax.Array, probs: jax.Array, experts: jax.Array, s: MoeSettings) -> jax.Array:
+    """The weighted load-balancing and z-losses of this microbatch (module docstring), reduced over
+    ``s.token_axes``: the same value on every rank."""
+    E = s.num_experts
+    counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(0, 1))  # (E,)
+    stats = {
+        "counts": counts,
+        "probs": jnp.sum(probs, axis=0),
+        "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "tokens": jnp.float32(logits.shape[0]),
+    }
+    if s.token_axes:
+        stats = jax.lax.psum(stats, s.token_axes)
+    tokens = stats["tokens"]
+    balance = E * jnp.sum((stats["counts"] / (tokens * s.top_k)) * (stats["probs"] / tokens))
+    return s.aux_loss_coeff * balance + s.z_loss_coeff * stats["z"] / tokens
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _with_loss_gradient(x: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
+    return x
+
+
+def _with_loss_fwd(x, loss, weight):
+    return x, loss
+
+
+def _with_loss_bwd(weight, loss, g):
+    return g, jnp.full_like(loss, weight)
+
+
+_with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+def add_loss_gradient(x: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
+    """``x`` unchanged; in the backward pass ``loss`` receives the cotangent ``weight``, as if
+    ``weight * loss`` were added to the objective (Megatron-core's ``MoEAuxLossAutoScaler``)."""
+    return _with_loss_gradient(x, loss, float(weight))
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """fp32 logits (T, E) of tokens ``x`` (T, h)."""
+    return jnp.einsum("th,he->te", x.astype(jnp.float32), router.astype(jnp.float32))
+
+
+def expert_mlp(tokens: jax.Array, weights: jax.Array, experts: jax.Array, p: dict, s: MoeSettings, dtype) -> jax.Array:
+    """The experts' output for ``tokens`` (T, h) routed to ``experts`` (T, k) with ``weights``:
+    (T, h), partial over ``tensor`` (row-parallel down projection) and summed over ``expert``."""
+    T, k = experts.shape
+    spread = s.expert_axis is not None and jax.lax.axis_size(s.expert_axis) > 1
+    if spread:  # the whole expert group's tokens, to run this rank's experts on
+        tokens, weights, experts = (
+            jax.lax.all_gather(a, s.expert_axis, axis=0, tiled=True) for a in (tokens, weights, experts)
+        )
+    local = p["w_up"].shape[0]
+    first = jax.lax.axis_index(s.expert_axis) * local if spread else 0
+    choice = experts.reshape(-1) - first  # (N,) with N = rows * k
+    mine = (choice >= 0) & (choice < local)
+    key = jnp.where(mine, choice, local)  # other ranks' choices sort last, past every group
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.zeros((local,), jnp.int32).at[jnp.where(mine, choice, 0)].add(mine.astype(jnp.int32))
+    row_token = order // k
+    x = jnp.take(tokens, row_token, axis=0).astype(dtype)
+    gate = jax.lax.ragged_dot(x, p["w_gate"].astype(dtype), group_sizes)
+    up = jax.lax.ragged_dot(x, p["w_up"].astype(dtype), group_sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"].astype(dtype), group_sizes)
+    row_weight = jnp.where(jnp.take(mine, order), jnp.take(weights.reshape(-1), order), 0.0)
+    y = y * row_weight[:, None].astype(dtype)
+    out = jnp.zeros((tokens.shape[0], y.shape[-1]), dtype).at[row_token].add(y)
+    if spread:  # every rank's experts summed, each rank's own tokens back
+        out = jax.lax.psum_scatter(out, s.expert_axis, scatter_dimension=0, tiled=True)
+    elif s.expert_axis is not None:  # one expert rank: the weights' size-1 axis, summed away
+        out = jax.lax.psum(out, s.expert_axis)
+    return out
+
+
+def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gather_routing) -> jax.Array:
+    """The MoE MLP of normed activations ``h_local`` (b, s_local, h), ``p`` one layer's weights.
+
+    ``gather_seq``: the block's column-parallel input gather (Megatron's "f": all-gather of the
+    sequence under sequence parallelism); ``gather_routing``: the same gather for the routing
+    decisions (b, s_local, k). The router runs on ``h_local`` before it, so its gradient is the
+    tokens' own (no copy over ``tensor``). Returns (b, s, h), partial over ``tensor``.
+    """
+    b, sl, hd = h_local.shape
+    logits = router_logits(h_local.reshape(b * sl, hd), p["router"])
+    weights, experts, probs = route(logits, s)
+    if s.aux_loss_coeff or s.z_loss_coeff:
+        weights = add_loss_gradient(weights, aux_loss(logits, probs, experts, s), s.loss_scale)
+    h = gather_seq(h_local)
+    weights = gather_routing(weights.reshape(b, sl, -1))
+    experts = gather_routing(experts.reshape(b, sl, -1))
+    T = h.shape[0] * h.shape[1]
+    out = expert_mlp(h.reshape(T, hd), weights.reshape(T, -1), experts.reshape(T, -1), p, s, dtype)
+    return out.reshape(h.shape)
+
+
+def token_axes(data_axis: str | tuple[str, ...] | None, tensor_axis: str | None, sequence_parallel: bool):
+    """Every axis the router's tokens are split over: the ZeRO group (data, expert, context) and,
+    under sequence parallelism, ``tensor``."""
+    axes = () if data_axis is None else group_axes(data_axis)
+    if sequence_parallel and tensor_axis is not None:
+        axes += (tensor_axis,)
+    return axes
