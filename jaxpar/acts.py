@@ -7,6 +7,8 @@ inert. Every field not declared here acts whenever it is set (a model dim, the s
 optimizer fields follow :data:`jaxpar.optim.fields.OPTIMIZER_FIELDS` (checked by
 :func:`jaxpar.optim.fields.check_fields`), listed here too so that :func:`table` covers the schema.
 ``docs/config_fields.md`` is :func:`markdown` written out (the command is at its top).
+Code that derives a config from a valid one (one device for a checkpoint, a planned layout) calls
+:func:`reset_inert`, which puts back the fields the derived config leaves without an effect.
 """
 
 from __future__ import annotations
@@ -93,6 +95,28 @@ def check(cfg: Any, defaults: Any) -> None:
             f"{field}={value!r} has no effect here: it acts only when {cond.when} ({here}); "
             f"remove it or change {' / '.join(cond.names)}"
         )
+
+
+def reset_inert(cfg: Any, defaults: Any) -> list[str]:
+    """Set every declared field whose condition does not hold in ``cfg`` back to its default, in place;
+    the fields reset (those that were away from their default), in :data:`CONDITIONS` order.
+
+    For configs derived from a valid one (a checkpoint read on one device, a planned layout): a field
+    that acted in the source can become inert in the derived config, and the derived config trains the
+    same with it at its default. No condition reads a declared field, so one pass settles them all.
+    """
+    reset = []
+    for field, cond in CONDITIONS.items():
+        default = _value(defaults, field)
+        if cond.holds(cfg) or _value(cfg, field) == default:
+            continue
+        *path, leaf = field.split(".")
+        node = cfg
+        for part in path:
+            node = node[part]
+        node[leaf] = default
+        reset.append(field)
+    return reset
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpar import acts
-from jaxpar.config import ConfigError, default_config, validate
+from jaxpar.config import ConfigError, apply_overrides, default_config, validate
 from jaxpar.data import load_bin, stdlib_files
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
@@ -148,3 +148,45 @@ def test_the_docs_table_is_current():
     written = pathlib.Path(ROOT / "docs" / "config_fields.md").read_text()
     assert written == acts.markdown(default_config())
     assert written.count("\n| `") == len(acts.table(default_config()))
+
+
+@pytest.mark.parametrize("field", sorted(CASES))
+def test_reset_inert_puts_back_each_field_that_cannot_act(field):
+    value, inert, active = CASES[field]
+    defaults = default_config()
+    cfg = tiny_config(*inert)
+    apply_overrides(cfg, [f"--config.{field}={value}"])  # typed, not validated: validate refuses it
+    assert acts.reset_inert(cfg, defaults) == [field]
+    assert acts._value(cfg, field) == acts._value(defaults, field)
+    validate(cfg)
+    kept = tiny_config(*active, f"--config.{field}={value}")
+    before = acts._value(kept, field)
+    assert acts.reset_inert(kept, defaults) == [] and acts._value(kept, field) == before  # where it acts it stays
+
+
+def test_derived_configs_drop_what_becomes_inert():
+    from jaxpar.analysis.aot import layout_config
+    from jaxpar.train.state import one_device_checkpoint_state
+
+    # one device: no pipeline, tensor, context or ZeRO-3 left for these fields to act on
+    cfg = tiny_config(
+        "--config.mesh.data=1",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.mesh.context=2",
+        *BLOCKWISE,
+        "--config.train.microbatches=2",
+        "--config.pipeline.schedule=gpipe",
+        "--config.parallel.sequence_parallel=True",
+        "--config.parallel.context_exchange=all_gather",
+        "--config.parallel.zero_stage=0",
+    )
+    validate(cfg)
+    params, _ = one_device_checkpoint_state(cfg)
+    assert jax.tree.leaves(params)
+    # a planned layout without the source's tensor axis or ZeRO-3 (plan --aot, compare --aot, sweep)
+    src = tiny_config(*D8, "--config.parallel.zero_stage=3", "--config.parallel.max_replicated_fraction=0.5")
+    validate(src)
+    out = layout_config(src, ParallelLayout(8, 1, zero_stage=1, seq_len=src.train.seq_len, schedule="gpipe"))
+    assert out.parallel.max_replicated_fraction == default_config().parallel.max_replicated_fraction
+    assert out.pipeline.schedule == default_config().pipeline.schedule
