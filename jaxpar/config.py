@@ -23,6 +23,8 @@ from typing import Any
 
 import ml_collections
 
+from jaxpar import acts
+from jaxpar.acts import flatten
 from jaxpar.axes import MESH_AXES
 from jaxpar.errors import ConfigError
 from jaxpar.layout import ParallelLayout
@@ -225,19 +227,6 @@ def merge_into_defaults(cfg: ConfigDict | dict, source: str = "config") -> Confi
     return base
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if not isinstance(k, str):
-            raise ConfigError(f"config key {prefix}{k!r}: keys must be strings (section.field names)")
-        key = f"{prefix}{k}"
-        if isinstance(v, (dict, ConfigDict)):
-            out.update(flatten(dict(v), key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def apply_overrides(cfg: ConfigDict, overrides: list[str] | tuple[str, ...]) -> None:
     """Apply ``--config.a.b=value`` strings, typed by the existing field."""
     for item in overrides:
@@ -344,15 +333,10 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     _require(d.token_dtype in ("uint16", "uint32"), f"data.token_dtype='{d.token_dtype}': use uint16 or uint32")
     if d.source in FILE_SOURCES:
         _require(bool(d.path.strip()), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
-    else:
-        _require(
-            not d.path,
-            f"data.path='{d.path}' is not read by data.source='{d.source}'; set data.source to "
-            f"{' or '.join(FILE_SOURCES)} to train on it, or clear data.path",
-        )
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    acts.check(cfg, default_config())
     return ParallelLayout.from_config(cfg).validate(mo, t.global_batch, num_devices)
 
 

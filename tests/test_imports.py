@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
 TIERS: tuple[tuple[str, ...], ...] = (
     ("axes", "errors", "compat", "console", "host_memory", "interrupt", "write_guard"),
     ("layout", "models.registry", "optim.fields", "workdir"),  # need no config: config.validate calls them
+    ("acts",),  # the fields' conditions: config.validate calls it
     ("config",),
     ("mesh", "distributed"),
     ("sharding", "data", "data_megatron", "checkpoint", "environment"),

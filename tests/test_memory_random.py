@@ -61,7 +61,11 @@ def _draw(rng: random.Random) -> tuple[str, dict, ParallelLayout]:
     seq = rng.choice(SEQS)
     b = rng.choice((1, 2) if name == "1b" or seq >= 512 else (1, 2, 4))
     attention = "blockwise" if context > 1 or rng.random() < 0.3 else "dot_product"
+    # drawn for every layout (so each draw consumes the generator as it always has) but set only where
+    # it acts: jaxpar.acts refuses model.attention_block away from its default without blockwise
     block = rng.choice([blk for blk in (64, 128, 256) if blk <= seq // context] or [seq // context])
+    if attention != "blockwise":
+        block = ParallelLayout.attention_block
     if rng.random() < 0.25:
         model["dropout"] = 0.1
     if rng.random() < 0.25:

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
+from jaxpar import acts
 from jaxpar.analysis.estimate import (
     DTYPE_BYTES,
     ParallelLayout,
@@ -22,7 +23,7 @@ from jaxpar.analysis.estimate import (
     peak_terms,
 )
 from jaxpar.axes import MESH_AXES, MeshAxis
-from jaxpar.config import ConfigDict, ConfigError, validate
+from jaxpar.config import ConfigDict, ConfigError, default_config, validate
 
 
 def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: str | None = None) -> ConfigDict:
@@ -51,6 +52,9 @@ def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: st
     out.pipeline.schedule, out.pipeline.virtual_stages = layout.schedule, layout.virtual_stages
     out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
     out.parallel.context_exchange = layout.context_exchange
+    # a field that acted in ``cfg`` (or a label the layout carries, e.g. a pinned gpipe on one stage)
+    # can be inert on this layout: at its default it trains the same, and validate accepts it
+    acts.reset_inert(out, default_config())
     validate(out)
     return out
 

@@ -23,9 +23,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import acts
 from jaxpar.axes import MESH_AXES
 from jaxpar.compat import Uncached, cached_pipelines_are_wrong, persistent_cache_skipped
-from jaxpar.config import ConfigDict, validate
+from jaxpar.config import ConfigDict, default_config, validate
 from jaxpar.models import get_model
 from jaxpar.models.attention import resolve_attention
 from jaxpar.optim import registry
@@ -264,6 +265,7 @@ def one_device_checkpoint_state(cfg: ConfigDict) -> tuple[Any, Any]:
     one.parallel.zero_stage = 0
     one.train.microbatches = 1
     one.pipeline.virtual_stages = 1
+    acts.reset_inert(one, default_config())  # e.g. pipeline.schedule, parallel.sequence_parallel: inert on one device
     params, opt, _ = Setup(one, single_device_mesh()).abstract_state(model_form=True)
     return params, opt
 

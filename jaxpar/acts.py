@@ -1,0 +1,168 @@
+"""When each config field acts: one declaration per conditional field, checked by the config schema.
+
+A field whose effect depends on another field's value (``pipeline.schedule`` does nothing without
+pipeline stages) is declared here with that condition. :func:`check` refuses such a field set away
+from its default where its condition is false, naming both fields, so no accepted value is silently
+inert. Every field not declared here acts whenever it is set (a model dim, the seed, a path); the
+optimizer fields follow :data:`jaxpar.optim.fields.OPTIMIZER_FIELDS` (checked by
+:func:`jaxpar.optim.fields.check_fields`), listed here too so that :func:`table` covers the schema.
+``docs/config_fields.md`` is :func:`markdown` written out (the command is at its top).
+Code that derives a config from a valid one (one device for a checkpoint, a planned layout) calls
+:func:`reset_inert`, which puts back the fields the derived config leaves without an effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxpar.errors import ConfigError
+from jaxpar.optim.fields import COMMON_FIELDS, OPTIMIZER_FIELDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """``field`` acts only when ``holds(cfg)``; ``when`` says so in words, ``names`` the fields it reads."""
+
+    when: str
+    names: tuple[str, ...]
+    holds: Callable[[Any], bool]
+
+
+def _blockwise(c: Any) -> bool:
+    # auto runs blockwise wherever cuDNN does not apply (jaxpar.models.attention.resolve_attention)
+    return c.model.attention in ("blockwise", "auto")
+
+
+CONDITIONS: dict[str, Condition] = {
+    "parallel.sequence_parallel": Condition("mesh.tensor > 1", ("mesh.tensor",), lambda c: c.mesh.tensor > 1),
+    "parallel.context_exchange": Condition("mesh.context > 1", ("mesh.context",), lambda c: c.mesh.context > 1),
+    "parallel.cross_node_tensor": Condition(
+        "mesh.tensor * mesh.context > 1",
+        ("mesh.tensor", "mesh.context"),
+        lambda c: c.mesh.tensor * c.mesh.context > 1,
+    ),
+    "parallel.max_replicated_fraction": Condition(
+        "parallel.zero_stage = 3", ("parallel.zero_stage",), lambda c: c.parallel.zero_stage == 3
+    ),
+    "model.rope_theta": Condition("model.position = rope", ("model.position",), lambda c: c.model.position == "rope"),
+    "model.attention_block": Condition("model.attention is blockwise or auto", ("model.attention",), _blockwise),
+    "optim.min_lr_ratio": Condition(
+        "optim.schedule is not constant", ("optim.schedule",), lambda c: c.optim.schedule != "constant"
+    ),
+    "optim.decay_steps": Condition(
+        "optim.schedule is not constant", ("optim.schedule",), lambda c: c.optim.schedule != "constant"
+    ),
+    "optim.decay_start_step": Condition(
+        "optim.schedule is not constant", ("optim.schedule",), lambda c: c.optim.schedule != "constant"
+    ),
+    "optim.warmup_type": Condition(
+        "optim.warmup_steps > 0", ("optim.warmup_steps",), lambda c: c.optim.warmup_steps > 0
+    ),
+    "optim.warmup_init_lr": Condition(
+        "optim.warmup_steps > 0", ("optim.warmup_steps",), lambda c: c.optim.warmup_steps > 0
+    ),
+    "data.path": Condition(
+        "data.source is bin or megatron", ("data.source",), lambda c: c.data.source in ("bin", "megatron")
+    ),
+    "data.token_dtype": Condition("data.source = bin", ("data.source",), lambda c: c.data.source == "bin"),
+    # the held-out share also decides what trains, with or without evaluation
+    "data.val_fraction": Condition(
+        "data.source is not synthetic", ("data.source",), lambda c: c.data.source != "synthetic"
+    ),
+    "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
+    "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
+}
+
+
+def _value(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check(cfg: Any, defaults: Any) -> None:
+    """Refuse, in one line naming both fields, a declared field set away from its default where its
+    condition does not hold."""
+    for field, cond in CONDITIONS.items():
+        value = _value(cfg, field)
+        if value == _value(defaults, field) or cond.holds(cfg):
+            continue
+        here = ", ".join(f"{name}={_value(cfg, name)!r}" for name in cond.names)
+        raise ConfigError(
+            f"{field}={value!r} has no effect here: it acts only when {cond.when} ({here}); "
+            f"remove it or change {' / '.join(cond.names)}"
+        )
+
+
+def reset_inert(cfg: Any, defaults: Any) -> list[str]:
+    """Set every declared field whose condition does not hold in ``cfg`` back to its default, in place;
+    the fields reset (those that were away from their default), in :data:`CONDITIONS` order.
+
+    For configs derived from a valid one (a checkpoint read on one device, a planned layout): a field
+    that acted in the source can become inert in the derived config, and the derived config trains the
+    same with it at its default. No condition reads a declared field, so one pass settles them all.
+    """
+    reset = []
+    for field, cond in CONDITIONS.items():
+        default = _value(defaults, field)
+        if cond.holds(cfg) or _value(cfg, field) == default:
+            continue
+        *path, leaf = field.split(".")
+        node = cfg
+        for part in path:
+            node = node[part]
+        node[leaf] = default
+        reset.append(field)
+    return reset
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config tree as ``{"section.field": value}`` (the schema's dotted names)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"config key {prefix}{k!r}: keys must be strings (section.field names)")
+        if isinstance(v, Mapping) or hasattr(v, "to_dict"):  # a dict or a ConfigDict
+            out.update(flatten(dict(v), f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def table(defaults: Any) -> list[tuple[str, str, str]]:
+    """Every config field as (field, default, when it acts)."""
+    rows = []
+    for field, default in flatten(defaults.to_dict()).items():
+        section, _, leaf = field.partition(".")
+        if field in CONDITIONS:
+            when = CONDITIONS[field].when
+        elif section == "optim" and leaf not in COMMON_FIELDS:
+            names = sorted(name for name, fields in OPTIMIZER_FIELDS.items() if leaf in fields)
+            when = f"optim.name is {' or '.join(names)} (or a custom factory, which reads what it likes)"
+        else:
+            when = "always"
+        rows.append((field, repr(default), when))
+    return rows
+
+
+def markdown(defaults: Any) -> str:
+    """:func:`table` as the page ``docs/config_fields.md``."""
+    lines = [
+        "# Config fields and when they act",
+        "",
+        "Generated from `jaxpar/acts.py` (`tests/test_acts.py` checks that it is current):",
+        "",
+        "    python3 -c 'from jaxpar import acts, config; print(acts.markdown(config.default_config()), end=\"\")' \\",
+        "      > docs/config_fields.md",
+        "",
+        "A field set away from its default where it does not act is refused with one line naming the field",
+        "that decides (exit code 2).",
+        "",
+        "| field | default | acts when |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{field}` | `{default}` | {when} |" for field, default, when in table(defaults)]
+    return "\n".join(lines) + "\n"

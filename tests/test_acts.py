@@ -1,0 +1,192 @@
+"""Every conditional config field (``jaxpar/acts.py``): refused in one line where it cannot act,
+accepted where it can, and there it changes what runs (the lowered train step, or the data read);
+``docs/config_fields.md`` is the table as generated."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import acts
+from jaxpar.config import ConfigError, apply_overrides, default_config, validate
+from jaxpar.data import load_bin, stdlib_files
+from jaxpar.layout import ParallelLayout
+from jaxpar.mesh import make_mesh
+from jaxpar.train.state import Setup
+from tests.helpers import ROOT, tiny_config
+
+D8 = ["--config.mesh.data=8", "--config.mesh.tensor=1"]  # no tensor, context or pipeline axis
+BLOCKWISE = ["--config.model.attention=blockwise"]
+# field -> (a value away from the default, overrides where it cannot act, overrides where it acts)
+CASES: dict[str, tuple[str, list[str], list[str]]] = {
+    "parallel.sequence_parallel": ("True", D8, []),
+    "parallel.context_exchange": (
+        "all_gather",
+        [],
+        ["--config.mesh.data=2", "--config.mesh.context=2", *BLOCKWISE],
+    ),
+    "parallel.cross_node_tensor": ("True", D8, []),
+    "parallel.max_replicated_fraction": ("0.5", [], ["--config.parallel.zero_stage=3"]),
+    "model.rope_theta": ("500000.0", ["--config.model.position=learned"], []),
+    "model.attention_block": ("16", [], BLOCKWISE),
+    "optim.min_lr_ratio": ("0.5", ["--config.optim.schedule=constant"], []),
+    "optim.decay_steps": ("50", ["--config.optim.schedule=constant"], []),
+    "optim.decay_start_step": ("5", ["--config.optim.schedule=constant"], []),
+    "optim.warmup_type": ("log", ["--config.optim.warmup_steps=0"], []),
+    "optim.warmup_init_lr": ("1e-5", ["--config.optim.warmup_steps=0"], []),
+    "data.path": ("x.bin", [], ["--config.data.source=bin"]),
+    "data.token_dtype": ("uint32", [], ["--config.data.source=bin", "--config.data.path=x.bin"]),
+    "data.val_fraction": ("0.5", ["--config.data.source=synthetic"], []),
+    "pipeline.schedule": (
+        "gpipe",
+        [],
+        ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.train.microbatches=2"],
+    ),
+    "pipeline.virtual_stages": (
+        "2",
+        [],
+        [
+            "--config.mesh.pipeline=2",
+            "--config.mesh.data=2",
+            "--config.pipeline.schedule=interleaved",
+            "--config.train.microbatches=2",
+        ],
+    ),
+}
+SLOW = os.environ.get("JAXPAR_SLOW") == "1"
+
+
+def test_every_condition_has_a_case():
+    assert sorted(CASES) == sorted(acts.CONDITIONS)
+
+
+@pytest.mark.parametrize("field", sorted(CASES))
+def test_refused_where_it_cannot_act_and_accepted_where_it_can(field):
+    value, inert, active = CASES[field]
+    cond = acts.CONDITIONS[field]
+    with pytest.raises(ConfigError) as refused:
+        validate(tiny_config(*inert, f"--config.{field}={value}"))
+    message = str(refused.value)
+    assert message.startswith(f"{field}=") and " has no effect here: " in message
+    assert f"it acts only when {cond.when} (" in message and "\n" not in message
+    assert all(name in message for name in cond.names)
+    validate(tiny_config(*active, f"--config.{field}={value}"))  # accepted where it acts
+    validate(tiny_config(*inert))  # and the default stays accepted where it does not
+
+
+def _lowered(*overrides: str) -> str:
+    cfg = tiny_config(*overrides)
+    layout = ParallelLayout.from_config(cfg)
+    setup = Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
+    return setup.lower_train_step().as_text()
+
+
+# where it acts, each changes the lowered step (a few in the default suite, all under JAXPAR_SLOW=1)
+IN_THE_STEP = [
+    "parallel.sequence_parallel",
+    "model.rope_theta",
+    "optim.min_lr_ratio",
+    "optim.warmup_type",
+    "parallel.context_exchange",
+    "model.attention_block",
+    "optim.decay_steps",
+    "optim.decay_start_step",
+    "optim.warmup_init_lr",
+    "pipeline.schedule",
+]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare
+DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        f if f in DEFAULT_STEP else pytest.param(f, marks=pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1"))
+        for f in IN_THE_STEP
+    ],
+)
+def test_where_it_acts_it_changes_the_lowered_step(field):
+    value, _, active = CASES[field]
+    active = [*active, "--config.optim.warmup_steps=4", "--config.train.steps=20"]
+    assert _lowered(*active, f"--config.{field}={value}") != _lowered(*active)
+
+
+def test_data_fields_change_what_is_read(tmp_path):
+    assert stdlib_files(0.05) != stdlib_files(0.5)
+    path = tmp_path / "tokens.bin"
+    np.arange(4096, dtype=np.uint16).tofile(path)
+    as16 = load_bin(str(path), "uint16", 0.05, 1 << 16)
+    as32 = load_bin(str(path), "uint32", 0.05, 1 << 32)
+    assert len(as16["train"]) != len(as32["train"])
+
+
+# dims that data=8 does not divide: ZeRO-3 must replicate most parameters
+ODD_DIMS = ["--config.model.embed_dim=36", "--config.model.head_dim=10", "--config.model.mlp_dim=100"]
+
+
+def test_max_replicated_fraction_decides_the_zero3_guard():
+    for fraction, passes in (("1.0", True), ("0.0", False)):
+        cfg = tiny_config(
+            *D8,
+            *ODD_DIMS,
+            "--config.parallel.zero_stage=3",
+            f"--config.parallel.max_replicated_fraction={fraction}",
+        )
+        layout = ParallelLayout.from_config(cfg)
+        try:
+            Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
+        except ConfigError as e:
+            assert not passes and "max_replicated_fraction" in str(e), str(e)
+        else:
+            assert passes
+
+
+def test_the_docs_table_is_current():
+    written = pathlib.Path(ROOT / "docs" / "config_fields.md").read_text()
+    assert written == acts.markdown(default_config())
+    assert written.count("\n| `") == len(acts.table(default_config()))
+
+
+@pytest.mark.parametrize("field", sorted(CASES))
+def test_reset_inert_puts_back_each_field_that_cannot_act(field):
+    value, inert, active = CASES[field]
+    defaults = default_config()
+    cfg = tiny_config(*inert)
+    apply_overrides(cfg, [f"--config.{field}={value}"])  # typed, not validated: validate refuses it
+    assert acts.reset_inert(cfg, defaults) == [field]
+    assert acts._value(cfg, field) == acts._value(defaults, field)
+    validate(cfg)
+    kept = tiny_config(*active, f"--config.{field}={value}")
+    before = acts._value(kept, field)
+    assert acts.reset_inert(kept, defaults) == [] and acts._value(kept, field) == before  # where it acts it stays
+
+
+def test_derived_configs_drop_what_becomes_inert():
+    from jaxpar.analysis.aot import layout_config
+    from jaxpar.train.state import one_device_checkpoint_state
+
+    # one device: no pipeline, tensor, context or ZeRO-3 left for these fields to act on
+    cfg = tiny_config(
+        "--config.mesh.data=1",
+        "--config.mesh.tensor=2",
+        "--config.mesh.pipeline=2",
+        "--config.mesh.context=2",
+        *BLOCKWISE,
+        "--config.train.microbatches=2",
+        "--config.pipeline.schedule=gpipe",
+        "--config.parallel.sequence_parallel=True",
+        "--config.parallel.context_exchange=all_gather",
+        "--config.parallel.zero_stage=0",
+    )
+    validate(cfg)
+    params, _ = one_device_checkpoint_state(cfg)
+    assert jax.tree.leaves(params)
+    # a planned layout without the source's tensor axis or ZeRO-3 (plan --aot, compare --aot, sweep)
+    src = tiny_config(*D8, "--config.parallel.zero_stage=3", "--config.parallel.max_replicated_fraction=0.5")
+    validate(src)
+    out = layout_config(src, ParallelLayout(8, 1, zero_stage=1, seq_len=src.train.seq_len, schedule="gpipe"))
+    assert out.parallel.max_replicated_fraction == default_config().parallel.max_replicated_fraction
+    assert out.pipeline.schedule == default_config().pipeline.schedule
