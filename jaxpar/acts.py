@@ -71,6 +71,10 @@ CONDITIONS: dict[str, Condition] = {
     "data.val_fraction": Condition(
         "data.source is not synthetic", ("data.source",), lambda c: c.data.source != "synthetic"
     ),
+    **{
+        f"model.{name}": Condition("model.num_experts > 0", ("model.num_experts",), lambda c: c.model.num_experts > 0)
+        for name in ("experts_per_token", "router_score", "router_norm_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+    },
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
 }

@@ -39,7 +39,6 @@ SCHEDULE_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
 FILE_SOURCES = ("bin", "megatron")  # the data sources that read data.path
 MAX_DEVICES = 1 << 20  # more accelerators than any cluster has: a larger mesh is a typo, not a plan
 MAX_PARAMS = 10**13  # parameters: beyond any model a cluster of MAX_DEVICES trains
-MOE_FIELDS = ("experts_per_token", "router_score", "router_norm_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff")
 MAX_DIM = 1 << 24  # one model dimension (vocabulary, width, heads, layers, sequence length)
 
 
@@ -385,18 +384,10 @@ def _validate_model(mo: ConfigDict) -> None:
 
 
 def _validate_moe(mo: ConfigDict) -> None:
-    """The MoE fields' domains; with ``num_experts=0`` every other MoE field must keep its default
-    (it would have no effect)."""
+    """The MoE fields' domains (with ``num_experts=0`` the others have no effect: :mod:`jaxpar.acts`)."""
     _require(0 <= mo.num_experts <= MAX_DIM, f"model.num_experts={mo.num_experts}: use 0 (dense) or a count >= 2")
     _require(mo.num_experts != 1, "model.num_experts=1 is a dense MLP with a router; use 0 (dense) or >= 2 experts")
     if not mo.num_experts:
-        base = default_config().model
-        for name in MOE_FIELDS:
-            _require(
-                mo[name] == base[name],
-                f"model.{name}={mo[name]!r} has no effect with model.num_experts=0 (a dense MLP); set "
-                f"--config.model.num_experts or leave model.{name} at {base[name]!r}",
-            )
         return
     _require(
         1 <= mo.experts_per_token <= mo.num_experts,

@@ -41,6 +41,16 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "data.path": ("x.bin", [], ["--config.data.source=bin"]),
     "data.token_dtype": ("uint32", [], ["--config.data.source=bin", "--config.data.path=x.bin"]),
     "data.val_fraction": ("0.5", ["--config.data.source=synthetic"], []),
+    **{
+        f"model.{name}": (value, [], ["--config.model.num_experts=4"])
+        for name, value in (
+            ("experts_per_token", "1"),
+            ("router_score", "sigmoid"),
+            ("router_norm_topk", "False"),
+            ("moe_aux_loss_coeff", "0.01"),
+            ("moe_z_loss_coeff", "0.001"),
+        )
+    },
     "pipeline.schedule": (
         "gpipe",
         [],
@@ -97,6 +107,11 @@ IN_THE_STEP = [
     "optim.decay_start_step",
     "optim.warmup_init_lr",
     "pipeline.schedule",
+    "model.experts_per_token",
+    "model.router_score",
+    "model.router_norm_topk",
+    "model.moe_aux_loss_coeff",
+    "model.moe_z_loss_coeff",
 ]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare
 DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
 

@@ -25,7 +25,9 @@ CONFIGS = sorted((ROOT / "configs").glob("*.py"))
 
 
 def test_unknown_model_name_is_one_line_listing_the_known_ones():
-    with pytest.raises(ConfigError, match=r"^model.name='bogus' is not a known model; use one of gpt, llama, mixtral$") as e:
+    with pytest.raises(
+        ConfigError, match=r"^model.name='bogus' is not a known model; use one of gpt, llama, mixtral$"
+    ) as e:
         tiny_config("--config.model.name=bogus")
     assert "\n" not in str(e.value)
 
@@ -85,7 +87,8 @@ def test_inventory_equals_the_real_parameter_tree(path):
     assert all("layers" not in dict(t.dims) for t in tensors)  # the scan dim is dropped per layer
     names = {t.name for t in tensors}
     assert ("positions" in names) == (m.position == "learned")
-    assert ("mlp_w_gate" in names) == (m.mlp_activation == "swiglu")
+    assert ("mlp_w_gate" in names) == (m.mlp_activation == "swiglu" and not m.num_experts)
+    assert ("moe_w_gate" in names) == bool(m.num_experts)
     assert ("output" in names) != m.tie_embeddings
 
 

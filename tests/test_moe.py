@@ -183,7 +183,7 @@ def test_routing_and_switch_loss():
     [
         (
             ["--config.model.num_experts=0", "--config.model.name=llama", "--config.mesh.expert=1"],
-            "model.moe_aux_loss_coeff=0.01 has no effect with model.num_experts=0",
+            "model.moe_aux_loss_coeff=0.01 has no effect here: it acts only when model.num_experts > 0",
         ),
         (["--config.mesh.expert=3", "--config.mesh.data=1"], "model.num_experts=4 is not divisible by mesh.expert=3"),
         (["--config.model.experts_per_token=5"], "model.experts_per_token=5: use 1 to model.num_experts=4"),
