@@ -308,7 +308,8 @@ def test_ported_recipe_file_loads_and_trains_one_step(recipe, plan, tmp_path):
 
 
 def test_every_fixture_recipe_is_listed():
-    files = {str(p.relative_to(FIX)) for p in FIX.glob("*/*") if p.is_file()}
+    # corpus/: verbatim public recipes with their own manifest (tests/test_recipe_corpus.py)
+    files = {str(p.relative_to(FIX)) for p in FIX.glob("*/*") if p.is_file() and p.parent.name != "corpus"}
     unported = {f for f in files if "TEMPLATE" in f}  # not strict JSON: the port refuses it (tested elsewhere)
     assert files - unported == set(RECIPES)
 
