@@ -212,3 +212,11 @@ def test_expert_axis_on_a_dense_model_is_refused():
             str(ROOT / "configs" / "tiny.py"),
             ["--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.tensor=2"],
         )
+
+
+def test_mfu_counts_the_active_experts():
+    """Mixtral 8x7B: 12.9B active parameters per token (Jiang et al. 2024), input embedding included."""
+    from jaxpar.models.flops import flops_params
+
+    m = load_config(str(ROOT / "configs" / "mixtral_8x7b.py")).model
+    assert flops_params(m) + m.vocab_size * m.embed_dim == 12_879_925_248

@@ -12,11 +12,17 @@ from jaxpar.models.inventory import count_params
 
 
 def flops_params(model: ConfigDict) -> int:
-    """Parameters doing matmul work: all but the input-embedding lookup and the position table
-    (the output projection counts even when tied: the tied table does a V x h matmul)."""
+    """Parameters doing matmul work for one token: all but the input-embedding lookup and the
+    position table (the output projection counts even when tied: the tied table does a V x h
+    matmul); with experts, only the ``experts_per_token`` experts a token runs through (the
+    active-parameter convention of Mixtral's "12.9B active" and of MoE MFU in Megatron-core and
+    MaxText)."""
     lookup = 0 if model.tie_embeddings else model.vocab_size * model.embed_dim
     positions = model.max_seq_len * model.embed_dim if model.position == "learned" else 0
-    return count_params(model) - lookup - positions
+    idle = 0
+    if model.num_experts:  # the experts a token does not run through
+        idle = model.num_layers * (model.num_experts - model.experts_per_token) * 3 * model.embed_dim * model.mlp_dim
+    return count_params(model) - lookup - positions - idle
 
 
 def flops_per_token(model: ConfigDict, seq_len: int, causal: bool = False) -> float:

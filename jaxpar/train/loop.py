@@ -354,6 +354,7 @@ class Trainer:
             f"jaxpar train: {self.layout.devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
             f"tensor={m.tensor} pipeline={m.pipeline}"
             + (f" context={m.context} ({cfg.parallel.context_exchange})" if m.context > 1 else "")
+            + (f" expert={m.expert}" if m.expert > 1 else "")
             + f", zero_stage={cfg.parallel.zero_stage}, "
             f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
             f"{self.layout.tokens_per_step} tokens"
