@@ -83,6 +83,7 @@ def default_config() -> ConfigDict:
         0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
     )
     c.model.attention_dropout = 0.0  # dropout on the softmax probabilities; 0: off
+    c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3; Dehghani et al. 2023)
     # mixture of experts (jaxpar.models.moe): every layer's MLP is num_experts SwiGLU experts of mlp_dim
     c.model.num_experts = 0  # 0: a dense MLP in every layer
     c.model.experts_per_token = 2  # top-k experts each token runs through

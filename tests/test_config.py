@@ -85,16 +85,17 @@ def test_real_shapes_load_and_count():
     from jaxpar.models.inventory import count_params
 
     counts = {}
-    for name in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "mixtral_8x7b"):
+    for name in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "mixtral_8x7b", "qwen3_30b_a3b"):
         counts[name] = count_params(load_config(str(TINY).replace("tiny", name)).model)
     # Published parameter counts (Touvron et al. 2023; Meta LLaMA-3 model card; Mixtral 8x7B's 46.7B,
-    # Jiang et al. 2024, as the HF checkpoint's tensors sum).
+    # Jiang et al. 2024; Qwen3-30B-A3B's 30.5B, Qwen Team 2025: as the HF checkpoints' tensors sum).
     assert counts == {
         "llama2_7b": 6_738_415_616,
         "llama2_13b": 13_015_864_320,
         "llama2_70b": 68_976_648_192,
         "llama3_8b": 8_030_261_248,
         "mixtral_8x7b": 46_702_792_704,
+        "qwen3_30b_a3b": 30_532_122_624,
     }
 
 

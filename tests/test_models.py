@@ -26,7 +26,8 @@ CONFIGS = sorted((ROOT / "configs").glob("*.py"))
 
 def test_unknown_model_name_is_one_line_listing_the_known_ones():
     with pytest.raises(
-        ConfigError, match=r"^model.name='bogus' is not a known model; use one of gpt, llama, mixtral$"
+        ConfigError,
+        match=r"^model.name='bogus' is not a known model; use one of gpt, llama, mixtral, qwen3, qwen3_moe$",
     ) as e:
         tiny_config("--config.model.name=bogus")
     assert "\n" not in str(e.value)
@@ -52,6 +53,7 @@ def test_configs_name_their_family():
     names = {path.stem: load_config(str(path)).model.name for path in CONFIGS}
     assert names.pop("gpt3_175b") == "gpt"
     assert {names.pop("mixtral_8x7b"), names.pop("tiny_mixtral")} == {"mixtral"}
+    assert names.pop("qwen3_30b_a3b") == "qwen3_moe"
     assert set(names.values()) == {"llama"}
 
 
@@ -66,7 +68,7 @@ def closed_form_count(m) -> int:
     mlp = (3 if m.mlp_activation == "swiglu" else 2) * h * f
     if m.num_experts:  # the experts and the router
         mlp = m.num_experts * mlp + h * m.num_experts
-    per_layer = 2 * h * q + 2 * h * kv + mlp + 2 * h * norm
+    per_layer = 2 * h * q + 2 * h * kv + mlp + 2 * h * norm + (2 * m.head_dim if m.qk_norm else 0)
     positions = m.max_seq_len * h if m.position == "learned" else 0
     return m.num_layers * per_layer + v * h * (1 if m.tie_embeddings else 2) + h * norm + positions
 

@@ -214,9 +214,11 @@ def test_expert_axis_on_a_dense_model_is_refused():
         )
 
 
-def test_mfu_counts_the_active_experts():
-    """Mixtral 8x7B: 12.9B active parameters per token (Jiang et al. 2024), input embedding included."""
+@pytest.mark.parametrize("name, active", [("mixtral_8x7b", 12_879_925_248), ("qwen3_30b_a3b", 3_353_032_704)])
+def test_mfu_counts_the_active_experts(name, active):
+    """Active parameters per token, input embedding included: Mixtral 8x7B's 12.9B (Jiang et al.
+    2024), Qwen3-30B-A3B's 3.3B (Qwen Team 2025)."""
     from jaxpar.models.flops import flops_params
 
-    m = load_config(str(ROOT / "configs" / "mixtral_8x7b.py")).model
-    assert flops_params(m) + m.vocab_size * m.embed_dim == 12_879_925_248
+    m = load_config(str(ROOT / "configs" / f"{name}.py")).model
+    assert flops_params(m) + m.vocab_size * m.embed_dim == active

@@ -69,7 +69,7 @@ class Norm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention projections, stacked over layers."""
+    """Grouped-query attention projections (and QK-norm scales), stacked over layers."""
 
     def __init__(self, m: ConfigDict, key: jax.Array, dtype):
         L, h, d = m.num_layers, m.embed_dim, m.head_dim
@@ -79,6 +79,9 @@ class Attention(nnx.Module):
         self.wk = _param(kk, (L, h, m.num_kv_heads, d), ("layers", "embed", "kv_heads", "head_dim"), std, dtype)
         self.wv = _param(kv, (L, h, m.num_kv_heads, d), ("layers", "embed", "kv_heads", "head_dim"), std, dtype)
         self.wo = _param(ko, (L, m.num_heads, d, h), ("layers", "heads", "head_dim", "embed"), out_std, dtype)
+        if m.qk_norm:  # one scale per head dim, shared by every head (Qwen3)
+            self.q_norm = Norm(d, "rmsnorm", dtype, stack=(L,))
+            self.k_norm = Norm(d, "rmsnorm", dtype, stack=(L,))
 
 
 class Mlp(nnx.Module):
@@ -153,6 +156,7 @@ class ShardContext(base.ShardContext):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     position: str = "rope"
+    qk_norm: bool = False
     # mixture of experts (model.num_experts > 0; jaxpar.models.moe)
     num_experts: int = 0
     experts_per_token: int = 2
@@ -186,14 +190,20 @@ def _axis_index(axis: str | None):
 
 
 def _norm(x: jax.Array, p: dict, ctx: ShardContext) -> jax.Array:
+    if ctx.norm == "rmsnorm":
+        return _rms_norm(x, p["scale"], ctx.norm_eps)
     dtype = x.dtype
     x = x.astype(jnp.float32)
-    if ctx.norm == "rmsnorm":
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + ctx.norm_eps)
-        return (x * p["scale"].astype(jnp.float32)).astype(dtype)
     mean = jnp.mean(x, axis=-1, keepdims=True)
     x = (x - mean) * jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + ctx.norm_eps)
     return (x * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(dtype)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last dim, in fp32 (Zhang & Sennrich 2019)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -267,6 +277,8 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     q = jnp.einsum("bsh,hnd->bsnd", h, w(a["wq"]))
     k = jnp.einsum("bsh,hnd->bsnd", h, w(a["wk"]))
     v = jnp.einsum("bsh,hnd->bsnd", h, w(a["wv"]))
+    if ctx.qk_norm:  # over each head's dims, before RoPE (Qwen3)
+        q, k = _rms_norm(q, a["q_norm"]["scale"], ctx.norm_eps), _rms_norm(k, a["k_norm"]["scale"], ctx.norm_eps)
     if ctx.position == "rope":
         q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
     att = context.causal_attention(
@@ -377,6 +389,7 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         norm_eps=model_cfg.norm_eps,
         rope_theta=model_cfg.rope_theta,
         position=model_cfg.position,
+        qk_norm=model_cfg.qk_norm,
         num_experts=model_cfg.num_experts,
         experts_per_token=model_cfg.experts_per_token,
         router_score=model_cfg.router_score,
@@ -441,7 +454,13 @@ HF_LLAMA = HFMap(
         ("norm", "model_type"),
         ("position", "model_type"),
     ),
-    requires=(("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope")),
+    requires=(
+        ("norm", "rmsnorm"),
+        ("mlp_activation", "swiglu"),
+        ("position", "rope"),
+        ("qk_norm", False),
+        ("num_experts", 0),
+    ),
     label="HF LLaMA",
 )
 

@@ -13,6 +13,8 @@ FAMILIES: dict[str, str] = {
     "llama": "jaxpar.models.llama:LlamaModel",
     "gpt": "jaxpar.models.gpt:GptModel",
     "mixtral": "jaxpar.models.mixtral:MixtralModel",
+    "qwen3": "jaxpar.models.qwen3:Qwen3Model",
+    "qwen3_moe": "jaxpar.models.qwen3:Qwen3MoeModel",
 }
 _registered: dict[str, type] = {}
 

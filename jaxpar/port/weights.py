@@ -98,8 +98,13 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
 def _model_config(hf: dict) -> ConfigDict:
     where = "config.json"
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral", "mixtral"):
-        raise ConfigError(f"{where}: model_type='{model_type}' is not supported; use a LLaMA-family or Mixtral model")
+    if model_type not in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe"):
+        raise ConfigError(
+            f"{where}: model_type='{model_type}' is not supported; use a LLaMA, Mistral, Mixtral, Qwen3 or "
+            "Qwen3-MoE model"
+        )
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"{where}: use_sliding_window=true is not supported; jaxpar attends to the whole sequence")
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act='{act}' is not supported; jaxpar's SwiGLU MLP needs silu")
@@ -140,45 +145,73 @@ def _model_config(hf: dict) -> ConfigDict:
             )
         m[field] = rate
     m.mlp_activation, m.norm, m.position = "swiglu", "rmsnorm", "rope"
-    if model_type == "mixtral":
-        _mixtral_fields(hf, m, where)
+    if model_type in ("qwen3", "qwen3_moe"):
+        m.name, m.qk_norm = model_type, True
+    if model_type in ("mixtral", "qwen3_moe"):
+        _moe_fields(hf, m, model_type, where)
     return m
 
 
-def _mixtral_fields(hf: dict, m: ConfigDict, where: str) -> None:
-    """The MoE fields of a Mixtral ``config.json``. Its load-balancing loss is a training choice,
-    read only where ``output_router_logits`` turns it on: HF's ``router_aux_loss_coef`` weighs
-    ``E * sum_e count_e / T * P_e``, ``k`` times jaxpar's Switch loss (:mod:`jaxpar.models.moe`), so
-    the coefficient is multiplied by ``k`` for the same objective."""
-    for key in ("num_local_experts", "num_experts_per_tok"):
+def _moe_fields(hf: dict, m: ConfigDict, model_type: str, where: str) -> None:
+    """The MoE fields of a Mixtral or Qwen3-MoE ``config.json``. The load-balancing loss is a
+    training choice, read only where ``output_router_logits`` turns it on: HF's
+    ``router_aux_loss_coef`` weighs ``E * sum_e count_e / T * P_e``, ``k`` times jaxpar's Switch
+    loss (:mod:`jaxpar.models.moe`), so the coefficient is multiplied by ``k`` for the same objective."""
+    # Mixtral names the count num_local_experts; Qwen3-MoE num_experts (transformers 5 saves it as
+    # num_local_experts too)
+    count = "num_experts" if model_type == "qwen3_moe" and "num_experts" in hf else "num_local_experts"
+    for key in (count, "num_experts_per_tok", *(("moe_intermediate_size",) if model_type == "qwen3_moe" else ())):
         if key not in hf:
-            raise ConfigError(f"{where}: '{key}' is missing; is this an HF Mixtral config.json?")
-    m.name = "mixtral"
-    m.num_experts = int(hf["num_local_experts"])
+            raise ConfigError(f"{where}: '{key}' is missing; is this an HF {model_type} config.json?")
+    m.num_experts = int(hf[count])
     m.experts_per_token = int(hf["num_experts_per_tok"])
+    if model_type == "mixtral":
+        m.name = "mixtral"
+    else:  # every layer sparse: the dense intermediate_size is then unused
+        if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+            raise ConfigError(
+                f"{where}: decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
+                f"{hf.get('mlp_only_layers')}: dense layers between MoE layers are not supported; every "
+                "layer must be MoE (decoder_sparse_step=1, mlp_only_layers=[])"
+            )
+        m.mlp_dim = int(hf["moe_intermediate_size"])
+        m.router_norm_topk = bool(hf.get("norm_topk_prob", False))
     if hf.get("output_router_logits"):
         m.moe_aux_loss_coeff = float(hf.get("router_aux_loss_coef", 0.0)) * m.experts_per_token
 
 
 def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
-    """The HF ``LlamaForCausalLM`` ``config.json`` for ``model_cfg`` (inverse of :func:`model_config_from_hf`)."""
+    """The HF ``config.json`` of ``model_cfg``'s family (LLaMA, Mixtral, Qwen3, Qwen3-MoE), the
+    inverse of :func:`model_config_from_hf`."""
     _hf_map(model_cfg)
     m = model_cfg
-    mixtral = m.name == "mixtral"
-    experts = (
-        {
-            "num_local_experts": m.num_experts,
-            "num_experts_per_tok": m.experts_per_token,
+    family = {
+        "mixtral": ("MixtralForCausalLM", "mixtral"),
+        "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    }.get(m.name, ("LlamaForCausalLM", "llama"))
+    experts = {}
+    if m.num_experts:
+        aux = {
             "output_router_logits": bool(m.moe_aux_loss_coeff),
             "router_aux_loss_coef": m.moe_aux_loss_coeff / m.experts_per_token,
-            "sliding_window": None,
+            "num_experts_per_tok": m.experts_per_token,
         }
-        if mixtral
-        else {}
-    )
+        if m.name == "mixtral":
+            experts = aux | {"num_local_experts": m.num_experts, "sliding_window": None}
+        else:
+            experts = aux | {
+                "num_experts": m.num_experts,
+                "moe_intermediate_size": m.mlp_dim,
+                "norm_topk_prob": m.router_norm_topk,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+    if m.name in ("qwen3", "qwen3_moe"):
+        experts |= {"use_sliding_window": False, "sliding_window": None}
     return experts | {
-        "architectures": ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"],
-        "model_type": "mixtral" if mixtral else "llama",
+        "architectures": [family[0]],
+        "model_type": family[1],
         "hidden_act": "silu",
         "hidden_size": m.embed_dim,
         "intermediate_size": m.mlp_dim,

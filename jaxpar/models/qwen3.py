@@ -1,0 +1,90 @@
+"""The ``qwen3`` and ``qwen3_moe`` families (Qwen Team 2025, "Qwen3 Technical Report"): LLaMA's
+decoder with QK-norm (an RMSNorm of every query and key head, one scale per head dim, before
+RoPE) and, for ``qwen3_moe``, a softmax-routed mixture of experts in every layer whose top-k
+weights are renormalised where ``norm_topk_prob`` says so (:mod:`jaxpar.models.moe`).
+
+The code paths are the ``llama`` family's (a ``llama`` config with ``qk_norm`` and
+``num_experts`` computes the same function); these families pin what HF ``Qwen3ForCausalLM`` /
+``Qwen3MoeForCausalLM`` checkpoints hold and carry their tensor names: per layer
+``self_attn.q_norm.weight`` / ``k_norm.weight`` (head_dim,), and for the MoE ``mlp.gate.weight``
+(E, h) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``.
+"""
+
+from __future__ import annotations
+
+from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.models.base import HFMap, HFTensor
+from jaxpar.models.llama import HF_LLAMA, LlamaModel
+
+_A = "model.layers.{i}.self_attn."
+_M = "model.layers.{i}.mlp."
+QK_NORM = (
+    HFTensor(("blocks", "attn", "q_norm", "scale"), _A + "q_norm.weight", "copy", "(head_dim,)"),
+    HFTensor(("blocks", "attn", "k_norm", "scale"), _A + "k_norm.weight", "copy", "(head_dim,)"),
+)
+DENSE_BLOCK = (("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope"), ("qk_norm", True))
+HF_QWEN3 = HFMap(
+    tensors=(*HF_LLAMA.tensors, *QK_NORM),
+    config_fields=HF_LLAMA.config_fields,
+    requires=DENSE_BLOCK,
+    label="HF Qwen3",
+)
+HF_QWEN3_MOE = HFMap(
+    tensors=(
+        *(t for t in HF_LLAMA.tensors if t.path[:2] != ("blocks", "mlp")),
+        *QK_NORM,
+        HFTensor(("blocks", "moe", "router"), _M + "gate.weight", "transpose", "(num_experts, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_gate"), _M + "experts.{e}.gate_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_up"), _M + "experts.{e}.up_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_down"), _M + "experts.{e}.down_proj.weight", "transpose", "(embed_dim, mlp_dim)"),
+    ),
+    config_fields=(
+        *((f, k) for f, k in HF_LLAMA.config_fields if f != "mlp_dim"),
+        ("mlp_dim", "moe_intermediate_size"),
+        ("num_experts", "num_experts"),
+        ("experts_per_token", "num_experts_per_tok"),
+        ("router_norm_topk", "norm_topk_prob"),
+    ),
+    requires=(*DENSE_BLOCK, ("router_score", "softmax")),
+    label="HF Qwen3-MoE",
+)
+
+
+def _check(cfg: ConfigDict, family: str, block: tuple) -> None:
+    for field, want in block:
+        if cfg[field] != want:
+            raise ConfigError(
+                f"model.{field}={cfg[field]!r}: model.name={family} needs model.{field}={want!r}; "
+                "use model.name=llama for other combinations"
+            )
+
+
+class Qwen3Model(LlamaModel):
+    """``model.name=qwen3``: LLaMA's code paths with QK-norm, dense MLPs."""
+
+    name = "qwen3"
+    hf = HF_QWEN3
+
+    @classmethod
+    def validate(cls, cfg: ConfigDict) -> None:
+        _check(cfg, cls.name, DENSE_BLOCK)
+        if cfg.num_experts:
+            raise ConfigError(
+                f"model.num_experts={cfg.num_experts}: model.name=qwen3 is the dense Qwen3; use model.name=qwen3_moe"
+            )
+
+
+class Qwen3MoeModel(LlamaModel):
+    """``model.name=qwen3_moe``: QK-norm and a softmax-routed MoE MLP in every layer."""
+
+    name = "qwen3_moe"
+    hf = HF_QWEN3_MOE
+
+    @classmethod
+    def validate(cls, cfg: ConfigDict) -> None:
+        _check(cfg, cls.name, (*DENSE_BLOCK, ("router_score", "softmax")))
+        if cfg.num_experts < 2:
+            raise ConfigError(
+                f"model.num_experts={cfg.num_experts}: model.name=qwen3_moe is a mixture of experts; set "
+                "--config.model.num_experts=128 (Qwen3-30B-A3B), or use model.name=qwen3"
+            )
