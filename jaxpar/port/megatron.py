@@ -14,6 +14,7 @@ sample-based settings become fractional steps ``samples / GBS``.
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 from jaxpar.config import ConfigDict, ConfigError
@@ -132,7 +133,7 @@ NOOP = {
         _CKPT,
     ),
 }
-_MOE = "mixture-of-experts: jaxpar has dense MLPs only (the ported model is the dense backbone, one MLP per layer)"
+_MOE = "mixture-of-experts setting this port does not map (jaxpar.models.moe has no counterpart); left out"
 UNSUPPORTED = {
     "--embed-layernorm": "no layer norm after the embedding in jaxpar's models",
     "--train-weighted-split-paths-path": "no weighted multi-split data files; set data.path to one Megatron prefix",
@@ -254,6 +255,7 @@ def port_megatron(
     values: dict[str, Any] = {}
     sizes = _sizes(a, shell, world_size)
     layers = _model(a, values)
+    sizes["ep"] = _moe(a, values, sizes)
     _optim(a, values, sizes)
     _misc(a, values)
     _observability(a, values)
@@ -360,6 +362,29 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
             f"{dp}; use a multiple of {mbs * dp}"
         )
     data, micro = dp, gbs // (mbs * dp)
+    ep = s.get("ep", 1)
+    if ep > 1:
+        if dp % ep:
+            raise ConfigError(
+                f"megatron: --expert-model-parallel-size {ep} does not divide DP = {dp} (world {world} "
+                f"({s['how']}) / (TP*PP*CP) = {mp}); expert parallelism is carved out of data parallelism "
+                f"(jaxpar: devices = data*expert*tensor*pipeline*context); use a world size that is a "
+                f"multiple of {mp * ep} (pass --var for the node count or --world-size)"
+                + (
+                    f"; Megatron-core refuses it too (world not divisible by ETP*EP*PP = {tp * ep * pp})"
+                    if world % (tp * ep * pp)
+                    else "; Megatron-core would take EP from CP ranks too, jaxpar from DP only"
+                )
+            )
+        data = dp // ep
+        values["mesh.expert"] = ep
+    a.note(
+        "--expert-model-parallel-size",
+        "mapped",
+        "mesh.expert, mesh.data",
+        f"experts split over {ep} ranks taken from DP = {dp}: mesh.data = {data}, the batch split over data*expert",
+    )
+    a.note("--moe-expert-parallel-size", "mapped", "mesh.expert, mesh.data", f"DeepSpeed's EP out of DP = {dp}")
     values.update(
         {
             "mesh.data": data,
@@ -633,6 +658,296 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
     a.note("--make-vocab-size-divisible-by", "mapped", "model.vocab_size", how)
     if not a.has("--vocab-size") and not a.has("--tokenizer-type"):
         a.report.approximated("(vocabulary)", size, "model.vocab_size", f"GPT-2 BPE (--vocab-file/--merge-file): {how}")
+
+
+# Megatron-DeepSpeed's MoE flags (megatron/arguments.py there); any of them (or --deepspeed) selects its
+# DeepSpeed MoE (deepspeed/moe/sharded_moe.py) rather than Megatron-core's
+DEEPSPEED_MOE_FLAGS = (
+    "--moe-expert-parallel-size",
+    "--topk",
+    "--moe-loss-coeff",
+    "--moe-train-capacity-factor",
+    "--moe-eval-capacity-factor",
+    "--moe-min-capacity",
+    "--disable-moe-token-dropping",
+    "--mlp-type",
+    "--expert-interval",
+    "--create-moe-param-group",
+    "--disable-moe-top2-2nd-expert-sampling",
+    "--use-tutel",
+    "--enable-expert-tensor-parallelism",
+)
+_DROPLESS = "jaxpar's MoE is dropless: every token reaches all of its k experts, no capacity, no padding"
+# Megatron-core MoE flags refused when given (beyond their default): flag -> why
+MOE_REFUSED = {
+    "--moe-expert-capacity-factor": "a capacity factor drops tokens over each expert's capacity; " + _DROPLESS,
+    "--moe-pad-expert-input-to-capacity": "pads expert inputs to a token-dropping capacity; " + _DROPLESS,
+    "--moe-shared-expert-intermediate-size": "shared experts: jaxpar's MoE layer has routed experts only",
+    "--moe-router-enable-expert-bias": "expert bias (aux-loss-free balancing) is not in jaxpar's router",
+    "--moe-router-topk-scaling-factor": "jaxpar's router does not scale the top-k weights",
+    "--moe-router-num-groups": "group-limited routing is not in jaxpar's router",
+    "--moe-router-group-topk": "group-limited routing is not in jaxpar's router",
+    "--moe-router-topk-limited-devices": "device-limited routing is not in jaxpar's router",
+}
+# Megatron-core MoE flags that only change how the same function is computed: flag -> what jaxpar does
+MOE_PERF = {
+    "--moe-grouped-gemm": "jaxpar runs each rank's experts as grouped matmuls (jax.lax.ragged_dot), always",
+    "--moe-permute-fusion": "XLA decides what fuses with the token permutation",
+    "--moe-router-dtype": "jaxpar's router logits, scores and top-k run in fp32 always; expert outputs are "
+    "weighted in the compute dtype",
+    "--moe-router-fusion": "XLA decides what fuses in the router",
+    "--moe-layer-recompute": "jaxpar recomputes per model.remat (whole layers), not the MoE layer alone",
+    "--moe-per-layer-logging": _LOG,
+    "--moe-shared-expert-overlap": _PERF,
+    "--overlap-moe-expert-parallel-comm": "XLA schedules the expert all-gather and reduce-scatter",
+    "--moe-use-grouped-tensor": _PERF,
+}
+BALANCING_TYPES = ("aux_loss", "none")
+
+
+def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> int:
+    """Mixture of experts -> ``model.num_experts`` and the router fields; returns the expert-parallel size.
+
+    Megatron-core (``--num-experts``): softmax routing takes the softmax over the top-k logits
+    (= the top-k probabilities renormalised: ``router_norm_topk``) unless ``--moe-router-pre-softmax``
+    (softmax over all experts, no renormalisation); sigmoid renormalises the top-k when k > 1. Its
+    ``aux_loss`` balancing is jaxpar's Switch loss, its z-loss jaxpar's. Megatron-DeepSpeed (DeepSpeed
+    MoE): top-1 weights a token by its softmax probability; its ``l_aux`` is ``E * sum_e me_e * ce_e``
+    with ``ce_e`` the share of tokens whose *first* choice is ``e``: jaxpar's Switch loss for top-1 and
+    top-k > 2 (``ce / k``), not for top-2. Refusals raise one line naming the flag."""
+    deepspeed = any(a.has(f) for f in DEEPSPEED_MOE_FLAGS) or a.get("--deepspeed", bool, False)
+    text = str(a.get("--num-experts", str, "") or "")
+    counts = sorted({int(x) for x in text.split() if x.isdigit()})
+    if len(counts) > 1:
+        raise ConfigError(
+            f"megatron: --num-experts {text}: a different expert count per MoE layer (pyramid MoE); jaxpar's "
+            "layers all have model.num_experts experts; give one count"
+        )
+    experts = counts[0] if counts else 0
+    moe_flags = [
+        n for n in a.flags if n.startswith(("--moe-", "--expert-")) or n in (*DEEPSPEED_MOE_FLAGS, "--num-experts")
+    ]
+    dense = experts == 0 or (deepspeed and experts == 1)  # Megatron-DeepSpeed's default [1] is dense
+    if dense:
+        for name in moe_flags:
+            a.note(name, "approximated", "", _NOOP + "no mixture of experts without --num-experts > 1")
+        return 1
+    if experts == 1:
+        raise ConfigError(
+            "megatron: --num-experts 1 is one expert behind a router; jaxpar's MoE needs >= 2 experts "
+            "(drop the flag for the dense model)"
+        )
+    refusals = _moe_deepspeed(a, values, experts) if deepspeed else _moe_core(a, values, s)
+    if values.get("model.mlp_activation") != "swiglu":
+        refusals.append(
+            f"--num-experts {experts} without --swiglu: the recipe's experts are GeLU MLPs; jaxpar's experts "
+            "are SwiGLU (add --swiglu to port a SwiGLU MoE)"
+        )
+    if refusals:
+        raise ConfigError("megatron: " + "; also ".join(refusals))
+    values["model.num_experts"] = experts
+    values["model.name"] = (
+        "mixtral"
+        if values.get("model.router_score", "softmax") == "softmax"
+        and values.get("model.router_norm_topk", True)
+        and (values["model.norm"], values["model.position"]) == ("rmsnorm", "rope")
+        else "llama"
+    )
+    a.note(
+        "--num-experts",
+        "mapped",
+        "model.num_experts, model.name",
+        f"every layer's MLP is {experts} SwiGLU experts of model.mlp_dim; model.name={values['model.name']}"
+        + (" (Mixtral: softmax top-k renormalised)" if values["model.name"] == "mixtral" else ""),
+    )
+    ep = a.get("--moe-expert-parallel-size" if deepspeed else "--expert-model-parallel-size", int, 1) or 1
+    if experts % ep:
+        raise ConfigError(
+            f"megatron: --num-experts {experts} is not divisible by the expert-parallel size {ep}; "
+            "choose an expert-parallel size that divides the expert count"
+        )
+    return ep
+
+
+def _moe_core(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> list[str]:
+    """Megatron-core's MoE flags; returns the refusals (flag and reason)."""
+    refusals = []
+    for name, why in MOE_REFUSED.items():
+        a.known.add(name)
+        value = show(" ".join(a.flags.get(name, ["None"])))
+        if value not in ("None", "false", "False"):
+            refusals.append(f"{name} {value}".rstrip() + f": {why}")
+    freq = str(a.get("--moe-layer-freq", str, "1")).replace(" ", "")
+    # 1, or a pattern list ("([1]*3+[0]*1)*3") whose every listed layer flag is 1 (repeat counts follow '*')
+    elements = re.findall(r"\[([\d,]*)\]", freq)
+    all_moe = freq == "1" or (bool(elements) and all(x == "1" for e in elements for x in e.split(",") if x))
+    if not all_moe:
+        refusals.append(
+            f"--moe-layer-freq {freq}: dense layers between the MoE layers; jaxpar's MoE replaces every "
+            "layer's MLP (only --moe-layer-freq 1 ports)"
+        )
+    a.note("--moe-layer-freq", "mapped", "model.num_experts", "every layer is a MoE layer")
+    tp = s["tp"]
+    etp = a.get("--expert-tensor-parallel-size", int, tp)
+    if etp != tp:
+        refusals.append(
+            f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: jaxpar "
+            "splits the experts over the tensor axis like the dense MLP"
+        )
+    a.note("--expert-tensor-parallel-size", "mapped", "mesh.tensor", "experts split over tensor like the dense MLP")
+    score = a.get("--moe-router-score-function", str, "softmax")
+    if score not in ("softmax", "sigmoid"):
+        refusals.append(f"--moe-router-score-function {score}: jaxpar's router scores are softmax or sigmoid")
+    kinds = str(a.get("--moe-router-load-balancing-type", str, "aux_loss")).split()
+    coeffs = str(a.get("--moe-aux-loss-coeff", str, "0.0")).split()
+    if len(kinds) > 1 or len(coeffs) > 1:
+        refusals.append(
+            f"--moe-router-load-balancing-type {' '.join(kinds)} with --moe-aux-loss-coeff {' '.join(coeffs)}: "
+            "jaxpar has one load-balancing loss (Switch, aux_loss)"
+        )
+    elif kinds[0] not in BALANCING_TYPES:
+        refusals.append(
+            f"--moe-router-load-balancing-type {kinds[0]}: jaxpar's only balancing is the Switch loss "
+            "(aux_loss), or none"
+        )
+    topk = a.get("--moe-router-topk", int, 2)
+    pre = a.get("--moe-router-pre-softmax", bool, False)
+    norm = (not pre) if score == "softmax" else topk > 1
+    coeff = 0.0 if kinds[0] == "none" else float(coeffs[0])
+    values.update(
+        {
+            "model.experts_per_token": topk,
+            "model.router_score": score,
+            "model.router_norm_topk": norm,
+            "model.moe_aux_loss_coeff": coeff,
+            "model.moe_z_loss_coeff": a.get("--moe-z-loss-coeff", float, 0.0) or 0.0,
+        }
+    )
+    a.note("--moe-router-topk", "mapped", "model.experts_per_token")
+    if not a.has("--moe-router-topk"):
+        a.report.mapped("--moe-router-topk (default)", 2, "model.experts_per_token", "Megatron default")
+    a.note("--moe-router-score-function", "mapped", "model.router_score")
+    how = (
+        "softmax over all experts, top-k not renormalised"
+        if score == "softmax" and pre
+        else "softmax over the top-k logits = top-k probabilities renormalised"
+        if score == "softmax"
+        else f"sigmoid top-k {'renormalised (k > 1)' if norm else 'not renormalised (k = 1)'}; pre-softmax no effect"
+    )
+    a.note("--moe-router-pre-softmax", "mapped", "model.router_norm_topk", how)
+    if not a.has("--moe-router-pre-softmax"):
+        a.report.mapped("(router weights)", norm, "model.router_norm_topk", how)
+    dp_note = (
+        "; jaxpar takes f_e and P_e over each microbatch's tokens on all data and expert ranks, Megatron over "
+        "each DP rank's own micro-batch (the same loss at DP = 1, close at DP > 1)"
+    )
+    sigmoid_note = (
+        "; with sigmoid scores Megatron's P_e uses the scores normalised over the experts, jaxpar the raw "
+        "sigmoid probabilities"
+        if score == "sigmoid"
+        else ""
+    )
+    a.note(
+        "--moe-router-load-balancing-type",
+        "mapped" if kinds[0] == "none" or not coeff else "approximated",
+        "model.moe_aux_loss_coeff",
+        "no load-balancing loss"
+        if kinds[0] == "none"
+        else "the Switch loss E*sum_e f_e*P_e, as Megatron-core's switch_load_balancing_loss_func"
+        + dp_note
+        + sigmoid_note,
+    )
+    a.note("--moe-aux-loss-coeff", "mapped", "model.moe_aux_loss_coeff", "its weight, per layer, as Megatron adds it")
+    a.note("--moe-z-loss-coeff", "mapped", "model.moe_z_loss_coeff", "router z-loss mean_t logsumexp(logits_t)^2")
+    a.note("--moe-ffn-hidden-size", "mapped", "model.mlp_dim", "every layer is MoE: the experts' width is mlp_dim")
+    if a.get("--moe-ffn-hidden-size", int):
+        values["model.mlp_dim"] = a.get("--moe-ffn-hidden-size", int)
+    dispatcher = a.get("--moe-token-dispatcher-type", str, "allgather")
+    a.note(
+        "--moe-token-dispatcher-type",
+        "mapped" if dispatcher == "allgather" else "approximated",
+        "",
+        "jaxpar dispatches as Megatron's allgather: tokens all-gathered over the expert ranks, the outputs "
+        "reduce-scattered back"
+        + ("" if dispatcher == "allgather" else f" (not {dispatcher}): the same function, different messages"),
+    )
+    for name, why in MOE_PERF.items():
+        a.note(name, "approximated", "", why)
+    return refusals
+
+
+def _moe_deepspeed(a: _Args, values: dict[str, Any], experts: int) -> list[str]:
+    """Megatron-DeepSpeed's MoE flags (DeepSpeed MoE); returns the refusals (flag and reason)."""
+    refusals = []
+    interval = a.get("--expert-interval", int, 2)
+    if interval != 1:
+        refusals.append(
+            f"--num-experts {experts} with --expert-interval {interval}"
+            + ("" if a.has("--expert-interval") else " (Megatron-DeepSpeed's default)")
+            + f": experts in one layer of every {interval}, dense MLPs between; jaxpar's MoE replaces every "
+            "layer's MLP (only --expert-interval 1 ports)"
+        )
+    a.note("--expert-interval", "mapped", "model.num_experts", "every layer is a MoE layer")
+    mlp = a.get("--mlp-type", str, "standard")
+    if mlp != "standard":
+        refusals.append(f"--mlp-type {mlp}: residual MoE (a dense MLP beside the experts) is not in jaxpar")
+    a.note("--mlp-type", "mapped", "", "standard: routed experts only")
+    dropping = not a.get("--disable-moe-token-dropping", bool, False)
+    factor = a.get("--moe-train-capacity-factor", float, 1.0)
+    if dropping:
+        refusals.append(
+            f"--moe-train-capacity-factor {factor:g} with token dropping (on unless --disable-moe-token-dropping): "
+            f"tokens over each expert's capacity are dropped; {_DROPLESS}"
+        )
+    for name in ("--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity"):
+        a.note(name, "approximated", "", _NOOP + "with --disable-moe-token-dropping no token is dropped")
+    a.note("--disable-moe-token-dropping", "mapped", "", "dropless, as jaxpar's MoE")
+    topk = a.get("--topk", int, 1)
+    coeff = a.get("--moe-loss-coeff", float, 0.1)
+    sampling = topk == 2 and not a.get("--disable-moe-top2-2nd-expert-sampling", bool, False)
+    if sampling:
+        refusals.append(
+            "--topk 2: DeepSpeed picks the second expert by Gumbel sampling (on unless "
+            "--disable-moe-top2-2nd-expert-sampling); jaxpar's router takes the top-k deterministically"
+        )
+    if topk == 2 and coeff:
+        refusals.append(
+            f"--topk 2 with --moe-loss-coeff {coeff:g}: DeepSpeed's top-2 l_aux counts only each token's first "
+            "choice (E * sum_e mean(gates_e) * share of first choices), not jaxpar's Switch loss over all "
+            "k choices; no coefficient converts one into the other"
+        )
+    values.update(
+        {
+            "model.experts_per_token": topk,
+            "model.router_score": "softmax",
+            "model.router_norm_topk": topk > 1,
+            "model.moe_aux_loss_coeff": coeff,
+        }
+    )
+    a.note(
+        "--topk",
+        "mapped",
+        "model.experts_per_token, model.router_norm_topk",
+        "top-1 weights each token by its softmax probability"
+        if topk == 1
+        else "softmax top-k renormalised to sum 1, as DeepSpeed's gating",
+    )
+    if not a.has("--topk"):
+        a.report.mapped("--topk (default)", 1, "model.experts_per_token", "Megatron-DeepSpeed default: top-1")
+    a.note("--disable-moe-top2-2nd-expert-sampling", "mapped", "", "top-2 by argmax, as jaxpar")
+    note = (
+        "DeepSpeed's l_aux E*sum_e me_e*ce_e is jaxpar's Switch loss"
+        + (" (ce_e / k: its topkgating divides by k)" if topk > 2 else "")
+        + "; DeepSpeed takes it over each rank's own tokens, jaxpar over each microbatch on all data and "
+        "expert ranks (the same loss at DP = 1, close at DP > 1)"
+    )
+    a.note("--moe-loss-coeff", "approximated" if coeff else "mapped", "model.moe_aux_loss_coeff", note)
+    if not a.has("--moe-loss-coeff"):
+        a.report.approximated("--moe-loss-coeff (default)", 0.1, "model.moe_aux_loss_coeff", note)
+    a.note("--create-moe-param-group", "approximated", "", "jaxpar's optimizer treats expert weights as the others")
+    a.note("--use-tutel", "approximated", "", _PERF)
+    a.note("--enable-expert-tensor-parallelism", "approximated", "", "jaxpar splits experts over tensor always")
+    return refusals
 
 
 def schedule_fields(

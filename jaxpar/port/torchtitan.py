@@ -24,6 +24,13 @@ LLAMA3_FLAVORS = {
     "405B": (16384, 126, 128, 8, 1.2, 4096, 500000.0),
 }
 LLAMA3_VOCAB = 128256
+# torchtitan's MoE families: what keeps each from jaxpar's Mixtral-like MoE (model.num_experts)
+MOE_FAMILIES = {
+    "deepseek_v3": "shared experts, dense first layers, multi-head latent attention",
+    "llama4": "a shared expert in every MoE layer, layers without positions (iRoPE)",
+    "qwen3": "QK layer norm, which jaxpar's attention lacks",
+    "gpt_oss": "attention sinks and biased experts",
+}
 _NOOP = "no-op in jaxpar: "
 _LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
 _TB = (
@@ -297,7 +304,13 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
                 else "interleaved with 2 virtual stages per rank",
             )
         elif key in ("expert_parallel_degree", "expert_tensor_parallel_degree") and int(value) > 1:
-            report.unsupported(src, value, "mixture-of-experts parallelism: jaxpar has dense MLPs only")
+            report.unsupported(
+                src,
+                value,
+                "mixture-of-experts parallelism: no torchtitan MoE family ports to jaxpar's MoE (see model.name), "
+                "so mesh.expert stays 1 (torchtitan borrows its expert ranks from the other degrees: the mesh "
+                "keeps its size)",
+            )
         elif key == "fsdp_reshard_after_forward":
             report.approximated(
                 src,
@@ -390,8 +403,9 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
         )
     else:
         why = (
-            "mixture-of-experts model: jaxpar has dense MLPs only"
-            if name in ("deepseek_v3", "llama4")
+            f"mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
+            "routed SwiGLU experts in every layer, nothing shared)"
+            if name in MOE_FAMILIES
             else "no known jaxpar shape for this flavor"
         )
         report.unsupported("model.name", name, f"{why}; model.* left at jaxpar defaults, set them by hand")
