@@ -46,7 +46,7 @@ def tiny_config(*overrides: str):
 
 
 def run_steps(cfg, steps: int, seed: int = 0):
-    """Train ``steps`` steps on the first data*tensor*pipeline*context devices with fixed random batches.
+    """Train ``steps`` steps on the first data*tensor*pipeline*context*expert devices with fixed random batches.
 
     Returns (per-step metrics, final params on host, the Setup)."""
     n = ParallelLayout.from_config(cfg).devices

@@ -34,7 +34,7 @@ EXPECTED = {
     SWEEP: r"unresolved shell variables: TP .*PP .*MBS .*GBS .*WORLD_SIZE .*NLS .*HS .*NAH ",
     GPT13: r"world size 8 \(--nproc_per_node 8 \* --nnodes 1\) is not divisible by TP\*PP\*CP = 4\*4\*1 = 16",
     LLAMA3: None,
-    MIXTRAL: None,
+    MIXTRAL: r"--expert-model-parallel-size 8 does not divide DP = 2",  # one node: Megatron refuses EP 8 too
     BLOOM: r"NNODES \(needs SLURM_NNODES; used by --nnodes\)",
     LLAMA2: None,
     INTERLEAVED: None,
@@ -147,12 +147,13 @@ def test_llama3_8b_fp8_shape_and_sample_based_schedule():
     assert report.find("(vocabulary)").status == "approximated"
 
 
-def test_mixtral_moe_flags_are_unsupported():
-    cfg, report = port_megatron(MEG / MIXTRAL)
-    for flag in ("--num-experts", "--moe-router-topk", "--moe-grouped-gemm", "--expert-model-parallel-size"):
-        entry = report.find(flag)
-        assert entry.status == "unsupported" and "mixture-of-experts" in entry.note
-    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 4, 64)  # 8 / 4; 128 / (1 * 2)
+def test_mixtral_moe_flags_map_on_four_nodes():
+    cfg, report = port_megatron(MEG / MIXTRAL, variables={"SLURM_NNODES": "4"})
+    assert (cfg.model.num_experts, cfg.model.experts_per_token) == (8, 2)
+    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.pipeline, cfg.train.microbatches) == (1, 8, 4, 16)
+    for flag in ("--num-experts", "--moe-router-topk", "--expert-model-parallel-size"):
+        assert report.find(flag).status == "mapped", (flag, report.find(flag))
+    assert report.find("--moe-grouped-gemm").status == "approximated"
     assert cfg.model.vocab_size == 32000 and cfg.optim.b2 == 0.999  # Megatron's default beta2
 
 

@@ -103,7 +103,7 @@ RECIPES = {
     "deepspeed/adam_l2_cosine_autocast.json": ["--world-size", "8"],
     "megatron/gpt3_13b_distributed.args": ["--var", "NUM_NODES=4"],
     "megatron/llama3_8b_fp8_single_node.args": [],
-    "megatron/mixtral_8x22b_moe.args": [],
+    "megatron/mixtral_8x22b_moe.args": ["--var", "SLURM_NNODES=4"],  # EP 8 x PP 4 needs 32 GPUs
     "megatron/sweep_CONFIG.args": [
         f"--var={kv}" for kv in ("TP=2", "PP=2", "MBS=1", "GBS=32", "NLS=24", "HS=1024", "NAH=16", "WORLD_SIZE=8")
     ],
@@ -143,9 +143,10 @@ SPECS = [*sorted(p.name for p in (ROOT / "configs").glob("*.py")), *(f"maxtext_t
 
 
 def shrunk_mesh(sizes: tuple[int, ...], limit: int = DEVICES) -> tuple[int, ...]:
-    """Mesh sizes (data, tensor, pipeline) scaled to at most ``limit`` devices, as the module docstring says."""
+    """Mesh sizes (data, tensor, pipeline, expert) scaled to at most ``limit`` devices, as the module
+    docstring says."""
     out = [1 << (s.bit_length() - 1) for s in sizes]  # round down to a power of two
-    order = (0, 2, 1)  # ties: halve data, then pipeline, then tensor
+    order = tuple(i for i in (0, 3, 2, 1) if i < len(out))  # ties: halve data, expert, pipeline, then tensor
     while math.prod(out) > limit:
         big = max(order, key=lambda i: (out[i], -order.index(i)))
         if out[big] <= 2:
@@ -156,7 +157,7 @@ def shrunk_mesh(sizes: tuple[int, ...], limit: int = DEVICES) -> tuple[int, ...]
 
 def shrink(cfg) -> list[str]:
     """``--config.`` overrides turning ``cfg`` (a full-size, validated config) into the tiny stand-in."""
-    data, tensor, pipeline = shrunk_mesh((cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline))
+    data, tensor, pipeline, expert = shrunk_mesh((cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.expert))
     virtual = cfg.pipeline.virtual_stages if pipeline > 1 else 1
     if pipeline > 1:
         micro = pipeline
@@ -168,9 +169,10 @@ def shrink(cfg) -> list[str]:
         "mesh.data": data,
         "mesh.tensor": tensor,
         "mesh.pipeline": pipeline,
+        "mesh.expert": expert,
         "pipeline.virtual_stages": virtual,
         "train.microbatches": micro,
-        "train.global_batch": micro * data,
+        "train.global_batch": micro * data * expert,
         "train.seq_len": 16,
         "model.embed_dim": 32,
         "model.num_heads": heads,
@@ -194,6 +196,7 @@ def layout_key(cfg) -> tuple:
         cfg.mesh.data,
         cfg.mesh.tensor,
         cfg.mesh.pipeline,
+        cfg.mesh.expert,
         cfg.parallel.zero_stage,
         cfg.parallel.sequence_parallel,
         cfg.pipeline.schedule if cfg.mesh.pipeline > 1 else "-",
@@ -205,6 +208,7 @@ def layout_key(cfg) -> tuple:
         m.position,
         m.tie_embeddings,
         m.num_kv_heads < m.num_heads,
+        m.num_experts > 0,
     )
 
 
@@ -213,12 +217,13 @@ SLOW = bool(os.environ.get("JAXPAR_SLOW"))
 
 def features(key: tuple) -> set[str]:
     """The code paths a layout exercises, for the covering subset that runs by default."""
-    data, tensor, pipeline, zero, sp, schedule, virtual, micro, remat, act, norm, pos, tie, gqa = key
+    data, tensor, pipeline, expert, zero, sp, schedule, virtual, micro, remat, act, norm, pos, tie, gqa, moe = key
     out = {f"zero:{zero}", f"remat:{remat}", f"mlp:{act}", f"norm:{norm}", f"position:{pos}", f"tied:{tie}"}
     out |= {f"zero:{zero}/tensor" if tensor > 1 else f"zero:{zero}/no tensor"}
     out |= {f"zero:{zero}/pipeline", f"schedule:{schedule}"} if pipeline > 1 else {f"zero:{zero}/no pipeline"}
     out |= {"sequence_parallel"} if sp else set()
     out |= {"gqa"} if gqa else set()
+    out |= {"moe"} if moe else set()
     out |= {"accumulation"} if micro > 1 and pipeline == 1 else set()
     return out
 
@@ -265,7 +270,7 @@ _RUNS: dict[tuple, dict] = {}
 def _check(cfg, plan: set[tuple]) -> None:
     """Train one step of ``cfg`` if its layout is in ``plan`` (once per layout); else build its Setup and
     check that every feature of its layout is exercised by a layout in the plan."""
-    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    n = ParallelLayout.from_config(cfg).devices
     assert n <= DEVICES
     key = layout_key(cfg)
     if key not in plan:
@@ -330,6 +335,7 @@ def test_shipped_config_trains_one_step(spec, plan):
         ((1, 8, 16), (1, 4, 2)),
         ((6, 1, 1), (4, 1, 1)),
         ((2, 4, 8), (2, 2, 2)),
+        ((1, 1, 4, 8), (1, 1, 4, 2)),
     ],
 )
 def test_shrunk_mesh(sizes, want):
