@@ -54,7 +54,7 @@ def _hf_tensors(model) -> dict[str, np.ndarray]:
     return {
         name: rng.normal(0, 0.02, leaf.hf_shape).astype(np.float32)
         for leaf in leaves
-        for name in leaf.names(model.num_layers)
+        for name in leaf.names()
     }
 
 

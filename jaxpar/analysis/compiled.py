@@ -435,6 +435,7 @@ def report_fields(cfg: ConfigDict) -> dict[str, Any]:
         MeshAxis.TENSOR: m.tensor,
         MeshAxis.PIPELINE: m.pipeline,
         MeshAxis.CONTEXT: m.context,
+        MeshAxis.EXPERT: m.expert,
         "context_exchange": p.context_exchange,
         "zero_stage": p.zero_stage,
         "sequence_parallel": p.sequence_parallel,

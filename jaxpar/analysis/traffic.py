@@ -151,6 +151,7 @@ def communication(
             MeshAxis.TENSOR: (t, *max((st[MeshAxis.TENSOR] for st in stages), key=lambda x: x[0])),
             MeshAxis.PIPELINE: (p, *max((st[MeshAxis.PIPELINE] for st in stages), key=lambda x: x[0])),
             MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
+            MeshAxis.EXPERT: (layout.expert, 0.0, 0),  # MoE is not priced: plan refuses it (dense: nothing)
         }
     else:
         grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
@@ -170,6 +171,7 @@ def communication(
             ),
             MeshAxis.PIPELINE: pipeline,
             MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
+            MeshAxis.EXPERT: (layout.expert, 0.0, 0),  # MoE is not priced: plan refuses it (dense: nothing)
         }
     out = {}
     for axis, (size, nbytes, calls) in traffic.items():
