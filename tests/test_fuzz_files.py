@@ -51,11 +51,7 @@ def _small(*extra: str):
 def _hf_tensors(model) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     leaves, _ = weights._leaves(model)
-    return {
-        name: rng.normal(0, 0.02, leaf.hf_shape).astype(np.float32)
-        for leaf in leaves
-        for name in leaf.names()
-    }
+    return {name: rng.normal(0, 0.02, leaf.hf_shape).astype(np.float32) for leaf in leaves for name in leaf.names()}
 
 
 def _write_hf(directory: pathlib.Path, tensors: dict[str, np.ndarray], model, shards: int = 1) -> None:
