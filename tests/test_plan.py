@@ -107,7 +107,7 @@ def test_evaluate_layout_and_pins():
     )
     est = P.evaluate_layout(m, H100, lay)
     assert est.layout == lay and est.bubble_fraction == pytest.approx(7 / 71)
-    assert set(est.communication) == {"data", "tensor", "pipeline", "context"}
+    assert set(est.communication) == {"data", "tensor", "pipeline", "context", "expert"}
     assert est.communication["context"].bytes == 0 and est.context_s == 0
     pinned = P.search_layouts(m, H100, 64, 1024, 4096, fixed={"tensor": 8, "pipeline": 8, "zero_stage": 1})
     assert {(e.layout.tensor, e.layout.pipeline, e.layout.zero_stage) for e in pinned} == {(8, 8, 1)}
@@ -161,7 +161,7 @@ def test_run_plan_json(capsys):
                 "recompute", "sequence_parallel", "schedule", "step_time_s", "mfu", "bubble_fraction"):  # fmt: skip
         assert key in row, key
     assert {"model_states_bytes", "activation_bytes", "total_bytes"} <= set(row["memory"])
-    assert set(row["communication"]) == {"data", "tensor", "pipeline", "context"}
+    assert set(row["communication"]) == {"data", "tensor", "pipeline", "context", "expert"}
     assert row["communication"]["tensor"]["bytes"] >= 0 and row["why"]
 
 
