@@ -222,3 +222,26 @@ def test_mfu_counts_the_active_experts(name, active):
 
     m = load_config(str(ROOT / "configs" / f"{name}.py")).model
     assert flops_params(m) + m.vocab_size * m.embed_dim == active
+
+
+def test_grouped_experts_equal_every_expert_on_every_token():
+    """The sorted ragged_dot dispatch computes sum_k w_k * expert_k(x), as running every expert on
+    every token and weighting by the routing does (the dense one-hot reference)."""
+    rng = np.random.default_rng(0)
+    T, h, f, E, k = 12, 8, 16, 4, 2
+    p = {
+        name: jnp.asarray(rng.normal(size=shape), jnp.float32)
+        for name, shape in (("w_gate", (E, h, f)), ("w_up", (E, h, f)), ("w_down", (E, f, h)))
+    }
+    tokens = jnp.asarray(rng.normal(size=(T, h)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(T, E)), jnp.float32)
+    s = moe.MoeSettings(num_experts=E, top_k=k)
+    weights, experts, _ = moe.route(logits, s)
+    got = moe.expert_mlp(tokens, weights, experts, p, s, jnp.float32)
+    every = jnp.einsum(
+        "tef,efh->teh",
+        jax.nn.silu(jnp.einsum("th,ehf->tef", tokens, p["w_gate"])) * jnp.einsum("th,ehf->tef", tokens, p["w_up"]),
+        p["w_down"],
+    )  # (T, E, h)
+    mask = jnp.sum(jax.nn.one_hot(experts, E) * weights[..., None], axis=1)  # (T, E)
+    np.testing.assert_allclose(got, jnp.einsum("teh,te->th", every, mask), rtol=1e-5, atol=1e-5)
