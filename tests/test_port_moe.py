@@ -18,7 +18,8 @@ from tests.helpers import ROOT
 CORPUS = ROOT / "tests" / "fixtures" / "recipes" / "corpus"
 MIXTRAL = CORPUS / "megatron" / "mixtral_8x7b.sh"
 MOE64 = CORPUS / "megatron_deepspeed" / "moe_gpt_125M_MoE64.sh"
-ARGS = {"1": "/ckpt", "2": "/tok.model", "3": "/data/text_document"}  # the script's $1..$3
+# the script's $1..$3, and the environment its `if [ -n "${WANDB_API_KEY}" ]` reads (unset: no W&B)
+ARGS = {"1": "/ckpt", "2": "/tok.model", "3": "/data/text_document", "WANDB_API_KEY": ""}
 # a small Megatron-core MoE recipe; each case below adds flags to it
 BASE = """GPUS=8
 torchrun --nproc_per_node $GPUS pretrain_gpt.py --num-layers 4 --hidden-size 256 --num-attention-heads 8 \\
