@@ -73,7 +73,14 @@ CONDITIONS: dict[str, Condition] = {
     ),
     **{
         f"model.{name}": Condition("model.num_experts > 0", ("model.num_experts",), lambda c: c.model.num_experts > 0)
-        for name in ("experts_per_token", "router_score", "router_norm_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+        for name in (
+            "experts_per_token",
+            "router_score",
+            "router_norm_topk",
+            "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
+            "moe_capacity_factor",
+        )
     },
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),

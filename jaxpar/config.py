@@ -91,6 +91,7 @@ def default_config() -> ConfigDict:
     c.model.router_norm_topk = True  # renormalise the top-k weights to sum 1
     c.model.moe_aux_loss_coeff = 0.0  # Switch load-balancing loss weight (Megatron --moe-aux-loss-coeff)
     c.model.moe_z_loss_coeff = 0.0  # router z-loss weight (Megatron --moe-z-loss-coeff)
+    c.model.moe_capacity_factor = 0.0  # 0: dropless; else per-expert capacity per sequence (token dropping)
 
     c.optim = ConfigDict()
     c.optim.name = "adamw"  # adamw | lion | sgd | adafactor | muon | path/to/file.py:fn (jaxpar.optim.registry)
@@ -399,7 +400,7 @@ def _validate_moe(mo: ConfigDict) -> None:
         f"model.router_score='{mo.router_score}': use softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)",
     )
     _require(mo.mlp_activation == "swiglu", f"model.mlp_activation='{mo.mlp_activation}': the MoE experts are SwiGLU")
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor"):
         _require(
             math.isfinite(mo[name]) and mo[name] >= 0, f"model.{name}={mo[name]}: use a finite weight >= 0 (0: off)"
         )

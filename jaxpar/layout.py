@@ -166,6 +166,12 @@ class ParallelLayout:
 
     def _validate_experts(self, model: Mapping[str, Any]) -> None:
         experts = model.get("num_experts", 0)
+        _require(
+            not (experts and model.get("moe_capacity_factor", 0.0) and self.context > 1),
+            f"model.moe_capacity_factor={model.get('moe_capacity_factor')} with mesh.context={self.context}: "
+            "the drop rule counts each sequence's choices, and context parallelism splits a sequence over "
+            "ranks; set --config.model.moe_capacity_factor=0 (dropless) or mesh.context=1",
+        )
         if self.expert == 1:
             return
         _require(

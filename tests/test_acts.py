@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
             ("router_norm_topk", "False"),
             ("moe_aux_loss_coeff", "0.01"),
             ("moe_z_loss_coeff", "0.001"),
+            ("moe_capacity_factor", "1.25"),
         )
     },
     "pipeline.schedule": (
@@ -112,6 +113,7 @@ IN_THE_STEP = [
     "model.router_norm_topk",
     "model.moe_aux_loss_coeff",
     "model.moe_z_loss_coeff",
+    "model.moe_capacity_factor",
 ]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare
 DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
 

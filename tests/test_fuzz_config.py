@@ -59,6 +59,7 @@ BAD: dict[str, list] = {
     "model.router_norm_topk": [],
     "model.moe_aux_loss_coeff": [-0.1, NAN, INF],
     "model.moe_z_loss_coeff": [-1.0, NAN],
+    "model.moe_capacity_factor": [-1.25, NAN, INF],
     "optim.name": ["rmsprop", "no/such/file.py:make"],
     "optim.momentum": [0.5, NAN],
     "optim.nesterov": [True],

@@ -164,6 +164,7 @@ class ShardContext(base.ShardContext):
     router_norm_topk: bool = True
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
+    moe_capacity_factor: float = 0.0
 
     @property
     def moe(self) -> moe.MoeSettings:
@@ -175,6 +176,7 @@ class ShardContext(base.ShardContext):
             norm_topk=self.router_norm_topk,
             aux_loss_coeff=self.moe_aux_loss_coeff,
             z_loss_coeff=self.moe_z_loss_coeff,
+            capacity_factor=self.moe_capacity_factor,
             loss_scale=1.0 / self.microbatches,
             expert_axis=self.expert_axis,
             token_axes=moe.token_axes(self.data_axis, self.tensor_axis, self.sequence_parallel),
@@ -396,6 +398,7 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         router_norm_topk=model_cfg.router_norm_topk,
         moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
+        moe_capacity_factor=model_cfg.moe_capacity_factor,
         dropout=model_cfg.get("dropout", 0.0),
         attention_dropout=model_cfg.get("attention_dropout", 0.0),
         **overrides,

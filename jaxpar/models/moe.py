@@ -21,6 +21,12 @@ reduce-scatter of ``(expert - 1) / expert`` of the group's ``T x h`` activations
 Expert weights are also split over ``tensor`` on their ``mlp`` dim (gate/up column-parallel, down
 row-parallel), so the MoE output is reduced over ``tensor`` like the dense MLP's.
 
+**Capacity** (``capacity_factor > 0``, Switch / GShard token dropping): each expert takes at most
+``ceil(cf * s * k / E)`` of the choices of each sequence of ``s`` tokens, first choices before
+second ones, then by position (:func:`within_capacity`); a dropped choice adds nothing. The group
+is one sequence, so the same tokens drop on every layout (not under context parallelism, which
+splits a sequence: refused there). The compute is still grouped (nothing is padded to the capacity).
+
 **Auxiliary losses** (their value is not in the reported loss; their gradient is in the step, as
 Megatron-core's ``MoEAuxLossAutoScaler`` does): the Switch load-balancing loss
 ``E * sum_e f_e * P_e`` with ``f_e`` the share of the ``T*k`` choices that went to expert ``e`` and
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +63,7 @@ class MoeSettings:
     norm_topk: bool = True
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * s * k / E) choices per sequence
     loss_scale: float = 1.0  # 1 / microbatches: the auxiliary losses are added once per microbatch
     expert_axis: str | None = None  # set when mesh.expert > 1
     token_axes: tuple[str, ...] = ()  # every axis the router's tokens are split over (for the aux statistics)
@@ -163,6 +171,30 @@ def expert_mlp(tokens: jax.Array, weights: jax.Array, experts: jax.Array, p: dic
     return out
 
 
+def capacity(seq: int, s: MoeSettings) -> int:
+    """Choices one expert takes from one sequence of ``seq`` tokens: ``ceil(cf * seq * k / E)``
+    (Fedus et al. 2022, eq. 3; the group is one sequence)."""
+    return math.ceil(s.capacity_factor * seq * s.top_k / s.num_experts)
+
+
+def within_capacity(experts: jax.Array, seq: int, num_experts: int, cap: int) -> jax.Array:
+    """Which choices (rows, k) a capacity of ``cap`` per expert and sequence keeps: a choice is
+    dropped when ``cap`` earlier choices of its sequence went to the same expert, earlier meaning
+    a lower choice slot, then an earlier position (GShard's priority, Lepikhin et al. 2020: every
+    token's first choice before any second choice). ``experts``' rows are whole sequences of
+    ``seq`` tokens in order; the count is a stable sort by expert, not a one-hot over experts."""
+    rows, k = experts.shape
+    n = rows // seq
+    e = experts.reshape(n, seq, k).transpose(0, 2, 1).reshape(n, k * seq)  # in priority order
+    order = jnp.argsort(e, axis=1, stable=True)
+    sorted_e = jnp.take_along_axis(e, order, axis=1)
+    idx = jnp.broadcast_to(jnp.arange(k * seq), (n, k * seq))
+    first = jnp.concatenate([jnp.ones((n, 1), bool), sorted_e[:, 1:] != sorted_e[:, :-1]], axis=1)
+    rank_sorted = idx - jax.lax.cummax(jnp.where(first, idx, 0), axis=1)  # earlier choices of the same expert
+    rank = jnp.zeros_like(rank_sorted).at[jnp.arange(n)[:, None], order].set(rank_sorted)
+    return (rank < cap).reshape(n, k, seq).transpose(0, 2, 1).reshape(rows, k)
+
+
 def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gather_routing) -> jax.Array:
     """The MoE MLP of normed activations ``h_local`` (b, s_local, h), ``p`` one layer's weights.
 
@@ -180,7 +212,11 @@ def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gath
     weights = gather_routing(weights.reshape(b, sl, -1))
     experts = gather_routing(experts.reshape(b, sl, -1))
     T = h.shape[0] * h.shape[1]
-    out = expert_mlp(h.reshape(T, hd), weights.reshape(T, -1), experts.reshape(T, -1), p, s, dtype)
+    weights, experts = weights.reshape(T, -1), experts.reshape(T, -1)
+    if s.capacity_factor:  # a dropped choice adds nothing (the residual carries the token)
+        keep = within_capacity(experts, h.shape[1], s.num_experts, capacity(h.shape[1], s))
+        weights, experts = jnp.where(keep, weights, 0.0), jnp.where(keep, experts, s.num_experts)
+    out = expert_mlp(h.reshape(T, hd), weights, experts, p, s, dtype)
     return out.reshape(h.shape)
 
 
