@@ -80,6 +80,7 @@ CONDITIONS: dict[str, Condition] = {
             "moe_aux_loss_coeff",
             "moe_z_loss_coeff",
             "moe_capacity_factor",
+            "shared_expert_dim",
         )
     },
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),

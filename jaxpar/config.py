@@ -91,6 +91,7 @@ def default_config() -> ConfigDict:
     c.model.router_norm_topk = True  # renormalise the top-k weights to sum 1
     c.model.moe_aux_loss_coeff = 0.0  # Switch load-balancing loss weight (Megatron --moe-aux-loss-coeff)
     c.model.moe_z_loss_coeff = 0.0  # router z-loss weight (Megatron --moe-z-loss-coeff)
+    c.model.shared_expert_dim = 0  # width of a shared expert every token runs through; 0: none
     c.model.moe_capacity_factor = 0.0  # 0: dropless; else per-expert capacity per sequence (token dropping)
 
     c.optim = ConfigDict()
@@ -392,6 +393,10 @@ def _validate_moe(mo: ConfigDict) -> None:
     if not mo.num_experts:
         return
     _require(
+        0 <= mo.shared_expert_dim <= MAX_DIM,
+        f"model.shared_expert_dim={mo.shared_expert_dim}: use 0 (none) or a width in [1, {MAX_DIM}]",
+    )
+    _require(
         1 <= mo.experts_per_token <= mo.num_experts,
         f"model.experts_per_token={mo.experts_per_token}: use 1 to model.num_experts={mo.num_experts}",
     )
@@ -410,7 +415,7 @@ def _rough_param_count(mo: ConfigDict) -> int:
     """Parameters of a decoder of these sizes, to within norms and biases: enough to refuse what no
     cluster could hold without importing the model (the exact count: ``jaxpar.models.inventory``)."""
     attention = mo.embed_dim * mo.head_dim * (2 * mo.num_heads + 2 * mo.num_kv_heads)
-    mlp = 3 * mo.embed_dim * mo.mlp_dim * max(mo.num_experts, 1)
+    mlp = 3 * mo.embed_dim * (mo.mlp_dim * max(mo.num_experts, 1) + mo.shared_expert_dim)
     return mo.num_layers * (attention + mlp) + 2 * mo.vocab_size * mo.embed_dim
 
 

@@ -172,6 +172,12 @@ class ParallelLayout:
             "the drop rule counts each sequence's choices, and context parallelism splits a sequence over "
             "ranks; set --config.model.moe_capacity_factor=0 (dropless) or mesh.context=1",
         )
+        shared = model.get("shared_expert_dim", 0)
+        _require(
+            shared % self.tensor == 0,
+            f"model.shared_expert_dim={shared} is not divisible by mesh.tensor={self.tensor}; choose a tensor "
+            f"size that divides {shared}",
+        )
         if self.expert == 1:
             return
         _require(

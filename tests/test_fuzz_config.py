@@ -60,6 +60,7 @@ BAD: dict[str, list] = {
     "model.moe_aux_loss_coeff": [-0.1, NAN, INF],
     "model.moe_z_loss_coeff": [-1.0, NAN],
     "model.moe_capacity_factor": [-1.25, NAN, INF],
+    "model.shared_expert_dim": [-1, 2**40],
     "optim.name": ["rmsprop", "no/such/file.py:make"],
     "optim.momentum": [0.5, NAN],
     "optim.nesterov": [True],

@@ -67,7 +67,7 @@ def closed_form_count(m) -> int:
     norm = 2 if m.norm == "layernorm" else 1
     mlp = (3 if m.mlp_activation == "swiglu" else 2) * h * f
     if m.num_experts:  # the experts and the router
-        mlp = m.num_experts * mlp + h * m.num_experts
+        mlp = m.num_experts * mlp + h * m.num_experts + 3 * h * m.shared_expert_dim
     per_layer = 2 * h * q + 2 * h * kv + mlp + 2 * h * norm + (2 * m.head_dim if m.qk_norm else 0)
     positions = m.max_seq_len * h if m.position == "learned" else 0
     return m.num_layers * per_layer + v * h * (1 if m.tie_embeddings else 2) + h * norm + positions

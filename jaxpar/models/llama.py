@@ -108,7 +108,9 @@ class Blocks(nnx.Module):
         if m.num_experts:
             L = m.num_layers
             std, out_std = m.init_std, m.init_std / math.sqrt(2 * L)
-            self.moe = moe.Experts(L, m.embed_dim, m.mlp_dim, m.num_experts, std, out_std, km, dtype)
+            self.moe = moe.Experts(
+                L, m.embed_dim, m.mlp_dim, m.num_experts, std, out_std, km, dtype, shared=m.shared_expert_dim
+            )
         else:
             self.mlp = Mlp(m, km, dtype)
 

@@ -18,6 +18,9 @@ buffer is padded to a capacity. Bytes per layer and rank (forward): an all-gathe
 reduce-scatter of ``(expert - 1) / expert`` of the group's ``T x h`` activations. (The
 ``ragged_all_to_all`` dispatcher, which moves only the routed rows, does not run on XLA:CPU.)
 
+A shared expert (``shared_expert_dim > 0``; DeepSeekMoE, Dai et al. 2024) is a dense SwiGLU MLP
+every token runs through, its output added to the routed experts'.
+
 Expert weights are also split over ``tensor`` on their ``mlp`` dim (gate/up column-parallel, down
 row-parallel), so the MoE output is reduced over ``tensor`` like the dense MLP's.
 
@@ -49,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.axes import group_axes
+from jaxpar.models.matmul import dense
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
@@ -70,11 +74,23 @@ class MoeSettings:
 
 
 class Experts(nnx.Module):
-    """Router and expert weights of every layer, stacked on ``layers`` then ``experts``."""
+    """Router and expert weights of every layer, stacked on ``layers`` then ``experts``; with
+    ``shared > 0`` also a shared expert of that width that every token runs through."""
 
-    def __init__(self, num_layers: int, h: int, f: int, num_experts: int, std: float, out_std: float, key, dtype):
+    def __init__(
+        self,
+        num_layers: int,
+        h: int,
+        f: int,
+        num_experts: int,
+        std: float,
+        out_std: float,
+        key,
+        dtype,
+        shared: int = 0,
+    ):
         L, E = num_layers, num_experts
-        kr, kg, ku, kd = jax.random.split(key, 4)
+        kr, kg, ku, kd, ks = jax.random.split(key, 5)
 
         def param(k, shape, axes, s):
             return nnx.Param(s * jax.random.normal(k, shape, dtype), logical_axes=axes)
@@ -83,6 +99,11 @@ class Experts(nnx.Module):
         self.w_gate = param(kg, (L, E, h, f), ("layers", "experts", "embed", "mlp"), std)
         self.w_up = param(ku, (L, E, h, f), ("layers", "experts", "embed", "mlp"), std)
         self.w_down = param(kd, (L, E, f, h), ("layers", "experts", "mlp", "embed"), out_std)
+        if shared:  # a dense SwiGLU MLP beside the routed experts (DeepSeekMoE, Dai et al. 2024)
+            kg, ku, kd = jax.random.split(ks, 3)
+            self.shared_gate = param(kg, (L, h, shared), ("layers", "embed", "mlp"), std)
+            self.shared_up = param(ku, (L, h, shared), ("layers", "embed", "mlp"), std)
+            self.shared_down = param(kd, (L, shared, h), ("layers", "mlp", "embed"), out_std)
 
 
 def route(logits: jax.Array, s: MoeSettings) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -216,8 +237,11 @@ def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gath
     if s.capacity_factor:  # a dropped choice adds nothing (the residual carries the token)
         keep = within_capacity(experts, h.shape[1], s.num_experts, capacity(h.shape[1], s))
         weights, experts = jnp.where(keep, weights, 0.0), jnp.where(keep, experts, s.num_experts)
-    out = expert_mlp(h.reshape(T, hd), weights, experts, p, s, dtype)
-    return out.reshape(h.shape)
+    out = expert_mlp(h.reshape(T, hd), weights, experts, p, s, dtype).reshape(h.shape)
+    if "shared_up" in p:  # column / row parallel like the dense MLP: partial over tensor too
+        act = jax.nn.silu(dense(h, p["shared_gate"].astype(dtype))) * dense(h, p["shared_up"].astype(dtype))
+        out = out + dense(act, p["shared_down"].astype(dtype))
+    return out
 
 
 def token_axes(data_axis: str | tuple[str, ...] | None, tensor_axis: str | None, sequence_parallel: bool):
