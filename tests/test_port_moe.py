@@ -87,6 +87,12 @@ def test_router_weights_follow_megatron(flags, score, norm, name):
     assert report.valid, report.problems
 
 
+def test_shared_expert_maps():
+    cfg, report = _port("--moe-shared-expert-intermediate-size 512")
+    assert cfg.model.shared_expert_dim == 512 and cfg.model.name == "llama"  # HF Mixtral has no shared expert
+    assert report.find("--moe-shared-expert-intermediate-size").status == "mapped"
+
+
 def test_moe_ffn_size_and_all_moe_layer_pattern_map():
     cfg, report = _port("--ffn-hidden-size 1024 --moe-ffn-hidden-size 512 --moe-layer-freq ([1]*2)*2")
     assert cfg.model.mlp_dim == 512 and report.find("--moe-layer-freq").status == "mapped"
@@ -97,7 +103,6 @@ def test_moe_ffn_size_and_all_moe_layer_pattern_map():
     [
         ("--moe-expert-capacity-factor 1.0", "--moe-expert-capacity-factor 1.0: a capacity factor drops tokens"),
         ("--moe-pad-expert-input-to-capacity", "--moe-pad-expert-input-to-capacity: pads"),
-        ("--moe-shared-expert-intermediate-size 512", "--moe-shared-expert-intermediate-size 512: shared experts"),
         ("--moe-layer-freq 2", "--moe-layer-freq 2: dense layers"),
         ("--moe-layer-freq ([0]+[1]*3)", "--moe-layer-freq ([0]+[1]*3): dense layers"),
         ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias: expert bias"),

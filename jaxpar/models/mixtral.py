@@ -22,6 +22,7 @@ MIXTRAL_BLOCK = (
     ("position", "rope"),
     ("router_score", "softmax"),
     ("router_norm_topk", True),
+    ("shared_expert_dim", 0),
 )
 
 _L = "model.layers.{i}.block_sparse_moe."

@@ -45,7 +45,7 @@ HF_QWEN3_MOE = HFMap(
         ("experts_per_token", "num_experts_per_tok"),
         ("router_norm_topk", "norm_topk_prob"),
     ),
-    requires=(*DENSE_BLOCK, ("router_score", "softmax")),
+    requires=(*DENSE_BLOCK, ("router_score", "softmax"), ("shared_expert_dim", 0)),
     label="HF Qwen3-MoE",
 )
 
@@ -82,7 +82,7 @@ class Qwen3MoeModel(LlamaModel):
 
     @classmethod
     def validate(cls, cfg: ConfigDict) -> None:
-        _check(cfg, cls.name, (*DENSE_BLOCK, ("router_score", "softmax")))
+        _check(cfg, cls.name, (*DENSE_BLOCK, ("router_score", "softmax"), ("shared_expert_dim", 0)))
         if cfg.num_experts < 2:
             raise ConfigError(
                 f"model.num_experts={cfg.num_experts}: model.name=qwen3_moe is a mixture of experts; set "

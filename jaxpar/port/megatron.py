@@ -682,7 +682,6 @@ _DROPLESS = "jaxpar's MoE is dropless: every token reaches all of its k experts,
 MOE_REFUSED = {
     "--moe-expert-capacity-factor": "a capacity factor drops tokens over each expert's capacity; " + _DROPLESS,
     "--moe-pad-expert-input-to-capacity": "pads expert inputs to a token-dropping capacity; " + _DROPLESS,
-    "--moe-shared-expert-intermediate-size": "shared experts: jaxpar's MoE layer has routed experts only",
     "--moe-router-enable-expert-bias": "expert bias (aux-loss-free balancing) is not in jaxpar's router",
     "--moe-router-topk-scaling-factor": "jaxpar's router does not scale the top-k weights",
     "--moe-router-num-groups": "group-limited routing is not in jaxpar's router",
@@ -751,6 +750,7 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> int:
         if values.get("model.router_score", "softmax") == "softmax"
         and values.get("model.router_norm_topk", True)
         and (values["model.norm"], values["model.position"]) == ("rmsnorm", "rope")
+        and not values.get("model.shared_expert_dim")
         else "llama"
     )
     a.note(
@@ -795,6 +795,15 @@ def _moe_core(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> list[str]:
             "splits the experts over the tensor axis like the dense MLP"
         )
     a.note("--expert-tensor-parallel-size", "mapped", "mesh.tensor", "experts split over tensor like the dense MLP")
+    shared = a.get("--moe-shared-expert-intermediate-size", int, 0) or 0
+    if shared:
+        values["model.shared_expert_dim"] = shared
+    a.note(
+        "--moe-shared-expert-intermediate-size",
+        "mapped",
+        "model.shared_expert_dim",
+        "a dense SwiGLU MLP of this width beside the routed experts, every token" if shared else "no shared expert",
+    )
     score = a.get("--moe-router-score-function", str, "softmax")
     if score not in ("softmax", "sigmoid"):
         refusals.append(f"--moe-router-score-function {score}: jaxpar's router scores are softmax or sigmoid")
