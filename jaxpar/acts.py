@@ -81,6 +81,7 @@ CONDITIONS: dict[str, Condition] = {
             "moe_z_loss_coeff",
             "moe_capacity_factor",
             "shared_expert_dim",
+            "moe_dispatch",
         )
     },
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),

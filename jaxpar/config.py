@@ -92,6 +92,7 @@ def default_config() -> ConfigDict:
     c.model.moe_aux_loss_coeff = 0.0  # Switch load-balancing loss weight (Megatron --moe-aux-loss-coeff)
     c.model.moe_z_loss_coeff = 0.0  # router z-loss weight (Megatron --moe-z-loss-coeff)
     c.model.shared_expert_dim = 0  # width of a shared expert every token runs through; 0: none
+    c.model.moe_dispatch = "grouped"  # grouped (ragged_dot over the routed tokens) | dense (every expert, every token)
     c.model.moe_capacity_factor = 0.0  # 0: dropless; else per-expert capacity per sequence (token dropping)
 
     c.optim = ConfigDict()
@@ -399,6 +400,11 @@ def _validate_moe(mo: ConfigDict) -> None:
     _require(
         1 <= mo.experts_per_token <= mo.num_experts,
         f"model.experts_per_token={mo.experts_per_token}: use 1 to model.num_experts={mo.num_experts}",
+    )
+    _require(
+        mo.moe_dispatch in ("grouped", "dense"),
+        f"model.moe_dispatch='{mo.moe_dispatch}': use grouped (the routed tokens only) or dense (every expert "
+        "on every token, the reference)",
     )
     _require(
         mo.router_score in ("softmax", "sigmoid"),

@@ -51,6 +51,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
             ("moe_z_loss_coeff", "0.001"),
             ("moe_capacity_factor", "1.25"),
             ("shared_expert_dim", "64"),
+            ("moe_dispatch", "dense"),
         )
     },
     "pipeline.schedule": (
@@ -116,6 +117,7 @@ IN_THE_STEP = [
     "model.moe_z_loss_coeff",
     "model.moe_capacity_factor",
     "model.shared_expert_dim",
+    "model.moe_dispatch",
 ]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare
 DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
 

@@ -61,6 +61,7 @@ BAD: dict[str, list] = {
     "model.moe_z_loss_coeff": [-1.0, NAN],
     "model.moe_capacity_factor": [-1.25, NAN, INF],
     "model.shared_expert_dim": [-1, 2**40],
+    "model.moe_dispatch": ["alltoall", ""],
     "optim.name": ["rmsprop", "no/such/file.py:make"],
     "optim.momentum": [0.5, NAN],
     "optim.nesterov": [True],

@@ -184,8 +184,16 @@ def test_capacity_keeps_first_choices_first():
     assert moe.capacity(64, moe.MoeSettings(num_experts=4, top_k=2, capacity_factor=1.25)) == 40
 
 
+def test_dense_dispatch_computes_the_grouped_step():
+    """Every expert on every token (the one-hot reference) trains like the grouped dispatch."""
+    if (1,) not in _references:
+        _references[(1,)] = one_device(1)
+    got = train("--config.mesh.data=2", "--config.mesh.expert=4", "--config.model.moe_dispatch=dense")
+    assert_matches(got, _references[(1,)], "e4_d2_dense", params_tol=None)
+
+
 def test_shared_expert_matches_one_device():
-    shared = ["--config.model.shared_expert_dim=96"]
+    shared = ["--config.model.shared_expert_dim=96", "--config.model.name=llama"]  # HF Mixtral has none
     reference = train("--config.mesh.data=1", "--config.mesh.expert=1", *shared)
     got = train(
         "--config.mesh.data=2",

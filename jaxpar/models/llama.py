@@ -167,6 +167,7 @@ class ShardContext(base.ShardContext):
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float = 0.0
+    moe_dispatch: str = "grouped"
 
     @property
     def moe(self) -> moe.MoeSettings:
@@ -179,6 +180,7 @@ class ShardContext(base.ShardContext):
             aux_loss_coeff=self.moe_aux_loss_coeff,
             z_loss_coeff=self.moe_z_loss_coeff,
             capacity_factor=self.moe_capacity_factor,
+            dispatch=self.moe_dispatch,
             loss_scale=1.0 / self.microbatches,
             expert_axis=self.expert_axis,
             token_axes=moe.token_axes(self.data_axis, self.tensor_axis, self.sequence_parallel),
@@ -401,6 +403,7 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
         moe_capacity_factor=model_cfg.moe_capacity_factor,
+        moe_dispatch=model_cfg.moe_dispatch,
         dropout=model_cfg.get("dropout", 0.0),
         attention_dropout=model_cfg.get("attention_dropout", 0.0),
         **overrides,

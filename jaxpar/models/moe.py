@@ -67,6 +67,7 @@ class MoeSettings:
     norm_topk: bool = True
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
+    dispatch: str = "grouped"  # grouped (ragged_dot) | dense (every expert on every token: the reference)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * s * k / E) choices per sequence
     loss_scale: float = 1.0  # 1 / microbatches: the auxiliary losses are added once per microbatch
     expert_axis: str | None = None  # set when mesh.expert > 1
@@ -164,7 +165,6 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
 def expert_mlp(tokens: jax.Array, weights: jax.Array, experts: jax.Array, p: dict, s: MoeSettings, dtype) -> jax.Array:
     """The experts' output for ``tokens`` (T, h) routed to ``experts`` (T, k) with ``weights``:
     (T, h), partial over ``tensor`` (row-parallel down projection) and summed over ``expert``."""
-    T, k = experts.shape
     spread = s.expert_axis is not None and jax.lax.axis_size(s.expert_axis) > 1
     if spread:  # the whole expert group's tokens, to run this rank's experts on
         tokens, weights, experts = (
@@ -172,7 +172,34 @@ def expert_mlp(tokens: jax.Array, weights: jax.Array, experts: jax.Array, p: dic
         )
     local = p["w_up"].shape[0]
     first = jax.lax.axis_index(s.expert_axis) * local if spread else 0
-    choice = experts.reshape(-1) - first  # (N,) with N = rows * k
+    if s.dispatch == "dense":
+        out = _every_expert(tokens, weights, experts - first, p, local, dtype)
+    else:
+        out = _grouped_experts(tokens, weights, experts - first, p, local, dtype)
+    if spread:  # every rank's experts summed, each rank's own tokens back
+        out = jax.lax.psum_scatter(out, s.expert_axis, scatter_dimension=0, tiled=True)
+    elif s.expert_axis is not None:  # one expert rank: the weights' size-1 axis, summed away
+        out = jax.lax.psum(out, s.expert_axis)
+    return out
+
+
+def _every_expert(tokens, weights, choice, p, local: int, dtype) -> jax.Array:
+    """``dispatch='dense'``: every local expert runs on every token, its output weighted by the
+    token's routing weight for it (0 where not chosen): the one-hot formulation, ``local`` times
+    the routed compute, kept as the reference the grouped path is measured against."""
+    mask = jnp.sum(jax.nn.one_hot(choice, local, dtype=jnp.float32) * weights[..., None], axis=1)  # (rows, local)
+    x = tokens.astype(dtype)
+    act = jax.nn.silu(jnp.einsum("th,ehf->tef", x, p["w_gate"].astype(dtype)))
+    act = act * jnp.einsum("th,ehf->tef", x, p["w_up"].astype(dtype))
+    y = jnp.einsum("tef,efh->teh", act, p["w_down"].astype(dtype))
+    return jnp.einsum("teh,te->th", y, mask.astype(dtype))
+
+
+def _grouped_experts(tokens, weights, choice, p, local: int, dtype) -> jax.Array:
+    """``dispatch='grouped'``: the (token, choice) rows of the local experts sorted by expert and
+    run as grouped matmuls (``jax.lax.ragged_dot``); other ranks' rows sort past every group."""
+    k = choice.shape[1]
+    choice = choice.reshape(-1)  # (N,) with N = rows * k
     mine = (choice >= 0) & (choice < local)
     key = jnp.where(mine, choice, local)  # other ranks' choices sort last, past every group
     order = jnp.argsort(key, stable=True)
@@ -184,12 +211,7 @@ def expert_mlp(tokens: jax.Array, weights: jax.Array, experts: jax.Array, p: dic
     y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"].astype(dtype), group_sizes)
     row_weight = jnp.where(jnp.take(mine, order), jnp.take(weights.reshape(-1), order), 0.0)
     y = y * row_weight[:, None].astype(dtype)
-    out = jnp.zeros((tokens.shape[0], y.shape[-1]), dtype).at[row_token].add(y)
-    if spread:  # every rank's experts summed, each rank's own tokens back
-        out = jax.lax.psum_scatter(out, s.expert_axis, scatter_dimension=0, tiled=True)
-    elif s.expert_axis is not None:  # one expert rank: the weights' size-1 axis, summed away
-        out = jax.lax.psum(out, s.expert_axis)
-    return out
+    return jnp.zeros((tokens.shape[0], y.shape[-1]), dtype).at[row_token].add(y)
 
 
 def capacity(seq: int, s: MoeSettings) -> int:
