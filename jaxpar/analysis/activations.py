@@ -148,17 +148,13 @@ def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
     1-byte bools, and only them (XLA recomputes the dropped values from the kept inputs and mask):
 
     - ``model.dropout``: the attention-output and MLP-output masks, (b, so, h) each: 2 b*so*h. The
-      embedding's mask is not kept (measured: nothing beyond the layers' masks);
+      embedding's mask is not kept;
     - ``model.attention_dropout`` with ``dot_product``: the probabilities' mask (b, n, s, s): b*n*s^2
       (not the dropped probabilities); with ``blockwise`` (and context parallelism) nothing: its
       custom VJP redraws each block's mask from the indices.
 
-    ``selective`` and ``full`` recompute the masks with the layer: nothing is added. Measured on
-    XLA:CPU (fp32, tiny config, seq 128, b 2, data=8; tests/test_memory_estimate.py): dot-product
-    hidden +263376 bytes for 4 layers (this: 262144), attention +525392 (this: 524288). The one-layer
-    working set gains no mask: the masks' slices feed fusions. Some compiles keep one dropped (b, s, h)
-    activation beside the masks, which buffer assignment decides per sequence length and XLA release;
-    the estimate leaves it out.
+    ``selective`` and ``full`` recompute the masks with the layer: nothing is added; the one-layer
+    working set gains no mask (the masks' slices feed fusions).
     """
     if layout.recompute != "none":
         return 0.0
@@ -223,8 +219,7 @@ def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) ->
     scatter-add into a full V/t x h table (param dtype) that is reduce-scattered only after the layer
     loop; XLA:CPU allocates it (a broadcast of zeros) before the forward loop, so it is live through the
     whole backward beside the sharded gradients, which count its 1/N shard: pb * V*h/t * (1 - 1/N).
-    Measured (buffer assignment): ``f32[256,128]`` (tiny) and ``f32[32000,2048]`` (~1B) from before the
-    forward loop to after the backward loop. ZeRO 0-2 count the full table among their gradients."""
+    ZeRO 0-2 count the full table among their gradients."""
     n = layout.data * layout.context
     return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) * (1 - 1 / n)
 
@@ -235,9 +230,7 @@ def zero3_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
     the gradients: the output weight gathered over ``data`` (compute dtype, e * V*h/t) and the fp32
     logit gradient 4*b*s*V/t; the logits and exp(z) are freed by then, and the weight's gradient is
     written as its transpose dy^T x (:func:`jaxpar.models.matmul.dense`) straight into the buffer
-    that is reduce-scattered. Measured in the buffer assignment (~1B, data=8, b=1, s=512, fp32, full):
-    ``all_gather`` ``f32[2048,32000]`` and ``scatter`` ``f32[1,512,32000]`` beside the stack, the
-    gradients and (b, s, h) arrays. Under ZeRO 0-2 the weight is an argument and its gradient is
+    that is reduce-scattered. Under ZeRO 0-2 the weight is an argument and its gradient is
     counted among the gradients (:func:`head_working_bytes` is that case's head)."""
     d = Dims.of(model, layout, b)
     return d.e * shared_tables(model, layout) + F32 * d.b * d.s * d.v
@@ -260,22 +253,16 @@ def layer_working_bytes(
       blocks, repeated to the query heads, 2 e*b*s*(q + 2k)) and the layer's weights.
 
     The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its per-block
-    score arrays are not counted (with one block per sequence, block = s, five fp32 (b, n/t, s, s)
-    arrays are live at its peak: tiny data=4 x tensor=2 SP selective, seq 256; counting them moves
-    the random grid's blockwise layouts both ways, so the rule for them is open). With
+    score arrays are not counted (an open rule: docs/performance.md). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
-    (4 + 1)*b*n*s^2 (measured: tiny data=8 ZeRO-3 full, seq 512, 11.2 MiB more than without, this:
-    10 MiB; in pipeline ticks they are not counted: 1F1B and GPipe layouts measure 12-19% below
-    with them). A stage of one layer without recompute writes
+    (4 + 1)*b*n*s^2 (not counted in pipeline ticks). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
     ``jax.vjp`` of the chunk recomputes the forward inside the tick): the backward keeps no score
     copies beyond the chunk's residuals, and a chunk of one layer without recompute is counted as one
-    (b, s, f) array beyond its residuals: the earlier rule, measured against the compiled temporaries
-    of tiny data=2 x pipeline=4 1F1B and data=2 x tensor=2 x pipeline=2 interleaved (seq 128), not
-    re-counted buffer by buffer (the tick's live set is the chunk's jax.vjp residuals and the
-    conditional's outputs, which :func:`layer_residual_bytes` does not split the same way)."""
+    (b, s, f) array beyond its residuals: fitted to
+    compiled temporaries, not re-counted buffer by buffer (docs/performance.md)."""
     return max(_layer_working_phases(model, layout, b, layers, tick))
 
 
@@ -528,13 +515,6 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
       pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`;
     - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
       ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
-
-    Measured on XLA:CPU (the buffer assignment's live set at the peak), ~1B config, data=1 x
-    tensor=2 x pipeline=4, m=4, b=1, s=256, fp32: 1F1B full 1442 MiB compiled, this term 1438
-    (2 x 589 accumulator + 2 x 125 tables + 10 slots); interleaved v=2 none and full 1552 compiled,
-    this term 1546 (2 x 589 + one layer 116 + the chunk 232 + 20 slots); before this term the
-    estimate was the update phase's 1053 (ratio 1.37-1.47). On the tiny config the activations of
-    the backward tick are larger than the accumulator and this phase is not the peak.
     """
     pb = DTYPE_BYTES[model.param_dtype]
     chunk = model.num_layers // layout.stages
@@ -549,15 +529,12 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
 
     - the stage's layer residuals, L/p x :func:`layer_residual_bytes`, and the head's, on every
       stage (SPMD): the fp32 logits 4*b*s*V/t, the final norm's input and output and its fp32
-      normalised input (2e + 4)*b*s*h (measured: one ``f32[7,2,128,256]`` and three
-      ``f32[7,2,128,128]`` stacks);
+      normalised input (2e + 4)*b*s*h;
     - the stage's *parameters*, once per tick, in the compute dtype (the matmul operands):
       e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
       evaluation of the tick's ``cond`` (work / skip) returns the branch's residuals as outputs of
       the cond, the weights among them; the scan then stacks them like any per-tick value instead
-      of forwarding them as loop constants. Measured (tiny, p=4, m=4, b=2, s=128, fp32: the
-      buffer assignment's ``f32[7,1,128,384]``, ``f32[7,1,128,4,32]``, ``f32[7,256,128]``, ...
-      stacks): 7 x 0.875 MiB, exactly e * (layer_params + V*h) per tick.
+      of forwarding them as loop constants.
     """
     d = Dims.of(model, layout)
     layers = model.num_layers // layout.pipeline
