@@ -24,11 +24,24 @@ LLAMA3_FLAVORS = {
     "405B": (16384, 126, 128, 8, 1.2, 4096, 500000.0),
 }
 LLAMA3_VOCAB = 128256
+# torchtitan's dense Qwen3 flavors (torchtitan/models/qwen3/__init__.py at 238fa99): flavor ->
+# (dim, layers, heads, kv_heads, hidden_dim, tied embeddings); every one: head_dim 128, QK-norm,
+# RoPE 1e6, RMSNorm eps 1e-6, vocabulary 151936 (debugmodel: 2048)
+QWEN3_FLAVORS = {
+    "debugmodel": (256, 8, 16, 8, 3072, True),
+    "0.6B": (1024, 28, 16, 8, 3072, True),
+    "1.7B": (2048, 28, 16, 8, 6144, True),
+    "4B": (2560, 36, 32, 8, 9728, True),
+    "8B": (4096, 36, 32, 8, 12288, False),
+    "14B": (5120, 40, 40, 8, 17408, False),
+    "32B": (5120, 64, 64, 8, 25600, False),
+}
 # torchtitan's MoE families: what keeps each from jaxpar's Mixtral-like MoE (model.num_experts)
 MOE_FAMILIES = {
     "deepseek_v3": "shared experts, dense first layers, multi-head latent attention",
     "llama4": "a shared expert in every MoE layer, layers without positions (iRoPE)",
-    "qwen3": "QK layer norm, which jaxpar's attention lacks",
+    "qwen3": "its MoE flavors balance experts with a bias (load_balance_coeff, aux-loss-free), which jaxpar's "
+    "router lacks; the dense flavors port (model.name=qwen3)",
     "gpt_oss": "attention sinks and biased experts",
 }
 _NOOP = "no-op in jaxpar: "
@@ -401,6 +414,30 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
         report.mapped(
             "model.flavor", flavor, "model.*", f"Llama 3 {flavor}; vocabulary {LLAMA3_VOCAB} from the Llama 3 tokenizer"
         )
+    elif name == "qwen3" and flavor in QWEN3_FLAVORS:
+        dim, layers, heads, kv, hidden, tied = QWEN3_FLAVORS[flavor]
+        vocab = 2048 if flavor == "debugmodel" else 151936
+        values.update(
+            {
+                "model.name": "qwen3",
+                "model.qk_norm": True,
+                "model.embed_dim": dim,
+                "model.num_layers": layers,
+                "model.num_heads": heads,
+                "model.num_kv_heads": kv,
+                "model.head_dim": 128,
+                "model.mlp_dim": hidden,
+                "model.rope_theta": 1e6,
+                "model.vocab_size": vocab,
+                "model.norm_eps": 1e-6,
+                "model.tie_embeddings": tied,
+                "model.mlp_activation": "swiglu",
+                "model.norm": "rmsnorm",
+                "model.position": "rope",
+            }
+        )
+        report.mapped("model.name", name, "model.name", "qwen3: LLaMA's block with QK-norm")
+        report.mapped("model.flavor", flavor, "model.*", f"Qwen3 {flavor} (torchtitan's table); vocabulary {vocab}")
     else:
         why = (
             f"mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
