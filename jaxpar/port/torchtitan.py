@@ -24,6 +24,19 @@ LLAMA3_FLAVORS = {
     "405B": (16384, 126, 128, 8, 1.2, 4096, 500000.0),
 }
 LLAMA3_VOCAB = 128256
+# torchtitan's 2024 Llama 2 flavors (torchtitan/models/llama/__init__.py at a99d2e5; ModelArgs
+# defaults: n_kv_heads = n_heads, multiple_of 256, rope_theta 10000): flavor ->
+# (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of); vocabulary: the Llama 2
+# tokenizer's 32000 (the tokenizer file is not read)
+LLAMA2_FLAVORS = {
+    "271M": (1024, 16, 8, 8, None, 256),
+    "1B": (2048, 18, 16, 16, None, 256),
+    "7B": (4096, 32, 32, 32, None, 256),
+    "13B": (5120, 40, 40, 40, None, 256),
+    "26B": (5120, 80, 40, 40, None, 256),
+    "70B": (8192, 80, 64, 8, 1.3, 4096),
+}
+LLAMA2_VOCAB = 32000
 # torchtitan's dense Qwen3 flavors (torchtitan/models/qwen3/__init__.py at 238fa99): flavor ->
 # (dim, layers, heads, kv_heads, hidden_dim, tied embeddings); every one: head_dim 128, QK-norm,
 # RoPE 1e6, RMSNorm eps 1e-6, vocabulary 151936 (debugmodel: 2048)
@@ -391,7 +404,31 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
     seq = _count(t, "training.seq_len", 2048)
     values.update({"train.seq_len": seq, "model.max_seq_len": seq})
     report.mapped("training.seq_len", seq, "train.seq_len, model.max_seq_len")
-    if name == "llama3" and flavor in LLAMA3_FLAVORS:
+    if name in ("llama2", "llama") and flavor in LLAMA2_FLAVORS:  # the 2024 schema names it llama2 (or llama)
+        dim, layers, heads, kv, mult, multiple = LLAMA2_FLAVORS[flavor]
+        values.update(
+            {
+                "model.embed_dim": dim,
+                "model.num_layers": layers,
+                "model.num_heads": heads,
+                "model.num_kv_heads": kv,
+                "model.head_dim": dim // heads,
+                "model.mlp_dim": ffn_dim(dim, mult, multiple),
+                "model.rope_theta": 10000.0,
+                "model.vocab_size": LLAMA2_VOCAB,
+                "model.norm_eps": 1e-5,
+                "model.tie_embeddings": False,
+            }
+        )
+        report.mapped("model.name", name, "model.*")
+        report.approximated(
+            "model.flavor",
+            flavor,
+            "model.*",
+            f"Llama 2 {flavor} (torchtitan's 2024 table); vocabulary {LLAMA2_VOCAB}, the Llama 2 tokenizer's, "
+            "assumed: the tokenizer file is not read (set --set model.vocab_size= for another)",
+        )
+    elif name == "llama3" and flavor in LLAMA3_FLAVORS:
         dim, layers, heads, kv, mult, multiple, theta = LLAMA3_FLAVORS[flavor]
         values.update(
             {
@@ -443,7 +480,10 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
             f"mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
             "routed SwiGLU experts in every layer, nothing shared)"
             if name in MOE_FAMILIES
-            else "no known jaxpar shape for this flavor"
+            else "no known shape for this flavor (a debug model's vocabulary comes from a test tokenizer jaxpar "
+            "does not read)"
+            if flavor.startswith("debugmodel")
+            else "no known shape for this flavor"
         )
         report.unsupported("model.name", name, f"{why}; model.* left at jaxpar defaults, set them by hand")
         report.unsupported("model.flavor", flavor, why)

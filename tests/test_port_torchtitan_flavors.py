@@ -1,5 +1,6 @@
-"""torchtitan's dense Qwen3 flavors port to the qwen3 family (QK-norm) with the flavor's shape,
-from a verbatim torchtitan recipe; its MoE flavors stay refused, naming the expert bias."""
+"""torchtitan's dense Qwen3 flavors port to the qwen3 family (QK-norm) and its 2024 Llama 2 flavors
+to llama, each with the flavor's shape, from verbatim torchtitan recipes; its MoE flavors stay
+refused, naming the expert bias."""
 
 from __future__ import annotations
 
@@ -31,3 +32,12 @@ def test_qwen3_moe_flavor_names_the_expert_bias():
     _, report = port_torchtitan(CORPUS / "qwen3_moe_debug.toml", world_size=8)
     entry = report.find("model.name")
     assert entry.status == "unsupported" and "load_balance_coeff" in entry.note
+
+
+def test_torchtitan_2024_llama2_flavors_port_with_their_shape():
+    """The 2024 schema's ``llama2`` 7B: Llama 2 7B's 6,738,415,616 parameters (Touvron et al. 2023),
+    the vocabulary assumed from the Llama 2 tokenizer and said so."""
+    cfg, report = port_torchtitan(CORPUS / "2024_llama2_7b.toml", world_size=8)
+    assert count_params(cfg.model) == 6_738_415_616
+    row = report.find("model.flavor")
+    assert row.status == "approximated" and "32000" in row.note and "not read" in row.note
