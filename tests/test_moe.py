@@ -322,3 +322,29 @@ def test_grouped_experts_equal_every_expert_on_every_token():
     )  # (T, E, h)
     mask = jnp.sum(jax.nn.one_hot(experts, E) * weights[..., None], axis=1)  # (T, E)
     np.testing.assert_allclose(got, jnp.einsum("teh,te->th", every, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: 200 steps of the tiny Mixtral (~7 min on 2 cores)")
+def test_tiny_mixtral_trains_200_steps_and_its_loss_falls(tmp_path):
+    """The shipped config as a user runs it (expert=4 x data=2, bf16): validation bits per byte fall
+    by more than half (measured 2026-12-04: 8.113 -> 2.913, 64.1% lower)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    workdir = tmp_path / "run"
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxpar", "train", "--config", TINY_MIXTRAL, "--no-progress"]
+        + [f"--config.train.workdir={workdir}"],
+        env=child_env(fast_code=True, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_bits"] for r in rows if "val_bits" in r]
+    assert len([r for r in rows if "loss" in r]) == 200
+    assert evals[-1] < 0.5 * evals[0], evals
