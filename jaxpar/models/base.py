@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config import ConfigDict
+from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.models import dropout
 from jaxpar.parallel import context, zero
 
@@ -99,6 +99,33 @@ class HFMap:
     config_fields: tuple[tuple[str, str], ...]  # (model.<field>, the HF config.json key naming it)
     requires: tuple[tuple[str, Any], ...] = ()  # (model.<field>, value) the format can hold
     label: str = "HF"  # in messages: "HF LLaMA checkpoints need ..."
+
+    def without_dense_mlp(self) -> tuple[HFTensor, ...]:
+        """Every tensor but the dense MLP's: the base an MoE family adds its experts to."""
+        return tuple(t for t in self.tensors if t.path[:2] != ("blocks", "mlp"))
+
+
+def expert_tensors(prefix: str, router: str, gate: str, up: str, down: str) -> tuple[HFTensor, ...]:
+    """The HF tensors of an MoE layer (:mod:`jaxpar.models.moe`): the router under ``prefix + router``
+    and one (gate, up, down) triple per expert under ``prefix + "experts.{e}." + name``."""
+    experts = prefix + "experts.{e}."
+    return (
+        HFTensor(("blocks", "moe", "router"), prefix + router, "transpose", "(num_experts, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_gate"), experts + gate, "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_up"), experts + up, "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor(("blocks", "moe", "w_down"), experts + down, "transpose", "(embed_dim, mlp_dim)"),
+    )
+
+
+def require_settings(cfg: ConfigDict, family: str, settings: tuple[tuple[str, Any], ...]) -> None:
+    """A one-line :class:`~jaxpar.config.ConfigError` for the first ``(model field, value)`` of
+    ``settings`` that ``cfg`` does not hold: the family ``family`` computes only with them."""
+    for field, want in settings:
+        if cfg[field] != want:
+            raise ConfigError(
+                f"model.{field}={cfg[field]!r}: model.name={family} needs model.{field}={want!r}; "
+                "use model.name=llama for other combinations"
+            )
 
 
 class Model(abc.ABC):

@@ -12,7 +12,7 @@ The code paths are the ``llama`` family's (:mod:`jaxpar.models.llama`; a ``llama
 from __future__ import annotations
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.models.base import HFMap, HFTensor
+from jaxpar.models.base import HFMap, expert_tensors, require_settings
 from jaxpar.models.llama import HF_LLAMA, LlamaModel
 
 # The settings a Mixtral checkpoint computes with: (model field, required value)
@@ -25,14 +25,10 @@ MIXTRAL_BLOCK = (
     ("shared_expert_dim", 0),
 )
 
-_L = "model.layers.{i}.block_sparse_moe."
 HF_MIXTRAL = HFMap(
     tensors=(
-        *(t for t in HF_LLAMA.tensors if t.path[:2] != ("blocks", "mlp")),
-        HFTensor(("blocks", "moe", "router"), _L + "gate.weight", "transpose", "(num_experts, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_gate"), _L + "experts.{e}.w1.weight", "transpose", "(mlp_dim, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_up"), _L + "experts.{e}.w3.weight", "transpose", "(mlp_dim, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_down"), _L + "experts.{e}.w2.weight", "transpose", "(embed_dim, mlp_dim)"),
+        *HF_LLAMA.without_dense_mlp(),
+        *expert_tensors("model.layers.{i}.block_sparse_moe.", "gate.weight", "w1.weight", "w3.weight", "w2.weight"),
     ),
     config_fields=(
         *HF_LLAMA.config_fields,
@@ -57,9 +53,4 @@ class MixtralModel(LlamaModel):
                 f"model.num_experts={cfg.num_experts}: model.name=mixtral is a mixture of experts; set "
                 "--config.model.num_experts=8 (Mixtral 8x7B), or use model.name=llama for a dense model"
             )
-        for field, want in MIXTRAL_BLOCK:
-            if cfg[field] != want:
-                raise ConfigError(
-                    f"model.{field}={cfg[field]!r}: model.name=mixtral needs model.{field}={want!r}; "
-                    "use model.name=llama with model.num_experts for other combinations"
-                )
+        require_settings(cfg, cls.name, MIXTRAL_BLOCK)

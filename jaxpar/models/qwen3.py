@@ -13,7 +13,7 @@ The code paths are the ``llama`` family's (a ``llama`` config with ``qk_norm`` a
 from __future__ import annotations
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.models.base import HFMap, HFTensor
+from jaxpar.models.base import HFMap, HFTensor, expert_tensors, require_settings
 from jaxpar.models.llama import HF_LLAMA, LlamaModel
 
 _A = "model.layers.{i}.self_attn."
@@ -23,6 +23,7 @@ QK_NORM = (
     HFTensor(("blocks", "attn", "k_norm", "scale"), _A + "k_norm.weight", "copy", "(head_dim,)"),
 )
 DENSE_BLOCK = (("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope"), ("qk_norm", True))
+MOE_BLOCK = (*DENSE_BLOCK, ("router_score", "softmax"), ("shared_expert_dim", 0))
 HF_QWEN3 = HFMap(
     tensors=(*HF_LLAMA.tensors, *QK_NORM),
     config_fields=HF_LLAMA.config_fields,
@@ -31,12 +32,9 @@ HF_QWEN3 = HFMap(
 )
 HF_QWEN3_MOE = HFMap(
     tensors=(
-        *(t for t in HF_LLAMA.tensors if t.path[:2] != ("blocks", "mlp")),
+        *HF_LLAMA.without_dense_mlp(),
         *QK_NORM,
-        HFTensor(("blocks", "moe", "router"), _M + "gate.weight", "transpose", "(num_experts, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_gate"), _M + "experts.{e}.gate_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_up"), _M + "experts.{e}.up_proj.weight", "transpose", "(mlp_dim, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_down"), _M + "experts.{e}.down_proj.weight", "transpose", "(embed_dim, mlp_dim)"),
+        *expert_tensors(_M, "gate.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
     ),
     config_fields=(
         *((f, k) for f, k in HF_LLAMA.config_fields if f != "mlp_dim"),
@@ -45,18 +43,9 @@ HF_QWEN3_MOE = HFMap(
         ("experts_per_token", "num_experts_per_tok"),
         ("router_norm_topk", "norm_topk_prob"),
     ),
-    requires=(*DENSE_BLOCK, ("router_score", "softmax"), ("shared_expert_dim", 0)),
+    requires=MOE_BLOCK,
     label="HF Qwen3-MoE",
 )
-
-
-def _check(cfg: ConfigDict, family: str, block: tuple) -> None:
-    for field, want in block:
-        if cfg[field] != want:
-            raise ConfigError(
-                f"model.{field}={cfg[field]!r}: model.name={family} needs model.{field}={want!r}; "
-                "use model.name=llama for other combinations"
-            )
 
 
 class Qwen3Model(LlamaModel):
@@ -67,7 +56,7 @@ class Qwen3Model(LlamaModel):
 
     @classmethod
     def validate(cls, cfg: ConfigDict) -> None:
-        _check(cfg, cls.name, DENSE_BLOCK)
+        require_settings(cfg, cls.name, DENSE_BLOCK)
         if cfg.num_experts:
             raise ConfigError(
                 f"model.num_experts={cfg.num_experts}: model.name=qwen3 is the dense Qwen3; use model.name=qwen3_moe"
@@ -82,7 +71,7 @@ class Qwen3MoeModel(LlamaModel):
 
     @classmethod
     def validate(cls, cfg: ConfigDict) -> None:
-        _check(cfg, cls.name, (*DENSE_BLOCK, ("router_score", "softmax"), ("shared_expert_dim", 0)))
+        require_settings(cfg, cls.name, MOE_BLOCK)
         if cfg.num_experts < 2:
             raise ConfigError(
                 f"model.num_experts={cfg.num_experts}: model.name=qwen3_moe is a mixture of experts; set "

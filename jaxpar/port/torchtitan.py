@@ -399,27 +399,31 @@ def _context(p: dict, t: dict, cp: int, values: dict, report: Report) -> str:
     )
 
 
+def _llama_shape(
+    dim: int, layers: int, heads: int, kv: int, mult: float | None, multiple: int, theta: float, vocab: int
+) -> dict[str, Any]:
+    """The ``model.*`` shape of a torchtitan Llama flavor (head dim = dim / heads, untied, eps 1e-5)."""
+    return {
+        "model.embed_dim": dim,
+        "model.num_layers": layers,
+        "model.num_heads": heads,
+        "model.num_kv_heads": kv,
+        "model.head_dim": dim // heads,
+        "model.mlp_dim": ffn_dim(dim, mult, multiple),
+        "model.rope_theta": theta,
+        "model.vocab_size": vocab,
+        "model.norm_eps": 1e-5,
+        "model.tie_embeddings": False,
+    }
+
+
 def _model(m: dict, t: dict, values: dict, report: Report) -> None:
     name, flavor = str(m.get("name", "llama3")), str(m.get("flavor", "debugmodel"))
     seq = _count(t, "training.seq_len", 2048)
     values.update({"train.seq_len": seq, "model.max_seq_len": seq})
     report.mapped("training.seq_len", seq, "train.seq_len, model.max_seq_len")
     if name in ("llama2", "llama") and flavor in LLAMA2_FLAVORS:  # the 2024 schema names it llama2 (or llama)
-        dim, layers, heads, kv, mult, multiple = LLAMA2_FLAVORS[flavor]
-        values.update(
-            {
-                "model.embed_dim": dim,
-                "model.num_layers": layers,
-                "model.num_heads": heads,
-                "model.num_kv_heads": kv,
-                "model.head_dim": dim // heads,
-                "model.mlp_dim": ffn_dim(dim, mult, multiple),
-                "model.rope_theta": 10000.0,
-                "model.vocab_size": LLAMA2_VOCAB,
-                "model.norm_eps": 1e-5,
-                "model.tie_embeddings": False,
-            }
-        )
+        values.update(_llama_shape(*LLAMA2_FLAVORS[flavor], 10000.0, LLAMA2_VOCAB))
         report.mapped("model.name", name, "model.*")
         report.approximated(
             "model.flavor",
@@ -429,23 +433,9 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
             "assumed: the tokenizer file is not read (set --set model.vocab_size= for another)",
         )
     elif name == "llama3" and flavor in LLAMA3_FLAVORS:
-        dim, layers, heads, kv, mult, multiple, theta = LLAMA3_FLAVORS[flavor]
         values.update(
-            {
-                "model.embed_dim": dim,
-                "model.num_layers": layers,
-                "model.num_heads": heads,
-                "model.num_kv_heads": kv,
-                "model.head_dim": dim // heads,
-                "model.mlp_dim": ffn_dim(dim, mult, multiple),
-                "model.rope_theta": theta,
-                "model.vocab_size": LLAMA3_VOCAB,
-                "model.norm_eps": 1e-5,
-                "model.tie_embeddings": False,
-                "model.mlp_activation": "swiglu",
-                "model.norm": "rmsnorm",
-                "model.position": "rope",
-            }
+            _llama_shape(*LLAMA3_FLAVORS[flavor], LLAMA3_VOCAB)
+            | {"model.mlp_activation": "swiglu", "model.norm": "rmsnorm", "model.position": "rope"}
         )
         report.mapped("model.name", name, "model.*")
         report.mapped(
