@@ -206,6 +206,14 @@ BACKWARD_MLP_WIDE = {"none": 3, "selective": 2, "full": 7}
 # their (h, b*s) transposes, the RMSNorm backward's products: 9 with ``none``, 10 with ``full``, 8 with
 # ``selective`` (the (b, s, h) buffers of the measured live sets).
 BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
+# Backward of one layer, attention phase, ``blockwise`` (:func:`jaxpar.models.attention._flash_backward`): the
+# inner step's fp32 (b, n/t, block_q, block_kv) arrays live at once, the recomputed probabilities P, dP = dO V^T,
+# dS = P (dP - D) and dS laid out for the dK / dQ matmuls (4; with ``model.attention_dropout`` also the dropped
+# probabilities: 5), beside the attention's operands: the layer's incoming gradient (b, s, h), three (b, s/t, h)
+# arrays outside the tensor-parallel region (the residual-stream gradient and the norm's), the query side twice
+# (b, s, q: q and dO blocked for the loop) and K (b, s, k). Counted in the buffer assignment of tiny data=8 s=256
+# block 256 (none) and tiny data=4 x tensor=2 SP s=256 block 256 (selective, attention dropout).
+BLOCKWISE_BACKWARD_BLOCKS = 4
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3 inside a pipeline tick: gathered layers (compute dtype) beside the tick's working set, the layer in
 # use and the next one. Not re-derived from a buffer assignment: the ~1B ZeRO-3 pipelines of the random grid
@@ -284,7 +292,7 @@ def _layer_working_phases(
         + weights
     )
     if not dot:
-        return 0.0, backward
+        return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
     scores = d.b * d.n * d.s * d.s  # elements of one (b, n/t, s, s) array
     unstacked = rec == "none" and layers <= 1
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
@@ -302,6 +310,18 @@ def _layer_working_phases(
     return forward, backward
 
 
+def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """The attention phase of one layer's backward under ``blockwise`` attention (and context parallelism,
+    whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (+1 with attention dropout)
+    fp32 (b, n/t, bq, bk) arrays of the inner step, bq = bk = min(``attention_block``, s) (the kernel
+    clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + s*k)."""
+    d = Dims.of(model, layout, b)
+    block = min(layout.attention_block, d.s)
+    copies = BLOCKWISE_BACKWARD_BLOCKS + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
+    operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + d.s * d.k)
+    return copies * F32 * d.b * d.n * block * block + operands
+
+
 def layer_working_term(
     model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2
 ) -> tuple[str, float]:
@@ -309,6 +329,21 @@ def layer_working_term(
     attention or one layer's backward."""
     forward, backward = _layer_working_phases(model, layout, b, layers, False)
     return ("last layer's forward attention", forward) if forward > backward else ("one layer's backward", backward)
+
+
+def pipeline_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """The last stage's loss head in a 1F1B / interleaved backward tick, at its weight-gradient matmul,
+    beside the chunk's residuals, the gradient accumulator and the tick's chunk gradients: the output
+    weight as the tick's ``switch`` hands it to the matmul and in the transposed layout of the
+    backward's dy^T x (e * h*V/t each), the weight's gradient before it is added to the accumulator
+    (pb * h*V/t), two fp32 (b, s, V/t) arrays (the logit gradient and its scatter) and the final norm's
+    (b, s, h) gradient. Buffer assignment of ~1B tensor=2 x pipeline=4, 1F1B, m=4, s=256, ``none``:
+    ``f32[2048,16000]`` three times and ``f32[1,256,16000]`` twice at the step's peak; the layers'
+    working set is not live then (they run after the head), so the tick's peak is the larger of the two
+    phases."""
+    d = Dims.of(model, layout, b)
+    table = shared_tables(model, layout)
+    return (2 * d.e + DTYPE_BYTES[model.param_dtype]) * table + 2 * F32 * d.b * d.s * d.v + d.e * d.b * d.s * d.h
 
 
 def head_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
@@ -376,14 +411,32 @@ def _grad_elements(model: ConfigDict, layout: ParallelLayout, stage: int) -> tup
     return layers * layer_params(model, layout), shared
 
 
+def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """ZeRO-1/2 without accumulation or a pipeline: what the output layer's gradient frees by being
+    reduce-scattered before the layers' backward. The loss head's backward runs first, and its weight
+    gradient is final at once; XLA schedules its ``psum_scatter`` over data (x context) there, so only
+    the 1/N shard stays live through the layer loop: pb * h*V/t * (1 - 1/N) less than the full table
+    (buffer assignment of ~1B, 4 layers, data=4 x context=2 ZeRO-1 and data=2 x tensor=2 x context=2
+    ZeRO-2, s=256: a ``reduce-scatter`` f32[b*s, V/N] beside the stacked layer gradients, no full
+    output-layer gradient). The embedding's gradient, a scatter-add finished after the layer loop, stays
+    full."""
+    n = layout.data * layout.context
+    head = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.name == "output")
+    return DTYPE_BYTES[model.param_dtype] * head * (1 - 1 / n)
+
+
 def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> float:
     """The optimizer phase (:mod:`jaxpar.train.step`), with ``grads`` the full local fp32 gradient bytes.
 
     Stage 0: the data all-reduce writes a second gradient buffer (XLA:CPU does not reduce in place),
     except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%).
-    Stages 1-2: the full gradient and, per parameter, the updated shard all-gathered into a fresh
-    full-size buffer before it is written out: two of the largest (stacked) parameter, 2*P_max
-    (~1B at data=8 x tensor=1 and data=4 x tensor=2: +3%). Stage 3: the gradient buffers of the
+    Stages 1-2: at the turn from the backward to the update, every gradient beside one relayout copy
+    of the largest stacked layer gradient (W_down's (L, f, h) stack transposed so that the
+    ``psum_scatter`` dim leads), pb * P_layer_max; the scatters then free the full gradients one by
+    one, and the updated shards' all-gathers hold far less (buffer assignment of ~1B data=8 ZeRO-1
+    s=512 with 4 and 16 layers, and data=2 x tensor=2 x context=2 ZeRO-2 with 2: a
+    ``f32[L,8192,2048]{1,0,2}`` copy beside the stacked gradients at that point, nothing else of
+    its size). Stage 3: the gradient buffers of the
     backward, G/N and the embedding's full table (:func:`zero3_embedding_gradient_bytes`), which the
     update reads in place (buffer assignment of ~1B data=8 full, s=512: the update's live set is
     those buffers, 749 MiB, and nothing of their size besides).
@@ -393,17 +446,14 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     if layout.zero_stage == 0:
         return 2 * grads - pb * shared_tables(model, layout)
     if layout.zero_stage in (1, 2):
-        return grads + 2 * pb * largest_param(model, layout)
+        return grads + pb * largest_param(model, layout)
     return grads / n + zero3_embedding_gradient_bytes(model, layout)
 
 
 def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
-    """Elements of the largest parameter array one device holds (a stacked layer weight holds the
-    stage's layers)."""
+    """Elements of the largest stacked layer weight one device holds (the stage's layers of it)."""
     layers = model.num_layers // layout.pipeline
-    return max(
-        shard_elements(t, layout.tensor, 1, False) * (layers if t.place == "layer" else 1) for t in param_tensors(model)
-    )
+    return layers * max(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
 
 
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
@@ -457,10 +507,18 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             )
             grads += zero3_embedding_gradient_bytes(model, layout)
         term, working = max(candidates, key=lambda c: c[1])
+        early = (
+            early_scattered_head_bytes(model, layout) if layout.zero_stage in (1, 2) and layout.microbatches == 1 else 0
+        )
+        grads -= early
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
             # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
             grads += full_grads / n if layout.zero_stage >= 2 else pb * layer_el
-        update = update_bytes(model, layout, full_grads)
+            if zero3:  # the zero table the embedding's scatter-add starts from, hoisted out of the microbatch
+                # loop, and each microbatch's copy of it (buffer assignment of ~1B ZeRO-3 m=2 and m=4:
+                # two f32[V/t, h] tables beside the sharded gradients)
+                grads += pb * shared_tables(model, layout)
+        update = update_bytes(model, layout, full_grads - early)
         return TempEstimate(
             0,
             residual,
@@ -490,9 +548,14 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
         working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
         term = "backward tick: one layer's working set"
-        if last:
-            working += head_working_bytes(model, layout, b=rows)
-            term += " and the loss head"
+        if last:  # the loss head's backward runs in the tick before the chunk's: the larger phase sets the peak
+            head = pipeline_head_phase_bytes(model, layout, b=rows)
+            if zero3:  # ZeRO-3: one layer's weights gathered ahead of the chunk's backward, in place of the
+                # layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
+                # three gathered weights beside the head's, at the head's weight-gradient matmul)
+                head += d.e * layer_params(model, layout) - gather
+            if head > working:
+                working, term = head, "backward tick: the loss head's backward"
         chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
     acc = full_grads / n if layout.zero_stage >= 2 else full_grads
     grads = acc + chunk_grads
@@ -512,13 +575,19 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
 
     - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
       the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.executor._chunk`),
-      pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`;
+      pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the attention's
+      :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays of the microbatch (buffer assignment of
+      tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator copies, the layer's sliced
+      weights and two f32[4,2,2,128,128] score arrays at the peak);
     - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
       ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
     """
     pb = DTYPE_BYTES[model.param_dtype]
     chunk = model.num_layers // layout.stages
     loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
+    if _attention(layout) == "dot_product":
+        d = Dims.of(model, layout)
+        loop += BACKWARD_SCORE_COPIES * F32 * d.b * d.n * d.s * d.s
     return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
 

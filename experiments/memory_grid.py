@@ -1,0 +1,158 @@
+"""Compiled temporaries of many layouts, kept, so that the planner's estimate can be held against them
+again without compiling (the compiled bytes do not depend on the estimate).
+
+    # compile: the random draws of tests/test_memory_random.py (JAXPAR_SLOW=1 draws) for a seed,
+    # or the fixed grid of tests/test_memory_estimate.py (default + slow), one JSON line per layout
+    python experiments/memory_grid.py compile --seed 7 --cases 40 -o runs/memory/seed7.jsonl
+    python experiments/memory_grid.py compile --grid -o runs/memory/grid.jsonl
+    # hold the current estimate against every kept line: ratios compiled / estimate, the layouts
+    # outside the bounds (peak 10%, temporaries 15%: the tests' bounds)
+    python experiments/memory_grid.py check runs/memory/*.jsonl
+
+fp32 compute and reductions, AOT on 8 simulated CPU devices with ``AOT_COMPILER_OPTIONS``: what
+``plan --aot`` and the tests compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+MIB = 2**20
+
+
+def _config(name: str, model: dict, layout):
+    from jaxpar.analysis.aot import layout_config
+    from jaxpar.config import load_config
+
+    cfg = load_config(str(ROOT / "configs" / ("llama_1b.py" if name == "1b" else "tiny.py")))
+    for key, value in model.items():
+        cfg.model[key] = value
+    cfg = layout_config(cfg, layout)
+    cfg.model.compute_dtype = cfg.parallel.grad_reduce_dtype = "float32"
+    return cfg
+
+
+def _draws(seed: int, cases: int):
+    """(label, model name, model overrides, layout) of the random test's draws for ``seed``; a draw
+    that jaxpar refuses is drawn again, as the test does."""
+    os.environ["JAXPAR_SLOW"] = "1"
+    import test_memory_random as T
+
+    from jaxpar.config import ConfigError
+
+    for case in range(cases):
+        rng = random.Random(seed * 1000 + case)
+        for _ in range(T.TRIES):
+            name, model, layout = T._draw(rng)
+            if layout.devices > T.DEVICES:
+                continue
+            try:
+                _config(name, model, layout)
+            except ConfigError:
+                continue
+            yield f"seed {seed} case {case}", name, model, layout
+            break
+
+
+def _grid():
+    os.environ["JAXPAR_SLOW"] = "1"
+    import test_memory_estimate as E
+
+    for label, layout in E.GRID.items():
+        yield label, ("1b" if label.startswith("1b_") else "tiny"), {}, layout
+
+
+def compile_all(items, out: pathlib.Path) -> None:
+    from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
+    from jaxpar.config import ConfigError
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for label, name, model, layout in items:
+            t0 = time.perf_counter()
+            cfg = _config(name, model, layout)
+            try:
+                mem = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
+            except ConfigError as e:  # the draw compiled in the test (it redraws); here: say so
+                print(f"{label}: refused: {e}", flush=True)
+                continue
+            row = {
+                "label": label,
+                "model_name": name,
+                "model": model,
+                "layout": dataclasses.asdict(layout),
+                "temp_bytes": mem.temp_bytes,
+                "argument_bytes": mem.argument_bytes,
+            }
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(
+                f"{label}: temp {mem.temp_bytes / MIB:.2f} MiB, ratio {mem.temp_ratio:.3f}, peak {mem.peak_ratio:.3f} "
+                f"({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
+
+
+def check(paths: list[str], show: int) -> int:
+    from jaxpar.analysis import activations as A
+    from jaxpar.analysis.estimate import estimated_argument_bytes
+    from jaxpar.layout import ParallelLayout
+
+    bad_total = rows_total = 0
+    for path in paths:
+        rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+        out = []
+        for r in rows:
+            layout = ParallelLayout(**r["layout"])
+            cfg = _config(r["model_name"], r["model"], layout)
+            est = A.expected_temp_bytes(cfg.model, layout)
+            args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
+            temp = r["temp_bytes"] / est
+            peak = (r["argument_bytes"] + r["temp_bytes"]) / (args + est)
+            out.append((temp, peak, r))
+        bad = [o for o in out if abs(o[0] - 1) > 0.15 or abs(o[1] - 1) > 0.10]
+        bad_total, rows_total = bad_total + len(bad), rows_total + len(out)
+        print(
+            f"{path}: {len(out)} layouts, compiled/est temp {min(o[0] for o in out):.3f}-{max(o[0] for o in out):.3f}, "
+            f"peak {min(o[1] for o in out):.3f}-{max(o[1] for o in out):.3f}; outside the bounds: {len(bad)}"
+        )
+        for temp, peak, r in sorted(bad, key=lambda o: o[0])[:show]:
+            lay = {k: v for k, v in r["layout"].items() if v != getattr(ParallelLayout, k, None)}
+            print(f"    temp {temp:.3f} peak {peak:.3f} {r['label']}: {r['model_name']} {r['model']} {lay}")
+    print(f"all: {rows_total - bad_total} of {rows_total} within the bounds")
+    return bad_total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile")
+    c.add_argument("--seed", type=int)
+    c.add_argument("--cases", type=int, default=40)
+    c.add_argument("--grid", action="store_true")
+    c.add_argument("-o", "--out", required=True)
+    k = sub.add_parser("check")
+    k.add_argument("paths", nargs="+")
+    k.add_argument("--show", type=int, default=50)
+    a = ap.parse_args()
+    if a.cmd == "compile":
+        from jaxpar.distributed import ensure_host_devices
+
+        ensure_host_devices(8)
+        items = _grid() if a.grid else _draws(a.seed, a.cases)
+        compile_all(items, pathlib.Path(a.out))
+    else:
+        check(a.paths, a.show)
+
+
+if __name__ == "__main__":
+    main()
