@@ -41,26 +41,23 @@ def _config(name: str, model: dict, layout):
     return cfg
 
 
-def _draws(seed: int, cases: int):
-    """(label, model name, model overrides, layout) of the random test's draws for ``seed``; a draw
-    that jaxpar refuses is drawn again, as the test does."""
+def _draws(seed: int, cases: int, only: list[int] | None = None):
+    """(label, candidates) per case of the random test's draws for ``seed``: the layouts in the order the
+    test draws them; the first that builds and compiles is the case's (a refusal is drawn again, as the
+    test does)."""
     os.environ["JAXPAR_SLOW"] = "1"
     import test_memory_random as T
 
-    from jaxpar.config import ConfigError
-
-    for case in range(cases):
+    for case in only or range(cases):
         rng = random.Random(seed * 1000 + case)
-        for _ in range(T.TRIES):
-            name, model, layout = T._draw(rng)
-            if layout.devices > T.DEVICES:
-                continue
-            try:
-                _config(name, model, layout)
-            except ConfigError:
-                continue
-            yield f"seed {seed} case {case}", name, model, layout
-            break
+
+        def candidates(rng=rng):
+            for _ in range(T.TRIES):
+                name, model, layout = T._draw(rng)
+                if layout.devices <= T.DEVICES:
+                    yield name, model, layout
+
+        yield f"seed {seed} case {case}", candidates()
 
 
 def _grid():
@@ -68,7 +65,7 @@ def _grid():
     import test_memory_estimate as E
 
     for label, layout in E.GRID.items():
-        yield label, ("1b" if label.startswith("1b_") else "tiny"), {}, layout
+        yield label, iter([("1b" if label.startswith("1b_") else "tiny", {}, layout)])
 
 
 def compile_all(items, out: pathlib.Path) -> None:
@@ -77,13 +74,17 @@ def compile_all(items, out: pathlib.Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        for label, name, model, layout in items:
+        for label, candidates in items:
             t0 = time.perf_counter()
-            cfg = _config(name, model, layout)
-            try:
-                mem = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
-            except ConfigError as e:  # the draw compiled in the test (it redraws); here: say so
-                print(f"{label}: refused: {e}", flush=True)
+            for name, model, layout in candidates:
+                try:
+                    cfg = _config(name, model, layout)
+                    mem = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
+                except ConfigError:  # jaxpar cannot run this draw: the next one (the test draws again)
+                    continue
+                break
+            else:
+                print(f"{label}: no buildable draw", flush=True)
                 continue
             row = {
                 "label": label,
@@ -138,6 +139,7 @@ def main() -> None:
     c = sub.add_parser("compile")
     c.add_argument("--seed", type=int)
     c.add_argument("--cases", type=int, default=40)
+    c.add_argument("--case", type=int, action="append", help="only these cases of the seed (repeatable)")
     c.add_argument("--grid", action="store_true")
     c.add_argument("-o", "--out", required=True)
     k = sub.add_parser("check")
@@ -148,7 +150,7 @@ def main() -> None:
         from jaxpar.distributed import ensure_host_devices
 
         ensure_host_devices(8)
-        items = _grid() if a.grid else _draws(a.seed, a.cases)
+        items = _grid() if a.grid else _draws(a.seed, a.cases, a.case)
         compile_all(items, pathlib.Path(a.out))
     else:
         check(a.paths, a.show)

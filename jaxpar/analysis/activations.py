@@ -214,12 +214,20 @@ BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
 # (b, s, q: q and dO blocked for the loop) and K (b, s, k). Counted in the buffer assignment of tiny data=8 s=256
 # block 256 (none) and tiny data=4 x tensor=2 SP s=256 block 256 (selective, attention dropout).
 BLOCKWISE_BACKWARD_BLOCKS = 4
+# Ring attention (context > 1) under ``selective`` / ``full``: the recomputed forward's per-hop score blocks
+# are the very arrays the ring backward recomputes for the same hop (the same q, the same keys received), so
+# XLA keeps them from the recomputation to the attention's backward, through the MLP's backward: per hop,
+# fp32 (b, n/t, bq, bk) blocks, 1 with ``full`` (q k^T) and 2 with ``selective`` (measured: tiny
+# data=4 x context=2 full: two f32[4,2,128,256] q k^T blocks at the MLP phase's peak; selective, SP and
+# ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies).
+RING_RECOMPUTED_BLOCKS = {"selective": 2, "full": 1}
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
-# ZeRO-3 inside a pipeline tick: gathered layers (compute dtype) beside the tick's working set, the layer in
-# use and the next one. Not re-derived from a buffer assignment: the ~1B ZeRO-3 pipelines of the random grid
-# (tests/test_memory_random.py) need two (without: compiled / estimated temp 1.44-1.50), the tiny ones
-# fewer (with two: 0.82-0.88); without a pipeline the gathered layer takes the place of the sliced one
-ZERO3_GATHERED_LAYERS = 2.0
+# ZeRO-3 inside a 1F1B / interleaved tick: gathered layers (compute dtype) beyond the one the working set
+# counts. The tick's ``jax.vjp`` of its chunk gathers each layer for the recomputed forward and again for the
+# backward, so two copies of a layer's weights are live where the non-pipelined step holds one (buffer
+# assignment of tiny data=4 x pipeline=2 interleaved ZeRO-3: the MLP's weights gathered twice, one transposed
+# for dy^T x); without a pipeline the gathered layer takes the place of the sliced one.
+ZERO3_GATHERED_LAYERS = 1
 
 
 def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -260,17 +268,21 @@ def layer_working_bytes(
       :data:`BACKWARD_HIDDEN_WIDE` (b, s, h) arrays, K and V (2 e*b*s*k; blockwise: its key/value
       blocks, repeated to the query heads, 2 e*b*s*(q + 2k)) and the layer's weights.
 
-    The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its per-block
-    score arrays are not counted (an open rule: docs/performance.md). With
+    The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its attention
+    phase (:func:`blockwise_attention_backward_bytes`: the inner step's block arrays and its operands)
+    is a third candidate, and with a context axis under recompute the MLP phase also holds the ring's
+    recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
     (4 + 1)*b*n*s^2 (not counted in pipeline ticks). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
     ``jax.vjp`` of the chunk recomputes the forward inside the tick): the backward keeps no score
-    copies beyond the chunk's residuals, and a chunk of one layer without recompute is counted as one
-    (b, s, f) array beyond its residuals: fitted to
-    compiled temporaries, not re-counted buffer by buffer (docs/performance.md)."""
+    copies beyond the chunk's residuals, and a chunk of one layer without recompute holds, beyond its
+    residuals (the scores and probabilities among them), dP (one fp32 score array with
+    ``dot_product``; blockwise: its attention phase) and one (b, s, f) array (buffer assignment of tiny
+    data=2 x tensor=2 x pipeline=2 interleaved SP, s=1024: three f32[2,1,2,1024,1024] arrays at the
+    peak, two of them the chunk's residuals)."""
     return max(_layer_working_phases(model, layout, b, layers, tick))
 
 
@@ -280,8 +292,12 @@ def _layer_working_phases(
     """(forward, backward) of :func:`layer_working_bytes` (forward 0 without dot-product attention)."""
     d = Dims.of(model, layout, b)
     rec = layout.recompute
-    if tick and rec == "none" and layers <= 1:
-        return 0.0, d.e * d.b * d.s * d.f
+    if tick and rec == "none" and layers <= 1:  # the chunk's residuals hold the scores and probabilities;
+        # its attention backward adds dP (one fp32 score array: buffer assignment of tiny interleaved,
+        # chunks of one layer, s=1024: three f32[b, n/t, s, s] arrays at the peak, two of them residuals)
+        if _attention(layout) == "dot_product":
+            return 0.0, d.e * d.b * d.s * d.f + F32 * d.b * d.n * d.s * d.s
+        return 0.0, max(d.e * d.b * d.s * d.f, blockwise_attention_backward_bytes(model, layout, b))
     weights = d.e * layer_params(model, layout)
     dot = _attention(layout) == "dot_product"
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
@@ -292,6 +308,9 @@ def _layer_working_phases(
         + weights
     )
     if not dot:
+        if layout.context > 1 and rec != "none":  # see RING_RECOMPUTED_BLOCKS
+            block = min(layout.attention_block, d.s)
+            backward += layout.context * RING_RECOMPUTED_BLOCKS[rec] * F32 * d.b * d.n * block * block
         return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
     scores = d.b * d.n * d.s * d.s  # elements of one (b, n/t, s, s) array
     unstacked = rec == "none" and layers <= 1
@@ -301,12 +320,11 @@ def _layer_working_phases(
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
-    if (
-        model.get("attention_dropout", 0.0) > 0 and layout.pipeline == 1
-    ):  # keep mask (1 byte), dropped fp32 probabilities
+    if model.get("attention_dropout", 0.0) > 0 and (layout.pipeline == 1 or tick):
+        # the forward attention's keep mask (1 byte) and dropped fp32 probabilities; in a 1F1B tick too (tiny
+        # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak).
+        # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
         forward += (F32 + 1) * scores
-        if rec != "none":  # recomputed with the layer (without recompute the stack keeps the mask)
-            backward += (F32 + 1) * scores
     return forward, backward
 
 
@@ -318,6 +336,10 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     d = Dims.of(model, layout, b)
     block = min(layout.attention_block, d.s)
     copies = BLOCKWISE_BACKWARD_BLOCKS + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
+    # ring attention: the hops' backward steps are independent but for the dQ sum, and XLA overlaps them:
+    # another hop's P, dP and dS beside this one's (buffer assignment of tiny data=4 x context=2, block =
+    # s/c = 256, full: seven f32[2, n, 256, 256]-sized blocks at the peak)
+    copies += (layout.context - 1) * (BLOCKWISE_BACKWARD_BLOCKS - 1)
     operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + d.s * d.k)
     return copies * F32 * d.b * d.n * block * block + operands
 
@@ -490,7 +512,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     layer_el, shared_el = _grad_elements(model, layout, stage)
     full_grads = pb * (layer_el + shared_el)
     zero3 = layout.zero_stage == 3
-    gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 and p > 1 else 0.0
+    ticks = p > 1 and layout.schedule != "gpipe"  # GPipe's tick stacks hold the gathered weights already
+    gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 and ticks else 0.0
     if p == 1:
         layers = model.num_layers
         # one microbatch's stack, for every m: the accumulation scan runs each microbatch's forward and
@@ -547,6 +570,10 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         rows = 1 if by_layer else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
         working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
+        if by_layer:  # the microbatch's gradient at the chunk's output and its input gradient, assembled
+            # sequence by sequence: two (b, s, h) arrays of the whole microbatch beside the one sequence's
+            # working set (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B full m=4)
+            working += 2 * d.e * d.b * d.so * d.h
         term = "backward tick: one layer's working set"
         if last:  # the loss head's backward runs in the tick before the chunk's: the larger phase sets the peak
             head = pipeline_head_phase_bytes(model, layout, b=rows)
