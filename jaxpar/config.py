@@ -79,9 +79,7 @@ def default_config() -> ConfigDict:
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
     c.model.init_std = 0.02
-    c.model.dropout = (
-        0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
-    )
+    c.model.dropout = 0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.ops.dropout)
     c.model.attention_dropout = 0.0  # dropout on the softmax probabilities; 0: off
     c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3; Dehghani et al. 2023)
     # mixture of experts (jaxpar.models.moe): every layer's MLP is num_experts SwiGLU experts of mlp_dim

@@ -25,8 +25,8 @@ from jaxpar.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.models.attention)
-CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.parallel.context)
+ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.ops.attention)
+CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.ops.context_parallel)
 # Model dims split over `tensor` by the Megatron rules (jaxpar.sharding.TENSOR_RULES): each must divide.
 TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
 
@@ -49,7 +49,7 @@ class ParallelLayout:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipeline > 1)
     # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
     # calls (planner, tests, experiments) keep their meaning
-    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.parallel.context)
+    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.ops.context_parallel)
     attention: str = "dot_product"  # auto | dot_product | blockwise | cudnn (model.attention)
     attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
     context_exchange: str = "ring"  # ring | all_gather (used when context > 1)

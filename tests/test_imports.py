@@ -1,10 +1,12 @@
 """The package's dependencies point one way (read from the source with ``ast``, no import runs).
 
-    cli -> train / analysis / port -> models / parallel / optim / sharding -> layout / mesh / config
+    cli -> drill / port / analysis -> train -> metrics -> parallel / optim -> models -> ops
+        -> sharding -> mesh -> config -> layout -> axes
 
-A module may import modules of its own tier or a lower one, never a higher one, and no two modules
-import each other, directly or around a cycle (function-local imports count: hiding an import in
-a function does not change which way the arrow runs).
+Every package sits in a tier of its own. A module may import modules of its own tier or a lower one,
+never a higher one; no two modules import each other, directly or around a cycle, and no two
+packages (or top-level modules) import each other at all (function-local imports count: hiding an
+import in a function does not change which way the arrow runs).
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("mesh", "distributed"),
     ("sharding", "data", "data_megatron", "checkpoint", "environment"),
-    ("models", "parallel", "optim"),
-    ("train", "metrics"),
-    ("analysis", "port", "drill"),
+    ("ops",),  # shard-local kernels: attention, context exchange, dense, dropout, ZeRO-3 gathers, remat
+    ("models",),  # built from ops, never from parallel
+    ("optim",),
+    ("parallel",),  # ZeRO's gradient side and the pipeline: they run a Model
+    ("metrics",),
+    ("train",),
+    ("analysis",),
+    ("port",),
+    ("drill",),
     ("cli", "__main__", "__init__"),
 )
 TIER = {name: rank for rank, names in enumerate(TIERS) for name in names}
@@ -114,3 +122,28 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _packages() -> set[str]:
+    """The TIERS keys that are packages (a folder with ``__init__.py``)."""
+    return {name for name in TIER if (PACKAGE / name.replace(".", "/") / "__init__.py").is_file()}
+
+
+def test_every_package_has_a_tier_of_its_own():
+    shared = [names for names in TIERS if len(set(names) & _packages()) > 1]
+    assert not shared, f"packages sharing a tier: {shared}; give each its own in tests/test_imports.py"
+
+
+def test_no_two_packages_import_each_other():
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in _graph().items():
+        for target in targets:
+            a, b = _top(module), _top(target)
+            if a != b:
+                edges.setdefault((a, b), []).append(f"{module} -> {target}")
+    ties = [
+        f"{a} <-> {b}: {', '.join(edges[(a, b)])}; {', '.join(edges[(b, a)])}"
+        for a, b in sorted(edges)
+        if a < b and (b, a) in edges
+    ]
+    assert not ties, "packages that import each other:\n" + "\n".join(ties)

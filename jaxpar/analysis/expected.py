@@ -87,11 +87,11 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
       forward pair's transposes in the backward); recomputation repeats both gathers and the
       attention reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
-    * ``context`` (``mesh.context`` = c > 1, :mod:`jaxpar.parallel.context`): "``data``" above
+    * ``context`` (``mesh.context`` = c > 1, :mod:`jaxpar.ops.context_parallel`): "``data``" above
       reads (``data``, ``context``), one group of n = data*c (every context rank's gradient is a
       partial sum), and s reads s/c (each rank holds s/c tokens of every sequence). With kvb =
       one rank's keys and values (2*b*s/c*kv_heads/t*head_dim*a), per layer per microbatch:
-      ``ring`` collective-permutes (:func:`~jaxpar.parallel.context.ring_bytes_per_layer`, keys and
+      ``ring`` collective-permutes (:func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer`, keys and
       values sent separately): forward c-1 hops (2(c-1) permutes of kvb/2), backward c-1
       key/value hops and c hops of the fp32 key/value gradients (2c permutes of kvb/2*4/a); not
       repeated under remat (the ring is a ``custom_vjp``, whose residuals JAX's checkpoint keeps:
@@ -180,7 +180,7 @@ def context_collectives(
     kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
 ) -> list[tuple[str, int, float, str]]:
     """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
-    ``context`` (:mod:`jaxpar.parallel.context`): ``kv_block_bytes`` = one rank's keys and values in
+    ``context`` (:mod:`jaxpar.ops.context_parallel`): ``kv_block_bytes`` = one rank's keys and values in
     the compute dtype (``act`` bytes), ``remat`` = 1 if the layer's forward is recomputed (it repeats
     the all-gather; the ring, a ``custom_vjp`` whose residuals remat keeps, is not re-run). Keys and
     values travel as two arrays of half the block; the ring's gradients travel in fp32."""
