@@ -16,6 +16,7 @@ from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_b
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.optim import registry
+from jaxpar.sharding import spec_axes
 
 
 def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
@@ -50,14 +51,9 @@ def param_leaves(cfg: ConfigDict, placements: Any = None) -> list[tuple[str, tup
     ]
 
 
-def _spec_axes(spec: Any) -> list[str]:
-    """Mesh axes named anywhere in a PartitionSpec."""
-    return [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
-
-
 def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
     """Elements of one device's shard of an array of ``shape`` laid out by PartitionSpec ``spec``."""
-    return math.prod(shape) // math.prod(mesh_shape[a] for a in _spec_axes(spec))
+    return math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
 
 
 def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
@@ -147,7 +143,7 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
             add("all-gather", group, e * pb, 1, "updated parameter all-gather")
         else:
             add("all-reduce", group, e * g, per_reduce, "gradient all-reduce")
-        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR) if a in _spec_axes(lay.optimizer))
+        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR) if a in spec_axes(lay.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")
 

@@ -25,7 +25,7 @@ from jaxpar.models.inventory import (
     TENSOR_DIMS,
     ParallelLayout,
     ParamTensor,
-    _held_elements,
+    held_elements,
     param_tensors,
     shard_elements,
     stage_tensors,
@@ -154,7 +154,7 @@ def communication(
             MeshAxis.EXPERT: (layout.expert, 0.0, 0),  # MoE is not priced: plan refuses it (dense: nothing)
         }
     else:
-        grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
+        grads = max(held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
         data = {  # (bytes, collectives) by ZeRO stage
             0: (all_reduce_bytes(grads, n), 1),
             1: (all_reduce_bytes(grads, n), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce
