@@ -2,9 +2,9 @@
 
 For s = 1024 .. 16384 it AOT-compiles ``value_and_grad`` of ``sum(attention(q, k, v) * w)`` for one
 layer (b=1, fp32 by default, causal, on the default backend) and prints
-``memory_analysis().temp_size_in_bytes`` of :func:`jaxpar.models.attention.dot_product_attention`
+``memory_analysis().temp_size_in_bytes`` of :func:`jaxpar.ops.attention.dot_product_attention`
 (the (s, s) score matrix: x4 per doubling) and of
-:func:`jaxpar.models.attention.blockwise_attention` (O(s * d) residuals plus O(block**2) scores),
+:func:`jaxpar.ops.attention.blockwise_attention` (O(s * d) residuals plus O(block**2) scores),
 with each one's growth over the previous s. Nothing runs: compile only.
 
     python experiments/attention_memory.py            # seconds on 2 CPU cores
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxpar.models.attention import blockwise_attention, dot_product_attention
+    from jaxpar.ops.attention import blockwise_attention, dot_product_attention
 
     impls = {
         "dot_product": dot_product_attention,

@@ -31,7 +31,7 @@ class Condition:
 
 
 def _blockwise(c: Any) -> bool:
-    # auto runs blockwise wherever cuDNN does not apply (jaxpar.models.attention.resolve_attention)
+    # auto runs blockwise wherever cuDNN does not apply (jaxpar.ops.attention.resolve_attention)
     return c.model.attention in ("blockwise", "auto")
 
 

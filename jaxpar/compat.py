@@ -33,6 +33,11 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
+def vma_union(*xs: Any) -> frozenset:
+    """The mesh axes any of ``xs`` varies over."""
+    return frozenset().union(*(varying_axes(x) for x in xs))
+
+
 def vary(x: jax.Array, axes: frozenset) -> jax.Array:
     """Mark ``x`` varying over ``axes`` (no-op for those it already varies over)."""
     missing = tuple(sorted(axes - varying_axes(x)))

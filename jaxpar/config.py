@@ -26,7 +26,7 @@ import ml_collections
 from jaxpar import acts
 from jaxpar.acts import flatten
 from jaxpar.axes import MESH_AXES
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, require
 from jaxpar.layout import ParallelLayout
 from jaxpar.models.registry import check_name
 from jaxpar.optim.fields import check_fields
@@ -79,9 +79,7 @@ def default_config() -> ConfigDict:
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
     c.model.init_std = 0.02
-    c.model.dropout = (
-        0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.models.dropout)
-    )
+    c.model.dropout = 0.0  # hidden dropout (embedding output, attention and MLP branches); 0: off (jaxpar.ops.dropout)
     c.model.attention_dropout = 0.0  # dropout on the softmax probabilities; 0: off
     c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3; Dehghani et al. 2023)
     # mixture of experts (jaxpar.models.moe): every layer's MLP is num_experts SwiGLU experts of mlp_dim
@@ -307,38 +305,38 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     """
     p, mo, o, t, d = cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.data
     for key, value in flatten(cfg.to_dict()).items():
-        _require(
+        require(
             not (isinstance(value, str) and "\x00" in value),
             f"config.{key}: the value holds a NUL byte, which no path or name may; retype it",
         )
     for axis in MESH_AXES:
-        _require(
+        require(
             1 <= cfg.mesh[axis.value] <= MAX_DEVICES,
             f"mesh.{axis.value}={cfg.mesh[axis.value]}: use a size in [1, {MAX_DEVICES}]",
         )
     devices = math.prod(cfg.mesh[axis.value] for axis in MESH_AXES)
-    _require(
+    require(
         devices <= MAX_DEVICES,
         f"mesh: {devices} devices in all is more than any cluster has (at most {MAX_DEVICES}); check the mesh sizes",
     )
-    _require(
+    require(
         p.grad_reduce_dtype in ("float32", "bfloat16"),
         f"parallel.grad_reduce_dtype='{p.grad_reduce_dtype}': use float32 or bfloat16",
     )
-    _require(
+    require(
         0.0 <= p.max_replicated_fraction <= 1.0,
         f"parallel.max_replicated_fraction={p.max_replicated_fraction}: use a value in [0, 1]",
     )
     _validate_model(mo)
     _validate_optim(o)
     _validate_train(t)
-    _require(d.source in DATA_SOURCES, f"data.source='{d.source}': use one of {', '.join(DATA_SOURCES)}")
-    _require(d.token_dtype in ("uint16", "uint32"), f"data.token_dtype='{d.token_dtype}': use uint16 or uint32")
+    require(d.source in DATA_SOURCES, f"data.source='{d.source}': use one of {', '.join(DATA_SOURCES)}")
+    require(d.token_dtype in ("uint16", "uint32"), f"data.token_dtype='{d.token_dtype}': use uint16 or uint32")
     if d.source in FILE_SOURCES:
-        _require(bool(d.path.strip()), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
-    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
-    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+        require(bool(d.path.strip()), f"data.path is empty but data.source='{d.source}'; set --config.data.path=")
+    require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: use a value in (0, 1)")
+    require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
+    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     acts.check(cfg, default_config())
     return ParallelLayout.from_config(cfg).validate(mo, t.global_batch, num_devices)
 
@@ -354,20 +352,20 @@ def _validate_model(mo: ConfigDict) -> None:
         "mlp_dim",
         "max_seq_len",
     ):
-        _require(1 <= mo[name] <= MAX_DIM, f"model.{name}={mo[name]}: use a value in [1, {MAX_DIM}]")
-    _require(
+        require(1 <= mo[name] <= MAX_DIM, f"model.{name}={mo[name]}: use a value in [1, {MAX_DIM}]")
+    require(
         mo.num_heads % mo.num_kv_heads == 0,
         f"model.num_heads={mo.num_heads} is not a multiple of model.num_kv_heads={mo.num_kv_heads}; "
         "pick kv heads that divide the heads",
     )
     for name in ("compute_dtype", "param_dtype"):
-        _require(mo[name] in DTYPES, f"model.{name}='{mo[name]}': use one of {', '.join(DTYPES)}")
-    _require(mo.mlp_activation in ("swiglu", "gelu"), f"model.mlp_activation='{mo.mlp_activation}': use swiglu or gelu")
-    _require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
-    _require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
+        require(mo[name] in DTYPES, f"model.{name}='{mo[name]}': use one of {', '.join(DTYPES)}")
+    require(mo.mlp_activation in ("swiglu", "gelu"), f"model.mlp_activation='{mo.mlp_activation}': use swiglu or gelu")
+    require(mo.norm in ("rmsnorm", "layernorm"), f"model.norm='{mo.norm}': use rmsnorm or layernorm")
+    require(mo.position in ("rope", "learned"), f"model.position='{mo.position}': use rope or learned")
     check_name(mo.name)
     if mo.position == "rope":  # RoPE rotates pairs of dims
-        _require(
+        require(
             mo.head_dim % 2 == 0,
             f"model.head_dim={mo.head_dim}: RoPE needs an even head dim; use e.g. {mo.head_dim + 1}",
         )
@@ -375,13 +373,13 @@ def _validate_model(mo: ConfigDict) -> None:
     _positive_finite("model.norm_eps", mo.norm_eps)
     _positive_finite("model.init_std", mo.init_std)
     for name in ("dropout", "attention_dropout"):  # a drop probability (Srivastava et al. 2014): in [0, 1)
-        _require(
+        require(
             math.isfinite(mo[name]) and 0 <= mo[name] < 1,
             f"model.{name}={mo[name]}: use a drop probability in [0, 1), e.g. 0.1 (0: no dropout)",
         )
     _validate_moe(mo)
     count = _rough_param_count(mo)
-    _require(
+    require(
         count <= MAX_PARAMS,
         f"model: {count:.3g} parameters is beyond any cluster (at most {MAX_PARAMS:.0e}); check the model sizes",
     )
@@ -389,30 +387,30 @@ def _validate_model(mo: ConfigDict) -> None:
 
 def _validate_moe(mo: ConfigDict) -> None:
     """The MoE fields' domains (with ``num_experts=0`` the others have no effect: :mod:`jaxpar.acts`)."""
-    _require(0 <= mo.num_experts <= MAX_DIM, f"model.num_experts={mo.num_experts}: use 0 (dense) or a count >= 2")
-    _require(mo.num_experts != 1, "model.num_experts=1 is a dense MLP with a router; use 0 (dense) or >= 2 experts")
+    require(0 <= mo.num_experts <= MAX_DIM, f"model.num_experts={mo.num_experts}: use 0 (dense) or a count >= 2")
+    require(mo.num_experts != 1, "model.num_experts=1 is a dense MLP with a router; use 0 (dense) or >= 2 experts")
     if not mo.num_experts:
         return
-    _require(
+    require(
         0 <= mo.shared_expert_dim <= MAX_DIM,
         f"model.shared_expert_dim={mo.shared_expert_dim}: use 0 (none) or a width in [1, {MAX_DIM}]",
     )
-    _require(
+    require(
         1 <= mo.experts_per_token <= mo.num_experts,
         f"model.experts_per_token={mo.experts_per_token}: use 1 to model.num_experts={mo.num_experts}",
     )
-    _require(
+    require(
         mo.moe_dispatch in ("grouped", "dense"),
         f"model.moe_dispatch='{mo.moe_dispatch}': use grouped (the routed tokens only) or dense (every expert "
         "on every token, the reference)",
     )
-    _require(
+    require(
         mo.router_score in ("softmax", "sigmoid"),
         f"model.router_score='{mo.router_score}': use softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)",
     )
-    _require(mo.mlp_activation == "swiglu", f"model.mlp_activation='{mo.mlp_activation}': the MoE experts are SwiGLU")
+    require(mo.mlp_activation == "swiglu", f"model.mlp_activation='{mo.mlp_activation}': the MoE experts are SwiGLU")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor"):
-        _require(
+        require(
             math.isfinite(mo[name]) and mo[name] >= 0, f"model.{name}={mo[name]}: use a finite weight >= 0 (0: off)"
         )
 
@@ -427,63 +425,63 @@ def _rough_param_count(mo: ConfigDict) -> int:
 
 def _validate_optim(o: ConfigDict) -> None:
     _positive_finite("optim.lr", o.lr)
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
-    _require(
+    require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    require(
         o.schedule in SCHEDULE_TYPES,
         f"optim.schedule='{o.schedule}': use one of {', '.join(SCHEDULE_TYPES)}",
     )
-    _require(o.warmup_type in ("linear", "log"), f"optim.warmup_type='{o.warmup_type}': use linear or log")
-    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
-    _require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
+    require(o.warmup_type in ("linear", "log"), f"optim.warmup_type='{o.warmup_type}': use linear or log")
+    require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
+    require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
     check_fields(o, default_config().optim)  # a known optimizer; no field it would ignore
     for name in ("b1", "b2"):  # Adam's moment decay rates (Kingma & Ba 2015): in [0, 1)
-        _require(0 <= o[name] < 1, f"optim.{name}={o[name]}: use a value in [0, 1), e.g. 0.9")
-    _require(math.isfinite(o.eps) and o.eps >= 0, f"optim.eps={o.eps}: use a finite value >= 0, e.g. 1e-8")
-    _require(
+        require(0 <= o[name] < 1, f"optim.{name}={o[name]}: use a value in [0, 1), e.g. 0.9")
+    require(math.isfinite(o.eps) and o.eps >= 0, f"optim.eps={o.eps}: use a finite value >= 0, e.g. 1e-8")
+    require(
         math.isfinite(o.weight_decay) and o.weight_decay >= 0,
         f"optim.weight_decay={o.weight_decay}: use a finite value >= 0",
     )
 
 
 def _validate_train(t: ConfigDict) -> None:
-    _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
-    _require(t.global_batch <= MAX_DIM, f"train.global_batch={t.global_batch}: use at most {MAX_DIM} sequences")
-    _require(0 <= t.seed < 2**32, f"train.seed={t.seed}: use an integer in [0, 2**32)")
-    _require(bool(t.workdir.strip()), "train.workdir is empty; give a folder for checkpoints and metrics")
-    _require(
+    require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
+    require(t.global_batch <= MAX_DIM, f"train.global_batch={t.global_batch}: use at most {MAX_DIM} sequences")
+    require(0 <= t.seed < 2**32, f"train.seed={t.seed}: use an integer in [0, 2**32)")
+    require(bool(t.workdir.strip()), "train.workdir is empty; give a folder for checkpoints and metrics")
+    require(
         not os.path.exists(t.workdir) or os.path.isdir(t.workdir),
         f"train.workdir='{t.workdir}' is a file, not a folder; pick another path",
     )
     for name in ("log_every", "eval_every", "warmup_steps_excluded"):
-        _require(t[name] >= 0, f"train.{name}={t[name]}: must be >= 0")
-    _require(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0 (0: no validation)")
-    _require(
+        require(t[name] >= 0, f"train.{name}={t[name]}: must be >= 0")
+    require(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0 (0: no validation)")
+    require(
         t.eval_batches >= 1 or t.eval_every == 0,
         f"train.eval_every={t.eval_every} with train.eval_batches=0: there is nothing to evaluate; set "
         "train.eval_batches >= 1, or train.eval_every=0 to train without validation",
     )
-    _require(
+    require(
         _profile_steps_ok(t.profile_steps),
         f"train.profile_steps='{t.profile_steps}': give the first and last step to trace as a,b with "
         "1 <= a <= b, e.g. --config.train.profile_steps=5,7 (empty: no trace)",
     )
     resume = str(t.resume)
-    _require(
+    require(
         resume in ("auto", "never", "restart") or _is_count(resume),
         f"train.resume='{resume}': use auto, never, restart (delete the workdir's checkpoints and start over) or a "
         "step number",
     )
-    _require(
+    require(
         not t.init_from or os.path.exists(t.init_from),
         f"train.init_from='{t.init_from}': no such file or directory; give an HF checkpoint directory, a "
         ".safetensors / .index.json file or a torch state dict",
     )
-    _require(
+    require(
         t.spike_factor == 0 or 1 < t.spike_factor < math.inf,
         f"train.spike_factor={t.spike_factor}: use 0 (off) or a finite value > 1",
     )
-    _require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
-    _require(
+    require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
+    require(
         all(_is_count(x.strip()) for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,
         f"train.inject_bad_steps='{t.inject_bad_steps}': give comma-separated step numbers, e.g. 3,4",
     )
@@ -495,12 +493,7 @@ def _is_count(text: str) -> bool:
 
 
 def _positive_finite(name: str, value: float) -> None:
-    _require(math.isfinite(value) and value > 0, f"{name}={value}: use a finite value > 0")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+    require(math.isfinite(value) and value > 0, f"{name}={value}: use a finite value > 0")
 
 
 def _profile_steps_ok(text: str) -> bool:

@@ -13,3 +13,9 @@ class JaxparError(Exception):
 class ConfigError(JaxparError, ValueError):
     """A user-facing error in a config, recipe, checkpoint, weights file or flag: one line naming the
     field and the fix."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` (one line naming the field and the fix) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)

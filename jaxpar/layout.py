@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.axes import MESH_AXES, MeshAxis
-from jaxpar.errors import ConfigError
+from jaxpar.errors import require
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.models.attention)
-CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.parallel.context)
+ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.ops.attention)
+CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.ops.context_parallel)
 # Model dims split over `tensor` by the Megatron rules (jaxpar.sharding.TENSOR_RULES): each must divide.
 TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
 
@@ -49,7 +49,7 @@ class ParallelLayout:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipeline > 1)
     # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
     # calls (planner, tests, experiments) keep their meaning
-    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.parallel.context)
+    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.ops.context_parallel)
     attention: str = "dot_product"  # auto | dot_product | blockwise | cudnn (model.attention)
     attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
     context_exchange: str = "ring"  # ring | all_gather (used when context > 1)
@@ -137,24 +137,24 @@ class ParallelLayout:
         devices present, which must equal the product of the mesh sizes. Returns ``self``.
         """
         for axis in MESH_AXES:
-            _require(self.size(axis) >= 1, f"mesh.{axis}={self.size(axis)}: a mesh axis size must be >= 1")
+            require(self.size(axis) >= 1, f"mesh.{axis}={self.size(axis)}: a mesh axis size must be >= 1")
         if num_devices is not None:
             sizes = "*".join(str(self.size(a)) for a in MESH_AXES)
             names = "*".join(a.value for a in MESH_AXES)
-            _require(
+            require(
                 self.devices == num_devices,
                 f"mesh: {names} = {sizes} = {self.devices} but {num_devices} devices are available; change "
                 f"--config.mesh.data (or another mesh size) so the product is {num_devices}",
             )
-        _require(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={self.zero_stage}: use 0, 1, 2 or 3")
-        _require(self.recompute in RECOMPUTE, f"model.remat='{self.recompute}': use one of {', '.join(RECOMPUTE)}")
-        _require(self.schedule in SCHEDULES, f"pipeline.schedule='{self.schedule}': use one of {', '.join(SCHEDULES)}")
-        _require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages}: must be >= 1")
-        _require(self.microbatches >= 1, f"train.microbatches={self.microbatches}: must be >= 1")
-        _require(self.seq_len >= 2, f"train.seq_len={self.seq_len}: must be >= 2")
-        _require(self.attention in ATTENTION, f"model.attention='{self.attention}': use one of {', '.join(ATTENTION)}")
-        _require(self.attention_block >= 1, f"model.attention_block={self.attention_block}: must be >= 1, e.g. 512")
-        _require(
+        require(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={self.zero_stage}: use 0, 1, 2 or 3")
+        require(self.recompute in RECOMPUTE, f"model.remat='{self.recompute}': use one of {', '.join(RECOMPUTE)}")
+        require(self.schedule in SCHEDULES, f"pipeline.schedule='{self.schedule}': use one of {', '.join(SCHEDULES)}")
+        require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages}: must be >= 1")
+        require(self.microbatches >= 1, f"train.microbatches={self.microbatches}: must be >= 1")
+        require(self.seq_len >= 2, f"train.seq_len={self.seq_len}: must be >= 2")
+        require(self.attention in ATTENTION, f"model.attention='{self.attention}': use one of {', '.join(ATTENTION)}")
+        require(self.attention_block >= 1, f"model.attention_block={self.attention_block}: must be >= 1, e.g. 512")
+        require(
             self.context_exchange in CONTEXT_EXCHANGES,
             f"parallel.context_exchange='{self.context_exchange}': use one of {', '.join(CONTEXT_EXCHANGES)}",
         )
@@ -166,31 +166,31 @@ class ParallelLayout:
 
     def _validate_experts(self, model: Mapping[str, Any]) -> None:
         experts = model.get("num_experts", 0)
-        _require(
+        require(
             not (experts and model.get("moe_capacity_factor", 0.0) and self.context > 1),
             f"model.moe_capacity_factor={model.get('moe_capacity_factor')} with mesh.context={self.context}: "
             "the drop rule counts each sequence's choices, and context parallelism splits a sequence over "
             "ranks; set --config.model.moe_capacity_factor=0 (dropless) or mesh.context=1",
         )
         shared = model.get("shared_expert_dim", 0)
-        _require(
+        require(
             shared % self.tensor == 0,
             f"model.shared_expert_dim={shared} is not divisible by mesh.tensor={self.tensor}; choose a tensor "
             f"size that divides {shared}",
         )
         if self.expert == 1:
             return
-        _require(
+        require(
             experts > 0,
             f"mesh.expert={self.expert} but model.num_experts=0 (a dense model has no experts to split); "
             "set --config.mesh.expert=1, or put those devices on mesh.data",
         )
-        _require(
+        require(
             experts % self.expert == 0,
             f"model.num_experts={experts} is not divisible by mesh.expert={self.expert}; choose an expert "
             f"size that divides {experts}",
         )
-        _require(
+        require(
             self.pipeline == 1 or self.zero_stage < 2,
             f"parallel.zero_stage={self.zero_stage} with mesh.expert={self.expert} and mesh.pipeline="
             f"{self.pipeline} is not supported yet (the pipeline's sharded gradient ticks reduce every "
@@ -200,24 +200,24 @@ class ParallelLayout:
     def _validate_model(self, model: Mapping[str, Any]) -> None:
         self._validate_experts(model)
         for name in TENSOR_SPLIT_FIELDS:
-            _require(
+            require(
                 model[name] % self.tensor == 0,
                 f"model.{name}={model[name]} is not divisible by mesh.tensor={self.tensor}; "
                 f"choose a tensor size that divides {model[name]}",
             )
-        _require(
+        require(
             model["num_layers"] % self.stages == 0,
             f"model.num_layers={model['num_layers']} is not divisible by mesh.pipeline*pipeline.virtual_stages="
             f"{self.stages}; choose a pipeline size that divides the layers",
         )
-        _require(
+        require(
             self.seq_len <= model["max_seq_len"],
             f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model['max_seq_len']}; lower train.seq_len",
         )
         if self.sequence_parallel:
             split = self.tensor * self.context
             what = "mesh.tensor" if self.context == 1 else "mesh.context*mesh.tensor"
-            _require(
+            require(
                 self.seq_len % split == 0,
                 f"train.seq_len={self.seq_len} is not divisible by {what}={split} (parallel."
                 f"sequence_parallel); use a multiple of {split}",
@@ -227,12 +227,12 @@ class ParallelLayout:
         c = self.context
         if c == 1:
             return
-        _require(
+        require(
             self.seq_len % (2 * c) == 0,
             f"train.seq_len={self.seq_len} is not divisible by 2*mesh.context={2 * c} (each context rank holds "
             f"two chunks, i and 2c-1-i, to balance the causal mask); use a multiple of {2 * c}",
         )
-        _require(
+        require(
             self.attention in ("blockwise", "auto"),
             f"model.attention={self.attention} with mesh.context={c}: context parallelism runs the blockwise "
             "kernel on every exchanged key/value block (it merges partial results by their log-sum-exp); set "
@@ -241,7 +241,7 @@ class ParallelLayout:
         # The pipeline runs each stage's layers inside a per-stage branch (lax.switch); the ring's
         # collective-permutes inside it exchange wrong blocks on XLA:CPU (forward loss off in the 3rd
         # digit) or abort there. The all-gather exchange is exact inside the branches.
-        _require(
+        require(
             self.pipeline == 1 or self.context_exchange == "all_gather",
             f"parallel.context_exchange=ring with mesh.pipeline={self.pipeline}: the ring's collective-permutes "
             "cannot run inside the pipeline's per-stage branches; set --config.parallel.context_exchange="
@@ -253,13 +253,13 @@ class ParallelLayout:
         names = "train.microbatches*mesh.data" + ("*mesh.expert" if self.expert > 1 else "")
         sizes = f"{self.microbatches}*{self.data}" + (f"*{self.expert}" if self.expert > 1 else "")
         if global_batch is not None:
-            _require(global_batch >= 1, f"train.global_batch={global_batch}: must be >= 1")
-            _require(
+            require(global_batch >= 1, f"train.global_batch={global_batch}: must be >= 1")
+            require(
                 global_batch % per_step == 0,
                 f"train.global_batch={global_batch} is not divisible by {names}="
                 f"{sizes}={per_step}; use a multiple of {per_step}",
             )
-        _require(
+        require(
             self.microbatch_size >= 1,
             f"train.global_batch={self.global_batch} gives {self.microbatch_size} sequences per data shard "
             f"and microbatch; use at least {names}={per_step} sequences",
@@ -268,38 +268,33 @@ class ParallelLayout:
     def _validate_pipeline(self, model: Mapping[str, Any]) -> None:
         p, m, v, schedule = self.pipeline, self.microbatches, self.virtual_stages, self.schedule
         if p == 1:
-            _require(
+            require(
                 v == 1, f"pipeline.virtual_stages={v} needs mesh.pipeline > 1; set --config.pipeline.virtual_stages=1"
             )
             return
-        _require(
+        require(
             schedule != "interleaved" or v >= 2,
             f"pipeline.virtual_stages={v}: the interleaved schedule needs at least 2 chunks per stage; set "
             "--config.pipeline.virtual_stages=2 or --config.pipeline.schedule=1f1b",
         )
-        _require(
+        require(
             schedule == "interleaved" or v == 1,
             f"pipeline.virtual_stages={v} is only used by the interleaved schedule; set "
             "--config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1",
         )
-        _require(
+        require(
             schedule != "1f1b" or m >= p,
             f"train.microbatches={m} < mesh.pipeline={p}: 1F1B needs at least one microbatch per stage; "
             f"set --config.train.microbatches={p} or more",
         )
-        _require(
+        require(
             schedule != "interleaved" or m % p == 0,
             f"train.microbatches={m} is not a multiple of mesh.pipeline={p} (interleaved runs microbatches "
             f"in groups of p); set --config.train.microbatches={p * -(-m // p)}",
         )
-        _require(
+        require(
             self.zero_stage != 2 or schedule != "gpipe",
             "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported (GPipe's gradient is the "
             "transpose of its whole forward scan, accumulated full size); use --config.pipeline.schedule=1f1b, "
             "or --config.parallel.zero_stage=1 or 3",
         )
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)

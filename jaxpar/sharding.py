@@ -93,14 +93,15 @@ class ParamPlacement:
 
     @property
     def sharded_storage(self) -> bool:
-        return MeshAxis.DATA in _spec_axes(self.storage)
+        return MeshAxis.DATA in spec_axes(self.storage)
 
     @property
     def sharded_optimizer(self) -> bool:
-        return MeshAxis.DATA in _spec_axes(self.optimizer)
+        return MeshAxis.DATA in spec_axes(self.optimizer)
 
 
-def _spec_axes(spec: P) -> set[str]:
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes named anywhere in a PartitionSpec."""
     return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 

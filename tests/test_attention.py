@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigError
-from jaxpar.models import attention as A
+from jaxpar.ops import attention as A
 
 RTOL = 1e-5  # normwise: max |got - want| / max |want|
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.models import attention as attn
-from jaxpar.parallel import context as cp
+from jaxpar.ops import attention as attn
+from jaxpar.ops import context_parallel as cp
 from jaxpar.parallel import pipeline
 from tests.helpers import max_rel_error, run_steps, tiny_config
 

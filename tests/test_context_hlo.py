@@ -1,5 +1,5 @@
 """Context parallelism in the compiled step: the ring's collective-permutes and the all-gather variant's
-collectives over ``context`` equal the formulas of :mod:`jaxpar.parallel.context`, per layer, forward and
+collectives over ``context`` equal the formulas of :mod:`jaxpar.ops.context_parallel`, per layer, forward and
 backward, and ``inspect`` lists them under the ``context`` axis (tiny model, fp32, seq 64)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from jaxpar.analysis import compiled as ca
 from jaxpar.cli.inspect import render, run_inspect
 from jaxpar.config import load_config
-from jaxpar.parallel.context import ring_bytes_per_layer
+from jaxpar.ops.context_parallel import ring_bytes_per_layer
 
 TINY = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py")
 SMALL = [

@@ -1,4 +1,4 @@
-"""Dropout (``model.dropout``, ``model.attention_dropout``; :mod:`jaxpar.models.dropout`).
+"""Dropout (``model.dropout``, ``model.attention_dropout``; :mod:`jaxpar.ops.dropout`).
 
 The masks are a pure function of (seed, step, layer, site, global indices), so every layout trains
 exactly what one device trains (fp32, relative 1e-5 on loss, gradient norm and parameters after
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError
-from jaxpar.models import attention as attn
-from jaxpar.models import dropout
 from jaxpar.models.llama import context_for
+from jaxpar.ops import attention as attn
+from jaxpar.ops import dropout
 from jaxpar.parallel import pipeline
 from jaxpar.port import weights
 from jaxpar.port.megatron import port_megatron

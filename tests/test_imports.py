@@ -1,10 +1,14 @@
 """The package's dependencies point one way (read from the source with ``ast``, no import runs).
 
-    cli -> train / analysis / port -> models / parallel / optim / sharding -> layout / mesh / config
+    cli -> drill / port / analysis -> train -> metrics -> parallel / optim -> models -> ops
+        -> sharding -> mesh -> config -> layout -> axes
 
-A module may import modules of its own tier or a lower one, never a higher one, and no two modules
-import each other, directly or around a cycle (function-local imports count: hiding an import in
-a function does not change which way the arrow runs).
+Every package sits in a tier of its own. A module may import modules of its own tier or a lower one,
+never a higher one; no two modules import each other, directly or around a cycle, and no two
+packages (or top-level modules) import each other at all (function-local imports count: hiding an
+import in a function does not change which way the arrow runs). No module uses another module's
+private name (``from jaxpar.x import _y``, or ``x._y`` on an imported jaxpar module): what another
+module needs is public.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("mesh", "distributed"),
     ("sharding", "data", "data_megatron", "checkpoint", "environment"),
-    ("models", "parallel", "optim"),
-    ("train", "metrics"),
-    ("analysis", "port", "drill"),
+    ("ops",),  # shard-local kernels: attention, context exchange, dense, dropout, ZeRO-3 gathers, remat
+    ("models",),  # built from ops, never from parallel
+    ("optim",),
+    ("parallel",),  # ZeRO's gradient side and the pipeline: they run a Model
+    ("metrics",),
+    ("train",),
+    ("analysis",),
+    ("port",),
+    ("drill",),
     ("cli", "__main__", "__init__"),
 )
 TIER = {name: rank for rank, names in enumerate(TIERS) for name in names}
@@ -114,3 +124,81 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _packages() -> set[str]:
+    """The TIERS keys that are packages (a folder with ``__init__.py``)."""
+    return {name for name in TIER if (PACKAGE / name.replace(".", "/") / "__init__.py").is_file()}
+
+
+def test_every_package_has_a_tier_of_its_own():
+    shared = [names for names in TIERS if len(set(names) & _packages()) > 1]
+    assert not shared, f"packages sharing a tier: {shared}; give each its own in tests/test_imports.py"
+
+
+def test_no_two_packages_import_each_other():
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in _graph().items():
+        for target in targets:
+            a, b = _top(module), _top(target)
+            if a != b:
+                edges.setdefault((a, b), []).append(f"{module} -> {target}")
+    ties = [
+        f"{a} <-> {b}: {', '.join(edges[(a, b)])}; {', '.join(edges[(b, a)])}"
+        for a, b in sorted(edges)
+        if a < b and (b, a) in edges
+    ]
+    assert not ties, "packages that import each other:\n" + "\n".join(ties)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(path: pathlib.Path, name: str, modules: set[str]) -> list[str]:
+    """Another jaxpar module's private names that ``path`` uses: imported by name, or read as an
+    attribute of an imported jaxpar module (``attn._flash``, ``jaxpar.models.llama._block``)."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    aliases: dict[str, str] = {}  # local name -> the jaxpar module it is bound to
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "jaxpar":
+                continue
+            for a in node.names:
+                if f"{module}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{module}.{a.name}"
+                elif _is_private(a.name) and module != name:
+                    out.append(f"{name}:{node.lineno}: from {module} import {a.name}")
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        parts, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            parts.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name):
+            continue
+        if not parts and value.id in aliases:
+            owner = aliases[value.id]
+        elif value.id == "jaxpar":
+            owner = ".".join(["jaxpar", *reversed(parts)])
+        else:
+            continue
+        if owner in modules and owner != name:
+            out.append(f"{name}:{node.lineno}: {owner}.{node.attr}")
+    return out
+
+
+def test_no_module_uses_another_modules_private_name():
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    uses = [use for name, path in sorted(files.items()) for use in _private_uses(path, name, set(files))]
+    assert not uses, "private names used outside their module (make them public or move them):\n" + "\n".join(uses)

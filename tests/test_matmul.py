@@ -1,4 +1,4 @@
-"""jaxpar.models.matmul.dense: the same values and gradients as the einsum it replaces (both
+"""jaxpar.ops.matmul.dense: the same values and gradients as the einsum it replaces (both
 weight-gradient forms), saved by remat "selective" like any weight matmul, and on XLA:CPU a train
 step that runs every weight matmul in a fusion (YNNPACK), none in Eigen's fallback GEMM, and moves
 no attention score tensor between layouts."""
@@ -16,8 +16,8 @@ import pytest
 from jaxpar.analysis.compiled import mesh_for
 from jaxpar.analysis.hlo import array_dims, fused_computations, parse_hlo
 from jaxpar.config import load_config
-from jaxpar.models.matmul import dense
-from jaxpar.parallel.zero import DENSE_NAME, remat_policy
+from jaxpar.ops.matmul import DENSE_NAME, dense
+from jaxpar.ops.remat import remat_policy
 from jaxpar.train.state import Setup
 from tests.helpers import ROOT
 
@@ -102,7 +102,7 @@ def _score_transposes(text: str, seq: int) -> list[str]:
 def test_train_step_has_no_eigen_dot_and_no_score_transpose():
     """Before dense, XLA:CPU ran 13 dots a step in Eigen for this model (the weight gradients of w_gate,
     w_up and w_down in each of 4 layers, and of the output layer); MaxText 0.2.5's step has none.
-    Before the head-major attention (jaxpar.models.attention.dot_product_attention), the (b, kv, g, s, s)
+    Before the head-major attention (jaxpar.ops.attention.dot_product_attention), the (b, kv, g, s, s)
     scores were transposed 5 times per layer (checked on that commit's HLO)."""
     cfg = load_config(f"{MAXTEXT}:dp8")
     text = Setup(cfg, mesh_for(cfg)).lower_train_step().compile().as_text()

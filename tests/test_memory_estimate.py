@@ -159,7 +159,7 @@ def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:
     from jax._src.ad_checkpoint import saved_residuals
 
     from jaxpar.models import get_model
-    from jaxpar.parallel import zero
+    from jaxpar.ops.remat import remat_policy
 
     m = get_model(model_cfg)
     ctx = m.context(attention=layout.attention, attention_block=layout.attention_block)
@@ -171,7 +171,7 @@ def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:
         return m.block(x, lay, pos, ctx)
 
     if policy != "none":
-        f = jax.checkpoint(f, policy=zero.remat_policy(policy), prevent_cse=False)
+        f = jax.checkpoint(f, policy=remat_policy(policy), prevent_cse=False)
     total = 0.0
     for aval, why in saved_residuals(lambda x, lay: jnp.sum(f(x, lay)), jnp.zeros((b, s, h)), layer):
         why = str(why)

@@ -14,7 +14,7 @@ import jaxpar.models as models
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import inventory
 from jaxpar.models.base import Model, ShardContext
-from jaxpar.parallel import zero
+from jaxpar.ops import zero3
 from jaxpar.port import weights
 from tests.helpers import ROOT, run_steps, tiny_config
 
@@ -106,13 +106,13 @@ def test_zero3_dims_tree_matches_the_layouts():
 
     cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3")
     setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
-    dims = zero.zero3_dims(setup.placements)
+    dims = zero3.zero3_dims(setup.placements)
     assert jax.tree.structure(dims) == jax.tree.structure(setup.abstract_params)
     assert dims["blocks"]["attn"]["wq"] == 1 and dims["embed"] == 1  # embed dim (tensor splits heads / vocab)
-    assert zero.layer_dims(dims["blocks"])["attn"]["wq"] == 0
+    assert zero3.layer_dims(dims["blocks"])["attn"]["wq"] == 0
     assert setup.builder.context().zero3
     assert (
-        zero.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).placements) is None
+        zero3.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).placements) is None
     )
 
 

@@ -115,8 +115,8 @@ def layer_residual_bytes(
     and probabilities, and JAX keeps more of the SwiGLU than a hand-written backward would. With
     dropout the layer stack also holds :func:`dropout_residual_bytes` per layer.
 
-    ``selective`` (:func:`jaxpar.parallel.zero.remat_policy`: ``dots_with_no_batch_dims_saveable``
-    and the named outputs of :func:`jaxpar.models.matmul.dense`):
+    ``selective`` (:func:`jaxpar.ops.remat.remat_policy`: ``dots_with_no_batch_dims_saveable``
+    and the named outputs of :func:`jaxpar.ops.matmul.dense`):
     the layer input e*b*so*h and every weight-matmul output: q, k, v e*b*s*(q + 2k), W_o's (b, s, h)
     partial sum before the tensor reduction e*b*s*h, gate and up e*b*s*2f (GeLU: up only).
 
@@ -143,7 +143,7 @@ def layer_residual_bytes(
 def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """What dropout adds to one layer's entry of the residual stack (0 without dropout), measured.
 
-    The masks (:mod:`jaxpar.models.dropout`) are hashes of indices the backward could redraw, but the
+    The masks (:mod:`jaxpar.ops.dropout`) are hashes of indices the backward could redraw, but the
     layer scan's linearization saves what the backward reads, so the compiled step keeps them as
     1-byte bools, and only them (XLA recomputes the dropped values from the kept inputs and mask):
 
@@ -245,7 +245,7 @@ def zero3_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
     residual stack is still live: the head runs before the backward layer loop). Beside the stack and
     the gradients: the output weight gathered over ``data`` (compute dtype, e * V*h/t) and the fp32
     logit gradient 4*b*s*V/t; the logits and exp(z) are freed by then, and the weight's gradient is
-    written as its transpose dy^T x (:func:`jaxpar.models.matmul.dense`) straight into the buffer
+    written as its transpose dy^T x (:func:`jaxpar.ops.matmul.dense`) straight into the buffer
     that is reduce-scattered. Under ZeRO 0-2 the weight is an argument and its gradient is
     counted among the gradients (:func:`head_working_bytes` is that case's head)."""
     d = Dims.of(model, layout, b)

@@ -232,7 +232,7 @@ def aot_compare(
         estimated_temp_bytes=(mem.expected_temp_bytes or 0.0) if mem else 0.0,
         estimated_stage_temp_bytes=list(mem.expected_stage_temp_bytes) if mem else [],
         peak_terms=peak_terms(lcfg.model, layout, lcfg.optim),
-        compiled_bytes=_compiled_axis_bytes(report, layout),
+        compiled_bytes=compiled_axis_bytes(report, layout),
         stage_bytes=list(report.stages),
         compile_s=elapsed,
         compute_dtype=lcfg.model.compute_dtype,
@@ -242,7 +242,7 @@ def aot_compare(
 
 
 def _estimated_axis_bytes(comm: dict[str, Any], layout: ParallelLayout) -> dict[str, float]:
-    """The estimate's bytes per axis as :func:`_compiled_axis_bytes` splits the compiled ones: with
+    """The estimate's bytes per axis as :func:`compiled_axis_bytes` splits the compiled ones: with
     ``data = 1`` and context, the gradient reduction runs over ``context`` alone, in the same rows as
     the exchange, so both count under ``context``."""
     out = {axis: comm[axis].bytes for axis in MESH_AXES}
@@ -252,7 +252,7 @@ def _estimated_axis_bytes(comm: dict[str, Any], layout: ParallelLayout) -> dict[
     return out
 
 
-def _compiled_axis_bytes(report: Any, layout: ParallelLayout | None = None) -> dict[str, float]:
+def compiled_axis_bytes(report: Any, layout: ParallelLayout | None = None) -> dict[str, float]:
     """Bytes per device per step on each axis; with a pipeline, of the busiest stage on that axis
     (each stage counted exactly from the schedule, as the estimate's busiest stage). With context
     and data > 1, a row over both ``data`` and ``context`` (the gradient reduction's group) counts

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxpar.analysis.hlo import _CALLEE_LISTS, _CALLEES, Instr, parse_hlo
+from jaxpar.analysis.hlo import CALLEE_LISTS, CALLEES, Instr, parse_hlo
 
 COLLECTIVE_OPCODES = (
     "all-gather",
@@ -50,8 +50,8 @@ class UnorderedCollective:
 
 
 def _callees(ins: Instr, comps: dict[str, list[Instr]]) -> list[str]:
-    names = _CALLEES.findall(ins.attrs)
-    for group in _CALLEE_LISTS.findall(ins.attrs):
+    names = CALLEES.findall(ins.attrs)
+    for group in CALLEE_LISTS.findall(ins.attrs):
         names += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
     return [n for n in names if n in comps]
 

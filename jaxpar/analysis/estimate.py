@@ -43,11 +43,13 @@ from jaxpar.models.inventory import (  # noqa: F401 - re-exported: the estimates
     TENSOR_DIMS,
     ParallelLayout,
     ParamTensor,
-    _held_elements,
     count_params,
     param_tensors,
     shard_elements,
     stage_tensors,
+)
+from jaxpar.models.inventory import (
+    held_elements as _held_elements,
 )
 from jaxpar.optim import registry
 

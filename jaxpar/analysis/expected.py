@@ -16,6 +16,7 @@ from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_b
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.optim import registry
+from jaxpar.sharding import spec_axes
 
 
 def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
@@ -50,14 +51,9 @@ def param_leaves(cfg: ConfigDict, placements: Any = None) -> list[tuple[str, tup
     ]
 
 
-def _spec_axes(spec: Any) -> list[str]:
-    """Mesh axes named anywhere in a PartitionSpec."""
-    return [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
-
-
 def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
     """Elements of one device's shard of an array of ``shape`` laid out by PartitionSpec ``spec``."""
-    return math.prod(shape) // math.prod(mesh_shape[a] for a in _spec_axes(spec))
+    return math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
 
 
 def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
@@ -87,11 +83,11 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
       forward pair's transposes in the backward); recomputation repeats both gathers and the
       attention reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
-    * ``context`` (``mesh.context`` = c > 1, :mod:`jaxpar.parallel.context`): "``data``" above
+    * ``context`` (``mesh.context`` = c > 1, :mod:`jaxpar.ops.context_parallel`): "``data``" above
       reads (``data``, ``context``), one group of n = data*c (every context rank's gradient is a
       partial sum), and s reads s/c (each rank holds s/c tokens of every sequence). With kvb =
       one rank's keys and values (2*b*s/c*kv_heads/t*head_dim*a), per layer per microbatch:
-      ``ring`` collective-permutes (:func:`~jaxpar.parallel.context.ring_bytes_per_layer`, keys and
+      ``ring`` collective-permutes (:func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer`, keys and
       values sent separately): forward c-1 hops (2(c-1) permutes of kvb/2), backward c-1
       key/value hops and c hops of the fp32 key/value gradients (2c permutes of kvb/2*4/a); not
       repeated under remat (the ring is a ``custom_vjp``, whose residuals JAX's checkpoint keeps:
@@ -147,7 +143,7 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
             add("all-gather", group, e * pb, 1, "updated parameter all-gather")
         else:
             add("all-reduce", group, e * g, per_reduce, "gradient all-reduce")
-        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR) if a in _spec_axes(lay.optimizer))
+        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR) if a in spec_axes(lay.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")
 
@@ -180,7 +176,7 @@ def context_collectives(
     kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
 ) -> list[tuple[str, int, float, str]]:
     """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
-    ``context`` (:mod:`jaxpar.parallel.context`): ``kv_block_bytes`` = one rank's keys and values in
+    ``context`` (:mod:`jaxpar.ops.context_parallel`): ``kv_block_bytes`` = one rank's keys and values in
     the compute dtype (``act`` bytes), ``remat`` = 1 if the layer's forward is recomputed (it repeats
     the all-gather; the ring, a ``custom_vjp`` whose residuals remat keeps, is not re-run). Keys and
     values travel as two arrays of half the block; the ring's gradients travel in fp32."""

@@ -34,8 +34,8 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
-_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_CALLEE_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+CALLEE_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMMENT = re.compile(r"/\*.*?\*/")
@@ -194,8 +194,8 @@ def executions(
         for ins in instrs:
             if ins.opcode.endswith("-done") or ins.opcode == "async-update":
                 continue  # the -start already accounts for the async computation
-            callees = _CALLEES.findall(ins.attrs)
-            for group in _CALLEE_LISTS.findall(ins.attrs):
+            callees = CALLEES.findall(ins.attrs)
+            for group in CALLEE_LISTS.findall(ins.attrs):
                 callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
             callees = [c for c in callees if c in comps]
             if ins.opcode == "conditional":

@@ -127,7 +127,7 @@ def _run(
     keep: dict[str, Any] | None = None,
     probe: HostProbe | None = None,
 ) -> None:
-    from jaxpar.analysis.aot import _compiled_axis_bytes
+    from jaxpar.analysis.aot import compiled_axis_bytes
     from jaxpar.analysis.compiled import analyze_compiled
     from jaxpar.analysis.estimate import DTYPE_BYTES
 
@@ -152,7 +152,7 @@ def _run(
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
     if report.memory is not None:
         record.argument_bytes, record.temp_bytes = report.memory.argument_bytes, report.memory.temp_bytes
-    record.collective_bytes = _compiled_axis_bytes(report)
+    record.collective_bytes = compiled_axis_bytes(report)
     if keep is not None:
         keep[record.name] = (setup, compiled, lcfg)
 

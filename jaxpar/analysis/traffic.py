@@ -9,7 +9,7 @@ stage, checked against the compiled HLO by tests/test_plan_aot.py.
 With context parallelism (``mesh.context`` = c > 1) the ``data`` entry is the gradient reduction
 over (data, context), a group of data*c devices, every activation term holds s/c tokens
 (:attr:`ParallelLayout.seq_local`), and the ``context`` entry is the attention exchange of
-:mod:`jaxpar.parallel.context` (:func:`context_traffic`).
+:mod:`jaxpar.ops.context_parallel` (:func:`context_traffic`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from jaxpar.models.inventory import (
     TENSOR_DIMS,
     ParallelLayout,
     ParamTensor,
-    _held_elements,
+    held_elements,
     param_tensors,
     shard_elements,
     stage_tensors,
 )
-from jaxpar.parallel.context import ring_bytes_per_layer
+from jaxpar.ops.context_parallel import ring_bytes_per_layer
 
 CONVENTIONS = ("jaxpar", "paper")
 
@@ -85,10 +85,10 @@ def reduce_group(layout: ParallelLayout) -> int:
 
 def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
     """Context-axis (bytes, collectives) per step and device of the attention exchange
-    (:mod:`jaxpar.parallel.context`), the busiest pipeline stage's L/p layers, m microbatches, with
+    (:mod:`jaxpar.ops.context_parallel`), the busiest pipeline stage's L/p layers, m microbatches, with
     kvb = one rank's keys and values, 2*b*s/c*kv_heads/t*head_dim*a:
 
-    ``ring``: per layer :func:`~jaxpar.parallel.context.ring_bytes_per_layer` (forward c-1 hops of
+    ``ring``: per layer :func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer` (forward c-1 hops of
     kvb, backward c-1 hops of kvb and c of the fp32 gradients), keys and values as separate
     permutes; not repeated under recompute (the ring's custom VJP keeps its residuals, measured in
     tests/test_context_hlo.py). ``all_gather``: per layer the keys and values gathered ((c-1)*kvb),
@@ -154,7 +154,7 @@ def communication(
             MeshAxis.EXPERT: (layout.expert, 0.0, 0),  # MoE is not priced: plan refuses it (dense: nothing)
         }
     else:
-        grads = max(_held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
+        grads = max(held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
         data = {  # (bytes, collectives) by ZeRO stage
             0: (all_reduce_bytes(grads, n), 1),
             1: (all_reduce_bytes(grads, n), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce

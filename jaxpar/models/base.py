@@ -17,7 +17,7 @@ A model family is a subclass of :class:`Model` registered under a ``model.name``
   :mod:`jaxpar.port.weights` (``None``: the family has no HF checkpoint format).
 
 ZeRO-3 reaches the model as a tree of split dims in :attr:`ShardContext.zero3_dims`
-(:mod:`jaxpar.parallel.zero`); :meth:`Model.gather_shared` and :meth:`Model.run_blocks` gather with
+(:mod:`jaxpar.ops.zero3`); :meth:`Model.gather_shared` and :meth:`Model.run_blocks` gather with
 it, so a family writes no ZeRO code and matches no parameter paths.
 """
 
@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.models import dropout
-from jaxpar.parallel import context, zero
+from jaxpar.ops import dropout, zero3
+from jaxpar.ops.context_parallel import split_tokens
+from jaxpar.ops.remat import remat_policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Role of a top-level (non-stacked) parameter -> the pipeline stage that uses it (Megatron's placement).
@@ -45,12 +46,12 @@ class ShardContext:
     """Static facts the shard-local forward pass needs. Families subclass it to add their settings.
 
     ``zero3_dims``: ZeRO-3's tree of split dims, like the parameter tree
-    (:func:`jaxpar.parallel.zero.zero3_dims`); ``None`` without ZeRO-3. Not hashed (a dict).
+    (:func:`jaxpar.ops.zero3.zero3_dims`); ``None`` without ZeRO-3. Not hashed (a dict).
     """
 
     tensor_axis: str | None = None  # None: no mesh axes bound (plain single-device run)
     data_axis: str | tuple[str, ...] | None = None  # the ZeRO group: data, or (data, context)
-    context_axis: str | None = None  # set when mesh.context > 1 (jaxpar.parallel.context)
+    context_axis: str | None = None  # set when mesh.context > 1 (jaxpar.ops.context_parallel)
     expert_axis: str | None = None  # the axis MoE experts are split over (jaxpar.models.moe)
     microbatches: int = 1  # per optimizer step: losses added once per microbatch are weighted 1/m
     context_exchange: str = "ring"  # ring | all_gather
@@ -59,11 +60,11 @@ class ShardContext:
     sequence_parallel: bool = False
     zero3_dims: Any = dataclasses.field(default=None, hash=False)
     # ZeRO-3's gather group per parameter where they differ (the experts' leaves out `expert`;
-    # jaxpar.parallel.zero.zero3_groups); None: every parameter is gathered over data_axis
+    # jaxpar.ops.zero3.zero3_groups); None: every parameter is gathered over data_axis
     zero3_groups: Any = dataclasses.field(default=None, hash=False)
     remat: str = "none"
     compute_dtype: str = "bfloat16"
-    dropout: float = 0.0  # model.dropout (hidden); jaxpar.models.dropout
+    dropout: float = 0.0  # model.dropout (hidden); jaxpar.ops.dropout
     attention_dropout: float = 0.0  # model.attention_dropout
     # the step's dropout noise (traced: key, rows, layer); None: no dropout (evaluation, rates 0)
     noise: Any = dataclasses.field(default=None, hash=False, compare=False)
@@ -189,13 +190,13 @@ class Model(abc.ABC):
         dims, dt = ctx.zero3_dims, DTYPES[ctx.compute_dtype]
         groups = ctx.zero3_groups
         return {
-            k: v if k == self.stacked else zero.gather_tree(v, dims[k], ctx.data_axis, dt, groups and groups[k])
+            k: v if k == self.stacked else zero3.gather_tree(v, dims[k], ctx.data_axis, dt, groups and groups[k])
             for k, v in params.items()
         }
 
     def run_blocks(self, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
         """Scan :meth:`block` over the leading ``layers`` dim of ``blocks`` (gathering each layer
-        under ZeRO-3), rematerialised per ``ctx.remat`` (:func:`jaxpar.parallel.zero.remat_policy`)."""
+        under ZeRO-3), rematerialised per ``ctx.remat`` (:func:`jaxpar.ops.remat.remat_policy`)."""
         return scan_layers(self.block, x, blocks, positions, ctx, self.stacked)
 
     def layer_step(self, positions: jax.Array, ctx: ShardContext):
@@ -218,7 +219,7 @@ class Model(abc.ABC):
         ZeRO 0-2 follow the loss and were found ordered in every compiled layout tested).
         """
         tokens, ctx = dropout.bind(tokens, ctx)  # strip the row column of dropout, if any
-        inputs, targets, positions = context.split_tokens(tokens, ctx.context_axis)
+        inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
         late = {}
         if ctx.zero3 or ctx.sequence_parallel:
             late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
@@ -231,13 +232,13 @@ class Model(abc.ABC):
 def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
     """``(x, layer[, index]) -> block(x, gathered layer)``: one stored layer, gathered under ZeRO-3;
     ``index`` (with dropout): the layer's model-form index, which keys its masks."""
-    dims = zero.layer_dims(ctx.zero3_dims[stacked]) if ctx.zero3 else None
+    dims = zero3.layer_dims(ctx.zero3_dims[stacked]) if ctx.zero3 else None
     groups = ctx.zero3_groups[stacked] if ctx.zero3 and ctx.zero3_groups is not None else None
     dt = DTYPES[ctx.compute_dtype]
 
     def one(x: jax.Array, layer: dict, index: jax.Array | None = None) -> jax.Array:
         if dims is not None:
-            layer = zero.gather_tree(layer, dims, ctx.data_axis, dt, groups)
+            layer = zero3.gather_tree(layer, dims, ctx.data_axis, dt, groups)
         return block(x, layer, positions, ctx if index is None else dropout.at_layer(ctx, index))
 
     return one
@@ -260,7 +261,7 @@ def scan_layers(
     (see :meth:`Model.loss_sum`).
 
     With dropout the loop also runs over the layers' model-form indices (from ``ctx.noise.layer``,
-    the first layer of ``blocks``), which key their masks (:mod:`jaxpar.models.dropout`).
+    the first layer of ``blocks``), which key their masks (:mod:`jaxpar.ops.dropout`).
     """
     step_one = layer_step(block, positions, ctx, stacked)
     rewrite = bool(jax.tree.leaves(carried))
@@ -286,7 +287,7 @@ def scan_layers(
         return (one(h, layer), passed, step + 1), None
 
     if ctx.remat != "none" or ctx.zero3:
-        body = jax.checkpoint(body, policy=zero.remat_policy(ctx.remat), prevent_cse=False)
+        body = jax.checkpoint(body, policy=remat_policy(ctx.remat), prevent_cse=False)
     if not rewrite:
         x, _ = jax.lax.scan(body, x, blocks)
         return x if carried is None else (x, carried)

@@ -132,9 +132,11 @@ def stage_tensors(
     return out
 
 
-def _held_elements(
+def held_elements(
     model: ConfigDict, layout: ParallelLayout, stage: str, zero_shard: bool, every_stage: bool = False
 ) -> float:
+    """Parameter elements one device of pipeline stage ``stage`` holds (:func:`stage_tensors`), each
+    split over ``tensor`` and, with ``zero_shard``, over the ZeRO group ``data x context``."""
     held = stage_tensors(model, layout, stage, every_stage)
     # ZeRO shards over the data x context group (jaxpar.axes.data_group)
     return sum(c * shard_elements(t, layout.tensor, layout.data * layout.context, zero_shard) for t, c in held)

@@ -18,7 +18,7 @@ shapes, and the tensor-parallel collectives are explicit, as in Megatron-LM:
 * ZeRO-3: each layer's parameters are gathered over ``data`` inside the scan body, and named so
   the remat policy never saves the gathered copy (gathered again in the backward pass, whose
   transpose is the per-layer reduce-scatter of the gradient): written once for every family in
-  :mod:`jaxpar.models.base` and :mod:`jaxpar.parallel.zero`.
+  :mod:`jaxpar.models.base` with :mod:`jaxpar.ops.zero3`.
 
 :class:`LlamaModel` is this module behind the :class:`~jaxpar.models.base.Model` interface, with
 the HF LLaMA tensor-name and ``config.json`` field maps (:data:`HF_LLAMA`). The module-level
@@ -38,10 +38,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigDict
-from jaxpar.models import base, dropout, moe
+from jaxpar.models import base, moe
 from jaxpar.models.base import DTYPES, HFMap, HFTensor, Model
-from jaxpar.models.matmul import dense
-from jaxpar.parallel import context
+from jaxpar.ops import context_parallel, dropout
+from jaxpar.ops.matmul import dense
 
 # --------------------------------------------------------------------------- parameters
 
@@ -287,7 +287,7 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
         q, k = _rms_norm(q, a["q_norm"]["scale"], ctx.norm_eps), _rms_norm(k, a["k_norm"]["scale"], ctx.norm_eps)
     if ctx.position == "rope":
         q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
-    att = context.causal_attention(
+    att = context_parallel.causal_attention(
         q,
         k,
         v,
@@ -339,14 +339,16 @@ def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Arra
         start = _axis_index(ctx.tensor_axis) * seq_local if ctx.sequence_parallel else 0
         if ctx.context_axis is None:
             pos = jax.lax.dynamic_slice_in_dim(params["pos_embed"], start, seq_local, axis=0)
-        else:  # this context rank's two chunks (jaxpar.parallel.context), then the tensor rank's share
+        else:  # this context rank's two chunks (jaxpar.ops.context_parallel), then the tensor rank's share
             positions = jax.lax.dynamic_slice_in_dim(
-                context.rank_positions(ctx.context_axis, tokens.shape[1]), start, seq_local
+                context_parallel.rank_positions(ctx.context_axis, tokens.shape[1]), start, seq_local
             )
             pos = jnp.take(params["pos_embed"], positions, axis=0)
         x = x + pos.astype(x.dtype)[None]
     if dropout.active(ctx):  # Megatron's embedding dropout, at the hidden rate
-        positions = _local_positions(context.rank_positions(ctx.context_axis, tokens.shape[1]), x.shape[1], ctx)
+        positions = _local_positions(
+            context_parallel.rank_positions(ctx.context_axis, tokens.shape[1]), x.shape[1], ctx
+        )
         x = dropout.hidden(x, positions, dropout.EMBED, ctx)
     return x
 

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.axes import group_axes
-from jaxpar.models.matmul import dense
+from jaxpar.ops.matmul import dense
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 

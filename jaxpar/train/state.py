@@ -28,7 +28,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.compat import Uncached, cached_pipelines_are_wrong, persistent_cache_skipped
 from jaxpar.config import ConfigDict, default_config, validate
 from jaxpar.models import get_model
-from jaxpar.models.attention import resolve_attention
+from jaxpar.ops.attention import resolve_attention
 from jaxpar.optim import registry
 from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule

@@ -16,7 +16,8 @@ stage      parameters          gradient reduction over ``data``            optim
 =========  ==================  =========================================  =====================
 
 Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path. The
-ZeRO pieces (marking, reduction, local shards, gathers) live in :mod:`jaxpar.parallel.zero`.
+ZeRO pieces (marking, reduction, local shards, gathers) live in :mod:`jaxpar.parallel.zero` and,
+for stage 3's parameter gathers, :mod:`jaxpar.ops.zero3`.
 Tensor parallelism lives in the model (:mod:`jaxpar.models`, reached through its interface). With ``mesh.pipeline > 1`` the
 microbatches run through :mod:`jaxpar.parallel.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
@@ -47,8 +48,9 @@ from jaxpar.axes import MeshAxis, batch_axes, data_group
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
-from jaxpar.models import dropout, get_model
+from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
+from jaxpar.ops import dropout, zero3
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamPlacement, Strategy, is_placement
@@ -61,7 +63,7 @@ class StepBuilder:
     :meth:`global_step` (optax) is what ``Setup`` jits (inside ``shard_map`` for the former)."""
 
     layout: ParallelLayout
-    attention: str  # model.attention resolved on the backend (jaxpar.models.attention.resolve_attention)
+    attention: str  # model.attention resolved on the backend (jaxpar.ops.attention.resolve_attention)
     model_cfg: ConfigDict
     optim_cfg: ConfigDict
     strategy: Strategy
@@ -73,7 +75,7 @@ class StepBuilder:
     pipeline: Pipeline | None = None  # set when mesh.pipeline > 1
     tx: Any = None  # optax.GradientTransformation for global_step (None: jaxpar AdamW in local_step)
     skip_bad_steps: bool = True  # False only to measure what the skip costs
-    seed: int = 0  # train.seed: keys the dropout masks with the optimizer step (jaxpar.models.dropout)
+    seed: int = 0  # train.seed: keys the dropout masks with the optimizer step (jaxpar.ops.dropout)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -96,12 +98,12 @@ class StepBuilder:
             context_axis=MeshAxis.CONTEXT if c > 1 else None,
             expert_axis=MeshAxis.EXPERT,  # bound at size 1 too: the experts' weights are split over it
             microbatches=self.microbatches,
-            zero3_groups=zero.zero3_groups(self.placements),
+            zero3_groups=zero3.zero3_groups(self.placements),
             context_exchange=self.layout.context_exchange,
             attention=self.attention,
             attention_block=self.layout.attention_block,
             sequence_parallel=self.strategy.sequence_parallel,
-            zero3_dims=zero.zero3_dims(self.placements),
+            zero3_dims=zero3.zero3_dims(self.placements),
         )
 
     def _reduce_dtype(self):
@@ -129,7 +131,7 @@ class StepBuilder:
         """This shard's reduced, clipped gradients (laid out like the optimizer state), the loss
         (+ ``guard[1]``) and the global gradient norm (before clipping). ``step`` (the optimizer
         count; with dropout only) keys the dropout masks: each sequence's global row travels with
-        the batch as one more column (:func:`jaxpar.models.dropout.append_rows`)."""
+        the batch as one more column (:func:`jaxpar.ops.dropout.append_rows`)."""
         ctx = self.context()
         if self.dropout:
             ctx = dataclasses.replace(ctx, noise=dropout.Noise(dropout.step_key(self.seed, step)))

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from jaxpar.axes import MeshAxis
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
-from jaxpar.models import dropout, get_model
+from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
-from jaxpar.parallel.context import split_tokens
+from jaxpar.ops import dropout
+from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.parallel.pipeline.forms import ENDS
 from jaxpar.parallel.pipeline.schedule import (
     Program,
@@ -33,16 +34,13 @@ AXIS = MeshAxis.PIPELINE
 # --------------------------------------------------------------------------- typing helpers
 
 
-_varying, _vary = varying_axes, vary
-
-
 def _branches_agree(branches: list[Callable], *args: Any) -> list[Callable]:
     """Wrap branches of a cond/switch so their outputs vary over the same mesh axes."""
     shapes = [jax.eval_shape(f, *args) for f in branches]
-    target = jax.tree.map(lambda *s: frozenset().union(*map(_varying, s)), *shapes)
+    target = jax.tree.map(lambda *s: frozenset().union(*map(varying_axes, s)), *shapes)
 
     def wrap(f):
-        return lambda *a: jax.tree.map(_vary, f(*a), target)
+        return lambda *a: jax.tree.map(vary, f(*a), target)
 
     return [wrap(f) for f in branches]
 
@@ -225,7 +223,7 @@ def _stage_backward_by_layer(
     y, xs = jax.lax.scan(lambda x, lj: (block(x, *lj), x), x0, (chunk, jnp.arange(n, dtype=jnp.int32)))
     loss, head_vjp = jax.vjp(head, shared, y)
     d_head, d_y = head_vjp(jnp.ones_like(loss))
-    g = _vary(d_y + jnp.where(last, jnp.zeros_like(g_y), g_y), _varying(y))
+    g = vary(d_y + jnp.where(last, jnp.zeros_like(g_y), g_y), varying_axes(y))
 
     def layer_backward(carry, j):
         g, acc_blocks = carry
@@ -236,16 +234,16 @@ def _stage_backward_by_layer(
 
         def add(a, dw, dim):  # a scatter-add: in place, no copy of the old row beside the new one
             dw = _scatter(dw, dim - 1 if dim >= 0 else -1, dtype, ctx.data_axis)  # one layer: its dims shift by one
-            return a.at[row + j].add(_vary(dw, _varying(a)), mode="promise_in_bounds")
+            return a.at[row + j].add(vary(dw, varying_axes(a)), mode="promise_in_bounds")
 
-        return (_vary(d_x, _varying(g)), jax.tree.map(add, acc_blocks, d_layer, dims_blocks)), None
+        return (vary(d_x, varying_axes(g)), jax.tree.map(add, acc_blocks, d_layer, dims_blocks)), None
 
     acc_shared, acc_blocks = _split(acc)
     dims_shared, dims_blocks = _split(dims)
     (g, acc_blocks), _ = jax.lax.scan(layer_backward, (g, acc_blocks), jnp.arange(n - 1, -1, -1))
     d_embed, d_x = embed_vjp(g)
     d_shared = _scatter_shared(jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last, ctx.data_axis)
-    acc_shared = jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared)
+    acc_shared = jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), acc_shared, d_shared)
     return loss, d_x, {**acc_shared, "blocks": acc_blocks}
 
 
@@ -257,14 +255,14 @@ def _boundary_types(
     emb = jax.eval_shape(
         lambda: model.embed(_view(model, shared, bound), split_tokens(tokens, ctx.context_axis)[0], bound)
     )
-    axes = _varying(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
+    axes = varying_axes(emb) | {AXIS}  # blocks vary over pipeline: so does every stage's output
     true, x = jnp.bool_(True), _zeros(emb.shape, emb.dtype, axes)
     y, loss = jax.eval_shape(lambda: _stage(model, shared, _chunk(blocks, 0, v), x, batch[0], true, true, ctx, scale))
-    return emb, axes | _varying(y), _varying(loss)
+    return emb, axes | varying_axes(y), varying_axes(loss)
 
 
 def _zeros(shape: tuple, dtype: Any, axes: frozenset) -> jax.Array:
-    return _vary(jnp.zeros(shape, dtype), axes)
+    return vary(jnp.zeros(shape, dtype), axes)
 
 
 def _reduce_shared(loss: jax.Array, grads: dict) -> tuple[jax.Array, dict]:
@@ -313,7 +311,7 @@ def _explicit_loss_and_grads(
 
     def acc_zeros(a, dim):  # ZeRO-2: sharded like the optimizer state
         shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
-        return _zeros(shape, jnp.float32, _varying(a))
+        return _zeros(shape, jnp.float32, varying_axes(a))
 
     def run(kind, mb, chunk, act_buf, grad_buf, act_slot, grad_slot, acc, loss):
         # the stage input and output gradient are read from their slots inside the branches: read
@@ -385,7 +383,7 @@ def _explicit_loss_and_grads(
 
                     (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
                     g_y = jnp.where(last, jnp.zeros_like(y), g_y)
-                    d_shared, d_chunk, d_x = vjp((_vary(g_y, _varying(y)), jnp.ones_like(stage_loss)))
+                    d_shared, d_chunk, d_x = vjp((vary(g_y, varying_axes(y)), jnp.ones_like(stage_loss)))
                     acc_shared, acc_blocks = _split(acc)
                     dims_shared, dims_blocks = _split(dims)
 
@@ -397,12 +395,12 @@ def _explicit_loss_and_grads(
 
                     d_shared = _scatter_shared(d_shared, dims_shared, dtype, first | last, ctx.data_axis)
                     acc = {
-                        **jax.tree.map(lambda a, g: a + _vary(g, _varying(a)), acc_shared, d_shared),
+                        **jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), acc_shared, d_shared),
                         "blocks": jax.tree.map(add, acc_blocks, d_chunk, dims_blocks),
                     }
-                d_in = jax.lax.dynamic_update_slice_in_dim(d_in, _vary(d_x, _varying(d_in)), j * rows, 0)
+                d_in = jax.lax.dynamic_update_slice_in_dim(d_in, vary(d_x, varying_axes(d_in)), j * rows, 0)
                 out = (acc, loss + stage_loss, d_in)
-                return jax.tree.map(lambda new, old: _vary(new, _varying(old)), out, carry), None
+                return jax.tree.map(lambda new, old: vary(new, varying_axes(old)), out, carry), None
 
             (acc, loss, d_in), _ = jax.lax.scan(one, (acc, loss, zeros_act()), jnp.arange(splits))
             return zeros_act(), d_in, acc, loss
@@ -488,7 +486,7 @@ def eval_loss_sum(
     shared, blocks = _split(params)
     inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
     x = model.embed(_view(model, shared, ctx), inputs, ctx)
-    x = _vary(x, _varying(x) | {AXIS})
+    x = vary(x, varying_axes(x) | {AXIS})
     ring = [(j, (j + 1) % p) for j in range(p)]
 
     def run(x, k):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpar.compat import vary, vma_union
 from jaxpar.errors import ConfigError
 from jaxpar.layout import ATTENTION
 
@@ -55,7 +56,7 @@ def dot_product_attention(
     of the values (every score equals ``finfo.min``), not zeros: this path never produces such rows
     in the model (offsets 0, sq == sk).
 
-    ``noise`` (:class:`jaxpar.models.dropout.AttentionNoise`, optional): attention dropout on the
+    ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`, optional): attention dropout on the
     probabilities (after the cast, before the value matmul), keyed by global (row, head, query
     position, key position).
     """
@@ -91,25 +92,6 @@ def dot_product_attention(
 
 
 # ----------------------------------------------------------------------------------- blockwise
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    """Mesh axes a traced value varies over under ``shard_map`` (empty outside): ``manual_axis_type``
-    from JAX 0.10, ``vma`` before."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _vma_union(*xs: jax.Array) -> frozenset:
-    """The mesh axes any of ``xs`` varies over."""
-    return frozenset().union(*(_varying_axes(x) for x in xs))
-
-
-def _varying(x: jax.Array, vma: frozenset) -> jax.Array:
-    """``x`` typed as varying over ``vma``: loop carries must have the type of the loop body's result."""
-    missing = tuple(sorted(vma - _varying_axes(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -158,11 +140,11 @@ def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
     return jnp.broadcast_to(real, (qp.shape[0], kp.shape[0]))
 
 
-def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None):
+def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None):
     """Online-softmax forward pass. Returns out (b, sq, n, d) in ``out_dtype`` (default q.dtype) and
     lse (b, sq, n) fp32.
 
-    ``noise`` (:class:`jaxpar.models.dropout.AttentionNoise`): attention dropout. The running sum
+    ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`): attention dropout. The running sum
     (hence ``lse``) takes the undropped probabilities, the value accumulator the dropped ones, so
     ``out = dropout(softmax) @ v`` exactly; each block's mask is drawn from its global (row, head,
     query position, key position) indices, so the backward pass redraws the same one."""
@@ -170,7 +152,7 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
-    vma = _vma_union(q, k, v, q_pos, kv_pos, *jax.tree.leaves(noise))
+    vma = vma_union(q, k, v, q_pos, kv_pos, *jax.tree.leaves(noise))
     heads = jnp.arange(n, dtype=jnp.int32).reshape(kvh, g)
     qb = _blocks(q.reshape(b, sq, kvh, g, d), block_q)  # (nq, b, bq, kv, g, d)
     kb, vb = _blocks(k, block_kv), _blocks(v, block_kv)  # (nk, b, bk, kv, d)
@@ -202,7 +184,7 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=
 
         rows = (b, kvh, g, qi.shape[1])
         init = (jnp.full(rows, _NEG_INF, _F32), jnp.zeros(rows, _F32), jnp.zeros((*rows, d), _F32))
-        m, total, acc = lax.fori_loop(0, count_i, kv_step, tuple(_varying(x, vma) for x in init))
+        m, total, acc = lax.fori_loop(0, count_i, kv_step, tuple(vary(x, vma) for x in init))
         seen = total > 0
         total_safe = jnp.where(seen, total, 1.0)
         out = (acc / total_safe[..., None]).astype(out_dtype)
@@ -213,9 +195,7 @@ def _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=
     return _unblock(out, sq).reshape(b, sq, n, d), _unblock(lse, sq).reshape(b, sq, n)
 
 
-def _flash_backward(
-    q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None, noise=None
-):
+def flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None, noise=None):
     """FlashAttention-2 backward pass (Dao 2023, Algorithm 2): recompute each needed block's
     probabilities from ``lse``; the outer loop runs over key/value blocks and keeps their dK, dV in
     the carry, the inner loop over the query blocks that see them and adds into dQ.
@@ -230,7 +210,7 @@ def _flash_backward(
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
-    vma = _vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, *jax.tree.leaves(noise))
+    vma = vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, *jax.tree.leaves(noise))
     heads = jnp.arange(n, dtype=jnp.int32).reshape(kvh, g)
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse  # (b, sq, n)
     lse = jnp.where(jnp.isinf(lse), 0.0, lse)  # rows without keys: every score is -inf, so p = 0
@@ -268,11 +248,11 @@ def _flash_backward(
             dq = lax.dynamic_update_index_in_dim(dq, lax.dynamic_index_in_dim(dq, i, keepdims=False) + dqi, i, 0)
             return dq, dk, dv
 
-        zeros = _varying(jnp.zeros(kj.shape, _F32), vma)
+        zeros = vary(jnp.zeros(kj.shape, _F32), vma)
         dq, dk, dv = lax.fori_loop(0, count_j, q_step, (dq, zeros, zeros))
         return dq, (dk, dv)
 
-    dq0 = _varying(jnp.zeros(qb.shape, _F32), vma)
+    dq0 = vary(jnp.zeros(qb.shape, _F32), vma)
     dq, (dk, dv) = lax.scan(kv_block, dq0, (kb, vb, kp, order, count))
     dq = _unblock(dq, sq).reshape(b, sq, n, d).astype(out_dtype or q.dtype)
     return dq, _unblock(dk, sk).astype(out_dtype or k.dtype), _unblock(dv, sk).astype(out_dtype or v.dtype)
@@ -280,16 +260,16 @@ def _flash_backward(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _flash(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
-    return _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
+    return flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
 
 
 def _flash_fwd(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
-    out, lse = _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
+    out, lse = flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
     return (out, lse), (q, k, v, q_pos, kv_pos, out, lse)
 
 
 def _flash_bwd(block_q, block_kv, causal, res, cts):
-    return (*_flash_backward(*res, *cts, block_q, block_kv, causal), None, None)  # no cotangent for positions
+    return (*flash_backward(*res, *cts, block_q, block_kv, causal), None, None)  # no cotangent for positions
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -299,17 +279,17 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # A separate custom_vjp so the path without dropout stays exactly the one above.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _flash_dropout(q, k, v, q_pos, kv_pos, noise, block_q, block_kv, causal):
-    return _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
+    return flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
 
 
 def _flash_dropout_fwd(q, k, v, q_pos, kv_pos, noise, block_q, block_kv, causal):
-    out, lse = _flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
+    out, lse = flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
     return (out, lse), (q, k, v, q_pos, kv_pos, out, lse, noise)
 
 
 def _flash_dropout_bwd(block_q, block_kv, causal, res, cts):
     *res, noise = res
-    grads = _flash_backward(*res, *cts, block_q, block_kv, causal, noise=noise)
+    grads = flash_backward(*res, *cts, block_q, block_kv, causal, noise=noise)
     return (*grads, None, None, jax.tree.map(lambda _: None, noise))
 
 
@@ -334,7 +314,7 @@ def blockwise_attention_with_lse(
     output row, where it sees none). Both outputs are differentiable: a cotangent on ``lse`` is
     folded into the backward pass, so :func:`merge_partials` of partial results differentiates
     exactly like attention over the union of their keys. ``noise``: attention dropout
-    (:class:`jaxpar.models.dropout.AttentionNoise`), its masks redrawn in the backward pass.
+    (:class:`jaxpar.ops.dropout.AttentionNoise`), its masks redrawn in the backward pass.
     """
     b, sq, n, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
@@ -493,7 +473,7 @@ def resolve_attention(
     ``compute_capability`` (e.g. "9.0") defaults to the first GPU's when one is present.
     With ``attention_dropout`` > 0, ``auto`` is ``blockwise`` and ``cudnn`` a :class:`ConfigError`:
     cuDNN draws its own mask from a seed and offset, not jaxpar's per-index hash, so its masks would
-    differ between layouts (:mod:`jaxpar.models.dropout`).
+    differ between layouts (:mod:`jaxpar.ops.dropout`).
     """
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
@@ -520,7 +500,7 @@ def resolve_attention(
 
 def make_attention(name: str, *, block_q: int = 512, block_kv: int = 512, noise=None) -> Callable[..., jax.Array]:
     """The causal attention function ``(q, k, v) -> out`` of a resolved implementation name;
-    ``noise``: attention dropout (:mod:`jaxpar.models.dropout`), not taken by cuDNN."""
+    ``noise``: attention dropout (:mod:`jaxpar.ops.dropout`), not taken by cuDNN."""
     if noise is not None:
         if name == "dot_product":
             return functools.partial(dot_product_attention, noise=noise)

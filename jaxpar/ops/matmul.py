@@ -32,14 +32,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.parallel.zero import DENSE_NAME
+DENSE_NAME = "dense"  # checkpoint_name of a weight matmul's output: saved by remat "selective"
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` over the last dim of ``x`` (any leading dims) and a 2-D weight ``w`` (in, out).
 
     The output is named ``DENSE_NAME``, which remat ``selective`` saves as it saves every other
-    weight matmul's output (:func:`jaxpar.parallel.zero.remat_policy`)."""
+    weight matmul's output (:func:`jaxpar.ops.remat.remat_policy`)."""
     return checkpoint_name(_dense(x, w), DENSE_NAME)
 
 

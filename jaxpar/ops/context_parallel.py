@@ -16,8 +16,8 @@ batch (int32; tiny beside the activations) and keeps its positions (:func:`split
 
 * ``ring`` (:func:`ring_attention`): keys and values travel around the ring with ``ppermute``, one
   rank's block per hop (``c - 1`` hops forward); each hop's blockwise attention
-  (:mod:`jaxpar.models.attention`) gives a partial output and log-sum-exp, merged exactly
-  (:func:`~jaxpar.models.attention.merge_partials` arithmetic). The send of the next block is issued
+  (:mod:`jaxpar.ops.attention`) gives a partial output and log-sum-exp, merged exactly
+  (:func:`~jaxpar.ops.attention.merge_partials` arithmetic). The send of the next block is issued
   before the attention of the block in hand, so a backend with asynchronous collectives overlaps
   them. The backward pass (a ``jax.custom_vjp``) sends the keys and values around again
   (``c - 1`` hops) together with the accumulating key/value gradients (``c`` hops: they end at
@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpar.models import attention as attn
+from jaxpar.compat import vary, vma_union
+from jaxpar.ops import attention as attn
 
 _F32 = jnp.float32
 
@@ -97,10 +98,10 @@ def causal_attention(
     noise=None,
 ) -> jax.Array:
     """A layer's causal attention as the layout runs it: ``implementation`` (resolved:
-    ``dot_product`` | ``blockwise`` | ``cudnn``, :func:`jaxpar.models.attention.resolve_attention`) on
+    ``dot_product`` | ``blockwise`` | ``cudnn``, :func:`jaxpar.ops.attention.resolve_attention`) on
     this rank's tokens at ``positions``; with a context ``axis``, the ``exchange`` over it
     (:func:`ring_attention` or :func:`all_gather_attention`, both blockwise). ``noise``: attention
-    dropout (:class:`jaxpar.models.dropout.AttentionNoise`; keyed by global positions, so every
+    dropout (:class:`jaxpar.ops.dropout.AttentionNoise`; keyed by global positions, so every
     exchange draws the mask a single device draws)."""
     extra = {} if noise is None else {"noise": noise}
     if axis is not None:
@@ -156,7 +157,7 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise=None):
 
     def hop(j, kk, vv):  # partial attention over the block that started at rank (me - j) mod c
         kv_pos = chunk_positions((me - j) % c, c, n_local)
-        return attn._flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32, noise=noise)
+        return attn.flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32, noise=noise)
 
     kk, vv = k, v
     out = lse = None
@@ -167,9 +168,9 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise=None):
         out, lse = (o, l_o) if out is None else attn.merge_partials(out, lse, o, l_o)  # fp32 partials
         if j < c - 1:
             kk, vv = nk, nv
-    vma = attn._vma_union(q, k, v, positions, out, lse, *jax.tree.leaves(noise))
-    out = attn._varying(out.astype(q.dtype), vma)
-    return out, (q, k, v, positions, out, attn._varying(lse, vma))
+    vma = vma_union(q, k, v, positions, out, lse, *jax.tree.leaves(noise))
+    out = vary(out.astype(q.dtype), vma)
+    return out, (q, k, v, positions, out, vary(lse, vma))
 
 
 def _ring_bwd(axis, block_q, block_kv, res, dout, noise=None):
@@ -185,7 +186,7 @@ def _ring_bwd(axis, block_q, block_kv, res, dout, noise=None):
         if j < c - 1:  # the next block's keys and values travel while this one's gradients are computed
             nk, nv = _send((kk, vv), axis, c)
         kv_pos = chunk_positions((me - j) % c, c, n_local)
-        dq_j, dk_j, dv_j = attn._flash_backward(
+        dq_j, dk_j, dv_j = attn.flash_backward(
             q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse, block_q, block_kv, True, out_dtype=_F32, noise=noise
         )
         dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
@@ -233,7 +234,7 @@ def ring_attention(
     """Causal ring attention over ``axis``: this rank's queries ``q`` (b, n, heads, d) at
     ``positions`` (n,) (:func:`rank_positions`) against every rank's keys and values, passed around
     the ring; exact (fp32 merge of the partial results) and never holding more than two ranks'
-    keys and values. ``noise``: attention dropout (:class:`jaxpar.models.dropout.AttentionNoise`)."""
+    keys and values. ``noise``: attention dropout (:class:`jaxpar.ops.dropout.AttentionNoise`)."""
     if lax.axis_size(axis) == 1:
         return attn.blockwise_attention(
             q, k, v, block_q=block_q, block_kv=block_kv, q_positions=positions, kv_positions=positions, noise=noise

@@ -9,7 +9,7 @@ overfitting", JMLR 15) zeroes each element with probability ``p`` and scales the
   rate) and on the attention-output and MLP-output branches, after their row-parallel reduction
   and before each residual add;
 * ``model.attention_dropout``: on the softmax probabilities, before the value matmul
-  (:mod:`jaxpar.models.attention`: the reference path and the blockwise kernel, forward and
+  (:mod:`jaxpar.ops.attention`: the reference path and the blockwise kernel, forward and
   backward; cuDNN is refused).
 
 **The mask is a counter-based hash, not a key split per call.** Each element's keep bit is an
@@ -29,7 +29,7 @@ token batch as one more int32 column (:func:`append_rows`: ``m * B/M + data_rank
 microbatch ``m`` of ``M``, ``B`` the global batch: the row of the flat global batch whatever the
 microbatch count); every slice of the batch (microbatches, pipeline ticks, the full-remat
 per-sequence backward) carries it along, and :func:`bind` strips it where the tokens are split.
-Positions are the context rank's (:func:`jaxpar.parallel.context.rank_positions`), sliced for the
+Positions are the context rank's (:func:`jaxpar.ops.context_parallel.rank_positions`), sliced for the
 tensor rank under sequence parallelism; heads are offset by the tensor rank. The layer is the
 model-form index: the layer scan counts it, a pipeline stage starts at its chunk's first layer.
 
