@@ -206,7 +206,7 @@ BACKWARD_MLP_WIDE = {"none": 3, "selective": 2, "full": 7}
 # their (h, b*s) transposes, the RMSNorm backward's products: 9 with ``none``, 10 with ``full``, 8 with
 # ``selective`` (the (b, s, h) buffers of the measured live sets).
 BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
-# Backward of one layer, attention phase, ``blockwise`` (:func:`jaxpar.models.attention._flash_backward`): the
+# Backward of one layer, attention phase, ``blockwise`` (:func:`jaxpar.ops.attention.flash_backward`): the
 # inner step's fp32 (b, n/t, block_q, block_kv) arrays live at once, the recomputed probabilities P, dP = dO V^T,
 # dS = P (dP - D) and dS laid out for the dK / dQ matmuls (4; with ``model.attention_dropout`` also the dropped
 # probabilities: 5), beside the attention's operands: the layer's incoming gradient (b, s, h), three (b, s/t, h)
