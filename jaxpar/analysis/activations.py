@@ -206,6 +206,10 @@ BACKWARD_MLP_WIDE = {"none": 3, "selective": 2, "full": 7}
 # their (h, b*s) transposes, the RMSNorm backward's products: 9 with ``none``, 10 with ``full``, 8 with
 # ``selective`` (the (b, s, h) buffers of the measured live sets).
 BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
+# Of those, the ones outside the tensor-parallel region (the incoming and residual-stream gradients, the
+# RMSNorm backward's products): (b, s/t, h) with sequence parallelism (tiny data=4 x tensor=2 SP full, s=512:
+# five f32[2,256,128] and three f32[2,512,128]-sized arrays at the MLP phase's peak).
+BACKWARD_HIDDEN_OUTSIDE = 5
 # Backward of one layer, attention phase, ``blockwise`` (:func:`jaxpar.ops.attention.flash_backward`): the
 # inner step's fp32 (b, n/t, block_q, block_kv) arrays live at once, the recomputed probabilities P, dP = dO V^T,
 # dS = P (dP - D) and dS laid out for the dK / dQ matmuls (4; with ``model.attention_dropout`` also the dropped
@@ -303,7 +307,8 @@ def _layer_working_phases(
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
     backward = (
         BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f
-        + BACKWARD_HIDDEN_WIDE[rec] * d.e * d.b * d.s * d.h
+        + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
+        + (BACKWARD_HIDDEN_WIDE[rec] - BACKWARD_HIDDEN_OUTSIDE) * d.e * d.b * d.s * d.h
         + kv
         + weights
     )
@@ -441,7 +446,8 @@ def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> flo
     (buffer assignment of ~1B, 4 layers, data=4 x context=2 ZeRO-1 and data=2 x tensor=2 x context=2
     ZeRO-2, s=256: a ``reduce-scatter`` f32[b*s, V/N] beside the stacked layer gradients, no full
     output-layer gradient). The embedding's gradient, a scatter-add finished after the layer loop, stays
-    full."""
+    full. With sequence parallelism XLA schedules the scatter after the layer loop (~1B data=2 x
+    tensor=2 x context=2 ZeRO-1 SP: the full f32[2048,16000] gradient at the peak): not counted there."""
     n = layout.data * layout.context
     head = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.name == "output")
     return DTYPE_BYTES[model.param_dtype] * head * (1 - 1 / n)
@@ -531,7 +537,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             grads += zero3_embedding_gradient_bytes(model, layout)
         term, working = max(candidates, key=lambda c: c[1])
         early = (
-            early_scattered_head_bytes(model, layout) if layout.zero_stage in (1, 2) and layout.microbatches == 1 else 0
+            early_scattered_head_bytes(model, layout)
+            if layout.zero_stage in (1, 2) and layout.microbatches == 1 and not layout.sequence_parallel
+            else 0
         )
         grads -= early
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
@@ -634,7 +642,11 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     """
     d = Dims.of(model, layout)
     layers = model.num_layers // layout.pipeline
-    weights = d.e * (layers * layer_params(model, layout) + shared_tables(model, layout))
+    # ZeRO-3: the tick saves the layers' shards (each layer is gathered inside the layer scan, again in the
+    # backward), 1/N of them (tiny data=2 x tensor=2 x pipeline=2 GPipe ZeRO-3: f32[5,2,64,192] stacks of
+    # h/2 rows); the embedding / head table is saved whole
+    shard = layout.data * layout.context if layout.zero_stage == 3 else 1
+    weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
     head = F32 * d.b * d.s * d.v + (2 * d.e + F32) * d.b * d.s * d.h
     return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
 
