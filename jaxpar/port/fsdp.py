@@ -13,11 +13,12 @@ import pathlib
 from typing import Any
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port.report import Report, build_config
+from jaxpar.port.deepspeed import no_model
+from jaxpar.port.report import FP16_AS_BF16, Report, build_config
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 ZERO_STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2}
-DTYPES = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DTYPES = {"no": "float32", "bf16": "bfloat16"}  # fp16 and fp8: computed in bf16 (approximated)
 _NOOP = "no-op in jaxpar: "
 FSDP_NOOP = {
     "fsdp_auto_wrap_policy": _NOOP + "jaxpar shards every layer's parameters by its rules (the wrap unit is the layer)",
@@ -85,6 +86,11 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     machines = int(raw.get("num_machines", 1))
     fsdp = raw.get("fsdp_config", {}) or {}
     strategy = _strategy(fsdp, kind)
+    if world_size is None and "num_processes" not in raw and kind != "NO":
+        raise ConfigError(
+            f"fsdp: {path.name} has no num_processes: accelerate then takes the process count from the launch "
+            "line (accelerate launch --num_processes N); pass --world-size N"
+        )
     stage = ZERO_STAGE[strategy]
     values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
     if values.get("train.global_batch", 16) % world:
@@ -104,11 +110,13 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             "not in the accelerate config (the training script decides); jaxpar default kept",
         )
     report.approximated(
-        "(model, optimizer)",
+        "(optimizer)",
         None,
-        "model.*, optim.*",
-        "not in the accelerate config; jaxpar defaults kept: set them with --set or edit the generated config",
+        "optim.*",
+        "not in the accelerate config (the training script builds it); jaxpar defaults kept: set them with "
+        "--set optim.FIELD=VALUE or edit the generated config",
     )
+    no_model(report, "an accelerate config")
     for key, value in raw.items():
         if key == "fsdp_config":
             continue
@@ -127,7 +135,18 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             report.mapped(key, value, "", "nodes; jaxpar's data axis spans them all")
         elif key == "mixed_precision":
             dtype = DTYPES.get(str(value))
-            if dtype:
+            if str(value) == "fp16":  # accelerate's fp16 scales the loss (torch GradScaler)
+                values["model.compute_dtype"] = "bfloat16"
+                report.approximated(key, value, "model.compute_dtype", FP16_AS_BF16)
+            elif str(value) == "fp8":
+                values["model.compute_dtype"] = "bfloat16"
+                report.approximated(
+                    key,
+                    value,
+                    "model.compute_dtype",
+                    "no fp8 training in jaxpar: the matmuls fp8 would run compute in bf16 (a precision change only)",
+                )
+            elif dtype:
                 values["model.compute_dtype"] = dtype
                 report.mapped(key, value, "model.compute_dtype")
             else:
