@@ -864,7 +864,7 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
     if refusals and not approximate:
         raise ConfigError("megatron: " + "; also ".join(refusals))
     for refusal in refusals:  # --approximate: each one is a model change of the report
-        flag = refusal.split(" ", 1)[0]
+        flag = refusal.split(" ", 1)[0].rstrip(":")
         a.reported.add(flag)
         a.report.model_change(flag, show(" ".join(a.flags.get(flag, []))) or True, refusal)
     values["model.num_experts"] = experts

@@ -625,15 +625,10 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
     elif name in MOE_FAMILIES:
         why = (
             f"a mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
-            "routed SwiGLU experts in every layer, nothing shared)"
+            "routed SwiGLU experts in every layer, nothing shared); no jaxpar model computes it, jaxpar's default "
+            "model would be trained"
         )
-        report.model_change(
-            "model.name",
-            name,
-            why,
-            "no jaxpar model computes it (jaxpar's default model would be trained)",
-            target="model.*",
-        )
+        report.model_change("model.name", name, why, target="model.*")
         report.unsupported("model.flavor", flavor, f"a {name} flavor: see model.name")
     else:
         known = name in ("llama3", "llama2", "llama", "qwen3")
