@@ -91,3 +91,17 @@ def test_fp16_is_bf16_and_a_row_says_so(tmp_path):
     path.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\nmixed_precision: fp16\n")
     cfg, report = port_fsdp(path)
     assert cfg.model.compute_dtype == "bfloat16" and report.find("mixed_precision").status == "approximated"
+
+
+def test_accelerate_without_mixed_precision_is_fp32():
+    """accelerate's mixed_precision defaults to "no": fp32, not jaxpar's default bf16."""
+    cfg, report = port_fsdp(CORPUS / "accelerate" / "tmpl_multi_node.yaml")  # MULTI_GPU, 8 processes, no precision
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype) == (8, 0, "float32")
+    assert report.find("mixed_precision (default)").target == "model.compute_dtype"
+
+
+def test_accelerate_parallelism_config_is_the_mesh():
+    """ParallelismConfig: TP 2 x (replicate 2 x shard 2) on 8 processes, not ZeRO-3 over 8."""
+    cfg, report = port_fsdp(CORPUS / "accelerate" / "torch_native_tp_hsdp.yaml")
+    assert (cfg.mesh.tensor, cfg.mesh.data, cfg.parallel.zero_stage) == (2, 4, 3)
+    assert report.find("parallelism_config.parallelism_config_dp_replicate_size").status == "approximated"  # HSDP

@@ -741,7 +741,8 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 (
                     k
                     for k, w in enumerate(line_words)
-                    if w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py")
+                    if (w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py"))
+                    or w.endswith("multimodal/train.py")  # Megatron-LM's vision-language trainer
                 ),
                 None,
             )

@@ -93,14 +93,15 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         )
     stage = ZERO_STAGE[strategy]
     values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
-    if values.get("train.global_batch", 16) % world:
-        values["train.global_batch"] = world
+    data = _parallelism(raw.get("parallelism_config"), world, stage, values, report)
+    if values.get("train.global_batch", 16) % data:
+        values["train.global_batch"] = data
         report.approximated(
             "(batch size)",
             None,
             "train.global_batch",
             f"not in the accelerate config; one "
-            f"sequence per device ({world}) so the jaxpar default divides the data axis",
+            f"sequence per device ({data}) so the jaxpar default divides the data axis",
         )
     else:
         report.approximated(
@@ -117,8 +118,11 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         "--set optim.FIELD=VALUE or edit the generated config",
     )
     no_model(report, "an accelerate config")
+    if "mixed_precision" not in raw:
+        values["model.compute_dtype"] = "float32"
+        report.mapped("mixed_precision (default)", "no", "model.compute_dtype", "accelerate's default: fp32")
     for key, value in raw.items():
-        if key == "fsdp_config":
+        if key in ("fsdp_config", "parallelism_config"):
             continue
         if key == "distributed_type":
             ok = kind in ("FSDP", "MULTI_GPU", "NO")
@@ -157,7 +161,15 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             report.unknown(
                 key,
                 value,
-                [*TOP_NOOP, "distributed_type", "num_processes", "num_machines", "mixed_precision", "fsdp_config"],
+                [
+                    *TOP_NOOP,
+                    "distributed_type",
+                    "num_processes",
+                    "num_machines",
+                    "mixed_precision",
+                    "fsdp_config",
+                    "parallelism_config",
+                ],
                 "accelerate",
             )
     for key, value in fsdp.items():
@@ -190,6 +202,61 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         else:
             report.unknown(src, value, [f"fsdp_config.{k}" for k in FSDP_KEYS], "accelerate FSDP")
     return build_config(values, report), report
+
+
+PARALLELISM_KEYS = ("tp_size", "dp_replicate_size", "dp_shard_size", "cp_size")
+
+
+def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], report: Report) -> int:
+    """accelerate's ``parallelism_config`` (ParallelismConfig: tensor x data replicate x data shard x context
+    = the processes): ``mesh.tensor``, ``mesh.context`` and ``mesh.data`` = replicate * shard, FSDP over the
+    shard ranks (HSDP when replicating too: jaxpar shards over all data ranks). Returns the data size."""
+    if section is None:
+        return world
+    if not isinstance(section, dict):
+        raise ConfigError(f"fsdp: parallelism_config is a {type(section).__name__}; write it as a mapping")
+    sizes = {}
+    for key in PARALLELISM_KEYS:
+        value = section.get(f"parallelism_config_{key}", 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"fsdp: parallelism_config_{key}={value!r}: use an integer >= 1")
+        sizes[key] = value
+    tp, rep, shard, cp = (sizes[k] for k in PARALLELISM_KEYS)
+    if tp * rep * shard * cp != world:
+        raise ConfigError(
+            f"fsdp: parallelism_config sizes tp {tp} * dp_replicate {rep} * dp_shard {shard} * cp {cp} = "
+            f"{tp * rep * shard * cp}, not the {world} processes; make them equal (or pass --world-size)"
+        )
+    data = rep * shard
+    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.context": cp})
+    if shard == 1:
+        values["parallel.zero_stage"] = 0 if stage == 3 else stage
+    if cp > 1:
+        values["model.attention"] = "blockwise"
+    notes = {
+        "tp_size": f"tensor parallel over {tp} ranks",
+        "dp_replicate_size": "replicas of the sharded model"
+        + (f"; HSDP: jaxpar shards over all {data} data ranks instead of {shard}" if rep > 1 and shard > 1 else ""),
+        "dp_shard_size": f"FSDP over {shard} ranks" if shard > 1 else "no sharding",
+        "cp_size": f"the sequence over {cp} context ranks (blockwise attention)" if cp > 1 else "no context parallel",
+    }
+    target = {
+        "tp_size": "mesh.tensor",
+        "dp_replicate_size": "mesh.data",
+        "dp_shard_size": "mesh.data, parallel.zero_stage",
+        "cp_size": "mesh.context",
+    }
+    for key, value in section.items():
+        name = key.removeprefix("parallelism_config_")
+        src = f"parallelism_config.{key}"
+        if name in notes:
+            hsdp = name == "dp_replicate_size" and rep > 1 and shard > 1
+            report.add(src, value, "approximated" if hsdp else "mapped", target[name], notes[name])
+        else:
+            report.unknown(
+                src, value, [f"parallelism_config.parallelism_config_{k}" for k in PARALLELISM_KEYS], "accelerate"
+            )
+    return data
 
 
 def _strategy(fsdp: dict, kind: str) -> str:

@@ -862,7 +862,11 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
             "are SwiGLU (add --swiglu to port a SwiGLU MoE)"
         )
     if refusals and not approximate:
-        raise ConfigError("megatron: " + "; also ".join(refusals))
+        raise ConfigError(
+            "megatron: "
+            + "; also ".join(refusals)
+            + "; jaxpar would not train the recipe's model: pass --approximate to port it anyway"
+        )
     for refusal in refusals:  # --approximate: each one is a model change of the report
         flag = refusal.split(" ", 1)[0].rstrip(":")
         a.reported.add(flag)
