@@ -111,11 +111,20 @@ UNSUPPORTED_SECTIONS = {
     "experimental": "experimental torchtitan features have no jaxpar counterpart",
 }
 KNOWN = {
-    "job": ("config_file", "dump_folder", "description", "print_args", "print_config", "custom_config_module"),
+    "job": (
+        "config_file",
+        "dump_folder",
+        "description",
+        "print_args",
+        "print_config",
+        "custom_config_module",
+        "use_for_integration_test",
+    ),
     "metrics": (
         "log_freq",
         "enable_tensorboard",
         "disable_color_printing",
+        "enable_color_printing",
         "save_tb_folder",
         "save_for_all_ranks",
         "enable_wandb",
@@ -884,7 +893,7 @@ def _profiling(prof: Any, values: dict[str, Any], report: Report) -> None:
             )
         elif key == "save_traces_folder" and enabled:
             report.approximated(src, value, "train.profile_steps", "the trace goes to <train.workdir>/profile")
-        elif key in ("enable_memory_snapshot", "save_memory_snapshot_folder") and value:
+        elif key in ("enable_memory_snapshot", "save_memory_snapshot_folder") and prof.get("enable_memory_snapshot"):
             report.unsupported(
                 src, value, "no CUDA memory snapshots in jaxpar; nearest: `jaxpar inspect` (compiled per-device memory)"
             )
