@@ -5,7 +5,9 @@ DeepSpeed resolves its batch settings against the data-parallel size at launch
 ``DP = world / (tensor * pipeline)``), silently ignores keys it does not know, and leaves
 ``"auto"`` values to the HF Trainer / accelerate. The importer does the same arithmetic,
 reports every key (typos included), fills ``"auto"`` from side inputs, and fails with one
-line when something it needs is missing.
+line when something it needs is missing. A DeepSpeed config does not describe the model: the
+report carries a ``(model)`` model change that ``--model-config`` (an HF ``config.json``) or
+``--set`` of every shape field resolves (:func:`no_model`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,12 @@
 FSDP sharding strategies map onto ZeRO stages over jaxpar's data axis (PyTorch FSDP's ShardingStrategy docs; Rajbhandari et al. 2020, ZeRO):
 FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, NO_SHARD ~ DDP (ZeRO-0), HYBRID_SHARD ~ ZeRO-3
 inside a node and replicated across nodes (approximated: jaxpar shards over the whole data
-axis). accelerate also accepts the torch enum numbers 1..5 for the strategies. The YAML holds
-no model, optimizer or batch: those stay at jaxpar defaults and the report says so.
+axis). accelerate also accepts the torch enum numbers 1..5 for the strategies; a
+``parallelism_config`` (TP x data replicate x data shard x CP) is the mesh. The YAML holds no model,
+optimizer or batch: the model is a model change (``(model)``: ``jaxpar port`` refuses it unless
+``--model-config`` or ``--approximate``), the optimizer and batch stay at jaxpar defaults and the
+report says so. ``num_processes`` absent (and ``distributed_type`` not ``NO``): the launch line gives
+it, so the world size must be passed.
 """
 
 from __future__ import annotations
