@@ -210,6 +210,8 @@ def test_megatron_other_training_scripts_are_refused_first(capsys, tmp_path):
         (["--normalization LayerNorm1P"], "--normalization", "layernorm1p normalization"),
         (["--softmax-type learnable"], "--softmax-type", "attention sinks"),
         (["--window-size 127,0"], "--window-size", "sliding-window attention"),
+        (["--quick-geglu", "--glu-linear-offset 1.0"], "--quick-geglu", "quick-GeLU gated MLP"),
+        (["--rope-type yarn"], "--rope-type", "yarn RoPE"),
         ([], "--add-bias-linear (default)", "Megatron adds a bias to every linear layer"),
     ],
 )

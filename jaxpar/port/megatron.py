@@ -178,6 +178,8 @@ MODEL_FLAGS = {
     "--rope-scaling-factor": "scaled RoPE; jaxpar's RoPE is unscaled",
     "--rotary-scaling-factor": "scaled RoPE (YaRN); jaxpar's RoPE is unscaled",
     "--rotary-seq-len-interpolation-factor": "interpolated RoPE positions; jaxpar's RoPE is unscaled",
+    "--quick-geglu": "a quick-GeLU gated MLP (gpt-oss); jaxpar's MLPs are SwiGLU or GeLU",
+    "--enable-gpt-oss": "gpt-oss's block (attention sinks, clamped gated MLP, alternating sliding windows)",
 }
 # settings of a model change above: reported with it, not separately refused
 MODEL_PARTS = {
@@ -190,7 +192,6 @@ MODEL_PARTS = {
             "--v-head-dim",
             "--mscale",
             "--mscale-all-dim",
-            "--rope-type",
             "--beta-fast",
             "--beta-slow",
             "--original-max-position-embeddings",
@@ -198,6 +199,10 @@ MODEL_PARTS = {
         "multi-head latent attention / YaRN setting (see --multi-latent-attention)",
     ),
     "--mtp-loss-scaling-factor": "multi-token prediction setting (see --mtp-num-layers)",
+    **dict.fromkeys(
+        ("--glu-linear-offset", "--activation-func-clamp-value", "--window-attn-skip-freq"),
+        "gpt-oss block setting (see --enable-gpt-oss, --quick-geglu, --window-size)",
+    ),
 }
 # the training scripts of Megatron-LM / Megatron-DeepSpeed that are not decoder-only language models
 OTHER_SCRIPTS = {
@@ -803,6 +808,11 @@ def _model_changes(a: _Args) -> None:
             a.note(name, "approximated", "", _NOOP + "off")
         else:
             a.model_change(name, why)
+    rope_type = a.get("--rope-type", str, "rope", soft=True)
+    if rope_type in ("rope", None):
+        a.note("--rope-type", "mapped", "model.position", "plain RoPE, as jaxpar")
+    else:
+        a.model_change("--rope-type", f"{rope_type} RoPE (scaled positions); jaxpar's RoPE is unscaled")
     softmax = a.get("--softmax-type", str, "vanilla", soft=True)
     if softmax in ("vanilla", None):
         a.note("--softmax-type", "mapped", "", "vanilla softmax, as jaxpar")
