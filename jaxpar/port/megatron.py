@@ -799,12 +799,26 @@ MOE_PERF = {
 BALANCING_TYPES = ("aux_loss", "none")
 
 
+def _off(name: str, value: str) -> bool:
+    """Whether a :data:`MODEL_FLAGS` flag given with ``value`` changes nothing (a factor of 1, 0 MTP layers)."""
+    if value in ("false", "False", "None"):
+        return True
+    try:
+        number = float(value)
+    except ValueError:
+        return False
+    return number == (0.0 if name == "--mtp-num-layers" else 1.0) and name not in MODEL_FLAGS_ON
+
+
+# flags that change the model whatever value they are given (store_true switches and window sizes)
+MODEL_FLAGS_ON = ("--window-size", "--multi-latent-attention", "--quick-geglu", "--enable-gpt-oss")
+
+
 def _model_changes(a: _Args) -> None:
     """The flags of :data:`MODEL_FLAGS` (given and not off), ``--softmax-type`` other than vanilla, and
     GeLU's form, as report rows."""
     for name, why in MODEL_FLAGS.items():
-        value = show(" ".join(a.flags.get(name, []))).strip()
-        if a.has(name) and value in ("0", "false", "False", "None", "1.0") and name != "--window-size":
+        if a.has(name) and _off(name, show(" ".join(a.flags[name])).strip()):
             a.note(name, "approximated", "", _NOOP + "off")
         else:
             a.model_change(name, why)

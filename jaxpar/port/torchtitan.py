@@ -543,8 +543,10 @@ def schema_2024(raw: dict) -> bool:
     return "tokenizer_path" in model or "batch_size" in training or "data_parallel_degree" in training
 
 
-def _flavors(name: str) -> str:
-    table = {"llama3": LLAMA3_FLAVORS, "llama2": LLAMA2_FLAVORS, "llama": LLAMA2_FLAVORS, "qwen3": QWEN3_FLAVORS}
+def _flavors(name: str, old: bool) -> str:
+    """The flavors jaxpar knows for family ``name`` (``old``: in the 2024 schema's tables)."""
+    llama3 = LLAMA3_2024_FLAVORS if old else LLAMA3_FLAVORS
+    table = {"llama3": llama3, "llama2": LLAMA2_FLAVORS, "llama": LLAMA2_FLAVORS, "qwen3": QWEN3_FLAVORS}
     return ", ".join(table.get(name, {})) or "none"
 
 
@@ -650,7 +652,7 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
             "model.flavor" if known else "model.name",
             flavor if known else name,
             why + ": no known shape, jaxpar's default model would be trained",
-            f"use one of the flavors {_flavors(name)}" if known else "",
+            f"use one of the flavors {_flavors(name, old)}" if known else "",
             target="model.*",
         )
         report.unsupported("model.name" if known else "model.flavor", name if known else flavor, "see the model change")
