@@ -129,12 +129,16 @@ def test_auto_values_filled_from_side_inputs_and_offload_reported():
     cfg, report = port_deepspeed(DS / "hf_zero3_offload_fp16.json", side_inputs=HF_SIDE)
     assert cfg.optim.lr == 3e-4 and cfg.optim.weight_decay == 0.1 and cfg.optim.clip_norm == 1.0
     assert (cfg.mesh.data, cfg.train.global_batch, cfg.train.microbatches) == (8, 16, 1)  # its gas is 1, not "auto"
-    assert cfg.parallel.zero_stage == 3 and cfg.model.compute_dtype == "float16"
+    # fp16 with loss scaling ports to bf16 (jaxpar has no loss scaling): a precision change, said by the row
+    assert cfg.parallel.zero_stage == 3 and cfg.model.compute_dtype == "bfloat16"
+    fp16 = report.find("fp16.enabled")
+    assert (fp16.status, fp16.target) == ("approximated", "model.compute_dtype") and "loss scaling" in fp16.note
     assert cfg.optim.warmup_type == "log" and cfg.optim.schedule == "linear" and cfg.train.steps == 1000
     for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
         entry = report.find(key)
         assert entry.status == "unsupported" and "ZeRO-3" in entry.note
-    assert report.find("fp16.loss_scale_window").status == "unsupported"
+    assert report.find("fp16.loss_scale_window").status == "approximated"  # no-op: the port computes in bf16
+    assert "loss scale serves fp16" in report.find("fp16.loss_scale_window").note
     assert report.find("zero_optimization.reduce_bucket_size").status == "approximated"
     cfg, report = port_deepspeed(DS / "hf_zero3_all_auto.json", side_inputs=HF_SIDE)
     assert report.find("zero_optimization.offload_param").status == "approximated"  # device "none"
@@ -169,7 +173,8 @@ def test_zero_plus_plus_and_mics_are_never_dropped():
 
 def test_fp16_and_unknown_keys_in_vision_config():
     cfg, report = port_deepspeed(DS / "vision_fp16_zero1.json", world_size=8)
-    assert cfg.model.compute_dtype == "float16" and cfg.parallel.zero_stage == 1 and cfg.optim.clip_norm == 0.0
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.parallel.zero_stage == 1 and cfg.optim.clip_norm == 0.0
+    assert report.find("fp16.enabled").status == "approximated" and "bfloat16" in report.find("fp16.enabled").note
     assert (cfg.train.global_batch, cfg.train.microbatches, cfg.optim.b1) == (128, 1, 0.85)
     assert report.find("local_rank").status == "unknown"
     assert report.find("fp16.auto_cast").status == "approximated"
@@ -259,12 +264,19 @@ def test_cli_writes_a_config_that_loads_and_validates(tmp_path, capsys):
         "-o",
         str(out),
     ]
+    with pytest.raises(ConfigError, match=r"\(model\): a DeepSpeed config does not describe the model") as e:
+        _run(argv)  # only num_layers given: the rest of the shape would be jaxpar's test model
+    assert "--set each of model.embed_dim, model.num_heads" in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists()
+    argv.append("--approximate")  # ports with jaxpar's default shape (48 layers), the report says so first
     assert _run(argv) == 0
     cfg = load_config(str(out))
     assert (cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers) == (8, 128, 48)
     text = out.read_text()
     assert "megatron_ds_bf16_zero1.json" in text and "jaxpar train --config" in text
-    assert "mapped" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mapped" in printed and printed.splitlines()[1].startswith("  MODEL CHANGE (model) = null")
+    assert "MODEL CHANGED (1: (model))" in printed and "MODEL CHANGED" in text
     assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temporary file
 
 
@@ -283,6 +295,7 @@ def test_cli_output_is_not_overwritten_without_the_flag(tmp_path, capsys):
         "8",
         "--set",
         "model.num_layers=48",
+        "--approximate",
         "-o",
         str(out),
     ]
@@ -312,10 +325,12 @@ def test_cli_output_is_not_overwritten_without_the_flag(tmp_path, capsys):
 def test_cli_json_and_side_inputs(capsys):
     name = "hf_zero2_fp16.json"
     sets = [x for k, v in HF_SIDE.items() for x in ("--set", f"{k}={json.dumps(v)}")]
-    assert _run(["deepspeed", str(DS / name), "--json", *sets]) == 0
+    assert _run(["deepspeed", str(DS / name), "--json", *sets, "--approximate"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["config"]["optim"]["lr"] == 3e-4 and doc["config"]["parallel"]["zero_stage"] == 2
     assert doc["report"]["counts"]["mapped"] > 0 and doc["report"]["kind"] == "deepspeed"
+    assert doc["report"]["model_changes"] == ["(model)"] and doc["report"]["entries"][0]["model_change"]
+    assert doc["report"]["closing"].startswith("MODEL CHANGED (1: (model))")
 
 
 @pytest.mark.parametrize(

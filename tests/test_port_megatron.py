@@ -103,7 +103,12 @@ def test_gpt3_13b_shape_and_schedule():
         "learned",
         True,
     )
-    assert m.vocab_size == 50688 and m.compute_dtype == "float16" and m.init_std == 0.008  # 50257 padded to 128*4
+    assert m.vocab_size == 50688 and m.init_std == 0.008  # 50257 padded to 128*4
+    # --fp16 (Megatron's dynamic loss scaling) ports to bf16: jaxpar has no loss scaling; the row says so
+    assert m.compute_dtype == "bfloat16" and "loss scaling" in report.find("--fp16").note
+    assert report.find("--fp16").status == "approximated"
+    bias = report.find("--add-bias-linear (default)")  # GPT-3's linear layers have biases, jaxpar's none
+    assert bias.model and bias.status == "unsupported" and report.model_changes == [bias]
     o = cfg.optim
     assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr, o.b2) == ("cosine", 1000, 100000, 1e-4, 0.95)
     assert o.min_lr_ratio == pytest.approx(0.1) and cfg.train.steps == 150000
@@ -144,7 +149,8 @@ def test_llama3_8b_fp8_shape_and_sample_based_schedule():
         assert "rounded" in report.find("--lr-decay-style").note
     for flag in ("--decoupled-lr", "--fp8-format", "--fp8-amax-history-len"):
         assert report.find(flag).status == "unsupported"
-    assert report.find("(vocabulary)").status == "approximated"
+    vocab = report.find("(vocabulary)")  # HuggingFaceTokenizer: the size is the tokenizer file's
+    assert vocab.model and vocab.needs == ("model.vocab_size",) and report.model_changes == [vocab]
 
 
 def test_mixtral_moe_flags_map_on_four_nodes():
@@ -179,7 +185,8 @@ def test_sweep_template_ports_once_its_variables_are_given():
     }
     cfg, report = port_megatron(MEG / SWEEP, variables=variables)
     assert (cfg.mesh.data, cfg.train.microbatches, cfg.optim.schedule) == (4, 16, "cosine")  # 16/(2*2); 64/(1*4)
-    assert cfg.model.compute_dtype == "float16" and report.find("--loss-scale").status == "unsupported"
+    assert cfg.model.compute_dtype == "bfloat16" and report.find("--loss-scale").status == "approximated"
+    assert "loss scale serves fp16" in report.find("--loss-scale").note
     lines = (MEG / SWEEP).read_text().splitlines()
     unbalanced = next(i for i, line in enumerate(lines, 1) if line.startswith("--loss-scale"))
     assert report.find(f"(line {unbalanced})").note == "unbalanced quote removed"
@@ -333,11 +340,12 @@ def test_cli_megatron_output_loads(tmp_path):
     assert run_port(args) == 0
     cfg = load_config(str(out))
     assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.train.microbatches == 4
-    args = parser.parse_args(
-        ["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o", str(tmp_path / "bloom.py")]
-    )
+    bloom = ["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o", str(tmp_path / "bloom.py")]
+    with pytest.raises(ConfigError, match=r"--position-embedding-type = alibi: alibi positions") as e:
+        run_port(parser.parse_args(bloom))  # BLOOM's ALiBi, biases and embedding norm: not jaxpar's model
+    assert "--add-bias-linear (default), --embed-layernorm" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="does not validate: model.head_dim=145: RoPE needs an even head dim"):
-        run_port(args)
+        run_port(parser.parse_args([*bloom, "--approximate"]))
 
 
 def test_profile_and_tensorboard_flags_map_to_a_trace_and_events():

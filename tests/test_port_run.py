@@ -78,16 +78,17 @@ HF = [
     "--set",
     "bf16=true",
 ]
-# recipe -> the extra `jaxpar port` arguments a user needs for it (world size, shell variables, "auto" values)
+# recipe -> the extra `jaxpar port` arguments a user needs for it (world size, shell variables, "auto" values;
+# --approximate where jaxpar would train another model than the recipe's: REFUSED says which)
 RECIPES = {
-    "deepspeed/hf_zero3_offload_fp16.json": ["--world-size", "8", *HF],
-    "deepspeed/hf_zero3_all_auto.json": ["--world-size", "8", *HF],
-    "deepspeed/hf_zero2_fp16.json": ["--world-size", "8", *HF],
-    "deepspeed/finetune_zero3_offload_bf16_auto.json": ["--world-size", "4", "--allow-unresolved"],
-    "deepspeed/vision_fp16_zero1.json": ["--world-size", "8"],
-    "deepspeed/pipe_module_typo.json": ["--world-size", "2"],
-    "deepspeed/pipeline_parallel_micro.json": ["--world-size", "8", "--pipeline", "2"],
-    "deepspeed/smoke_bf16_zero0.json": ["--world-size", "8"],
+    "deepspeed/hf_zero3_offload_fp16.json": ["--world-size", "8", *HF, "--approximate"],
+    "deepspeed/hf_zero3_all_auto.json": ["--world-size", "8", *HF, "--approximate"],
+    "deepspeed/hf_zero2_fp16.json": ["--world-size", "8", *HF, "--approximate"],
+    "deepspeed/finetune_zero3_offload_bf16_auto.json": ["--world-size", "4", "--allow-unresolved", "--approximate"],
+    "deepspeed/vision_fp16_zero1.json": ["--world-size", "8", "--approximate"],
+    "deepspeed/pipe_module_typo.json": ["--world-size", "2", "--approximate"],
+    "deepspeed/pipeline_parallel_micro.json": ["--world-size", "8", "--pipeline", "2", "--approximate"],
+    "deepspeed/smoke_bf16_zero0.json": ["--world-size", "8", "--approximate"],
     "deepspeed/megatron_ds_bf16_zero1.json": [
         "--world-size",
         "256",
@@ -97,15 +98,17 @@ RECIPES = {
         "8",
         "--set",
         "model.num_layers=48",
+        "--approximate",
     ],
-    "deepspeed/zeropp_hpz_qwz_qgz.json": ["--world-size", "8"],
-    "deepspeed/mics_zero3.json": ["--world-size", "8"],
-    "deepspeed/adam_l2_cosine_autocast.json": ["--world-size", "8"],
-    "megatron/gpt3_13b_distributed.args": ["--var", "NUM_NODES=4"],
-    "megatron/llama3_8b_fp8_single_node.args": [],
+    "deepspeed/zeropp_hpz_qwz_qgz.json": ["--world-size", "8", "--approximate"],
+    "deepspeed/mics_zero3.json": ["--world-size", "8", "--approximate"],
+    "deepspeed/adam_l2_cosine_autocast.json": ["--world-size", "8", "--approximate"],
+    "megatron/gpt3_13b_distributed.args": ["--var", "NUM_NODES=4", "--approximate"],
+    "megatron/llama3_8b_fp8_single_node.args": ["--set", "model.vocab_size=128256"],
     "megatron/mixtral_8x22b_moe.args": ["--var", "SLURM_NNODES=4"],  # EP 8 x PP 4 needs 32 GPUs
     "megatron/sweep_CONFIG.args": [
-        f"--var={kv}" for kv in ("TP=2", "PP=2", "MBS=1", "GBS=32", "NLS=24", "HS=1024", "NAH=16", "WORLD_SIZE=8")
+        *(f"--var={kv}" for kv in ("TP=2", "PP=2", "MBS=1", "GBS=32", "NLS=24", "HS=1024", "NAH=16", "WORLD_SIZE=8")),
+        "--approximate",
     ],
     "megatron/bloom_style_104b_slurm.args": [
         "--var",
@@ -114,12 +117,13 @@ RECIPES = {
         "model.num_layers=64",
         "--set",
         "model.head_dim=144",
+        "--approximate",
     ],  # ALiBi unsupported: RoPE, even dims
-    "megatron/megatron_ds_llama2_tp2_pp2.args": [],
-    "megatron/gpt_1b_interleaved_sp.args": [],
-    "torchtitan/llama3_8b_32gpu.toml": ["--world-size", "32"],
-    "torchtitan/llama3_70b_tp8_64gpu.toml": ["--world-size", "64"],
-    "torchtitan/llama3_405b_fp8_128gpu.toml": ["--world-size", "128"],
+    "megatron/megatron_ds_llama2_tp2_pp2.args": ["--set", "model.vocab_size=32000"],
+    "megatron/gpt_1b_interleaved_sp.args": ["--approximate"],
+    "torchtitan/llama3_8b_32gpu.toml": ["--world-size", "32", "--approximate"],
+    "torchtitan/llama3_70b_tp8_64gpu.toml": ["--world-size", "64", "--approximate"],
+    "torchtitan/llama3_405b_fp8_128gpu.toml": ["--world-size", "128", "--approximate"],
     "torchtitan/llama4_moe_pp4_tp8.toml": [
         "--world-size",
         "64",
@@ -131,12 +135,30 @@ RECIPES = {
         "train.microbatches=4",
         "--set",
         "train.global_batch=8",
+        "--approximate",
     ],
-    "torchtitan/deepseek_v3_moe_ep8.toml": ["--world-size", "16"],
-    "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": [],
-    "fsdp/accelerate_fsdp_full_shard.yaml": [],
-    "fsdp/accelerate_fsdp_hybrid_2nodes.yaml": [],
-    "fsdp/accelerate_fsdp2_no_reshard.yaml": [],
+    "torchtitan/deepseek_v3_moe_ep8.toml": ["--world-size", "16", "--approximate"],
+    "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": ["--approximate"],
+    "fsdp/accelerate_fsdp_full_shard.yaml": ["--approximate"],
+    "fsdp/accelerate_fsdp_hybrid_2nodes.yaml": ["--approximate"],
+    "fsdp/accelerate_fsdp2_no_reshard.yaml": ["--approximate"],
+}
+# what each --approximate above stands for: without it the port exits 2 naming this model change (the
+# layouts are what these tests train; the model is shrunk to a stand-in anyway)
+_NO_MODEL = "(model): a DeepSpeed config does not describe the model"
+REFUSED = {
+    **{r: _NO_MODEL for r in RECIPES if r.startswith("deepspeed/")},
+    **{r: "(model): an accelerate config does not describe the model" for r in RECIPES if r.startswith("fsdp/")},
+    "megatron/gpt3_13b_distributed.args": "--add-bias-linear (default) = true",
+    "megatron/gpt_1b_interleaved_sp.args": "--add-bias-linear (default) = true",
+    "megatron/sweep_CONFIG.args": "--add-bias-linear (default) = true",
+    "megatron/bloom_style_104b_slurm.args": "--position-embedding-type = alibi",
+    "torchtitan/llama3_8b_32gpu.toml": "(rope scaling) = Llama 3.1",
+    "torchtitan/llama3_70b_tp8_64gpu.toml": "(rope scaling) = Llama 3.1",
+    "torchtitan/llama3_405b_fp8_128gpu.toml": "(rope scaling) = Llama 3.1",
+    "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": "(rope scaling) = Llama 3.1",
+    "torchtitan/llama4_moe_pp4_tp8.toml": "model.name = llama4: a mixture-of-experts model",
+    "torchtitan/deepseek_v3_moe_ep8.toml": "model.name = deepseek_v3: a mixture-of-experts model",
 }
 MAXTEXT_PRESETS = ("fsdp8", "fsdp4_tp2", "dp2_tp2_pp2")  # configs/maxtext_tiny.py:<preset>, beyond its default
 SPECS = [*sorted(p.name for p in (ROOT / "configs").glob("*.py")), *(f"maxtext_tiny.py:{p}" for p in MAXTEXT_PRESETS)]
@@ -310,6 +332,22 @@ def test_ported_recipe_file_loads_and_trains_one_step(recipe, plan, tmp_path):
         n > 1 for n in (full.mesh.data, full.mesh.tensor, full.mesh.pipeline)
     ]
     _check(cfg, plan)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_approximate_stands_for_a_named_model_change(recipe, capsys):
+    """Each recipe ported with --approximate is refused without it (exit 2, one line naming the change);
+    the others port with exit 0 and the recipe's model."""
+    argv = ["port", recipe.split("/")[0], str(FIX / recipe), *(a for a in RECIPES[recipe] if a != "--approximate")]
+    assert ("--approximate" in RECIPES[recipe]) == (recipe in REFUSED)
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    if recipe not in REFUSED:
+        assert code == 0 and "model: the recipe's" in out.splitlines()[-1], err
+        return
+    assert code == 2 and len(err.strip().splitlines()) == 1 and REFUSED[recipe] in err, err
+    assert "pass --approximate" in err
 
 
 def test_every_fixture_recipe_is_listed():

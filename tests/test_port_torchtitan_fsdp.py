@@ -14,6 +14,7 @@ import pytest
 
 from jaxpar.config import ConfigError
 from jaxpar.port.fsdp import port_fsdp
+from jaxpar.port.recipe import port_recipe
 from jaxpar.port.torchtitan import ffn_dim, port_torchtitan
 from tests.port_recipes import EXTRA_WORLD, FIXTURES, recipe_params
 
@@ -83,6 +84,8 @@ def test_llama3_ffn_sizes(flavor, dim, mult, multiple, ffn):
 
 def test_llama3_8b_on_32_gpus():
     cfg, report = port_torchtitan(TT / "llama3_8b_32gpu.toml", world_size=32)
+    # torchtitan's current Llama 3 scales RoPE as Llama 3.1; jaxpar's is unscaled: the one model change
+    assert [e.source for e in report.model_changes] == ["(rope scaling)"]
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.zero_stage) == (32, 1, 3)  # FSDP over all 32 ranks
     assert (cfg.train.global_batch, cfg.train.microbatches, cfg.train.seq_len, cfg.train.steps) == (64, 1, 4096, 2000)
     m = cfg.model
@@ -119,9 +122,16 @@ def test_llama3_70b_and_405b_tensor_parallel():
 @pytest.mark.parametrize("name", ["llama4_moe_pp4_tp8.toml", "deepseek_v3_moe_ep8.toml"])
 def test_moe_models_are_reported_unsupported(name):
     cfg, report = port_torchtitan(TT / name, world_size=WORLD[name])
-    assert report.find("model.name").status == "unsupported" and "mixture-of-experts" in report.find("model.name").note
+    row = report.find("model.name")
+    assert row.status == "unsupported" and "mixture-of-experts" in row.note
+    assert report.model_changes == [row]  # not a dense stand-in: jaxpar port refuses it without --approximate
     degree = "expert_tensor_parallel_degree" if "llama4" in name else "expert_parallel_degree"
     assert report.find(f"parallelism.{degree}").status == "unsupported"
+    with pytest.raises(ConfigError, match=f"port torchtitan: model.name = {name.split('_moe')[0]}: a mixture") as e:
+        port_recipe("torchtitan", str(TT / name), world_size=WORLD[name])
+    assert "\n" not in str(e.value) and "pass --approximate" in str(e.value)
+    _, report = port_recipe("torchtitan", str(TT / name), world_size=WORLD[name], approximate=True)
+    assert report.ordered()[0] is report.find("model.name")
 
 
 def test_pipeline_interleaved_with_accumulation():
@@ -201,9 +211,12 @@ def test_fsdp_hybrid_across_nodes_and_fsdp2_reshard_flag():
     assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (
         16,
         3,
-        "float16",
+        "bfloat16",  # accelerate's fp16 scales the loss, jaxpar cannot: bf16, said by the row
         "full",
     )
+    precision = report.find("mixed_precision")
+    assert (precision.status, precision.target) == ("approximated", "model.compute_dtype")
+    assert "loss scaling" in precision.note
     entry = report.find("fsdp_config.fsdp_sharding_strategy")
     assert entry.status == "approximated" and "replicated across 2 node(s)" in entry.note
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp2_no_reshard.yaml")

@@ -17,7 +17,7 @@ from tests.fuzzkit import cli_refused, run_cli
 from tests.helpers import ROOT, TINY
 
 RECIPE = ROOT / "tests" / "fixtures" / "recipes" / "deepspeed" / "megatron_ds_bf16_zero1.json"
-PORT = ["port", "deepspeed", "--world-size", "8"]
+PORT = ["port", "deepspeed", "--world-size", "8", "--approximate"]  # a DeepSpeed JSON has no model
 FAST = ["--config.train.steps=1", "--config.train.eval_batches=0", "--config.train.eval_every=0"]
 
 

@@ -4,8 +4,14 @@
 only the fields that differ), atomically, and never over an existing file unless ``--overwrite``;
 ``--json`` prints one JSON object ``{config, report}``. ``--set KEY=VALUE`` sets a jaxpar field
 (``model.vocab_size=128256``) after the port, or, for DeepSpeed, fills an ``"auto"`` value
-(``lr=3e-4``). Every bad input is a :class:`ConfigError`: one line naming the field and the fix.
-The port itself is :func:`jaxpar.port.recipe.port_recipe`.
+(``lr=3e-4``). ``--model-config config.json`` takes the model of a DeepSpeed or accelerate recipe
+(which do not describe it) from a Hugging Face config. Every bad input is a :class:`ConfigError`:
+one line naming the field and the fix.
+
+Exit 0 promises that the config trains the recipe's model: a port whose model would differ (an
+unknown family or flavor, MoE as a dense backbone, ALiBi, MLA, a shape the recipe does not state)
+exits 2 naming it, unless ``--approximate`` is given; then the report lists each model change
+first and closes with a summary line. The port itself is :func:`jaxpar.port.recipe.port_recipe`.
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("source", choices=SOURCES, help="recipe kind")
     p.add_argument("file", help="ds_config.json, Megatron .args / launch script, torchtitan .toml, accelerate .yaml")
     p.add_argument("--world-size", type=int, default=None, help="total number of GPUs the recipe runs on")
-    p.add_argument("--tensor", type=int, default=None, help="DeepSpeed only: tensor-parallel size (default 1)")
+    p.add_argument(
+        "--tensor",
+        type=int,
+        default=None,
+        help="DeepSpeed only: tensor-parallel size (default: the recipe's tensor_parallel.autotp_size, else 1)",
+    )
     p.add_argument("--pipeline", type=int, default=None, help="DeepSpeed only: pipeline stages (default 1)")
     p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="Megatron: shell variable")
     p.add_argument(
@@ -50,6 +61,17 @@ def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
         help='jaxpar field (model.vocab_size=128256) or DeepSpeed side input for "auto" (lr=3e-4)',
     )
     p.add_argument("--allow-unresolved", action="store_true", help="use defaults for unresolved values (reported)")
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="CONFIG_JSON",
+        help="deepspeed/fsdp: the model, from a Hugging Face config.json (these recipes do not describe it)",
+    )
+    p.add_argument(
+        "--approximate",
+        action="store_true",
+        help="port even when jaxpar would train another model than the recipe's (listed first in the report)",
+    )
     p.add_argument("-o", "--output", default=None, help="write a jaxpar config file (.py)")
     p.add_argument("--overwrite", action="store_true", help="replace an -o file an earlier port wrote")
     p.add_argument("--json", action="store_true", help="print {config, report} as one JSON object")
@@ -107,12 +129,14 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
         args.source,
         args.file,
         world_size=args.world_size,
-        tensor=args.tensor or 1,
+        tensor=args.tensor,
         pipeline=args.pipeline or 1,
         variables=variables,
         side=side,
         fields=fields,
         allow_unresolved=args.allow_unresolved,
+        approximate=getattr(args, "approximate", False),
+        model_config=getattr(args, "model_config", None),
     )
 
 
@@ -124,6 +148,8 @@ def command_line(args: argparse.Namespace) -> str:
             parts += [flag, str(value)]
     parts += [p for v in args.var for p in ("--var", v)] + [p for s in args.sets for p in ("--set", s)]
     parts += ["--allow-unresolved"] if args.allow_unresolved else []
+    parts += ["--model-config", args.model_config] if getattr(args, "model_config", None) else []
+    parts += ["--approximate"] if getattr(args, "approximate", False) else []
     parts += ["-o", args.output] if args.output else []
     parts += ["--overwrite"] if args.output and getattr(args, "overwrite", False) else []
     return " ".join(shlex.quote(p) for p in parts)

@@ -79,6 +79,7 @@ class Shell:
         self.exists: dict[str, str] = {}  # paths the script made: "d" (mkdir) or "f" (touch)
         self.allow_unresolved = False  # skip assignments under unknown conditions instead of refusing
         self.skipped: list[str] = []  # unknown conditions whose branches were skipped (allow_unresolved)
+        self.script: str | None = None  # the pretrain_*.py the launch command runs (its file name)
 
     def assign(self, name: str, raw: str, words: bool = False) -> None:
         """``NAME=raw`` as bash would do it (quote removal, expansion, no word splitting).
@@ -740,7 +741,8 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 (
                     k
                     for k, w in enumerate(line_words)
-                    if w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py")
+                    if (w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py"))
+                    or w.endswith("multimodal/train.py")  # Megatron-LM's vision-language trainer
                 ),
                 None,
             )
@@ -757,6 +759,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             if script is None and current == "run":
                 decided += [n for w in line_words for n in unresolved_names(w) if n in shell.conditions]
             if script is not None:
+                shell.script = line_words[script].rsplit("/", 1)[-1]
                 first = next((k for k, w in enumerate(line_words[:script]) if w.startswith("--")), script)
                 words = line_words[first:script] + line_words[script + 1 :]
                 found = True

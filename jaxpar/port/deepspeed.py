@@ -5,7 +5,9 @@ DeepSpeed resolves its batch settings against the data-parallel size at launch
 ``DP = world / (tensor * pipeline)``), silently ignores keys it does not know, and leaves
 ``"auto"`` values to the HF Trainer / accelerate. The importer does the same arithmetic,
 reports every key (typos included), fills ``"auto"`` from side inputs, and fails with one
-line when something it needs is missing.
+line when something it needs is missing. A DeepSpeed config does not describe the model: the
+report carries a ``(model)`` model change that ``--model-config`` (an HF ``config.json``) or
+``--set`` of every shape field resolves (:func:`no_model`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import re
 from typing import Any
 
 from jaxpar.config import ConfigDict, ConfigError, default_config
-from jaxpar.port.report import Report, apply_schedule_fields, build_config
+from jaxpar.port.report import (
+    FP16_AS_BF16,
+    LOSS_SCALE_NOOP,
+    SHAPE_FIELDS,
+    Report,
+    apply_schedule_fields,
+    build_config,
+)
 
 _NOOP = "no-op in jaxpar: "
 _LOGGING = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
@@ -212,12 +221,13 @@ def port_deepspeed(
     path_or_dict: str | pathlib.Path | dict,
     *,
     world_size: int | None = None,
-    tensor: int = 1,
+    tensor: int | None = None,
     pipeline: int = 1,
     side_inputs: dict[str, Any] | None = None,
     allow_unresolved: bool = False,
 ) -> tuple[ConfigDict, Report]:
-    """Port a DeepSpeed config (path or dict); ``tensor``/``pipeline`` are the model-parallel sizes.
+    """Port a DeepSpeed config (path or dict); ``tensor``/``pipeline`` are the model-parallel sizes
+    (``tensor`` None: the recipe's ``tensor_parallel.autotp_size``, else 1).
 
     ``side_inputs`` fill ``"auto"`` values (``{"lr": 3e-4, "world_size": 8}``; leaf names, HF
     names or dotted paths). Raises :class:`ConfigError` (one line) for placeholders, unresolved
@@ -241,6 +251,7 @@ def port_deepspeed(
             report.unsupported(key, value, TOP_UNSUPPORTED[key])
         else:
             report.unknown(key, value, KNOWN_TOP, "DeepSpeed")
+    tensor = _tensor(ctx, tensor)
     _batch(ctx, world_size, tensor, pipeline)
     _precision(ctx)
     opt_lr = _optimizer(ctx)
@@ -271,7 +282,22 @@ def port_deepspeed(
     for path, value in ctx.defaulted.items():
         entry = report.find(path) or report.approximated(path, "auto")
         entry.status, entry.note = "approximated", f'unresolved "auto": default {value!r} used (--allow-unresolved)'
+    no_model(report, "a DeepSpeed config")
     return build_config(ctx.values, report), report
+
+
+def no_model(report: Report, what: str) -> None:
+    """The model change of a recipe that does not describe its model (DeepSpeed JSON, accelerate YAML):
+    resolved by ``--model-config`` or by ``--set`` of every shape field."""
+    report.model_change(
+        "(model)",
+        None,
+        f"{what} does not describe the model (the training script builds it): jaxpar's default model (a small "
+        "test model) would be trained",
+        "give the model with --model-config CONFIG.json (its Hugging Face config.json) or --set each of {needs}",
+        needs=SHAPE_FIELDS,
+        target="model.*",
+    )
 
 
 def _is_auto(raw: dict, path: str) -> bool:
@@ -332,6 +358,21 @@ def _int(ctx: _Ctx, path: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
         raise ConfigError(f"deepspeed: {path}={value!r}: must be a positive integer")
     return int(value)
+
+
+def _tensor(ctx: _Ctx, tensor: int | None) -> int:
+    """The tensor-parallel size: ``--tensor``, else the recipe's AutoTP size (``tensor_parallel.autotp_size``),
+    else 1; a ``--tensor`` that contradicts the recipe's size is refused."""
+    section = ctx.raw.get("tensor_parallel")
+    autotp = section.get("autotp_size") if isinstance(section, dict) else None
+    if autotp is not None and (isinstance(autotp, bool) or not isinstance(autotp, int) or autotp < 0):
+        raise ConfigError(f"deepspeed: tensor_parallel.autotp_size={autotp!r}: use an integer >= 1 (0: no AutoTP)")
+    if tensor is not None and autotp and tensor != autotp:
+        raise ConfigError(
+            f"deepspeed: --tensor {tensor} contradicts the recipe's tensor_parallel.autotp_size {autotp}; drop "
+            "--tensor (the recipe's size is used) or fix the recipe"
+        )
+    return tensor if tensor is not None else (autotp or 1)
 
 
 def _batch(ctx: _Ctx, world: int | None, tensor: int, pipeline: int) -> None:
@@ -421,9 +462,10 @@ def _precision(ctx: _Ctx) -> None:
     autocast = ctx.raw.get("torch_autocast", {}) or {}
     if fp16_on and bf16_on:
         raise ConfigError("deepspeed: fp16.enabled and bf16.enabled are both true (DeepSpeed rejects this); enable one")
-    dtype = "float16" if fp16_on else "bfloat16" if bf16_on else "float32"
+    half = fp16_on
     if autocast.get("enabled"):
-        dtype = {"torch.float16": "float16", "float16": "float16"}.get(str(autocast.get("dtype")), "bfloat16")
+        half = str(autocast.get("dtype")) in ("torch.float16", "float16")
+    dtype = "bfloat16" if half or bf16_on or autocast.get("enabled") else "float32"  # fp16: see FP16_AS_BF16
     ctx.values["model.compute_dtype"] = dtype
     for section, on in (("fp16", fp16_on), (bf16_key, bf16_on), ("torch_autocast", bool(autocast.get("enabled")))):
         block = ctx.raw.get(section)
@@ -431,7 +473,9 @@ def _precision(ctx: _Ctx) -> None:
             continue
         for key, value in block.items() if isinstance(block, dict) else [("enabled", block)]:
             src = f"{section}.{key}"
-            if key == "enabled" or (section == "torch_autocast" and key == "dtype"):
+            if (key == "enabled" or (section == "torch_autocast" and key == "dtype")) and on and half:
+                ctx.report.approximated(src, value, "model.compute_dtype", FP16_AS_BF16)
+            elif key == "enabled" or (section == "torch_autocast" and key == "dtype"):
                 ctx.report.mapped(
                     src, value, "model.compute_dtype" if on else "", f"compute dtype {dtype}" if on else "disabled"
                 )
@@ -445,12 +489,7 @@ def _precision(ctx: _Ctx) -> None:
                     "jaxpar casts inputs and activations to the compute dtype throughout",
                 )
             else:
-                ctx.report.unsupported(
-                    src,
-                    value,
-                    "no loss-scaling settings in jaxpar; bf16 "
-                    "(model.compute_dtype=bfloat16) trains without a loss scale",
-                )
+                ctx.report.approximated(src, value, "", LOSS_SCALE_NOOP)
     if "fp16" not in ctx.raw and bf16_key not in ctx.raw and not autocast:
         ctx.report.mapped("(precision)", None, "model.compute_dtype", "neither fp16 nor bf16: DeepSpeed trains in fp32")
 
@@ -458,13 +497,7 @@ def _precision(ctx: _Ctx) -> None:
 def _optimizer(ctx: _Ctx) -> float | None:
     opt = ctx.raw.get("optimizer")
     if not isinstance(opt, dict):
-        ctx.report.approximated(
-            "(optimizer)",
-            None,
-            "",
-            "no optimizer section: the training script builds it; optim.* left at jaxpar defaults",
-        )
-        return None
+        return _script_optimizer(ctx)
     kind = str(opt.get("type", ""))
     params = opt.get("params", {}) or {}
     if kind.lower() not in ("adam", "adamw"):
@@ -524,6 +557,59 @@ def _optimizer(ctx: _Ctx) -> float | None:
                 src, value, [f"optimizer.params.{k}" for k in (*targets, "torch_adam", "amsgrad")], "DeepSpeed Adam"
             )
     return lr
+
+
+# side inputs that set the optimizer the training script builds when the config has no optimizer section:
+# name -> jaxpar field (the HF Trainer builds AdamW from its learning_rate, adam_beta1/2, adam_epsilon,
+# weight_decay)
+SCRIPT_OPTIMIZER = {
+    "lr": "optim.lr",
+    "learning_rate": "optim.lr",
+    "betas": "optim.b1, optim.b2",
+    "eps": "optim.eps",
+    "adam_epsilon": "optim.eps",
+    "weight_decay": "optim.weight_decay",
+}
+
+
+def _script_optimizer(ctx: _Ctx) -> float | None:
+    """No optimizer section: the training script builds the optimizer (the HF Trainer: AdamW). Side
+    inputs ``--set lr= / betas= / eps= / weight_decay=`` are its settings and set ``optim.*``; without
+    them ``optim.*`` stay at jaxpar's defaults, and the report says so."""
+    given = [name for name in SCRIPT_OPTIMIZER if name in ctx.side]
+    for name in given:
+        value, target = ctx.side[name], SCRIPT_OPTIMIZER[name]
+        ctx.used.add(name)
+        try:
+            if name == "betas":
+                b1, b2 = (float(b) for b in value)
+                ctx.values.update({"optim.b1": b1, "optim.b2": b2})
+            else:
+                ctx.values[target] = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"deepspeed: --set {name}={value!r}: "
+                + ("give two numbers, e.g. [0.9, 0.95]" if name == "betas" else "give a number, e.g. 3e-4")
+            ) from None
+        ctx.report.mapped(
+            f"--set {name}",
+            value,
+            target,
+            "no optimizer section: the training script's optimizer takes it (the HF Trainer's AdamW)",
+        )
+    ctx.report.approximated(
+        "(optimizer)",
+        None,
+        "optim.*",
+        "no optimizer section: the training script builds it; "
+        + (
+            f"{', '.join(given)} from --set, the rest of optim.* at jaxpar defaults (AdamW)"
+            if given
+            else "optim.* left at jaxpar defaults (AdamW); give its settings with --set lr=... (betas, eps, "
+            "weight_decay)"
+        ),
+    )
+    return ctx.values.get("optim.lr")
 
 
 def schedule_fields(kind: str, params: dict[str, Any], optimizer_lr: float | None) -> dict[str, Any]:
@@ -737,13 +823,27 @@ def _misc(ctx: _Ctx) -> None:
             ctx.report.mapped("communication_data_type", value, "parallel.grad_reduce_dtype")
         else:
             ctx.report.unsupported("communication_data_type", value, "jaxpar reduces in float32 or bfloat16")
-    if "tensor_parallel" in ctx.raw:
-        ctx.report.approximated(
-            "tensor_parallel",
-            ctx.raw["tensor_parallel"],
-            "mesh.tensor",
-            "AutoTP: jaxpar's tensor size comes from --tensor",
-        )
+    section = ctx.raw.get("tensor_parallel")
+    for key, value in section.items() if isinstance(section, dict) else []:
+        src = f"tensor_parallel.{key}"
+        if key == "autotp_size":
+            ctx.report.mapped(
+                src,
+                value,
+                "mesh.tensor",
+                f"AutoTP over {value} ranks = mesh.tensor (jaxpar splits attention heads and MLP columns, as AutoTP "
+                "splits the linear layers)"
+                if value
+                else "no AutoTP",
+            )
+        elif key in ("tp_overlap_comm", "keep_module_on_host", "tp_grain_size"):
+            ctx.report.approximated(src, value, "", _BUCKET)
+        else:
+            ctx.report.unknown(
+                src, value, [f"tensor_parallel.{k}" for k in ("autotp_size", "tp_overlap_comm")], "DeepSpeed AutoTP"
+            )
+    if section is not None and not isinstance(section, dict):
+        ctx.report.unknown("tensor_parallel", section, ["tensor_parallel.autotp_size"], "DeepSpeed AutoTP")
 
 
 def _observability(ctx: _Ctx) -> None:

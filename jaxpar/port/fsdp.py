@@ -3,8 +3,12 @@
 FSDP sharding strategies map onto ZeRO stages over jaxpar's data axis (PyTorch FSDP's ShardingStrategy docs; Rajbhandari et al. 2020, ZeRO):
 FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, NO_SHARD ~ DDP (ZeRO-0), HYBRID_SHARD ~ ZeRO-3
 inside a node and replicated across nodes (approximated: jaxpar shards over the whole data
-axis). accelerate also accepts the torch enum numbers 1..5 for the strategies. The YAML holds
-no model, optimizer or batch: those stay at jaxpar defaults and the report says so.
+axis). accelerate also accepts the torch enum numbers 1..5 for the strategies; a
+``parallelism_config`` (TP x data replicate x data shard x CP) is the mesh. The YAML holds no model,
+optimizer or batch: the model is a model change (``(model)``: ``jaxpar port`` refuses it unless
+``--model-config`` or ``--approximate``), the optimizer and batch stay at jaxpar defaults and the
+report says so. ``num_processes`` absent (and ``distributed_type`` not ``NO``): the launch line gives
+it, so the world size must be passed.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import pathlib
 from typing import Any
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port.report import Report, build_config
+from jaxpar.port.deepspeed import no_model
+from jaxpar.port.report import FP16_AS_BF16, Report, build_config
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 ZERO_STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2}
-DTYPES = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DTYPES = {"no": "float32", "bf16": "bfloat16"}  # fp16 and fp8: computed in bf16 (approximated)
 _NOOP = "no-op in jaxpar: "
 FSDP_NOOP = {
     "fsdp_auto_wrap_policy": _NOOP + "jaxpar shards every layer's parameters by its rules (the wrap unit is the layer)",
@@ -85,16 +90,22 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     machines = int(raw.get("num_machines", 1))
     fsdp = raw.get("fsdp_config", {}) or {}
     strategy = _strategy(fsdp, kind)
+    if world_size is None and "num_processes" not in raw and kind != "NO":
+        raise ConfigError(
+            f"fsdp: {path.name} has no num_processes: accelerate then takes the process count from the launch "
+            "line (accelerate launch --num_processes N); pass --world-size N"
+        )
     stage = ZERO_STAGE[strategy]
     values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
-    if values.get("train.global_batch", 16) % world:
-        values["train.global_batch"] = world
+    data = _parallelism(raw.get("parallelism_config"), world, stage, values, report)
+    if values.get("train.global_batch", 16) % data:
+        values["train.global_batch"] = data
         report.approximated(
             "(batch size)",
             None,
             "train.global_batch",
             f"not in the accelerate config; one "
-            f"sequence per device ({world}) so the jaxpar default divides the data axis",
+            f"sequence per device ({data}) so the jaxpar default divides the data axis",
         )
     else:
         report.approximated(
@@ -104,13 +115,18 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             "not in the accelerate config (the training script decides); jaxpar default kept",
         )
     report.approximated(
-        "(model, optimizer)",
+        "(optimizer)",
         None,
-        "model.*, optim.*",
-        "not in the accelerate config; jaxpar defaults kept: set them with --set or edit the generated config",
+        "optim.*",
+        "not in the accelerate config (the training script builds it); jaxpar defaults kept: set them with "
+        "--set optim.FIELD=VALUE or edit the generated config",
     )
+    no_model(report, "an accelerate config")
+    if "mixed_precision" not in raw:
+        values["model.compute_dtype"] = "float32"
+        report.mapped("mixed_precision (default)", "no", "model.compute_dtype", "accelerate's default: fp32")
     for key, value in raw.items():
-        if key == "fsdp_config":
+        if key in ("fsdp_config", "parallelism_config"):
             continue
         if key == "distributed_type":
             ok = kind in ("FSDP", "MULTI_GPU", "NO")
@@ -127,7 +143,18 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             report.mapped(key, value, "", "nodes; jaxpar's data axis spans them all")
         elif key == "mixed_precision":
             dtype = DTYPES.get(str(value))
-            if dtype:
+            if str(value) == "fp16":  # accelerate's fp16 scales the loss (torch GradScaler)
+                values["model.compute_dtype"] = "bfloat16"
+                report.approximated(key, value, "model.compute_dtype", FP16_AS_BF16)
+            elif str(value) == "fp8":
+                values["model.compute_dtype"] = "bfloat16"
+                report.approximated(
+                    key,
+                    value,
+                    "model.compute_dtype",
+                    "no fp8 training in jaxpar: the matmuls fp8 would run compute in bf16 (a precision change only)",
+                )
+            elif dtype:
                 values["model.compute_dtype"] = dtype
                 report.mapped(key, value, "model.compute_dtype")
             else:
@@ -138,7 +165,15 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             report.unknown(
                 key,
                 value,
-                [*TOP_NOOP, "distributed_type", "num_processes", "num_machines", "mixed_precision", "fsdp_config"],
+                [
+                    *TOP_NOOP,
+                    "distributed_type",
+                    "num_processes",
+                    "num_machines",
+                    "mixed_precision",
+                    "fsdp_config",
+                    "parallelism_config",
+                ],
                 "accelerate",
             )
     for key, value in fsdp.items():
@@ -171,6 +206,61 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         else:
             report.unknown(src, value, [f"fsdp_config.{k}" for k in FSDP_KEYS], "accelerate FSDP")
     return build_config(values, report), report
+
+
+PARALLELISM_KEYS = ("tp_size", "dp_replicate_size", "dp_shard_size", "cp_size")
+
+
+def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], report: Report) -> int:
+    """accelerate's ``parallelism_config`` (ParallelismConfig: tensor x data replicate x data shard x context
+    = the processes): ``mesh.tensor``, ``mesh.context`` and ``mesh.data`` = replicate * shard, FSDP over the
+    shard ranks (HSDP when replicating too: jaxpar shards over all data ranks). Returns the data size."""
+    if section is None:
+        return world
+    if not isinstance(section, dict):
+        raise ConfigError(f"fsdp: parallelism_config is a {type(section).__name__}; write it as a mapping")
+    sizes = {}
+    for key in PARALLELISM_KEYS:
+        value = section.get(f"parallelism_config_{key}", 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"fsdp: parallelism_config_{key}={value!r}: use an integer >= 1")
+        sizes[key] = value
+    tp, rep, shard, cp = (sizes[k] for k in PARALLELISM_KEYS)
+    if tp * rep * shard * cp != world:
+        raise ConfigError(
+            f"fsdp: parallelism_config sizes tp {tp} * dp_replicate {rep} * dp_shard {shard} * cp {cp} = "
+            f"{tp * rep * shard * cp}, not the {world} processes; make them equal (or pass --world-size)"
+        )
+    data = rep * shard
+    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.context": cp})
+    if shard == 1:
+        values["parallel.zero_stage"] = 0 if stage == 3 else stage
+    if cp > 1:
+        values["model.attention"] = "blockwise"
+    notes = {
+        "tp_size": f"tensor parallel over {tp} ranks",
+        "dp_replicate_size": "replicas of the sharded model"
+        + (f"; HSDP: jaxpar shards over all {data} data ranks instead of {shard}" if rep > 1 and shard > 1 else ""),
+        "dp_shard_size": f"FSDP over {shard} ranks" if shard > 1 else "no sharding",
+        "cp_size": f"the sequence over {cp} context ranks (blockwise attention)" if cp > 1 else "no context parallel",
+    }
+    target = {
+        "tp_size": "mesh.tensor",
+        "dp_replicate_size": "mesh.data",
+        "dp_shard_size": "mesh.data, parallel.zero_stage",
+        "cp_size": "mesh.context",
+    }
+    for key, value in section.items():
+        name = key.removeprefix("parallelism_config_")
+        src = f"parallelism_config.{key}"
+        if name in notes:
+            hsdp = name == "dp_replicate_size" and rep > 1 and shard > 1
+            report.add(src, value, "approximated" if hsdp else "mapped", target[name], notes[name])
+        else:
+            report.unknown(
+                src, value, [f"parallelism_config.parallelism_config_{k}" for k in PARALLELISM_KEYS], "accelerate"
+            )
+    return data
 
 
 def _strategy(fsdp: dict, kind: str) -> str:

@@ -19,7 +19,14 @@ from typing import Any
 
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.port import Shell, launch_flags, show, unresolved_names
-from jaxpar.port.report import Report, apply_schedule_fields, build_config
+from jaxpar.port.report import (
+    FP16_AS_BF16,
+    LOSS_SCALE_NOOP,
+    Report,
+    apply_schedule_fields,
+    build_config,
+    refuse_model_changes,
+)
 
 _NOOP = "no-op in jaxpar: "
 _LAUNCH = _NOOP + "launcher setting"
@@ -92,6 +99,10 @@ NOOP = {
         _PERF,
     ),
     **dict.fromkeys(
+        ("--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"),
+        LOSS_SCALE_NOOP,
+    ),
+    **dict.fromkeys(
         (
             "--log-throughput",
             "--log-params-norm",
@@ -135,20 +146,11 @@ NOOP = {
 }
 _MOE = "mixture-of-experts setting this port does not map (jaxpar.models.moe has no counterpart); left out"
 UNSUPPORTED = {
-    "--embed-layernorm": "no layer norm after the embedding in jaxpar's models",
     "--train-weighted-split-paths-path": "no weighted multi-split data files; set data.path to one Megatron prefix",
     "--valid-weighted-split-paths-path": "no weighted multi-split data files",
     "--decoupled-lr": "one learning rate for all parameters in jaxpar (no separate embedding/output lr)",
     "--decoupled-min-lr": "one learning rate for all parameters in jaxpar",
     "--distribute-saved-activations": "saved activations are not split over tensor ranks; nearest: sequence parallel",
-    "--loss-scale": "no fp16 loss-scaling settings in jaxpar; bf16 trains without a loss scale",
-    "--squared-relu": "jaxpar MLPs are SwiGLU or GeLU",
-    "--qk-layernorm": "no QK layer norm in jaxpar",
-    "--add-qkv-bias": "jaxpar linear layers have no bias",
-    **dict.fromkeys(
-        ("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"),
-        "no fp16 loss-scaling settings in jaxpar",
-    ),
     **dict.fromkeys(
         (
             "--fp8-format",
@@ -161,7 +163,63 @@ UNSUPPORTED = {
         "no fp8 training in jaxpar",
     ),
 }
-KNOWN = (*NOOP, *UNSUPPORTED)  # plus every flag the mapping code reads (_Args.known)
+# flags that make the recipe's model one jaxpar does not compute: flag -> what differs (a model change)
+MODEL_FLAGS = {
+    "--embed-layernorm": "a layer norm after the embedding (BLOOM); jaxpar's models have none",
+    "--squared-relu": "a squared-ReLU MLP; jaxpar's MLPs are SwiGLU or GeLU",
+    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's llama and gpt blocks have none",
+    "--add-qkv-bias": "biases on the query/key/value projections; jaxpar's linear layers have none",
+    "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA: low-rank compressed queries, keys "
+    "and values); jaxpar's attention is multi-head / grouped-query",
+    "--mtp-num-layers": "multi-token prediction (extra MTP layers and their loss); jaxpar predicts the next token",
+    "--window-size": "sliding-window attention; jaxpar's attention sees the whole causal context",
+    "--apply-residual-connection-post-layernorm": "residuals taken after the layer norm; jaxpar's blocks are pre-norm",
+    "--use-rope-scaling": "Llama 3.1's scaled RoPE; jaxpar's RoPE is unscaled",
+    "--rope-scaling-factor": "scaled RoPE; jaxpar's RoPE is unscaled",
+    "--rotary-scaling-factor": "scaled RoPE (YaRN); jaxpar's RoPE is unscaled",
+    "--rotary-seq-len-interpolation-factor": "interpolated RoPE positions; jaxpar's RoPE is unscaled",
+    "--quick-geglu": "a quick-GeLU gated MLP (gpt-oss); jaxpar's MLPs are SwiGLU or GeLU",
+    "--enable-gpt-oss": "gpt-oss's block (attention sinks, clamped gated MLP, alternating sliding windows)",
+}
+# settings of a model change above: reported with it, not separately refused
+MODEL_PARTS = {
+    **dict.fromkeys(
+        (
+            "--q-lora-rank",
+            "--kv-lora-rank",
+            "--qk-head-dim",
+            "--qk-pos-emb-head-dim",
+            "--v-head-dim",
+            "--mscale",
+            "--mscale-all-dim",
+            "--beta-fast",
+            "--beta-slow",
+            "--original-max-position-embeddings",
+        ),
+        "multi-head latent attention / YaRN setting (see --multi-latent-attention)",
+    ),
+    "--mtp-loss-scaling-factor": "multi-token prediction setting (see --mtp-num-layers)",
+    **dict.fromkeys(
+        ("--glu-linear-offset", "--activation-func-clamp-value", "--window-attn-skip-freq"),
+        "gpt-oss block setting (see --enable-gpt-oss, --quick-geglu, --window-size)",
+    ),
+}
+# the training scripts of Megatron-LM / Megatron-DeepSpeed that are not decoder-only language models
+OTHER_SCRIPTS = {
+    "pretrain_bert.py": "BERT (a bidirectional encoder trained with masked-LM and sentence-order losses)",
+    "pretrain_t5.py": "T5 (an encoder-decoder)",
+    "pretrain_mamba.py": "a Mamba / hybrid state-space model",
+    "pretrain_hybrid.py": "a hybrid Mamba model (state-space layers mixed with attention)",
+    "pretrain_vlm.py": "a vision-language model",
+    "train.py": "a vision-language model (examples/multimodal)",
+    "pretrain_ict.py": "an ICT retriever (two BERT encoders)",
+    "pretrain_retro.py": "RETRO (retrieval with chunked cross-attention)",
+    "pretrain_vision_classify.py": "a vision transformer classifier",
+    "pretrain_vision_dino.py": "a vision transformer (DINO)",
+    "pretrain_vision_inpaint.py": "a vision transformer (inpainting)",
+}
+LM_SCRIPTS = ("pretrain_gpt.py",)
+KNOWN = (*NOOP, *UNSUPPORTED, *MODEL_FLAGS, *MODEL_PARTS)  # plus every flag the mapping code reads (_Args.known)
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
 
 
@@ -214,6 +272,13 @@ class _Args:
                 note = (note + "; " if note else "") + "given more than once: the last value wins, as in argparse"
             self.report.add(name, value, status, target, note)
 
+    def model_change(self, name: str, why: str, fix: str = "") -> None:
+        """Report flag ``name`` (only if given) as a model change."""
+        self.known.add(name)
+        if name in self.flags and name not in self.reported:
+            self.reported.add(name)
+            self.report.model_change(name, show(" ".join(self.flags[name])) or True, why, fix)
+
     def finish(self) -> None:
         """Report every flag nobody reported: no-op, unsupported, MoE, or unknown."""
         for name in self.flags:
@@ -223,6 +288,8 @@ class _Args:
                 self.note(name, "approximated", "", NOOP[name])
             elif name in UNSUPPORTED:
                 self.note(name, "unsupported", "", UNSUPPORTED[name])
+            elif name in MODEL_PARTS:
+                self.note(name, "unsupported", "", MODEL_PARTS[name])
             elif name.startswith(("--moe-", "--expert-")) or name == "--num-experts":
                 self.note(name, "unsupported", "", _MOE)
             elif name in self.known:
@@ -240,12 +307,19 @@ def port_megatron(
     variables: dict[str, str] | None = None,
     world_size: int | None = None,
     allow_unresolved: bool = False,
+    approximate: bool | None = None,
 ) -> tuple[ConfigDict, Report]:
     """Port a Megatron recipe (path, or the text itself) to ``(config, report)``.
 
     ``variables`` set shell variables (they win over the script's assignments); ``world_size``
     overrides the launcher's ``--nproc_per_node * --nnodes``. Raises :class:`ConfigError` (one
     line) for unresolved variables that mapped flags need, or inconsistent sizes.
+
+    What jaxpar cannot train as the recipe's model is a model change in the report
+    (:data:`MODEL_FLAGS`, positions, biases, the vocabulary, a script that is not ``pretrain_gpt.py``);
+    ``approximate=False`` refuses the ones no ``--set`` resolves at once, before asking for anything
+    else; None leaves the decision to the caller (:func:`jaxpar.port.recipe.port_recipe`), except
+    for a script that trains no decoder language model, refused unless ``approximate``.
     """
     text, source = _read(path_or_text)
     shell = Shell(variables)
@@ -253,9 +327,25 @@ def port_megatron(
     flags = _flags(text, shell, report)
     a = _Args(flags, shell, report)
     values: dict[str, Any] = {}
+    script = shell.script or ""
+    if script and script not in LM_SCRIPTS:
+        what = OTHER_SCRIPTS.get(script, "a model other than a decoder-only language model")
+        report.model_change(
+            "(training script)",
+            script,
+            f"{script} trains {what}; jaxpar trains decoder-only language models (Megatron's pretrain_gpt.py)",
+            target="model.*",
+        )
+        if not approximate:
+            refuse_model_changes(report, "megatron", approximate=False, final=True)
+        if a.has("--encoder-num-layers") and not a.has("--num-layers"):
+            a.flags["--num-layers"] = a.flags["--encoder-num-layers"]
     sizes = _sizes(a, shell, world_size)
     layers = _model(a, values)
-    sizes["ep"] = _moe(a, values, sizes)
+    _model_changes(a)
+    sizes["ep"] = _moe(a, values, sizes, approximate is True)
+    if approximate is False:
+        refuse_model_changes(report, "megatron", approximate=False, final=True)
     _optim(a, values, sizes)
     _misc(a, values)
     _observability(a, values)
@@ -591,26 +681,24 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
             "model.mlp_dim",
             "SwiGLU default int(4h*2/3/64)*64" if swiglu else "4 * hidden",
         )
-    a.note(
-        "--normalization",
-        "mapped" if norm in ("rmsnorm", "layernorm") else "unsupported",
-        "model.norm",
-        "" if norm in ("rmsnorm", "layernorm") else "jaxpar has RMSNorm and LayerNorm; LayerNorm kept",
-    )
-    ok = position in ("rope", "learned_absolute")
-    a.note(
-        "--position-embedding-type",
-        "mapped" if ok else "unsupported",
-        "model.position",
-        "" if ok else f"no {position} positions in jaxpar; RoPE (relative, like {position}) used instead",
-    )
+    if norm in ("rmsnorm", "layernorm"):
+        a.note("--normalization", "mapped", "model.norm")
+    else:
+        a.model_change("--normalization", f"{norm} normalization; jaxpar has RMSNorm and LayerNorm (LayerNorm kept)")
+    if position in ("rope", "learned_absolute"):
+        a.note("--position-embedding-type", "mapped", "model.position")
+    else:
+        a.model_change(
+            "--position-embedding-type",
+            f"{position} positions"
+            + (" (attention biases linear in the distance)" if position == "alibi" else "")
+            + f"; jaxpar's positions are RoPE or a learned table (RoPE would be used instead of {position})",
+        )
     percent = a.get("--rotary-percent", float, 1.0)
-    a.note(
-        "--rotary-percent",
-        "mapped" if percent == 1.0 else "unsupported",
-        "",
-        "" if percent == 1.0 else "jaxpar rotates the full head dimension",
-    )
+    if percent == 1.0:
+        a.note("--rotary-percent", "mapped", "")
+    else:
+        a.model_change("--rotary-percent", f"RoPE on {percent:g} of each head; jaxpar rotates the full head dimension")
     # Megatron's dropout (default 0.1 each): --hidden-dropout on the embedding output and before each
     # residual add, --attention-dropout on the softmax probabilities: jaxpar's placement (jaxpar.models.dropout)
     for name, target in (("--attention-dropout", "model.attention_dropout"), ("--hidden-dropout", "model.dropout")):
@@ -620,7 +708,11 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
         a.note(name, "mapped", target)
     a.note("--disable-bias-linear", "mapped", "", "jaxpar linear layers have no bias")
     if not a.has("--disable-bias-linear"):
-        a.report.approximated("--add-bias-linear (default)", True, "", "Megatron adds biases; jaxpar has none")
+        a.report.model_change(
+            "--add-bias-linear (default)",
+            True,
+            "Megatron adds a bias to every linear layer unless --disable-bias-linear; jaxpar's linear layers have none",
+        )
     a.note("--apply-layernorm-1p", "approximated", "model.norm", "same function class: jaxpar stores the scale itself")
     _vocab(a, values)
     return layers
@@ -642,12 +734,15 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
         size = TOKENIZER_VOCAB.get(tokenizer or "GPT2BPETokenizer")
     if size is None:
         a.note("--tokenizer-type", "approximated", "model.vocab_size", "vocabulary size unknown from the recipe")
-        a.report.approximated(
+        a.report.model_change(
             "(vocabulary)",
-            None,
-            "model.vocab_size",
-            "the recipe does not fix the vocabulary size: "
-            "model.vocab_size left at the jaxpar default; set it with --set model.vocab_size=N",
+            tokenizer,
+            f"the recipe does not fix the vocabulary size (tokenizer {tokenizer or 'unknown'}): jaxpar's default "
+            "would be trained",
+            f"give the tokenizer's size, padded to a multiple of {multiple} as Megatron pads, with --set "
+            "model.vocab_size=N",
+            needs=("model.vocab_size",),
+            target="model.vocab_size",
         )
         return
     padded = -(-size // multiple) * multiple
@@ -704,7 +799,55 @@ MOE_PERF = {
 BALANCING_TYPES = ("aux_loss", "none")
 
 
-def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> int:
+def _off(name: str, value: str) -> bool:
+    """Whether a :data:`MODEL_FLAGS` flag given with ``value`` changes nothing (a factor of 1, 0 MTP layers)."""
+    if value in ("false", "False", "None"):
+        return True
+    try:
+        number = float(value)
+    except ValueError:
+        return False
+    return number == (0.0 if name == "--mtp-num-layers" else 1.0) and name not in MODEL_FLAGS_ON
+
+
+# flags that change the model whatever value they are given (store_true switches and window sizes)
+MODEL_FLAGS_ON = ("--window-size", "--multi-latent-attention", "--quick-geglu", "--enable-gpt-oss")
+
+
+def _model_changes(a: _Args) -> None:
+    """The flags of :data:`MODEL_FLAGS` (given and not off), ``--softmax-type`` other than vanilla, and
+    GeLU's form, as report rows."""
+    for name, why in MODEL_FLAGS.items():
+        if a.has(name) and _off(name, show(" ".join(a.flags[name])).strip()):
+            a.note(name, "approximated", "", _NOOP + "off")
+        else:
+            a.model_change(name, why)
+    rope_type = a.get("--rope-type", str, "rope", soft=True)
+    if rope_type in ("rope", None):
+        a.note("--rope-type", "mapped", "model.position", "plain RoPE, as jaxpar")
+    else:
+        a.model_change("--rope-type", f"{rope_type} RoPE (scaled positions); jaxpar's RoPE is unscaled")
+    softmax = a.get("--softmax-type", str, "vanilla", soft=True)
+    if softmax in ("vanilla", None):
+        a.note("--softmax-type", "mapped", "", "vanilla softmax, as jaxpar")
+    else:
+        a.model_change(
+            "--softmax-type",
+            f"{softmax} softmax (learnable offsets: attention sinks); jaxpar's attention softmax is vanilla",
+        )
+    openai = a.get("--openai-gelu", bool, False)
+    a.note("--openai-gelu", "mapped", "model.mlp_activation", "the tanh approximation, as jaxpar's GeLU")
+    if not a.has("--swiglu") and not openai and not a.has("--squared-relu"):
+        a.report.approximated(
+            "(gelu)",
+            "erf",
+            "model.mlp_activation",
+            "Megatron's GeLU is exact (erf) unless --openai-gelu; jaxpar's is the tanh approximation (they differ "
+            "by under 1e-3: a precision-level change)",
+        )
+
+
+def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool = False) -> int:
     """Mixture of experts -> ``model.num_experts`` and the router fields; returns the expert-parallel size.
 
     Megatron-core (``--num-experts``): softmax routing takes the softmax over the top-k logits
@@ -742,8 +885,16 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> int:
             f"--num-experts {experts} without --swiglu: the recipe's experts are GeLU MLPs; jaxpar's experts "
             "are SwiGLU (add --swiglu to port a SwiGLU MoE)"
         )
-    if refusals:
-        raise ConfigError("megatron: " + "; also ".join(refusals))
+    if refusals and not approximate:
+        raise ConfigError(
+            "megatron: "
+            + "; also ".join(refusals)
+            + "; jaxpar would not train the recipe's model: pass --approximate to port it anyway"
+        )
+    for refusal in refusals:  # --approximate: each one is a model change of the report
+        flag = refusal.split(" ", 1)[0].rstrip(":")
+        a.reported.add(flag)
+        a.report.model_change(flag, show(" ".join(a.flags.get(flag, []))) or True, refusal)
     values["model.num_experts"] = experts
     values["model.name"] = (
         "mixtral"
@@ -1114,10 +1265,11 @@ def _observability(a: _Args, values: dict[str, Any]) -> None:
 
 def _misc(a: _Args, values: dict[str, Any]) -> None:
     """Precision, recompute, data, checkpoints, logging."""
-    dtype = "bfloat16" if a.get("--bf16", bool, False) else "float16" if a.get("--fp16", bool, False) else "float32"
+    fp16 = a.get("--fp16", bool, False) and not a.get("--bf16", bool, False)
+    dtype = "bfloat16" if a.get("--bf16", bool, False) or fp16 else "float32"
     values["model.compute_dtype"] = dtype
-    for name in ("--bf16", "--fp16"):
-        a.note(name, "mapped", "model.compute_dtype")
+    a.note("--bf16", "mapped", "model.compute_dtype")
+    a.note("--fp16", "approximated", "model.compute_dtype", "Megatron's dynamic loss scaling; " + FP16_AS_BF16)
     if dtype == "float32":
         a.report.mapped(
             "(precision)", "fp32", "model.compute_dtype", "neither --bf16 nor --fp16: Megatron trains in fp32"

@@ -1,8 +1,13 @@
 """Port a recipe of any kind (``deepspeed``, ``megatron``, ``torchtitan``, ``fsdp``) and write the
 result as a runnable jaxpar config file.
 
-:func:`port_recipe` runs the importer of the kind and applies jaxpar fields set on top of it
-(``model.vocab_size=128256``), re-validating; :func:`config_source` is the text of a config file
+:func:`port_recipe` runs the importer of the kind, applies a Hugging Face ``config.json`` as the
+model (``--model-config``: for recipes that do not describe their model, DeepSpeed JSON and
+accelerate YAML) and jaxpar fields set on top of it (``model.vocab_size=128256``), re-validating,
+and refuses a port whose config would not train the recipe's model (a *model change*,
+:meth:`Report.model_change`) unless ``approximate``: **an exit 0 from ``jaxpar port`` promises
+that the config trains the recipe's model**; changes of precision, speed or memory only are
+approximated rows. :func:`config_source` is the text of a config file
 (``get_config()`` on top of ``default_config()``, only the fields that differ) and
 :func:`write_atomic` writes it through a temporary file and a rename. Every bad input is a
 :class:`ConfigError`: one line naming the field and the fix. The flags are in :mod:`jaxpar.cli.port`.
@@ -27,20 +32,30 @@ def port_recipe(
     file: str,
     *,
     world_size: int | None = None,
-    tensor: int = 1,
+    tensor: int | None = None,
     pipeline: int = 1,
     variables: dict[str, str] | None = None,
     side: dict[str, Any] | None = None,
     fields: dict[str, str] | None = None,
     allow_unresolved: bool = False,
+    approximate: bool = False,
+    model_config: str | None = None,
 ) -> tuple[ConfigDict, Report]:
-    """Port ``file`` with the importer of ``source``, then set the jaxpar ``fields`` (``key -> value``
+    """Port ``file`` with the importer of ``source``, then take the model from the HF ``config.json``
+    ``model_config`` (DeepSpeed and FSDP recipes only) and set the jaxpar ``fields`` (``key -> value``
     text) on the result; a config that no longer validates is reported in ``report.problems``.
 
     ``tensor``, ``pipeline`` and ``side`` (values for DeepSpeed ``"auto"`` settings) are DeepSpeed's,
     ``variables`` (shell variables) Megatron's; ``allow_unresolved`` uses defaults for values the
-    recipe leaves open (not for FSDP, which leaves none).
+    recipe leaves open (not for FSDP, which leaves none). A model change left after ``fields`` and
+    ``model_config`` (see :mod:`jaxpar.port.report`) raises a one-line :class:`ConfigError` naming
+    it and the fix, unless ``approximate``: then the port goes through and the report lists it first.
     """
+    if model_config is not None and source not in ("deepspeed", "fsdp"):
+        raise ConfigError(
+            f"port {source}: --model-config: a {source} recipe states its own model; drop --model-config "
+            "(set single fields with --set model.FIELD=VALUE)"
+        )
     if world_size is not None and not 1 <= world_size <= MAX_DEVICES:
         raise ConfigError(f"--world-size {world_size}: use a number of GPUs in [1, {MAX_DEVICES}]")
     try:
@@ -53,6 +68,7 @@ def port_recipe(
             variables=variables,
             side=side,
             allow_unresolved=allow_unresolved,
+            approximate=approximate,
         )
     except ConfigError:
         raise
@@ -72,17 +88,72 @@ def port_recipe(
         raise ConfigError(
             f"port {source}: '{file}' cannot be read ({e.strerror or type(e).__name__}); pass a readable recipe file"
         ) from e
+    if model_config is not None:
+        _apply_model_config(cfg, report, model_config)
     if fields:
         apply_overrides(cfg, [f"--config.{k}={v}" for k, v in fields.items()])
         for key, value in fields.items():
             report.mapped(f"--set {key}", value, key, "set on the command line")
             report.ported.append(key)
+    if fields or model_config is not None:
         report.problems.clear()
         try:
             validate(cfg)
         except ConfigError as e:
             report.problems.append(str(e))
+    from jaxpar.port.report import refuse_model_changes  # imports JAX: only when porting
+
+    refuse_model_changes(report, source, approximate)
     return cfg, report
+
+
+# the model.* fields an HF config.json fixes (jaxpar.port.weights.model_config_from_hf); the rest
+# (compute dtype, recompute, attention kernel, MoE dispatch) stay as the recipe's port set them
+MODEL_CONFIG_FIELDS = (
+    "name",
+    "vocab_size",
+    "embed_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "init_std",
+    "attention_dropout",
+    "dropout",
+    "mlp_activation",
+    "norm",
+    "position",
+    "qk_norm",
+    "num_experts",
+    "experts_per_token",
+    "router_norm_topk",
+    "moe_aux_loss_coeff",
+)
+
+
+def _apply_model_config(cfg: ConfigDict, report: Report, path: str) -> None:
+    """``--model-config``: the model of an HF ``config.json`` (the file or its folder) replaces the model
+    fields of ``cfg``; one report row says which model it is."""
+    from jaxpar.port.weights import model_config_from_hf  # imports JAX: only when asked for
+
+    if not pathlib.Path(path).exists():
+        raise ConfigError(f"port --model-config {path}: not found; pass an HF config.json (or the folder holding it)")
+    m = model_config_from_hf(path)
+    for name in MODEL_CONFIG_FIELDS:
+        cfg.model[name] = m[name]
+        report.ported.append(f"model.{name}")
+    report.mapped(
+        "--model-config",
+        path,
+        "model.*",
+        f"{m.name}: {m.num_layers} layers, width {m.embed_dim}, {m.num_heads} heads ({m.num_kv_heads} kv), "
+        f"MLP {m.mlp_dim}, vocabulary {m.vocab_size}" + (f", {m.num_experts} experts" if m.num_experts else ""),
+    )
 
 
 def _why(error: BaseException) -> str:
@@ -102,11 +173,12 @@ def _port(
     file: str,
     *,
     world_size: int | None,
-    tensor: int,
+    tensor: int | None,
     pipeline: int,
     variables: dict[str, str] | None,
     side: dict[str, Any] | None,
     allow_unresolved: bool,
+    approximate: bool = False,
 ) -> tuple[ConfigDict, Report]:
     """The importer of ``source`` on ``file``."""
     if source == "deepspeed":
@@ -126,12 +198,18 @@ def _port(
         if not pathlib.Path(file).is_file():
             raise ConfigError(f"port megatron: file '{file}' not found; pass a .args recipe or launch script")
         cfg, report = port_megatron(
-            pathlib.Path(file), variables=variables or {}, world_size=world_size, allow_unresolved=allow_unresolved
+            pathlib.Path(file),
+            variables=variables or {},
+            world_size=world_size,
+            allow_unresolved=allow_unresolved,
+            approximate=approximate,
         )
     elif source == "torchtitan":
         from jaxpar.port.torchtitan import port_torchtitan
 
-        cfg, report = port_torchtitan(file, world_size=world_size, allow_unresolved=allow_unresolved)
+        cfg, report = port_torchtitan(
+            file, world_size=world_size, allow_unresolved=allow_unresolved, approximate=approximate
+        )
     elif source == "fsdp":
         from jaxpar.port.fsdp import port_fsdp
 
@@ -147,7 +225,8 @@ def config_source(cfg: ConfigDict, report: Report, command: str, output: str) ->
     changed = {k: v for k, v in flatten(cfg.to_dict()).items() if defaults.get(k) != v or k in report.ported}
     doc = (
         f"Ported from the {report.kind} recipe {report.source_path or '(inline)'}.\n\n"
-        f"Generated by:\n    {command}\n\nMapping: {report.summary()}; rerun the command to see the report.\n\n"
+        f"Generated by:\n    {command}\n\nMapping: {report.summary()}; rerun the command to see the report.\n"
+        f"{report.closing()}\n\n"
         f"Run:\n    jaxpar train --config {output}\n"
     )
     doc = doc.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')

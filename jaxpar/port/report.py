@@ -9,6 +9,15 @@ A port must never drop a setting silently: each source field ends up as exactly 
 * ``unknown``      -- the source tool does not define the key (DeepSpeed silently ignores such
   keys; we report them with the closest known key, so typos surface).
 
+An ``unsupported`` entry may also be a **model change** (``Entry.model``): what jaxpar would train
+is not the recipe's model (an unknown family or flavor, MoE as a dense backbone, ALiBi, MLA, a
+shape the recipe does not state). :func:`jaxpar.port.recipe.port_recipe` refuses a port with a
+model change (exit 2, one line naming it and the fix) unless ``--approximate`` is given; then
+the report lists the model changes first and closes with a summary line saying the config does
+not train the recipe's model. ``Entry.needs`` names the jaxpar fields that resolve a change when
+the user gives them all (``--set model.vocab_size=...``, ``--model-config``). Changes of
+precision, speed or memory only stay ``approximated``/``unsupported`` rows without the flag.
+
 Problems found after mapping (the ported config does not validate) are kept apart in
 ``Report.problems``. The report renders as a rich table, plain text, or JSON.
 """
@@ -32,6 +41,17 @@ from jaxpar.config import (
 from jaxpar.optim.lr import OPTIONAL_FIELDS
 
 STATUSES = ("mapped", "approximated", "unsupported", "unknown")
+# the fields that fix a model's shape: a port that sets none of them for a field trains jaxpar's
+# default (a 4-layer toy) there, so each must come from the recipe, --set or --model-config
+SHAPE_FIELDS = (
+    "model.num_layers",
+    "model.embed_dim",
+    "model.num_heads",
+    "model.num_kv_heads",
+    "model.head_dim",
+    "model.mlp_dim",
+    "model.vocab_size",
+)
 
 
 @dataclasses.dataclass
@@ -43,6 +63,9 @@ class Entry:
     status: str
     target: str = ""
     note: str = ""
+    model: bool = False  # a model change: the config would not train the recipe's model
+    fix: str = ""  # model changes: what the user can do about it (besides --approximate)
+    needs: tuple[str, ...] = ()  # model changes: jaxpar fields that, all given, resolve it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +74,7 @@ class Entry:
             "status": self.status,
             "target": self.target,
             "note": self.note,
+            "model_change": self.model,
         }
 
 
@@ -80,6 +104,21 @@ class Report:
     def unsupported(self, source: str, value: Any, note: str, target: str = "") -> Entry:
         return self.add(source, value, "unsupported", target, note)
 
+    def model_change(
+        self, source: str, value: Any, note: str, fix: str = "", needs: tuple[str, ...] = (), target: str = ""
+    ) -> Entry:
+        """A setting jaxpar cannot follow without training another model (see the module docstring):
+        ``note`` says what differs, ``fix`` what the user can do (``--approximate`` is added by the
+        refusal), ``needs`` the fields that resolve it once all are given."""
+        entry = self.add(source, value, "unsupported", target, note)
+        entry.model, entry.fix, entry.needs = True, fix, tuple(needs)
+        return entry
+
+    @property
+    def model_changes(self) -> list[Entry]:
+        """The model changes, in order (the config does not train the recipe's model when any is left)."""
+        return [e for e in self.entries if e.model]
+
     def unknown(self, source: str, value: Any, known: list[str] | tuple[str, ...], tool: str) -> Entry:
         """Report a key the source tool does not define, with the closest known key."""
         close = suggest(source, known)
@@ -92,6 +131,10 @@ class Report:
 
     def by_status(self, status: str) -> list[Entry]:
         return [e for e in self.entries if e.status == status]
+
+    def ordered(self) -> list[Entry]:
+        """The entries as shown: model changes first, then by status (mapped first)."""
+        return self.model_changes + [e for s in STATUSES for e in self.by_status(s) if not e.model]
 
     def counts(self) -> dict[str, int]:
         return {s: len(self.by_status(s)) for s in STATUSES}
@@ -106,7 +149,9 @@ class Report:
             "source": self.source_path,
             "counts": self.counts(),
             "problems": list(self.problems),
-            "entries": [e.to_dict() for e in self.entries],
+            "model_changes": [e.source for e in self.model_changes],
+            "entries": [e.to_dict() for e in self.ordered()],
+            "closing": self.closing(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -116,16 +161,30 @@ class Report:
         c = self.counts()
         return ", ".join(f"{c[s]} {s}" for s in STATUSES)
 
+    def closing(self) -> str:
+        """The closing summary line: whether the config trains the recipe's model, and what else differs."""
+        c = self.counts()
+        rest = f"{c['approximated']} approximated, {c['unsupported'] - len(self.model_changes)} unsupported"
+        if self.model_changes:
+            names = ", ".join(e.source for e in self.model_changes)
+            return (
+                f"MODEL CHANGED ({len(self.model_changes)}: {names}): this config does NOT train the recipe's "
+                f"model (jaxpar port refuses it without --approximate); besides: {rest}"
+            )
+        return f"model: the recipe's; besides: {rest} (none of them changes the model; see their notes)"
+
     def render_text(self) -> str:
-        """Plain text, one line per entry, grouped by status (mapped first)."""
+        """Plain text, one line per entry: model changes first, then grouped by status (mapped first),
+        then the problems and the closing summary line."""
         lines = [f"{self.kind} recipe {self.source_path or '(inline)'}: {self.summary()}"]
-        for status in STATUSES:
-            for e in self.by_status(status):
-                arrow = f" -> {e.target}" if e.target else ""
-                note = f"  ({e.note})" if e.note else ""
-                lines.append(f"  {status:<12} {e.source} = {_short(e.value)}{arrow}{note}")
+        for e in self.ordered():
+            arrow = f" -> {e.target}" if e.target else ""
+            note = f"  ({e.note})" if e.note else ""
+            label = "MODEL CHANGE" if e.model else e.status
+            lines.append(f"  {label:<12} {e.source} = {_short(e.value)}{arrow}{note}")
         for problem in self.problems:
             lines.append(f"  PROBLEM      {problem}")
+        lines.append(f"  {self.closing()}")
         return "\n".join(lines)
 
     def render_rich(self, console: Any = None) -> None:
@@ -138,13 +197,47 @@ class Report:
         table = Table(title=f"{self.kind} recipe {self.source_path or '(inline)'}: {self.summary()}")
         for column in ("status", "source field", "value", "jaxpar field", "note"):
             table.add_column(column, overflow="fold")
-        for status in STATUSES:
-            for e in self.by_status(status):
-                table.add_row(f"[{style[status]}]{status}[/]", e.source, _short(e.value), e.target, e.note)
+        for e in self.ordered():
+            label = "[bold red]MODEL CHANGE[/]" if e.model else f"[{style[e.status]}]{e.status}[/]"
+            table.add_row(label, e.source, _short(e.value), e.target, e.note)
         console = console or wide_console()
         console.print(table)
         for problem in self.problems:
             console.print(f"[red]problem:[/] {problem}")
+        console.print(f"[bold red]{self.closing()}[/]" if self.model_changes else self.closing())
+
+
+def refuse_model_changes(report: Report, source: str, approximate: bool, final: bool = False) -> None:
+    """Resolve the model changes whose fields were all given (``--set``, ``--model-config``: in
+        ``report.ported``); refuse with one line naming the first one left and its fix (``{needs}`` in a fix:
+    the fields still missing), unless ``approximate``.
+
+        ``final``: only the changes no field resolves (an importer refusing early, before it knows the
+        fields given on the command line)."""
+    stated = set(report.ported)
+    for entry in report.model_changes:
+        if entry.needs and all(n in stated for n in entry.needs) and not final:
+            entry.model, entry.status = False, "mapped"
+            entry.note = f"{entry.note}; given on the command line ({', '.join(entry.needs)})"
+    pending = [e for e in report.model_changes if not (final and e.needs)]
+    if not pending or approximate:
+        return
+    first = pending[0]
+    fix = first.fix
+    left = [n for n in first.needs if n not in stated]
+    if "{needs}" in fix or (left and not fix):
+        fix = (fix or "give {needs} with --set FIELD=VALUE").replace("{needs}", ", ".join(left))
+    more = (
+        f" (and {len(pending) - 1} more model change(s): {', '.join(e.source for e in pending[1:])})"
+        if len(pending) > 1
+        else ""
+    )
+    value = "" if first.value is None else f" = {_short(first.value)}"
+    raise ConfigError(
+        f"port {source}: {first.source}{value}: {first.note}; jaxpar would not train the recipe's model: "
+        f"{fix + ', or ' if fix else ''}pass --approximate to port it anyway (the report then lists the change "
+        f"first){more}"
+    )
 
 
 def suggest(key: str, known: list[str] | tuple[str, ...]) -> str | None:
@@ -182,6 +275,18 @@ def schema_type(key: str) -> type | None:
     return type(flat[key]) if key in flat else None
 
 
+# fp16 recipes: every framework jaxpar ports trains fp16 with a (dynamic) loss scale, which jaxpar does
+# not have yet; float16 without one underflows small gradients, which would change the training, so
+# fp16 ports compute in bfloat16 instead (fp32's range, no scale needed): a precision change only,
+# reported as approximated (the policy: precision, speed and memory changes port with exit 0)
+FP16_AS_BF16 = (
+    "fp16 with loss scaling -> bf16: jaxpar has no loss scaling yet and float16 without it underflows small "
+    "gradients, so the port computes in bfloat16 (fp32's range, 3 fewer mantissa bits than fp16): a "
+    "precision change only"
+)
+LOSS_SCALE_NOOP = "no-op in jaxpar: a loss scale serves fp16, and the port computes in bf16 (see the fp16 row)"
+
+
 def build_config(values: dict[str, Any], report: Report) -> ConfigDict:
     """Overlay ported ``values`` (flat ``section.field`` keys) on the defaults; validate.
 
@@ -190,6 +295,19 @@ def build_config(values: dict[str, Any], report: Report) -> ConfigDict:
     """
     cfg = merge_into_defaults(values, source=f"port {report.kind}")
     report.ported = sorted(values)
+    missing = [f for f in SHAPE_FIELDS if f not in values]
+    changes = report.model_changes
+    explained = any(not e.needs for e in changes) or set(missing) <= {n for e in changes for n in e.needs}
+    if missing and not explained:  # the safety net: no port trains jaxpar's default shape silently
+        defaults = flatten(default_config().to_dict())
+        report.model_change(
+            "(model shape)",
+            {f: defaults[f] for f in missing},
+            f"the recipe does not state {', '.join(missing)}: jaxpar's defaults (a small test model) would be trained",
+            "give them with --set FIELD=VALUE",
+            needs=tuple(missing),
+            target="model.*",
+        )
     try:
         validate(cfg)
     except ConfigError as e:

@@ -15,20 +15,50 @@ import tomllib
 from typing import Any
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port.report import Report, apply_schedule_fields, build_config
+from jaxpar.port.report import Report, apply_schedule_fields, build_config, refuse_model_changes
 
-# flavor -> (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of, rope_theta); vocab from the tokenizer
+# torchtitan's Llama 3 flavors at 238fa99 (torchtitan/models/llama3/__init__.py and model/args.py there:
+# TransformerModelArgs defaults n_kv_heads = n_heads, multiple_of 256, ffn_dim_multiplier None, norm_eps
+# 1e-5, vocab_size 128256): flavor -> (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of,
+# vocabulary); rope_theta 500000 in all. Since 5bbda42 (2025-10, "Add scaled RoPE support for Llama 3
+# and 4") every flavor rotates with Llama 3.1's scaled RoPE (RoPEScalingArgs: factor 8, low 1, high 4,
+# original 8192), which jaxpar's RoPE does not compute: a model change (LLAMA3_ROPE_SCALING).
 LLAMA3_FLAVORS = {
-    "8B": (4096, 32, 32, 8, 1.3, 1024, 500000.0),
-    "70B": (8192, 80, 64, 8, 1.3, 4096, 500000.0),
-    "405B": (16384, 126, 128, 8, 1.2, 4096, 500000.0),
+    "debugmodel": (256, 6, 16, 16, None, 256, 2048),
+    "debugmodel_flex_attn": (256, 6, 16, 16, None, 256, 2048),
+    "debugmodel_varlen_attn": (256, 6, 16, 16, None, 256, 2048),
+    "8B": (4096, 32, 32, 8, 1.3, 1024, 128256),
+    "8B_flex": (4096, 32, 32, 8, 1.3, 1024, 128256),
+    "8B_varlen": (4096, 32, 32, 8, 1.3, 1024, 128256),
+    "70B": (8192, 80, 64, 8, 1.3, 4096, 128256),
+    "405B": (16384, 126, 128, 8, 1.2, 4096, 128256),
 }
-LLAMA3_VOCAB = 128256
+# flavors with attn_mask_type="block_causal": attention stops at document boundaries; jaxpar's is causal
+# over the whole sequence
+LLAMA3_BLOCK_CAUSAL = ("debugmodel_flex_attn", "debugmodel_varlen_attn", "8B_flex", "8B_varlen")
+LLAMA3_ROPE_SCALING = (
+    "torchtitan's Llama 3 (this TOML is in its current schema; since 5bbda42, 2025-10) rotates with Llama "
+    "3.1's scaled RoPE (factor 8, low/high frequency factors 1/4, original context 8192); jaxpar's RoPE is "
+    "unscaled (theta 500000); for a torchtitan before 5bbda42 (unscaled) --approximate is exact"
+)
+# the 2024 schema's Llama 3 flavors (torchtitan/models/llama/__init__.py at a99d2e5, llama3_configs;
+# plain RoPE, theta 500000): flavor -> (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of);
+# the vocabulary is the tokenizer's (ModelArgs.vocab_size = tokenizer.n_words in train.py there)
+LLAMA3_2024_FLAVORS = {
+    "debugmodel": (256, 8, 16, 16, None, 256),
+    "8B": (4096, 32, 32, 8, 1.3, 1024),
+    "70B": (8192, 80, 64, 8, 1.3, 4096),
+    "405B": (16384, 126, 128, 8, 1.2, 4096),
+}
+LLAMA3_VOCAB = 128256  # the Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
+# a99d2e5's test/assets/test_tiktoken.model: 2000 BPE ranks + the TikTokenizer's 256 special tokens
+TEST_TIKTOKEN_VOCAB = 2256
 # torchtitan's 2024 Llama 2 flavors (torchtitan/models/llama/__init__.py at a99d2e5; ModelArgs
 # defaults: n_kv_heads = n_heads, multiple_of 256, rope_theta 10000): flavor ->
 # (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of); vocabulary: the Llama 2
 # tokenizer's 32000 (the tokenizer file is not read)
 LLAMA2_FLAVORS = {
+    "debugmodel": (256, 8, 16, 16, None, 256),
     "271M": (1024, 16, 8, 8, None, 256),
     "1B": (2048, 18, 16, 16, None, 256),
     "7B": (4096, 32, 32, 32, None, 256),
@@ -49,7 +79,8 @@ QWEN3_FLAVORS = {
     "14B": (5120, 40, 40, 8, 17408, False),
     "32B": (5120, 64, 64, 8, 25600, False),
 }
-# torchtitan's MoE families: what keeps each from jaxpar's Mixtral-like MoE (model.num_experts)
+# torchtitan's MoE families: what keeps each from jaxpar's Mixtral-like MoE (model.num_experts); without
+# --approximate each is refused (its dense stand-in would not be the recipe's model)
 MOE_FAMILIES = {
     "deepseek_v3": "shared experts, dense first layers, multi-head latent attention",
     "llama4": "a shared expert in every MoE layer, layers without positions (iRoPE)",
@@ -80,19 +111,37 @@ UNSUPPORTED_SECTIONS = {
     "experimental": "experimental torchtitan features have no jaxpar counterpart",
 }
 KNOWN = {
-    "job": ("config_file", "dump_folder", "description", "print_args", "print_config", "custom_config_module"),
+    "job": (
+        "config_file",
+        "dump_folder",
+        "description",
+        "print_args",
+        "print_config",
+        "custom_config_module",
+        "use_for_integration_test",
+    ),
     "metrics": (
         "log_freq",
         "enable_tensorboard",
         "disable_color_printing",
+        "enable_color_printing",
         "save_tb_folder",
         "save_for_all_ranks",
         "enable_wandb",
     ),
-    "model": ("name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion"),
+    "model": (
+        "name",
+        "flavor",
+        "hf_assets_path",
+        "tokenizer_path",
+        "converters",
+        "print_after_conversion",
+        "norm_type",
+    ),
     "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "early_step_in_backward"),
     "lr_scheduler": ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min"),
     "training": (
+        "compile",
         "dataset",
         "dataset_path",
         "local_batch_size",
@@ -132,6 +181,8 @@ KNOWN = {
     "checkpoint": (
         "enable",
         "enable_checkpoint",
+        "interval_type",
+        "model_weights_only",
         "folder",
         "interval",
         "last_save_model_only",
@@ -194,9 +245,17 @@ def schedule_fields(
 
 
 def port_torchtitan(
-    path: str | pathlib.Path, *, world_size: int | None = None, allow_unresolved: bool = False
+    path: str | pathlib.Path,
+    *,
+    world_size: int | None = None,
+    allow_unresolved: bool = False,
+    approximate: bool | None = None,
 ) -> tuple[ConfigDict, Report]:
-    """Port a torchtitan ``.toml`` job config; ``world_size`` resolves ``data_parallel_shard_degree = -1``."""
+    """Port a torchtitan ``.toml`` job config; ``world_size`` resolves ``data_parallel_shard_degree = -1``.
+
+    A model jaxpar cannot train (see :func:`_model`) is a model change in the report;
+    ``approximate=False`` refuses it at once, before asking for anything else (the world size); None
+    leaves the decision to the caller (:func:`jaxpar.port.recipe.port_recipe`)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"torchtitan: file '{path}' not found; pass a torchtitan .toml job config")
@@ -206,6 +265,8 @@ def port_torchtitan(
         raise ConfigError(f"torchtitan: {path.name} is not valid TOML ({e}); fix the syntax") from None
     report = Report("torchtitan", str(path))
     values: dict[str, Any] = {}
+    old = schema_2024(raw)
+    renamed = _from_2024(raw) if old else {}
     sec = {name: raw.get(name, {}) for name in KNOWN}
     for name, table in sec.items():
         if not isinstance(table, dict):
@@ -213,11 +274,64 @@ def port_torchtitan(
                 f"torchtitan: [{name}] is a {type(table).__name__}, not a table; write it as [{name}] "
                 "with key = value lines"
             )
+    _model(sec["model"], sec["training"], values, report, old=old)
+    if approximate is False:
+        refuse_model_changes(report, "torchtitan", approximate=False, final=True)
     _parallel(sec["parallelism"], sec["training"], world_size, allow_unresolved, values, report)
-    _model(sec["model"], sec["training"], values, report)
     _optim(sec["optimizer"], sec["lr_scheduler"], sec["training"], values, report)
     _rest(raw, sec, values, report)
+    if "lr_scheduler.warmup_steps" in renamed:
+        report.mapped(
+            "training.warmup_steps",
+            sec["lr_scheduler"]["warmup_steps"],
+            "optim.warmup_steps",
+            "2024 schema: the scheduler's warm-up (lr_scheduler.warmup_steps now)",
+        )
+    for entry in report.entries:  # the 2024 names, as the recipe writes them
+        if entry.source.split(" ")[0] in renamed:
+            name = entry.source.split(" ")[0]
+            entry.source = renamed[name] + entry.source[len(name) :]
+            entry.note = f"2024 schema, now {name}" + (f"; {entry.note}" if entry.note else "")
     return build_config(values, report), report
+
+
+# torchtitan's 2024 schema (config_manager.py at a99d2e5) kept the parallel degrees and the warmup in
+# [training] and the pipeline in [experimental]: 2024 name -> current name
+SCHEMA_2024 = {
+    "training.data_parallel_degree": "parallelism.data_parallel_shard_degree",
+    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "training.enable_loss_parallel": "parallelism.disable_loss_parallel",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+    "experimental.pipeline_parallel_split_points": "parallelism.pipeline_parallel_split_points",
+    "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
+    "experimental.pipeline_parallel_microbatches": "parallelism.pipeline_parallel_microbatch_size",
+    "experimental.enable_async_tensor_parallel": "parallelism.enable_async_tensor_parallel",
+    "experimental.enable_compiled_autograd": "parallelism.enable_compiled_autograd",
+}
+
+
+def _from_2024(raw: dict) -> dict[str, str]:
+    """Move a 2024-schema job's settings to their current places (in ``raw``, in place); returns
+    current name -> 2024 name for the report rows. ``enable_loss_parallel`` is inverted into
+    ``disable_loss_parallel``; ``pipeline_parallel_microbatches`` (a count) has no current
+    counterpart and stays where it is (reported as unknown)."""
+    renamed: dict[str, str] = {}
+    for old, new in SCHEMA_2024.items():
+        section, key = old.split(".")
+        table = raw.get(section)
+        if not isinstance(table, dict) or key not in table or old == "experimental.pipeline_parallel_microbatches":
+            continue
+        value = table.pop(key)
+        if key == "enable_loss_parallel":
+            value = not value
+        target_section, target_key = new.split(".")
+        raw.setdefault(target_section, {})[target_key] = value
+        renamed[new] = old
+    for section in ("experimental",):
+        if raw.get(section) == {}:
+            del raw[section]
+    return renamed
 
 
 def _count(section: dict, key: str, default: int, auto: bool = False, zero: bool = False) -> int:
@@ -417,11 +531,33 @@ def _llama_shape(
     }
 
 
-def _model(m: dict, t: dict, values: dict, report: Report) -> None:
+def schema_2024(raw: dict) -> bool:
+    """Whether a job TOML is in torchtitan's 2024 schema (a99d2e5): ``training.batch_size`` /
+    ``data_parallel_degree`` / ``model.tokenizer_path``, renamed since (``local_batch_size``,
+    ``data_parallel_shard_degree``, ``hf_assets_path``)."""
+    model, training = raw.get("model", {}), raw.get("training", {})
+    if not isinstance(model, dict) or not isinstance(training, dict):
+        return False
+    if "hf_assets_path" in model or "local_batch_size" in training:
+        return False
+    return "tokenizer_path" in model or "batch_size" in training or "data_parallel_degree" in training
+
+
+def _flavors(name: str, old: bool) -> str:
+    """The flavors jaxpar knows for family ``name`` (``old``: in the 2024 schema's tables)."""
+    llama3 = LLAMA3_2024_FLAVORS if old else LLAMA3_FLAVORS
+    table = {"llama3": llama3, "llama2": LLAMA2_FLAVORS, "llama": LLAMA2_FLAVORS, "qwen3": QWEN3_FLAVORS}
+    return ", ".join(table.get(name, {})) or "none"
+
+
+def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) -> None:
+    """The model: a flavor of torchtitan's tables with its shape, or a model change naming why not
+    (``old``: the TOML is in the 2024 schema, whose tables are a99d2e5's)."""
     name, flavor = str(m.get("name", "llama3")), str(m.get("flavor", "debugmodel"))
     seq = _count(t, "training.seq_len", 2048)
     values.update({"train.seq_len": seq, "model.max_seq_len": seq})
     report.mapped("training.seq_len", seq, "train.seq_len, model.max_seq_len")
+    tokenizer = str(m.get("tokenizer_path", ""))
     if name in ("llama2", "llama") and flavor in LLAMA2_FLAVORS:  # the 2024 schema names it llama2 (or llama)
         values.update(_llama_shape(*LLAMA2_FLAVORS[flavor], 10000.0, LLAMA2_VOCAB))
         report.mapped("model.name", name, "model.*")
@@ -432,15 +568,47 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
             f"Llama 2 {flavor} (torchtitan's 2024 table); vocabulary {LLAMA2_VOCAB}, the Llama 2 tokenizer's, "
             "assumed: the tokenizer file is not read (set --set model.vocab_size= for another)",
         )
-    elif name == "llama3" and flavor in LLAMA3_FLAVORS:
+    elif name == "llama3" and old and flavor in LLAMA3_2024_FLAVORS:
+        test_tokenizer = tokenizer.endswith("test_tiktoken.model")
+        vocab = TEST_TIKTOKEN_VOCAB if test_tokenizer else LLAMA3_VOCAB
         values.update(
-            _llama_shape(*LLAMA3_FLAVORS[flavor], LLAMA3_VOCAB)
+            _llama_shape(*LLAMA3_2024_FLAVORS[flavor], 500000.0, vocab)
             | {"model.mlp_activation": "swiglu", "model.norm": "rmsnorm", "model.position": "rope"}
         )
         report.mapped("model.name", name, "model.*")
         report.mapped(
-            "model.flavor", flavor, "model.*", f"Llama 3 {flavor}; vocabulary {LLAMA3_VOCAB} from the Llama 3 tokenizer"
+            "model.flavor",
+            flavor,
+            "model.*",
+            f"Llama 3 {flavor} (torchtitan's 2024 table at a99d2e5, plain RoPE); vocabulary {vocab} from "
+            + (
+                "torchtitan's test tokenizer (2000 ranks + 256 special tokens)"
+                if test_tokenizer
+                else "the Llama 3 tokenizer"
+            ),
         )
+    elif name == "llama3" and not old and flavor in LLAMA3_FLAVORS:
+        dim, layers, heads, kv, mult, multiple, vocab = LLAMA3_FLAVORS[flavor]
+        values.update(
+            _llama_shape(dim, layers, heads, kv, mult, multiple, 500000.0, vocab)
+            | {"model.mlp_activation": "swiglu", "model.norm": "rmsnorm", "model.position": "rope"}
+        )
+        report.mapped("model.name", name, "model.*")
+        report.mapped(
+            "model.flavor",
+            flavor,
+            "model.*",
+            f"Llama 3 {flavor}'s shape (torchtitan's table at 238fa99); vocabulary {vocab}",
+        )
+        report.model_change("(rope scaling)", "Llama 3.1", LLAMA3_ROPE_SCALING, target="model.rope_theta")
+        if flavor in LLAMA3_BLOCK_CAUSAL:
+            report.model_change(
+                "(attention mask)",
+                "block_causal",
+                f"flavor {flavor} masks attention at document boundaries (attn_mask_type block_causal); "
+                "jaxpar's attention is causal over the whole sequence",
+                target="model.attention",
+            )
     elif name == "qwen3" and flavor in QWEN3_FLAVORS:
         dim, layers, heads, kv, hidden, tied = QWEN3_FLAVORS[flavor]
         vocab = 2048 if flavor == "debugmodel" else 151936
@@ -465,18 +633,29 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
         )
         report.mapped("model.name", name, "model.name", "qwen3: LLaMA's block with QK-norm")
         report.mapped("model.flavor", flavor, "model.*", f"Qwen3 {flavor} (torchtitan's table); vocabulary {vocab}")
-    else:
+    elif name in MOE_FAMILIES:
         why = (
-            f"mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
-            "routed SwiGLU experts in every layer, nothing shared)"
-            if name in MOE_FAMILIES
-            else "no known shape for this flavor (a debug model's vocabulary comes from a test tokenizer jaxpar "
-            "does not read)"
-            if flavor.startswith("debugmodel")
-            else "no known shape for this flavor"
+            f"a mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
+            "routed SwiGLU experts in every layer, nothing shared); no jaxpar model computes it, jaxpar's default "
+            "model would be trained"
         )
-        report.unsupported("model.name", name, f"{why}; model.* left at jaxpar defaults, set them by hand")
-        report.unsupported("model.flavor", flavor, why)
+        report.model_change("model.name", name, why, target="model.*")
+        report.unsupported("model.flavor", flavor, f"a {name} flavor: see model.name")
+    else:
+        known = name in ("llama3", "llama2", "llama", "qwen3")
+        table = "the 2024 table (a99d2e5)" if old else "the current table (238fa99)"
+        if known:
+            why = f"{name} flavor '{flavor}' is not in torchtitan's {name} flavors jaxpar knows ({table})"
+        else:
+            why = f"model family '{name}' is not one jaxpar ports (llama3, llama2 and qwen3)"
+        report.model_change(
+            "model.flavor" if known else "model.name",
+            flavor if known else name,
+            why + ": no known shape, jaxpar's default model would be trained",
+            f"use one of the flavors {_flavors(name, old)}" if known else "",
+            target="model.*",
+        )
+        report.unsupported("model.name" if known else "model.flavor", name if known else flavor, "see the model change")
     converters = list(m.get("converters", []))
     for key, value in m.items():
         if key == "converters":
@@ -486,6 +665,14 @@ def _model(m: dict, t: dict, values: dict, report: Report) -> None:
                 "unsupported" if converters else "mapped",
                 "",
                 "no float8/MX training in jaxpar" if converters else "none",
+            )
+        elif key == "norm_type" and str(value) in ("rmsnorm", "compiled_rmsnorm", "fused_rmsnorm", "layernorm"):
+            norm = "layernorm" if value == "layernorm" else "rmsnorm"
+            values["model.norm"] = norm
+            report.mapped(f"model.{key}", value, "model.norm", "2024 schema: the norm (compiled/fused: kernels)")
+        elif key == "norm_type":
+            report.model_change(
+                f"model.{key}", value, f"norm '{value}' (2024 schema); jaxpar's norms are RMSNorm and LayerNorm"
             )
         elif key not in ("name", "flavor"):
             status = "approximated" if key in KNOWN["model"] else "unknown"
@@ -708,7 +895,7 @@ def _profiling(prof: Any, values: dict[str, Any], report: Report) -> None:
             )
         elif key == "save_traces_folder" and enabled:
             report.approximated(src, value, "train.profile_steps", "the trace goes to <train.workdir>/profile")
-        elif key in ("enable_memory_snapshot", "save_memory_snapshot_folder") and value:
+        elif key in ("enable_memory_snapshot", "save_memory_snapshot_folder") and prof.get("enable_memory_snapshot"):
             report.unsupported(
                 src, value, "no CUDA memory snapshots in jaxpar; nearest: `jaxpar inspect` (compiled per-device memory)"
             )
