@@ -551,7 +551,7 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         a.note(name, "approximated", "train.global_batch", note)
 
 
-# --cp-comm-type -> parallel.context_exchange (jaxpar.parallel.context): exact counterparts
+# --cp-comm-type -> parallel.context_exchange (jaxpar.ops.context_parallel): exact counterparts
 CP_COMM_TYPES = {"p2p": "ring", "all_gather": "all_gather"}
 
 
@@ -700,7 +700,7 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
     else:
         a.model_change("--rotary-percent", f"RoPE on {percent:g} of each head; jaxpar rotates the full head dimension")
     # Megatron's dropout (default 0.1 each): --hidden-dropout on the embedding output and before each
-    # residual add, --attention-dropout on the softmax probabilities: jaxpar's placement (jaxpar.models.dropout)
+    # residual add, --attention-dropout on the softmax probabilities: jaxpar's placement (jaxpar.ops.dropout)
     for name, target in (("--attention-dropout", "model.attention_dropout"), ("--hidden-dropout", "model.dropout")):
         values[target] = a.get(name, float, 0.1)
         if not a.has(name):

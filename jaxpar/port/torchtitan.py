@@ -471,7 +471,7 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
     )
 
 
-# parallelism.context_parallel_rotate_method -> parallel.context_exchange (jaxpar.parallel.context)
+# parallelism.context_parallel_rotate_method -> parallel.context_exchange (jaxpar.ops.context_parallel)
 ROTATE_METHODS = {"allgather": "all_gather"}
 
 
