@@ -109,11 +109,12 @@ def stage_tensors(
 ) -> list[tuple[ParamTensor, int]]:
     """(tensor, copies) held by the first or last pipeline stage (one stage holds all when p = 1).
 
-    Each rank holds L/p layers (v chunks when interleaved). Megatron places the embedding and learned positions on the first
-    stage, final norm and output layer on the last (with tied embeddings and p > 1 the last keeps
-    its own copy of the table). ``shared_on_every_stage``: jaxpar's pipeline (stage form,
-    :mod:`jaxpar.parallel.pipeline.forms`) holds on every stage the layers, the final norm, the
-    positions and one V x h table (the ``ends`` slot when untied, else the shared table).
+    Each rank holds L/p layers (v chunks when interleaved). Megatron places the embedding and
+    learned positions on the first stage, final norm and output layer on the last (with tied
+    embeddings and p > 1 the last keeps its own copy of the table). ``shared_on_every_stage``:
+    jaxpar's pipeline (stage form, :mod:`jaxpar.parallel.pipeline.forms`) holds on every stage the
+    layers, the final norm, the positions and one V x h table (the ``ends`` slot when untied, else
+    the shared table).
     """
     tensors, p = param_tensors(model), layout.pipeline
     out = [(t, model.num_layers // p if t.place == "layer" else 1) for t in tensors]
