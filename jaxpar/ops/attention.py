@@ -1,21 +1,18 @@
 """Causal grouped-query attention: the reference path, a blockwise (flash-style) path, cuDNN.
 
-Shapes everywhere: ``q`` (b, sq, n, d), ``k``/``v`` (b, sk, kv, d) with ``n % kv == 0``
-(grouped-query attention: query head ``h`` reads key/value head ``h // (n // kv)``); outputs
-(b, sq, n, d); per-row log-sum-exp (b, sq, n) in fp32.
+Shapes: ``q`` (b, sq, n, d), ``k``/``v`` (b, sk, kv, d) with ``n % kv == 0`` (query head ``h``
+reads key/value head ``h // (n // kv)``); outputs (b, sq, n, d); per-row log-sum-exp (b, sq, n) fp32.
 
-* :func:`dot_product_attention`: the reference (``model.attention=dot_product``). It builds the
-  (sq, sk) score matrix in fp32, so its memory grows with ``s**2``.
+* :func:`dot_product_attention`: the reference (``model.attention=dot_product``); its fp32 (sq, sk)
+  score matrix grows with ``s**2``.
 * :func:`blockwise_attention`: FlashAttention in pure JAX, any backend (Dao et al. 2022,
-  "FlashAttention", arXiv:2205.14135; Dao 2023, "FlashAttention-2", arXiv:2307.08691). An online
-  softmax over key/value blocks keeps an O(s * block) working set in the forward pass, and a
-  ``jax.custom_vjp`` recomputes the blocks in the backward pass from (q, k, v, out, logsumexp)
-  instead of saving probabilities. Positions are explicit arrays, and the per-row log-sum-exp is
-  exposed (:func:`blockwise_attention_with_lse`) so partial results over disjoint key sets merge
-  exactly (:func:`merge_partials`), as ring / context-parallel attention needs (Liu et al. 2023,
-  "Ring Attention with Blockwise Transformers", arXiv:2310.01889).
+  arXiv:2205.14135; Dao 2023, FlashAttention-2, arXiv:2307.08691): an online softmax over key/value
+  blocks and a ``jax.custom_vjp`` that recomputes the blocks from (q, k, v, out, lse). Positions
+  are explicit and the log-sum-exp is exposed (:func:`blockwise_attention_with_lse`), so partial
+  results over disjoint key sets merge exactly (:func:`merge_partials`), as ring attention needs
+  (Liu et al. 2023, arXiv:2310.01889).
 * :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` behind the
-  shape checks of cuDNN's fused flash kernel, with :func:`resolve_attention` choosing for ``auto``.
+  shape checks of cuDNN's fused flash kernel; :func:`resolve_attention` chooses for ``auto``.
 """
 
 from __future__ import annotations
@@ -49,16 +46,13 @@ def dot_product_attention(
 ) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
-    Scores in fp32, scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``,
-    probabilities cast to ``v.dtype`` before the value matmul.
-    Query ``i`` has position ``q_offset + i`` and key ``j`` position ``kv_offset + j``; the causal
-    mask keeps ``q_pos >= kv_pos``. A query row that sees no key at all gets the uniform average
-    of the values (every score equals ``finfo.min``), not zeros: this path never produces such rows
-    in the model (offsets 0, sq == sk).
+    Scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``, probabilities cast to
+    ``v.dtype`` before the value matmul. Query ``i`` is at position ``q_offset + i``, key ``j`` at
+    ``kv_offset + j``; the causal mask keeps ``q_pos >= kv_pos``. A query row that sees no key gets
+    the uniform average of the values, not zeros (the model never makes such rows here).
 
     ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`, optional): attention dropout on the
-    probabilities (after the cast, before the value matmul), keyed by global (row, head, query
-    position, key position).
+    probabilities after the cast, keyed by global (row, head, query position, key position).
     """
     b, sq, n, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
@@ -345,35 +339,31 @@ def blockwise_attention(
 ) -> jax.Array:
     """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
 
-    Same result as :func:`dot_product_attention` (fp32 scores, fp32 online softmax: running max,
-    running sum and an fp32 accumulator per query block, probabilities cast to ``v.dtype`` for the
-    value matmul). Queries are grouped as (kv, n // kv) so each key/value block is read once per
-    group of query heads; K/V are never repeated. The backward pass is a ``jax.custom_vjp``
-    (FlashAttention-2) that recomputes each block from (q, k, v, out, lse): both passes hold
-    O(s * d) residuals and O(block_q * block_kv) scores, never O(s**2).
+    Same result as :func:`dot_product_attention` (fp32 scores and online softmax: running max,
+    running sum and an fp32 accumulator per query block; probabilities cast to ``v.dtype`` for the
+    value matmul). Queries are grouped as (kv, n // kv), so each key/value block is read once per
+    group and K/V are never repeated. The backward is a ``jax.custom_vjp`` (FlashAttention-2) that
+    recomputes each block from (q, k, v, out, lse): both passes hold O(s * d) residuals and
+    O(block_q * block_kv) scores.
 
-    **Positions.** ``q_positions`` (sq,) and ``kv_positions`` (sk,) int arrays (default
-    ``arange``), shared by the batch, define the causal mask ``q_pos >= kv_pos``; they need not be
-    contiguous or sorted, so a context-parallel device holding query chunks ``i`` and ``2c-1-i``
-    passes their positions, and key chunks from other devices arrive with theirs. Use
-    :func:`blockwise_attention_with_lse` and :func:`merge_partials` to combine the partial results.
+    **Positions.** ``q_positions`` (sq,) and ``kv_positions`` (sk,) int arrays (default ``arange``),
+    shared by the batch, define the causal mask ``q_pos >= kv_pos``; they need not be contiguous or
+    sorted (a context-parallel rank holds chunks ``i`` and ``2c-1-i``; other ranks' keys arrive with
+    theirs). :func:`blockwise_attention_with_lse` and :func:`merge_partials` combine partial results.
 
-    **Skipping masked blocks: trip counts, not ``lax.cond``.** Before the loops, a small
-    (q_blocks, kv_blocks) table says which blocks hold any unmasked pair (largest query position
-    >= smallest key position); each row is compacted to the list of its needed blocks and their
-    count. The inner loop is a ``fori_loop`` whose trip count is that count (a ``while`` loop: legal
-    here because the custom VJP means JAX never differentiates through it), indexing blocks through
-    the list. Fully masked blocks therefore cost nothing, for any positions (the default causal case
-    runs ``nb*(nb+1)/2`` of ``nb**2`` blocks), whereas ``lax.cond`` per block would still iterate over
-    every block, and becomes a ``select`` that computes both branches when batched with ``vmap``. The
-    backward pass uses the transposed table (per kv block, the query blocks that see it).
+    **Masked blocks are skipped by trip count, not ``lax.cond``.** A (q_blocks, kv_blocks) table of
+    the blocks holding an unmasked pair is compacted per row to the list of needed blocks and their
+    count, which is the inner ``fori_loop``'s trip count (a ``while`` loop, legal because JAX never
+    differentiates through it). Fully masked blocks cost nothing for any positions (the causal
+    default runs ``nb*(nb+1)/2`` of ``nb**2`` blocks); ``lax.cond`` would still iterate over every
+    block, and under ``vmap`` becomes a ``select`` computing both branches. The backward uses the
+    transposed table.
 
-    **Ragged lengths.** ``sq`` and ``sk`` need not be multiples of the blocks (blocks are clamped
-    to the lengths): the tail is zero-padded, padded keys are masked, padded query rows are dropped.
+    **Ragged lengths.** ``sq`` and ``sk`` need not be multiples of the blocks: the tail is
+    zero-padded, padded keys are masked, padded query rows dropped.
 
-    **Cost.** The loop over query blocks is sequential (``lax.map``), unlike a fused GPU kernel
-    that runs query blocks in parallel: this path trades speed for memory on any backend; on NVIDIA
-    GPUs :func:`cudnn_attention` is the fast path.
+    **Cost.** Query blocks run sequentially (``lax.map``), unlike a fused GPU kernel: this path
+    trades speed for memory on any backend; on NVIDIA GPUs :func:`cudnn_attention` is the fast path.
     """
     return blockwise_attention_with_lse(
         q,
