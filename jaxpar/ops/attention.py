@@ -114,12 +114,9 @@ def _schedule(needed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _needed_blocks(qp: jax.Array, kp: jax.Array, sk: int, block_kv: int, causal: bool) -> jax.Array:
-    """(q_blocks, kv_blocks) bool: which blocks hold at least one unmasked (query, key) pair.
-
-    Under the causal mask a block is needed iff its largest query position reaches its smallest
-    key position (padding queries carry ``int32.min``, padding keys ``int32.max``, so neither
-    counts). Without the mask every block holding a real key is needed.
-    """
+    """(q_blocks, kv_blocks) bool: which blocks hold at least one unmasked (query, key) pair. Causal:
+    the block's largest query position reaches its smallest key position (padding queries carry
+    ``int32.min``, padding keys ``int32.max``); else every block holding a real key."""
     if not causal:
         real = jnp.arange(kp.shape[0]) * block_kv < sk
         return jnp.broadcast_to(real[None, :], (qp.shape[0], kp.shape[0]))
@@ -407,10 +404,9 @@ DROPOUT_CUDNN = (
 
 
 def cudnn_unsupported_reason(head_dim: int, compute_dtype: str, compute_capability: str | None) -> str | None:
-    """Why cuDNN's fused flash attention cannot take these shapes (one line naming field and fix), or None.
-
-    The rules of ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``/``check_layout``:
-    fp16/bf16 inputs; head dim a multiple of 8 and at most 128, or 256 from Hopper (sm_90) on.
+    """Why cuDNN's fused flash attention cannot take these shapes (one line naming field and fix), or
+    None. The rules of ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention`` /
+    ``check_layout``: fp16/bf16; head dim a multiple of 8, at most 128, or 256 from Hopper (sm_90) on.
     """
     if compute_dtype not in ("bfloat16", "float16"):
         return (
@@ -458,12 +454,11 @@ def resolve_attention(
 ) -> str:
     """The implementation ``model.attention=name`` runs on ``backend`` (``jax.default_backend()``).
 
-    ``auto``: ``cudnn`` on a GPU when the kernel takes the head dim and dtype, ``blockwise``
-    otherwise. An explicit ``cudnn`` off GPU or with unsupported shapes is a :class:`ConfigError`.
-    ``compute_capability`` (e.g. "9.0") defaults to the first GPU's when one is present.
-    With ``attention_dropout`` > 0, ``auto`` is ``blockwise`` and ``cudnn`` a :class:`ConfigError`:
-    cuDNN draws its own mask from a seed and offset, not jaxpar's per-index hash, so its masks would
-    differ between layouts (:mod:`jaxpar.ops.dropout`).
+    ``auto``: ``cudnn`` on a GPU whose kernel takes the head dim and dtype, else ``blockwise``; an
+    explicit ``cudnn`` off GPU or with unsupported shapes is a :class:`ConfigError`.
+    ``compute_capability`` (e.g. "9.0") defaults to the first GPU's. With ``attention_dropout`` > 0,
+    ``auto`` is ``blockwise`` and ``cudnn`` refused: cuDNN draws its mask from a seed and offset, not
+    jaxpar's per-index hash, so its masks would differ between layouts (:mod:`jaxpar.ops.dropout`).
     """
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")

@@ -1,37 +1,30 @@
 """The optimizer registry: ``optim.name`` -> how to build it, which fields it reads, its state size.
 
-An optimizer is one :class:`Optimizer` entry in :data:`OPTIMIZERS`: ``build``
-``(optim_cfg, schedule, placements) -> optax.GradientTransformation``, the optim fields it reads
-(any other field off its default is a one-line :class:`ConfigError`), and ``state``: the formula of
-its per-parameter state leaves (shapes, kept parameter dims), which the planner prices
-(:func:`state_leaves`).
-
-Built in:
+An optimizer is one :class:`Optimizer` in :data:`OPTIMIZERS`: ``build`` ``(optim_cfg, schedule,
+placements) -> optax.GradientTransformation``, the optim fields it reads (any other field off its
+default is a one-line :class:`ConfigError`), and ``state``, the formula of its per-parameter state
+leaves, which the planner prices (:func:`state_leaves`). Built in:
 
 * ``adamw`` (default): jaxpar's own AdamW inside the step's ``shard_map``
-  (:meth:`jaxpar.train.step.StepBuilder._adamw`), which skips a bad step by multiplying by exactly
-  1 and adding 0. ``build`` gives ``optax.adamw`` with the same fields, its reference in
-  tests/test_optim.py (relative error < 1e-6).
+  (:meth:`jaxpar.train.step.StepBuilder._adamw`; a bad step multiplies by exactly 1 and adds 0);
+  ``build`` gives ``optax.adamw``, its reference in tests/test_optim.py (relative error < 1e-6).
 * ``lion``: ``optax.lion`` (Chen et al. 2023, arXiv:2302.06675).
-* ``sgd``: ``optax.sgd`` with ``optim.momentum`` (default 0.9) / ``optim.nesterov``; weight decay
-  decoupled (AdamW-style) or, with ``decoupled_weight_decay=False``, added to the gradient (L2, as
-  ``torch.optim.SGD``).
+* ``sgd``: ``optax.sgd``, ``optim.momentum`` (default 0.9), ``optim.nesterov``; decoupled weight
+  decay, or L2 on the gradient (``torch.optim.SGD``) with ``decoupled_weight_decay=False``.
 * ``adafactor``: ``optax.adafactor`` (Shazeer & Stern 2018, arXiv:1804.04235) per tensor
-  (:func:`jaxpar.optim.transforms.per_tensor`) with optax's defaults (factored when the
-  second-largest dim is >= 128, update clipping 1.0, parameter scale); ``optim.momentum`` > 0 adds
-  momentum; weight decay ``lr(k) * weight_decay * p`` (decoupled).
+  (:func:`jaxpar.optim.transforms.per_tensor`), optax's defaults (factored when the second-largest
+  dim is >= 128, update clipping 1.0, parameter scale); ``optim.momentum`` > 0 adds momentum;
+  decoupled weight decay ``lr(k) * weight_decay * p``.
 * ``muon``: ``optax.contrib.muon`` (Jordan et al. 2024; Liu et al. 2025, arXiv:2502.16982) where
-  the installed optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default
-  0.95, ``optim.nesterov``) for the block weight matrices (:func:`muon_dims`), AdamW (``b1``,
-  ``b2``, ``eps``) for the embedding, output layer and norms; decoupled weight decay
-  (:func:`~jaxpar.optim.transforms.decoupled_weight_decay`) where the ParamPlacement decays.
+  optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default 0.95,
+  ``optim.nesterov``) for the block weight matrices (:func:`muon_dims`), AdamW (``b1``, ``b2``,
+  ``eps``) for the rest; decoupled weight decay where the ParamPlacement decays.
 
-Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``)
-with ``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation``
-(``learning_rate``: :mod:`jaxpar.optim.lr`; ``weight_decay_mask``: bools shaped like the parameters,
-False for norms). It sees the stored tree (stacked layers as one tensor), may read any field, and
-its state is not priced (:func:`state_leaves` gives none). ``optim.clip_norm`` clips the global
-norm before every optimizer, mesh-aware (:mod:`jaxpar.train.step`).
+Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``),
+``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation`` with the
+schedule (:mod:`jaxpar.optim.lr`) and a tree of bools like the parameters (False for norms). It sees
+the stored tree (stacked layers as one tensor), may read any field, and its state is not priced.
+``optim.clip_norm`` clips the global norm before every optimizer, mesh-aware.
 """
 
 from __future__ import annotations
