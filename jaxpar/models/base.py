@@ -1,20 +1,14 @@
 """The model interface: what the train step, the pipeline, ZeRO-3, the planner and the importers use.
 
 A model family is a subclass of :class:`Model` registered under a ``model.name``
-(:mod:`jaxpar.models`). Everything outside ``jaxpar/models`` reaches the model only through it:
-
-* :meth:`Model.init` (parameters as a plain nested dict) and :meth:`Model.logical_axes` (the same
-  tree of logical dim names, which :mod:`jaxpar.sharding` maps to mesh axes);
-* the shard-local forward pieces, run inside ``shard_map`` with explicit collectives (Megatron
-  style, Shoeybi et al. 2019): :meth:`Model.embed`, :meth:`Model.block` (one layer),
-  :meth:`Model.head_loss` (final norm, logits, vocabulary-parallel cross-entropy sum) and their
-  composition :meth:`Model.loss_sum`;
-* :attr:`Model.stacked` (the scanned subtree, leading ``layers`` dim) and :attr:`Model.roles` (every
-  other top-level entry's role: ``embedding`` / ``positions`` on the first pipeline stage,
-  ``final_norm`` / ``output`` on the last), from which :mod:`jaxpar.models.inventory` derives the
-  planner's parameter inventory;
-* :attr:`Model.hf`: the Hugging Face tensor-name and ``config.json`` field maps of
-  :mod:`jaxpar.port.weights` (``None``: no HF checkpoint format).
+(:mod:`jaxpar.models`); nothing outside ``jaxpar/models`` reaches a model otherwise. It gives
+:meth:`Model.init` (a plain nested dict) and :meth:`Model.logical_axes` (the same tree of logical
+dim names, mapped to mesh axes by :mod:`jaxpar.sharding`); the shard-local forward pieces, run in
+``shard_map`` with explicit collectives (Megatron style, Shoeybi et al. 2019): :meth:`Model.embed`,
+:meth:`Model.block`, :meth:`Model.head_loss` and their composition :meth:`Model.loss_sum`;
+:attr:`Model.stacked` (the scanned subtree) and :attr:`Model.roles` (the pipeline stage of every
+other top-level entry), from which :mod:`jaxpar.models.inventory` derives the planner's inventory;
+and :attr:`Model.hf`, the Hugging Face maps of :mod:`jaxpar.port.weights` (``None``: no HF format).
 
 ZeRO-3 reaches the model as a tree of split dims (:attr:`ShardContext.zero3_dims`,
 :mod:`jaxpar.ops.zero3`) that :meth:`Model.gather_shared` and :meth:`Model.run_blocks` gather with,

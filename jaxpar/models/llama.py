@@ -1,25 +1,20 @@
 """The ``llama`` family: a LLaMA-style decoder in Flax NNX, written shard-locally (Megatron style).
 
-Each ``nnx.Param`` carries its logical dim names (``logical_axes`` metadata), which
-:mod:`jaxpar.sharding` maps to mesh axes. The layers' parameters are stacked on a leading ``layers``
-dim and run with ``lax.scan``, so compile time does not grow with depth.
-
-The forward pass runs inside ``shard_map`` on *local* shards (sizes from the parameter shapes),
-with Megatron-LM's tensor-parallel collectives written out:
+Each ``nnx.Param`` carries its logical dim names (``logical_axes`` metadata) for
+:mod:`jaxpar.sharding`. The layers are stacked on a leading ``layers`` dim and run with
+``lax.scan``, so compile time does not grow with depth. The forward pass runs inside ``shard_map``
+on *local* shards, with Megatron-LM's tensor-parallel collectives written out:
 
 * column-parallel QKV and MLP up/gate, row-parallel attention output and MLP down, then one ``psum``
   over ``tensor`` (sequence parallelism: ``all_gather`` of the sequence before the block and
-  ``psum_scatter`` after it, same bytes); the backward all-reduce of Megatron's "f" is JAX's
-  transpose of the implicit broadcast of a tensor-replicated activation;
-* vocabulary-parallel embedding and cross-entropy (max / sum-exp / target logit reduced over
-  ``tensor``);
-* ZeRO-3: each layer is gathered over ``data`` inside the scan body and never saved by remat
-  (gathered again in the backward, whose transpose reduce-scatters the gradient), written once for
-  every family in :mod:`jaxpar.models.base` with :mod:`jaxpar.ops.zero3`.
+  ``psum_scatter`` after it); the backward all-reduce of Megatron's "f" is JAX's transpose of the
+  implicit broadcast of a tensor-replicated activation;
+* vocabulary-parallel embedding and cross-entropy (max / sum-exp / target logit over ``tensor``);
+* ZeRO-3 gathers each layer inside the scan body and never saves it (:mod:`jaxpar.models.base`).
 
 :class:`LlamaModel` puts these functions (which the parity tests call directly) behind the
 :class:`~jaxpar.models.base.Model` interface, with the HF LLaMA maps (:data:`HF_LLAMA`). Outside
-``shard_map`` (no mesh axes bound) the same code runs as a single-device model.
+``shard_map`` the same code runs as a single-device model.
 """
 
 from __future__ import annotations

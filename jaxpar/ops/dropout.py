@@ -5,23 +5,20 @@ survivors by ``1 / (1 - p)``. Placement follows Megatron-LM (Shoeybi et al. 2019
 ``--hidden-dropout`` / ``--attention-dropout``): ``model.dropout`` on the embedding output and on
 the attention-output and MLP-output branches, after their row-parallel reduction and before each
 residual add; ``model.attention_dropout`` on the softmax probabilities before the value matmul
-(:mod:`jaxpar.ops.attention`, forward and backward; cuDNN is refused).
+(:mod:`jaxpar.ops.attention`; cuDNN is refused).
 
-**The mask is a counter-based hash, not a key split per call** (the idea of Salmon et al. 2011,
-"Parallel random numbers: as easy as 1, 2, 3"): each keep bit is a ``lowbias32`` hash of the run's
-seed, the optimizer step, the layer, the site and the element's *global* indices (the sequence's
-row in the global batch, the token's position, and the feature or the (query head, key position)
-pair). So every layout (DP, ZeRO, TP, SP, pipelines, context parallelism, microbatches) draws the
-same mask for the same element, each device hashing only the indices it holds, and a resumed run,
-or the retry of a skipped step (which keeps its count), draws what an uninterrupted one draws.
+**The mask is a counter-based hash** (Salmon et al. 2011, "Parallel random numbers: as easy as 1,
+2, 3"), not a key split per call: each keep bit hashes (``lowbias32``) the run's seed, the optimizer
+step, the layer, the site and the element's *global* indices (row in the global batch, position,
+and feature or (query head, key position)). So every layout draws the same mask for the same
+element, each device hashing only the indices it holds, and a resumed run, or the retry of a
+skipped step (which keeps its count), draws what an uninterrupted one draws.
 
-**Where the indices come from.** The train step appends each local sequence's global row to the
-token batch as one more int32 column (:func:`append_rows`: ``m * B/M + data_rank * b + r`` for
-microbatch ``m`` of ``M``, ``B`` the global batch); every slice of the batch carries it along, and
-:func:`bind` strips it where the tokens are split. Positions are the context rank's
-(:func:`jaxpar.ops.context_parallel.rank_positions`), sliced for the tensor rank under sequence
-parallelism; heads are offset by the tensor rank; the layer is the model-form index (the layer
-scan counts it, a pipeline stage starts at its chunk's first layer).
+**The indices.** The train step appends each local sequence's global row to the token batch as an
+int32 column (:func:`append_rows`: ``m * B/M + data_rank * b + r`` for microbatch ``m`` of ``M``,
+global batch ``B``), which every slice of the batch carries and :func:`bind` strips. Positions are
+the context rank's (:func:`jaxpar.ops.context_parallel.rank_positions`), sliced per tensor rank
+under SP; heads are offset by the tensor rank; the layer is the model-form index.
 
 With both rates 0 (the default) nothing here is traced.
 """
