@@ -136,23 +136,21 @@ def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
 
     e bytes per activation, q = heads*hd, k = kv_heads*hd, f = mlp_dim; without dropout it saves:
 
-    - attention: RMSNorm input e*sbh; QKV matmul input e*sbh; Q e*sbq and K e*sbk for QK^T (RoPE is
-      linear); the softmax output e*a*s^2*b (used by the softmax and AV backward); V e*sbk; the
-      output-projection input e*sbq: e*sb(2h + 2q + 2k) + e*a*s^2*b.
-    - MLP: RMSNorm input e*sbh; gate/up input e*sbh; SwiGLU's gate and up outputs and the
-      down-projection input, e*sbf each: e*sb(2h + 3f) (silu(gate) is recomputed in XLA's fused
-      backward; 4f if stored). GeLU: the up and GeLU outputs: e*sb(2h + 2f).
+    - attention: RMSNorm input e*sbh; QKV input e*sbh; Q e*sbq and K e*sbk (RoPE is linear); the
+      softmax output e*a*s^2*b; V e*sbk; the output projection's input e*sbq:
+      e*sb(2h + 2q + 2k) + e*a*s^2*b.
+    - MLP: RMSNorm input e*sbh; gate/up input e*sbh; SwiGLU's gate and up outputs and the down
+      projection's input, e*sbf each (silu(gate) is recomputed in XLA's fused backward):
+      e*sb(2h + 3f). GeLU: the up and GeLU outputs: e*sb(2h + 2f).
 
     With e = 2, q = k = h, f = 4h (GeLU) this is 32sbh + 2as^2b: Korthikanti's 34sbh + 5as^2b less
     its dropout masks and output (2sbh + 3as^2b). The 4*e*sbh of norm and matmul inputs sit outside
     the tensor-parallel region (split only by SP); the rest is split by tensor. ``selective`` drops
-    the s^2 term (Korthikanti's selective; jax's ``checkpoint_dots`` would keep QK^T's output
-    instead); ``full`` keeps only the layer input e*sbh.
-
-    **With dropout** Korthikanti's dropout terms return: ``model.dropout`` adds the 1-byte masks of
-    the attention- and MLP-output dropouts, 2sbh (split by SP only); ``model.attention_dropout`` the
-    1-byte probability mask and the dropped probabilities, (1 + e)*a*s^2*b/t (recomputed with
-    ``selective``). A GPT shape with both is then exactly Korthikanti's 34sbh + 5as^2b.
+    the s^2 term (jax's ``checkpoint_dots`` would keep QK^T's output instead); ``full`` keeps only
+    the layer input e*sbh. With dropout Korthikanti's terms return: ``model.dropout`` the 1-byte
+    masks of the attention- and MLP-output dropouts, 2sbh (split by SP only);
+    ``model.attention_dropout`` the 1-byte probability mask and the dropped probabilities,
+    (1 + e)*a*s^2*b/t (recomputed with ``selective``): a GPT shape with both is 34sbh + 5as^2b.
     """
     e, s, b, t = DTYPE_BYTES[model.compute_dtype], layout.seq_len, layout.microbatch_size, layout.tensor
     q, k = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
@@ -169,11 +167,9 @@ def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
 
 
 def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float:
-    """Microbatches whose activations a stage holds at its peak (Narayanan 2021; Korthikanti 2022 sec. 4.2).
-
-    p = 1: 1 (accumulation runs microbatches one after another). GPipe: m. 1F1B: min(p, m) on the
-    first stage, 1 on the last. Interleaved: first stage p * (1 + (p-1)/(p*v)).
-    """
+    """Microbatches whose activations a stage holds at its peak (Narayanan 2021; Korthikanti 2022
+    sec. 4.2): 1 at p = 1 (accumulation runs them one after another); GPipe m; 1F1B min(p, m) on the
+    first stage, 1 on the last; interleaved p * (1 + (p-1)/(p*v)) on the first."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
     if p == 1 or (stage == "last" and layout.schedule != "gpipe"):
         return 1.0
@@ -184,14 +180,12 @@ def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes per device on the busiest pipeline stage.
-
-    ``jaxpar`` convention: ``activation_bytes`` is what the step keeps for the backward pass and
-    ``gradient_bytes + activation_bytes + transient_bytes`` = ``temp_bytes``, the estimate of the
-    compiled step's temporaries (:mod:`jaxpar.analysis.activations`), so ``total_bytes`` = parameters +
-    optimizer state + temporaries, the compiled peak without the batch. ``paper``: Korthikanti's
-    activations x in-flight microbatches (Narayanan 2021) and two gathered layers as transients.
-    """
+    """Peak bytes per device on the busiest pipeline stage. ``jaxpar``: ``activation_bytes`` is what
+    the step keeps for the backward; ``gradient_bytes + activation_bytes + transient_bytes`` =
+    ``temp_bytes`` estimates the compiled temporaries (:mod:`jaxpar.analysis.activations`), so
+    ``total_bytes`` = parameters + optimizer state + temporaries, the compiled peak without the
+    batch. ``paper``: Korthikanti's activations x in-flight microbatches (Narayanan 2021) and two
+    gathered layers as transients."""
 
     convention: str
     stage: str  # first | last (the heavier one; "first" when p = 1)
@@ -224,11 +218,9 @@ def memory_estimate(
     model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", optim: ConfigDict | None = None
 ) -> MemoryEstimate:
     """Model states + activations + temporaries per device; the heavier pipeline stage wins.
-
-    ``jaxpar``: the temporaries of our own step, term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
-    held against the compiled ``temp_size_in_bytes`` by tests/test_memory_estimate.py). ``paper``: the
-    published formulas (:func:`_paper_memory_estimate`).
-    """
+    ``jaxpar``: our step's temporaries term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
+    held against the compiled ``temp_size_in_bytes`` by tests/test_memory_estimate.py); ``paper``:
+    the published formulas (:func:`_paper_memory_estimate`)."""
     if convention == "paper":
         return _paper_memory_estimate(model, layout, optim)
     from jaxpar.analysis import activations

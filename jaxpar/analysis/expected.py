@@ -58,29 +58,26 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]
 def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
     """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
 
-    Per device and step (ring costs, nccl-tests PERFORMANCE.md): m microbatches of b sequences of s
-    tokens per data shard; E a parameter's elements on one device under its *compute* spec (after
-    the tensor split); g = bytes of ``parallel.grad_reduce_dtype``; a = bytes of
-    ``model.compute_dtype``; n = the axis size.
+    Ring costs (nccl-tests PERFORMANCE.md) per device and step: m microbatches of b sequences of s
+    tokens per data shard; E a parameter's elements per device under its *compute* spec; g = bytes
+    of ``parallel.grad_reduce_dtype``; a = bytes of ``model.compute_dtype``; n = the axis size.
 
     * ``data``: stage 0 all-reduces every gradient once, 2(n-1)/n*E*g. Stage 1 reduce-scatters it
-      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2 does the
-      reduce-scatter every microbatch. Stage 3 all-gathers each block parameter (in g) twice per
-      microbatch (forward, and again in the backward: remat never keeps the gathered copy), the
-      embedding / final norm / output layer once per microbatch (XLA may hoist them to once per
-      step), and reduce-scatters every gradient per microbatch. A parameter no dim of which n
-      divides (``sharding.zero_dim``) is all-reduced instead (per step at stages 0-1, per
-      microbatch at 2-3). Plus the loss (one fp32 scalar).
+      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2
+      reduce-scatters every microbatch. Stage 3 all-gathers each block parameter (in g) twice per
+      microbatch (forward, and again in the backward: remat never keeps it), the embedding / final
+      norm / output layer once per microbatch (XLA may hoist them to once per step), and
+      reduce-scatters every gradient per microbatch. A parameter no dim of which n divides is
+      all-reduced instead (per step at stages 0-1, per microbatch at 2-3). Plus the fp32 loss.
     * ``tensor`` (Megatron), per layer and microbatch, each b*s*h*a: 2 all-reduces forward
-      (attention and MLP outputs) and 2 backward (their inputs' gradients); remat repeats the
-      attention output's (the MLP one is dead there). Per microbatch: the vocabulary-parallel
-      embedding (forward), the output layer input's gradient (backward), and the cross-entropy's 3
-      fp32 all-reduces of b*s. Sequence parallelism turns each b*s*h all-reduce into an all-gather +
-      reduce-scatter of the same bytes; recomputation repeats both gathers and the attention
+      (attention and MLP outputs), 2 backward, and the attention output's again with remat. Per
+      microbatch: the vocabulary-parallel embedding, the output layer input's gradient, and the
+      cross-entropy's 3 fp32 all-reduces of b*s. SP turns each b*s*h all-reduce into an all-gather
+      + reduce-scatter of the same bytes; recomputation repeats both gathers and the attention
       reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
-    * ``context`` (c > 1): ``data`` above reads (``data``, ``context``), n = data*c, and s reads s/c;
-      the attention exchange per layer and microbatch is :func:`context_collectives`.
+    * ``context`` (c > 1): ``data`` reads (``data``, ``context``), n = data*c, and s reads s/c; the
+      attention exchange is :func:`context_collectives`.
 
     ``count`` is the number of logical collectives; XLA may combine several into one op.
     Pipeline placements are not modelled (``ConfigError``).

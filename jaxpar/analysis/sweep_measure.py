@@ -1,13 +1,11 @@
 """One layout of a sweep, measured: compile, analyse and run its train step, and its step-time figures.
 
 Per layout (:class:`SweepRecord`): compile time; step time median / min / max after ``warmup``;
-tokens/s; MFU against :func:`jaxpar.metrics.device_peak_flops`; compiled argument and temporary
-bytes per device and collective bytes per axis, each beside the planner's estimate; every step's
-loss. The train step is compiled once, and that executable is both analysed
-(:func:`jaxpar.analysis.compiled.analyze_compiled`) and run from the same initialisation on the
-same batches. In every pass :class:`HostProbe` times the reference layout's step beside each
-layout's, so a re-run on a host that has since sped up or slowed down can be compared after
-dividing that out (:func:`jaxpar.analysis.sweep_report.compare_runs`).
+tokens/s; MFU (:func:`jaxpar.metrics.device_peak_flops`); compiled argument, temporary and
+collective bytes beside the planner's estimates; every step's loss. One executable is both analysed
+(:func:`jaxpar.analysis.compiled.analyze_compiled`) and run. In every pass :class:`HostProbe` times
+the reference layout's step beside each layout's, so a re-run on a host that has sped up or slowed
+down can be compared after dividing that out (:func:`jaxpar.analysis.sweep_report.compare_runs`).
 """
 
 from __future__ import annotations

@@ -111,22 +111,18 @@ def communication(
 ) -> dict[str, AxisComm]:
     """Bytes per device per step on each mesh axis, with times if a cluster is given.
 
-    ``paper`` (the published formulas, the default): data (ZeRO paper sec. 7), S = per-device
-    parameters (after TP/PP) x ``grad_reduce_bytes``: DP all-reduces gradients once per step; ZeRO-1
-    reduce-scatters them and all-gathers the updated parameters once (same bytes); ZeRO-2
-    reduce-scatters every microbatch (m RS + 1 AG); ZeRO-3 gathers parameters in forward and
-    backward and reduce-scatters gradients every microbatch (3m x (N-1)/N * S). tensor (Shoeybi et
-    al. 2019; Korthikanti 2022): 4 all-reduces of b*s*h per layer and microbatch, 6 with full
-    recompute, SP pairs of the same bytes; the 2 embedding/output collectives are ignored (< 1/(2L/p)
-    of the layer traffic). pipeline (Narayanan 2021): one activation forward and one gradient
-    backward of b*s*h per microbatch and boundary, x v interleaved, /t with SP. context (Liu et al.
-    2023): :func:`context_traffic`; s reads s/c, N reads data*c.
-
-    ``jaxpar``: what the train step compiles to (:func:`_jaxpar_data`, :func:`jaxpar_stage_traffic`;
-    the busiest pipeline stage counts), checked against the compiled HLO by tests/test_plan_aot.py.
-
-    Times use ``link_efficiency`` x the nominal bandwidth (nccl-tests bus bandwidths are typically
-    70-80% of nominal).
+    ``paper`` (the default): data (ZeRO paper sec. 7), S = per-device parameters (after TP/PP) x
+    ``grad_reduce_bytes``: DP all-reduces gradients once per step; ZeRO-1 reduce-scatters them and
+    all-gathers the updated parameters once (same bytes); ZeRO-2 reduce-scatters every microbatch
+    (m RS + 1 AG); ZeRO-3 gathers parameters in forward and backward and reduce-scatters gradients
+    every microbatch (3m x (N-1)/N * S). tensor (Shoeybi et al. 2019; Korthikanti 2022): 4
+    all-reduces of b*s*h per layer and microbatch, 6 with full recompute, SP pairs of the same
+    bytes; the 2 embedding/output collectives are ignored (< 1/(2L/p) of it). pipeline (Narayanan
+    2021): an activation forward and a gradient backward of b*s*h per microbatch and boundary, x v
+    interleaved, /t with SP. context (Liu et al. 2023): :func:`context_traffic`; s reads s/c, N
+    reads data*c. ``jaxpar``: what the train step compiles to (:func:`_jaxpar_data`,
+    :func:`jaxpar_stage_traffic`; the busiest stage counts), checked by tests/test_plan_aot.py.
+    Times use ``link_efficiency`` x nominal bandwidth (nccl-tests bus bandwidths reach 70-80%).
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
@@ -244,29 +240,25 @@ def jaxpar_stage_traffic(
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
     executor (jaxpar/parallel/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
 
-    Pipeline: stage d sends one activation per microbatch for each of its v chunks but the last
-    virtual stage's, and one gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
-    sends of b*s*h (/t with SP). Middle stages send 2mv, the ends m(2v-1) (Narayanan et al. 2021
-    count 2mv per boundary).
+    Pipeline: stage d sends an activation per microbatch for each of its v chunks but the last
+    virtual stage's, and a gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
+    sends of b*s*h (/t with SP); middle stages 2mv, the ends m(2v-1) (Narayanan et al. 2021 count
+    2mv per boundary).
 
-    Tensor, per microbatch and chunk of c = L/(p*v) layers, A = one all-reduce of b*s*h (with SP a
-    gather/scatter pair of the same bytes):
+    Tensor, per microbatch and chunk of c = L/(p*v) layers, A = one all-reduce of b*s*h (SP: a
+    gather/scatter pair of the same bytes). 1F1B / interleaved: the forward tick runs the chunk (2cA,
+    plus the embedding's A on the first virtual stage; idle on the last). The backward tick
+    recomputes the stage forward: with full remat a scan keeping each layer's input (2cA), then per
+    layer a recomputed layer under vjp (1A: the MLP's all-reduce is dead there) and its backward
+    (2A): 5cA; SP 5.5cA plus 2 fp32 norm-scale gradients of h per layer and sequence; otherwise the
+    stage's vjp, (4 + [recompute])cA. The first virtual stage's backward recomputes the embedding
+    (A; SP 1.5A); the last's adds the output layer's input gradient (A) and the cross-entropy's 3
+    fp32 all-reduces of b*s. GPipe: per layer (4 + [recompute])A as :func:`_jaxpar_tensor`, the
+    embedding on stage 0, output-layer gradient and cross-entropy on stage p-1.
 
-    * 1F1B / interleaved: the forward tick runs the chunk (2cA, plus the embedding's A on the first
-      virtual stage; idle on the last, whose backward does all). The backward tick recomputes the
-      stage forward: with full remat a scan keeping each layer's input (2cA), then per layer a
-      recomputed layer under vjp (1A: the MLP output's all-reduce is dead there) and its backward
-      (2A): 5cA; SP 5.5cA plus 2 fp32 norm-scale gradients of h per layer and sequence. Otherwise
-      the vjp of the stage: (4 + [recompute])cA. The first virtual stage's backward recomputes the
-      embedding (A; with SP A/2 forward and A/2 backward: 1.5A); the last's adds the output layer's
-      input gradient (A) and the cross-entropy's 3 fp32 all-reduces of b*s.
-    * GPipe: each stage's forward and JAX's transpose of it: per layer (4 + [recompute])A as
-      :func:`_jaxpar_tensor`, the embedding on stage 0, output-layer gradient and cross-entropy on
-      stage p-1.
-
-    With one layer per chunk (c = 1) and no full remat, XLA unrolls the one-step scan and merges the
-    recomputed forward with the vjp's own (``prevent_cse=False``): no recompute all-reduce is left
-    (with SP, A is). Checked per stage against the compiled step by tests/test_plan_aot.py.
+    With c = 1 and no full remat, XLA unrolls the one-step scan and merges the recomputed forward
+    with the vjp's own (``prevent_cse=False``): no recompute all-reduce is left (with SP, A is).
+    Checked per stage against the compiled step by tests/test_plan_aot.py.
     """
     t, p, v, m, sp = (
         layout.tensor,

@@ -336,31 +336,27 @@ def blockwise_attention(
 ) -> jax.Array:
     """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
 
-    Same result as :func:`dot_product_attention` (fp32 scores and online softmax: running max,
-    running sum and an fp32 accumulator per query block; probabilities cast to ``v.dtype`` for the
-    value matmul). Queries are grouped as (kv, n // kv), so each key/value block is read once per
-    group and K/V are never repeated. The backward is a ``jax.custom_vjp`` (FlashAttention-2) that
-    recomputes each block from (q, k, v, out, lse): both passes hold O(s * d) residuals and
-    O(block_q * block_kv) scores.
+    Same result as :func:`dot_product_attention` (fp32 scores; fp32 online softmax with a running
+    max, running sum and accumulator per query block; probabilities cast to ``v.dtype`` for the value
+    matmul). Queries are grouped as (kv, n // kv), so each key/value block is read once per group.
+    The backward is a ``jax.custom_vjp`` (FlashAttention-2) recomputing each block from (q, k, v,
+    out, lse): both passes hold O(s * d) residuals and O(block_q * block_kv) scores.
 
-    **Positions.** ``q_positions`` (sq,) and ``kv_positions`` (sk,) int arrays (default ``arange``),
-    shared by the batch, define the causal mask ``q_pos >= kv_pos``; they need not be contiguous or
-    sorted (a context-parallel rank holds chunks ``i`` and ``2c-1-i``; other ranks' keys arrive with
-    theirs). :func:`blockwise_attention_with_lse` and :func:`merge_partials` combine partial results.
+    ``q_positions`` (sq,) and ``kv_positions`` (sk,) (default ``arange``), shared by the batch,
+    define the causal mask ``q_pos >= kv_pos``; they need not be contiguous or sorted (a
+    context-parallel rank holds chunks ``i`` and ``2c-1-i``), and
+    :func:`blockwise_attention_with_lse` with :func:`merge_partials` combine partial results.
 
-    **Masked blocks are skipped by trip count, not ``lax.cond``.** A (q_blocks, kv_blocks) table of
-    the blocks holding an unmasked pair is compacted per row to the list of needed blocks and their
-    count, which is the inner ``fori_loop``'s trip count (a ``while`` loop, legal because JAX never
-    differentiates through it). Fully masked blocks cost nothing for any positions (the causal
-    default runs ``nb*(nb+1)/2`` of ``nb**2`` blocks); ``lax.cond`` would still iterate over every
-    block, and under ``vmap`` becomes a ``select`` computing both branches. The backward uses the
-    transposed table.
+    Masked blocks are skipped by trip count, not ``lax.cond``: a table of the blocks holding an
+    unmasked pair is compacted per row to the needed blocks and their count, the inner
+    ``fori_loop``'s trip count (a ``while`` loop, legal because JAX never differentiates through
+    it). Fully masked blocks cost nothing for any positions (the causal default runs
+    ``nb*(nb+1)/2`` of ``nb**2``); ``lax.cond`` would still iterate over every block, and under
+    ``vmap`` computes both branches. The backward uses the transposed table. ``sq`` and ``sk`` need
+    not be multiples of the blocks: the tail is zero-padded and masked.
 
-    **Ragged lengths.** ``sq`` and ``sk`` need not be multiples of the blocks: the tail is
-    zero-padded, padded keys are masked, padded query rows dropped.
-
-    **Cost.** Query blocks run sequentially (``lax.map``), unlike a fused GPU kernel: this path
-    trades speed for memory on any backend; on NVIDIA GPUs :func:`cudnn_attention` is the fast path.
+    Query blocks run one after another (``lax.map``), unlike a fused GPU kernel: this path trades
+    speed for memory on any backend; on NVIDIA GPUs :func:`cudnn_attention` is the fast path.
     """
     return blockwise_attention_with_lse(
         q,

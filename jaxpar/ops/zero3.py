@@ -52,12 +52,9 @@ def layer_dims(dims: Any) -> Any:
 
 
 def gather_param(p: jax.Array, dim: int, data_axis: str | tuple[str, ...], compute_dtype: Any) -> jax.Array:
-    """All-gather one parameter's shards over ``data_axis`` on ``dim``, in the compute dtype.
-
-    The cast comes first (on the shard), so nothing full-size but the gathered value itself
-    exists, and the remat policy refuses to keep that one: the backward pass gathers again.
-    The gradient's reduce-scatter (the gather's transpose) therefore runs in the compute dtype.
-    """
+    """All-gather one parameter's shards over ``data_axis`` on ``dim``, in the compute dtype: the cast
+    comes first (on the shard), so nothing full-size exists but the gathered value, which remat never
+    keeps; its transpose, the gradient's reduce-scatter, runs in the compute dtype too."""
     p = p.astype(compute_dtype)
     return checkpoint_name(jax.lax.all_gather(p, data_axis, axis=dim, tiled=True), ZERO3_NAME)
 

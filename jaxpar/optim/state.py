@@ -2,22 +2,19 @@
 
 Derived from the state's *shapes* (``jax.eval_shape(tx.init, params)``), never from leaf names:
 
-* A state leaf belongs to the parameter whose tree path runs, contiguously, inside its own path
-  (optax nests parameter-shaped trees: ``[0].mu['blocks']['attn']['wq']``; the states of
-  :func:`jaxpar.optim.transforms.per_tensor` put the parameter path first). Leaves of no parameter
-  (step counts) are replicated.
+* A state leaf belongs to the parameter whose tree path runs, contiguously, inside its own
+  (``[0].mu['blocks']['attn']['wq']``; :func:`jaxpar.optim.transforms.per_tensor` puts the
+  parameter path first); leaves of no parameter (step counts) are replicated.
 * :func:`kept_dims`: which parameter dim each leaf dim runs along (greedy, left to right, by size).
-  A same-shape leaf takes the parameter's optimizer spec (ZeRO >= 1 splits it over ``data``); a
-  factored leaf (Adafactor's v_row / v_col) keeps the spec entries of the dims it keeps; a scalar is
-  replicated. For a square matrix v_row and v_col match the same way: the spec only decides where
-  the bytes live, the update is exact either way.
-* :func:`convert_state`: the stage form <-> model form (:mod:`jaxpar.parallel.pipeline.forms`) for
-  every leaf: a leaf keeping the stacked ``layers`` dim is permuted like the layers; of ``ends``
-  [p, V, h], slot 0 becomes ``embed`` and slot p-1 ``lm_head`` (transposed): a leaf of the
-  parameter's shape per slot is transposed, a smaller one (factored moments, counts) copied, which
-  is exact because optax factors by dim *size*, so head^T [V, h] and head [h, V] have the same
-  statistics (V == h would swap them: refused). The middle slots (pipeline > 2) hold zero
-  parameters: same-shape leaves get zeros, smaller ones slot 0's values.
+  A same-shape leaf takes the parameter's optimizer spec (ZeRO >= 1 splits it over ``data``), a
+  factored leaf (Adafactor's v_row / v_col) the entries of the dims it keeps, a scalar none. (For a
+  square matrix the match may pick the other dim: only where the bytes live changes.)
+* :func:`convert_state`: stage form <-> model form (:mod:`jaxpar.parallel.pipeline.forms`) for
+  every leaf: leaves keeping the ``layers`` dim are permuted like the layers; of ``ends`` [p, V, h],
+  slot 0 becomes ``embed`` and slot p-1 ``lm_head`` (transposed): per slot a parameter-shaped leaf
+  is transposed, a smaller one (factored moments, counts) copied, exact because optax factors by
+  dim *size*, so head^T and head have the same statistics (V == h would swap them: refused). The
+  middle slots hold zero parameters: same-shape leaves get zeros, smaller ones slot 0's values.
 """
 
 from __future__ import annotations
