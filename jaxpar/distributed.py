@@ -66,11 +66,9 @@ class LaunchSpec:
 
 
 def launch_spec(env: Mapping[str, str] | None = None) -> LaunchSpec:
-    """Read the launch environment (see the module docstring for the sources and their order).
-
-    Refuses in one line what would otherwise start a job that cannot meet: a coordinator without a
-    process count, a process id outside the count, a count that disagrees with SLURM's.
-    """
+    """Read the launch environment (sources and order: the module docstring). Refuses in one line a
+    job that cannot meet: a coordinator without a process count, a process id outside the count, a
+    count that disagrees with SLURM's."""
     env = os.environ if env is None else env
     node = env.get("SLURMD_NODENAME") or env.get("JAXPAR_NODE") or socket.gethostname()
     if in_slurm_step(env):
@@ -247,10 +245,8 @@ def check_coordinator(spec: LaunchSpec, wait: int) -> None:
 
 
 def initialize_from_env() -> bool:
-    """Join the multi-process job described by the environment. Returns True if distributed.
-
-    Waits at most ``JAXPAR_COORDINATOR_TIMEOUT`` seconds for the coordinator, then fails in one line.
-    """
+    """Join the multi-process job described by the environment; returns True if distributed. Waits
+    at most ``JAXPAR_COORDINATOR_TIMEOUT`` seconds for the coordinator, then fails in one line."""
     import jax
 
     spec = launch_spec()

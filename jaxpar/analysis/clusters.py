@@ -97,12 +97,10 @@ _REQUIRED = ("peak_tflops", "memory_bytes", "devices_per_node", "intra_node_gbps
 
 
 def cluster_from_dict(spec: Mapping[str, Any] | ConfigDict, name: str = "custom") -> Cluster:
-    """A user-defined cluster from a dict or ConfigDict with the :class:`Cluster` fields.
-
-    ``memory_gb`` may be given instead of ``memory_bytes``; ``base`` names a preset whose values
-    fill the fields not given (``{"base": "h100-80g", "inter_node_gbps": 25}``). Without a base,
-    ``hbm_gbps`` defaults to a placeholder 1.0 (reported only, never used in an estimate).
-    """
+    """A user-defined cluster from a dict or ConfigDict with the :class:`Cluster` fields; ``memory_gb``
+    may replace ``memory_bytes``, and ``base`` names a preset filling the fields not given
+    (``{"base": "h100-80g", "inter_node_gbps": 25}``); without one ``hbm_gbps`` defaults to 1.0
+    (reported only, never used in an estimate)."""
     data = dict(spec.to_dict() if isinstance(spec, ConfigDict) else spec)
     base = data.pop("base", None)
     values: dict[str, Any] = dataclasses.asdict(get_cluster(base)) if base else {"hbm_gbps": 1.0}

@@ -68,11 +68,9 @@ class ModelStates:
 
 
 def zero_paper_states(num_params: float, zero_stage: int, data: int) -> ModelStates:
-    """ZeRO paper (Rajbhandari et al. 2019, arXiv:1910.02054, sec. 3 and Fig. 1), K = 12.
-
-    bf16 weights 2P + bf16 gradients 2P + fp32 master/momentum/variance 12P = 16 bytes/param:
-    DP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
-    """
+    """ZeRO paper (Rajbhandari et al. 2019, arXiv:1910.02054, sec. 3 and Fig. 1), K = 12: bf16 weights
+    2P + bf16 gradients 2P + fp32 master/momentum/variance 12P = 16 bytes/param: DP 16P, ZeRO-1
+    4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N."""
     shard = [1.0 if zero_stage < k else float(data) for k in (3, 2, 1)]
     return ModelStates(2 * num_params / shard[0], 2 * num_params / shard[1], 12 * num_params / shard[2])
 
@@ -116,11 +114,9 @@ def model_states(
 def korthikanti_activation_bytes(
     s: int, b: int, h: int, a: int, tensor: int = 1, sequence_parallel: bool = False, recompute: str = "none"
 ) -> float:
-    """Activation bytes per GPT layer per microbatch (Korthikanti et al. 2022, arXiv:2205.05198, Table 2).
-
-    2-byte activations, 1-byte dropout masks, GeLU MLP with f = 4h. Per layer: attention
-    11sbh + 5as^2b, MLP 19sbh, two layernorms 4sbh = sbh(34 + 5as/h).
-    """
+    """Activation bytes per GPT layer per microbatch (Korthikanti et al. 2022, arXiv:2205.05198,
+    Table 2): 2-byte activations, 1-byte dropout masks, GeLU MLP with f = 4h; attention
+    11sbh + 5as^2b, MLP 19sbh, two layernorms 4sbh: sbh(34 + 5as/h)."""
     t, sbh = tensor, s * b * h
     if recompute == "full":  # keep only the layer input
         return 2 * sbh / (t if sequence_parallel else 1)

@@ -165,10 +165,9 @@ def _tensor_sizes(model: ConfigDict, cluster: Cluster, num_devices: int) -> list
 
 
 def _context_sizes(seq_len: int, fixed: dict[str, Any]) -> list[int]:
-    """Context sizes c: the pinned one, else 1 and the powers of two whose 2c chunks of the sequence
-    each fill at least one blockwise-attention block (``seq_len / 2c >= attention_block``): shorter
-    chunks leave the ring's per-hop kernels mostly padding, and the sequence is short enough to fit
-    without splitting it."""
+    """Context sizes c: the pinned one, else 1 and the powers of two whose 2c sequence chunks each
+    fill a blockwise-attention block (``seq_len / 2c >= attention_block``); shorter chunks leave the
+    ring's per-hop kernels mostly padding, and such a sequence fits without splitting."""
     if "context" in fixed:
         return [fixed["context"]]
     block = fixed.get("attention_block", ParallelLayout.attention_block)

@@ -46,11 +46,9 @@ def dot_product_attention(
 ) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
-    Scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``, probabilities cast to
-    ``v.dtype`` before the value matmul. Query ``i`` is at position ``q_offset + i``, key ``j`` at
-    ``kv_offset + j``; the causal mask keeps ``q_pos >= kv_pos``. A query row that sees no key gets
-    the uniform average of the values, not zeros (the model never makes such rows here).
-
+    Scale ``1/sqrt(d)``, masked scores ``finfo(float32).min``, probabilities cast to ``v.dtype``
+    before the value matmul. Query ``i`` is at ``q_offset + i``, key ``j`` at ``kv_offset + j``; the
+    causal mask keeps ``q_pos >= kv_pos`` (a row that sees no key gets the values' mean, not zeros).
     ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`, optional): attention dropout on the
     probabilities after the cast, keyed by global (row, head, query position, key position).
     """
@@ -132,13 +130,11 @@ def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
 
 
 def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None):
-    """Online-softmax forward pass. Returns out (b, sq, n, d) in ``out_dtype`` (default q.dtype) and
-    lse (b, sq, n) fp32.
-
-    ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`): attention dropout. The running sum
-    (hence ``lse``) takes the undropped probabilities, the value accumulator the dropped ones, so
-    ``out = dropout(softmax) @ v`` exactly; each block's mask is drawn from its global (row, head,
-    query position, key position) indices, so the backward pass redraws the same one."""
+    """Online-softmax forward pass: out (b, sq, n, d) in ``out_dtype`` (default q.dtype), lse (b, sq,
+    n) fp32. ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`): the running sum (hence ``lse``)
+    takes the undropped probabilities, the value accumulator the dropped ones, so ``out =
+    dropout(softmax) @ v`` exactly; each block's mask comes from its global (row, head, query
+    position, key position) indices, so the backward redraws it."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -299,14 +295,11 @@ def blockwise_attention_with_lse(
     kv_positions: jax.Array | None = None,
     noise=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32.
-
-    ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero
-    output row, where it sees none). Both outputs are differentiable: a cotangent on ``lse`` is
-    folded into the backward pass, so :func:`merge_partials` of partial results differentiates
-    exactly like attention over the union of their keys. ``noise``: attention dropout
-    (:class:`jaxpar.ops.dropout.AttentionNoise`), its masks redrawn in the backward pass.
-    """
+    """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32:
+    ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero output
+    row, where it sees none). Both outputs are differentiable (a cotangent on ``lse`` is folded into
+    the backward), so :func:`merge_partials` of partial results differentiates exactly like attention
+    over the union of their keys. ``noise``: attention dropout, its masks redrawn in the backward."""
     b, sq, n, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
         raise ValueError(
@@ -374,12 +367,11 @@ def blockwise_attention(
 def merge_partials(
     out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Exact attention over keys A ∪ B from attention over A and over B (disjoint key sets).
-
-    ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))`` and
-    ``lse = log(exp(lse_a) + exp(lse_b))``, computed relative to the larger lse (whose gradient is
-    stopped: the result does not depend on it). Rows with ``lse = -inf`` on both sides stay zero
-    with ``-inf``, without NaN in values or gradients. out: (b, s, n, d), lse: (b, s, n) fp32.
+    """Exact attention over keys A ∪ B from attention over A and over B (disjoint key sets):
+    ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))``,
+    ``lse = log(exp(lse_a) + exp(lse_b))``, computed relative to the larger lse (its gradient stopped:
+    the result does not depend on it). Rows with ``lse = -inf`` on both sides stay zero with
+    ``-inf``, without NaN in values or gradients. out: (b, s, n, d), lse: (b, s, n) fp32.
     """
     m = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
     m = jnp.where(jnp.isinf(m), 0.0, m)
@@ -427,12 +419,9 @@ def _gpu_compute_capability() -> str | None:
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
-    """cuDNN fused flash attention (NVIDIA GPUs) through ``jax.nn.dot_product_attention``.
-
-    Layout (b, s, n, d) with grouped-query K/V, scale ``1/sqrt(d)``, causal mask on aligned
-    positions (no offsets). Refuses, with a :class:`ConfigError`, shapes and dtypes the kernel does
-    not take, instead of the backend's late ``NotImplementedError``.
-    """
+    """cuDNN fused flash attention (NVIDIA GPUs) through ``jax.nn.dot_product_attention``: (b, s, n, d)
+    with grouped-query K/V, scale ``1/sqrt(d)``, causal on aligned positions (no offsets). Shapes and
+    dtypes the kernel does not take are a :class:`ConfigError`, not the backend's late error."""
     reason = cudnn_unsupported_reason(q.shape[-1], jnp.dtype(q.dtype).name, _gpu_compute_capability())
     if reason:
         raise ConfigError(reason)
