@@ -1,9 +1,11 @@
 """``jaxpar port deepspeed|megatron|torchtitan|fsdp FILE``: import a recipe, print the report.
 
-``-o out.py`` writes a runnable jaxpar config (only the fields that differ from ``default_config()``)
-atomically, never over an existing file unless ``--overwrite``; ``--json`` prints ``{config,
-report}``. ``--set KEY=VALUE`` sets a jaxpar field after the port or fills a DeepSpeed ``"auto"``
-value. Bad input is a one-line :class:`ConfigError`. The port is :func:`jaxpar.port.recipe.port_recipe`.
+``-o out.py`` writes a runnable jaxpar config (``get_config()`` on top of ``default_config()``,
+only the fields that differ), atomically, and never over an existing file unless ``--overwrite``;
+``--json`` prints one JSON object ``{config, report}``. ``--set KEY=VALUE`` sets a jaxpar field
+(``model.vocab_size=128256``) after the port, or, for DeepSpeed, fills an ``"auto"`` value
+(``lr=3e-4``). Every bad input is a :class:`ConfigError`: one line naming the field and the fix.
+The port itself is :func:`jaxpar.port.recipe.port_recipe`.
 """
 
 from __future__ import annotations
