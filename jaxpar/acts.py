@@ -1,14 +1,12 @@
 """When each config field acts: one declaration per conditional field, checked by the config schema.
 
-A field whose effect depends on another field's value (``pipeline.schedule`` does nothing without
-pipeline stages) is declared here with that condition. :func:`check` refuses such a field set away
-from its default where its condition is false, naming both fields, so no accepted value is silently
-inert. Every field not declared here acts whenever it is set (a model dim, the seed, a path); the
-optimizer fields follow :data:`jaxpar.optim.fields.OPTIMIZER_FIELDS` (checked by
-:func:`jaxpar.optim.fields.check_fields`), listed here too so that :func:`table` covers the schema.
-``docs/config_fields.md`` is :func:`markdown` written out (the command is at its top).
-Code that derives a config from a valid one (one device for a checkpoint, a planned layout) calls
-:func:`reset_inert`, which puts back the fields the derived config leaves without an effect.
+A field whose effect depends on another's value (``pipeline.schedule`` does nothing without
+pipeline stages) is declared here with that condition; :func:`check` refuses it set away from its
+default where the condition is false, naming both fields, so no accepted value is silently inert.
+Undeclared fields act whenever set; the optimizer fields follow
+:data:`jaxpar.optim.fields.OPTIMIZER_FIELDS`, listed here too so :func:`table` covers the schema.
+``docs/config_fields.md`` is :func:`markdown` written out. Configs derived from a valid one go
+through :func:`reset_inert`.
 """
 
 from __future__ import annotations
@@ -111,13 +109,10 @@ def check(cfg: Any, defaults: Any) -> None:
 
 
 def reset_inert(cfg: Any, defaults: Any) -> list[str]:
-    """Set every declared field whose condition does not hold in ``cfg`` back to its default, in place;
-    the fields reset (those that were away from their default), in :data:`CONDITIONS` order.
-
-    For configs derived from a valid one (a checkpoint read on one device, a planned layout): a field
-    that acted in the source can become inert in the derived config, and the derived config trains the
-    same with it at its default. No condition reads a declared field, so one pass settles them all.
-    """
+    """Set every declared field whose condition does not hold in ``cfg`` back to its default, in
+    place; returns the fields reset, in :data:`CONDITIONS` order. For configs derived from a valid
+    one (a checkpoint read on one device, a planned layout), which train the same with such fields
+    at their defaults. No condition reads a declared field, so one pass settles them all."""
     reset = []
     for field, cond in CONDITIONS.items():
         default = _value(defaults, field)

@@ -1,10 +1,9 @@
 """The mesh axes: the one place their names are written as strings.
 
-Vocabulary (as in torchtitan's ``parallel_dims.py``): an *axis* is a mesh axis; a *dim* is an
-array dimension. :class:`MeshAxis` is the only place mesh-axis names are written as strings
-(a leaf module, so the config schema can name its fields after it); everything else names
-``MeshAxis.DATA`` and friends (a ``StrEnum``: each member is equal to, and hashes like, its
-string, so it can stand wherever JAX expects an axis name).
+Vocabulary (as in torchtitan's ``parallel_dims.py``): an *axis* is a mesh axis; a *dim* is an array
+dimension. A leaf module, so the config schema can name its fields after :class:`MeshAxis`, a
+``StrEnum`` whose members equal and hash like their strings, so they stand wherever JAX expects an
+axis name.
 """
 
 from __future__ import annotations
@@ -53,11 +52,10 @@ def batch_axes(expert: int = 1) -> MeshAxis | tuple[MeshAxis, ...]:
 
 def data_group(context: int, expert: int = 1) -> MeshAxis | tuple[MeshAxis, ...]:
     """The axes over which ZeRO shards and gradients are reduced, for every parameter but the
-    experts': the batch axes (:func:`batch_axes`), and ``context`` with context parallelism (as
-    torchtitan's FSDP over dp_shard x cp: every context rank holds a different part of the sequence,
-    so its gradients are partial sums too). The experts' group leaves ``expert`` out (their weights
-    are split over it). A single name when ``context == expert == 1``, so those layouts trace
-    exactly as before the axes existed."""
+    experts': the batch axes (:func:`batch_axes`), and ``context`` with context parallelism (every
+    context rank's gradients are partial sums, as in torchtitan's FSDP over dp_shard x cp). The
+    experts' group leaves ``expert`` out (their weights are split over it). A single name when
+    ``context == expert == 1``."""
     axes = (*group_axes(batch_axes(expert)), *((MeshAxis.CONTEXT,) if context > 1 else ()))
     return axes[0] if len(axes) == 1 else axes
 

@@ -1,19 +1,15 @@
 """Checkpoints on orbax ``CheckpointManager``: asynchronous, keep-N, atomic, restorable on any layout.
 
-A checkpoint holds the parameters, the optimizer state (Adam moments and step count), the data
-reader's position, the seed and the config. Orbax writes each step into a temporary directory
-and renames it when complete, so a checkpoint interrupted by a crash is never listed: a
-checkpoint is either complete or ignored.
-
-Restoring passes abstract arrays that carry the *current* layout's shardings, so a checkpoint
-written at one layout (say data=8, ZeRO-3) restores at another (data=2, tensor=2) with identical
-values, each device reading only its own shard. A checkpoint that fails to restore (truncated
-file, missing item, shapes that do not fit this model) is reported in one line and the previous
-one is tried; with none left, a :class:`ConfigError` (exit code 2). When an older one restores, the
-damaged newer ones are removed (one line says which): kept, they would stay the newest and keep-N
-retention would delete the good checkpoints instead. A checkpoint written for another model (a
-shape field of ``model`` differs in its saved config) is not damaged: it is refused in one line
-naming the field, and nothing is removed.
+A checkpoint holds the parameters, the optimizer state, the data reader's position, the seed and
+the config. Orbax writes each step into a temporary directory and renames it when complete, so an
+interrupted checkpoint is never listed. Restoring passes abstract arrays with the *current*
+layout's shardings, so a checkpoint written at one layout restores at another with identical
+values, each device reading only its shard. A checkpoint that fails to restore (truncated file,
+missing item, shapes that do not fit) is reported in one line and the previous one tried; with
+none left, a :class:`ConfigError` (exit 2). When an older one restores, the damaged newer ones are
+removed (one line says which), else they would stay newest and keep-N retention would delete the
+good ones. A checkpoint of another model (a ``model`` shape field differs in its saved config) is
+not damaged: it is refused in one line naming the field, and nothing is removed.
 """
 
 from __future__ import annotations
@@ -35,10 +31,9 @@ from jaxpar.config import ConfigDict, ConfigError
 
 
 def _one_writer_per_shard() -> None:
-    """Have orbax write each shard from its first replica (its default on GPUs), not split across the
-    replicas of a replicated array: on CPU the split slices every array by a fresh ``jit`` at each
-    save, about 0.7 s of compiling per save of the tiny model for no gain in what is written. Set on
-    orbax's global handler registry for ``jax.Array``; the files are the same either way."""
+    """Have orbax write each shard from its first replica (its default on GPUs), not split across a
+    replicated array's replicas, which on CPU slices every array by a fresh ``jit`` at each save
+    (docs/performance.md). Set on orbax's global handler registry; the files are the same."""
     global _ONE_WRITER
     if _ONE_WRITER:
         return
@@ -270,10 +265,9 @@ MODEL_SHAPE_FIELDS = (
 
 
 def _quiet_failed_reads() -> None:
-    """After a failed restore, orbax leaves the reads of the other arrays pending; when they end (or
-    their event loop is closed under them) Python prints each as "Exception ignored in ..." with a
-    traceback: dozens of lines that say nothing the one-line note has not. Those are dropped
-    (installed once per process); every other unraisable exception still reaches the previous hook."""
+    """After a failed restore, orbax's pending reads of the other arrays end as dozens of "Exception
+    ignored in ..." tracebacks that say nothing the one-line note has not: dropped (hook installed
+    once per process); every other unraisable exception still reaches the previous hook."""
     previous = sys.unraisablehook
     if getattr(previous, "jaxpar_quiet", False):
         return

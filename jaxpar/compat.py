@@ -46,9 +46,7 @@ def vary(x: jax.Array, axes: frozenset) -> jax.Array:
 
 def cached_pipelines_are_wrong() -> bool:
     """Whether this JAX's XLA:CPU reads pipeline executables back from the persistent compilation
-    cache wrong (see :func:`persistent_cache_skipped`): jax 0.10.x. Not seen on jax 0.11.2 (three
-    processes sharing a cache, two of them loading the layout below: losses equal to the fresh
-    compile's in all three)."""
+    cache wrong (:func:`persistent_cache_skipped`): jax 0.10.x (not seen on 0.11.2)."""
     return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
 
 
@@ -61,17 +59,13 @@ def _set_persistent_cache(on: bool) -> None:
 
 @contextlib.contextmanager
 def persistent_cache_skipped(skip: bool = True) -> Iterator[None]:
-    """Compile what runs inside without JAX's persistent compilation cache: nothing is read from it
-    or written to it; compiles before and after keep it. A no-op when ``skip`` is false or the cache
-    is not on.
+    """Compile what runs inside without JAX's persistent compilation cache (nothing read or written;
+    compiles before and after keep it); a no-op when ``skip`` is false or the cache is off.
 
     Why: on XLA:CPU of jax 0.10.2 a pipeline layout's executable read back from the cache computes
-    wrong losses that differ from run to run (``d2t2p2-z0-sp-1f1b-m4``: first-step loss 5.5698 and
-    5.5767 in two processes that loaded it, 5.6041 from every fresh compile; 6 of the 28 pipeline
-    layouts of the tiny sweep were off by 6-34% after 8 steps), while the process that compiled and
-    wrote it computes right. :class:`jaxpar.train.state.Setup` runs a pipeline layout's programs
-    inside this on CPU (:func:`cached_pipelines_are_wrong`); the other layouts keep the cache, so a
-    process that mixes them (the test session, a sweep) still reads those back.
+    wrong losses that differ from run to run, while the process that compiled it computes right
+    (docs/performance.md, "Sweeps"). :class:`jaxpar.train.state.Setup` runs a pipeline layout's
+    programs inside this on CPU (:func:`cached_pipelines_are_wrong`); other layouts keep the cache.
     """
     if not (skip and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
         yield
@@ -85,11 +79,9 @@ def persistent_cache_skipped(skip: bool = True) -> Iterator[None]:
 
 class Uncached:
     """A jitted function whose compiles skip the persistent cache (:func:`persistent_cache_skipped`):
-    calling it, and ``lower(...).compile(...)``. Anything else is the jitted function's.
-
-    Every call enters the guard, not only the one that compiles: the guard costs 7.7 us a call
-    (measured, 1000 enters and exits on this project's 2-core VM), against a step of ~0.1 s, and a
-    call with new shapes that compiles outside it would read the cache back (what the guard is for).
+    calling it, and ``lower(...).compile(...)``; anything else is the jitted function's. Every call
+    enters the guard, not only the one that compiles (a call with new shapes compiling outside it
+    would read the cache back); it costs microseconds a call (docs/performance.md).
     """
 
     def __init__(self, jitted: Any):

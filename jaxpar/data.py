@@ -2,16 +2,15 @@
 
 Sources (``data.source``):
 
-* ``stdlib``: every ``*.py`` file of the running Python's standard library as bytes (vocab 256). It is on
-  every machine, so examples and tests train on real text with no download. Split by file hash, cached.
+* ``stdlib``: the running Python's standard library ``*.py`` files as bytes (vocab 256): real text
+  on every machine, no download. Split by file hash, cached.
 * ``synthetic``: seeded pseudo-random tokens over the model vocab, for throughput benchmarks.
 * ``bin``: a nanoGPT-style flat token file (``np.memmap``); validation is its last ``val_fraction``.
 * ``megatron``: a Megatron-LM indexed dataset, sampled the GPTDataset way (:mod:`jaxpar.data_megatron`).
 
-Why the batch at step ``k`` is a pure function of ``(source, seed, k)``: resuming needs only the step
-number (no loader state in checkpoints), a restart reproduces the run bit for bit, and each process can
-compute *its* rows of the global batch without talking to the others or reading anyone else's rows.
-Numpy only; jax is never imported here.
+The batch at step ``k`` is a pure function of ``(source, seed, k)``: resuming needs only the step
+(no loader state in checkpoints), a restart reproduces the run bit for bit, and each process reads
+only *its* rows of the global batch. Numpy only.
 """
 
 from __future__ import annotations
@@ -91,12 +90,10 @@ def _save_atomic(path: pathlib.Path, array: np.ndarray) -> None:
 def load_stdlib(
     val_fraction: float, root: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
 ) -> dict[str, np.ndarray]:
-    """The stdlib corpus as ``{"train": uint8[...], "validation": uint8[...]}`` (bytes are tokens).
-
-    Files of a split are joined with ``b"\\n\\n"``. The arrays are cached as ``.npy`` under
-    ``$JAXPAR_CACHE_DIR`` or ``~/.cache/jaxpar`` (key: Python version, stdlib path, val_fraction) and
-    memory-mapped from there, so every run after the first starts instantly. An unwritable cache is
-    not an error; the corpus is simply rebuilt next time.
+    """The stdlib corpus as ``{"train": uint8[...], "validation": uint8[...]}`` (bytes are tokens),
+    a split's files joined with ``b"\\n\\n"``. Cached as ``.npy`` under :func:`default_cache_dir`
+    (key: Python version, stdlib path, val_fraction) and memory-mapped from there; an unwritable
+    cache is not an error (the corpus is rebuilt next time).
     """
     base = pathlib.Path(root) if root is not None else stdlib_root()
     key = hashlib.sha256(f"{sys.version}|{base.resolve()}|{val_fraction!r}".encode()).hexdigest()[:16]
@@ -382,12 +379,9 @@ def eval_batches(
     process_index: int = 0,
     process_count: int = 1,
 ) -> list[np.ndarray]:
-    """A fixed list of ``num_batches`` local validation batches, identical on every call.
-
-    Windows are spread evenly over the validation split (not drawn at random), so bits-per-byte is
-    measured over the whole held-out set and does not depend on ``seed`` (synthetic data excepted,
-    which is itself seeded). megatron: evenly spaced windows of the unshuffled validation documents.
-    """
+    """A fixed list of ``num_batches`` local validation batches, identical on every call: windows
+    spread evenly over the validation split (megatron: over its unshuffled documents), so
+    bits-per-byte covers the whole held-out set and does not depend on ``seed``."""
     _check_args(seq_len, global_batch, seed, "validation", process_index, process_count)
     common = dict(
         source=data_cfg.source,

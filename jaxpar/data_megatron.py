@@ -1,8 +1,7 @@
 """Megatron-LM indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``): reader, writer and GPT sample windows.
 
-Why: corpora tokenized for Megatron-LM / Megatron-DeepSpeed (``tools/preprocess_data.py``) are the common
-currency of large-scale LM training; reading them directly lets a run here consume the very same tokens in
-the very same sample order as a Megatron run, which is what a like-for-like comparison needs.
+Corpora tokenized for Megatron-LM (``tools/preprocess_data.py``) are read directly, so a run here
+consumes the same tokens in the same sample order as a Megatron run: a like-for-like comparison.
 
 The ``.idx`` layout (``megatron/core/datasets/indexed_dataset.py``, ``_IndexWriter``), little-endian::
 
@@ -17,7 +16,7 @@ The ``.idx`` layout (``megatron/core/datasets/indexed_dataset.py``, ``_IndexWrit
     int8[N]    sequence modes, multimodal datasets only (accepted and ignored here)
 
 GPT training treats every *sequence* as a document (``GPTDataset.numel_low_level_dataset``); without
-``--split-sentences`` each document is exactly one sequence. Numpy only: no torch, no jax.
+``--split-sentences`` each document is one sequence. Numpy only.
 """
 
 from __future__ import annotations
@@ -56,12 +55,9 @@ def _bad(path: str, problem: str) -> ConfigError:
 
 
 class MegatronIndexedDataset:
-    """Memory-mapped reader for one ``PREFIX.bin`` / ``PREFIX.idx`` pair.
-
-    Validates the index against the data file on open (magic, version, dtype code, index size, document
-    index, total byte size of .bin), so a corrupt or mismatched pair fails at start-up with a
-    :class:`ConfigError` instead of yielding garbage tokens mid-run. Nothing but the index is read eagerly.
-    """
+    """Memory-mapped reader for one ``PREFIX.bin`` / ``PREFIX.idx`` pair; only the index is read
+    eagerly. Checks the index against the data file on open (magic, version, dtype code, sizes,
+    document index), so a corrupt or mismatched pair is a :class:`ConfigError` at start-up."""
 
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.prefix = os.fspath(prefix)
@@ -201,13 +197,12 @@ def epoch_seed(seed: int, epoch: int) -> int:
 class GPTSamples:
     """One epoch of Megatron ``GPTDataset`` samples over a subset of sequences.
 
-    Mirrors ``GPTDataset._build_document_sample_shuffle_indices`` for one epoch: with
-    ``RandomState(seed)`` the sequence ids are shuffled (``document_index``), concatenated, and cut into
-    ``(total - 1) // seq_len`` windows of ``seq_len + 1`` tokens, window ``j`` starting at token
-    ``j * seq_len`` (consecutive windows share one token); then the window order is shuffled with the
-    same RandomState (``shuffle_index``). ``seed=None`` keeps both orders as they are (for evaluation).
-    Only the per-sequence cumulative offsets are kept, not Megatron's sample table (see
-    :meth:`sample_index`), so an epoch costs 8 bytes per sequence plus 4 per sample.
+    Mirrors ``GPTDataset._build_document_sample_shuffle_indices`` for one epoch: ``RandomState(seed)``
+    shuffles the sequence ids (``document_index``), which are concatenated and cut into
+    ``(total - 1) // seq_len`` windows of ``seq_len + 1`` tokens starting at ``j * seq_len``; the
+    same RandomState then shuffles the window order (``shuffle_index``). ``seed=None`` keeps both
+    orders (evaluation). Only per-sequence offsets are kept, not Megatron's sample table
+    (:meth:`sample_index`): 8 bytes per sequence plus 4 per sample.
     """
 
     def __init__(

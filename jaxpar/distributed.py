@@ -1,19 +1,18 @@
 """Multi-process start-up: ``jax.distributed`` from the launch environment, and XLA flag profiles.
 
 Sources, in order (:func:`launch_spec` decides every value; JAX's own detection is off):
-* SLURM, inside an ``srun`` step of several tasks: process count and id from ``SLURM_NTASKS`` /
-  ``SLURM_PROCID``; coordinator ``JAXPAR_COORDINATOR`` if set, else JAX's rule (first node of
-  ``SLURM_STEP_NODELIST``, port 61440 + job id mod 4096); each task's GPUs chosen explicitly
-  (:func:`slurm_local_devices`);
+* SLURM, inside an ``srun`` step of several tasks: count and id from ``SLURM_NTASKS`` /
+  ``SLURM_PROCID``; coordinator ``JAXPAR_COORDINATOR`` if set, else JAX's rule
+  (:func:`slurm_coordinator`); each task's GPUs chosen explicitly (:func:`slurm_local_devices`);
 * explicit variables (what ``scripts/launch_local.sh`` sets): ``JAXPAR_COORDINATOR`` (host:port),
-  ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID`` (or ``JOB_COMPLETION_INDEX``, the pod index of a
-  Kubernetes indexed Job), ``JAXPAR_LOCAL_DEVICES`` optionally;
-* otherwise a single process: nothing to do.
+  ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID`` (or a Kubernetes indexed Job's
+  ``JOB_COMPLETION_INDEX``), optionally ``JAXPAR_LOCAL_DEVICES``;
+* otherwise a single process.
 
 On CPU the processes talk over gloo. A coordinator that does not resolve is refused before JAX
-starts; one that does not answer, or a job that not every process joins, within
-``JAXPAR_COORDINATOR_TIMEOUT`` seconds (default 120) is one line. A process that dies stops sending heartbeats; the coordination service then fails the others
-after ``JAXPAR_HEARTBEAT_TIMEOUT`` seconds (default 100, as JAX) instead of letting them hang.
+starts; one that does not answer, or a job not every process joins, within
+``JAXPAR_COORDINATOR_TIMEOUT`` seconds (default 120) is one line. When a process dies, the
+coordination service fails the others after ``JAXPAR_HEARTBEAT_TIMEOUT`` seconds (default 100).
 """
 
 from __future__ import annotations
@@ -67,11 +66,9 @@ class LaunchSpec:
 
 
 def launch_spec(env: Mapping[str, str] | None = None) -> LaunchSpec:
-    """Read the launch environment (see the module docstring for the sources and their order).
-
-    Refuses in one line what would otherwise start a job that cannot meet: a coordinator without a
-    process count, a process id outside the count, a count that disagrees with SLURM's.
-    """
+    """Read the launch environment (sources and order: the module docstring). Refuses in one line a
+    job that cannot meet: a coordinator without a process count, a process id outside the count, a
+    count that disagrees with SLURM's."""
     env = os.environ if env is None else env
     node = env.get("SLURMD_NODENAME") or env.get("JAXPAR_NODE") or socket.gethostname()
     if in_slurm_step(env):
@@ -159,11 +156,10 @@ def _device_list(name: str, env: Mapping[str, str]) -> tuple[int, ...]:
 def slurm_local_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
     """The GPUs of this SLURM task, as indices into the GPUs it can see; None means all of them.
 
-    JAX alone gives each SLURM task only GPU ``SLURM_LOCALID`` (jax-ml/jax#16788), so one task per
-    node would drive one GPU of eight. The rule here: ``JAXPAR_LOCAL_DEVICES`` if set; one task on
-    the node: all its GPUs; several tasks that each see only their own GPUs (``--gpus-per-task``,
-    ``--gpu-bind``): all they see; several tasks that share the node's G GPUs (``CUDA_VISIBLE_DEVICES``
-    or ``SLURM_GPUS_ON_NODE``): task ``SLURM_LOCALID`` takes its G / tasks consecutive GPUs.
+    JAX alone gives a SLURM task only GPU ``SLURM_LOCALID`` (jax-ml/jax#16788), so one task per node
+    would drive one GPU of eight. Here: ``JAXPAR_LOCAL_DEVICES`` if set; one task on the node: all
+    its GPUs; tasks that each see only their own GPUs (``--gpus-per-task``, ``--gpu-bind``): all they
+    see; tasks sharing the node's G GPUs: task ``SLURM_LOCALID`` takes its G / tasks consecutive ones.
     """
     if "JAXPAR_LOCAL_DEVICES" in env:
         return _device_list("JAXPAR_LOCAL_DEVICES", env)
@@ -249,10 +245,8 @@ def check_coordinator(spec: LaunchSpec, wait: int) -> None:
 
 
 def initialize_from_env() -> bool:
-    """Join the multi-process job described by the environment. Returns True if distributed.
-
-    Waits at most ``JAXPAR_COORDINATOR_TIMEOUT`` seconds for the coordinator, then fails in one line.
-    """
+    """Join the multi-process job described by the environment; returns True if distributed. Waits
+    at most ``JAXPAR_COORDINATOR_TIMEOUT`` seconds for the coordinator, then fails in one line."""
     import jax
 
     spec = launch_spec()
@@ -354,14 +348,11 @@ def launch_process_count() -> int:
 
 
 def simulate_local_devices(total: int) -> int | None:
-    """Set how many simulated CPU devices this process has for a mesh of ``total`` devices: its
-    share, ``total / processes``. The one place that decides the count for ``jaxpar train``.
-
-    A device count already in ``XLA_FLAGS`` must be that share (XLA reads the last one given, so
-    every one given must agree): otherwise one line names the flag and the fix, since N processes
-    that each simulate the whole mesh see N times its devices. Returns the share, or None where it
-    does not apply (a platform other than CPU is asked for, or JAX has started its backends).
-    """
+    """Set this process's simulated CPU devices for a mesh of ``total``: its share, ``total /
+    processes`` (the one place ``jaxpar train`` decides the count). A count already in ``XLA_FLAGS``
+    must be that share, else one line names the flag and the fix (N processes each simulating the
+    whole mesh see N times its devices). Returns the share, or None where it does not apply (another
+    platform asked for, or JAX's backends started)."""
     if not _host_flags_apply():
         return None
     processes = launch_process_count()
@@ -391,12 +382,9 @@ def without_device_count(flags: str) -> str:
 
 
 def ensure_host_devices(count: int) -> bool:
-    """Ask XLA for at least ``count`` simulated CPU devices, if JAX has not started its backends
-    yet and the platform may be CPU. Returns whether ``XLA_FLAGS`` was changed.
-
-    Why: ``inspect`` compiles the layout for data*tensor*pipeline*context devices; on a laptop those are
-    simulated CPU devices, and XLA reads the flag only once, when the first backend starts.
-    """
+    """Ask XLA for at least ``count`` simulated CPU devices, if JAX has not started its backends and
+    the platform may be CPU (``inspect`` compiles for data*tensor*pipeline*context devices, which a
+    laptop simulates; XLA reads the flag once). Returns whether ``XLA_FLAGS`` was changed."""
     if not _host_flags_apply():
         return False
     flags = os.environ.get("XLA_FLAGS", "")

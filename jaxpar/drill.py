@@ -1,11 +1,10 @@
 """``jaxpar drill``: kill a training run with SIGKILL at random steps, resume it, and check that it
 ends exactly where an uninterrupted run ends.
 
-One uninterrupted reference run, then one run killed ``--trials`` times (the whole process group,
-as a node failure would) and resumed from its newest complete checkpoint each time. Reported:
-the step each kill hit, the checkpoint it resumed from, the steps lost per failure, and whether the
-per-step losses and the final parameters and optimizer state match the reference bit for bit.
-:func:`run_drill` returns that as a dict; the flags and the printed lines are in :mod:`jaxpar.cli.drill`.
+One reference run, then one run killed ``--trials`` times (the whole process group, as a node
+failure would) and resumed from its newest complete checkpoint each time. :func:`run_drill` reports
+each kill's step, the checkpoint resumed from, the steps lost, and whether the per-step losses and
+final state match the reference bit for bit; flags and output are :mod:`jaxpar.cli.drill`'s.
 """
 
 from __future__ import annotations

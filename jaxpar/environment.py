@@ -1,11 +1,9 @@
 """Every environment variable jaxpar reads, in one table, checked before JAX starts.
 
-A bad value would otherwise surface late and far from its cause: ``int("abc")`` deep in start-up,
-a C++ abort for an ``XLA_FLAGS`` flag XLA does not know (``parse_flags_from_env.cc``: "Unknown
-flags in XLA_FLAGS"), a backend error for ``JAX_PLATFORMS=gpu`` on a host without CUDA. Here each
-is one line naming the variable and the fix, before anything is computed. The launch variables
-(``JAXPAR_COORDINATOR`` and the SLURM step's) are read by :func:`jaxpar.distributed.launch_spec`,
-which this check calls, so their rules live in one place.
+A bad value would otherwise surface late and far from its cause (``int("abc")`` deep in start-up, a
+C++ abort on an ``XLA_FLAGS`` flag XLA does not know, a backend error for ``JAX_PLATFORMS=gpu``
+without CUDA); here each is one line naming the variable and the fix. The launch variables are read
+by :func:`jaxpar.distributed.launch_spec`, which this check calls, so their rules live in one place.
 """
 
 from __future__ import annotations

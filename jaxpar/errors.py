@@ -1,8 +1,7 @@
 """The root of jaxpar's user-facing errors (a leaf module: every layer may raise them).
 
-:class:`JaxparError` is what the command line reports as ``error: <one line>`` with exit code 2
-(bad input: a config field, a flag, a recipe, a checkpoint, a weights file), as opposed to a bug,
-which it reports as an internal error with a traceback file.
+The command line reports a :class:`JaxparError` (bad input: a config field, a flag, a recipe, a
+checkpoint, a weights file) as ``error: <one line>`` with exit code 2, and anything else as a bug.
 """
 
 

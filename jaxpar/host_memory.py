@@ -3,14 +3,10 @@
 XLA:CPU allocates each execution's temporaries and outputs afresh from ``malloc``. With glibc's
 defaults a block at or above the *dynamic* mmap threshold (128 KiB at start, raised by each free of
 an mmapped block up to 32 MiB) is a fresh ``mmap`` returned to the kernel when freed, and a thread
-arena's heap is unmapped once it is empty. Every such block costs one minor page fault per 4 KiB page
-the next step touches, and how many blocks take that path depends on what the process allocated and
-freed before. Measured on a 2-core VM (jax 0.10.2, ``configs/tiny.py``, the sweep's problem):
-``d4t1p2-z0-gpipe-m4`` took 10, 10, 10, 17, 7.5k, 7.5k, 7.5k, 15k and 22.5k minor faults per step in
-nine fresh processes running the same three layouts in the same order (127 ms per step at 10 faults,
-170 and 172 ms at 7.5k and 15k in three processes a minute apart); with :data:`SETTINGS` it took 0 or
-1 in every process. A sweep pools its passes within
-one process, so such a process-wide state put a layout's whole re-run outside the earlier spread.
+arena's heap is unmapped once it is empty. Each such block costs one minor page fault per 4 KiB page
+the next step touches, and how many take that path depends on what the process allocated before:
+one layout took from 10 to 22.5k faults per step in fresh processes (docs/performance.md, "Sweeps").
+A sweep pools its passes within one process, so this state moves a layout's whole re-run.
 
 :func:`steady_malloc` fixes the three thresholds with ``mallopt`` (glibc only; see ``mallopt(3)``):
 an explicit mmap threshold switches the dynamic one off, and a top pad above a thread heap's 64 MiB

@@ -1,15 +1,13 @@
 """Ctrl-C, wherever it lands, ends the ``jaxpar`` program with one line (``interrupted``) and exit code 130.
 
-A leaf module (standard library only): ``python -m jaxpar`` installs it before importing the CLI, whose
-imports start JAX, and so does importing it in the ``jaxpar`` console script (``jaxpar.cli`` imports it first). Python turns a Ctrl-C into a KeyboardInterrupt, but not always one that reaches the
-CLI: one raised while a C extension loads becomes an ImportError, one raised in a garbage-collector
-callback or a finaliser is printed as "Exception ignored" and lost, one raised in an exit hook prints a
-traceback, one raised while a module loads can become the ImportError an optional import catches. So
-:func:`install` records that a Ctrl-C came (:func:`interrupted`: the CLI reports any error after it as
-the interrupt), raises the KeyboardInterrupt for the cleanups, and ends the process itself if it still
-runs :data:`GRACE_S` later, at a second Ctrl-C, or when Python reports the KeyboardInterrupt as
-swallowed; :func:`leave_at_once` (after ``main`` returned) ends it at once on any Ctrl-C. (``jaxpar
-train`` installs its own handler while it trains: Ctrl-C then stops at the next step with a checkpoint.)
+A leaf module (standard library only), installed before the CLI's imports start JAX. Python's
+KeyboardInterrupt does not always reach the CLI: raised while a C extension loads it becomes an
+ImportError, in a garbage-collector callback or finaliser it is printed and lost, in an exit hook
+it prints a traceback. So :func:`install` records that a Ctrl-C came (:func:`interrupted`: the CLI
+reports any later error as the interrupt), raises the KeyboardInterrupt for the cleanups, and ends
+the process itself :data:`GRACE_S` later, at a second Ctrl-C, or when Python reports the interrupt
+swallowed; after ``main`` returned, :func:`leave_at_once` ends it at once. (``jaxpar train``
+installs its own handler while training: Ctrl-C stops at the next step with a checkpoint.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The device mesh: the only place that knows how many devices there are and how they are arranged.
 
-Vocabulary (as in torchtitan's ``parallel_dims.py``): an *axis* is a mesh axis
-(:class:`jaxpar.axes.MeshAxis`); a *dim* is an array dimension.
-
-Device order: ``tensor`` is the innermost axis so a tensor-parallel group is made of
-neighbouring devices (the same host, the NVLink domain on GPUs); ``data`` is next, and
-``pipeline`` is outermost, so pipeline boundaries are the ones that cross nodes, as the usual
-selection rule goes (Narayanan et al. 2021, section 3.3) (TP inside a node, PP across nodes, DP/ZeRO outermost of the rest).
+An *axis* is a mesh axis (:class:`jaxpar.axes.MeshAxis`), a *dim* an array dimension. ``tensor`` is
+the innermost axis, so a tensor-parallel group is neighbouring devices (one host, the NVLink
+domain); ``data`` is next and ``pipeline`` outermost, so pipeline boundaries cross nodes: TP inside
+a node, PP across nodes (Narayanan et al. 2021, section 3.3).
 """
 
 from __future__ import annotations
@@ -55,12 +52,10 @@ def make_mesh(
 ) -> Mesh:
     """Build the ``jax.sharding.Mesh`` of ``layout``'s mesh sizes over ``devices`` (default: all devices).
 
-    ``nodes[p]`` names the node of process ``p`` (default: :func:`process_nodes`). The ``tensor``
-    and ``context`` axes, the innermost, must each lie inside one node, since their collectives run
-    every layer: a layout that puts them across nodes is refused unless ``cross_node_tensor``
-    (``parallel.cross_node_tensor``) asks for it. ``data`` and ``pipeline`` cross nodes.
-
-    Raises :class:`ConfigError` when the device count does not match the product of the sizes.
+    ``nodes[p]`` names the node of process ``p`` (default: :func:`process_nodes`). The ``tensor`` and
+    ``context`` axes, whose collectives run every layer, must each lie inside one node unless
+    ``cross_node_tensor`` (``parallel.cross_node_tensor``) asks otherwise. Raises
+    :class:`ConfigError` when the device count is not the product of the sizes.
     """
     devices = list(jax.devices()) if devices is None else list(devices)
     if layout.devices != len(devices):

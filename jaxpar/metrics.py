@@ -1,14 +1,11 @@
 """Throughput, model FLOPs, MFU and the per-step metrics log.
 
-FLOPs convention (reported everywhere): training FLOPs per token = 6 * N + 12 * L * h * s,
-N = parameters that do matmul work (all but the input embedding table, which is a lookup), the
-attention term counted non-causally as in PaLM (Chowdhery et al. 2022, appendix B; nanoGPT's
-``estimate_mfu`` uses the same). MFU = achieved model FLOP/s per device / peak FLOP/s per
-device; recomputation is not counted (that would be HFU).
-
-Every step's row goes to ``<workdir>/metrics.jsonl`` (the record of the run) and, as scalars, to
-TensorBoard event files in the workdir (:class:`TensorBoardWriter`, tensorboardX), so
-``tensorboard --logdir <workdir>`` plots the same numbers; :func:`read_event_scalars` reads them back.
+Training FLOPs per token = 6 * N + 12 * L * h * s, N = parameters doing matmul work (not the input
+embedding lookup), the attention term non-causal as in PaLM (Chowdhery et al. 2022, appendix B;
+nanoGPT's ``estimate_mfu``). MFU = achieved model FLOP/s per device / peak FLOP/s per device;
+recomputation is not counted (that would be HFU). Every step's row goes to
+``<workdir>/metrics.jsonl`` and, as scalars, to TensorBoard event files in the workdir
+(:class:`TensorBoardWriter`); :func:`read_event_scalars` reads them back.
 """
 
 from __future__ import annotations
@@ -40,12 +37,9 @@ _CPU_PEAK_CACHE: dict[int, float] = {}
 
 
 def measure_cpu_peak_flops(num_devices: int) -> float:
-    """Peak FLOP/s per simulated CPU device, measured once with a fp32 matmul.
-
-    Simulated devices share the host's cores, so the host's measured rate is divided by the
-    number of devices. This is a measurement, not a data-sheet number: the MFU printed on CPU
-    says so.
-    """
+    """Peak FLOP/s per simulated CPU device, measured once with a fp32 matmul: the host's rate over
+    the number of devices (they share its cores). A measurement, not a data sheet, as the MFU printed
+    on CPU says."""
     if num_devices in _CPU_PEAK_CACHE:
         return _CPU_PEAK_CACHE[num_devices]
     n = 1024
@@ -175,9 +169,9 @@ class TensorBoardWriter:
 
 
 def _summary_writer_class() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without PyTorch. tensorboardX imports ``torch``
-    when it is installed only to accept torch tensors as values (1.5-2.5 s on every run's start);
-    jaxpar writes Python floats, so a torch not yet imported is hidden for the duration of the import."""
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch: tensorboardX imports an installed
+    ``torch`` only to accept torch tensors, which costs seconds at every start; jaxpar writes floats,
+    so a torch not yet imported is hidden for the duration of the import."""
     import sys
 
     if "tensorboardX" in sys.modules or "torch" in sys.modules:

@@ -1,17 +1,15 @@
 """A run owns its workdir: claimed (checked, marked, locked) before anything is written there.
 
-:func:`claim` is what :class:`~jaxpar.train.loop.Trainer` calls first:
+:func:`claim`, the first thing :class:`~jaxpar.train.loop.Trainer` calls, requires:
 
-- the folder must be new, empty, a previous run's (its :data:`~jaxpar.write_guard.MARKER` says
-  ``workdir``, or, from before markers, it holds only what a run writes), never a user's folder and
-  never the ``train.init_from`` weights it is about to read: a run writes ``config.json`` there;
-- a lock (:data:`LOCK`, an ``flock`` held while the run lives, with the holder's pid in it) refuses a
-  second run in the same workdir, naming the first one's pid; the lock of a process that died is
-  released by the OS, and the next run takes it over;
-- ``train.resume``: ``never`` into a workdir that holds checkpoints is refused (they would mix with
-  the new run's and keep-N would delete the new ones first); ``restart`` asks for the start over:
-  the workdir's checkpoints and metrics are deleted, then training starts from step 0;
-- what a run writes there must be of its kind (``checkpoints`` a folder, ``config.json`` a file).
+- a folder that is new, empty or a previous run's (its :data:`~jaxpar.write_guard.MARKER` says
+  ``workdir``, or, unmarked, it holds only what a run writes), never a user's folder nor the
+  ``train.init_from`` weights;
+- the lock (:data:`LOCK`, an ``flock`` held while the run lives, with its pid): a second run in the
+  workdir is refused naming the first one's pid; a dead process's lock is released by the OS;
+- ``train.resume``: ``never`` into a workdir with checkpoints is refused (keep-N would delete the
+  new run's first); ``restart`` deletes its checkpoints and metrics and starts from step 0;
+- entries of the right kind (``checkpoints`` a folder, ``config.json`` a file).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The one guard for every path jaxpar writes: nothing is deleted or overwritten that jaxpar did not create.
 
-- What jaxpar creates as a folder (a run's workdir, an export, a sweep's output, a drill's runs) holds
-  a marker file, :data:`MARKER`: one JSON object naming the kind of folder and the entries jaxpar put
-  there. A folder is replaced only when it holds a marker of the same kind and nothing the marker
-  does not list (a user's note dropped into an export folder stops the replacement).
-- A file jaxpar writes (``port -o``) is replaced only when its first bytes carry the signature
-  jaxpar writes there (:func:`write_file`'s ``owned``).
-- An output may not be or contain an input (a recipe, a config, ``init_from``) or a run's workdir
-  (:func:`check_apart`).
-- Replacing writes a temporary sibling first and renames it into place, so a failure (a full disk)
-  leaves the previous output as it was; an :class:`OSError` on the way names the path it was writing
-  (:func:`naming`), which the CLI prints as one line (:mod:`jaxpar.cli.errors`).
+- A folder jaxpar creates (a workdir, an export, a sweep's output, a drill's runs) holds a marker,
+  :data:`MARKER`: JSON naming the kind of folder and the entries jaxpar put there. It is replaced
+  only when it holds a marker of the same kind and nothing the marker does not list.
+- A file jaxpar writes (``port -o``) is replaced only when its first bytes carry jaxpar's signature
+  (:func:`write_file`'s ``owned``).
+- An output may not be or contain an input or a run's workdir (:func:`check_apart`).
+- Replacing writes a temporary sibling and renames it into place, so a failure (a full disk) leaves
+  the previous output as it was; an :class:`OSError` names the path (:func:`naming`).
 
 Every refusal is a :class:`~jaxpar.errors.ConfigError` naming the flag or field, the path and the fix.
 """

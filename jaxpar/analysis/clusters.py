@@ -1,16 +1,12 @@
 """Cluster presets: the few hardware numbers the estimators need, and nothing else.
 
-A :class:`Cluster` is a peak (dense bf16) FLOP rate, a memory size and two link bandwidths:
-the fast link inside a node (NVLink, or ICI for TPU) and the per-device network link between
-nodes. The planner puts a collective on the fast link only when its ring stays inside a node
-(see :func:`jaxpar.analysis.estimate.axis_link`).
-
-Numbers come from vendor data sheets (NVIDIA A100 / H100 / H200, Google TPU v5p; dense bf16, no sparsity).
-Peak FLOP/s are the dense figures: the 1,979 TFLOP/s quoted for H100/H200 is the 2:4-sparse number, and MFU is
-defined against dense peak. Memory is the data-sheet size in decimal GB (1e9 bytes), which is
-slightly below what the GPUs report (80 GB A100/H100 show ~80 GiB), so it errs on the safe side.
-Note that JAX preallocates 75% of GPU memory by default; raise ``XLA_PYTHON_CLIENT_MEM_FRACTION``
-before trusting a layout planned near the full memory.
+A :class:`Cluster` is a peak (dense bf16) FLOP rate, a memory size and two link bandwidths: the
+fast link inside a node (NVLink, or ICI for TPU) and the per-device network link between nodes
+(:func:`jaxpar.analysis.traffic.axis_link` picks one per collective). Numbers are vendor data
+sheets (NVIDIA A100 / H100 / H200, Google TPU v5p): dense peaks (the 1,979 TFLOP/s quoted for
+H100/H200 is 2:4-sparse; MFU is against dense), memory in decimal GB, slightly below what the GPUs
+report, so it errs safe. JAX preallocates 75% of GPU memory by default: raise
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` before trusting a layout planned near the full memory.
 """
 
 from __future__ import annotations
@@ -101,12 +97,10 @@ _REQUIRED = ("peak_tflops", "memory_bytes", "devices_per_node", "intra_node_gbps
 
 
 def cluster_from_dict(spec: Mapping[str, Any] | ConfigDict, name: str = "custom") -> Cluster:
-    """A user-defined cluster from a dict or ConfigDict with the :class:`Cluster` fields.
-
-    ``memory_gb`` may be given instead of ``memory_bytes``; ``base`` names a preset whose values
-    fill the fields not given (``{"base": "h100-80g", "inter_node_gbps": 25}``). Without a base,
-    ``hbm_gbps`` defaults to a placeholder 1.0 (reported only, never used in an estimate).
-    """
+    """A user-defined cluster from a dict or ConfigDict with the :class:`Cluster` fields; ``memory_gb``
+    may replace ``memory_bytes``, and ``base`` names a preset filling the fields not given
+    (``{"base": "h100-80g", "inter_node_gbps": 25}``); without one ``hbm_gbps`` defaults to 1.0
+    (reported only, never used in an estimate)."""
     data = dict(spec.to_dict() if isinstance(spec, ConfigDict) else spec)
     base = data.pop("base", None)
     values: dict[str, Any] = dataclasses.asdict(get_cluster(base)) if base else {"hbm_gbps": 1.0}

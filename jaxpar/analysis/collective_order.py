@@ -1,23 +1,20 @@
 """Collectives that XLA:CPU may run concurrently with a loop's collectives: the hazard this module finds.
 
-XLA:CPU's thunk executor orders the collectives of one computation by *scheduling* edges only (the
-shared "collective communicator" resource, ``xla/backends/cpu/runtime/thunk_executor.cc``): a
-collective may start once its predecessor has *started*. A ``while`` (or ``conditional``) thunk
-whose body runs asynchronously returns before its last iteration is done, so the next collective in
-the schedule starts while the loop's collectives are still running, unless it reads the loop's
-result (a data edge waits for completion). JAX gives every collective ``channel_id=1``, so XLA:CPU's
-in-process rendezvous key of such a collective (run, devices of the group, kind, channel) equals that
-of a same-kind collective over the same group inside the loop: devices pair different operations
-and the step hangs ("Termination timeout ... 40 seconds exceeded"), aborts ("Check failed: id <
-num_threads") or reads a buffer of another size (segmentation fault).
+XLA:CPU's thunk executor orders one computation's collectives by *scheduling* edges only
+(``xla/backends/cpu/runtime/thunk_executor.cc``): a collective may start once its predecessor has
+*started*. A ``while`` (or ``conditional``) thunk whose body runs asynchronously returns before its
+last iteration is done, so the next collective starts while the loop's are still running, unless it
+reads the loop's result (a data edge waits for completion). JAX gives every collective
+``channel_id=1``, so its in-process rendezvous key (run, group, kind, channel) equals that of a
+same-kind collective over the same group inside the loop: devices pair different operations and
+the step hangs, aborts ("Check failed: id < num_threads") or crashes.
 
-:func:`unordered_collectives` reads optimized HLO (its instructions are printed in schedule order)
-and lists every collective-bearing instruction scheduled after such a loop in the same computation
-that does not depend on the loop's result. XLA:CPU orders thunks by the buffers they touch, so a
-loop element the body passes through unchanged is no dependency on the loop (no thunk of the body
-writes it). The train step keeps this list empty: under ZeRO-3 or SP the head's parameters are
-carried through the layer scan and rewritten in its body (:meth:`jaxpar.models.base.Model.loss_sum`),
-and every microbatch runs inside the accumulation loop (:mod:`jaxpar.train.step`).
+:func:`unordered_collectives` reads optimized HLO (printed in schedule order) and lists every
+collective-bearing instruction scheduled after such a loop in the same computation that does not
+depend on its result (an element the body passes through unchanged is no dependency). The train
+step keeps this list empty: under ZeRO-3 or SP the head's parameters are carried through the layer
+scan (:meth:`jaxpar.models.base.Model.loss_sum`), and every microbatch runs inside the accumulation
+loop (:mod:`jaxpar.train.step`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """``jaxpar compare``: chosen layouts side by side, estimated (and with ``--aot`` compiled).
 
 Where ``jaxpar plan`` searches, ``compare`` answers "which of these?": each ``--layout`` names a
-layout (``data=8,zero=3`` / ``data=2,tensor=4,sp=1`` / ``tensor=8,pipeline=8,virtual=3,recompute=full``),
-and the table shows them in the order given, whether or not they fit, with memory, step time, MFU
-and the exposed communication per axis, then each one's memory and step time relative to the
-first. A choice a layout leaves open (ZeRO stage, microbatches, recompute, SP, schedule) keeps the
-config's value (:func:`config_choices`) when the layout can take it; only a choice neither given nor
-takeable from the config is searched: the fastest variant that fits, as ``plan`` would pick (if none
-fits, the leanest). :func:`choice_sources` says, per field, which of the three it was. ``--aot``
-compiles all of them on simulated CPU devices.
+layout (``data=8,zero=3`` / ``tensor=8,pipeline=8,virtual=3,recompute=full``), shown in the order
+given, fitting or not, with memory, step time, MFU, exposed communication per axis, and memory and
+step time relative to the first. A choice a layout leaves open (ZeRO stage, microbatches,
+recompute, SP, schedule) keeps the config's value where the layout can take it
+(:func:`config_choices`), else is searched (the fastest variant that fits, or the leanest);
+:func:`choice_sources` says which. ``--aot`` compiles them on simulated CPU devices.
 
     jaxpar compare --config configs/llama2_7b.py --cluster h100-80g \\
         --layout data=8,zero=3 --layout data=2,tensor=4,zero=1 --layout tensor=8 --aot
 
-This module evaluates; the flags and the tables are in :mod:`jaxpar.cli.compare`.
+The flags and tables are in :mod:`jaxpar.cli.compare`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Closed-form estimates of memory, communication, FLOPs and step time for one layout.
 
-Pure functions of (model sub-config, :class:`ParallelLayout`[, :class:`Cluster`]): nothing is compiled or
-allocated, so any model can be planned for any cluster in microseconds. Each formula names its
-source; tests/test_estimate.py checks the published numbers. Units: bytes, GB = 1e9, seconds.
-``b`` is sequences per data shard per microbatch and ``m`` microbatches per step, so
-global_batch = b * m * data. Activations are counted in the model's compute dtype (2 bytes bf16).
-Communication is ring "bytes on the wire" per device per step (nccl-tests PERFORMANCE.md):
-all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S, collective-permute S. Devices
-are ordered tensor innermost, then data, then pipeline outermost.
-
-The layout and parameter inventory live in :mod:`jaxpar.models.inventory`, communication per
-axis in :mod:`jaxpar.analysis.traffic`; both are re-exported here, so ``estimate`` stays the one
-name for every closed-form number.
+Pure functions of (model sub-config, :class:`ParallelLayout`[, :class:`Cluster`]): nothing is
+compiled or allocated, so any model plans for any cluster in microseconds. Each formula names its
+source; tests/test_estimate.py checks the published numbers. Units: bytes, GB = 1e9, seconds. ``b``
+is sequences per data shard per microbatch, ``m`` microbatches per step: global_batch = b * m *
+data. Activations count in the compute dtype. The parameter inventory is
+:mod:`jaxpar.models.inventory`, communication per axis :mod:`jaxpar.analysis.traffic` (ring bytes
+on the wire); both are re-exported, so ``estimate`` is the one name for every closed-form number.
 """
 
 from __future__ import annotations
@@ -73,11 +68,9 @@ class ModelStates:
 
 
 def zero_paper_states(num_params: float, zero_stage: int, data: int) -> ModelStates:
-    """ZeRO paper (Rajbhandari et al. 2019, arXiv:1910.02054, sec. 3 and Fig. 1), K = 12.
-
-    bf16 weights 2P + bf16 gradients 2P + fp32 master/momentum/variance 12P = 16 bytes/param:
-    DP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
-    """
+    """ZeRO paper (Rajbhandari et al. 2019, arXiv:1910.02054, sec. 3 and Fig. 1), K = 12: bf16 weights
+    2P + bf16 gradients 2P + fp32 master/momentum/variance 12P = 16 bytes/param: DP 16P, ZeRO-1
+    4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N."""
     shard = [1.0 if zero_stage < k else float(data) for k in (3, 2, 1)]
     return ModelStates(2 * num_params / shard[0], 2 * num_params / shard[1], 12 * num_params / shard[2])
 
@@ -91,13 +84,13 @@ def model_states(
 ) -> ModelStates:
     """Model-state bytes per device of one pipeline stage, under one of two stated conventions.
 
-    ``paper``: the ZeRO paper's 16 bytes/param applied to the parameters a device holds after
-    tensor/pipeline splitting (norms replicated over tensor), divided by N = data as the paper does.
-    ``jaxpar``: what our trainer holds (with a pipeline: every stage holds one V x h table, the
-    final norm and positions, see :func:`stage_tensors`): fp32 master params (model.param_dtype) sharded over data (x context) only at ZeRO-3; Adam mu + nu in the param dtype (8 bytes/param) sharded at ZeRO >= 1; fp32
-    gradients (not step arguments, but live at the update) sharded at ZeRO >= 2; ``optim`` given: its
-    optimizer's state elements per parameter instead of Adam's 2; sharding follows
-    :func:`shard_elements`.
+    ``paper``: the ZeRO paper's 16 bytes/param for the parameters a device holds after the tensor and
+    pipeline split (norms replicated over tensor), divided by N = data as the paper does.
+    ``jaxpar``: what the trainer holds (a pipeline stage also holds one V x h table, the final norm
+    and positions: :func:`stage_tensors`): fp32 master parameters sharded over data (x context) at
+    ZeRO-3 only; Adam mu + nu in the param dtype sharded at ZeRO >= 1 (``optim`` given: its state
+    elements per parameter); fp32 gradients, live at the update, sharded at ZeRO >= 2. Sharding
+    follows :func:`shard_elements`.
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
@@ -121,11 +114,9 @@ def model_states(
 def korthikanti_activation_bytes(
     s: int, b: int, h: int, a: int, tensor: int = 1, sequence_parallel: bool = False, recompute: str = "none"
 ) -> float:
-    """Activation bytes per GPT layer per microbatch (Korthikanti et al. 2022, arXiv:2205.05198, Table 2).
-
-    2-byte activations, 1-byte dropout masks, GeLU MLP with f = 4h. Per layer: attention
-    11sbh + 5as^2b, MLP 19sbh, two layernorms 4sbh = sbh(34 + 5as/h).
-    """
+    """Activation bytes per GPT layer per microbatch (Korthikanti et al. 2022, arXiv:2205.05198,
+    Table 2): 2-byte activations, 1-byte dropout masks, GeLU MLP with f = 4h; attention
+    11sbh + 5as^2b, MLP 19sbh, two layernorms 4sbh: sbh(34 + 5as/h)."""
     t, sbh = tensor, s * b * h
     if recompute == "full":  # keep only the layer input
         return 2 * sbh / (t if sequence_parallel else 1)
@@ -139,30 +130,23 @@ def korthikanti_activation_bytes(
 def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     """Activation bytes our layer keeps for its backward, per microbatch, derived like Korthikanti.
 
-    With e bytes per activation (2 for bf16), q = heads*hd, k = kv_heads*hd, f = mlp_dim and no
-    dropout anywhere, the tensors saved for the backward are:
+    e bytes per activation, q = heads*hd, k = kv_heads*hd, f = mlp_dim; without dropout it saves:
 
-    - attention: RMSNorm input e*sbh; QKV matmul input (shared) e*sbh; Q e*sbq and K e*sbk for
-      QK^T (RoPE is linear, it needs nothing); softmax output e*a*s^2*b, used by both the softmax
-      and the AV backward (no dropout, so no mask and no second copy); V e*sbk; output-projection
-      input e*sbq. -> e*sb(2h + 2q + 2k) + e*a*s^2*b.
-    - MLP: RMSNorm input e*sbh; gate/up input (shared) e*sbh; SwiGLU keeps gate and up outputs
-      e*sbf each and the down-projection input e*sbf -> e*sb(2h + 3f), assuming silu(gate) is
-      recomputed in the fused elementwise backward (XLA fuses it; 4f if it is stored). GeLU: the
-      up output and the GeLU output -> e*sb(2h + 2f).
+    - attention: RMSNorm input e*sbh; QKV input e*sbh; Q e*sbq and K e*sbk (RoPE is linear); the
+      softmax output e*a*s^2*b; V e*sbk; the output projection's input e*sbq:
+      e*sb(2h + 2q + 2k) + e*a*s^2*b.
+    - MLP: RMSNorm input e*sbh; gate/up input e*sbh; SwiGLU's gate and up outputs and the down
+      projection's input, e*sbf each (silu(gate) is recomputed in XLA's fused backward):
+      e*sb(2h + 3f). GeLU: the up and GeLU outputs: e*sb(2h + 2f).
 
-    With e = 2, q = k = h, f = 4h (GeLU) this is 32sbh + 2as^2b: Korthikanti's 34sbh + 5as^2b
-    minus its dropout masks and dropout output (2sbh + 3as^2b). The 4*e*sbh of norm and matmul
-    inputs sit outside the tensor-parallel region: replicated over tensor unless sequence parallel
-    shards them; everything else is split by tensor. ``selective`` recomputes the attention core
-    (drops the s^2 term, Korthikanti's selective; jax's ``checkpoint_dots`` policy would instead
-    keep the QK^T output, e*a*s^2*b). ``full`` keeps only the layer input e*sbh.
-
-    **With dropout** the model keeps Korthikanti's dropout terms as well: ``model.dropout`` the
-    1-byte masks of the attention-output and MLP-output dropouts, 2sbh (outside the tensor-parallel
-    region: split by SP only); ``model.attention_dropout`` the 1-byte probability mask and the
-    dropped probabilities for the AV matmul, (1 + e)*a*s^2*b/t (3as^2b at e = 2; recomputed with
-    ``selective``). A GPT shape with both is then exactly Korthikanti's 34sbh + 5as^2b.
+    With e = 2, q = k = h, f = 4h (GeLU) this is 32sbh + 2as^2b: Korthikanti's 34sbh + 5as^2b less
+    its dropout masks and output (2sbh + 3as^2b). The 4*e*sbh of norm and matmul inputs sit outside
+    the tensor-parallel region (split only by SP); the rest is split by tensor. ``selective`` drops
+    the s^2 term (jax's ``checkpoint_dots`` would keep QK^T's output instead); ``full`` keeps only
+    the layer input e*sbh. With dropout Korthikanti's terms return: ``model.dropout`` the 1-byte
+    masks of the attention- and MLP-output dropouts, 2sbh (split by SP only);
+    ``model.attention_dropout`` the 1-byte probability mask and the dropped probabilities,
+    (1 + e)*a*s^2*b/t (recomputed with ``selective``): a GPT shape with both is 34sbh + 5as^2b.
     """
     e, s, b, t = DTYPE_BYTES[model.compute_dtype], layout.seq_len, layout.microbatch_size, layout.tensor
     q, k = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
@@ -179,11 +163,9 @@ def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
 
 
 def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float:
-    """Microbatches whose activations a stage holds at its peak (Narayanan 2021; Korthikanti 2022 sec. 4.2).
-
-    p = 1: 1 (accumulation runs microbatches one after another). GPipe: m. 1F1B: min(p, m) on the
-    first stage, 1 on the last. Interleaved: first stage p * (1 + (p-1)/(p*v)).
-    """
+    """Microbatches whose activations a stage holds at its peak (Narayanan 2021; Korthikanti 2022
+    sec. 4.2): 1 at p = 1 (accumulation runs them one after another); GPipe m; 1F1B min(p, m) on the
+    first stage, 1 on the last; interleaved p * (1 + (p-1)/(p*v)) on the first."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
     if p == 1 or (stage == "last" and layout.schedule != "gpipe"):
         return 1.0
@@ -194,14 +176,12 @@ def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes per device on the busiest pipeline stage.
-
-    ``jaxpar`` convention: ``activation_bytes`` is what the step keeps for the backward pass and
-    ``gradient_bytes + activation_bytes + transient_bytes`` = ``temp_bytes``, the estimate of the
-    compiled step's temporaries (:mod:`jaxpar.analysis.activations`), so ``total_bytes`` = parameters +
-    optimizer state + temporaries, the compiled peak without the batch. ``paper``: Korthikanti's
-    activations x in-flight microbatches (Narayanan 2021) and two gathered layers as transients.
-    """
+    """Peak bytes per device on the busiest pipeline stage. ``jaxpar``: ``activation_bytes`` is what
+    the step keeps for the backward; ``gradient_bytes + activation_bytes + transient_bytes`` =
+    ``temp_bytes`` estimates the compiled temporaries (:mod:`jaxpar.analysis.activations`), so
+    ``total_bytes`` = parameters + optimizer state + temporaries, the compiled peak without the
+    batch. ``paper``: Korthikanti's activations x in-flight microbatches (Narayanan 2021) and two
+    gathered layers as transients."""
 
     convention: str
     stage: str  # first | last (the heavier one; "first" when p = 1)
@@ -234,11 +214,9 @@ def memory_estimate(
     model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", optim: ConfigDict | None = None
 ) -> MemoryEstimate:
     """Model states + activations + temporaries per device; the heavier pipeline stage wins.
-
-    ``jaxpar``: the temporaries of our own step, term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
-    held against the compiled ``temp_size_in_bytes`` by tests/test_memory_estimate.py). ``paper``: the
-    published formulas (:func:`_paper_memory_estimate`).
-    """
+    ``jaxpar``: our step's temporaries term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
+    held against the compiled ``temp_size_in_bytes`` by tests/test_memory_estimate.py); ``paper``:
+    the published formulas (:func:`_paper_memory_estimate`)."""
     if convention == "paper":
         return _paper_memory_estimate(model, layout, optim)
     from jaxpar.analysis import activations
@@ -300,12 +278,9 @@ def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flop
 
 
 def training_days(num_params: float, tokens: float, devices: int, peak_tflops: float, mfu_: float) -> float:
-    """6*P*tokens / (devices * peak * MFU), in days (Kaplan et al. 2020 FLOPs).
-
-    7B on 2T tokens, 1024 A100 (312 TFLOP/s), MFU 0.45 -> 6.8 days (LLaMA-2 reports 184,320
-    A100-hours for 7B, Touvron et al. 2023: ~7.5 days on 1024 GPUs). An extra factor 2 on 6N, as
-    some tutorials write it, would give ~13.5 days.
-    """
+    """6*P*tokens / (devices * peak * MFU), in days (Kaplan et al. 2020 FLOPs). 7B on 2T tokens,
+    1024 A100 (312 TFLOP/s), MFU 0.45 -> 6.8 days (LLaMA-2 reports 184,320 A100-hours for 7B,
+    Touvron et al. 2023: ~7.5 days on 1024 GPUs)."""
     return 6 * num_params * tokens / (devices * peak_tflops * 1e12 * mfu_) / 86400
 
 
@@ -351,14 +326,13 @@ def step_time(
     """step = (compute + TP + PP p2p) / (1 - bubble) + exposed data-axis time.
 
     compute: executed FLOPs of the slowest stage (the last also runs the output layer) at
-    ``efficiency`` x peak (55% by default: a typical achieved MFU for large dense training, e.g. PaLM's 46%, Megatron's 52%). TP and PP traffic are
-    exposed. The data-axis reduction overlaps with backward compute except ``dp_exposed_fraction``:
-    DP/ZeRO-1 reduce once, after the last microbatch, so only that microbatch's backward can hide
-    them; ZeRO-2 overlaps with every backward, ZeRO-3 (prefetched all-gathers) with the forward too.
-
-    ``jaxpar`` convention: a 1F1B / interleaved backward tick recomputes its stage's forward from the
-    stored stage input (:mod:`jaxpar.parallel.pipeline`), so those layouts execute full-recompute FLOPs
-    whatever ``recompute`` says (it only sets what the recomputed forward keeps); ``paper``: as given.
+    ``efficiency`` x peak (default 55%, a typical achieved MFU for large dense training: PaLM 46%,
+    Megatron 52%). TP and PP traffic are exposed. The data-axis reduction overlaps with backward
+    compute except ``dp_exposed_fraction``: DP/ZeRO-1 reduce once, after the last microbatch, whose
+    backward alone can hide it; ZeRO-2 overlaps every backward, ZeRO-3 (prefetched gathers) the
+    forward too. ``jaxpar`` convention: a 1F1B / interleaved backward tick recomputes its stage's
+    forward (:mod:`jaxpar.parallel.pipeline`), so those layouts execute full-recompute FLOPs
+    whatever ``recompute`` says; ``paper``: as given.
     """
     comm = comm if comm is not None else communication(model, layout, cluster, grad_reduce_bytes, link_efficiency)
     p, m, tokens = layout.pipeline, layout.microbatches, layout.tokens_per_step
@@ -400,12 +374,11 @@ def estimated_argument_bytes(
 def peak_terms(
     model: ConfigDict, layout: ParallelLayout, optim: ConfigDict | None = None, top: int = 3
 ) -> list[tuple[str, float]]:
-    """The ``top`` largest terms of the estimated peak (arguments + temporaries, ``jaxpar`` convention) of
-    the busiest pipeline stage, largest first, as (name, bytes per device): parameters, optimizer
-    state and batch (:func:`estimated_argument_bytes`) beside the temporaries' terms of the phase that
-    sets their peak (:meth:`jaxpar.analysis.activations.TempEstimate.terms`: the residual stack, the
-    working set that is live at the peak, the gradient buffers, ...). What a user reads to see why a
-    layout does not fit."""
+    """The ``top`` largest terms of the estimated peak (arguments + temporaries, ``jaxpar``
+    convention) of the busiest pipeline stage, largest first, as (name, bytes per device):
+    parameters, optimizer state and batch beside the temporaries' terms of the phase that sets their
+    peak (:meth:`jaxpar.analysis.activations.TempEstimate.terms`). What tells a user why a layout
+    does not fit."""
     from jaxpar.analysis import activations
 
     mem = memory_estimate(model, layout, "jaxpar", optim)

@@ -1,10 +1,9 @@
 """The formulas' side of ``jaxpar inspect``: expected collectives and memory of a layout.
 
-Bytes per device per step for each (collective kind, mesh axes), computed from the real
-per-parameter placements (:mod:`jaxpar.sharding`) and the dtypes the step uses, priced as ring
-traffic (ring costs from NCCL's nccl-tests PERFORMANCE.md), and the per-device argument memory
-(parameters by storage spec, fp32 Adam moments by optimizer spec, the step count and the batch).
-:mod:`jaxpar.analysis.compiled` puts these beside what the compiler emitted.
+Bytes per device per step for each (collective kind, mesh axes), from the real per-parameter
+placements (:mod:`jaxpar.sharding`) and the step's dtypes, priced as ring traffic (nccl-tests
+PERFORMANCE.md), and the per-device argument memory. :mod:`jaxpar.analysis.compiled` puts these
+beside what the compiler emitted.
 """
 
 from __future__ import annotations
@@ -59,41 +58,26 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]
 def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
     """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
 
-    Accounting (ring costs from nccl-tests PERFORMANCE.md; per device, per step; m microbatches of b sequences of s
-    tokens per data shard; E a parameter's elements on one device under its *compute* spec, i.e.
-    after the tensor split; g = bytes of ``parallel.grad_reduce_dtype``, 4 = fp32 parameters,
-    a = bytes of ``model.compute_dtype``; n = size of the axis):
+    Ring costs (nccl-tests PERFORMANCE.md) per device and step: m microbatches of b sequences of s
+    tokens per data shard; E a parameter's elements per device under its *compute* spec; g = bytes
+    of ``parallel.grad_reduce_dtype``; a = bytes of ``model.compute_dtype``; n = the axis size.
 
     * ``data``: stage 0 all-reduces every gradient once, 2(n-1)/n*E*g. Stage 1 reduce-scatters it
-      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2 does the
-      reduce-scatter every microbatch (m times) and the all-gather once. Stage 3 all-gathers each
-      block parameter (in g) twice per microbatch (forward, and again in the backward because the
-      remat policy must not keep the gathered copy), the embedding / final norm / output layer once
-      per microbatch (kept for their backward; XLA may hoist these loop-invariant gathers out of the
-      accumulation loop, once per step), and reduce-scatters every gradient per microbatch.
-      A parameter no dim of which divides by n (``sharding.zero_dim``) is all-reduced instead
-      (once per step at stages 0-1, per microbatch at 2-3). Plus the loss (one fp32 scalar).
-    * ``tensor`` (Megatron), per layer per microbatch, each b*s*h*a: 2 all-reduces forward
-      (attention and MLP outputs), 2 backward (the gradients of the attention and MLP inputs);
-      with remat the attention output's all-reduce runs again (the MLP one is dead in the
-      recomputation). Once per microbatch: the vocabulary-parallel embedding's all-reduce
-      (forward), the output layer input's gradient (backward), and the cross-entropy max, sum-exp
-      and target logit (3 fp32 all-reduces of b*s). With sequence parallelism every b*s*h
-      all-reduce becomes an all-gather + reduce-scatter of the full b*s*h array (same bytes; the
-      forward pair's transposes in the backward); recomputation repeats both gathers and the
-      attention reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
+      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2
+      reduce-scatters every microbatch. Stage 3 all-gathers each block parameter (in g) twice per
+      microbatch (forward, and again in the backward: remat never keeps it), the embedding / final
+      norm / output layer once per microbatch (XLA may hoist them to once per step), and
+      reduce-scatters every gradient per microbatch. A parameter no dim of which n divides is
+      all-reduced instead (per step at stages 0-1, per microbatch at 2-3). Plus the fp32 loss.
+    * ``tensor`` (Megatron), per layer and microbatch, each b*s*h*a: 2 all-reduces forward
+      (attention and MLP outputs), 2 backward, and the attention output's again with remat. Per
+      microbatch: the vocabulary-parallel embedding, the output layer input's gradient, and the
+      cross-entropy's 3 fp32 all-reduces of b*s. SP turns each b*s*h all-reduce into an all-gather
+      + reduce-scatter of the same bytes; recomputation repeats both gathers and the attention
+      reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
-    * ``context`` (``mesh.context`` = c > 1, :mod:`jaxpar.ops.context_parallel`): "``data``" above
-      reads (``data``, ``context``), one group of n = data*c (every context rank's gradient is a
-      partial sum), and s reads s/c (each rank holds s/c tokens of every sequence). With kvb =
-      one rank's keys and values (2*b*s/c*kv_heads/t*head_dim*a), per layer per microbatch:
-      ``ring`` collective-permutes (:func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer`, keys and
-      values sent separately): forward c-1 hops (2(c-1) permutes of kvb/2), backward c-1
-      key/value hops and c hops of the fp32 key/value gradients (2c permutes of kvb/2*4/a); not
-      repeated under remat (the ring is a ``custom_vjp``, whose residuals JAX's checkpoint keeps:
-      measured, jax 0.10); ``all_gather``: the keys and values all-gathered over ``context`` (2
-      all-gathers of c*kvb/2: (c-1)*kvb), again in the recomputed forward with remat, and their
-      gradients reduce-scattered in the backward (the same bytes).
+    * ``context`` (c > 1): ``data`` reads (``data``, ``context``), n = data*c, and s reads s/c; the
+      attention exchange is :func:`context_collectives`.
 
     ``count`` is the number of logical collectives; XLA may combine several into one op.
     Pipeline placements are not modelled (``ConfigError``).
@@ -176,10 +160,11 @@ def context_collectives(
     kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
 ) -> list[tuple[str, int, float, str]]:
     """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
-    ``context`` (:mod:`jaxpar.ops.context_parallel`): ``kv_block_bytes`` = one rank's keys and values in
-    the compute dtype (``act`` bytes), ``remat`` = 1 if the layer's forward is recomputed (it repeats
-    the all-gather; the ring, a ``custom_vjp`` whose residuals remat keeps, is not re-run). Keys and
-    values travel as two arrays of half the block; the ring's gradients travel in fp32."""
+    ``context`` (:mod:`jaxpar.ops.context_parallel`). ``kv_block_bytes``: one rank's keys and values,
+    2*b*s/c*kv_heads/t*head_dim*``act``, sent as two arrays of half the block; ``remat`` = 1 if the
+    layer's forward is recomputed, which repeats the all-gather but not the ring (a ``custom_vjp``
+    whose residuals remat keeps). Ring: c-1 key/value hops forward and backward, c hops of the fp32
+    gradients; all-gather: (c-1)*kvb gathered, the same reduce-scattered."""
     half = kv_block_bytes / 2
     if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
         return [
@@ -196,13 +181,12 @@ def context_collectives(
 def expected_memory(cfg: ConfigDict, placements: Any = None) -> dict[str, float]:
     """Per-device argument and output bytes of the train step, and the gradient buffer.
 
-    argument = parameters under their storage spec (param dtype, 4 bytes) + the optimizer's state
-    (:func:`jaxpar.optim.registry.local_state_bytes`; AdamW: mu and nu under the optimizer spec, 8
-    bytes) + the step count (4) + this device's batch rows
-    (m x b x (s+1) int32) + the bad-step guard (2 fp32); output = the same state + 4 metrics
-    (loss, grad norm, lr, skipped). ``grad_buffer_bytes`` is the
-    fp32 gradient (accumulation) buffer: compute spec at stages 0-1, optimizer spec (sharded
-    over data) at stages 2-3; it lives in the temporaries, which have no closed formula here.
+    argument = parameters under their storage spec (param dtype) + the optimizer's state
+    (:func:`jaxpar.optim.registry.local_state_bytes`; AdamW: mu and nu under the optimizer spec) +
+    the step count (int32) + this device's batch rows (m x b x (s+1) int32) + the bad-step guard (2
+    fp32); output = the same state + 4 metrics (loss, grad norm, lr, skipped). ``grad_buffer_bytes``:
+    the fp32 gradient (accumulation) buffer, under the compute spec at stages 0-1 and the optimizer
+    spec at 2-3; it lives in the temporaries, which have no closed formula here.
     """
     mesh_shape = dict(cfg.mesh)
     pb = DTYPE_BYTES[cfg.model.param_dtype]

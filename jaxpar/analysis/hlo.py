@@ -171,20 +171,16 @@ def executions(
 ) -> dict[str, int]:
     """How many times each computation runs per call of ``entry`` (while bodies x trip count).
 
-    A ``conditional`` runs exactly one of its branches per execution, and which one is data the
-    HLO does not show. Each execution is attributed to one branch: the one whose collectives
-    (``cost``: ring bytes of a computation's own collectives per run; callees, trip counts and
-    nested conditionals included here) move the most bytes, ties to the first. That is an upper
-    bound on the bytes when branches differ (exact when they agree), and never the sum of branches;
-    the other branches get no executions from that conditional, so their collectives (listed in the
-    report's ops with 0 executions) add to no row even where their kind or axes differ.
+    A ``conditional`` runs one branch per execution, which the HLO does not show: each execution
+    goes to the branch whose collectives (``cost``: ring bytes of a computation's own collectives per
+    run, callees included) move the most bytes, ties to the first. That bounds the bytes from above
+    (exact when branches agree), never sums branches, and leaves the other branches' collectives at
+    0 executions. ``all_branches``: every branch runs once per execution; the pipeline report then
+    scales each collective by the share of ticks that take its branch.
 
-    ``all_branches``: every branch runs once per execution of its conditional; the pipeline report
-    then scales each collective by the share of ticks in which the schedule takes its branch.
-
-    A while loop whose trip count is neither annotated nor read from its condition (a bound carried
-    in the loop state, as blockwise attention's causal block loops) is counted once, with a warning
-    only when a collective runs inside it (``cost``): elsewhere the count changes no number.
+    A while loop whose trip count is neither annotated nor read from its condition (a bound in the
+    loop state, as blockwise attention's) counts once, with a warning only when a collective runs
+    inside it (``cost``).
     """
     cost = cost or {}
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)

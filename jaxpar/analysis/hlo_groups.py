@@ -1,25 +1,20 @@
 """Device groups of a collective, read from its ``replica_groups`` / ``source_target_pairs`` text.
 
-XLA prints a collective's groups in one of these forms (``tests/test_hlo_groups.py`` keeps them
-verbatim as compiles of jax 0.10.2 and 0.12 print them; the few no compile printed, as XLA's own
-printer writes them):
+XLA prints a collective's groups in these forms (``tests/test_hlo_groups.py`` keeps them verbatim
+from compiles of jax 0.10.2 and 0.12, the rest as XLA's printer writes them):
 
 * explicit lists ``{{0,1},{2,3}}``; ``{}`` is one group of every device;
 * iota ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)``: ``arange`` over the reshape dims, transposed,
   reshaped to (groups, group size);
-* named mesh ``mesh['data'=4,'tensor'=2] {'tensor'}``: the devices of a mesh (iota unless a
-  ``, device_ids=(...)`` follows the axes: ``[4,2]T(1,0)`` or an explicit list), grouped over the
-  listed axes in the listed order. An axis may be a sub-axis ``'x':(2)4``: ``x`` split row-major
-  into (2, 4, the rest), the factor of size 4. ``{}`` groups each device alone. jax 0.12 prints
-  shard_map collectives so, with the jax mesh's names; XLA's own partitioner prints meshes named
-  ``axis_0``... on both releases (source_target_pairs: explicit lists on both);
+* named mesh ``mesh['data'=4,'tensor'=2] {'tensor'}``: a mesh's devices (iota, or ``, device_ids=``
+  ``[4,2]T(1,0)`` or a list), grouped over the listed axes in order; a sub-axis ``'x':(2)4`` is
+  the size-4 factor of ``x`` split row-major into (2, 4, the rest); ``{}`` groups each device
+  alone. jax 0.12 prints shard_map collectives so; XLA's partitioner names its axes ``axis_0``...;
 * ``single_device[device_id=3] {}``: one group of one device.
 
-The mesh form is expanded to device ids here rather than read by name, because its names need not be
-the jax mesh's (``axis_0``) and its device order need not be iota; :mod:`jaxpar.analysis.compiled`
-then names the axes from the ids, whatever form they came in. A form not listed above raises a
-one-line :class:`ValueError`: counting a collective over every device because its groups were not
-understood would misattribute its bytes silently.
+Meshes are expanded to device ids, not read by name (the names need not be the jax mesh's, nor the
+order iota); :mod:`jaxpar.analysis.compiled` names axes from the ids. Any other form is a one-line
+:class:`ValueError`: counting a collective over every device would misattribute its bytes silently.
 """
 
 from __future__ import annotations

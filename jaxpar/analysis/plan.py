@@ -1,21 +1,16 @@
 """ParallelLayout search: every (data, tensor, pipeline, context) split and schedule choice, ranked by estimated step time.
 
 ``jaxpar plan`` answers "how should I lay out this model on that cluster?" from the closed-form
-estimates in :mod:`jaxpar.analysis.estimate` alone, so it runs in seconds for any cluster size.
-It enumerates tensor sizes that are powers of two inside one node and divide heads, kv-heads,
-mlp and vocab; pipeline sizes that divide the layers; context sizes (powers of two, see
-:func:`_context_sizes`: only where each of the 2c sequence chunks fills a blockwise-attention block);
-data = devices / (tensor * pipeline * context);
-ZeRO 0-3; microbatch sizes (powers of two, ascending until memory runs out); recompute
-none/selective/full; sequence parallel on/off; 1F1B or interleaved. Layouts whose peak memory
-exceeds device memory x (1 - headroom) are dropped; the rest are ranked by step time.
+estimates of :mod:`jaxpar.analysis.estimate` alone, in seconds for any cluster size. It enumerates
+tensor sizes (:func:`_tensor_sizes`), pipeline sizes dividing the layers, context sizes
+(:func:`_context_sizes`), data = devices / (tensor * pipeline * context), ZeRO 0-3, microbatch
+sizes (ascending until memory runs out), recompute none/selective/full, sequence parallelism on or
+off, 1F1B or interleaved; layouts over device memory x (1 - headroom) are dropped, the rest ranked.
 
-``jaxpar plan --aot`` then checks the estimates against the compiler: for the top ``--aot-top``
-layouts shown :mod:`jaxpar.analysis.aot` builds the jaxpar config of each layout, compiles the
-real train step ahead of time from abstract arrays on as many simulated CPU devices (nothing is
-allocated or run) and compares the compiled per-device argument memory and collective bytes per
-mesh axis with the estimates (:class:`~jaxpar.analysis.aot.AotComparison`). JAX is imported only
-then, after the device count is set. The flags and the tables are in :mod:`jaxpar.cli.plan`.
+``jaxpar plan --aot`` then compiles the real train step of the top ``--aot-top`` layouts ahead of
+time on simulated CPU devices (nothing allocated or run; JAX imported only then) and compares the
+compiled argument memory and collective bytes per axis with the estimates
+(:mod:`jaxpar.analysis.aot`). Flags and tables: :mod:`jaxpar.cli.plan`.
 """
 
 from __future__ import annotations
@@ -170,10 +165,9 @@ def _tensor_sizes(model: ConfigDict, cluster: Cluster, num_devices: int) -> list
 
 
 def _context_sizes(seq_len: int, fixed: dict[str, Any]) -> list[int]:
-    """Context sizes c: the pinned one, else 1 and the powers of two whose 2c chunks of the sequence
-    each fill at least one blockwise-attention block (``seq_len / 2c >= attention_block``): shorter
-    chunks leave the ring's per-hop kernels mostly padding, and the sequence is short enough to fit
-    without splitting it."""
+    """Context sizes c: the pinned one, else 1 and the powers of two whose 2c sequence chunks each
+    fill a blockwise-attention block (``seq_len / 2c >= attention_block``); shorter chunks leave the
+    ring's per-hop kernels mostly padding, and such a sequence fits without splitting."""
     if "context" in fixed:
         return [fixed["context"]]
     block = fixed.get("attention_block", ParallelLayout.attention_block)
@@ -256,10 +250,10 @@ def search_layouts(
 ) -> list[LayoutEstimate]:
     """Every layout of ``num_devices`` for this batch, fitting ones first, ranked by step time.
 
-    ``fixed`` pins :class:`ParallelLayout` fields (e.g. ``{"tensor": 8, "zero_stage": 1}``). Layouts over
-    the memory budget are dropped unless ``keep_unfit``. Microbatch sizes are tried in ascending
-    order and stop at the first one that does not fit, since memory grows with b. Raises
-    :class:`ConfigError` when nothing fits, naming the smallest requirement found.
+    ``fixed`` pins :class:`ParallelLayout` fields (e.g. ``{"tensor": 8, "zero_stage": 1}``). Layouts
+    over the memory budget are dropped unless ``keep_unfit``; microbatch sizes ascend and stop at
+    the first that does not fit (memory grows with b). Raises :class:`ConfigError` when nothing
+    fits, naming the smallest requirement found.
     """
     if not 1 <= num_devices <= MAX_DEVICES:  # bounds the search; no cluster has more
         raise ConfigError(f"plan: {num_devices} devices: use between 1 and {MAX_DEVICES} (more than any cluster has)")

@@ -1,13 +1,11 @@
 """``jaxpar sweep``: run every valid layout of N devices on the same problem and measure it.
 
-The grid (:mod:`jaxpar.analysis.sweep_grid`): every layout the planner accepts, one microbatch count
-each. Each layout runs in a child process (:mod:`jaxpar.analysis.sweep_worker`) and is measured there
-(:mod:`jaxpar.analysis.sweep_measure`): compile time, step times, tokens/s, MFU, compiled memory and
-collective bytes beside the planner's estimates, every step's loss. Here: the passes over the grid,
-and the loss check: every layout's losses against the reference layout's (the first one run: pure
-data parallelism). A layout whose losses differ by more than the tolerance is a ``mismatch``; one
-that raises or kills its process is ``crashed`` with its one-line error, and the sweep goes on. The
-files are written by :mod:`jaxpar.analysis.sweep_report`.
+The grid is :mod:`jaxpar.analysis.sweep_grid`; each layout runs and is measured in a child process
+(:mod:`jaxpar.analysis.sweep_worker`, :mod:`jaxpar.analysis.sweep_measure`); the files are written
+by :mod:`jaxpar.analysis.sweep_report`. Here: the passes over the grid, and the loss check against
+the reference layout (the first run, pure data parallelism): losses beyond the tolerance are a
+``mismatch``; a layout that raises or kills its process is ``crashed`` with its one-line error, and
+the sweep goes on.
 """
 
 from __future__ import annotations
@@ -95,18 +93,13 @@ def run_sweep_layouts(
     """Every selected layout of ``num_devices``, each for ``steps`` steps on the same batches;
     returns the records and the run's conditions (host, peak, cluster, tolerance, wall time).
 
-    ``repeats`` passes: the first compiles, analyses and runs every layout for ``steps`` steps; each
-    later pass runs the whole list again for ``pass_steps`` steps (default ``min(PASS_STEPS, steps)``)
-    with pass 1's executables (kept in the worker process; JAX's persistent compilation cache is
-    switched off for the workers, see :func:`time_again`) and must reproduce pass 1's first losses
-    bit for bit. Step-time statistics pool the passes' steps after ``warmup`` (:func:`summarize_times`).
-
-    Why many short passes rather than few long ones: on the 2-core VM a layout's median moves between
-    passes minutes apart by more than its steps vary within a pass (log step time, two re-run pairs
-    of the tiny sweep: 9-10% between passes, 7-8% within one), and only passes put that movement
-    inside the pooled spread that a re-run is checked against.
-    Just before every layout's steps, in every pass, the first layout's step is timed as the host's
-    speed of the moment (:class:`HostProbe`, ``host_probe_s``)."""
+    ``repeats`` passes: the first compiles, analyses and runs every layout; each later pass runs the
+    list again for ``pass_steps`` steps (default ``min(PASS_STEPS, steps)``) with pass 1's
+    executables (never the persistent compilation cache: :func:`time_again`) and must reproduce
+    pass 1's first losses bit for bit. Step-time statistics pool the passes (:func:`summarize_times`):
+    many short passes, because a layout's median moves between passes minutes apart by more than its
+    steps vary within one, and only passes put that movement inside the spread a re-run is checked
+    against. Every layout's steps are preceded by a :class:`HostProbe` (``host_probe_s``)."""
     import os
     import platform
 

@@ -1,16 +1,11 @@
 """The sweep's layout grid: which layouts of N devices ``jaxpar sweep`` runs, their names, and the
 cluster the planner's estimates beside the measurements assume.
 
-The layouts are the planner's (:func:`jaxpar.analysis.plan.search_layouts` decides what is valid):
-every (data, tensor, pipeline) mesh whose sizes divide the model, ZeRO 0-3, sequence parallelism,
-and for pipelines each schedule (GPipe, 1F1B, interleaved with each number of virtual stages), with
-recompute off. A pipeline gets ``2 * pipeline`` microbatches when the batch allows (fewer otherwise,
-never fewer than ``pipeline``); without a pipeline the batch is one microbatch.
-
-The planner's time estimate needs a cluster: on a GPU the data-sheet preset of that GPU; on CPU a
-"cluster" of simulated devices (:func:`cpu_cluster`) whose peak is the measured matmul rate and whose
-link bandwidth is a measured host memory copy rate shared by the devices -- a rough model, and the
-estimate-vs-measured figure shows how rough.
+The layouts are the planner's (:func:`jaxpar.analysis.plan.search_layouts`): every (data, tensor,
+pipeline) mesh whose sizes divide the model, ZeRO 0-3, sequence parallelism, each pipeline schedule
+(interleaved with each number of virtual stages), recompute off; microbatches per
+:func:`_microbatches`. The time estimate needs a cluster: on a GPU its data-sheet preset, on CPU
+:func:`cpu_cluster` (a rough model; the estimate-vs-measured figure shows how rough).
 """
 
 from __future__ import annotations

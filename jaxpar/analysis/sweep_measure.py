@@ -1,18 +1,11 @@
 """One layout of a sweep, measured: compile, analyse and run its train step, and its step-time figures.
 
-Per layout (:class:`SweepRecord`): compile time; step time median / min / max over the steps after
-``warmup`` (the first calls include one-off work); tokens/s; MFU against
-:func:`jaxpar.metrics.device_peak_flops` (CPU: a measured matmul rate; GPU: the data sheet); compiled
-argument and temporary bytes per device and collective bytes per axis, each beside the planner's
-estimate; every step's loss. Each layout is built (:class:`jaxpar.train.state.Setup`), its train
-step compiled once, and that executable both analysed (``memory_analysis`` and the HLO's
-collectives, :func:`jaxpar.analysis.compiled.analyze_compiled`) and run for ``steps`` steps from the
-same initialisation (``Setup.init(seed)``) on the same batches.
-
-Beside every layout's steps, in every pass, :class:`HostProbe` times a fixed workload: the
-reference layout's own compiled step. Its median is how fast the host was at that moment, so a
-re-run on a host that has since sped up or slowed down can be compared after dividing that out
-(:func:`jaxpar.analysis.sweep_report.compare_runs`).
+Per layout (:class:`SweepRecord`): compile time; step time median / min / max after ``warmup``;
+tokens/s; MFU (:func:`jaxpar.metrics.device_peak_flops`); compiled argument, temporary and
+collective bytes beside the planner's estimates; every step's loss. One executable is both analysed
+(:func:`jaxpar.analysis.compiled.analyze_compiled`) and run. In every pass :class:`HostProbe` times
+the reference layout's step beside each layout's, so a re-run on a host that has sped up or slowed
+down can be compared after dividing that out (:func:`jaxpar.analysis.sweep_report.compare_runs`).
 """
 
 from __future__ import annotations
@@ -233,16 +226,13 @@ def time_again(
     probe: HostProbe | None = None,
     run_steps: int | None = None,
 ) -> dict[str, Any]:
-    """A later pass over ``layout``: run pass 1's first ``steps`` steps again with the executable
-    pass 1 compiled (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as
-    after a worker died, for pass 1's ``run_steps``, default ``steps``: the learning-rate schedule
-    spans them); ``{"times": [...], "losses": [...], "faults": [...]}`` (and ``"probe_s"``, ``probe`` timed
-    just before the steps) or ``{"error": one line}``.
-
-    Never JAX's persistent compilation cache: on XLA:CPU (jax 0.10.2) pipeline executables read
-    back from it compute wrong, run-to-run different losses (measured: first-step loss 5.5698 and
-    5.5767 instead of 5.6041 for ``d2t2p2-z0-sp-1f1b-m4``; 6 of the 28 pipeline layouts of the tiny
-    sweep differed from their fresh compile by 6-34%), and this check is what found it."""
+    """A later pass over ``layout``: pass 1's first ``steps`` steps again with the executable pass 1
+    compiled (``kept``, from :func:`run_layout`'s ``keep``; compiled afresh when absent, as after a
+    worker died, for pass 1's ``run_steps``, which the learning-rate schedule spans);
+    ``{"times": [...], "losses": [...], "faults": [...]}`` (and ``"probe_s"``, ``probe`` timed just
+    before the steps) or ``{"error": one line}``. Never JAX's persistent compilation cache: on
+    XLA:CPU (jax 0.10.2) pipeline executables read back from it compute wrong losses
+    (docs/performance.md, "Sweeps"), which this check found."""
     try:
         if kept is not None and layout_name(layout) in kept:
             setup, compiled, lcfg = kept[layout_name(layout)]
@@ -262,16 +252,10 @@ PROBE_STEPS = 3
 
 class HostProbe:
     """The host's speed now: the median time of :data:`PROBE_STEPS` steps of one fixed layout (the
-    sweep's reference, compiled once per process and kept with its own parameters), timed just
-    before a layout's steps.
-
-    Why a train step and not a matmul or a memory copy: what drifts on a shared or virtual host
-    (CPU time stolen by neighbours, memory bandwidth, the scheduling of the simulated devices'
-    threads) is what a step of 8 simulated devices spends its time on, in the same mix. Measured on
-    this project's 2-core VM: two runs of the whole tiny sweep 26 minutes apart differed by a
-    median factor of 0.916 on every kind of layout, more than a pass's own spread
-    (``experiments/README.md`` §1). The probe's state keeps training on one batch; its values do
-    not matter, only its (shape-fixed) time."""
+    sweep's reference, compiled once per process with its own parameters), timed just before a
+    layout's steps. A train step, not a matmul or a copy, because what drifts on a shared host
+    (stolen CPU time, memory bandwidth, the scheduling of the simulated devices' threads) is what
+    such a step spends its time on, in the same mix. Only the probe's (shape-fixed) time matters."""
 
     def __init__(self, cfg: ConfigDict, layout: ParallelLayout, batch: Any, kept: dict[str, Any] | None = None):
         self.cfg, self.layout, self.batch, self.kept = cfg, layout, batch, kept
@@ -306,12 +290,9 @@ def summarize_times(
 ) -> None:
     """Step-time statistics over the steady steps (the first ``warmup`` of each pass left out) of
     every pass, pooled: median, min, max, each pass's median, the tokens/s and MFU of the median, and
-    the median minor page faults per step.
-
-    Pooling passes that ran minutes apart is what makes the spread honest: on a shared or virtual
-    host the speed drifts over minutes by more than one pass's steps vary (measured: two runs of
-    the tiny sweep on an idle 2-core VM, one pass each, 8% median and up to 36% difference per
-    layout, while a pass's own spread was 5-30%)."""
+    the median minor page faults per step. Pooling passes minutes apart keeps the spread honest: a
+    shared host's speed drifts over minutes by more than one pass's steps vary (docs/performance.md,
+    "Sweeps")."""
     from jaxpar.metrics import model_flops_per_token
 
     passes = [record.step_times_s, *record.repeat_step_times_s]

@@ -1,12 +1,10 @@
 """A sweep's output: results.csv, results.json, report.md and matplotlib figures.
 
-The figures (:func:`render_plots`, each function returning its ``Figure`` so tests can check the
-axes): memory per device vs collective bytes per step (one labelled point per layout), step time
-per layout (bars at the median, whiskers from min to max of the steady-state steps), and the
-planner's estimates against the measurements (memory and step time, with the y = x line).
-:func:`compare_runs` checks a re-run against an earlier results.json: memory and collective bytes
-must match exactly, each median step time should fall inside the earlier run's min-max spread, as
-measured and after dividing out how much faster or slower the host ran (:func:`host_factor`).
+The figures (:func:`render_plots`; each function returns its ``Figure``, for the tests): memory per
+device vs collective bytes per step, step time per layout (median, min-max whiskers), and the
+planner's estimates against the measurements (y = x line). :func:`compare_runs` checks a re-run
+against an earlier results.json: memory and collective bytes must match exactly, and each median
+step time should fall inside the earlier min-max spread, raw and host-corrected (:func:`host_factor`).
 """
 
 from __future__ import annotations
@@ -338,14 +336,11 @@ def _load_note(meta: dict[str, Any]) -> str:
 
 def host_factor(previous: dict[str, Any], records: list[SweepRecord]) -> float | None:
     """How much slower the host ran during this sweep than during the earlier one: the ratio of the
-    medians of every :class:`jaxpar.analysis.sweep_measure.HostProbe` time of each run (one per
-    layout and pass); None when either run has none.
-
-    One factor for the whole run, not one per layout: a single probe varies by ~10% (coefficient of
-    variation over the 168 probes of one tiny sweep), a layout's median of three by ~5%, and a ratio
-    of two such medians would add that noise to every corrected time; the medians of 168 probes
-    carry ~1%. The drift the factor removes is the slow one (the host ~8% faster one hour than the
-    last, on every kind of layout); what varies within a sweep stays in its pooled spread."""
+    medians of each run's :class:`jaxpar.analysis.sweep_measure.HostProbe` times (one per layout
+    and pass); None when either run has none. One factor per run, not per layout: one probe varies
+    by ~10%, so a per-layout ratio would add noise to every corrected time, while a median over all
+    probes carries ~1% (docs/performance.md, "Sweeps"). It removes the slow drift of the host;
+    what varies within a sweep stays in its pooled spread."""
     before = [p for row in previous["layouts"] for p in row.get("host_probe_s") or []]
     now = [p for r in records for p in r.host_probe_s]
     if not before or not now:

@@ -1,14 +1,11 @@
 """The sweep's child process: layouts run one after another in a process of their own.
 
-An XLA check failure aborts a process outright (no exception to catch). XLA:CPU's in-process
-collectives did abort in sweeps ("Check failed: id < num_threads" in a reduce-scatter rendezvous;
-"Termination timeout ... of 40 seconds exceeded"), on layout ``d4t2p1-z3-sp-m1``: a head collective
-ran concurrently with the layer scan's collectives of the same rendezvous key, fixed in the model
-(:mod:`jaxpar.analysis.collective_order`). The isolation stays for whatever else aborts: the child
-allows collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`: simulated devices on busy cores can
-be late), a layout whose child dies is tried once more in a new child, then recorded as crashed
-with the fatal line, and the sweep goes on. The child holds glibc's malloc thresholds fixed
-(:func:`jaxpar.host_memory.steady_malloc`) before JAX starts, so that a layout's step time does not
+An XLA check failure aborts a process outright (no exception to catch), as XLA:CPU's in-process
+collectives once did in sweeps (fixed in the model: :mod:`jaxpar.analysis.collective_order`). For
+whatever else aborts, the child allows collectives 10 minutes (:data:`COLLECTIVE_TIMEOUT_FLAGS`:
+simulated devices on busy cores can be late), and a layout whose child dies is tried once more in a
+new child, then recorded as crashed with the fatal line. The child fixes glibc's malloc thresholds
+(:func:`jaxpar.host_memory.steady_malloc`) before JAX starts, so a layout's step time does not
 depend on what the layouts before it allocated.
 """
 

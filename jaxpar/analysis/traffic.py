@@ -1,15 +1,11 @@
 """Communication per mesh axis of one layout: the published formulas and jaxpar's own step.
 
-``communication`` gives the bytes one device sends per step on each axis (ring "bytes on the wire",
-nccl-tests PERFORMANCE.md: all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S,
+:func:`communication` gives the bytes one device sends per step on each axis as ring "bytes on the
+wire" (nccl-tests PERFORMANCE.md: all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S,
 collective-permute S) and, with a cluster, the time over its links, under the ``paper`` convention
-(ring costs from NCCL's nccl-tests PERFORMANCE.md) or the ``jaxpar`` one: what jaxpar's train step compiles to, per pipeline
-stage, checked against the compiled HLO by tests/test_plan_aot.py.
-
-With context parallelism (``mesh.context`` = c > 1) the ``data`` entry is the gradient reduction
-over (data, context), a group of data*c devices, every activation term holds s/c tokens
-(:attr:`ParallelLayout.seq_local`), and the ``context`` entry is the attention exchange of
-:mod:`jaxpar.ops.context_parallel` (:func:`context_traffic`).
+or the ``jaxpar`` one (what jaxpar's train step compiles to, per pipeline stage). With context
+parallelism (c > 1) the ``data`` entry is the gradient reduction over data*c devices, activation
+terms hold s/c tokens, and the ``context`` entry is the attention exchange (:func:`context_traffic`).
 """
 
 from __future__ import annotations
@@ -85,14 +81,12 @@ def reduce_group(layout: ParallelLayout) -> int:
 
 def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
     """Context-axis (bytes, collectives) per step and device of the attention exchange
-    (:mod:`jaxpar.ops.context_parallel`), the busiest pipeline stage's L/p layers, m microbatches, with
-    kvb = one rank's keys and values, 2*b*s/c*kv_heads/t*head_dim*a:
-
-    ``ring``: per layer :func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer` (forward c-1 hops of
-    kvb, backward c-1 hops of kvb and c of the fp32 gradients), keys and values as separate
-    permutes; not repeated under recompute (the ring's custom VJP keeps its residuals, measured in
-    tests/test_context_hlo.py). ``all_gather``: per layer the keys and values gathered ((c-1)*kvb),
-    again in the recomputed forward, and their gradients reduce-scattered ((c-1)*kvb).
+    (:mod:`jaxpar.ops.context_parallel`) over the busiest stage's L/p layers and m microbatches, with
+    kvb = one rank's keys and values, 2*b*s/c*kv_heads/t*head_dim*a. ``ring``: per layer
+    :func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer`, keys and values as separate permutes,
+    not repeated under recompute (the ring's custom VJP keeps its residuals: tests/test_context_hlo.py).
+    ``all_gather``: per layer (c-1)*kvb gathered, again in a recomputed forward, and as much
+    reduce-scattered.
     """
     c = layout.context
     if c == 1:
@@ -115,27 +109,20 @@ def communication(
     link_efficiency: float = 0.75,
     convention: str = "paper",
 ) -> dict[str, AxisComm]:
-    """Bytes per device per step on each mesh axis (ring costs from NCCL's nccl-tests PERFORMANCE.md), with times if a cluster is given.
+    """Bytes per device per step on each mesh axis, with times if a cluster is given.
 
-    ``paper`` (the published formulas, the default):
-    data (ZeRO paper sec. 7): DP all-reduces gradients once per step; ZeRO-1 reduce-scatters them
-    and all-gathers the updated params once (same bytes); ZeRO-2 reduce-scatters every microbatch
-    (m RS + 1 AG); ZeRO-3 all-gathers params in forward and backward and reduce-scatters gradients
-    every microbatch (3m x (N-1)/N, 1.5x DP at m = 1). S = per-device parameter count (after TP/PP)
-    x ``grad_reduce_bytes`` (4 fp32, 2 bf16). tensor (Shoeybi et al. 2019; Korthikanti 2022):
-    4 all-reduces of b*s*h per layer per microbatch (2 fwd, 2 bwd), 6 with full recompute; with SP
-    each becomes all-gather + reduce-scatter, same bytes. The 2 embedding/output collectives per
-    microbatch are ignored (< 1/(2L/p) of the layer traffic). pipeline (Narayanan 2021): one
-    activation forward and one gradient backward of b*s*h per microbatch per boundary, x v when
-    interleaved, /t with SP (Megatron's scatter-gather: each rank sends its sequence shard).
-    context (Liu et al. 2023; Megatron-LM context parallelism): :func:`context_traffic` in both
-    conventions; s reads s/c everywhere, and N reads data*c for the gradient reduction.
-
-    ``jaxpar``: what the jaxpar train step compiles to (checked against the compiled HLO by
-    tests/test_plan_aot.py); see :func:`_jaxpar_data` and :func:`jaxpar_stage_traffic` (tensor and
-    pipeline axes of each pipeline stage; the busiest stage counts).
-
-    Times use ``link_efficiency`` x the nominal bandwidth (bus bandwidths measured by nccl-tests are typically 70-80% of nominal).
+    ``paper`` (the default): data (ZeRO paper sec. 7), S = per-device parameters (after TP/PP) x
+    ``grad_reduce_bytes``: DP all-reduces gradients once per step; ZeRO-1 reduce-scatters them and
+    all-gathers the updated parameters once (same bytes); ZeRO-2 reduce-scatters every microbatch
+    (m RS + 1 AG); ZeRO-3 gathers parameters in forward and backward and reduce-scatters gradients
+    every microbatch (3m x (N-1)/N * S). tensor (Shoeybi et al. 2019; Korthikanti 2022): 4
+    all-reduces of b*s*h per layer and microbatch, 6 with full recompute, SP pairs of the same
+    bytes; the 2 embedding/output collectives are ignored (< 1/(2L/p) of it). pipeline (Narayanan
+    2021): an activation forward and a gradient backward of b*s*h per microbatch and boundary, x v
+    interleaved, /t with SP. context (Liu et al. 2023): :func:`context_traffic`; s reads s/c, N
+    reads data*c. ``jaxpar``: what the train step compiles to (:func:`_jaxpar_data`,
+    :func:`jaxpar_stage_traffic`; the busiest stage counts), checked by tests/test_plan_aot.py.
+    Times use ``link_efficiency`` x nominal bandwidth (nccl-tests bus bandwidths reach 70-80%).
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
@@ -201,14 +188,12 @@ def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: i
     parameter elements after the tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
 
     stage 0: all-reduce E*g once per step. Stage 1: reduce-scatter E*g once and all-gather the
-    updated parameters in the param dtype (E*pb, fp32: 2x the bytes of a bf16 reduction). Stage 2:
-    the reduce-scatter every microbatch, the all-gather once. Stage 3 runs in the compute dtype
-    (a, whatever grad_reduce_dtype says): block parameters are gathered
-    twice per microbatch (forward, and again in the backward: the remat policy never keeps the
-    gathered copy), the embedding, final norm and output layer once per step (XLA hoists the
-    loop-invariant gather out of the accumulation loop and shares it with the first microbatch),
-    and every gradient is reduce-scattered per microbatch. Parameters whose dims ``data`` divides
-    none of are all-reduced instead; their share is ignored here (the loss and gradient-norm scalars too).
+    updated parameters (E*pb). Stage 2: the reduce-scatter every microbatch, the all-gather once.
+    Stage 3, in the compute dtype a: block parameters gathered twice per microbatch (forward, and
+    again in the backward: remat never keeps the gathered copy), the embedding, final norm and output
+    layer once per step (XLA hoists the loop-invariant gather out of the accumulation loop), every
+    gradient reduce-scattered per microbatch. Parameters no ZeRO dim divides are all-reduced
+    instead, and not counted here (nor are the loss and gradient-norm scalars).
     """
     n, m, z = reduce_group(layout), layout.microbatches, layout.zero_stage
     layer, other = _held_by_place(model, layout)
@@ -227,15 +212,13 @@ def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: i
 def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
     """Tensor-axis (bytes, collectives) of the jaxpar model (jaxpar/models/llama.py), per microbatch:
 
-    per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their
-    input gradients); with recompute (selective or full) the attention output's all-reduce runs
-    again in the recomputed forward (the MLP one is dead there): 5, not Megatron's 6. With SP each
-    all-reduce is an all-gather + reduce-scatter (same bytes), and recompute repeats both gathers
-    and the attention reduce-scatter: 5.5 all-reduce equivalents per layer. Per microbatch also
-    the vocabulary-parallel embedding (forward, first stage) and the output layer input's gradient
-    (backward, last stage), each b*s*h (an all-reduce, or a gather/scatter pair with SP); the
-    cross-entropy's max, sum-exp and target logit (3 fp32 all-reduces of b*s, last stage); with
-    SP the norm scales' gradients (2L/p + 1 fp32 vectors of h). The busiest stage (the last) counts.
+    per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their input
+    gradients); recompute repeats the attention output's (the MLP one is dead there): 5, not
+    Megatron's 6. With SP each is a gather/scatter pair of the same bytes, and recompute repeats both
+    gathers and the attention scatter: 5.5 per layer. Also per microbatch the vocabulary-parallel
+    embedding (forward, first stage) and the output layer input's gradient (backward, last stage),
+    each b*s*h; the cross-entropy's 3 fp32 all-reduces of b*s (last stage); with SP the norm scales'
+    gradients (2L/p + 1 fp32 vectors of h). The busiest stage (the last) counts.
     """
     t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
     bs = layout.microbatch_size * layout.seq_local
@@ -257,36 +240,25 @@ def jaxpar_stage_traffic(
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
     executor (jaxpar/parallel/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
 
-    Pipeline: stage d sends one activation per microbatch for each of its v chunks but the last
-    virtual stage's, and one gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
-    sends of b*s*h (/t with SP: each tensor rank sends its sequence shard). Middle stages send 2mv,
-    the two ends m(2v-1) (Narayanan et al. 2021 count 2mv per boundary).
+    Pipeline: stage d sends an activation per microbatch for each of its v chunks but the last
+    virtual stage's, and a gradient for each but the first's: (m(v - [d = p-1]) + m(v - [d = 0]))
+    sends of b*s*h (/t with SP); middle stages 2mv, the ends m(2v-1) (Narayanan et al. 2021 count
+    2mv per boundary).
 
-    Tensor, per microbatch and chunk of c = L/(p*v) layers, with A = one all-reduce of b*s*h (with
-    SP a gather/scatter pair of the same bytes):
+    Tensor, per microbatch and chunk of c = L/(p*v) layers, A = one all-reduce of b*s*h (SP: a
+    gather/scatter pair of the same bytes). 1F1B / interleaved: the forward tick runs the chunk (2cA,
+    plus the embedding's A on the first virtual stage; idle on the last). The backward tick
+    recomputes the stage forward: with full remat a scan keeping each layer's input (2cA), then per
+    layer a recomputed layer under vjp (1A: the MLP's all-reduce is dead there) and its backward
+    (2A): 5cA; SP 5.5cA plus 2 fp32 norm-scale gradients of h per layer and sequence; otherwise the
+    stage's vjp, (4 + [recompute])cA. The first virtual stage's backward recomputes the embedding
+    (A; SP 1.5A); the last's adds the output layer's input gradient (A) and the cross-entropy's 3
+    fp32 all-reduces of b*s. GPipe: per layer (4 + [recompute])A as :func:`_jaxpar_tensor`, the
+    embedding on stage 0, output-layer gradient and cross-entropy on stage p-1.
 
-    * 1F1B / interleaved: the forward tick runs the chunk (2cA, plus the embedding A on the first
-      virtual stage); the last virtual stage's forward tick is idle (its backward does all). The
-      backward tick recomputes the stage forward: with full remat a forward scan keeping each layer's
-      input (2cA) then, per layer, a recomputed layer under vjp (1A: the MLP output's all-reduce is
-      dead there) and its backward (2A): 5cA; SP 5.5cA (recompute needs both gathers and the
-      attention scatter) plus 2 fp32 norm-scale gradients of h per layer and sequence. Without full
-      remat the backward is the vjp of the stage: (4 + [recompute])cA. The first virtual stage's
-      backward recomputes the embedding (A; with SP the embedding is a reduce-scatter, A/2, and its
-      backward a gather, A/2: 1.5A in all); the last's adds the output layer's input gradient (A)
-      and the cross-entropy's 3 fp32 all-reduces of b*s.
-    * GPipe: each stage's forward once and JAX's transpose of it: per layer (4 + [recompute])A as
-      :func:`_jaxpar_tensor`, the embedding A on stage 0, output-layer gradient and cross-entropy on
-      stage p-1.
-
-    One layer per chunk (c = 1) without full remat, 1F1B / interleaved (whose backward tick runs
-    the vjp of a fresh stage forward): XLA unrolls the one-step layer scan and merges
-    the recomputed forward with the vjp's own (the checkpoint uses ``prevent_cse=False``): no
-    recompute all-reduce is left (with SP one of the three recomputed collective pairs' worth, A,
-    stays), measured with jax 0.10.
-
-    Checked against the compiled step per stage (tests/test_plan_aot.py: ratio 1.0000 on 1F1B,
-    interleaved and GPipe, with and without SP and ZeRO-3).
+    With c = 1 and no full remat, XLA unrolls the one-step scan and merges the recomputed forward
+    with the vjp's own (``prevent_cse=False``): no recompute all-reduce is left (with SP, A is).
+    Checked per stage against the compiled step by tests/test_plan_aot.py.
     """
     t, p, v, m, sp = (
         layout.tensor,
@@ -391,15 +363,14 @@ def _jaxpar_pipeline_zero2(
 def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/parallel/pipeline/executor.py).
 
-    With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; a reduce-scatter
-    of the gradient, the gather's transpose, moves as much), per microbatch and chunk of c layers:
-    1F1B / interleaved: the forward tick gathers each layer once (cG; the last virtual stage's is
-    idle), the backward tick gathers it for the recomputed forward, again for the layer's vjp, and
-    reduce-scatters its gradient (3cG; with full remat the backward then runs the whole microbatch
-    at once, not sequence by sequence, so the gathers are not repeated per sequence). GPipe: 3cG
-    (forward; backward gather and scatter). The first stage gathers the embedding (and positions)
-    in each tick that embeds (G forward, 2G backward), the last the output table and final norm
-    (2G). Parameters no ZeRO dim divides are all-reduced once per step instead (not counted).
+    With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; the gradient's
+    reduce-scatter moves as much), per microbatch and chunk of c layers: 1F1B / interleaved: the
+    forward tick gathers each layer once (cG; idle on the last virtual stage), the backward tick
+    for the recomputed forward, again for the layer's vjp, and reduce-scatters its gradient (3cG;
+    with full remat the whole microbatch at once, not per sequence). GPipe: 3cG. The first stage
+    gathers the embedding (and positions) in each tick that embeds (G forward, 2G backward), the
+    last the output table and final norm (2G). Parameters no ZeRO dim divides are all-reduced once
+    per step instead (not counted).
     """
     p, m = layout.pipeline, layout.microbatches
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1

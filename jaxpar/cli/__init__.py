@@ -1,14 +1,10 @@
 """``jaxpar`` command line: train | inspect | plan | compare | sweep | port | export | drill.
 
-One module per subcommand (:mod:`jaxpar.cli.train`, ``inspect``, ``plan``, ``compare``, ``sweep``, ``port``,
-``export``, ``drill``) holds its flags and its output (tables, text, JSON); the modules it calls
+One module per subcommand holds its flags and its output (tables, text, JSON); the modules it calls
 return data and raise :class:`~jaxpar.config.ConfigError` on bad input. Errors take one path
-(:mod:`jaxpar.cli.errors`): bad input prints one line and exits with code 2, anything else is an
-internal error (exit code 1, traceback written to a file), an OS error is a user error too (a closed
-stdout pipe: quiet, 141; a full disk: one line naming the path, 2), Ctrl-C anywhere exits with 130
-(:mod:`jaxpar.interrupt`). What a subcommand writes goes through :mod:`jaxpar.write_guard`. On CPU, the
-number of simulated devices is set from the config's mesh (``--xla_force_host_platform_device_count``)
-before JAX starts, unless ``XLA_FLAGS`` already sets it: no subcommand module imports JAX at import.
+(:mod:`jaxpar.cli.errors`); what a subcommand writes goes through :mod:`jaxpar.write_guard`. On CPU
+the number of simulated devices is set from the config's mesh before JAX starts, unless
+``XLA_FLAGS`` already sets it: no subcommand module imports JAX at import.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What every subcommand shares: the argparse class, the default config, flag checks.
-
-Bad flags are user errors like bad config fields: :class:`~jaxpar.config.ConfigError`, one line
-(the CLI prints ``error: ...`` and exits with code 2).
-"""
+"""What every subcommand shares: the argparse class, the default config, flag checks. Bad flags
+are user errors like bad config fields: a one-line :class:`~jaxpar.config.ConfigError` (exit 2)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``jaxpar compare``: chosen layouts side by side: memory, step time, MFU, communication (``--aot``: compiled too).
 
-The flags, the ``--layout KEY=VALUE,...`` parser and the output (the plan table in the order
-given, each layout relative to the first, the AOT table, or one JSON document). The evaluation is
-:func:`jaxpar.analysis.compare.compare_layouts`.
+The flags, the ``--layout KEY=VALUE,...`` parser and the output (the plan table in the order given,
+relative to the first, the AOT table, or JSON); the evaluation is :func:`jaxpar.analysis.compare.compare_layouts`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``jaxpar drill``: kill training with SIGKILL at random steps, resume, and check the end state is identical.
 
-The flags and the printed summary; the drill is :func:`jaxpar.drill.run_drill`. Exit code 1 when
-the resumed run does not end where the uninterrupted one does.
+The flags and the printed summary (exit 1 when the resumed run ends elsewhere than the uninterrupted
+one); the drill is :func:`jaxpar.drill.run_drill`.
 """
 
 from __future__ import annotations

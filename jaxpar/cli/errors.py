@@ -2,21 +2,17 @@
 
 - bad input (:class:`~jaxpar.errors.JaxparError`, e.g. :class:`~jaxpar.config.ConfigError`):
   ``error: <one line>`` on stderr, exit code 2;
-- anything else is a bug: one line ``jaxpar: internal error (<Type>: <first line>); traceback
-  written to <path>`` on stderr, exit code 1, the full traceback in ``<path>``: a file in the run's
-  workdir when the subcommand has named one (:func:`note_workdir`) and it exists, else
-  ``<tmp>/jaxpar-error-<pid>.log``;
-- an :class:`OSError` that names a file (a path the OS refuses: missing, too long, not
-  readable, a folder where a file belongs) is bad input too: ``error: <reason>: '<path>'``, exit 2;
-- OS errors are user errors (:func:`os_error`): a closed pipe on stdout (``jaxpar ... | head``) ends
-  the command quietly with exit code 141 (128 + SIGPIPE, what a shell shows for other tools); a full
-  disk is ``error: no space left on the device of '<path>'; ...`` (exit 2; the writer left the
-  earlier output there as it was, :mod:`jaxpar.write_guard`), stdout included;
-- Ctrl-C: ``interrupted``, exit code 130, anywhere (:mod:`jaxpar.interrupt` covers the imports, a
-  Ctrl-C Python would swallow, a second one and the interpreter's shutdown after ``main`` returned).
+- anything else is a bug: ``jaxpar: internal error (<Type>: <first line>); traceback written to
+  <path>``, exit code 1, the traceback in the run's workdir when the subcommand named one that
+  exists (:func:`note_workdir`), else ``<tmp>/jaxpar-error-<pid>.log``;
+- OS errors are the user's (:func:`os_error`): one naming a file (missing, too long, unreadable, a
+  folder where a file belongs) is ``error: <reason>: '<path>'``, exit 2; a closed pipe on stdout
+  (``jaxpar ... | head``) ends quietly with exit 141 (128 + SIGPIPE, as shells show); a full disk is
+  ``error: no space left on the device of '<path>'; ...``, exit 2 (:mod:`jaxpar.write_guard` left
+  the earlier output as it was), stdout included;
+- Ctrl-C: ``interrupted``, exit code 130, anywhere (:mod:`jaxpar.interrupt`).
 
-(``jaxpar train`` in a multi-process job has one more: a failed collective exits with code 3,
-see :mod:`jaxpar.cli.train`.)
+A multi-process ``jaxpar train`` has one more: a failed collective exits 3 (:mod:`jaxpar.cli.train`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``jaxpar plan``: estimate and rank layouts for a cluster before renting it; ``--aot`` compiles the top ones.
 
-The flags, the checks that concern only them, and the output: a rich table of the ranked layouts
-(:func:`render_table`, shared with ``jaxpar compare``), the AOT table (:func:`render_aot`) or one
-JSON document. The search is :func:`jaxpar.analysis.plan.search_layouts`, the compile check
-:func:`jaxpar.analysis.aot.run_aot`.
+The flags, their own checks, and the output: the ranked layouts (:func:`render_table`, shared with
+``jaxpar compare``), the AOT table (:func:`render_aot`) or one JSON document. The search is
+:func:`jaxpar.analysis.plan.search_layouts`, the compile check :func:`jaxpar.analysis.aot.run_aot`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Model families behind one interface (:class:`jaxpar.models.base.Model`), chosen by ``model.name``.
 
-* ``llama``: the LLaMA decoder (:mod:`jaxpar.models.llama`): RMSNorm, SwiGLU, RoPE, grouped-query
-  attention; its ``model.norm`` / ``model.mlp_activation`` / ``model.position`` switches also
-  compute LayerNorm / GeLU / learned positions, in any combination (e.g. LLaMA with learned
-  positions). HF LLaMA / Mistral checkpoints import and export (default switches only).
-* ``gpt``: the classic GPT-2/3 block (:mod:`jaxpar.models.gpt`): the same code paths, pinned to
-  LayerNorm, GeLU and learned positions (anything else is a ``llama`` variant); no HF format
-  (HF GPT-2 has biases that jaxpar's linear layers do not).
+* ``llama`` (:mod:`jaxpar.models.llama`): RMSNorm, SwiGLU, RoPE, grouped-query attention; its
+  ``model.norm`` / ``model.mlp_activation`` / ``model.position`` switches also give LayerNorm /
+  GeLU / learned positions in any combination. HF LLaMA / Mistral checkpoints import and export.
+* ``gpt`` (:mod:`jaxpar.models.gpt`): the same code pinned to the classic GPT-2/3 block; no HF format.
+* ``qwen3``, ``qwen3_moe``, ``mixtral``: LLaMA's code with QK-norm and/or experts, HF formats.
 
 A new family is one module defining a :class:`~jaxpar.models.base.Model` subclass, listed in
-:data:`FAMILIES` (or added at run time with :func:`register`), plus a config setting ``model.name``.
+:data:`FAMILIES` (or :func:`register` at run time), plus a config setting ``model.name``.
 """
 
 from __future__ import annotations

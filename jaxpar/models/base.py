@@ -1,24 +1,18 @@
 """The model interface: what the train step, the pipeline, ZeRO-3, the planner and the importers use.
 
 A model family is a subclass of :class:`Model` registered under a ``model.name``
-(:mod:`jaxpar.models`). Everything outside ``jaxpar/models`` reaches the model only through it:
+(:mod:`jaxpar.models`); nothing outside ``jaxpar/models`` reaches a model otherwise. It gives
+:meth:`Model.init` (a plain nested dict) and :meth:`Model.logical_axes` (the same tree of logical
+dim names, mapped to mesh axes by :mod:`jaxpar.sharding`); the shard-local forward pieces, run in
+``shard_map`` with explicit collectives (Megatron style, Shoeybi et al. 2019): :meth:`Model.embed`,
+:meth:`Model.block`, :meth:`Model.head_loss` and their composition :meth:`Model.loss_sum`;
+:attr:`Model.stacked` (the scanned subtree) and :attr:`Model.roles` (the pipeline stage of every
+other top-level entry), from which :mod:`jaxpar.models.inventory` derives the planner's inventory;
+and :attr:`Model.hf`, the Hugging Face maps of :mod:`jaxpar.port.weights` (``None``: no HF format).
 
-* :meth:`Model.init` (parameters as a plain nested dict) and :meth:`Model.logical_axes` (the same
-  tree of logical dim names, which :mod:`jaxpar.sharding` maps to mesh axes);
-* the shard-local forward pieces, run inside ``shard_map`` with explicit collectives (Megatron
-  style, Shoeybi et al. 2019): :meth:`Model.embed`, :meth:`Model.block` (one layer: the layer scan
-  and the pipeline stages run it), :meth:`Model.head_loss` (final norm, logits and the
-  vocabulary-parallel cross-entropy sum) and their composition :meth:`Model.loss_sum`;
-* the name of the stacked (scanned) subtree (:attr:`Model.stacked`, leading ``layers`` dim) and the
-  role of every other top-level entry (:attr:`Model.roles`: ``embedding`` / ``positions`` on the
-  first pipeline stage, ``final_norm`` / ``output`` on the last), from which the planner's
-  parameter inventory (:mod:`jaxpar.models.inventory`) is derived with ``jax.eval_shape``;
-* :attr:`Model.hf`: the Hugging Face tensor-name map and ``config.json`` field map used by
-  :mod:`jaxpar.port.weights` (``None``: the family has no HF checkpoint format).
-
-ZeRO-3 reaches the model as a tree of split dims in :attr:`ShardContext.zero3_dims`
-(:mod:`jaxpar.ops.zero3`); :meth:`Model.gather_shared` and :meth:`Model.run_blocks` gather with
-it, so a family writes no ZeRO code and matches no parameter paths.
+ZeRO-3 reaches the model as a tree of split dims (:attr:`ShardContext.zero3_dims`,
+:mod:`jaxpar.ops.zero3`) that :meth:`Model.gather_shared` and :meth:`Model.run_blocks` gather with,
+so a family writes no ZeRO code and matches no parameter paths.
 """
 
 from __future__ import annotations
@@ -207,16 +201,13 @@ class Model(abc.ABC):
     def loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
         """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows).
 
-        Where the head's parameters meet collectives inside the loss (ZeRO-3's gathers and their
-        reduce-scatters; sequence parallelism's all-reduce of the final norm's gradient), the
-        entries used only after the layers (roles ``final_norm`` / ``output``) pass through the
-        layer scan's carry, unchanged, and are gathered after it: so every collective of the head
-        reads the scan's result in the forward pass, and the backward scan reads the head's reduced
-        gradients. XLA:CPU needs that data order (:mod:`jaxpar.analysis.collective_order`: a
-        collective that does not depend on a loop may run concurrently with the loop's collectives,
-        and in-process rendezvous then pair different operations); the numbers are unchanged.
-        Elsewhere nothing is carried (a carried copy costs temporaries; the gradient reductions of
-        ZeRO 0-2 follow the loss and were found ordered in every compiled layout tested).
+        Where the head's parameters meet collectives in the loss (ZeRO-3's gathers, sequence
+        parallelism's all-reduce of the final norm's gradient), the ``final_norm`` / ``output``
+        entries pass unchanged through the layer scan's carry and are gathered after it, so every
+        collective of the head depends on the scan: XLA:CPU's in-process rendezvous would otherwise
+        pair it with a loop's collective (:mod:`jaxpar.analysis.collective_order`). Elsewhere
+        nothing is carried: a carried copy costs temporaries, and ZeRO 0-2's gradient reductions
+        follow the loss anyway.
         """
         tokens, ctx = dropout.bind(tokens, ctx)  # strip the row column of dropout, if any
         inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
@@ -256,12 +247,10 @@ def scan_layers(
     """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or
     ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters).
 
-    ``carried`` (a tree, optional): carried through the loop, its values unchanged, and returned
-    beside ``x`` (``(x, carried)``), so that what uses it afterwards depends on the loop at run time
-    (see :meth:`Model.loss_sum`).
-
-    With dropout the loop also runs over the layers' model-form indices (from ``ctx.noise.layer``,
-    the first layer of ``blocks``), which key their masks (:mod:`jaxpar.ops.dropout`).
+    ``carried`` (a tree, optional) passes through the loop unchanged and is returned beside ``x``,
+    so that what uses it afterwards depends on the loop (:meth:`Model.loss_sum`). With dropout the
+    loop also runs over the layers' model-form indices (from ``ctx.noise.layer``), which key their
+    masks (:mod:`jaxpar.ops.dropout`).
     """
     step_one = layer_step(block, positions, ctx, stacked)
     rewrite = bool(jax.tree.leaves(carried))

@@ -1,8 +1,6 @@
-"""Training FLOPs of the decoder families (LLaMA / GPT blocks): model FLOPs per token (the MFU
-numerator), hardware FLOPs with recomputation (HFU) and Megatron-LM's per-iteration count.
-
-Used by the planner (:mod:`jaxpar.analysis.estimate`) and by the trainer's MFU
-(:mod:`jaxpar.metrics`); the parameter count comes from the model's own inventory.
+"""Training FLOPs of the decoder families: model FLOPs per token (the MFU numerator), hardware FLOPs
+with recomputation (HFU) and Megatron-LM's per-iteration count, for the planner
+(:mod:`jaxpar.analysis.estimate`) and the trainer's MFU (:mod:`jaxpar.metrics`).
 """
 
 from __future__ import annotations
@@ -26,12 +24,10 @@ def flops_params(model: ConfigDict) -> int:
 
 
 def flops_per_token(model: ConfigDict, seq_len: int, causal: bool = False) -> float:
-    """Training FLOPs per token: 6N + 12*L*(heads*hd)*s (PaLM, Chowdhery et al. 2022, appendix B).
-
-    6N is Kaplan et al. 2020 (forward 2N, backward 4N). The attention term counts QK^T and AV
-    without the causal mask, as PaLM reports MFU: that is our default (and jaxpar/metrics.py's);
-    ``causal=True`` halves it as MaxText does.
-    """
+    """Training FLOPs per token: 6N + 12*L*(heads*hd)*s (PaLM, Chowdhery et al. 2022, appendix B;
+    6N from Kaplan et al. 2020: forward 2N, backward 4N). The attention term counts QK^T and AV
+    without the causal mask, as PaLM reports MFU (and jaxpar/metrics.py); ``causal=True`` halves it
+    as MaxText does."""
     attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
     return 6 * flops_params(model) + attention * (0.5 if causal else 1.0)
 
@@ -47,12 +43,10 @@ def hardware_flops_per_token(
 
 
 def megatron_flops_per_iteration(model: ConfigDict, global_batch: int, seq_len: int, recompute: bool = False) -> float:
-    """Megatron's count for a GPT layer (f = 4h, heads*hd = h), B in sequences, no causal discount.
-
-    Model FLOPs 72*B*s*L*h^2*(1 + s/(6h) + V/(12*h*L)) (Megatron-LM's num_floating_point_operations);
-    with the recomputed forward 96*B*s*L*h^2*(1 + s/(6h) + V/(16*h*L)) (Narayanan et al. 2021,
-    arXiv:2104.04473, sec. 5.1; the logit layer is not recomputed).
-    """
+    """Megatron's count for a GPT layer (f = 4h, heads*hd = h), B in sequences, no causal discount:
+    72*B*s*L*h^2*(1 + s/(6h) + V/(12*h*L)) (Megatron-LM's num_floating_point_operations); with the
+    recomputed forward 96*B*s*L*h^2*(1 + s/(6h) + V/(16*h*L)) (Narayanan et al. 2021,
+    arXiv:2104.04473, sec. 5.1; the logit layer is not recomputed)."""
     h, n_layers, v = model.embed_dim, model.num_layers, model.vocab_size
     k, vocab_div = (96, 16) if recompute else (72, 12)
     return k * global_batch * seq_len * n_layers * h * h * (1 + seq_len / (6 * h) + v / (vocab_div * h * n_layers))

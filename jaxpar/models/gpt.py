@@ -1,13 +1,10 @@
 """The ``gpt`` family: the classic GPT-2/3 decoder block (Radford et al. 2019; Brown et al. 2020).
 
-Pre-LayerNorm (scale and bias), a GeLU MLP (tanh approximation, usually f = 4h) and a learned
-position table added to the token embedding; the attention, the vocabulary-parallel embedding and
-cross-entropy, tensor / sequence parallelism and ZeRO are the ``llama`` family's code paths
-(:mod:`jaxpar.models.llama`), so both families compute the same function for the same switches.
-What this family adds is the check: ``model.name=gpt`` requires ``model.norm=layernorm``,
-``model.mlp_activation=gelu`` and ``model.position=learned``; any other mix (a GPT with SwiGLU,
-a LLaMA with learned positions) is a ``llama`` variant. Linear layers carry no biases (GPT-3's
-do: about 0.1% of its parameters), so there is no HF GPT-2 checkpoint format here.
+Pre-LayerNorm with bias, a GeLU MLP (tanh approximation, usually f = 4h) and a learned position
+table, on the ``llama`` family's code (:mod:`jaxpar.models.llama`). What it adds is the check:
+``model.name=gpt`` requires ``model.norm=layernorm``, ``model.mlp_activation=gelu`` and
+``model.position=learned``; other mixes are ``llama`` variants. Linear layers carry no biases
+(GPT-3's do: about 0.1% of its parameters), hence no HF GPT-2 checkpoint format.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The layout and the parameter inventory the estimates count with (nothing allocated).
+"""The parameter inventory the estimates count with (nothing allocated).
 
-The layout is :class:`jaxpar.layout.ParallelLayout`; here: the model's parameter
-tensors with their logical dims and pipeline placement (:func:`param_tensors`, derived from the
-model interface with ``jax.eval_shape``), and how many
-elements of each a device holds under the jaxpar sharding rules (:func:`shard_elements`,
-:func:`stage_tensors`). Used by :mod:`jaxpar.analysis.estimate` and :mod:`jaxpar.analysis.traffic`.
+The model's parameter tensors with their logical dims and pipeline placement (:func:`param_tensors`,
+from the model interface with ``jax.eval_shape``), and the elements of each a device holds under the
+jaxpar sharding rules (:func:`shard_elements`, :func:`stage_tensors`), for
+:mod:`jaxpar.analysis.estimate` and :mod:`jaxpar.analysis.traffic`. The layout is
+:class:`jaxpar.layout.ParallelLayout`.
 """
 
 from __future__ import annotations
@@ -51,13 +51,12 @@ class ParamTensor:
 def param_tensors(model: ConfigDict) -> tuple[ParamTensor, ...]:
     """Every parameter tensor of the model, per layer or per model, with logical dim names.
 
-    Derived from the model interface (:mod:`jaxpar.models`), not written by hand: the shapes of
-    ``jax.eval_shape(init)`` (abstract: nothing allocated, so 70B / 175B configs cost milliseconds)
-    and the logical axes. A leaf of the stacked (scanned) subtree is one ``layer`` tensor (its
-    leading ``layers`` dim dropped), named by its path inside the subtree (``attn_wq``,
-    ``attn_norm_bias``); every other leaf takes its top-level entry's role (``embedding``,
-    ``positions`` on the first pipeline stage; ``final_norm_scale``, ``output`` on the last).
-    Cached per model config: the planner calls this for every layout it searches.
+    Derived from the model interface with ``jax.eval_shape(init)`` (nothing allocated, so a 175B
+    config costs milliseconds) and the logical axes. A leaf of the stacked subtree is one ``layer``
+    tensor (its ``layers`` dim dropped), named by its path inside the subtree (``attn_wq``); every
+    other leaf takes its top-level entry's role (``embedding``, ``positions`` on the first pipeline
+    stage; ``final_norm_scale``, ``output`` on the last). Cached per model config (the planner
+    calls it for every layout).
     """
     return _param_tensors(tuple(sorted(dict(model).items())))
 
@@ -92,13 +91,10 @@ def count_params(model: ConfigDict) -> int:
 def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard: bool) -> float:
     """Elements of ``tensor`` held per device under the jaxpar sharding rules.
 
-    Tensor parallel splits the logical dims heads, kv_heads, mlp and vocab over ``tensor``; norm
-    scales/biases and position tables have none, so they are replicated over tensor. ZeRO
-    (``zero_shard``) shards over ``data`` the largest dimension that the tensor rules do not map (a
-    heads/kv_heads/mlp/vocab dim is never a ZeRO candidate, even at tensor=1) and whose size is
-    divisible by ``data``; ties go to the first such dim. If none divides, the tensor stays
-    replicated over data. The stacked layer (scan) dimension is never sharded by ZeRO (it is not
-    among ``tensor.dims``). As :func:`jaxpar.sharding.zero_dim`, on the parameter's real dims.
+    Tensor parallelism splits the logical dims heads, kv_heads, mlp and vocab over ``tensor``
+    (norms and position tables are replicated). ZeRO (``zero_shard``) shards over ``data`` the
+    largest other dim that ``data`` divides, the first on ties, and never the stacked layer dim;
+    if none divides, the tensor stays replicated. As :func:`jaxpar.sharding.zero_dim` on the real dims.
     """
     elements = float(tensor.size)
     if tensor.tensor_split:
@@ -113,14 +109,12 @@ def stage_tensors(
 ) -> list[tuple[ParamTensor, int]]:
     """(tensor, copies) held by the first or last pipeline stage (one stage holds all when p = 1).
 
-    Each rank holds L/p layers (v chunks of L/(p*v) when interleaved). Megatron places the
-    embedding and learned positions on the first stage, final norm and output layer on the last;
-    with tied embeddings and p > 1 the last stage keeps its own copy of the table.
-    ``shared_on_every_stage``: jaxpar's pipeline (``jaxpar/parallel/pipeline/forms.py``, stage form) holds on
-    every stage what SPMD makes every device hold: the layers, the final norm and positions
-    (replicated over ``pipeline``, gradients summed over it) and one V x h table: with an untied
-    output layer the ``ends`` slot (embedding on the first stage, output layer on the last), with
-    tied embeddings the shared table.
+    Each rank holds L/p layers (v chunks when interleaved). Megatron places the embedding and
+    learned positions on the first stage, final norm and output layer on the last (with tied
+    embeddings and p > 1 the last keeps its own copy of the table). ``shared_on_every_stage``:
+    jaxpar's pipeline (stage form, :mod:`jaxpar.parallel.pipeline.forms`) holds on every stage the
+    layers, the final norm, the positions and one V x h table (the ``ends`` slot when untied, else
+    the shared table).
     """
     tensors, p = param_tensors(model), layout.pipeline
     out = [(t, model.num_layers // p if t.place == "layer" else 1) for t in tensors]

@@ -1,30 +1,20 @@
 """The ``llama`` family: a LLaMA-style decoder in Flax NNX, written shard-locally (Megatron style).
 
-Parameters are created by NNX modules, each ``nnx.Param`` carrying its logical dim names
-(``logical_axes`` metadata) that :mod:`jaxpar.sharding` maps to mesh axes. The layers' parameters
-are stacked on a leading ``layers`` dim and run with ``lax.scan`` so compile time does not grow
-with depth.
+Each ``nnx.Param`` carries its logical dim names (``logical_axes`` metadata) for
+:mod:`jaxpar.sharding`. The layers are stacked on a leading ``layers`` dim and run with
+``lax.scan``, so compile time does not grow with depth. The forward pass runs inside ``shard_map``
+on *local* shards, with Megatron-LM's tensor-parallel collectives written out:
 
-The forward pass runs inside ``shard_map`` on *local* shards: sizes come from the parameter
-shapes, and the tensor-parallel collectives are explicit, as in Megatron-LM:
+* column-parallel QKV and MLP up/gate, row-parallel attention output and MLP down, then one ``psum``
+  over ``tensor`` (sequence parallelism: ``all_gather`` of the sequence before the block and
+  ``psum_scatter`` after it); the backward all-reduce of Megatron's "f" is JAX's transpose of the
+  implicit broadcast of a tensor-replicated activation;
+* vocabulary-parallel embedding and cross-entropy (max / sum-exp / target logit over ``tensor``);
+* ZeRO-3 gathers each layer inside the scan body and never saves it (:mod:`jaxpar.models.base`).
 
-* column-parallel QKV and MLP up/gate, row-parallel attention output and MLP down, then one
-  ``psum`` over ``tensor`` (with sequence parallelism: ``all_gather`` of the sequence before the
-  block and ``psum_scatter`` after it, same bytes);
-* the backward all-reduce of Megatron's "f" operator is inserted by JAX's autodiff (the
-  transpose of the implicit broadcast of a tensor-replicated activation);
-* vocabulary-parallel embedding and cross-entropy (max / sum-exp / target logit reduced over
-  ``tensor``);
-* ZeRO-3: each layer's parameters are gathered over ``data`` inside the scan body, and named so
-  the remat policy never saves the gathered copy (gathered again in the backward pass, whose
-  transpose is the per-layer reduce-scatter of the gradient): written once for every family in
-  :mod:`jaxpar.models.base` with :mod:`jaxpar.ops.zero3`.
-
-:class:`LlamaModel` is this module behind the :class:`~jaxpar.models.base.Model` interface, with
-the HF LLaMA tensor-name and ``config.json`` field maps (:data:`HF_LLAMA`). The module-level
-functions are its implementation (and what the parity tests call directly).
-
-Outside ``shard_map`` (no mesh axes bound), the same code runs as a plain single-device model.
+:class:`LlamaModel` puts these functions (which the parity tests call directly) behind the
+:class:`~jaxpar.models.base.Model` interface, with the HF LLaMA maps (:data:`HF_LLAMA`). Outside
+``shard_map`` the same code runs as a single-device model.
 """
 
 from __future__ import annotations

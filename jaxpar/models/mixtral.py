@@ -1,12 +1,9 @@
 """The ``mixtral`` family: LLaMA's decoder with a mixture-of-experts MLP in every layer (Jiang et
 al. 2024, "Mixtral of Experts"): ``num_experts`` SwiGLU experts of ``mlp_dim``, a softmax router
-whose top ``experts_per_token`` weights are renormalised to sum 1 (:mod:`jaxpar.models.moe`).
-
-The code paths are the ``llama`` family's (:mod:`jaxpar.models.llama`; a ``llama`` config with
-``num_experts > 0`` computes the same function); this family pins the settings HF
-``MixtralForCausalLM`` checkpoints hold and carries their tensor names: per layer
-``block_sparse_moe.gate.weight`` (E, h) and ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``
-(gate, up: (f, h); down: (h, f)), as ``save_pretrained`` writes them.
+whose top ``experts_per_token`` weights are renormalised (:mod:`jaxpar.models.moe`). The code is the
+``llama`` family's; this pins what HF ``MixtralForCausalLM`` checkpoints hold and carries their
+tensor names: per layer ``block_sparse_moe.gate.weight`` (E, h) and
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (gate, up: (f, h); down: (h, f)).
 """
 
 from __future__ import annotations

@@ -2,43 +2,31 @@
 2017; Fedus et al. 2022, Switch; Jiang et al. 2024, Mixtral), computed shard-locally inside the
 step's ``shard_map`` with explicit collectives.
 
-**Routing.** Router logits ``x @ W_r`` (fp32). ``softmax`` (Mixtral, Qwen3-MoE): probabilities over
-all experts, the top ``k`` kept, renormalised to sum 1 when ``norm_topk`` (Mixtral always; Qwen3's
-``norm_topk_prob``). ``sigmoid`` (DeepSeek-V3): independent scores, the top ``k`` kept,
-renormalised when ``norm_topk``.
+**Routing.** fp32 router logits ``x @ W_r``; ``softmax`` (Mixtral, Qwen3-MoE) over all experts or
+``sigmoid`` (DeepSeek-V3) independent scores; the top ``k`` kept, renormalised when ``norm_topk``.
 
 **Dropless dispatch over ``expert``** (Megatron-core's ``allgather`` token dispatcher). Experts are
-split over the ``expert`` axis (``E / expert`` per rank); tokens are split over ``data x expert``.
-Each rank all-gathers the tokens and their routing of its ``expert`` group, sorts the (token,
-choice) pairs by expert, runs its local experts as grouped matmuls (``jax.lax.ragged_dot``: rows
-past the local experts' groups are neither computed into nor read), weights each row by its router
-weight, sums the rows back onto their tokens and reduce-scatters the partial sums over ``expert``,
-so every rank gets its own tokens back with all ``k`` experts added. No token is dropped and no
-buffer is padded to a capacity. Bytes per layer and rank (forward): an all-gather and a
-reduce-scatter of ``(expert - 1) / expert`` of the group's ``T x h`` activations. (The
-``ragged_all_to_all`` dispatcher, which moves only the routed rows, does not run on XLA:CPU.)
-
-A shared expert (``shared_expert_dim > 0``; DeepSeekMoE, Dai et al. 2024) is a dense SwiGLU MLP
-every token runs through, its output added to the routed experts'.
-
-Expert weights are also split over ``tensor`` on their ``mlp`` dim (gate/up column-parallel, down
-row-parallel), so the MoE output is reduced over ``tensor`` like the dense MLP's.
+split over ``expert``, tokens over ``data x expert``. Each rank all-gathers its ``expert`` group's
+tokens and routing, sorts the (token, choice) pairs by expert, runs its local experts as grouped
+matmuls (``jax.lax.ragged_dot``), weights each row by its router weight, sums the rows onto their
+tokens and reduce-scatters the sums over ``expert``: nothing dropped or padded. Per layer and rank
+(forward): an all-gather and a reduce-scatter of ``(expert - 1) / expert`` of the group's ``T x h``
+activations (``ragged_all_to_all``, which moves only routed rows, does not run on XLA:CPU). Expert
+weights are also split over ``tensor`` on ``mlp``, so the output is reduced over ``tensor`` like
+the dense MLP's. A shared expert (``shared_expert_dim > 0``; DeepSeekMoE, Dai et al. 2024) is a
+dense SwiGLU MLP every token runs through, added to the routed output.
 
 **Capacity** (``capacity_factor > 0``, Switch / GShard token dropping): each expert takes at most
-``ceil(cf * s * k / E)`` of the choices of each sequence of ``s`` tokens, first choices before
-second ones, then by position (:func:`within_capacity`); a dropped choice adds nothing. The group
-is one sequence, so the same tokens drop on every layout (not under context parallelism, which
-splits a sequence: refused there). The compute is still grouped (nothing is padded to the capacity).
+``ceil(cf * s * k / E)`` of each sequence's choices (:func:`within_capacity`); a dropped choice adds
+nothing. The group is one sequence, so the same tokens drop on every layout (context parallelism,
+which splits a sequence, is refused).
 
-**Auxiliary losses** (their value is not in the reported loss; their gradient is in the step, as
-Megatron-core's ``MoEAuxLossAutoScaler`` does): the Switch load-balancing loss
-``E * sum_e f_e * P_e`` with ``f_e`` the share of the ``T*k`` choices that went to expert ``e`` and
-``P_e`` the mean router probability of ``e`` (Fedus et al. 2022, eq. 4; Megatron-core's
-``switch_load_balancing_loss_func``: 1 at perfect balance), and the router z-loss
-``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, ST-MoE, eq. 5). Both are computed over every
-token of the microbatch (``f_e``, ``P_e`` and the z-loss sum reduced over the token-splitting axes),
-so every layout computes the loss of one device; each is weighted by its coefficient divided by
-the microbatch count, as Megatron adds it once per microbatch.
+**Auxiliary losses** (not in the reported loss; their gradient is in the step, as Megatron-core's
+``MoEAuxLossAutoScaler``): Switch load balancing ``E * sum_e f_e * P_e``, ``f_e`` the share of the
+``T*k`` choices that went to expert ``e``, ``P_e`` its mean router probability (Fedus et al. 2022,
+eq. 4: 1 at perfect balance), and the router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al.
+2022, ST-MoE, eq. 5), reduced over every token-splitting axis (every layout computes one device's
+loss), each weighted by its coefficient over the microbatch count (Megatron adds it per microbatch).
 """
 
 from __future__ import annotations

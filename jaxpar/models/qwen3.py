@@ -1,13 +1,10 @@
 """The ``qwen3`` and ``qwen3_moe`` families (Qwen Team 2025, "Qwen3 Technical Report"): LLaMA's
-decoder with QK-norm (an RMSNorm of every query and key head, one scale per head dim, before
-RoPE) and, for ``qwen3_moe``, a softmax-routed mixture of experts in every layer whose top-k
-weights are renormalised where ``norm_topk_prob`` says so (:mod:`jaxpar.models.moe`).
-
-The code paths are the ``llama`` family's (a ``llama`` config with ``qk_norm`` and
-``num_experts`` computes the same function); these families pin what HF ``Qwen3ForCausalLM`` /
-``Qwen3MoeForCausalLM`` checkpoints hold and carry their tensor names: per layer
-``self_attn.q_norm.weight`` / ``k_norm.weight`` (head_dim,), and for the MoE ``mlp.gate.weight``
-(E, h) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``.
+decoder with QK-norm (an RMSNorm of every query and key head before RoPE, one scale per head dim)
+and, for ``qwen3_moe``, a softmax-routed mixture of experts in every layer, top-k weights
+renormalised where ``norm_topk_prob`` says (:mod:`jaxpar.models.moe`). The code is the ``llama``
+family's; these pin what HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` checkpoints hold and
+carry their tensor names (per layer ``self_attn.q_norm.weight`` / ``k_norm.weight`` (head_dim,); MoE
+``mlp.gate.weight`` (E, h), ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``).
 """
 
 from __future__ import annotations

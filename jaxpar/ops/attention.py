@@ -1,21 +1,18 @@
 """Causal grouped-query attention: the reference path, a blockwise (flash-style) path, cuDNN.
 
-Shapes everywhere: ``q`` (b, sq, n, d), ``k``/``v`` (b, sk, kv, d) with ``n % kv == 0``
-(grouped-query attention: query head ``h`` reads key/value head ``h // (n // kv)``); outputs
-(b, sq, n, d); per-row log-sum-exp (b, sq, n) in fp32.
+Shapes: ``q`` (b, sq, n, d), ``k``/``v`` (b, sk, kv, d) with ``n % kv == 0`` (query head ``h``
+reads key/value head ``h // (n // kv)``); outputs (b, sq, n, d); per-row log-sum-exp (b, sq, n) fp32.
 
-* :func:`dot_product_attention`: the reference (``model.attention=dot_product``). It builds the
-  (sq, sk) score matrix in fp32, so its memory grows with ``s**2``.
+* :func:`dot_product_attention`: the reference (``model.attention=dot_product``); its fp32 (sq, sk)
+  score matrix grows with ``s**2``.
 * :func:`blockwise_attention`: FlashAttention in pure JAX, any backend (Dao et al. 2022,
-  "FlashAttention", arXiv:2205.14135; Dao 2023, "FlashAttention-2", arXiv:2307.08691). An online
-  softmax over key/value blocks keeps an O(s * block) working set in the forward pass, and a
-  ``jax.custom_vjp`` recomputes the blocks in the backward pass from (q, k, v, out, logsumexp)
-  instead of saving probabilities. Positions are explicit arrays, and the per-row log-sum-exp is
-  exposed (:func:`blockwise_attention_with_lse`) so partial results over disjoint key sets merge
-  exactly (:func:`merge_partials`), as ring / context-parallel attention needs (Liu et al. 2023,
-  "Ring Attention with Blockwise Transformers", arXiv:2310.01889).
+  arXiv:2205.14135; Dao 2023, FlashAttention-2, arXiv:2307.08691): an online softmax over key/value
+  blocks and a ``jax.custom_vjp`` that recomputes the blocks from (q, k, v, out, lse). Positions
+  are explicit and the log-sum-exp is exposed (:func:`blockwise_attention_with_lse`), so partial
+  results over disjoint key sets merge exactly (:func:`merge_partials`), as ring attention needs
+  (Liu et al. 2023, arXiv:2310.01889).
 * :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` behind the
-  shape checks of cuDNN's fused flash kernel, with :func:`resolve_attention` choosing for ``auto``.
+  shape checks of cuDNN's fused flash kernel; :func:`resolve_attention` chooses for ``auto``.
 """
 
 from __future__ import annotations
@@ -49,16 +46,11 @@ def dot_product_attention(
 ) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
-    Scores in fp32, scale ``1/sqrt(d)``, masked scores set to ``finfo(float32).min``,
-    probabilities cast to ``v.dtype`` before the value matmul.
-    Query ``i`` has position ``q_offset + i`` and key ``j`` position ``kv_offset + j``; the causal
-    mask keeps ``q_pos >= kv_pos``. A query row that sees no key at all gets the uniform average
-    of the values (every score equals ``finfo.min``), not zeros: this path never produces such rows
-    in the model (offsets 0, sq == sk).
-
+    Scale ``1/sqrt(d)``, masked scores ``finfo(float32).min``, probabilities cast to ``v.dtype``
+    before the value matmul. Query ``i`` is at ``q_offset + i``, key ``j`` at ``kv_offset + j``; the
+    causal mask keeps ``q_pos >= kv_pos`` (a row that sees no key gets the values' mean, not zeros).
     ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`, optional): attention dropout on the
-    probabilities (after the cast, before the value matmul), keyed by global (row, head, query
-    position, key position).
+    probabilities after the cast, keyed by global (row, head, query position, key position).
     """
     b, sq, n, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
@@ -120,12 +112,9 @@ def _schedule(needed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _needed_blocks(qp: jax.Array, kp: jax.Array, sk: int, block_kv: int, causal: bool) -> jax.Array:
-    """(q_blocks, kv_blocks) bool: which blocks hold at least one unmasked (query, key) pair.
-
-    Under the causal mask a block is needed iff its largest query position reaches its smallest
-    key position (padding queries carry ``int32.min``, padding keys ``int32.max``, so neither
-    counts). Without the mask every block holding a real key is needed.
-    """
+    """(q_blocks, kv_blocks) bool: which blocks hold at least one unmasked (query, key) pair. Causal:
+    the block's largest query position reaches its smallest key position (padding queries carry
+    ``int32.min``, padding keys ``int32.max``); else every block holding a real key."""
     if not causal:
         real = jnp.arange(kp.shape[0]) * block_kv < sk
         return jnp.broadcast_to(real[None, :], (qp.shape[0], kp.shape[0]))
@@ -141,13 +130,11 @@ def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
 
 
 def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None):
-    """Online-softmax forward pass. Returns out (b, sq, n, d) in ``out_dtype`` (default q.dtype) and
-    lse (b, sq, n) fp32.
-
-    ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`): attention dropout. The running sum
-    (hence ``lse``) takes the undropped probabilities, the value accumulator the dropped ones, so
-    ``out = dropout(softmax) @ v`` exactly; each block's mask is drawn from its global (row, head,
-    query position, key position) indices, so the backward pass redraws the same one."""
+    """Online-softmax forward pass: out (b, sq, n, d) in ``out_dtype`` (default q.dtype), lse (b, sq,
+    n) fp32. ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`): the running sum (hence ``lse``)
+    takes the undropped probabilities, the value accumulator the dropped ones, so ``out =
+    dropout(softmax) @ v`` exactly; each block's mask comes from its global (row, head, query
+    position, key position) indices, so the backward redraws it."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -308,14 +295,11 @@ def blockwise_attention_with_lse(
     kv_positions: jax.Array | None = None,
     noise=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32.
-
-    ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero
-    output row, where it sees none). Both outputs are differentiable: a cotangent on ``lse`` is
-    folded into the backward pass, so :func:`merge_partials` of partial results differentiates
-    exactly like attention over the union of their keys. ``noise``: attention dropout
-    (:class:`jaxpar.ops.dropout.AttentionNoise`), its masks redrawn in the backward pass.
-    """
+    """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32:
+    ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero output
+    row, where it sees none). Both outputs are differentiable (a cotangent on ``lse`` is folded into
+    the backward), so :func:`merge_partials` of partial results differentiates exactly like attention
+    over the union of their keys. ``noise``: attention dropout, its masks redrawn in the backward."""
     b, sq, n, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
         raise ValueError(
@@ -345,35 +329,27 @@ def blockwise_attention(
 ) -> jax.Array:
     """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
 
-    Same result as :func:`dot_product_attention` (fp32 scores, fp32 online softmax: running max,
-    running sum and an fp32 accumulator per query block, probabilities cast to ``v.dtype`` for the
-    value matmul). Queries are grouped as (kv, n // kv) so each key/value block is read once per
-    group of query heads; K/V are never repeated. The backward pass is a ``jax.custom_vjp``
-    (FlashAttention-2) that recomputes each block from (q, k, v, out, lse): both passes hold
-    O(s * d) residuals and O(block_q * block_kv) scores, never O(s**2).
+    Same result as :func:`dot_product_attention` (fp32 scores; fp32 online softmax with a running
+    max, running sum and accumulator per query block; probabilities cast to ``v.dtype`` for the value
+    matmul). Queries are grouped as (kv, n // kv), so each key/value block is read once per group.
+    The backward is a ``jax.custom_vjp`` (FlashAttention-2) recomputing each block from (q, k, v,
+    out, lse): both passes hold O(s * d) residuals and O(block_q * block_kv) scores.
 
-    **Positions.** ``q_positions`` (sq,) and ``kv_positions`` (sk,) int arrays (default
-    ``arange``), shared by the batch, define the causal mask ``q_pos >= kv_pos``; they need not be
-    contiguous or sorted, so a context-parallel device holding query chunks ``i`` and ``2c-1-i``
-    passes their positions, and key chunks from other devices arrive with theirs. Use
-    :func:`blockwise_attention_with_lse` and :func:`merge_partials` to combine the partial results.
+    ``q_positions`` (sq,) and ``kv_positions`` (sk,) (default ``arange``), shared by the batch,
+    define the causal mask ``q_pos >= kv_pos``; they need not be contiguous or sorted (a
+    context-parallel rank holds chunks ``i`` and ``2c-1-i``), and
+    :func:`blockwise_attention_with_lse` with :func:`merge_partials` combine partial results.
 
-    **Skipping masked blocks: trip counts, not ``lax.cond``.** Before the loops, a small
-    (q_blocks, kv_blocks) table says which blocks hold any unmasked pair (largest query position
-    >= smallest key position); each row is compacted to the list of its needed blocks and their
-    count. The inner loop is a ``fori_loop`` whose trip count is that count (a ``while`` loop: legal
-    here because the custom VJP means JAX never differentiates through it), indexing blocks through
-    the list. Fully masked blocks therefore cost nothing, for any positions (the default causal case
-    runs ``nb*(nb+1)/2`` of ``nb**2`` blocks), whereas ``lax.cond`` per block would still iterate over
-    every block, and becomes a ``select`` that computes both branches when batched with ``vmap``. The
-    backward pass uses the transposed table (per kv block, the query blocks that see it).
+    Masked blocks are skipped by trip count, not ``lax.cond``: a table of the blocks holding an
+    unmasked pair is compacted per row to the needed blocks and their count, the inner
+    ``fori_loop``'s trip count (a ``while`` loop, legal because JAX never differentiates through
+    it). Fully masked blocks cost nothing for any positions (the causal default runs
+    ``nb*(nb+1)/2`` of ``nb**2``); ``lax.cond`` would still iterate over every block, and under
+    ``vmap`` computes both branches. The backward uses the transposed table. ``sq`` and ``sk`` need
+    not be multiples of the blocks: the tail is zero-padded and masked.
 
-    **Ragged lengths.** ``sq`` and ``sk`` need not be multiples of the blocks (blocks are clamped
-    to the lengths): the tail is zero-padded, padded keys are masked, padded query rows are dropped.
-
-    **Cost.** The loop over query blocks is sequential (``lax.map``), unlike a fused GPU kernel
-    that runs query blocks in parallel: this path trades speed for memory on any backend; on NVIDIA
-    GPUs :func:`cudnn_attention` is the fast path.
+    Query blocks run one after another (``lax.map``), unlike a fused GPU kernel: this path trades
+    speed for memory on any backend; on NVIDIA GPUs :func:`cudnn_attention` is the fast path.
     """
     return blockwise_attention_with_lse(
         q,
@@ -391,12 +367,11 @@ def blockwise_attention(
 def merge_partials(
     out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Exact attention over keys A ∪ B from attention over A and over B (disjoint key sets).
-
-    ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))`` and
-    ``lse = log(exp(lse_a) + exp(lse_b))``, computed relative to the larger lse (whose gradient is
-    stopped: the result does not depend on it). Rows with ``lse = -inf`` on both sides stay zero
-    with ``-inf``, without NaN in values or gradients. out: (b, s, n, d), lse: (b, s, n) fp32.
+    """Exact attention over keys A ∪ B from attention over A and over B (disjoint key sets):
+    ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))``,
+    ``lse = log(exp(lse_a) + exp(lse_b))``, computed relative to the larger lse (its gradient stopped:
+    the result does not depend on it). Rows with ``lse = -inf`` on both sides stay zero with
+    ``-inf``, without NaN in values or gradients. out: (b, s, n, d), lse: (b, s, n) fp32.
     """
     m = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
     m = jnp.where(jnp.isinf(m), 0.0, m)
@@ -417,10 +392,9 @@ DROPOUT_CUDNN = (
 
 
 def cudnn_unsupported_reason(head_dim: int, compute_dtype: str, compute_capability: str | None) -> str | None:
-    """Why cuDNN's fused flash attention cannot take these shapes (one line naming field and fix), or None.
-
-    The rules of ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``/``check_layout``:
-    fp16/bf16 inputs; head dim a multiple of 8 and at most 128, or 256 from Hopper (sm_90) on.
+    """Why cuDNN's fused flash attention cannot take these shapes (one line naming field and fix), or
+    None. The rules of ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention`` /
+    ``check_layout``: fp16/bf16; head dim a multiple of 8, at most 128, or 256 from Hopper (sm_90) on.
     """
     if compute_dtype not in ("bfloat16", "float16"):
         return (
@@ -445,12 +419,9 @@ def _gpu_compute_capability() -> str | None:
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
-    """cuDNN fused flash attention (NVIDIA GPUs) through ``jax.nn.dot_product_attention``.
-
-    Layout (b, s, n, d) with grouped-query K/V, scale ``1/sqrt(d)``, causal mask on aligned
-    positions (no offsets). Refuses, with a :class:`ConfigError`, shapes and dtypes the kernel does
-    not take, instead of the backend's late ``NotImplementedError``.
-    """
+    """cuDNN fused flash attention (NVIDIA GPUs) through ``jax.nn.dot_product_attention``: (b, s, n, d)
+    with grouped-query K/V, scale ``1/sqrt(d)``, causal on aligned positions (no offsets). Shapes and
+    dtypes the kernel does not take are a :class:`ConfigError`, not the backend's late error."""
     reason = cudnn_unsupported_reason(q.shape[-1], jnp.dtype(q.dtype).name, _gpu_compute_capability())
     if reason:
         raise ConfigError(reason)
@@ -468,12 +439,11 @@ def resolve_attention(
 ) -> str:
     """The implementation ``model.attention=name`` runs on ``backend`` (``jax.default_backend()``).
 
-    ``auto``: ``cudnn`` on a GPU when the kernel takes the head dim and dtype, ``blockwise``
-    otherwise. An explicit ``cudnn`` off GPU or with unsupported shapes is a :class:`ConfigError`.
-    ``compute_capability`` (e.g. "9.0") defaults to the first GPU's when one is present.
-    With ``attention_dropout`` > 0, ``auto`` is ``blockwise`` and ``cudnn`` a :class:`ConfigError`:
-    cuDNN draws its own mask from a seed and offset, not jaxpar's per-index hash, so its masks would
-    differ between layouts (:mod:`jaxpar.ops.dropout`).
+    ``auto``: ``cudnn`` on a GPU whose kernel takes the head dim and dtype, else ``blockwise``; an
+    explicit ``cudnn`` off GPU or with unsupported shapes is a :class:`ConfigError`.
+    ``compute_capability`` (e.g. "9.0") defaults to the first GPU's. With ``attention_dropout`` > 0,
+    ``auto`` is ``blockwise`` and ``cudnn`` refused: cuDNN draws its mask from a seed and offset, not
+    jaxpar's per-index hash, so its masks would differ between layouts (:mod:`jaxpar.ops.dropout`).
     """
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")

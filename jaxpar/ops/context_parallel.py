@@ -2,37 +2,29 @@
 
 With ``mesh.context = c > 1`` every layer runs on ``s / c`` tokens of each sequence, so activation
 memory falls by ``c`` (Liu et al. 2023, "Ring Attention with Blockwise Transformers",
-arXiv:2310.01889; Megatron-LM's context parallelism; torchtitan's ``context_parallel``). Only
-attention mixes tokens; every other op is token-local, so only attention needs the other ranks'
-keys and values.
+arXiv:2310.01889; Megatron-LM's context parallelism; torchtitan's ``context_parallel``); only
+attention needs the other ranks' keys and values. The sequence is cut into ``2c`` chunks and rank
+``i`` holds chunks ``i`` and ``2c-1-i`` (:func:`rank_positions`), one early and one late, so under
+the causal mask every rank does the same work (the "load-balanced" sharding of Megatron-LM and
+torchtitan). Every device receives the whole token batch and keeps its positions (:func:`split_tokens`).
 
-**Causal load balancing.** The sequence is cut into ``2c`` chunks and context rank ``i`` holds
-chunks ``i`` and ``2c-1-i`` (:func:`rank_positions`): under the causal mask an early chunk sees
-few keys and a late one many, so each rank gets one of each and the ranks do the same work
-(Megatron-LM's and torchtitan's "load-balanced" sharding). Every device receives the whole token
-batch (int32; tiny beside the activations) and keeps its positions (:func:`split_tokens`).
+Exchanges (``parallel.context_exchange``):
 
-**Exchanges** (``parallel.context_exchange``):
-
-* ``ring`` (:func:`ring_attention`): keys and values travel around the ring with ``ppermute``, one
-  rank's block per hop (``c - 1`` hops forward); each hop's blockwise attention
-  (:mod:`jaxpar.ops.attention`) gives a partial output and log-sum-exp, merged exactly
-  (:func:`~jaxpar.ops.attention.merge_partials` arithmetic). The send of the next block is issued
-  before the attention of the block in hand, so a backend with asynchronous collectives overlaps
-  them. The backward pass (a ``jax.custom_vjp``) sends the keys and values around again
-  (``c - 1`` hops) together with the accumulating key/value gradients (``c`` hops: they end at
-  their owner), recomputing each hop's blocks from the saved output and log-sum-exp: no rank ever
-  holds more than two ranks' keys and values.
-* ``all_gather`` (:func:`all_gather_attention`): keys and values gathered over ``context``, then one
-  blockwise attention with the positions of every chunk; its transpose reduce-scatters the key and
-  value gradients. Fewer, larger messages: better for short sequences and grouped-query attention
-  (few key/value heads), as Megatron-LM's ``--cp-comm-type all_gather`` and torchtitan's
-  ``allgather`` rotate method.
+* ``ring`` (:func:`ring_attention`): keys and values travel around the ring with ``ppermute``
+  (``c - 1`` hops), each hop's blockwise attention merged exactly
+  (:func:`~jaxpar.ops.attention.merge_partials`); the next send is issued before the block in hand
+  is computed, so asynchronous collectives overlap. The backward (``jax.custom_vjp``) sends the keys
+  and values around again with the accumulating key/value gradients (``c`` hops: they end at their
+  owner), recomputing each hop from the saved output and log-sum-exp: no rank holds more than two
+  ranks' keys and values.
+* ``all_gather`` (:func:`all_gather_attention`): keys and values gathered, one blockwise attention,
+  gradients reduce-scattered. Fewer, larger messages: better for short sequences and few key/value
+  heads (Megatron-LM's ``--cp-comm-type all_gather``, torchtitan's ``allgather``).
 
 Bytes per layer and device (``kvb`` = one rank's keys and values, ``2 * b * s/c * kv_heads/t *
-head_dim * dtype``): ring forward ``(c-1) * kvb``, ring backward ``(c-1) * kvb + c * kvb`` (the
-gradients travel in fp32 here; see :func:`ring_bytes_per_layer`); all-gather ``(c-1) * kvb``
-gathered forward (and again if recomputed), ``(c-1) * kvb`` reduce-scattered backward.
+head_dim * dtype``): ring forward ``(c-1) * kvb``, backward ``(c-1) * kvb + c * kvb`` (gradients in
+fp32: :func:`ring_bytes_per_layer`); all-gather ``(c-1) * kvb`` forward (again if recomputed),
+``(c-1) * kvb`` reduce-scattered backward.
 """
 
 from __future__ import annotations

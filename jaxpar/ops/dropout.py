@@ -1,39 +1,26 @@
 """Dropout whose mask is a pure function of (seed, step, layer, site, global indices).
 
-Dropout (Srivastava et al. 2014, "Dropout: a simple way to prevent neural networks from
-overfitting", JMLR 15) zeroes each element with probability ``p`` and scales the survivors by
-``1 / (1 - p)``. Placement follows Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053;
-``--hidden-dropout`` / ``--attention-dropout``):
+Dropout (Srivastava et al. 2014, JMLR 15) zeroes each element with probability ``p`` and scales the
+survivors by ``1 / (1 - p)``. Placement follows Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053;
+``--hidden-dropout`` / ``--attention-dropout``): ``model.dropout`` on the embedding output and on
+the attention-output and MLP-output branches, after their row-parallel reduction and before each
+residual add; ``model.attention_dropout`` on the softmax probabilities before the value matmul
+(:mod:`jaxpar.ops.attention`; cuDNN is refused).
 
-* ``model.dropout`` (hidden): on the embedding output (Megatron's embedding dropout uses the hidden
-  rate) and on the attention-output and MLP-output branches, after their row-parallel reduction
-  and before each residual add;
-* ``model.attention_dropout``: on the softmax probabilities, before the value matmul
-  (:mod:`jaxpar.ops.attention`: the reference path and the blockwise kernel, forward and
-  backward; cuDNN is refused).
+**The mask is a counter-based hash** (Salmon et al. 2011, "Parallel random numbers: as easy as 1,
+2, 3"), not a key split per call: each keep bit hashes (``lowbias32``) the run's seed, the optimizer
+step, the layer, the site and the element's *global* indices (row in the global batch, position,
+and feature or (query head, key position)). So every layout draws the same mask for the same
+element, each device hashing only the indices it holds, and a resumed run, or the retry of a
+skipped step (which keeps its count), draws what an uninterrupted one draws.
 
-**The mask is a counter-based hash, not a key split per call.** Each element's keep bit is an
-integer hash (``lowbias32``, a 32-bit avalanche mixer; the counter-based idea of Salmon et al. 2011,
-"Parallel random numbers: as easy as 1, 2, 3") of the run's seed, the optimizer step, the layer,
-the site (embedding / attention output / MLP output / probabilities) and the element's *global*
-indices: the sequence's row in the global batch, the token's position in the sequence, and the
-feature (hidden dropout) or the (query head, key position) pair (attention dropout). So every
-layout (DP, ZeRO, TP, TP + SP, pipelines, context parallelism, microbatches) computes the same
-mask for the same element, each device evaluating the hash only on the indices it holds (never a
-global mask sliced), and a resumed run draws what an uninterrupted one draws: the step is the
-optimizer's count, which the checkpoint holds. A skipped (bad) step keeps its count, so its retry
-draws the same masks.
+**The indices.** The train step appends each local sequence's global row to the token batch as an
+int32 column (:func:`append_rows`: ``m * B/M + data_rank * b + r`` for microbatch ``m`` of ``M``,
+global batch ``B``), which every slice of the batch carries and :func:`bind` strips. Positions are
+the context rank's (:func:`jaxpar.ops.context_parallel.rank_positions`), sliced per tensor rank
+under SP; heads are offset by the tensor rank; the layer is the model-form index.
 
-**Where the indices come from.** The train step appends each local sequence's global row to the
-token batch as one more int32 column (:func:`append_rows`: ``m * B/M + data_rank * b + r`` for
-microbatch ``m`` of ``M``, ``B`` the global batch: the row of the flat global batch whatever the
-microbatch count); every slice of the batch (microbatches, pipeline ticks, the full-remat
-per-sequence backward) carries it along, and :func:`bind` strips it where the tokens are split.
-Positions are the context rank's (:func:`jaxpar.ops.context_parallel.rank_positions`), sliced for the
-tensor rank under sequence parallelism; heads are offset by the tensor rank. The layer is the
-model-form index: the layer scan counts it, a pipeline stage starts at its chunk's first layer.
-
-With both rates 0 (the default) nothing here is traced: the step is the code path without dropout.
+With both rates 0 (the default) nothing here is traced.
 """
 
 from __future__ import annotations

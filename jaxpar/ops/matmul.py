@@ -1,29 +1,19 @@
 """The dense layer's matmul, ``x @ w``, with a weight gradient XLA:CPU runs as a plain GEMM.
 
-Autodiff of ``y = x @ w`` gives the second operand's gradient ``dW = x^T dy``, a dot that contracts
-the leading (row) dim of both operands. XLA:CPU sends a dot to its fast matmul library (YNNPACK)
-only when the left operand contracts its last dim; for ``x^T dy`` it runs Eigen's slower GEMM
-instead (13 dots a step for ``configs/maxtext_tiny.py``: the weight gradients of the three MLP
-matmuls per layer and of the output layer; MaxText 0.2.5's step for the same model has none).
-Asking for ``dW^T = dy^T x`` instead is worse: XLA then writes ``dy^T`` from inside the fusion that
-produces ``dy`` (the SwiGLU backward), a transposed, strided write that was the single most
-expensive op of the ZeRO-3 step (a profile of ``configs/maxtext_tiny.py:fsdp8``: 22 ms per
-execution for a 1 MB gradient).
+Autodiff of ``y = x @ w`` gives ``dW = x^T dy``, a dot that contracts the leading (row) dim of both
+operands. XLA:CPU sends a dot to its fast matmul library (YNNPACK) only when the left operand
+contracts its last dim, and runs ``x^T dy`` in Eigen's slower GEMM. Asking for ``dW^T = dy^T x``
+instead is worse: XLA then writes ``dy^T`` strided from inside the fusion that produces ``dy``.
 
-:func:`dense`'s weight gradient transposes the smaller of two things, explicitly, behind an
-``optimization_barrier`` (on CPU only: it keeps XLA from folding the transpose back into the dot;
-cuBLAS and the TPU compiler take transposed operands at no cost, so elsewhere no barrier):
+:func:`dense`'s weight gradient transposes explicitly, behind an ``optimization_barrier`` (on CPU
+only: it keeps XLA from folding the transpose back into the dot; cuBLAS and the TPU compiler take
+transposed operands at no cost), whichever of two writes fewer values (rows = tokens):
 
 * ``x^T`` (rows x in values), then ``dW = x^T @ dy``, a GEMM YNNPACK takes; or
-* ``dy^T`` (rows x out values), then ``dW^T = dy^T @ x`` and its transpose (in x out values),
+* ``dy^T`` (rows x out values), then ``dW^T = dy^T @ x`` and its transpose (in x out values).
 
-whichever writes fewer values (rows = tokens; with in <= out it is ``x^T``, and ``x^T`` also for
-the SwiGLU down projection of ``configs/maxtext_tiny.py``, in = 4 out). The input gradient
-``dx = dy @ w^T`` contracts the last dims of both operands, a form YNNPACK takes.
-
-Measured (2-core CPU host, ``configs/maxtext_tiny.py``, 8 simulated devices, jax 0.10.2, median step
-of 20, two alternating rounds): against ``dW^T = dy^T x``, FSDP-8 640 / 627 -> 555 / 553 ms and
-DP-8 695 / 601 -> 528 / 479 ms; loss, compiled collective bytes and memory unchanged.
+The input gradient ``dx = dy @ w^T`` contracts the last dims of both operands, a form YNNPACK takes.
+The profile and step times behind this: experiments/README.md, section 5.
 """
 
 from __future__ import annotations

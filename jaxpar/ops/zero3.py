@@ -1,15 +1,12 @@
 """ZeRO-3's forward side: parameters stored split over ``data``, all-gathered just before use.
 
-ZeRO-3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", stage P_os+g+p; PyTorch FSDP's full sharding) stores each parameter split over ``data`` on
-its ZeRO dim (:func:`jaxpar.sharding.zero_dim`) and all-gathers it just before use. The model
-receives the split dims as a *tree of dims* matching its parameter tree (:func:`zero3_dims`, an int
-per leaf, :data:`NOT_GATHERED` for a parameter stored whole), so nothing matches parameter paths.
-
-The gathered copies are named :data:`ZERO3_NAME`; the remat policy
-(:func:`jaxpar.ops.remat.remat_policy`) never keeps them, so the backward pass gathers each layer
-again and the gather's transpose reduce-scatters its gradient, one layer at a time. The gradient
-side (reductions, the optimizer's shards) is :mod:`jaxpar.parallel.zero`.
+ZeRO-3 (Rajbhandari et al. 2020, stage P_os+g+p; PyTorch FSDP's full sharding) stores each parameter
+split over ``data`` on its ZeRO dim (:func:`jaxpar.sharding.zero_dim`). The model receives the split
+dims as a tree matching its parameters (:func:`zero3_dims`: an int per leaf, :data:`NOT_GATHERED`
+for one stored whole), so nothing matches parameter paths. The gathered copies are named
+:data:`ZERO3_NAME`, which the remat policy never keeps: the backward gathers each layer again and
+the gather's transpose reduce-scatters its gradient, one layer at a time. The gradient side is
+:mod:`jaxpar.parallel.zero`.
 """
 
 from __future__ import annotations
@@ -55,12 +52,9 @@ def layer_dims(dims: Any) -> Any:
 
 
 def gather_param(p: jax.Array, dim: int, data_axis: str | tuple[str, ...], compute_dtype: Any) -> jax.Array:
-    """All-gather one parameter's shards over ``data_axis`` on ``dim``, in the compute dtype.
-
-    The cast comes first (on the shard), so nothing full-size but the gathered value itself
-    exists, and the remat policy refuses to keep that one: the backward pass gathers again.
-    The gradient's reduce-scatter (the gather's transpose) therefore runs in the compute dtype.
-    """
+    """All-gather one parameter's shards over ``data_axis`` on ``dim``, in the compute dtype: the cast
+    comes first (on the shard), so nothing full-size exists but the gathered value, which remat never
+    keeps; its transpose, the gradient's reduce-scatter, runs in the compute dtype too."""
     p = p.astype(compute_dtype)
     return checkpoint_name(jax.lax.all_gather(p, data_axis, axis=dim, tiled=True), ZERO3_NAME)
 

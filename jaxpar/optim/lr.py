@@ -1,10 +1,10 @@
 """Learning-rate schedule: warmup, optional hold, decay, built from the ``optim`` sub-config.
 
-One function, :func:`make_schedule`, turns the optim fields into an ``optax.Schedule`` that the
-training loop calls as ``schedule(k)`` for its k-th optimizer update (k = 0, 1, ...). The
-shape is general enough to reproduce, step for step, the schedules that ported recipes use
-(DeepSpeed's Warmup* schedulers, Megatron-LM's ``OptimizerParamScheduler``, torchtitan's
-warmup-stable-decay), which is why the formulas below look fussy about off-by-one.
+:func:`make_schedule` turns the optim fields into an ``optax.Schedule`` that the training loop
+calls as ``schedule(k)`` for its k-th optimizer update (k = 0, 1, ...). It reproduces, step for
+step, the schedules of ported recipes (DeepSpeed's Warmup* schedulers, Megatron-LM's
+``OptimizerParamScheduler``, torchtitan's warmup-stable-decay), hence the care about off-by-one;
+how their step indices map onto ``k`` is in docs/porting.md, "Learning-rate schedules".
 
 The curve, as a function of the *schedule index* ``j = max(k - schedule_offset, 0)``, with
 ``W = warmup_steps``, ``S = decay_start_step`` (-1: ``W``), ``D = decay_steps`` (-1:
@@ -19,30 +19,8 @@ The curve, as a function of the *schedule index* ``j = max(k - schedule_offset, 
   ``(1 + cos(pi p)) / 2``; sqrt ``1 - sqrt(p)`` (torchtitan); the lr is ``end + (peak - end) * coeff``.
   ``inverse_sqrt`` is Megatron's ``max(end, peak * sqrt(max(S, 1) / max(j, 1)))``.
 
-Which PyTorch-side index ``k`` corresponds to (the ported recipes set the fields accordingly):
-
-* Megatron-LM: the scheduler is built with ``step(0)`` and stepped with ``increment = global
-  batch`` *after* each successful optimizer step, so update k runs at ``num_steps = k * G``
-  samples. Iteration-based schedules are exact with ``W = lr_warmup_iters`` and
-  ``D = lr_decay_iters``; sample-based ones with ``W = lr_warmup_samples / G`` and
-  ``D = lr_decay_samples / G`` (fractional steps when G does not divide them).
-* DeepSpeed: ``last_batch_iteration`` starts at -1 (the constructor sets the lr for -1, i.e.
-  ``warmup_min_lr``) and the engine calls ``lr_scheduler.step()`` *after* ``optimizer.step()``,
-  so update k runs at ``last_batch_iteration = k - 1``. With ``schedule_offset = 1`` the
-  schedule index ``j`` equals ``last_batch_iteration`` (update 0 clamps to ``j = 0``, whose
-  value ``init`` equals DeepSpeed's value at -1 for WarmupLR and WarmupDecayLR).
-  WarmupCosineLR's cosine progress is ``(j - W + 1) / (T - W)``: ``decay_start_step = W - 1``,
-  ``decay_steps = T - 1``. (Its lr at -1 is 0, not ``warmup_min_ratio * lr``: the one update
-  that differs when that ratio is non-zero.)
-* torchtitan: ``LambdaLR`` evaluates its factor at ``last_epoch = k`` for update k (no offset);
-  its warmup ``(k + 1) / W`` is ``init = lr / W`` over ``W - 1`` steps, its decay progress
-  ``(k + 1 - (W + stable)) / decay`` is ``decay_start_step = steps - decay``.
-
-(DeepSpeed and Megatron skip the scheduler step on fp16-overflow updates; jaxpar never skips one.)
-
-``schedule_offset`` and ``decay_start_step`` are read when the optim config has them and
-default to 0 and -1 otherwise; step counts may be floats (fractional steps), which the
-formulas handle as they are.
+``schedule_offset`` and ``decay_start_step`` default to 0 and -1 when the optim config lacks them;
+step counts may be floats (fractional steps), which the formulas take as they are.
 """
 
 from __future__ import annotations

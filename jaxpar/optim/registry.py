@@ -1,40 +1,30 @@
 """The optimizer registry: ``optim.name`` -> how to build it, which fields it reads, its state size.
 
-Adding an optimizer is one :class:`Optimizer` entry in :data:`OPTIMIZERS`: a ``build`` function
-``(optim_cfg, schedule, placements) -> optax.GradientTransformation``, the optim fields it reads
-(every other field must keep its default, else a one-line :class:`ConfigError`), and ``state``:
-the formula of its per-parameter state leaves (shapes and which parameter dims each keeps), which
-the planner prices (:func:`state_leaves`, used by :mod:`jaxpar.analysis.expected` and
-:mod:`jaxpar.analysis.estimate`).
-
-Built in:
+An optimizer is one :class:`Optimizer` in :data:`OPTIMIZERS`: ``build`` ``(optim_cfg, schedule,
+placements) -> optax.GradientTransformation``, the optim fields it reads (any other field off its
+default is a one-line :class:`ConfigError`), and ``state``, the formula of its per-parameter state
+leaves, which the planner prices (:func:`state_leaves`). Built in:
 
 * ``adamw`` (default): jaxpar's own AdamW inside the step's ``shard_map``
-  (:meth:`jaxpar.train.step.StepBuilder._adamw`): it keeps the compiled step as it was and skips a
-  bad step by multiplying by exactly 1 and adding 0. ``build`` gives ``optax.adamw`` with the
-  same fields, which tests/test_optim.py checks it against (relative error < 1e-6).
+  (:meth:`jaxpar.train.step.StepBuilder._adamw`; a bad step multiplies by exactly 1 and adds 0);
+  ``build`` gives ``optax.adamw``, its reference in tests/test_optim.py (relative error < 1e-6).
 * ``lion``: ``optax.lion`` (Chen et al. 2023, arXiv:2302.06675).
-* ``sgd``: ``optax.sgd`` with ``optim.momentum`` (default 0.9) / ``optim.nesterov``; weight decay decoupled
-  (``optax.add_decayed_weights`` before the learning rate, AdamW-style) or, with
-  ``decoupled_weight_decay=False``, added to the gradient (L2, as ``torch.optim.SGD``).
+* ``sgd``: ``optax.sgd``, ``optim.momentum`` (default 0.9), ``optim.nesterov``; decoupled weight
+  decay, or L2 on the gradient (``torch.optim.SGD``) with ``decoupled_weight_decay=False``.
 * ``adafactor``: ``optax.adafactor`` (Shazeer & Stern 2018, arXiv:1804.04235) per tensor
-  (:func:`jaxpar.optim.transforms.per_tensor`: stacked layers are separate tensors), optax's
-  defaults (factored when the second-largest dim is >= 128, update clipping 1.0, parameter scale),
-  ``optim.momentum`` > 0 adds its momentum (default none); weight decay ``lr(k) * weight_decay * p`` (decoupled).
-* ``muon``: ``optax.contrib.muon`` (Jordan et al. 2024; Liu et al. 2025, arXiv:2502.16982) when the
-  installed optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default 0.95,
-  ``optim.nesterov``) for the block weight matrices, the stacked layer dim a batch dim (optax's
-  ``MuonDimensionNumbers``: input dims = ``embed`` or all but the last, output dims = the rest); AdamW
-  (``b1``, ``b2``, ``eps``) for the embedding, output layer, norms. Weight decay:
-  :func:`~jaxpar.optim.transforms.decoupled_weight_decay` on every leaf ParamPlacement decays.
+  (:func:`jaxpar.optim.transforms.per_tensor`), optax's defaults (factored when the second-largest
+  dim is >= 128, update clipping 1.0, parameter scale); ``optim.momentum`` > 0 adds momentum;
+  decoupled weight decay ``lr(k) * weight_decay * p``.
+* ``muon``: ``optax.contrib.muon`` (Jordan et al. 2024; Liu et al. 2025, arXiv:2502.16982) where
+  optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default 0.95,
+  ``optim.nesterov``) for the block weight matrices (:func:`muon_dims`), AdamW (``b1``, ``b2``,
+  ``eps``) for the rest; decoupled weight decay where the ParamPlacement decays.
 
-Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``)
-with ``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation``;
-``learning_rate`` is jaxpar's schedule (:mod:`jaxpar.optim.lr`), ``weight_decay_mask`` a tree of
-bools shaped like the parameters (False for norms). It sees the parameter tree as stored (stacked
-layers are one tensor); it reads whichever fields it likes, so none is refused, and the planner
-does not price its state (its formula is unknown: :func:`state_leaves` gives none). Global-norm clipping
-(``optim.clip_norm``) is applied before every optimizer, mesh-aware (:mod:`jaxpar.train.step`).
+Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``),
+``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation`` with the
+schedule (:mod:`jaxpar.optim.lr`) and a tree of bools like the parameters (False for norms). It sees
+the stored tree (stacked layers as one tensor), may read any field, and its state is not priced.
+``optim.clip_norm`` clips the global norm before every optimizer, mesh-aware.
 """
 
 from __future__ import annotations
@@ -192,7 +182,8 @@ def _state_adafactor(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, 
 
 def muon_dims(logical: tuple[str, ...]) -> Any:
     """optax.contrib.muon's dimension numbers for one parameter, None where AdamW applies: weight
-    matrices of the blocks (>= 2 dims besides the stacked ones, no vocabulary dim)."""
+    matrices of the blocks (>= 2 dims besides the stacked ones, which are batch dims; no vocabulary
+    dim). Input dims: ``embed``, or all but the last; output dims: the rest."""
     from optax.contrib import MuonDimensionNumbers
 
     b = batch_dims(logical)

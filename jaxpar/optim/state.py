@@ -2,25 +2,19 @@
 
 Derived from the state's *shapes* (``jax.eval_shape(tx.init, params)``), never from leaf names:
 
-* Each state leaf belongs to the parameter whose tree path runs, contiguously, inside its own path
-  (optax nests parameter-shaped trees in its states: ``[0].mu['blocks']['attn']['wq']``; the
-  per-tensor states of :func:`jaxpar.optim.transforms.per_tensor` put the parameter path first).
-  Leaves that belong to no parameter (step counts) are replicated.
-* :func:`kept_dims`: which parameter dim each leaf dim runs along (greedy, left to right, by size;
-  size-1 dims may stand alone). Same shape: all dims, so the leaf takes the parameter's optimizer
-  spec (ParamPlacement.optimizer: ZeRO >= 1 splits it over ``data``); a factored leaf (Adafactor's
-  v_row / v_col: one dim averaged away) keeps the spec entries of the dims it keeps; a scalar is
-  replicated. (A square per-layer matrix makes v_row and v_col the same shape: the greedy match then
-  names the first dim; the spec only decides where the bytes live, the update is exact either way.)
-* :func:`convert_state`: the stage form <-> model form of :mod:`jaxpar.parallel.pipeline.forms`
-  applied to every leaf: a leaf keeping the stacked ``layers`` dim is permuted like the layers; the
-  ``ends`` [p, V, h] parameter splits into ``embed`` (slot 0) and ``lm_head`` (slot p-1, transposed):
-  a leaf of the parameter's shape per slot is transposed; a smaller per-slot leaf (Adafactor's
-  factored moments, per-slot counts) is copied as it is, which is exact because optax factors by
-  dim *size* (v_row drops the largest dim, v_col the second largest), so the statistics of head^T
-  [V, h] and head [h, V] are the same vectors (for V == h they would swap: refused below). The
-  middle ``ends`` slots (pipeline > 2) hold zero parameters whose state never reaches them: same-
-  shape leaves get zeros, smaller ones slot 0's values.
+* A state leaf belongs to the parameter whose tree path runs, contiguously, inside its own
+  (``[0].mu['blocks']['attn']['wq']``; :func:`jaxpar.optim.transforms.per_tensor` puts the
+  parameter path first); leaves of no parameter (step counts) are replicated.
+* :func:`kept_dims`: which parameter dim each leaf dim runs along (greedy, left to right, by size).
+  A same-shape leaf takes the parameter's optimizer spec (ZeRO >= 1 splits it over ``data``), a
+  factored leaf (Adafactor's v_row / v_col) the entries of the dims it keeps, a scalar none. (For a
+  square matrix the match may pick the other dim: only where the bytes live changes.)
+* :func:`convert_state`: stage form <-> model form (:mod:`jaxpar.parallel.pipeline.forms`) for
+  every leaf: leaves keeping the ``layers`` dim are permuted like the layers; of ``ends`` [p, V, h],
+  slot 0 becomes ``embed`` and slot p-1 ``lm_head`` (transposed): per slot a parameter-shaped leaf
+  is transposed, a smaller one (factored moments, counts) copied, exact because optax factors by
+  dim *size*, so head^T and head have the same statistics (V == h would swap them: refused). The
+  middle slots hold zero parameters: same-shape leaves get zeros, smaller ones slot 0's values.
 """
 
 from __future__ import annotations
@@ -125,8 +119,7 @@ def convert_state(
 ) -> Any:
     """Move optimizer ``state`` from one form to the layout of ``target`` (an abstract state for
     ``dst_params``, the parameters in the other form). ``permute(x, dim)`` reorders the stacked
-    layer dim ``dim`` of ``x``
-    the way the parameters' layers move."""
+    layer dim ``dim`` of ``x`` the way the parameters' layers move."""
     dst_index = _param_paths(dst_params)
     src = {tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
     out = []

@@ -1,12 +1,10 @@
 """Small gradient transformations the registry composes with optax's.
 
-* :func:`per_tensor`: run a transformation on every parameter separately, with the leading stacked
-  dims (``layers``, the pipeline's ``stages``) as batch dims (``jax.vmap``). jaxpar stores the L
-  transformer layers of one weight as one [L, ...] array; PyTorch has one tensor per layer. Whole-
-  tensor statistics (Adafactor's update clipping by RMS and its parameter-scale RMS, its factored
-  second moments) are then taken per layer, as in PyTorch, and the stage form of the parameters
-  (layers permuted, ``ends`` = [embedding; output layer^T]) sees the same per-tensor statistics as
-  the model form.
+* :func:`per_tensor`: a transformation on every parameter separately, the leading stacked dims
+  (``layers``, the pipeline's ``stages``) as batch dims (``jax.vmap``). jaxpar stores a weight's L
+  layers as one [L, ...] array where PyTorch has a tensor per layer; per-tensor statistics
+  (Adafactor's RMS clipping, parameter scale, factored moments) are then taken per layer, as in
+  PyTorch, and alike in the stage and model forms of the parameters.
 * :func:`decoupled_weight_decay`: ``u - lr(k) * rate * p`` on masked leaves (AdamW's decoupled,
   learning-rate-scaled decay, Loshchilov & Hutter 2019, arXiv:1711.05101) for optimizers whose optax
   alias has no masked decay of that kind.

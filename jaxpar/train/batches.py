@@ -1,10 +1,9 @@
 """Batches on the mesh: their shapes and shardings, and which rows of each batch a process feeds.
 
-A training batch is ``(microbatches, sequences, seq_len + 1)`` int32 tokens, its sequences split
-over ``data`` (replicated over ``tensor`` and ``pipeline``); an evaluation batch is
-``(sequences, seq_len + 1)``, split the same way. Each process builds only the rows of the ``data``
-shards its devices hold (:attr:`BatchFeed.data_split`) and
-``jax.make_array_from_process_local_data`` assembles the global array.
+A training batch is ``(microbatches, sequences, seq_len + 1)`` int32 tokens, an evaluation batch
+``(sequences, seq_len + 1)``, sequences split over ``data`` (replicated over ``tensor`` and
+``pipeline``). Each process builds only the rows of its devices' ``data`` shards
+(:attr:`BatchFeed.data_split`); ``jax.make_array_from_process_local_data`` assembles the array.
 """
 
 from __future__ import annotations
@@ -50,10 +49,9 @@ class BatchFeed:
 
     @functools.cached_property
     def data_split(self) -> tuple[int, int]:
-        """(index, count): which contiguous share of every batch's rows this process feeds. A process
-        feeds the rows of the ``data`` shards its devices hold; processes that hold the same ones
-        (e.g. different pipeline stages of one data shard: pipeline is the outermost axis, so it
-        is what splits over hosts first) feed the same rows."""
+        """(index, count): which contiguous share of every batch's rows this process feeds: the rows
+        of the ``data`` shards its devices hold; processes holding the same ones (pipeline stages
+        of one data shard: pipeline, outermost, splits over hosts first) feed the same rows."""
         axes = [self.mesh.axis_names.index(a) for a in group_axes(_rows(self.mesh))]
         sizes_of = [self.mesh.devices.shape[a] for a in axes]
         groups: dict[int, set[int]] = {}

@@ -1,21 +1,18 @@
 """Bad-step handling: the spike threshold of each step and the skip counters.
 
-An update is skipped (in the step, :meth:`jaxpar.train.step.StepBuilder.local_step`) when its loss or
-gradient norm is not finite or its loss exceeds a threshold: ``spike_factor`` x the median of the last
-``WINDOW`` good losses, once there are ``MIN_HISTORY`` of them (before that, and with ``spike_factor``
-0, no threshold). ``train.max_bad_steps`` skipped steps in a row roll back to the last checkpoint and skips the offending data
-(:meth:`jaxpar.train.loop.Trainer.rollback`), the remedy PaLM describes for loss spikes (Chowdhery et al. 2022,
-section 5.1).
+An update is skipped (:meth:`jaxpar.train.step.StepBuilder.local_step`) when its loss or gradient
+norm is not finite or its loss exceeds ``spike_factor`` x the median of the last ``WINDOW`` good
+losses (once there are ``MIN_HISTORY``; no threshold before, or with ``spike_factor`` 0).
+``train.max_bad_steps`` skipped steps in a row roll back to the last checkpoint and skip the
+offending data (:meth:`jaxpar.train.loop.Trainer.rollback`), PaLM's remedy for loss spikes
+(Chowdhery et al. 2022, section 5.1).
 
-The threshold of step n+1 depends on the loss of step n, but the loop reads step n's metrics only
-after step n+1 is dispatched (:mod:`jaxpar.train.loop`). So the running history lives on the device
-(:class:`SpikeThreshold`): step n's metrics are folded into it and step n+1's guard computed by a small
-jitted function, with no device-to-host transfer. :class:`BadStepGuard` is the host side: the same rule
-on host floats (the reference the device version is tested against) and the skip counters the loop
-keeps from the metrics it reads. Both compute in float32: the median of an even count is
-``(a + b) * 0.5`` and the threshold ``float32(spike_factor) * median``, so host and device agree bit
-for bit (the step compares the float32 loss against a float32 threshold; the blocking loop this
-replaced took the median in float64 and rounded the threshold to float32, which can differ in the last bit).
+Step n+1's threshold depends on step n's loss, but the loop reads step n's metrics only after
+dispatching step n+1, so the history lives on the device (:class:`SpikeThreshold`), updated by a
+small jitted function without a device-to-host transfer. :class:`BadStepGuard` is the host side:
+the same rule on host floats (the reference the device is tested against) and the skip counters.
+Both compute in float32 (median of an even count ``(a + b) * 0.5``, threshold
+``float32(spike_factor) * median``), so host and device agree bit for bit.
 """
 
 from __future__ import annotations
