@@ -325,7 +325,7 @@ def _layer_working_phases(
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
-    if model.get("attention_dropout", 0.0) > 0 and (layout.pipeline == 1 or tick):
+    if model.get("attention_dropout", 0.0) > 0 and (layout.pipeline == 1 or (tick and rec != "none")):
         # the forward attention's keep mask (1 byte) and dropped fp32 probabilities; in a 1F1B tick too (tiny
         # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak).
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
