@@ -292,6 +292,22 @@ def test_deepspeed_and_accelerate_need_the_model(capsys, tmp_path):
             32000,
         )
         assert "--model-config" in out.read_text() and "model: the recipe's" in out.read_text()
+        assert m.rope_scaling == "none"
+    # a Llama 3.1 config.json brings its scaled RoPE along
+    llama31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config.write_text(json.dumps({**HF_LLAMA, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama31}}))
+    out = tmp_path / "out31.py"
+    code, printed, err = port(
+        capsys, "deepspeed", ds, "--world-size", "8", "--model-config", str(config), "-o", str(out)
+    )
+    assert code == 0 and "MODEL CHANGE" not in printed, err
+    m = load_config(str(out)).model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_seq_len, m.rope_theta) == (
+        "llama3",
+        8.0,
+        8192,
+        5e5,
+    )
     sets = [
         x for f, v in zip(SHAPE_FIELDS, (4, 512, 8, 4, 64, 1408, 32000), strict=True) for x in ("--set", f"{f}={v}")
     ]
