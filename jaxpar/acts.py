@@ -33,6 +33,10 @@ def _blockwise(c: Any) -> bool:
     return c.model.attention in ("blockwise", "auto")
 
 
+def _llama3_rope(c: Any) -> bool:
+    return c.model.position == "rope" and c.model.rope_scaling == "llama3"
+
+
 CONDITIONS: dict[str, Condition] = {
     "parallel.sequence_parallel": Condition("mesh.tensor > 1", ("mesh.tensor",), lambda c: c.mesh.tensor > 1),
     "parallel.context_exchange": Condition("mesh.context > 1", ("mesh.context",), lambda c: c.mesh.context > 1),
@@ -45,6 +49,21 @@ CONDITIONS: dict[str, Condition] = {
         "parallel.zero_stage = 3", ("parallel.zero_stage",), lambda c: c.parallel.zero_stage == 3
     ),
     "model.rope_theta": Condition("model.position = rope", ("model.position",), lambda c: c.model.position == "rope"),
+    "model.rope_scaling": Condition("model.position = rope", ("model.position",), lambda c: c.model.position == "rope"),
+    # they read model.rope_scaling, itself declared: their condition includes its (model.position = rope)
+    **{
+        f"model.{name}": Condition(
+            "model.position = rope and model.rope_scaling = llama3",
+            ("model.position", "model.rope_scaling"),
+            _llama3_rope,
+        )
+        for name in (
+            "rope_scaling_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+            "rope_original_max_seq_len",
+        )
+    },
     "model.attention_block": Condition("model.attention is blockwise or auto", ("model.attention",), _blockwise),
     "optim.min_lr_ratio": Condition(
         "optim.schedule is not constant", ("optim.schedule",), lambda c: c.optim.schedule != "constant"
@@ -112,7 +131,9 @@ def reset_inert(cfg: Any, defaults: Any) -> list[str]:
     """Set every declared field whose condition does not hold in ``cfg`` back to its default, in
     place; returns the fields reset, in :data:`CONDITIONS` order. For configs derived from a valid
     one (a checkpoint read on one device, a planned layout), which train the same with such fields
-    at their defaults. No condition reads a declared field, so one pass settles them all."""
+    at their defaults. A condition that reads a declared field also requires that field's own
+    condition (the RoPE scaling factors read ``model.rope_scaling``, which needs ``model.position =
+    rope``), so one pass settles them all."""
     reset = []
     for field, cond in CONDITIONS.items():
         default = _value(defaults, field)

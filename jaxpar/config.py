@@ -40,6 +40,7 @@ FILE_SOURCES = ("bin", "megatron")  # the data sources that read data.path
 MAX_DEVICES = 1 << 20  # more accelerators than any cluster has: a larger mesh is a typo, not a plan
 MAX_PARAMS = 10**13  # parameters: beyond any model a cluster of MAX_DEVICES trains
 MAX_DIM = 1 << 24  # one model dimension (vocabulary, width, heads, layers, sequence length)
+ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 
 
 def default_config() -> ConfigDict:
@@ -68,6 +69,13 @@ def default_config() -> ConfigDict:
     c.model.mlp_dim = 384
     c.model.max_seq_len = 256
     c.model.rope_theta = 10000.0
+    # RoPE frequency scaling: none | llama3 (Llama 3.1's: jaxpar.models.llama.rope_frequencies); the four
+    # fields below act only with llama3, their defaults are Llama 3.1's
+    c.model.rope_scaling = "none"
+    c.model.rope_scaling_factor = 8.0  # the lowest frequencies are divided by it
+    c.model.rope_low_freq_factor = 1.0  # wavelengths above rope_original_max_seq_len / this are scaled
+    c.model.rope_high_freq_factor = 4.0  # wavelengths below rope_original_max_seq_len / this are kept
+    c.model.rope_original_max_seq_len = 8192  # the context length the unscaled model was trained at
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.mlp_activation = "swiglu"  # swiglu | gelu (classic GPT)
@@ -370,6 +378,12 @@ def _validate_model(mo: ConfigDict) -> None:
             f"model.head_dim={mo.head_dim}: RoPE needs an even head dim; use e.g. {mo.head_dim + 1}",
         )
         _positive_finite("model.rope_theta", mo.rope_theta)
+    require(
+        mo.rope_scaling in ROPE_SCALINGS,
+        f"model.rope_scaling='{mo.rope_scaling}': use none (plain RoPE) or llama3 (Llama 3.1's scaled RoPE)",
+    )
+    if mo.position == "rope" and mo.rope_scaling == "llama3":
+        validate_rope_scaling(mo)
     _positive_finite("model.norm_eps", mo.norm_eps)
     _positive_finite("model.init_std", mo.init_std)
     for name in ("dropout", "attention_dropout"):  # a drop probability (Srivastava et al. 2014): in [0, 1)
@@ -382,6 +396,27 @@ def _validate_model(mo: ConfigDict) -> None:
     require(
         count <= MAX_PARAMS,
         f"model: {count:.3g} parameters is beyond any cluster (at most {MAX_PARAMS:.0e}); check the model sizes",
+    )
+
+
+def validate_rope_scaling(mo: ConfigDict) -> None:
+    """Llama 3.1's RoPE scaling fields (:func:`jaxpar.models.llama.rope_frequencies`): a factor >= 1 (1:
+    no scaling), 0 < low frequency factor < high frequency factor (the band between the two wavelengths
+    is interpolated), an original context of whole positions."""
+    require(
+        math.isfinite(mo.rope_scaling_factor) and mo.rope_scaling_factor >= 1,
+        f"model.rope_scaling_factor={mo.rope_scaling_factor}: use a finite factor >= 1 (Llama 3.1: 8; 1: no scaling)",
+    )
+    _positive_finite("model.rope_low_freq_factor", mo.rope_low_freq_factor)
+    require(
+        math.isfinite(mo.rope_high_freq_factor) and mo.rope_high_freq_factor > mo.rope_low_freq_factor,
+        f"model.rope_high_freq_factor={mo.rope_high_freq_factor}: use a finite value above "
+        f"model.rope_low_freq_factor={mo.rope_low_freq_factor} (Llama 3.1: 4 and 1)",
+    )
+    require(
+        1 <= mo.rope_original_max_seq_len <= MAX_DIM,
+        f"model.rope_original_max_seq_len={mo.rope_original_max_seq_len}: use a value in [1, {MAX_DIM}] "
+        "(Llama 3.1: 8192)",
     )
 
 

@@ -32,6 +32,16 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "parallel.cross_node_tensor": ("True", D8, []),
     "parallel.max_replicated_fraction": ("0.5", [], ["--config.parallel.zero_stage=3"]),
     "model.rope_theta": ("500000.0", ["--config.model.position=learned"], []),
+    "model.rope_scaling": ("llama3", ["--config.model.position=learned"], []),
+    **{
+        f"model.{name}": (value, [], ["--config.model.rope_scaling=llama3"])
+        for name, value in (
+            ("rope_scaling_factor", "16.0"),
+            ("rope_low_freq_factor", "2.0"),
+            ("rope_high_freq_factor", "8.0"),
+            ("rope_original_max_seq_len", "4096"),
+        )
+    },
     "model.attention_block": ("16", [], BLOCKWISE),
     "optim.min_lr_ratio": ("0.5", ["--config.optim.schedule=constant"], []),
     "optim.decay_steps": ("50", ["--config.optim.schedule=constant"], []),
@@ -91,6 +101,15 @@ def test_refused_where_it_cannot_act_and_accepted_where_it_can(field):
     validate(tiny_config(*inert))  # and the default stays accepted where it does not
 
 
+def test_a_condition_reading_a_declared_field_includes_its_condition():
+    """What lets :func:`acts.reset_inert` settle every field in one pass (its docstring)."""
+    for field, cond in acts.CONDITIONS.items():
+        for name in cond.names:
+            if name in acts.CONDITIONS:
+                assert set(acts.CONDITIONS[name].names) <= set(cond.names), (field, name)
+                assert acts.CONDITIONS[name].when in cond.when, (field, name)
+
+
 def _lowered(*overrides: str) -> str:
     cfg = tiny_config(*overrides)
     layout = ParallelLayout.from_config(cfg)
@@ -102,6 +121,11 @@ def _lowered(*overrides: str) -> str:
 IN_THE_STEP = [
     "parallel.sequence_parallel",
     "model.rope_theta",
+    "model.rope_scaling",
+    "model.rope_scaling_factor",
+    "model.rope_low_freq_factor",
+    "model.rope_high_freq_factor",
+    "model.rope_original_max_seq_len",
     "optim.min_lr_ratio",
     "optim.warmup_type",
     "parallel.context_exchange",

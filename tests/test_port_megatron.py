@@ -218,6 +218,45 @@ def _text(*flags: str, world: int = 8) -> str:
     )
 
 
+BASE = ("--disable-bias-linear", "--tokenizer-type NullTokenizer", "--vocab-size 1000")  # no other model change
+LLAMA31 = (*BASE, "--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--rotary-base 500000")
+
+
+def test_use_rope_scaling_maps_to_llama3_rope():
+    """--use-rope-scaling: Llama 3.1's scaled RoPE, factor 8 (Megatron-LM d98e8a6: --rope-scaling-factor's
+    default in arguments.py, GPTModel's default, and what pretrain_gpt.py builds), low/high 1/4, context 8192
+    (RotaryEmbedding._apply_scaling's defaults)."""
+    want = ("llama3", 8.0, 1.0, 4.0, 8192)
+    for extra in ((), ("--rope-scaling-factor 8",), ("--rope-scaling-factor 8.0",)):
+        cfg, report = port_megatron(_text(*LLAMA31, "--use-rope-scaling", *extra))
+        m = cfg.model
+        got = (m.rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor)
+        assert (*got, m.rope_original_max_seq_len) == want and m.rope_theta == 5e5
+        assert report.find("--use-rope-scaling").status == "mapped" and not report.model_changes
+        source = "--rope-scaling-factor" if extra else "--rope-scaling-factor (default)"
+        assert (report.find(source).status, report.find(source).target) == ("mapped", "model.rope_scaling_factor")
+        assert not report.problems
+
+
+def test_rope_scaling_factor_is_what_pretrain_gpt_builds():
+    """pretrain_gpt.py never passes --rope-scaling-factor to GPTModel (factor 8 whatever it says): the port
+    trains what Megatron trains and says so; without --use-rope-scaling, or without RoPE, it does nothing."""
+    cfg, report = port_megatron(_text(*LLAMA31, "--use-rope-scaling", "--rope-scaling-factor 32"))
+    row = report.find("--rope-scaling-factor")
+    assert cfg.model.rope_scaling_factor == 8.0 and row.status == "approximated" and not row.model
+    assert "does not pass it to the model" in row.note and "--set model.rope_scaling_factor=32" in row.note
+    cfg, report = port_megatron(_text(*LLAMA31, "--rope-scaling-factor 32"))
+    assert cfg.model.rope_scaling == "none" and report.find("--rope-scaling-factor").status == "approximated"
+    assert "only with --use-rope-scaling" in report.find("--rope-scaling-factor").note
+    cfg, report = port_megatron(_text(*BASE, "--use-rope-scaling", "--position-embedding-type learned_absolute"))
+    assert (cfg.model.position, cfg.model.rope_scaling) == ("learned", "none") and not report.problems
+    assert "scales RoPE only" in report.find("--use-rope-scaling").note
+    # YaRN and interpolated positions stay model changes
+    for flag in ("--rotary-scaling-factor 40", "--rotary-seq-len-interpolation-factor 2"):
+        _, report = port_megatron(_text(*LLAMA31, flag))
+        assert [e.source for e in report.model_changes] == [flag.split()[0]]
+
+
 @pytest.mark.parametrize("hidden, ffn", [(4096, 10880), (5120, 13632), (2048, 5440)])
 def test_swiglu_default_ffn_rounds_down_to_64(hidden, ffn):
     cfg, report = port_megatron(_text("--swiglu").replace("--hidden-size 4096", f"--hidden-size {hidden}"))

@@ -109,16 +109,28 @@ def test_torchtitan_unknown_family_or_flavor_is_refused(capsys, tmp_path, name, 
     approximated(capsys, "torchtitan", job, "--world-size", "8", first=(source,))
 
 
-def test_torchtitan_llama3_scaled_rope_is_a_model_change(capsys):
-    """torchtitan's current Llama 3 (since 5bbda42) rotates with Llama 3.1's scaled RoPE; jaxpar's RoPE is
-    unscaled, so the port refuses, and with --approximate keeps the flavor's shape."""
+def test_torchtitan_llama3_ports_with_scaled_rope(capsys, tmp_path):
+    """torchtitan's current Llama 3 (since 5bbda42) rotates with Llama 3.1's scaled RoPE: the port sets
+    model.rope_scaling=llama3 with torchtitan's RoPEScalingArgs and exits 0 with the recipe's model; the
+    2024 schema's Llama 3 (a99d2e5) stays plain RoPE."""
     fixture = str(TT / "llama3_8b_32gpu.toml")
-    err = refused(capsys, "torchtitan", fixture, "--world-size", "32")
-    assert "(rope scaling) = Llama 3.1" in err and "5bbda42" in err
-    approximated(capsys, "torchtitan", fixture, "--world-size", "32", first=("(rope scaling)",))
-    cfg, report = port_torchtitan(fixture, world_size=32)  # the importer itself lists it, and the shape
-    assert [e.source for e in report.model_changes] == ["(rope scaling)"]
-    assert (cfg.model.num_layers, cfg.model.vocab_size, cfg.model.mlp_dim) == (32, 128256, 14336)
+    code, out, err = port(capsys, "torchtitan", fixture, "--world-size", "32", "-o", str(tmp_path / "a.py"))
+    assert code == 0 and "MODEL CHANGE" not in out and "\n  model: the recipe's; " in out, err
+    assert "(rope scaling) = Llama 3.1 -> model.rope_scaling" in out and "5bbda42" in out
+    m = load_config(str(tmp_path / "a.py")).model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor) == (
+        "llama3",
+        8.0,
+        1.0,
+        4.0,
+    )
+    assert (m.rope_original_max_seq_len, m.rope_theta, m.num_layers, m.mlp_dim) == (8192, 500000.0, 32, 14336)
+    # a torchtitan before 5bbda42 rotated unscaled: the note says how to port for it
+    code, _, err = port(capsys, "torchtitan", fixture, "--world-size", "32", "--set", "model.rope_scaling=none")
+    assert code == 0, err
+    cfg, report = port_torchtitan(CORPUS / "torchtitan" / "2024_llama3_8b.toml", world_size=64)
+    assert cfg.model.rope_scaling == "none" and report.find("(rope scaling)") is None
+    assert "plain RoPE" in report.find("model.flavor").note and not report.model_changes
 
 
 def test_torchtitan_llama3_debugmodel_shapes(capsys, tmp_path):
@@ -135,10 +147,10 @@ def test_torchtitan_llama3_debugmodel_shapes(capsys, tmp_path):
         768,
         2048,
     )
-    assert m.rope_theta == 500000.0 and [e.source for e in report.model_changes] == ["(rope scaling)"]
+    assert (m.rope_theta, m.rope_scaling) == (500000.0, "llama3") and not report.model_changes
     job = _toml(tmp_path, "llama3", "debugmodel_flex_attn")
     err = refused(capsys, "torchtitan", job, "--world-size", "8")
-    assert "(rope scaling)" in err and "1 more model change(s): (attention mask)" in err
+    assert "(attention mask) = block_causal" in err and "more model change" not in err
     code, out, err = port(
         capsys, "torchtitan", str(CORPUS / "torchtitan" / "2024_debug_model.toml"), "--world-size", "8"
     )
@@ -280,6 +292,22 @@ def test_deepspeed_and_accelerate_need_the_model(capsys, tmp_path):
             32000,
         )
         assert "--model-config" in out.read_text() and "model: the recipe's" in out.read_text()
+        assert m.rope_scaling == "none"
+    # a Llama 3.1 config.json brings its scaled RoPE along
+    llama31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config.write_text(json.dumps({**HF_LLAMA, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama31}}))
+    out = tmp_path / "out31.py"
+    code, printed, err = port(
+        capsys, "deepspeed", ds, "--world-size", "8", "--model-config", str(config), "-o", str(out)
+    )
+    assert code == 0 and "MODEL CHANGE" not in printed, err
+    m = load_config(str(out)).model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_seq_len, m.rope_theta) == (
+        "llama3",
+        8.0,
+        8192,
+        5e5,
+    )
     sets = [
         x for f, v in zip(SHAPE_FIELDS, (4, 512, 8, 4, 64, 1408, 32000), strict=True) for x in ("--set", f"{f}={v}")
     ]

@@ -121,9 +121,9 @@ RECIPES = {
     ],  # ALiBi unsupported: RoPE, even dims
     "megatron/megatron_ds_llama2_tp2_pp2.args": ["--set", "model.vocab_size=32000"],
     "megatron/gpt_1b_interleaved_sp.args": ["--approximate"],
-    "torchtitan/llama3_8b_32gpu.toml": ["--world-size", "32", "--approximate"],
-    "torchtitan/llama3_70b_tp8_64gpu.toml": ["--world-size", "64", "--approximate"],
-    "torchtitan/llama3_405b_fp8_128gpu.toml": ["--world-size", "128", "--approximate"],
+    "torchtitan/llama3_8b_32gpu.toml": ["--world-size", "32"],
+    "torchtitan/llama3_70b_tp8_64gpu.toml": ["--world-size", "64"],
+    "torchtitan/llama3_405b_fp8_128gpu.toml": ["--world-size", "128"],
     "torchtitan/llama4_moe_pp4_tp8.toml": [
         "--world-size",
         "64",
@@ -138,7 +138,7 @@ RECIPES = {
         "--approximate",
     ],
     "torchtitan/deepseek_v3_moe_ep8.toml": ["--world-size", "16", "--approximate"],
-    "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": ["--approximate"],
+    "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": [],
     "fsdp/accelerate_fsdp_full_shard.yaml": ["--approximate"],
     "fsdp/accelerate_fsdp_hybrid_2nodes.yaml": ["--approximate"],
     "fsdp/accelerate_fsdp2_no_reshard.yaml": ["--approximate"],
@@ -153,10 +153,6 @@ REFUSED = {
     "megatron/gpt_1b_interleaved_sp.args": "--add-bias-linear (default) = true",
     "megatron/sweep_CONFIG.args": "--add-bias-linear (default) = true",
     "megatron/bloom_style_104b_slurm.args": "--position-embedding-type = alibi",
-    "torchtitan/llama3_8b_32gpu.toml": "(rope scaling) = Llama 3.1",
-    "torchtitan/llama3_70b_tp8_64gpu.toml": "(rope scaling) = Llama 3.1",
-    "torchtitan/llama3_405b_fp8_128gpu.toml": "(rope scaling) = Llama 3.1",
-    "torchtitan/llama3_8b_pp2_interleaved_16gpu.toml": "(rope scaling) = Llama 3.1",
     "torchtitan/llama4_moe_pp4_tp8.toml": "model.name = llama4: a mixture-of-experts model",
     "torchtitan/deepseek_v3_moe_ep8.toml": "model.name = deepseek_v3: a mixture-of-experts model",
 }

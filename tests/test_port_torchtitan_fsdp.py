@@ -84,8 +84,14 @@ def test_llama3_ffn_sizes(flavor, dim, mult, multiple, ffn):
 
 def test_llama3_8b_on_32_gpus():
     cfg, report = port_torchtitan(TT / "llama3_8b_32gpu.toml", world_size=32)
-    # torchtitan's current Llama 3 scales RoPE as Llama 3.1; jaxpar's is unscaled: the one model change
-    assert [e.source for e in report.model_changes] == ["(rope scaling)"]
+    # torchtitan's current Llama 3 scales RoPE as Llama 3.1 does, and so does the port: no model change
+    assert report.model_changes == [] and report.find("(rope scaling)").status == "mapped"
+    assert (cfg.model.rope_scaling, cfg.model.rope_scaling_factor, cfg.model.rope_original_max_seq_len) == (
+        "llama3",
+        8.0,
+        8192,
+    )
+    assert (cfg.model.rope_low_freq_factor, cfg.model.rope_high_freq_factor) == (1.0, 4.0)
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.zero_stage) == (32, 1, 3)  # FSDP over all 32 ranks
     assert (cfg.train.global_batch, cfg.train.microbatches, cfg.train.seq_len, cfg.train.steps) == (64, 1, 4096, 2000)
     m = cfg.model

@@ -229,7 +229,7 @@ def test_config_from_hf_and_rejections(model_cfg):
     older = {k: v for k, v in hf.items() if k not in ("head_dim", "rope_parameters")}  # transformers 4.x style
     assert weights.model_config_from_hf(older).head_dim == model_cfg.embed_dim // model_cfg.num_heads
     bad = [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling"),  # llama3: test_rope_scaling.py
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),

@@ -140,6 +140,28 @@ def logical_axes(model_cfg: ConfigDict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (:func:`rope_frequencies`); the ``model.rope_*`` fields."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    @classmethod
+    def from_config(cls, model_cfg: ConfigDict) -> RopeScaling | None:
+        """The scaling ``model_cfg`` asks for; None for plain RoPE (``model.rope_scaling=none``)."""
+        if model_cfg.get("rope_scaling", "none") == "none":
+            return None
+        return cls(
+            float(model_cfg.rope_scaling_factor),
+            float(model_cfg.rope_low_freq_factor),
+            float(model_cfg.rope_high_freq_factor),
+            int(model_cfg.rope_original_max_seq_len),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardContext(base.ShardContext):
     """:class:`jaxpar.models.base.ShardContext` plus the block's static settings."""
 
@@ -147,6 +169,7 @@ class ShardContext(base.ShardContext):
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     position: str = "rope"
     qk_norm: bool = False
     # mixture of experts (model.num_experts > 0; jaxpar.models.moe)
@@ -202,10 +225,40 @@ def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, rotate-half convention (the HF LLaMA layout)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """RoPE's inverse frequencies ``f_i = theta^(-2i/d)``, ``i < d/2``, fp32; with ``scaling``, Llama
+    3.1's (``model.rope_scaling=llama3``). With ``L`` the original context (``original_max_seq_len``),
+    ``s`` the factor, ``lo``/``hi`` the low/high frequency factors, and ``w_i = 2 pi / f_i`` the
+    wavelength, the scaled frequency is::
+
+        f_i                          if w_i < L / hi   (high frequencies: unchanged)
+        f_i / s                      if w_i > L / lo   (low frequencies: divided by the factor)
+        (1 - a) f_i / s + a f_i      otherwise, a = (L / w_i - lo) / (hi - lo)  (smoothly in between)
+
+    which is continuous (``a`` is 0 at ``w_i = L / lo`` and 1 at ``w_i = L / hi``). This is Meta's
+    Llama 3.1 reference (``apply_scaling`` in ``llama/model.py`` of meta-llama/llama-models; factor 8,
+    low 1, high 4, L 8192) and HF transformers' ``_compute_llama3_parameters``
+    (``transformers/modeling_rope_utils.py``, rope_type ``llama3``), computed in the same order in
+    fp32; torchtitan (``precompute_freqs_cis``, ``RoPEScalingArgs``, since 5bbda42) and Megatron-LM
+    (``RotaryEmbedding._apply_scaling``, ``--use-rope-scaling``) compute the same.
+    """
+    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return freq
+    s, lo, hi, length = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len
+    wavelen = 2 * math.pi / freq
+    low_freq_wavelen, high_freq_wavelen = length / lo, length / hi
+    scaled = jnp.where(wavelen > low_freq_wavelen, freq / s, freq)
+    a = (length / wavelen - lo) / (hi - lo)
+    smoothed = (1 - a) * scaled / s + a * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary embedding, rotate-half convention (the HF LLaMA layout), at :func:`rope_frequencies`."""
     d = x.shape[-1]
-    freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    freq = rope_frequencies(d, theta, scaling)
     angle = positions[:, None].astype(jnp.float32) * freq[None, :]  # (s, d/2)
     cos = jnp.concatenate([jnp.cos(angle)] * 2, axis=-1)[None, :, None, :]
     sin = jnp.concatenate([jnp.sin(angle)] * 2, axis=-1)[None, :, None, :]
@@ -276,7 +329,8 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     if ctx.qk_norm:  # over each head's dims, before RoPE (Qwen3)
         q, k = _rms_norm(q, a["q_norm"]["scale"], ctx.norm_eps), _rms_norm(k, a["k_norm"]["scale"], ctx.norm_eps)
     if ctx.position == "rope":
-        q, k = _rope(q, positions, ctx.rope_theta), _rope(k, positions, ctx.rope_theta)
+        q = _rope(q, positions, ctx.rope_theta, ctx.rope_scaling)
+        k = _rope(k, positions, ctx.rope_theta, ctx.rope_scaling)
     att = context_parallel.causal_attention(
         q,
         k,
@@ -386,6 +440,7 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         norm=model_cfg.norm,
         norm_eps=model_cfg.norm_eps,
         rope_theta=model_cfg.rope_theta,
+        rope_scaling=RopeScaling.from_config(model_cfg),
         position=model_cfg.position,
         qk_norm=model_cfg.qk_norm,
         num_experts=model_cfg.num_experts,
@@ -449,6 +504,11 @@ HF_LLAMA = HFMap(
         ("mlp_dim", "intermediate_size"),
         ("tie_embeddings", "tie_word_embeddings"),
         ("rope_theta", "rope_theta"),
+        ("rope_scaling", "rope_scaling.rope_type"),
+        ("rope_scaling_factor", "rope_scaling.factor"),
+        ("rope_low_freq_factor", "rope_scaling.low_freq_factor"),
+        ("rope_high_freq_factor", "rope_scaling.high_freq_factor"),
+        ("rope_original_max_seq_len", "rope_scaling.original_max_position_embeddings"),
         ("norm_eps", "rms_norm_eps"),
         ("mlp_activation", "hidden_act"),
         ("norm", "model_type"),

@@ -174,10 +174,9 @@ MODEL_FLAGS = {
     "--mtp-num-layers": "multi-token prediction (extra MTP layers and their loss); jaxpar predicts the next token",
     "--window-size": "sliding-window attention; jaxpar's attention sees the whole causal context",
     "--apply-residual-connection-post-layernorm": "residuals taken after the layer norm; jaxpar's blocks are pre-norm",
-    "--use-rope-scaling": "Llama 3.1's scaled RoPE; jaxpar's RoPE is unscaled",
-    "--rope-scaling-factor": "scaled RoPE; jaxpar's RoPE is unscaled",
-    "--rotary-scaling-factor": "scaled RoPE (YaRN); jaxpar's RoPE is unscaled",
-    "--rotary-seq-len-interpolation-factor": "interpolated RoPE positions; jaxpar's RoPE is unscaled",
+    "--rotary-scaling-factor": "scaled RoPE (YaRN); jaxpar's RoPE is plain or Llama 3.1's (--use-rope-scaling)",
+    "--rotary-seq-len-interpolation-factor": "interpolated RoPE positions; jaxpar's RoPE is plain or Llama 3.1's "
+    "(--use-rope-scaling)",
     "--quick-geglu": "a quick-GeLU gated MLP (gpt-oss); jaxpar's MLPs are SwiGLU or GeLU",
     "--enable-gpt-oss": "gpt-oss's block (attention sinks, clamped gated MLP, alternating sliding windows)",
 }
@@ -608,14 +607,73 @@ def _context(a: _Args, values: dict[str, Any], cp: int) -> None:
     )
 
 
+# --use-rope-scaling: Megatron-LM's RotaryEmbedding._apply_scaling (megatron/core/models/common/embeddings/
+# rotary_pos_embedding.py at d98e8a6) with its defaults low_freq_factor 1, high_freq_factor 4,
+# original_max_position_embeddings 8192 (no flag sets them) and the factor GPTModel is built with: 8.0, the
+# default of --rope-scaling-factor in megatron/training/arguments.py and of GPTModel(rope_scaling_factor=)
+ROPE_SCALING = {
+    "model.rope_scaling": "llama3",
+    "model.rope_scaling_factor": 8.0,
+    "model.rope_low_freq_factor": 1.0,
+    "model.rope_high_freq_factor": 4.0,
+    "model.rope_original_max_seq_len": 8192,
+}
+
+
+def _rope_scaling(a: _Args, values: dict[str, Any], position: str) -> None:
+    """``--use-rope-scaling`` (Llama 3.1's scaled RoPE) -> ``model.rope_scaling=llama3``
+    (:data:`ROPE_SCALING`). Megatron applies it to RoPE only (``--position-embedding-type rope``).
+    ``pretrain_gpt.py`` never passes ``--rope-scaling-factor`` to the model: its model config
+    (``gpt_config_from_args`` in megatron/training/argument_utils.py at d98e8a6; ``gpt_builder`` and,
+    since the flag came in with 8c98d2d, the model providers before them) sets ``rope_scaling`` from
+    ``--use-rope-scaling`` only, so GPTModel scales by its default 8 whatever the flag says."""
+    use = a.get("--use-rope-scaling", bool, False)
+    if not use:
+        a.note("--rope-scaling-factor", "approximated", "", _NOOP + "Megatron reads it only with --use-rope-scaling")
+        return
+    if position != "rope":
+        why = f"Megatron scales RoPE only, not {position} positions"
+        a.note("--use-rope-scaling", "approximated", "", _NOOP + why)
+        a.note("--rope-scaling-factor", "approximated", "", _NOOP + why)
+        return
+    factor = a.get("--rope-scaling-factor", float, 8.0)
+    values.update(ROPE_SCALING)
+    a.note(
+        "--use-rope-scaling",
+        "mapped",
+        "model.rope_scaling",
+        "Llama 3.1's scaled RoPE: factor 8, low/high frequency factors 1/4, original context 8192 "
+        "(Megatron-LM's RotaryEmbedding._apply_scaling at d98e8a6)",
+    )
+    if not a.has("--rope-scaling-factor"):
+        a.report.mapped(
+            "--rope-scaling-factor (default)", 8.0, "model.rope_scaling_factor", "Megatron default (arguments.py)"
+        )
+    elif factor == 8.0:
+        a.note("--rope-scaling-factor", "mapped", "model.rope_scaling_factor")
+    else:
+        a.note(
+            "--rope-scaling-factor",
+            "approximated",
+            "model.rope_scaling_factor",
+            "Megatron-LM's pretrain_gpt.py does not pass it to the model (gpt_config_from_args at d98e8a6 reads "
+            "only --use-rope-scaling): the recipe trains with GPTModel's factor 8, and so does this config; "
+            f"--set model.rope_scaling_factor={factor:g} for the factor the flag names",
+        )
+
+
 def _model(a: _Args, values: dict[str, Any]) -> int:
     """Model shape; returns the layer count (0 when unresolved)."""
     layers, hidden = a.get("--num-layers", int, 0), a.get("--hidden-size", int, 0)
     heads, seq = a.get("--num-attention-heads", int, 0), a.get("--seq-length", int, 0)
+    position = a.get(
+        "--position-embedding-type", str, "rope" if a.has("--use-rotary-position-embeddings") else "learned_absolute"
+    )
     if not (layers and hidden and heads and seq):
         for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
             if not a.has(name):
                 raise ConfigError(f"megatron: {name} is missing; Megatron needs it (add the flag)")
+        _rope_scaling(a, values, position)
         return 0
     if not a.has("--kv-channels") and hidden % heads:
         raise ConfigError(
@@ -627,9 +685,6 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
     ffn = a.get("--ffn-hidden-size", int) or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
     norm = str(a.get("--normalization", str, "LayerNorm")).lower()
     maxpos = a.get("--max-position-embeddings", int, seq)
-    position = a.get(
-        "--position-embedding-type", str, "rope" if a.has("--use-rotary-position-embeddings") else "learned_absolute"
-    )
     values.update(
         {
             "model.num_layers": layers,
@@ -699,6 +754,7 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
         a.note("--rotary-percent", "mapped", "")
     else:
         a.model_change("--rotary-percent", f"RoPE on {percent:g} of each head; jaxpar rotates the full head dimension")
+    _rope_scaling(a, values, position)
     # Megatron's dropout (default 0.1 each): --hidden-dropout on the embedding output and before each
     # residual add, --attention-dropout on the softmax probabilities: jaxpar's placement (jaxpar.ops.dropout)
     for name, target in (("--attention-dropout", "model.attention_dropout"), ("--hidden-dropout", "model.dropout")):
@@ -826,7 +882,10 @@ def _model_changes(a: _Args) -> None:
     if rope_type in ("rope", None):
         a.note("--rope-type", "mapped", "model.position", "plain RoPE, as jaxpar")
     else:
-        a.model_change("--rope-type", f"{rope_type} RoPE (scaled positions); jaxpar's RoPE is unscaled")
+        a.model_change(
+            "--rope-type",
+            f"{rope_type} RoPE (scaled positions); jaxpar's RoPE is plain or Llama 3.1's (--use-rope-scaling)",
+        )
     softmax = a.get("--softmax-type", str, "vanilla", soft=True)
     if softmax in ("vanilla", None):
         a.note("--softmax-type", "mapped", "", "vanilla softmax, as jaxpar")

@@ -21,8 +21,10 @@ from jaxpar.port.report import Report, apply_schedule_fields, build_config, refu
 # TransformerModelArgs defaults n_kv_heads = n_heads, multiple_of 256, ffn_dim_multiplier None, norm_eps
 # 1e-5, vocab_size 128256): flavor -> (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of,
 # vocabulary); rope_theta 500000 in all. Since 5bbda42 (2025-10, "Add scaled RoPE support for Llama 3
-# and 4") every flavor rotates with Llama 3.1's scaled RoPE (RoPEScalingArgs: factor 8, low 1, high 4,
-# original 8192), which jaxpar's RoPE does not compute: a model change (LLAMA3_ROPE_SCALING).
+# and 4") every flavor rotates with Llama 3.1's scaled RoPE (TransformerModelArgs.rope_scaling_args =
+# RoPEScalingArgs(): scaling_factor 8, low_freq_factor 1, high_freq_factor 4,
+# original_max_position_embeddings 8192, applied in precompute_freqs_cis): model.rope_scaling=llama3
+# (LLAMA3_ROPE_SCALING).
 LLAMA3_FLAVORS = {
     "debugmodel": (256, 6, 16, 16, None, 256, 2048),
     "debugmodel_flex_attn": (256, 6, 16, 16, None, 256, 2048),
@@ -36,11 +38,13 @@ LLAMA3_FLAVORS = {
 # flavors with attn_mask_type="block_causal": attention stops at document boundaries; jaxpar's is causal
 # over the whole sequence
 LLAMA3_BLOCK_CAUSAL = ("debugmodel_flex_attn", "debugmodel_varlen_attn", "8B_flex", "8B_varlen")
-LLAMA3_ROPE_SCALING = (
-    "torchtitan's Llama 3 (this TOML is in its current schema; since 5bbda42, 2025-10) rotates with Llama "
-    "3.1's scaled RoPE (factor 8, low/high frequency factors 1/4, original context 8192); jaxpar's RoPE is "
-    "unscaled (theta 500000); for a torchtitan before 5bbda42 (unscaled) --approximate is exact"
-)
+LLAMA3_ROPE_SCALING = {
+    "model.rope_scaling": "llama3",
+    "model.rope_scaling_factor": 8.0,
+    "model.rope_low_freq_factor": 1.0,
+    "model.rope_high_freq_factor": 4.0,
+    "model.rope_original_max_seq_len": 8192,
+}
 # the 2024 schema's Llama 3 flavors (torchtitan/models/llama/__init__.py at a99d2e5, llama3_configs;
 # plain RoPE, theta 500000): flavor -> (dim, layers, heads, kv_heads, ffn_dim_multiplier, multiple_of);
 # the vocabulary is the tokenizer's (ModelArgs.vocab_size = tokenizer.n_words in train.py there)
@@ -600,7 +604,16 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
             "model.*",
             f"Llama 3 {flavor}'s shape (torchtitan's table at 238fa99); vocabulary {vocab}",
         )
-        report.model_change("(rope scaling)", "Llama 3.1", LLAMA3_ROPE_SCALING, target="model.rope_theta")
+        values.update(LLAMA3_ROPE_SCALING)
+        report.mapped(
+            "(rope scaling)",
+            "Llama 3.1",
+            "model.rope_scaling",
+            "torchtitan's Llama 3 (this TOML is in its current schema; since 5bbda42, 2025-10) rotates with Llama "
+            "3.1's scaled RoPE (RoPEScalingArgs at 238fa99: factor 8, low/high frequency factors 1/4, original "
+            "context 8192), as model.rope_scaling=llama3 does; for a torchtitan before 5bbda42 (plain RoPE) "
+            "--set model.rope_scaling=none",
+        )
         if flavor in LLAMA3_BLOCK_CAUSAL:
             report.model_change(
                 "(attention mask)",

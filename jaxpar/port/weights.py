@@ -48,7 +48,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxpar import write_guard
-from jaxpar.config import ConfigDict, ConfigError, default_config
+from jaxpar.config import ConfigDict, ConfigError, default_config, validate_rope_scaling
 from jaxpar.models import get_model
 from jaxpar.models.base import HFMap
 
@@ -74,8 +74,9 @@ _META_NAMES = (  # Meta consolidated name -> HF name
 def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
     """A jaxpar ``model`` sub-config from an HF ``config.json`` (a dict, the file or its directory).
 
-    Rejects what jaxpar's LLaMA does not compute (RoPE scaling, biases, activations other than
-    SiLU) with a one-line :class:`ConfigError`. Mistral's ``sliding_window`` caps ``max_seq_len``
+    Rejects what jaxpar's LLaMA does not compute (RoPE scaling other than Llama 3.1's, biases,
+    activations other than SiLU) with a one-line :class:`ConfigError`; Llama 3.1's ``rope_scaling``
+    (rope_type ``llama3``) sets ``model.rope_scaling`` and its four fields. Mistral's ``sliding_window`` caps ``max_seq_len``
     (no window ever applies to shorter sequences, so the model is then exactly LLaMA's). The
     checkpoint's ``torch_dtype`` is not copied: parameters stay in ``param_dtype`` (fp32 masters).
     Dropout: ``attention_dropout`` (HF LLaMA / Mistral, on the softmax probabilities) maps to
@@ -111,11 +112,7 @@ def _model_config(hf: dict) -> ConfigDict:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConfigError(f"{where}: {key}=true is not supported; jaxpar's LLaMA has no biases")
-    rope = dict(hf.get("rope_parameters") or {})
-    for key, value in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", rope)):
-        kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
-        if kind != "default":
-            raise ConfigError(f"{where}: {key}={json.dumps(value)} is not supported; only plain RoPE is")
+    rope_key, rope = _rope_parameters(hf, where)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in hf:
             raise ConfigError(f"{where}: '{key}' is missing; is this an HF LLaMA config.json?")
@@ -133,6 +130,8 @@ def _model_config(hf: dict) -> ConfigDict:
     if hf.get("sliding_window"):
         m.max_seq_len = min(m.max_seq_len, int(hf["sliding_window"]))
     m.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        _llama3_rope(rope_key, rope, hf, m, where)
     m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
     m.init_std = float(hf.get("initializer_range", m.init_std))
@@ -150,6 +149,63 @@ def _model_config(hf: dict) -> ConfigDict:
     if model_type in ("mixtral", "qwen3_moe"):
         _moe_fields(hf, m, model_type, where)
     return m
+
+
+# model.* field -> key of a llama3 rope_scaling / rope_parameters dict (transformers' names)
+_LLAMA3_ROPE_KEYS = (
+    ("rope_scaling_factor", "factor"),
+    ("rope_low_freq_factor", "low_freq_factor"),
+    ("rope_high_freq_factor", "high_freq_factor"),
+    ("rope_original_max_seq_len", "original_max_position_embeddings"),
+)
+
+
+def _rope_parameters(hf: dict, where: str) -> tuple[str, dict]:
+    """``(key, dict)``: the RoPE parameters of a ``config.json`` as transformers 5 reads them
+    (``convert_rope_params_to_dict``): ``rope_scaling`` (transformers 4's key) when given, else
+    ``rope_parameters`` (transformers 5's), else none (``("", {})``); ``rope_theta`` is read from that
+    dict, else from the top level. Plain RoPE and Llama 3.1's scaled RoPE (rope_type ``llama3``) are
+    supported; any other scaling, under either key, is a one-line :class:`ConfigError`."""
+    found = []
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if not value:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key}={json.dumps(value)} is not an object; replace it with the original")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise ConfigError(
+                f"{where}: {key}={json.dumps(value)} is not supported; only plain RoPE and Llama 3.1's scaled "
+                "RoPE (rope_type llama3) are"
+            )
+        found.append((key, dict(value)))
+    return found[0] if found else ("", {})
+
+
+def _llama3_rope(key: str, scaling: dict, hf: dict, m: ConfigDict, where: str) -> None:
+    """Llama 3.1's scaled RoPE from ``hf[key]`` (rope_type llama3) into ``model.rope_scaling`` and its fields,
+    checked as the config checks them (one line naming the key)."""
+    m.rope_scaling = "llama3"
+    for field, name in _LLAMA3_ROPE_KEYS:
+        if name not in scaling:
+            if name == "original_max_position_embeddings":  # transformers' fallback (standardize_rope_params)
+                m[field] = int(hf.get("max_position_embeddings", m.max_seq_len))
+                continue
+            raise ConfigError(f"{where}: {key} has rope_type llama3 but no '{name}'; add it from the checkpoint")
+        value = scaling[name]
+        integral = field != "rope_original_max_seq_len" or (isinstance(value, (int, float)) and value == int(value))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not integral:
+            raise ConfigError(
+                f"{where}: {key}.{name}={json.dumps(value)} is not a"
+                + (" number" if field != "rope_original_max_seq_len" else " whole number")
+                + "; replace it with the checkpoint's original"
+            )
+        m[field] = int(value) if field == "rope_original_max_seq_len" else float(value)
+    try:
+        validate_rope_scaling(m)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {key}: {e}") from None
 
 
 def _moe_fields(hf: dict, m: ConfigDict, model_type: str, where: str) -> None:
@@ -223,8 +279,7 @@ def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
         "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "rope_scaling": None,
+        **_hf_rope(m),
         "tie_word_embeddings": m.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -233,6 +288,17 @@ def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
         # HF LLaMA has attention dropout only (model.dropout has no config.json field there)
         "attention_dropout": m.attention_dropout,
     }
+
+
+def _hf_rope(m: ConfigDict) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) and ``rope_scaling`` (transformers 4) of ``config.json``."""
+    if m.get("rope_scaling", "none") == "none":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "rope_scaling": None}
+    scaling = {"rope_type": "llama3"} | {
+        key: int(m[field]) if field == "rope_original_max_seq_len" else float(m[field])
+        for field, key in _LLAMA3_ROPE_KEYS
+    }
+    return {"rope_parameters": scaling | {"rope_theta": m.rope_theta}, "rope_scaling": scaling}
 
 
 def _read_json(path: PathLike) -> dict:
