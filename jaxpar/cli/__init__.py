@@ -18,7 +18,7 @@ import sys
 
 from jaxpar import interrupt
 from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, sweep, train
-from jaxpar.cli.common import Parser
+from jaxpar.cli.common import Parser, refuse_repeated_overrides
 from jaxpar.environment import check_environment
 from jaxpar.errors import ConfigError, JaxparError
 
@@ -112,6 +112,8 @@ def _run(argv: list[str]) -> int:
         parser = build_parser()
         args = parser.parse_args(rest)
         _refuse_empty(parser, args)
+        if args.command != "port":  # port refuses every override (jaxpar.cli.port names --set instead)
+            refuse_repeated_overrides(args.command, overrides)
         args.overrides = overrides
         # the environment, before JAX starts: XLA_FLAGS and JAX_PLATFORMS only where JAX runs
         check_environment(jax_runs=args.command != "port")
