@@ -1,6 +1,6 @@
 """Ctrl-C, wherever it lands, ends the ``jaxpar`` program with one line (``interrupted``) and exit code 130.
 
-A leaf module (standard library only): ``python -m jaxpar`` installs it before importing the CLI, whose
+A leaf module (standard library and the leaf :mod:`jaxpar.children`, whose processes it stops first): ``python -m jaxpar`` installs it before importing the CLI, whose
 imports start JAX, and so does importing it in the ``jaxpar`` console script (``jaxpar.cli`` imports it first). Python turns a Ctrl-C into a KeyboardInterrupt, but not always one that reaches the
 CLI: one raised while a C extension loads becomes an ImportError, one raised in a garbage-collector
 callback or a finaliser is printed as "Exception ignored" and lost, one raised in an exit hook prints a
@@ -20,6 +20,8 @@ import sys
 import threading
 from typing import Any
 
+from jaxpar import children
+
 EXIT_INTERRUPTED = 130
 GRACE_S = 5.0  # after a Ctrl-C, how long the KeyboardInterrupt's cleanups may take before the process just ends
 _hit = False
@@ -32,19 +34,23 @@ def interrupted() -> bool:
 
 
 def _leave(*_args: Any) -> None:
+    children.kill_all()  # no orphans, even now
     try:
-        os.write(2, b"interrupted\n")
+        os.write(2, f"interrupted{children.summary()}\n".encode())
     finally:
         os._exit(EXIT_INTERRUPTED)
 
 
-def _on_sigint(_signum: int, _frame: Any) -> None:
+def _on_sigint(signum: int, _frame: Any) -> None:
     global _hit
     if _hit:  # the second Ctrl-C: the first did not end it
         _leave()
+    if children.deferred(signum):  # a child is being started: this signal comes again once it is tracked
+        return
     _hit = True
     if _deferred:  # while modules load: a KeyboardInterrupt inside a C extension's start can crash it
         return
+    children.stop_all()  # the processes this one started, first (jaxpar.children)
     timer = threading.Timer(GRACE_S, _leave)  # a KeyboardInterrupt some code swallowed still ends the process
     timer.daemon = True
     timer.start()

@@ -6,7 +6,8 @@ return data and raise :class:`~jaxpar.config.ConfigError` on bad input. Errors t
 (:mod:`jaxpar.cli.errors`): bad input prints one line and exits with code 2, anything else is an
 internal error (exit code 1, traceback written to a file), an OS error is a user error too (a closed
 stdout pipe: quiet, 141; a full disk: one line naming the path, 2), Ctrl-C anywhere exits with 130
-(:mod:`jaxpar.interrupt`). What a subcommand writes goes through :mod:`jaxpar.write_guard`. On CPU, the
+(:mod:`jaxpar.interrupt`), SIGTERM to ``sweep`` or ``drill`` with 143; both stop the processes the
+command started first and name them (:mod:`jaxpar.children`). What a subcommand writes goes through :mod:`jaxpar.write_guard`. On CPU, the
 number of simulated devices is set from the config's mesh (``--xla_force_host_platform_device_count``)
 before JAX starts, unless ``XLA_FLAGS`` already sets it: no subcommand module imports JAX at import.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxpar import interrupt
+from jaxpar import children, interrupt
 from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, sweep, train
 from jaxpar.cli.common import Parser, refuse_repeated_overrides
 from jaxpar.environment import check_environment
@@ -125,8 +126,11 @@ def _run(argv: list[str]) -> int:
 def _report(error: BaseException, argv: list[str]) -> int:
     """The one line and exit code of ``error``: Ctrl-C (also an error it turned into another, e.g. an
     ImportError of an extension it interrupted), bad input, an OS error, else a bug."""
+    if isinstance(error, children.Terminated):  # SIGTERM: the children are stopped already
+        print(f"terminated{children.summary()}", file=sys.stderr)
+        return children.EXIT_TERMINATED
     if isinstance(error, KeyboardInterrupt) or interrupt.interrupted():
-        print("interrupted", file=sys.stderr)
+        print(f"interrupted{children.summary()}", file=sys.stderr)
         return errors.EXIT_INTERRUPTED
     if isinstance(error, JaxparError):
         return errors.bad_input(error)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar import children
 from jaxpar.cli.common import overrides
 from jaxpar.cli.errors import note_workdir
 from jaxpar.config import ConfigError
@@ -38,7 +39,8 @@ def run_drill(args: argparse.Namespace) -> int:
             "drill: --config.train.workdir: the drill puts its two runs under --workdir; give --workdir instead"
         )
     note_workdir(args.workdir)
-    result = drill.run_drill(config, overrides(args), args.workdir, args.processes, args.trials, args.seed)
+    with children.supervised():  # SIGTERM: the training runs end with this process (exit 143)
+        result = drill.run_drill(config, overrides(args), args.workdir, args.processes, args.trials, args.seed)
     for i, f in enumerate(result["failures"], 1):
         print(
             f"failure {i}: killed at step {f['killed_at_step']}, resumed from step {f['resumed_from_step']}, "

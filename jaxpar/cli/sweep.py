@@ -14,7 +14,7 @@ import pathlib
 import shlex
 import sys
 
-from jaxpar import files, write_guard
+from jaxpar import children, files, write_guard
 from jaxpar.cli.common import modelled
 from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
@@ -96,17 +96,18 @@ def run_sweep(args: argparse.Namespace) -> int:
         for lay in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
             print(layout_name(lay))
         return 0
-    records, meta = sweep_lib.run_sweep_layouts(
-        cfg,
-        args.devices,
-        steps=args.steps,
-        warmup=args.warmup,
-        only=args.only,
-        tolerance=args.tolerance,
-        progress=not args.no_progress,
-        repeats=args.repeats,
-        pass_steps=args.pass_steps,
-    )
+    with children.supervised():  # SIGTERM: the worker process ends with this one (exit 143)
+        records, meta = sweep_lib.run_sweep_layouts(
+            cfg,
+            args.devices,
+            steps=args.steps,
+            warmup=args.warmup,
+            only=args.only,
+            tolerance=args.tolerance,
+            progress=not args.no_progress,
+            repeats=args.repeats,
+            pass_steps=args.pass_steps,
+        )
     meta["command"] = (
         "jaxpar " + shlex.join(sys.argv[1:])
         if sys.argv[0].endswith(("jaxpar", "__main__.py"))
