@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +31,16 @@ LIMIT_S = 60  # a subprocess case; a refusal takes ~10 s on 2 busy cores (JAX st
 FAST = ["--config.train.steps=1", "--config.train.eval_batches=0"]
 
 
+_SHORT: list[pathlib.Path] = []  # the short folders of sockets, removed after the module's tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_short_folders():
+    yield
+    for folder in _SHORT:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _special(kind: str, path: pathlib.Path, cap: int | None) -> pathlib.Path | None:
     """Make ``path`` a ``kind`` of file; None where the kind does not apply (no cap to exceed)."""
     if kind == "fifo":
@@ -41,6 +52,7 @@ def _special(kind: str, path: pathlib.Path, cap: int | None) -> pathlib.Path | N
     elif kind == "socket":
         # AF_UNIX paths are short (108 bytes): bound in a short folder, reached through a link
         short = pathlib.Path(tempfile.mkdtemp(prefix="jx", dir="/tmp")) / "s"
+        _SHORT.append(short.parent)
         sock = socket.socket(socket.AF_UNIX)
         sock.bind(str(short))
         sock.close()
