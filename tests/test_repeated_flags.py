@@ -116,6 +116,7 @@ CLI = [
         )
         for command in ("train", "inspect", "plan", "compare", "sweep", "export", "drill")
     ),
+    ("drill's own workdir", ["drill", "--config.train.workdir=x"], "the drill puts its two runs under --workdir"),
     ("port override", ["port", "deepspeed", "ds.json", "--config.a.b=1", "--config.a.b=2"], "use --set a.b=VALUE"),
 ]
 
