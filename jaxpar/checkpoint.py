@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpar import write_guard
+from jaxpar import files, write_guard
 from jaxpar.config import ConfigDict, ConfigError
 
 
@@ -69,6 +69,10 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.every, self.echo, self.model, self.optimizer = every, echo, model, optimizer
         _one_writer_per_shard()
+        if os.path.isdir(self.directory):  # orbax reads each step's metadata as the manager starts
+            for name in sorted(os.listdir(self.directory)):
+                if name.isdigit():
+                    self.check_files(int(name))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
@@ -127,6 +131,7 @@ class Checkpointer:
             return None
         damaged: list[int] = []
         for candidate in reversed(candidates):
+            self.check_files(candidate)
             try:
                 self._check_model(candidate)
                 restored = self.manager.restore(
@@ -157,6 +162,25 @@ class Checkpointer:
             f"no usable checkpoint in {self.directory} (tried {candidates}); "
             "remove the directory or set --config.train.resume=restart to start over"
         )
+
+    def check_files(self, step: int) -> None:
+        """ConfigError unless every file of checkpoint ``step`` is a regular one (a FIFO would block orbax's
+        read for good) and its metadata (``meta/``, ``_CHECKPOINT_METADATA``) within the cap of its kind;
+        nothing is deleted: a checkpoint holding such a file is not jaxpar's damage."""
+
+        def kind(relative: str) -> str:
+            metadata = relative.startswith("meta" + os.sep) or relative == "_CHECKPOINT_METADATA"
+            return "checkpoint metadata" if metadata else "checkpoint arrays"
+
+        folder = os.path.join(self.directory, str(step))
+        what, fix = (
+            f"checkpoint {step} in {self.directory}",
+            "move it out of the checkpoint or point train.workdir elsewhere",
+        )
+        files.check_tree(folder, what, fix, kind)
+        for name in ("_CHECKPOINT_METADATA", os.path.join("meta", "metadata")):  # files, not folders
+            if os.path.lexists(os.path.join(folder, name)):
+                files.check(os.path.join(folder, name), "checkpoint metadata", what, fix)
 
     def _check_model(self, step: int) -> None:
         """ConfigError naming the first model field whose saved value (the checkpoint's config) differs
@@ -205,6 +229,7 @@ class Checkpointer:
         reader = ocp.CheckpointManager(self.directory, item_names=("state", "meta"))
         try:
             for candidate in tried:
+                self.check_files(candidate)
                 try:
                     self._check_model(candidate)
                     restored = reader.restore(

@@ -23,7 +23,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxpar import acts
+from jaxpar import acts, files
 from jaxpar.acts import flatten
 from jaxpar.axes import MESH_AXES
 from jaxpar.errors import ConfigError, require
@@ -173,14 +173,17 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
 def _load_file(spec: str) -> ConfigDict:
     path_str, _, arg = spec.partition(":")
     path = pathlib.Path(path_str)
-    if not _is_file(path):
-        raise ConfigError(f"--config: file '{path_str[:200]}' not found; pass a path such as configs/tiny.py")
+    fix = "pass a path such as configs/tiny.py"
+    if not _exists(path):
+        raise ConfigError(f"--config: file '{path_str[:200]}' not found; {fix}")
+    files.check(path, "config file", "--config", fix)  # a FIFO, device or folder: one line, no hang
     module_spec = importlib.util.spec_from_file_location(f"jaxpar_config_{path.stem}", path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"--config: '{path_str}' is not a Python file; pass a .py file defining get_config()")
+    source = files.read_bytes(path, "config file", "--config", fix)
     module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        exec(compile(source, str(path), "exec"), module.__dict__)  # the bytes read above, not a second open
     except BaseException as e:  # a broken config file is bad input, not a crash (SystemExit included)
         if isinstance(e, KeyboardInterrupt):
             raise
@@ -211,10 +214,10 @@ def _load_file(spec: str) -> ConfigDict:
     return merge_into_defaults(cfg, source=path_str)
 
 
-def _is_file(path: pathlib.Path) -> bool:
-    """``path.is_file()``, False for a name the OS refuses (too long, a NUL byte) instead of raising."""
+def _exists(path: pathlib.Path) -> bool:
+    """``path.exists()``, False for a name the OS refuses (too long, a NUL byte) instead of raising."""
     try:
-        return path.is_file()
+        return path.exists()
     except (OSError, ValueError):
         return False
 

@@ -31,6 +31,7 @@ from ml_collections import ConfigDict
 from jaxpar import write_guard
 from jaxpar.config import ConfigError
 from jaxpar.data_megatron import GPTSamples, MegatronIndexedDataset, epoch_seed, split_sequences
+from jaxpar.files import check as check_file
 
 SPLITS = ("train", "validation")
 TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
@@ -145,8 +146,10 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
 
 def load_bin(path: str, token_dtype: str, val_fraction: float, vocab_size: int) -> dict[str, np.ndarray]:
     """A flat token file as memmap views: train = the first ``1 - val_fraction``, validation = the rest."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"data.path: '{path}' not found; set --config.data.path to a flat token .bin file")
+    fix = "set --config.data.path to a flat token .bin file"
+    if not os.path.lexists(path):
+        raise ConfigError(f"data.path: '{path}' not found; {fix}")
+    check_file(path, "token data", "data.path", fix)  # a FIFO or device: one line, not a hang in np.memmap
     dtype = TOKEN_DTYPES[token_dtype]
     size = os.path.getsize(path)
     if size == 0:

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.files import check as check_file
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -62,12 +63,11 @@ class MegatronIndexedDataset:
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.prefix = os.fspath(prefix)
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
+        fix = "set --config.data.path to the Megatron PREFIX (the path without .bin/.idx) of an existing dataset"
         for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise ConfigError(
-                    f"data.path: '{path}' not found; set --config.data.path to the Megatron PREFIX "
-                    "(the path without .bin/.idx) of an existing dataset"
-                )
+            if not os.path.lexists(path):
+                raise ConfigError(f"data.path: '{path}' not found; {fix}")
+            check_file(path, "token data", "data.path", fix)  # a FIFO or device: one line, not a hang
         idx = np.memmap(idx_path, dtype=np.uint8, mode="r") if os.path.getsize(idx_path) else np.zeros(0, np.uint8)
         if len(idx) < HEADER_BYTES:
             raise _bad(idx_path, f"index is {len(idx)} bytes, shorter than the {HEADER_BYTES}-byte header")

@@ -9,6 +9,7 @@ final state match the reference bit for bit; flags and output are :mod:`jaxpar.c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -18,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
-from jaxpar import write_guard
+from jaxpar import children, write_guard
 from jaxpar.config import ConfigDict, ConfigError, load_config
 from jaxpar.distributed import without_device_count
 from jaxpar.metrics import read_metrics
@@ -98,6 +100,15 @@ def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes:
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@contextlib.contextmanager
+def _run(config: str, overrides: list[str], workdir: pathlib.Path, processes: int) -> Iterator[subprocess.Popen]:
+    """:func:`_launch` a training run, tracked while the block runs: a SIGTERM or Ctrl-C of the drill, or
+    any error, ends the run's whole session (launcher and processes) before the drill goes (jaxpar.children)."""
+    what = f"the drill's {workdir.name} training run"
+    with children.started(lambda: _launch(config, overrides, workdir, processes), what, lambda p: p.pid) as proc:
+        yield proc
+
+
 def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
     try:
         return proc.wait(timeout=timeout_s)
@@ -131,26 +142,27 @@ def run_drill(
         (d / MARKER).write_text("made by jaxpar drill; the next drill in this folder replaces it\n")
         write_guard.mark(d, write_guard.WORKDIR)  # a run's workdir: the runs the drill starts claim it
     start = time.time()
-    code = _finish(_launch(config, overrides, reference, processes), timeout_s)
+    with _run(config, overrides, reference, processes) as proc:
+        code = _finish(proc, timeout_s)
     if code != 0:
         _raise_run_failure("the reference run", reference, code)
     rng = random.Random(seed)
     failures: list[Failure] = []
     while True:
-        proc = _launch(config, overrides, interrupted, processes)
-        if len(failures) == trials:
-            code = _finish(proc, timeout_s)
-            if code != 0:
-                _raise_run_failure("the resumed run", interrupted, code)
-            break
-        done = _logged_step(interrupted)
-        target = rng.randint(done + 1, max(done + 1, steps - 1))
-        deadline = time.time() + timeout_s
-        while proc.poll() is None and _logged_step(interrupted) < target and time.time() < deadline:
-            time.sleep(0.05)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies at once, like a node failure
-        proc.wait()
+        with _run(config, overrides, interrupted, processes) as proc:
+            if len(failures) == trials:
+                code = _finish(proc, timeout_s)
+                if code != 0:
+                    _raise_run_failure("the resumed run", interrupted, code)
+                break
+            done = _logged_step(interrupted)
+            target = rng.randint(done + 1, max(done + 1, steps - 1))
+            deadline = time.time() + timeout_s
+            while proc.poll() is None and _logged_step(interrupted) < target and time.time() < deadline:
+                time.sleep(0.05)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies at once, like a node failure
+            proc.wait()
         killed_at = _logged_step(interrupted)
         ckpts = [s for s in _checkpoint_steps(interrupted) if s <= killed_at]
         failures.append(Failure(killed_at, max(ckpts, default=0)))

@@ -38,6 +38,9 @@ JAXPAR_VARIABLES: dict[str, Variable] = {
     "JAXPAR_HEARTBEAT_TIMEOUT": Variable("seconds", "how long peers wait on a silent process (default 100)"),
     "JAXPAR_CACHE_DIR": Variable("path", "jaxpar's cache of prepared data (default ~/.cache/jaxpar)"),
     "JAXPAR_PORT": Variable("text", "scripts/launch_local.sh: the coordinator port (default: a free one)"),
+    "JAXPAR_STOP_TIMEOUT": Variable(
+        "seconds", "scripts/launch_local.sh: after SIGTERM/SIGINT, seconds before SIGKILL to its processes (default 30)"
+    ),
     # the test suite's own (a user running the tests has them set; jaxpar's commands ignore them)
     "JAXPAR_SLOW": Variable("text", "the test suite: 1 runs the slow grids"),
     "JAXPAR_FUZZ_SEED": Variable("text", "the test suite: the fuzz tables' seed"),

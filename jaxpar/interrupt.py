@@ -1,13 +1,14 @@
 """Ctrl-C, wherever it lands, ends the ``jaxpar`` program with one line (``interrupted``) and exit code 130.
 
-A leaf module (standard library only), installed before the CLI's imports start JAX. Python's
-KeyboardInterrupt does not always reach the CLI: raised while a C extension loads it becomes an
-ImportError, in a garbage-collector callback or finaliser it is printed and lost, in an exit hook
-it prints a traceback. So :func:`install` records that a Ctrl-C came (:func:`interrupted`: the CLI
-reports any later error as the interrupt), raises the KeyboardInterrupt for the cleanups, and ends
-the process itself :data:`GRACE_S` later, at a second Ctrl-C, or when Python reports the interrupt
-swallowed; after ``main`` returned, :func:`leave_at_once` ends it at once. (``jaxpar train``
-installs its own handler while training: Ctrl-C stops at the next step with a checkpoint.)
+A leaf module (standard library and the leaf :mod:`jaxpar.children`, whose processes it stops first),
+installed before the CLI's imports start JAX. Python's KeyboardInterrupt does not always reach the
+CLI: raised while a C extension loads it becomes an ImportError, in a garbage-collector callback or
+finaliser it is printed and lost, in an exit hook it prints a traceback. So :func:`install` records
+that a Ctrl-C came (:func:`interrupted`: the CLI reports any later error as the interrupt), raises
+the KeyboardInterrupt for the cleanups, and ends the process itself :data:`GRACE_S` later, at a
+second Ctrl-C, or when Python reports the interrupt swallowed; after ``main`` returned,
+:func:`leave_at_once` ends it at once. (``jaxpar train`` installs its own handler while training:
+Ctrl-C stops at the next step with a checkpoint.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import signal
 import sys
 import threading
 from typing import Any
+
+from jaxpar import children
 
 EXIT_INTERRUPTED = 130
 GRACE_S = 5.0  # after a Ctrl-C, how long the KeyboardInterrupt's cleanups may take before the process just ends
@@ -30,19 +33,23 @@ def interrupted() -> bool:
 
 
 def _leave(*_args: Any) -> None:
+    children.kill_all()  # no orphans, even now
     try:
-        os.write(2, b"interrupted\n")
+        os.write(2, f"interrupted{children.summary()}\n".encode())
     finally:
         os._exit(EXIT_INTERRUPTED)
 
 
-def _on_sigint(_signum: int, _frame: Any) -> None:
+def _on_sigint(signum: int, _frame: Any) -> None:
     global _hit
     if _hit:  # the second Ctrl-C: the first did not end it
         _leave()
+    if children.deferred(signum):  # a child is being started: this signal comes again once it is tracked
+        return
     _hit = True
     if _deferred:  # while modules load: a KeyboardInterrupt inside a C extension's start can crash it
         return
+    children.stop_all()  # the processes this one started, first (jaxpar.children)
     timer = threading.Timer(GRACE_S, _leave)  # a KeyboardInterrupt some code swallowed still ends the process
     timer.daemon = True
     timer.start()

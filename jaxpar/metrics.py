@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import files
 from jaxpar.config import ConfigDict
 from jaxpar.models.flops import flops_per_token
 
@@ -227,6 +228,7 @@ def _end_partial_line(path: str) -> None:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl, skipping a line cut short by a crash."""
     rows = []
+    files.check(path, "metrics log", "metrics", "point train.workdir at a run's folder")  # never a FIFO's hang
     with open(path) as f:
         for line in f:
             try:

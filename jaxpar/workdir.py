@@ -22,7 +22,7 @@ import pathlib
 import shutil
 import socket
 
-from jaxpar import write_guard
+from jaxpar import files, write_guard
 from jaxpar.errors import ConfigError
 
 KIND = write_guard.WORKDIR
@@ -39,10 +39,10 @@ def _older_run(folder: pathlib.Path, names: list[str]) -> bool:
     if not all(n in RUN_FILES or n.startswith(RUN_PREFIXES) for n in names):
         return False
     config = folder / "config.json"
-    if config.exists():
+    if os.path.lexists(config):
         try:
-            saved = json.loads(config.read_text()[: 1 << 20])
-        except (OSError, ValueError, UnicodeDecodeError):
+            saved = json.loads(files.read_text(config, "run record", "train.workdir", ""))
+        except (ConfigError, ValueError, RecursionError):
             return False
         return isinstance(saved, dict) and {"model", "train", "mesh"} <= set(saved)
     return True
@@ -106,9 +106,9 @@ def lock(workdir: str) -> None:
 def holder(workdir: str) -> int | None:
     """The pid written in ``workdir``'s lock, or None (no lock, or an unreadable one)."""
     try:
-        text = pathlib.Path(workdir, LOCK).read_text().split()
+        text = files.read_text(pathlib.Path(workdir, LOCK), "run record", "train.workdir", "").split()
         return int(text[0]) if text else None
-    except (OSError, ValueError):
+    except (ConfigError, ValueError):
         return None
 
 

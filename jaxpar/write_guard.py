@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 
+from jaxpar import files
 from jaxpar.errors import ConfigError
 
 MARKER = ".jaxpar"  # in every folder jaxpar creates
@@ -38,11 +39,11 @@ def real(path: PathLike) -> pathlib.Path:
 def read_marker(folder: PathLike) -> dict | None:
     """The marker of ``folder`` (``{"kind": ..., "entries": [...]}``), or None when it has none."""
     path = pathlib.Path(folder) / MARKER
-    if not path.is_file() or path.is_symlink():
+    if path.is_symlink():
         return None
     try:
-        marker = json.loads(path.read_text()[: 1 << 16])
-    except (OSError, ValueError, UnicodeDecodeError):
+        marker = json.loads(files.read_text(path, "run record", "marker", ""))
+    except (ConfigError, ValueError, RecursionError):
         return None
     return marker if isinstance(marker, dict) and isinstance(marker.get("kind"), str) else None
 
@@ -210,8 +211,7 @@ def check_file_output(
         raise ConfigError(f"{flag} {output}: the file exists; pass --overwrite to replace it or choose another path")
     if target.is_symlink() or not target.is_file():
         raise ConfigError(f"{flag} {output}: is not a regular file; pick another path")
-    with open(target, errors="replace") as f:
-        head = f.read(4096)
+    head = files.read_head(target, "run record", flag, "pick another path", 4096).decode(errors="replace")
     if not owned(head):
         raise ConfigError(
             f"{flag} {output}: jaxpar did not write this file; --overwrite replaces only a file "

@@ -22,18 +22,37 @@ for ((i = 0; i < n; i++)); do
   JAXPAR_PROCESS_ID=$i "$@" &
   pids+=($!)
 done
-# Preemption reaches every process (each checkpoints cooperatively and exits 0).
-trap 'kill -TERM "${pids[@]}" 2>/dev/null || true' TERM INT
+# SIGTERM or SIGINT of this script reaches every process as SIGTERM (each checkpoints cooperatively
+# and exits); what is left after JAXPAR_STOP_TIMEOUT seconds (default 30) gets SIGKILL, then the
+# script says what it stopped in one line and exits 143 (SIGTERM) or 130 (SIGINT).
+stopping=""
+trap 'stopping=TERM; kill -TERM "${pids[@]}" 2>/dev/null || true' TERM
+trap 'stopping=INT; kill -TERM "${pids[@]}" 2>/dev/null || true' INT
 # A process that dies is not papered over: the others notice through jax.distributed's heartbeat
 # and exit with an error on their own (JAXPAR_HEARTBEAT_TIMEOUT seconds); the first non-zero
 # status is ours.
 status=0
 for p in "${pids[@]}"; do
-  while true; do
+  while [ -z "$stopping" ]; do
     if wait "$p"; then rc=0; else rc=$?; fi
     # wait returns >128 when interrupted by a trapped signal while the child still runs
     kill -0 "$p" 2>/dev/null || break
   done
+  [ -n "$stopping" ] && break
   if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
 done
+if [ -n "$stopping" ]; then
+  deadline=$((SECONDS + ${JAXPAR_STOP_TIMEOUT:-30}))
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    running=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && running=1; done
+    [ "$running" -eq 0 ] && break
+    sleep 0.2
+  done
+  kill -KILL "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  echo "launch_local.sh: SIG$stopping: stopped $n processes (pids ${pids[*]})" >&2
+  [ "$stopping" = TERM ] && exit 143
+  exit 130
+fi
 exit $status

@@ -29,6 +29,15 @@ from tests.test_fuzz_recipes import SEEDS
 EIGHT = ["--config.mesh.data=8", "--config.train.global_batch=8", "--config.data.source=synthetic"]
 
 
+def _with(argv: list[str], *overrides: str) -> list[str]:
+    """``argv`` with ``overrides`` instead of its own values of those keys (the CLI refuses a key given twice)."""
+    keys = {o.split("=")[0] for o in overrides}
+    return [a for a in argv if a.split("=")[0] not in keys] + list(overrides)
+
+
+SMALL_EIGHT = _with(SMALL, *EIGHT)
+
+
 def _config_file(tmp_path, body: str) -> str:
     path = tmp_path / "cfg.py"
     path.write_text("from jaxpar.config import default_config\n\n" + body)
@@ -256,7 +265,7 @@ def test_export_and_resume_of_damaged_or_foreign_checkpoints_in_one_line(trained
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     _damage(run / "checkpoints" / "2")
-    common = ["--config", TINY, *SMALL, *EIGHT, f"--config.train.workdir={run}"]
+    common = ["--config", TINY, *SMALL_EIGHT, f"--config.train.workdir={run}"]
     done = _subprocess(["export", *common, "-o", str(tmp_path / "hf")], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "checkpoint step 1" in done.stdout
@@ -266,7 +275,7 @@ def test_export_and_resume_of_damaged_or_foreign_checkpoints_in_one_line(trained
     assert named.returncode == 2 and named.stderr.count("\n") == 1, named.stderr
     assert named.stderr.startswith("error: --step 2: checkpoint 2") and "damaged" in named.stderr
     other = _subprocess(
-        ["train", "--no-progress", *common, "--config.model.embed_dim=64", "--config.train.steps=2"], tmp_path
+        ["train", "--no-progress", *_with(common, "--config.model.embed_dim=64", "--config.train.steps=2")], tmp_path
     )
     assert other.returncode == 2, other.stderr[-2000:]
     assert "Event loop is closed" not in other.stderr and "Traceback" not in other.stderr
@@ -320,8 +329,7 @@ def test_drill_reports_a_refused_run_in_one_line(tmp_path):
         str(tmp_path / "drill"),
         "--trials",
         "1",
-        *SMALL,
-        *EIGHT,
+        *SMALL_EIGHT,
         "--config.checkpoint.every=1",
         "--config.train.steps=3",
         f"--config.train.init_from={tmp_path / 'hf'}",

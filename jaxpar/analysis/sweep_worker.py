@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jaxpar import children
 from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.estimate import ParallelLayout
 from jaxpar.analysis.sweep_grid import layout_name
@@ -63,27 +64,45 @@ class Workers:
     def __enter__(self) -> Workers:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._stop()
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        self._stop(at_once=kind is not None)  # an error or a signal: no layout's end to wait for
 
     def _start(self) -> None:
+        import os
+        import signal
         import tempfile
 
         self.errors = tempfile.NamedTemporaryFile("w+", prefix="jaxpar-sweep-", suffix=".err", delete=False)
         self.tasks, self.results = self.ctx.Queue(), self.ctx.Queue()
-        self.proc = self.ctx.Process(
-            target=_worker, args=(*self.args, self.tasks, self.results, self.errors.name), daemon=True
+        proc = self.ctx.Process(
+            target=_worker,
+            args=(*self.args, self.tasks, self.results, self.errors.name, os.getpid()),
+            daemon=True,
         )
-        self.proc.start()
+        # SIGINT blocked while it starts: the child keeps the mask (a Ctrl-C before it is in a group of its
+        # own is the parent's to handle, which stops it); the parent gets a Ctrl-C of that moment after
+        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._tracked = children.started(proc.start, "the sweep's worker process", lambda _: proc.pid)
+            self._tracked.__enter__()
+            self.proc = proc
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
 
-    def _stop(self) -> None:
+    def _stop(self, at_once: bool = False) -> None:
         if self.proc is not None:
-            if self.proc.is_alive():
+            if self.proc.is_alive() and not at_once:
                 self.tasks.put(None)
                 self.proc.join(timeout=30)
             if self.proc.is_alive():
-                self.proc.kill()
+                children.stop([self.proc.pid])
+                self.proc.join(timeout=children.KILL_WAIT_S)
+            self._tracked.__exit__(None, None, None)
             self.proc = None
+            for queue in (self.tasks, self.results):  # their semaphores go now: no "leaked" warning at exit
+                queue.close()
+                queue.join_thread()
+            self.tasks = self.results = None
             import os
 
             os.unlink(self.errors.name)
@@ -148,10 +167,14 @@ def _worker(
     tasks: Any,
     results: Any,
     errors: str,
+    parent: int,
 ) -> None:
-    """The child: stderr into ``errors``, then layouts from ``tasks`` until None."""
+    """The child: a process group of its own (the parent stops it with its group, :mod:`jaxpar.children`),
+    dead with the parent; stderr into ``errors``, then layouts from ``tasks`` until None."""
     import os
 
+    os.setpgid(0, 0)
+    children.die_with_parent(parent)
     fd = os.open(errors, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
     from jaxpar.host_memory import steady_malloc

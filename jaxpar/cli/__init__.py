@@ -2,9 +2,10 @@
 
 One module per subcommand holds its flags and its output (tables, text, JSON); the modules it calls
 return data and raise :class:`~jaxpar.config.ConfigError` on bad input. Errors take one path
-(:mod:`jaxpar.cli.errors`); what a subcommand writes goes through :mod:`jaxpar.write_guard`. On CPU
-the number of simulated devices is set from the config's mesh before JAX starts, unless
-``XLA_FLAGS`` already sets it: no subcommand module imports JAX at import.
+(:mod:`jaxpar.cli.errors`); Ctrl-C exits 130 and SIGTERM to ``sweep`` or ``drill`` 143, both after
+stopping the processes the command started (:mod:`jaxpar.children`); what a subcommand writes goes
+through :mod:`jaxpar.write_guard`. On CPU the number of simulated devices is set from the config's
+mesh before JAX starts, unless ``XLA_FLAGS`` already sets it: no subcommand module imports JAX at import.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxpar import interrupt
+from jaxpar import children, interrupt
 from jaxpar.cli import compare, drill, errors, export, inspect, plan, port, sweep, train
-from jaxpar.cli.common import Parser
+from jaxpar.cli.common import Parser, refuse_repeated_overrides
 from jaxpar.environment import check_environment
 from jaxpar.errors import ConfigError, JaxparError
 
@@ -108,6 +109,8 @@ def _run(argv: list[str]) -> int:
         parser = build_parser()
         args = parser.parse_args(rest)
         _refuse_empty(parser, args)
+        if args.command != "port":  # port refuses every override (jaxpar.cli.port names --set instead)
+            refuse_repeated_overrides(args.command, overrides)
         args.overrides = overrides
         # the environment, before JAX starts: XLA_FLAGS and JAX_PLATFORMS only where JAX runs
         check_environment(jax_runs=args.command != "port")
@@ -119,8 +122,11 @@ def _run(argv: list[str]) -> int:
 def _report(error: BaseException, argv: list[str]) -> int:
     """The one line and exit code of ``error``: Ctrl-C (also an error it turned into another, e.g. an
     ImportError of an extension it interrupted), bad input, an OS error, else a bug."""
+    if isinstance(error, children.Terminated):  # SIGTERM: the children are stopped already
+        print(f"terminated{children.summary()}", file=sys.stderr)
+        return children.EXIT_TERMINATED
     if isinstance(error, KeyboardInterrupt) or interrupt.interrupted():
-        print("interrupted", file=sys.stderr)
+        print(f"interrupted{children.summary()}", file=sys.stderr)
         return errors.EXIT_INTERRUPTED
     if isinstance(error, JaxparError):
         return errors.bad_input(error)

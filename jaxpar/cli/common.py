@@ -4,6 +4,7 @@ are user errors like bad config fields: a one-line :class:`~jaxpar.config.Config
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from jaxpar.config import ConfigError
@@ -12,11 +13,70 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "tiny.py")
 
 
+# flags that take several values by design (``action="append"``...): given again, they add one
+LIST_ACTIONS = (
+    argparse._AppendAction,
+    argparse._AppendConstAction,
+    argparse._CountAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse that reports bad flags in one line (a ConfigError: exit code 2) instead of exiting."""
+    """argparse that reports bad flags in one line (a ConfigError: exit code 2) instead of exiting, and
+    refuses a flag given twice (argparse would keep the last value) unless it is a list flag."""
 
     def error(self, message: str) -> None:  # noqa: D102
         raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+    def add_argument(self, *args, **kwargs):  # noqa: D102
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and not isinstance(action, LIST_ACTIONS):
+            action.__class__ = _given_once(type(action))
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102
+        self.given: dict[str, tuple[str, str]] = {}  # dest -> (option, flag and value) as first given
+        return super().parse_known_args(args, namespace)
+
+
+def _shown(option_string: str | None, values) -> str:
+    """A flag as the user gave it: ``--steps 3``, ``--json``."""
+    if isinstance(values, list):
+        values = " ".join(str(v) for v in values)
+    return f"{option_string} {values}".strip() if values not in (None, "") else str(option_string)
+
+
+@functools.cache
+def _given_once(cls: type) -> type:
+    """``cls`` that raises a ConfigError the second time its flag (or another flag of its dest) is given."""
+
+    class Once(cls):
+        def __call__(self, parser, namespace, values, option_string=None):
+            given = getattr(parser, "given", None)
+            if given is None:  # a parser of another class
+                return super().__call__(parser, namespace, values, option_string)
+            now = (option_string, _shown(option_string, [] if self.nargs == 0 else values))
+            if self.dest in given:
+                first = given[self.dest]
+                flag = option_string if first[0] == option_string else " / ".join(self.option_strings)
+                raise ConfigError(f"{parser.prog}: {flag} given twice ({first[1]}, then {now[1]}); give {flag} once")
+            given[self.dest] = now
+            return super().__call__(parser, namespace, values, option_string)
+
+    Once.__name__ = Once.__qualname__ = f"Once{cls.__name__}"
+    return Once
+
+
+def refuse_repeated_overrides(command: str, items: list[str]) -> None:
+    """A ``--config.x.y=v`` key given twice is a one-line ConfigError (the last would win silently)."""
+    seen: dict[str, str] = {}
+    for item in items:
+        key = item.partition("=")[0]
+        if key in seen:
+            raise ConfigError(f"jaxpar {command}: {key} given twice ({seen[key]}, then {item}); give {key} once")
+        seen[key] = item
 
 
 def config_or_default(args: argparse.Namespace) -> str:

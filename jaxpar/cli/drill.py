@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar import children
 from jaxpar.cli.common import overrides
 from jaxpar.cli.errors import note_workdir
 from jaxpar.config import ConfigError
@@ -33,8 +34,13 @@ def run_drill(args: argparse.Namespace) -> int:
         raise ConfigError(f"--processes {args.processes}: use 1, 2, 4 or 8")
     if args.trials < 1:
         raise ConfigError(f"--trials {args.trials}: use at least 1")
+    if any(o.partition("=")[0] == "--config.train.workdir" for o in overrides(args)):
+        raise ConfigError(
+            "drill: --config.train.workdir: the drill puts its two runs under --workdir; give --workdir instead"
+        )
     note_workdir(args.workdir)
-    result = drill.run_drill(config, overrides(args), args.workdir, args.processes, args.trials, args.seed)
+    with children.supervised():  # SIGTERM: the training runs end with this process (exit 143)
+        result = drill.run_drill(config, overrides(args), args.workdir, args.processes, args.trials, args.seed)
     for i, f in enumerate(result["failures"], 1):
         print(
             f"failure {i}: killed at step {f['killed_at_step']}, resumed from step {f['resumed_from_step']}, "

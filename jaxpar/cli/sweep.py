@@ -14,7 +14,7 @@ import pathlib
 import shlex
 import sys
 
-from jaxpar import write_guard
+from jaxpar import children, files, write_guard
 from jaxpar.cli.common import modelled
 from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
@@ -83,10 +83,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         write_guard.check_folder_output(args.output, "sweep -o", write_guard.SWEEP, overwrite=True, older=older_sweep)
     previous = None
     if args.baseline:
+        text = files.read_text(args.baseline, "sweep results", "--baseline", "pass an earlier sweep's results.json")
         try:
-            with open(args.baseline) as f:
-                previous = json.load(f)
-        except (OSError, ValueError) as e:
+            previous = json.loads(text)
+        except (ValueError, RecursionError) as e:
             raise ConfigError(f"--baseline {args.baseline}: cannot read it ({e})") from None
     if args.list:
         from jaxpar.analysis.sweep import cpu_cluster, layout_name, select, sweep_layouts
@@ -96,17 +96,18 @@ def run_sweep(args: argparse.Namespace) -> int:
         for lay in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
             print(layout_name(lay))
         return 0
-    records, meta = sweep_lib.run_sweep_layouts(
-        cfg,
-        args.devices,
-        steps=args.steps,
-        warmup=args.warmup,
-        only=args.only,
-        tolerance=args.tolerance,
-        progress=not args.no_progress,
-        repeats=args.repeats,
-        pass_steps=args.pass_steps,
-    )
+    with children.supervised():  # SIGTERM: the worker process ends with this one (exit 143)
+        records, meta = sweep_lib.run_sweep_layouts(
+            cfg,
+            args.devices,
+            steps=args.steps,
+            warmup=args.warmup,
+            only=args.only,
+            tolerance=args.tolerance,
+            progress=not args.no_progress,
+            repeats=args.repeats,
+            pass_steps=args.pass_steps,
+        )
     meta["command"] = (
         "jaxpar " + shlex.join(sys.argv[1:])
         if sys.argv[0].endswith(("jaxpar", "__main__.py"))
@@ -154,9 +155,8 @@ def older_sweep(folder: pathlib.Path, names: list[str]) -> bool:
     if "results.json" not in names or not set(names) <= set(SWEEP_FILES):
         return False
     try:
-        with open(folder / "results.json") as f:
-            results = json.loads(f.read(1 << 24))
-    except (OSError, ValueError, UnicodeDecodeError):
+        results = json.loads(files.read_text(folder / "results.json", "sweep results", "sweep -o", ""))
+    except (ConfigError, ValueError, RecursionError):
         return False
     return isinstance(results, dict) and {"meta", "layouts"} <= set(results)
 

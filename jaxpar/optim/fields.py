@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import pathlib
 from typing import Any
 
+from jaxpar import files
 from jaxpar.errors import ConfigError
 
 # fields every optimizer reads: the learning-rate schedule (jaxpar.optim.lr) and clipping
@@ -84,11 +84,9 @@ def _check_factory(spec: str) -> None:
                 "package.module:function"
             )
         return
-    path = pathlib.Path(where)
-    if not path.is_file():
-        raise ConfigError(f"optim.name='{spec}': file '{where}' not found; give path/to/file.py:function")
+    source = files.read_bytes(where, "optimizer file", f"optim.name='{spec}'", "give path/to/file.py:function")
     try:
-        tree = ast.parse(path.read_bytes())
+        tree = ast.parse(source)
     except (SyntaxError, ValueError) as e:
         raise ConfigError(f"optim.name='{spec}': '{where}' is not valid Python ({e}); fix the file") from None
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}

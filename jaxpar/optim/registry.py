@@ -41,6 +41,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.optim.fields import OPTIMIZER_FIELDS, is_custom
 
@@ -249,12 +250,11 @@ def _load_factory(spec: str) -> Callable:
     where, _, fn = spec.rpartition(":")
     if where.endswith(".py"):
         path = pathlib.Path(where)
-        if not path.is_file():
-            raise ConfigError(f"optim.name='{spec}': file '{where}' not found; give path/to/file.py:function")
+        source = files.read_bytes(path, "optimizer file", f"optim.name='{spec}'", "give path/to/file.py:function")
         module_spec = importlib.util.spec_from_file_location(f"jaxpar_optimizer_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:
-            module_spec.loader.exec_module(module)
+            exec(compile(source, str(path), "exec"), module.__dict__)  # the bytes read above, not a second open
         except Exception as e:
             raise ConfigError(f"optim.name='{spec}': '{where}' failed to load ({type(e).__name__}: {e})") from e
     else:

@@ -17,6 +17,7 @@ import pathlib
 import re
 from typing import Any
 
+from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError, default_config
 from jaxpar.port.report import (
     FP16_AS_BF16,
@@ -314,9 +315,7 @@ def _load(path_or_dict: str | pathlib.Path | dict) -> tuple[dict, str]:
     if isinstance(path_or_dict, dict):
         return path_or_dict, ""
     path = pathlib.Path(path_or_dict)
-    if not path.is_file():
-        raise ConfigError(f"deepspeed: file '{path}' not found; pass the path of a ds_config.json")
-    text = path.read_text()
+    text = files.read_text(path, "recipe", "deepspeed", "pass the path of a ds_config.json")
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
         keys = [k for k, _ in pairs]

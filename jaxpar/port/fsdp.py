@@ -16,6 +16,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.port.deepspeed import no_model
 from jaxpar.port.report import FP16_AS_BF16, Report, build_config
@@ -71,10 +72,9 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     except ImportError:  # pragma: no cover - PyYAML ships with the test environment
         raise ConfigError("fsdp: reading accelerate YAML needs PyYAML; pip install pyyaml") from None
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"fsdp: file '{path}' not found; pass an accelerate config .yaml")
+    text = files.read_text(path, "recipe", "fsdp", "pass an accelerate config .yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = files.load_yaml(text, f"fsdp: {path.name}") or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"fsdp: {path.name} is not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
     if not isinstance(raw, dict):

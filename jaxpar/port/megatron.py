@@ -17,6 +17,7 @@ import pathlib
 import re
 from typing import Any
 
+from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.port import Shell, launch_flags, show, unresolved_names
 from jaxpar.port.report import (
@@ -372,9 +373,7 @@ def _read(path_or_text: str | pathlib.Path) -> tuple[str, str]:
     text = str(path_or_text)
     if isinstance(path_or_text, pathlib.Path) or ("\n" not in text and not text.lstrip().startswith("--")):
         path = pathlib.Path(path_or_text)
-        if not path.is_file():
-            raise ConfigError(f"megatron: file '{path}' not found; pass a .args recipe or a launch script")
-        return path.read_text(), str(path)
+        return files.read_text(path, "recipe", "megatron", "pass a .args recipe or a launch script"), str(path)
     return str(path_or_text), ""
 
 

@@ -148,7 +148,7 @@ def _apply_model_config(cfg: ConfigDict, report: Report, path: str) -> None:
 
     if not pathlib.Path(path).exists():
         raise ConfigError(f"port --model-config {path}: not found; pass an HF config.json (or the folder holding it)")
-    m = model_config_from_hf(path)
+    m = model_config_from_hf(path, "port --model-config")
     for name in MODEL_CONFIG_FIELDS:
         cfg.model[name] = m[name]
         report.ported.append(f"model.{name}")
@@ -200,8 +200,6 @@ def _port(
     elif source == "megatron":
         from jaxpar.port.megatron import port_megatron
 
-        if not pathlib.Path(file).is_file():
-            raise ConfigError(f"port megatron: file '{file}' not found; pass a .args recipe or launch script")
         cfg, report = port_megatron(
             pathlib.Path(file),
             variables=variables or {},

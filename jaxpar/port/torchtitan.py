@@ -14,6 +14,7 @@ import pathlib
 import tomllib
 from typing import Any
 
+from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.port.report import Report, apply_schedule_fields, build_config, refuse_model_changes
 
@@ -261,10 +262,9 @@ def port_torchtitan(
     ``approximate=False`` refuses it at once, before asking for anything else (the world size); None
     leaves the decision to the caller (:func:`jaxpar.port.recipe.port_recipe`)."""
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"torchtitan: file '{path}' not found; pass a torchtitan .toml job config")
+    text = files.read_text(path, "recipe", "torchtitan", "pass a torchtitan .toml job config")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"torchtitan: {path.name} is not valid TOML ({e}); fix the syntax") from None
     report = Report("torchtitan", str(path))

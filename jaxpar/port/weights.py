@@ -47,7 +47,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxpar import write_guard
+from jaxpar import files, write_guard
 from jaxpar.config import ConfigDict, ConfigError, default_config, validate_rope_scaling
 from jaxpar.models import get_model
 from jaxpar.models.base import HFMap
@@ -71,7 +71,7 @@ _META_NAMES = (  # Meta consolidated name -> HF name
 # --------------------------------------------------------------------------- config
 
 
-def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
+def model_config_from_hf(config: Mapping[str, Any] | PathLike, what: str = "HF checkpoint") -> ConfigDict:
     """A jaxpar ``model`` sub-config from an HF ``config.json`` (a dict, the file or its directory).
 
     Rejects what jaxpar's LLaMA does not compute (RoPE scaling other than Llama 3.1's, biases,
@@ -84,7 +84,7 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike) -> ConfigDict:
     ``model.dropout``; absent, 0. (GPT-2's ``resid_pdrop`` / ``attn_pdrop`` / ``embd_pdrop`` never
     reach here: only LLaMA-family configs are read.)
     """
-    hf = dict(config) if isinstance(config, Mapping) else _read_json(config)
+    hf = dict(config) if isinstance(config, Mapping) else _read_json(config, what)
     try:
         return _model_config(hf)
     except (TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -301,18 +301,24 @@ def _hf_rope(m: ConfigDict) -> dict[str, Any]:
     return {"rope_parameters": scaling | {"rope_theta": m.rope_theta}, "rope_scaling": scaling}
 
 
-def _read_json(path: PathLike) -> dict:
+ORIGINAL = "replace it with the checkpoint's original"  # the fix of a damaged checkpoint file
+WEIGHTS_FIX = "point train.init_from at a downloaded HF checkpoint (its regular files)"
+
+
+def _read_json(path: PathLike, what: str = "HF checkpoint") -> dict:
     p = pathlib.Path(path)
     p = p / "config.json" if p.is_dir() else p
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise ConfigError(f"{p}: no such file; pass the checkpoint directory holding config.json")
-    return _json_object(p)
+    return _json_object(p, "HF config.json", what)
 
 
-def _json_object(p: pathlib.Path) -> dict:
-    """The JSON object in file ``p``; ConfigError (one line) for unreadable bytes, bad JSON or another type."""
+def _json_object(p: pathlib.Path, kind: str, what: str = "HF checkpoint") -> dict:
+    """The JSON object in file ``p`` (a ``kind`` of :data:`jaxpar.files.CAPS`); ConfigError (one line) for a
+    file that is not a regular one, too large, unreadable bytes, bad JSON or another type."""
+    data = files.read_bytes(p, kind, what, ORIGINAL)
     try:
-        value = json.loads(p.read_bytes().decode("utf-8"))
+        value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, OSError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(
@@ -345,7 +351,7 @@ def check_hf_model(path: PathLike, model_cfg: ConfigDict) -> None:
     config_json = os.path.join(directory, "config.json")
     if not os.path.exists(config_json):
         return
-    hf = model_config_from_hf(config_json)
+    hf = model_config_from_hf(config_json, "train.init_from")
     for field, key in hf_map.config_fields:
         want, have = hf[field], model_cfg[field]
         if want != have:
@@ -444,10 +450,11 @@ class _Source:
     """Named tensors of a checkpoint whose slices are read without loading whole tensors."""
 
     def __init__(self, path: PathLike):
-        kind, files = _find_files(pathlib.Path(path))
+        kind, found = _find_files(pathlib.Path(path))
         self.tensors: dict[str, Any] = {}  # HF name -> (file handle or torch tensor, stored name)
-        for f in files:
+        for f in found:
             if kind == "safetensors":
+                _check_safetensors(f)
                 try:
                     handle = safe_open(str(f), framework="numpy")
                     names = list(handle.keys())
@@ -456,6 +463,7 @@ class _Source:
                     raise ConfigError(f"{f}: not a readable safetensors file ({first}); download it again") from None
                 self.tensors.update({k: (handle, k) for k in names})
             else:
+                files.check(f, "weights", "train.init_from", WEIGHTS_FIX)
                 self.tensors.update({k: (t, k) for k, t in _torch_load(f).items()})
         self.meta_names = "tok_embeddings.weight" in self.tensors
         if self.meta_names:
@@ -480,6 +488,19 @@ class _Source:
         return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def _check_safetensors(path: pathlib.Path) -> None:
+    """A regular file whose header length (its first 8 bytes) is within the format's limit: what
+    ``safe_open`` reads first (a FIFO would block it, a huge length would be allocated)."""
+    head = files.read_head(path, "weights", "train.init_from", WEIGHTS_FIX, 8)
+    size = int.from_bytes(head, "little") if len(head) == 8 else None
+    cap = files.CAPS["safetensors header"]
+    if size is not None and size > cap:
+        raise ConfigError(
+            f"train.init_from: '{path}' declares a safetensors header of {files.size_text(size)}, more than the format "
+            f"allows ({files.size_text(cap)}); download it again"
+        )
+
+
 def _rename_meta(name: str) -> str:
     for pattern, repl in _META_NAMES:
         if re.match(pattern, name):
@@ -491,33 +512,35 @@ def _find_files(p: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     """(``safetensors`` | ``torch``, files) for a checkpoint directory, file or index file."""
     if p.is_dir():
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            if (p / index).is_file():
+            if os.path.lexists(p / index):
                 return _find_files(p / index)
         if found := sorted(p.glob("*.safetensors")):
             return "safetensors", found
         meta = sorted(p.glob("consolidated.*.pth"))
         if len(meta) > 1:
             raise ConfigError(f"{p}: {len(meta)} model-parallel Meta shards; merge them into one file first")
-        if found := [f for f in (p / "pytorch_model.bin", *meta) if f.is_file()]:
+        if found := [f for f in (p / "pytorch_model.bin", *meta) if os.path.lexists(f)]:
             return "torch", found
         raise ConfigError(f"{p}: no *.safetensors, pytorch_model.bin or consolidated.00.pth found")
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise ConfigError(f"{p}: no such checkpoint file or directory")
+    index = p.name.endswith(".index.json")
+    files.check(p, "weights index" if index else "weights", "train.init_from", ORIGINAL if index else WEIGHTS_FIX)
     if p.name.endswith(".index.json"):
-        weight_map = _json_object(p).get("weight_map")
+        weight_map = _json_object(p, "weights index", "train.init_from").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ConfigError(
                 f"{p}: no 'weight_map' of tensor name -> file name; replace it with the checkpoint's original"
             )
-        files = [p.parent / f for f in sorted(set(weight_map.values()))]
-        absent = [f for f in files if not f.is_file()]
+        shards = [p.parent / f for f in sorted(set(weight_map.values()))]
+        absent = [f for f in shards if not os.path.lexists(f)]
         if absent:
             raise ConfigError(
                 f"{p} names shard '{absent[0].name}' which is missing"
                 + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
                 + "; download every shard of the checkpoint"
             )
-        return ("safetensors" if "safetensors" in p.name else "torch"), files
+        return ("safetensors" if "safetensors" in p.name else "torch"), shards
     return ("safetensors" if p.suffix == ".safetensors" else "torch"), [p]
 
 
