@@ -65,7 +65,8 @@ class ParallelLayout:
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelLayout:
         """The layout a train config (a ``ConfigDict``) runs: global_batch / (microbatches * data)
-        sequences per shard and microbatch."""
+        sequences per shard and microbatch. Unvalidated: :func:`jaxpar.config.validate` calls it and
+        returns the validated layout, which a run builds once and passes down."""
         mesh, train = cfg.mesh, cfg.train
         per_step = train.microbatches * mesh.data * mesh.expert
         return cls(
