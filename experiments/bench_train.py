@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         os.environ["XLA_FLAGS"] = gpu_xla_flags()  # the cluster profile, after what the user set
     import jax
 
-    from jaxpar.config import ConfigError, load_config
+    from jaxpar.config import ConfigError, load_config_and_layout
     from jaxpar.models.inventory import count_params
     from jaxpar.train.loop import Trainer
 
@@ -80,11 +80,13 @@ def main(argv: list[str]) -> int:
         "--config.train.log_every=0",
     ]
     try:
-        cfg = load_config(args.config, [*layout, *(QUICK if args.quick else []), *run, *overrides])
+        cfg, run_layout = load_config_and_layout(
+            args.config, [*layout, *(QUICK if args.quick else []), *run, *overrides]
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    trainer = Trainer(cfg, echo=(lambda _: None) if args.json else print, progress=False)
+    trainer = Trainer(cfg, run_layout, echo=(lambda _: None) if args.json else print, progress=False)
     result = trainer.run()
     steady = result["steady"] or {}
     summary = {

@@ -94,11 +94,11 @@ def census(text: str) -> dict[str, dict[str, float]]:
 def jaxpar_hlo(config: str) -> str:
     """Optimized HLO text of a jaxpar config's train step (AOT on simulated CPU devices)."""
     from jaxpar.analysis.compiled import mesh_for
-    from jaxpar.config import load_config
+    from jaxpar.config import load_config_and_layout
     from jaxpar.train.state import Setup
 
-    cfg = load_config(config)
-    return Setup(cfg, mesh_for(cfg)).lower_train_step().compile().as_text()
+    cfg, layout = load_config_and_layout(config)
+    return Setup(cfg, layout, mesh_for(layout)).lower_train_step().compile().as_text()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,12 +70,12 @@ def compiled_memory(cfg) -> dict[str, int]:
     """Arguments and temporaries per device of the compiled train step (AOT: nothing allocated)."""
     import jax
 
-    from jaxpar.layout import ParallelLayout
+    from jaxpar.config import validate
     from jaxpar.mesh import make_mesh
     from jaxpar.train.state import Setup
 
-    layout = ParallelLayout.from_config(cfg)
-    setup = Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
+    layout = validate(cfg)
+    setup = Setup(cfg, layout, make_mesh(layout, jax.devices()[: layout.devices]))
     mem = setup.lower_train_step().compile().memory_analysis()
     return {"argument_bytes": int(mem.argument_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes)}
 
@@ -85,12 +85,12 @@ def tokens_per_second(cfg, steps: int) -> float:
     import jax
     import numpy as np
 
-    from jaxpar.layout import ParallelLayout
+    from jaxpar.config import validate
     from jaxpar.mesh import make_mesh
     from jaxpar.train.state import Setup
 
-    layout = ParallelLayout.from_config(cfg)
-    setup = Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
+    layout = validate(cfg)
+    setup = Setup(cfg, layout, make_mesh(layout, jax.devices()[: layout.devices]))
     params, opt = setup.init(0)
     rng = np.random.default_rng(0)
     times = []

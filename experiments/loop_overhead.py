@@ -31,9 +31,9 @@ CHILD = """
 import sys
 from jaxpar.distributed import ensure_host_devices
 ensure_host_devices(8)
-from jaxpar.config import load_config
+from jaxpar.config import load_config_and_layout
 from jaxpar.train.loop import Trainer
-Trainer(load_config("configs/tiny.py", sys.argv[1:]), echo=lambda _: None, progress=False).run()
+Trainer(*load_config_and_layout("configs/tiny.py", sys.argv[1:]), echo=lambda _: None, progress=False).run()
 """
 FIELDS = ("loss", "grad_norm", "lr", "skipped")
 

@@ -69,7 +69,7 @@ def _grid():
 
 
 def compile_all(items, out: pathlib.Path) -> None:
-    from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
+    from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
     from jaxpar.config import ConfigError
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,7 @@ def compile_all(items, out: pathlib.Path) -> None:
             for name, model, layout in candidates:
                 try:
                     cfg = _config(name, model, layout)
-                    mem = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
+                    mem = analyze_layout(cfg, compiler_options=AOT_COMPILER_OPTIONS).memory
                 except ConfigError:  # jaxpar cannot run this draw: the next one (the test draws again)
                     continue
                 break

@@ -30,9 +30,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
-from jaxpar.config import load_config  # noqa: E402
+from jaxpar.config import load_config_and_layout  # noqa: E402
 from jaxpar.data import make_batches  # noqa: E402
-from jaxpar.layout import ParallelLayout  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.train.state import Setup  # noqa: E402
 
@@ -58,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = {}
     for name, extra in VARIANTS.items():
-        cfg = load_config(os.path.join(ROOT, "configs", "tiny_mixtral.py"), [*COMMON, *extra])
-        setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
+        cfg, layout = load_config_and_layout(os.path.join(ROOT, "configs", "tiny_mixtral.py"), [*COMMON, *extra])
+        setup = Setup(cfg, layout, make_mesh(layout))
         memory = setup.lower_train_step().compile().memory_analysis()
         params, opt = setup.init(cfg.train.seed)
         runs[name] = {

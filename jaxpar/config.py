@@ -3,7 +3,8 @@
 One place per concern: each field's domain (type, range, allowed values) is checked here,
 once; the rules that tie fields together and the batch arithmetic live in
 :mod:`jaxpar.layout` (:meth:`ParallelLayout.validate`), which :func:`validate` calls, so the
-rest of the code can trust a validated config. Configs are ml_collections ``ConfigDict`` objects made of small
+rest of the code can trust a validated config. :func:`validate` is where a config becomes its
+:class:`~jaxpar.layout.ParallelLayout`, once per run; the code below is handed that layout. Configs are ml_collections ``ConfigDict`` objects made of small
 sub-configs (``mesh``, ``parallel``, ``model``, ``optim``, ``train``, ``data``,
 ``pipeline``, ``checkpoint``); code receives the sub-config it needs, never the whole tree.
 
@@ -164,10 +165,17 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     ``path`` may carry an argument after a colon (``configs/x.py:arg``), passed to
     ``get_config(arg)`` as ml_collections does.
     """
+    return load_config_and_layout(path, overrides)[0]
+
+
+def load_config_and_layout(
+    path: str | None, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[ConfigDict, ParallelLayout]:
+    """:func:`load_config` and the layout :func:`validate` built: what a run (``jaxpar train``,
+    ``inspect``) hands down instead of deriving it from the config again."""
     cfg = default_config() if path is None else _load_file(path)
     apply_overrides(cfg, overrides)
-    validate(cfg)
-    return cfg
+    return cfg, validate(cfg)
 
 
 def _load_file(spec: str) -> ConfigDict:

@@ -2,11 +2,18 @@
 
 A :class:`ParallelLayout` holds the mesh size of every :class:`~jaxpar.axes.MeshAxis` and the choices
 that change what each device holds and does: the ZeRO stage, sequence parallelism, the number and
-size of microbatches, the sequence length, the recompute policy and the pipeline schedule. The
-trainer (:mod:`jaxpar.train.state`), the pipeline executor, the planner, ``compare``, ``inspect``
-and the importers all build one and call :meth:`ParallelLayout.validate`: every cross-field rule
-and all batch arithmetic live here and nowhere else, so a layout that validates is one the step
-runs (field domains, such as "a mesh size is >= 1", are checked with the config schema).
+size of microbatches, the sequence length, the recompute policy and the pipeline schedule. A run's
+layout is built and validated once, by :func:`jaxpar.config.validate`, and handed down: ``jaxpar
+train`` passes it to the trainer, :class:`~jaxpar.train.state.Setup`, the pipeline, the step builder
+and the rules (:mod:`jaxpar.sharding`); ``inspect`` to the compiled analysis. The planner (``plan``,
+``compare``) builds one per candidate layout. Every cross-field rule and all batch arithmetic live in
+:meth:`ParallelLayout.validate` and nowhere else, so a layout that validates is one the step runs
+(field domains, such as "a mesh size is >= 1", are checked with the config schema).
+
+ZeRO's behaviour is asked through :attr:`~ParallelLayout.shards_optimizer`,
+:attr:`~ParallelLayout.shards_gradients` and :attr:`~ParallelLayout.shards_parameters`, the three
+partitions of the ZeRO paper (Rajbhandari et al. 2020: P_os, P_os+g, P_os+g+p), not by comparing
+``zero_stage``.
 
 Batch arithmetic (as in DeepSpeed's ``train_batch_size = micro_batch * grad_accum * dp``):
 ``global_batch = microbatch_size * microbatches * data``; tokens per step =
@@ -58,7 +65,8 @@ class ParallelLayout:
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelLayout:
         """The layout a train config (a ``ConfigDict``) runs: global_batch / (microbatches * data)
-        sequences per shard and microbatch."""
+        sequences per shard and microbatch. Unvalidated: :func:`jaxpar.config.validate` calls it and
+        returns the validated layout, which a run builds once and passes down."""
         mesh, train = cfg.mesh, cfg.train
         per_step = train.microbatches * mesh.data * mesh.expert
         return cls(
@@ -112,6 +120,22 @@ class ParallelLayout:
     def seq_local(self) -> int:
         """Tokens of each sequence one context rank holds (two chunks of ``seq_len / (2 * context)``)."""
         return self.seq_len // self.context
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """ZeRO >= 1: the optimizer state is split over the data group; each rank updates its shard."""
+        return self.zero_stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """ZeRO >= 2: the gradients are reduce-scattered every microbatch into an accumulator split
+        like the optimizer state (stage 3: by the parameter gathers' transposes)."""
+        return self.zero_stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 (FSDP): the parameters are stored split over the data group, gathered per layer."""
+        return self.zero_stage >= 3
 
     @property
     def stages(self) -> int:
@@ -191,7 +215,7 @@ class ParallelLayout:
             f"size that divides {experts}",
         )
         require(
-            self.pipeline == 1 or self.zero_stage < 2,
+            self.pipeline == 1 or not self.shards_gradients,
             f"parallel.zero_stage={self.zero_stage} with mesh.expert={self.expert} and mesh.pipeline="
             f"{self.pipeline} is not supported yet (the pipeline's sharded gradient ticks reduce every "
             "parameter over one group); use --config.parallel.zero_stage=1 or mesh.pipeline=1",
@@ -293,7 +317,8 @@ class ParallelLayout:
             f"in groups of p); set --config.train.microbatches={p * -(-m // p)}",
         )
         require(
-            self.zero_stage != 2 or schedule != "gpipe",
+            # ZeRO-2 (ZeRO-3's gathers reduce-scatter in their transposes, inside the scan)
+            not (self.shards_gradients and not self.shards_parameters) or schedule != "gpipe",
             "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported (GPipe's gradient is the "
             "transpose of its whole forward scan, accumulated full size); use --config.pipeline.schedule=1f1b, "
             "or --config.parallel.zero_stage=1 or 3",

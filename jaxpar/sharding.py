@@ -1,11 +1,13 @@
 """Logical axis names -> mesh axes: the rules table and the per-parameter shardings.
 
 Model code names *logical* dims (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
-``mlp``, ``layers``, ``norm``, ``pos``). A :class:`Strategy` is data, not a subclass: the
-Megatron tensor-parallel rules table (plus ``layers -> pipeline`` when there is more than one
-pipeline stage: each stage holds a block of the stacked layers, see :mod:`jaxpar.parallel.pipeline` for the
-layer order with virtual stages) plus a ZeRO stage and the sequence-parallel switch.
-From (strategy, mesh, parameter shapes and logical names) follow, per parameter:
+``mlp``, ``layers``, ``norm``, ``pos``). A :class:`Strategy` is data, not a subclass: the rules
+table, i.e. the Megatron tensor-parallel rules and the expert rule (plus ``layers -> pipeline`` when there
+is more than one pipeline stage: each stage holds a block of the stacked layers, see
+:mod:`jaxpar.parallel.pipeline` for the layer order with virtual stages). It follows from the
+layout (:meth:`Strategy.for_layout`); the ZeRO stage and the mesh sizes are the layout's
+(:class:`jaxpar.layout.ParallelLayout`). From (strategy, layout, parameter shapes and logical names)
+follow, per parameter:
 
 * the **compute spec**: how the shard-local model sees it (Megatron column/row split over
   ``tensor``; QKV and MLP up/gate column-parallel, attention output and MLP down row-parallel,
@@ -13,8 +15,9 @@ From (strategy, mesh, parameter shapes and logical names) follow, per parameter:
 * the **ZeRO dim**: which dim is split over ``data`` when ZeRO shards it. Rule: the largest dim
   that the tensor rules leave unsplit, excluding the stacked ``layers`` dim, whose size is
   divisible by the ``data`` size; ``None`` (replicated) if no dim qualifies;
-* the **storage spec** (parameters: ZeRO-3 adds ``data`` on the ZeRO dim) and the
-  **optimizer spec** (ZeRO >= 1 adds ``data`` on the ZeRO dim).
+* the **storage spec** (parameters: ZeRO-3, :attr:`~jaxpar.layout.ParallelLayout.shards_parameters`,
+  adds ``data`` on the ZeRO dim) and the **optimizer spec** (ZeRO >= 1,
+  :attr:`~jaxpar.layout.ParallelLayout.shards_optimizer`, adds ``data`` on the ZeRO dim).
 
 With context parallelism (``mesh.context > 1``) "``data``" above reads "``data`` x ``context``"
 (:func:`jaxpar.axes.data_group`, the placement's :attr:`ParamPlacement.zero_axes`): every context
@@ -34,7 +37,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import MeshAxis, data_group, group_axes
-from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.config import ConfigError
+from jaxpar.layout import ParallelLayout
 
 # Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
 TENSOR_RULES: Mapping[str, str] = {
@@ -55,25 +59,15 @@ NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """A parallel layout's logic: rules table + ZeRO stage + sequence parallelism."""
+    """The rules: which mesh axis each logical dim is split over. Everything else a layout decides
+    (the ZeRO stage, sequence parallelism, the mesh sizes) is the layout's."""
 
     rules: Mapping[str, str] = dataclasses.field(default_factory=lambda: {**TENSOR_RULES, **EXPERT_RULES})
-    zero_stage: int = 0
-    sequence_parallel: bool = False
-    grad_reduce_dtype: str = "float32"
-    max_replicated_fraction: float = 0.05
 
     @classmethod
-    def from_config(cls, parallel_cfg: ConfigDict, pipeline: int = 1) -> Strategy:
-        """``pipeline``: the mesh's pipeline size; above 1 the layers are split over ``pipeline``."""
-        rules = {**TENSOR_RULES, **EXPERT_RULES, **(PIPELINE_RULES if pipeline > 1 else {})}
-        return cls(
-            rules=rules,
-            zero_stage=parallel_cfg.zero_stage,
-            sequence_parallel=parallel_cfg.sequence_parallel,
-            grad_reduce_dtype=parallel_cfg.grad_reduce_dtype,
-            max_replicated_fraction=parallel_cfg.max_replicated_fraction,
-        )
+    def for_layout(cls, layout: ParallelLayout) -> Strategy:
+        """The rules of ``layout``: with more than one pipeline stage the layers are split over ``pipeline``."""
+        return cls(rules={**TENSOR_RULES, **EXPERT_RULES, **(PIPELINE_RULES if layout.pipeline > 1 else {})})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +119,10 @@ def zero_dim(shape: tuple[int, ...], logical: tuple[str, ...], rules: Mapping[st
 
 
 def param_placement(
-    shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, mesh_shape: Mapping[str, int]
+    shape: tuple[int, ...], logical: tuple[str, ...], strategy: Strategy, layout: ParallelLayout
 ) -> ParamPlacement:
+    """Where one parameter of global ``shape`` lives under ``strategy``'s rules on ``layout``'s mesh."""
+    mesh_shape = {axis.value: size for axis, size in layout.mesh.items()}
     if len(shape) != len(logical):
         raise ValueError(f"shape {shape} and logical axes {logical} differ in rank")
     compute = []
@@ -143,23 +139,21 @@ def param_placement(
     expert = 1 if split_over_expert else mesh_shape.get(MeshAxis.EXPERT, 1)
     group = data_group(mesh_shape.get(MeshAxis.CONTEXT, 1), expert)
     zdim = zero_dim(shape, logical, strategy.rules, math.prod(mesh_shape[a] for a in group_axes(group)))
-    stage = strategy.zero_stage
     return ParamPlacement(
         logical=logical,
         compute=P(*compute),
         zero_dim=zdim,
-        storage=_with_data(compute, zdim if stage >= 3 else None, group),
-        optimizer=_with_data(compute, zdim if stage >= 1 else None, group),
+        storage=_with_data(compute, zdim if layout.shards_parameters else None, group),
+        optimizer=_with_data(compute, zdim if layout.shards_optimizer else None, group),
         weight_decay="norm" not in logical and "bias" not in logical,
         zero_axes=group,
     )
 
 
-def param_placements(abstract_params: Any, logical_axes: Any, strategy: Strategy, mesh: Mesh) -> Any:
+def param_placements(abstract_params: Any, logical_axes: Any, strategy: Strategy, layout: ParallelLayout) -> Any:
     """A tree of :class:`ParamPlacement` matching the parameter tree."""
-    mesh_shape = dict(mesh.shape)
     return jax.tree.map(
-        lambda a, names: param_placement(tuple(a.shape), tuple(names), strategy, mesh_shape),
+        lambda a, names: param_placement(tuple(a.shape), tuple(names), strategy, layout),
         abstract_params,
         logical_axes,
         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x),
@@ -179,10 +173,13 @@ def named(mesh: Mesh, spec_tree: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def check_sufficiently_sharded(abstract_params: Any, placements: Any, strategy: Strategy) -> float:
+def check_sufficiently_sharded(
+    abstract_params: Any, placements: Any, layout: ParallelLayout, max_replicated_fraction: float
+) -> float:
     """ZeRO-3 guard against silent under-sharding (cf. MaxText's
-    ``assert_params_sufficiently_sharded``): fail if more than ``max_replicated_fraction`` of the
-    parameter bytes stay replicated over ``data``. Returns the replicated fraction."""
+    ``assert_params_sufficiently_sharded``): fail if more than ``max_replicated_fraction``
+    (``parallel.max_replicated_fraction``) of the parameter bytes stay replicated over ``data``.
+    Returns the replicated fraction."""
     total, replicated = 0, 0
     worst: list[tuple[int, str]] = []
     flat_p = jax.tree_util.tree_leaves_with_path(abstract_params)
@@ -194,12 +191,12 @@ def check_sufficiently_sharded(abstract_params: Any, placements: Any, strategy: 
             replicated += nbytes
             worst.append((nbytes, jax.tree_util.keystr(path)))
     fraction = replicated / max(total, 1)
-    if strategy.zero_stage == 3 and fraction > strategy.max_replicated_fraction:
+    if layout.shards_parameters and fraction > max_replicated_fraction:
         worst.sort(reverse=True)
         names = ", ".join(name for _, name in worst[:3])
         raise ConfigError(
             f"ZeRO-3 leaves {fraction:.1%} of parameter bytes replicated over data (largest: {names}); "
             f"choose a mesh.data that divides the model dims or raise parallel.max_replicated_fraction "
-            f"(now {strategy.max_replicated_fraction})"
+            f"(now {max_replicated_fraction})"
         )
     return fraction

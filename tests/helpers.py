@@ -8,8 +8,7 @@ import pathlib
 import jax
 import numpy as np
 
-from jaxpar.config import load_config
-from jaxpar.layout import ParallelLayout
+from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.train.state import Setup
 
@@ -45,12 +44,18 @@ def tiny_config(*overrides: str):
     return load_config(TINY, [*FP32_SMALL, *overrides])
 
 
+def make_setup(cfg) -> Setup:
+    """``cfg``'s Setup on the first data*tensor*pipeline*context*expert devices: the config validated
+    once and its layout handed to the mesh and to Setup, as ``jaxpar train`` does."""
+    layout = validate(cfg)
+    return Setup(cfg, layout, make_mesh(layout, jax.devices()[: layout.devices]))
+
+
 def run_steps(cfg, steps: int, seed: int = 0):
     """Train ``steps`` steps on the first data*tensor*pipeline*context*expert devices with fixed random batches.
 
     Returns (per-step metrics, final params on host, the Setup)."""
-    n = ParallelLayout.from_config(cfg).devices
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
+    setup = make_setup(cfg)
     params, opt = setup.init(seed)
     rng = np.random.default_rng(seed)
     history = []

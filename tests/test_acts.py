@@ -15,9 +15,7 @@ from jaxpar import acts
 from jaxpar.config import ConfigError, apply_overrides, default_config, validate
 from jaxpar.data import load_bin, stdlib_files
 from jaxpar.layout import ParallelLayout
-from jaxpar.mesh import make_mesh
-from jaxpar.train.state import Setup
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import ROOT, make_setup, tiny_config
 
 D8 = ["--config.mesh.data=8", "--config.mesh.tensor=1"]  # no tensor, context or pipeline axis
 BLOCKWISE = ["--config.model.attention=blockwise"]
@@ -111,10 +109,7 @@ def test_a_condition_reading_a_declared_field_includes_its_condition():
 
 
 def _lowered(*overrides: str) -> str:
-    cfg = tiny_config(*overrides)
-    layout = ParallelLayout.from_config(cfg)
-    setup = Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
-    return setup.lower_train_step().as_text()
+    return make_setup(tiny_config(*overrides)).lower_train_step().as_text()
 
 
 # where it acts, each changes the lowered step (a few in the default suite, all under JAXPAR_SLOW=1)
@@ -180,9 +175,8 @@ def test_max_replicated_fraction_decides_the_zero3_guard():
             "--config.parallel.zero_stage=3",
             f"--config.parallel.max_replicated_fraction={fraction}",
         )
-        layout = ParallelLayout.from_config(cfg)
         try:
-            Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
+            make_setup(cfg)
         except ConfigError as e:
             assert not passes and "max_replicated_fraction" in str(e), str(e)
         else:

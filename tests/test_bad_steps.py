@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 
+from jaxpar.config import validate
 from jaxpar.train.loop import BadStepGuard, Trainer
 from tests.helpers import run_steps, tiny_config
 
@@ -49,7 +50,7 @@ def test_injected_nan_batches_are_skipped_and_counted(tmp_path):
         f"--config.train.workdir={tmp_path}",
         "--config.train.inject_bad_steps=3,4",
     )
-    trainer = Trainer(cfg, echo=lambda _: None, progress=False)
+    trainer = Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False)
     trainer.run()
     steps = [r for r in _rows(trainer) if "loss" in r]
     assert [r["skipped"] for r in steps] == [0, 0, 1, 1, 0, 0]
@@ -68,7 +69,7 @@ def test_consecutive_bad_steps_roll_back_and_skip_the_data(tmp_path):
         "--config.train.inject_bad_steps=4,5",
     )
     messages = []
-    trainer = Trainer(cfg, echo=messages.append, progress=False)
+    trainer = Trainer(cfg, validate(cfg), echo=messages.append, progress=False)
     trainer.run()
     events = [r for r in _rows(trainer) if "rollback_to" in r]
     assert len(events) == 1 and events[0]["step"] == 5 and events[0]["rollback_to"] == 2

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import ConfigError
-from jaxpar.layout import ParallelLayout
+from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.train.loop import Trainer
 from jaxpar.train.state import Setup
@@ -30,7 +29,7 @@ def _trainer(workdir, steps, *extra):
         "--config.checkpoint.every=3",
         *extra,
     )
-    return Trainer(cfg, echo=lambda _: None, progress=False)
+    return Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False)
 
 
 def _losses(workdir):
@@ -62,7 +61,8 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 def _setup(overrides, n):
     cfg = tiny_config(*overrides)
-    return Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
+    layout = validate(cfg)
+    return Setup(cfg, layout, make_mesh(layout, jax.devices()[:n]))
 
 
 def test_restore_onto_other_layouts(tmp_path):

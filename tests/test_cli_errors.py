@@ -59,7 +59,7 @@ def test_train_internal_error_writes_the_traceback_into_the_workdir(capsys, monk
     from jaxpar.train import loop
 
     class Broken:
-        def __init__(self, cfg, progress=True, weights_loader=None):
+        def __init__(self, cfg, layout, progress=True, weights_loader=None):
             pass
 
         def run(self):

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.analysis import compiled as ca
 from jaxpar.analysis.collective_order import UnorderedCollective, unordered_collectives
 from jaxpar.cli.inspect import render, run_inspect
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.distributed import ensure_host_devices
 from jaxpar.models.inventory import count_params
 
@@ -274,7 +274,7 @@ def test_unsplittable_parameters_fall_back_to_all_reduce_every_microbatch(layout
     n, m, params = cfg.mesh.data, cfg.train.microbatches, count_params(cfg.model)
     assert r.count("reduce-scatter", "data") == 0 and r.count("all-gather", "data") == 0
     assert r.bytes("all-reduce", "data") == pytest.approx(m * 2 * (n - 1) / n * params * 4, rel=0.10)
-    assert r.memory.argument_bytes == ca.expected_memory(cfg)["argument_bytes"]  # nothing sharded
+    assert r.memory.argument_bytes == ca.expected_memory(cfg, validate(cfg))["argument_bytes"]  # nothing sharded
 
 
 def test_zero3_gathers_parameters_forward_and_backward(layout):
@@ -378,8 +378,9 @@ def test_accumulated_gradient_sharded_with_microbatches(layout):
     """4 microbatches, data=8, remat full: ZeRO-2 keeps the fp32 accumulation buffer sharded, so its
     temporaries sit about 7/8 of the gradient bytes below ZeRO-1's; ZeRO-3 shards parameters too."""
     (cfg, z1), (_, z2), (_, z3) = layout("zero1"), layout("zero2"), layout("zero3")
-    grad_full = ca.expected_memory(cfg)["grad_buffer_bytes"]
-    grad_sharded = ca.expected_memory(_config("zero2"))["grad_buffer_bytes"]
+    grad_full = ca.expected_memory(cfg, validate(cfg))["grad_buffer_bytes"]
+    zero2 = _config("zero2")
+    grad_sharded = ca.expected_memory(zero2, validate(zero2))["grad_buffer_bytes"]
     drop = z1.memory.temp_bytes - z2.memory.temp_bytes
     print(
         f"\n  temp MiB: zero1 {z1.memory.temp_bytes / 2**20:.2f}, zero2 {z2.memory.temp_bytes / 2**20:.2f}, "

@@ -14,6 +14,7 @@ from tests.helpers import FP32_SMALL, TINY, tiny_config
 def test_export_and_drill_compare_read_a_context_parallel_checkpoint(tmp_path, capsys):
     from jaxpar import drill
     from jaxpar.cli import main
+    from jaxpar.config import validate
     from jaxpar.train.loop import Trainer
 
     overrides = [
@@ -27,7 +28,7 @@ def test_export_and_drill_compare_read_a_context_parallel_checkpoint(tmp_path, c
         "--config.model.attention=blockwise",
     ]
     cfg = tiny_config(*overrides)
-    trainer = Trainer(cfg, echo=lambda _: None, progress=False)
+    trainer = Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False)
     trainer.initialize()
     trainer.train_step()
     trainer.save()

@@ -106,7 +106,7 @@ def test_all_gather_exchange_bytes(compiled):
 
 def test_inspect_lists_the_ring_under_context(compiled, capsys, monkeypatch):
     cfg, r = compiled("ring_c2_d2_t2")
-    monkeypatch.setattr(ca, "analyze_layout", lambda c: r if c == cfg else pytest.fail("another config"))
+    monkeypatch.setattr(ca, "analyze_layout", lambda c, layout: r if c == cfg else pytest.fail("another config"))
     text = io.StringIO()
     from rich.console import Console
 

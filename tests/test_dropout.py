@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, validate
 from jaxpar.models.llama import context_for
 from jaxpar.ops import attention as attn
 from jaxpar.ops import dropout
@@ -343,7 +343,7 @@ def test_resume_with_dropout_is_bitwise_identical(tmp_path):
             "--config.checkpoint.every=1",
             *RATES,
         )
-        return Trainer(cfg, echo=lambda _: None, progress=False)
+        return Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False)
 
     straight = trainer(tmp_path / "a")
     straight.run()

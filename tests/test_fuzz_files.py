@@ -163,12 +163,13 @@ def run_dir(tmp_path_factory):
 def make_checkpoints(tmp_path_factory, *extra: str) -> pathlib.Path:
     """A workdir with checkpoints at steps 1 and 2 of the small model, written from one device
     (checkpoints hold the model form: any layout restores them)."""
+    from jaxpar.config import validate
     from jaxpar.mesh import single_device_mesh
     from jaxpar.train.state import Setup
 
     workdir = tmp_path_factory.mktemp("ckpt") / "run"
     cfg = _small(f"--config.train.workdir={workdir}", *extra)
-    setup = Setup(cfg, single_device_mesh())
+    setup = Setup(cfg, validate(cfg, 1), single_device_mesh())
     params, opt = setup.init(0)
     ckpt = Checkpointer(str(workdir), 1, 5)
     for step in (1, 2):

@@ -16,7 +16,7 @@ import pytest
 
 from jaxpar.analysis.plan import PlanOptions
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, validate
 from jaxpar.port import weights
 from jaxpar.train.loop import Trainer, TrainingDiverged
 from tests import fuzzkit
@@ -110,7 +110,7 @@ def test_a_run_without_a_finite_loss_exits_2(tmp_path):
         "--config.train.max_bad_steps=5",
     )
     with pytest.raises(TrainingDiverged, match="no finite loss in 2 steps"):
-        Trainer(cfg, echo=lambda _: None, progress=False).run()
+        Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False).run()
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_init_from_weights_are_checked_before_training(tmp_path, damage, words):
     tensors[name] = tensors[name].astype(np.int32) if damage == "int32" else np.full_like(tensors[name], np.nan)
     _write_hf(tmp_path / "hf", tensors, model)
     cfg = _small(*EIGHT, f"--config.train.workdir={tmp_path / 'run'}", f"--config.train.init_from={tmp_path / 'hf'}")
-    trainer = Trainer(cfg, echo=lambda _: None, progress=False, weights_loader=weights.load_checked)
+    trainer = Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False, weights_loader=weights.load_checked)
     with pytest.raises(ConfigError) as info:
         trainer.initialize()
     assert all(w in str(info.value) for w in words) and "q_proj" in str(info.value)
@@ -215,7 +215,7 @@ def _run(workdir, *extra) -> Trainer:
         "--config.checkpoint.keep=2",
         *extra,
     )
-    return Trainer(cfg, echo=notes.append, progress=False)
+    return Trainer(cfg, validate(cfg), echo=notes.append, progress=False)
 
 
 notes: list[str] = []

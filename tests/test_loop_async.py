@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.config import validate
 from jaxpar.metrics import MetricsLog
 from jaxpar.train.guard import WINDOW, BadStepGuard, SpikeThreshold
 from jaxpar.train.loop import Trainer
@@ -40,7 +41,7 @@ def run(tmp_path_factory):
         f"--config.train.inject_bad_steps={BAD}",
     )
     messages: list[str] = []
-    trainer = Trainer(cfg, echo=messages.append, progress=False)
+    trainer = Trainer(cfg, validate(cfg), echo=messages.append, progress=False)
     events: list[tuple] = []
     step_fn = trainer.setup.train_step
 

@@ -13,13 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.analysis.compiled import mesh_for
 from jaxpar.analysis.hlo import array_dims, fused_computations, parse_hlo
 from jaxpar.config import load_config
 from jaxpar.ops.matmul import DENSE_NAME, dense
 from jaxpar.ops.remat import remat_policy
-from jaxpar.train.state import Setup
-from tests.helpers import ROOT
+from tests.helpers import ROOT, make_setup
 
 MAXTEXT = str(ROOT / "configs" / "maxtext_tiny.py")
 
@@ -105,6 +103,6 @@ def test_train_step_has_no_eigen_dot_and_no_score_transpose():
     Before the head-major attention (jaxpar.ops.attention.dot_product_attention), the (b, kv, g, s, s)
     scores were transposed 5 times per layer (checked on that commit's HLO)."""
     cfg = load_config(f"{MAXTEXT}:dp8")
-    text = Setup(cfg, mesh_for(cfg)).lower_train_step().compile().as_text()
+    text = make_setup(cfg).lower_train_step().compile().as_text()
     assert _top_level_dots(text) == []
     assert _score_transposes(text, cfg.train.seq_len) == []

@@ -26,7 +26,7 @@ import random
 import pytest
 
 from jaxpar.analysis.aot import layout_config
-from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
+from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layout import ParallelLayout
 
@@ -107,7 +107,7 @@ def _measure(case: int):
             continue
         try:
             cfg = _config(name, model, layout)
-            memory = analyze_layout(cfg, mesh_for(cfg), compiler_options=AOT_COMPILER_OPTIONS).memory
+            memory = analyze_layout(cfg, compiler_options=AOT_COMPILER_OPTIONS).memory
         except ConfigError:
             continue  # jaxpar cannot run this draw: draw again
         return f"{name} {model} {layout}", memory

@@ -16,7 +16,7 @@ from jaxpar.models import inventory
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import zero3
 from jaxpar.port import weights
-from tests.helpers import ROOT, run_steps, tiny_config
+from tests.helpers import ROOT, make_setup, run_steps, tiny_config
 
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
 
@@ -100,20 +100,15 @@ def test_inventory_is_cached_per_model_config():
 
 
 def test_zero3_dims_tree_matches_the_layouts():
-    from jaxpar.layout import ParallelLayout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.train.state import Setup
 
     cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3")
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
+    setup = make_setup(cfg)
     dims = zero3.zero3_dims(setup.placements)
     assert jax.tree.structure(dims) == jax.tree.structure(setup.abstract_params)
     assert dims["blocks"]["attn"]["wq"] == 1 and dims["embed"] == 1  # embed dim (tensor splits heads / vocab)
     assert zero3.layer_dims(dims["blocks"])["attn"]["wq"] == 0
     assert setup.builder.context().zero3
-    assert (
-        zero3.zero3_dims(Setup(tiny_config(), make_mesh(ParallelLayout.from_config(tiny_config()))).placements) is None
-    )
+    assert zero3.zero3_dims(make_setup(tiny_config()).placements) is None
 
 
 def test_no_module_outside_models_imports_a_family():

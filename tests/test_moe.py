@@ -12,12 +12,9 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.layout import ParallelLayout
-from jaxpar.mesh import make_mesh
 from jaxpar.models import get_model, moe
 from jaxpar.parallel import pipeline
-from jaxpar.train.state import Setup
-from tests.helpers import FP32_SMALL, ROOT, max_rel_error
+from tests.helpers import FP32_SMALL, ROOT, make_setup, max_rel_error
 
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
 TINY_MIXTRAL = str(ROOT / "configs" / "tiny_mixtral.py")
@@ -39,8 +36,7 @@ def config(*overrides: str):
 def train(*overrides: str):
     """(per-step metrics, the first step's gradient, the final parameters), in model layer order."""
     cfg = config(*overrides)
-    layout = ParallelLayout.from_config(cfg)
-    setup = Setup(cfg, make_mesh(layout, jax.devices()[: layout.devices]))
+    setup = make_setup(cfg)
     params, opt = setup.init(0)
     rng = np.random.default_rng(0)
     history, grads = [], None
@@ -211,7 +207,7 @@ def test_shared_expert_matches_one_device():
 def test_experts_are_split_over_the_expert_axis():
     """expert=4: each device holds 1 of the 4 experts of every layer; attention weights are whole."""
     cfg = config("--config.mesh.data=2", "--config.mesh.expert=4")
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
+    setup = make_setup(cfg)
     params, _ = setup.init(0)
     up = params["blocks"]["moe"]["w_up"]
     assert {s.data.shape for s in up.addressable_shards} == {(2, 1, 128, 192)}

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxpar.config import ConfigError, flatten, merge_into_defaults
+from jaxpar.config import ConfigError, flatten, merge_into_defaults, validate
 from jaxpar.metrics import read_event_scalars, read_metrics
 from jaxpar.train.loop import LOSS_UNIT, Trainer, profile_range
 from tests.helpers import tiny_config
@@ -27,7 +27,7 @@ def run(tmp_path_factory):
         "--config.train.profile_steps=2,4",
     )
     lines = []
-    Trainer(cfg, echo=lines.append, progress=False).run()
+    Trainer(cfg, validate(cfg), echo=lines.append, progress=False).run()
     return cfg, workdir, lines
 
 
@@ -77,7 +77,7 @@ def test_eval_batches_zero_trains_without_validation(run, tmp_path):
         f"--config.train.workdir={tmp_path / 'run'}",
         "--config.train.eval_batches=0",
     )
-    result = Trainer(quiet, echo=lines.append, progress=False).run()
+    result = Trainer(quiet, validate(quiet), echo=lines.append, progress=False).run()
     assert "validation: off (train.eval_batches=0)" in lines and not any("validation at step" in x for x in lines)
     assert result["val_start"] is None and result["val_end"] is None
     rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))

@@ -15,10 +15,8 @@ from jaxpar.analysis.expected import expected_memory
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layout import ParallelLayout
-from jaxpar.mesh import make_mesh
 from jaxpar.optim import registry
-from jaxpar.train.state import Setup
-from tests.helpers import ROOT, max_rel_error, tiny_config
+from tests.helpers import ROOT, make_setup, max_rel_error, tiny_config
 
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
 STEPS = 3
@@ -50,8 +48,7 @@ def _cfg(name, *overrides):
 
 def _run(cfg, steps=STEPS, seed=0):
     """``steps`` steps on fixed random batches; returns (losses, model-form params and state on host, setup)."""
-    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
+    setup = make_setup(cfg)
     params, opt = setup.init(seed)
     rng = np.random.default_rng(seed)
     losses = []
@@ -94,7 +91,7 @@ def test_layout_matches_single_device(name, layout):
 
 def test_adafactor_state_is_factored_and_sharded():
     cfg = _cfg("adafactor", *LAYOUTS["zero3_d4_t2"])
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
+    setup = make_setup(cfg)
     up = setup.opt_specs["tx"]["blocks"]["mlp"]["w_up"][0]  # [L, embed, mlp]: embed over data, mlp over tensor
     shapes = jax.eval_shape(setup.init_opt_state, setup.abstract_params)["tx"]["blocks"]["mlp"]["w_up"][0]
     assert shapes.v_row.shape == (2, 128) and shapes.v_col.shape == (2, 384)  # per layer: mlp, embed averaged away
@@ -112,9 +109,9 @@ def test_state_memory_and_skipped_step(name):
     leaves parameters and state bitwise; the skip adds at most one parameter-sized temporary (this
     device's parameter bytes) to the compiled step."""
     cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1")
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
+    setup = make_setup(cfg)
     compiled = setup.lower_train_step().compile()
-    expected = expected_memory(cfg, setup.placements)
+    expected = expected_memory(cfg, setup.layout, setup.placements)
     got = compiled.memory_analysis().argument_size_in_bytes
     assert got == pytest.approx(expected["argument_bytes"], rel=0.01), (got, expected)
 
@@ -147,7 +144,7 @@ def test_checkpoint_round_trip_pipeline_adafactor(tmp_path):
     """Adafactor's state (factored moments of the stage form's ``ends`` included) saved in the model
     form from a pipeline layout restores bitwise onto it and equals the one-device state."""
     cfg = _cfg("adafactor", *LAYOUTS["d2_t2_p2"])
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:8]))
+    setup = make_setup(cfg)
     params, opt = setup.init(0)
     rows = np.random.default_rng(1).integers(0, 256, size=(8, 65))
     for _ in range(2):

@@ -28,7 +28,7 @@ from jaxpar.models import llama
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
 from jaxpar.train.step import init_opt_state
-from tests.helpers import TINY, max_rel_error, tiny_config
+from tests.helpers import TINY, make_setup, max_rel_error, tiny_config
 
 try:
     from jaxpar.analysis.compiled import analyze_compiled
@@ -75,11 +75,6 @@ def layout(schedule: str, p: int, m: int, data: int = 1, tensor: int = 1, *extra
         f"--config.train.microbatches={m}",
         *extra,
     ]
-
-
-def make_setup(cfg) -> Setup:
-    n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
-    return Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
 
 
 @functools.cache

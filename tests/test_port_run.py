@@ -40,16 +40,13 @@ import math
 import os
 import pathlib
 
-import jax
 import numpy as np
 import pytest
 
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.layout import ParallelLayout
-from jaxpar.mesh import make_mesh
-from jaxpar.train.state import Setup
-from tests.helpers import run_steps
+from tests.helpers import make_setup, run_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "recipes"
@@ -292,7 +289,7 @@ def _check(cfg, plan: set[tuple]) -> None:
     assert n <= DEVICES
     key = layout_key(cfg)
     if key not in plan:
-        Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))  # validates, shards, guards
+        make_setup(cfg)  # validates, shards, guards
         missing = features(key) - set().union(*(features(k) for k in plan))
         assert not missing, f"{missing} run nowhere by default; the plan must cover them"
         return

@@ -4,8 +4,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError
-from jaxpar.layout import ParallelLayout
+from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.train.state import Setup
 from tests.helpers import tiny_config
@@ -13,7 +12,8 @@ from tests.helpers import tiny_config
 
 def _setup(n, *overrides):
     cfg = tiny_config(*overrides)
-    return Setup(cfg, make_mesh(ParallelLayout.from_config(cfg), jax.devices()[:n]))
+    layout = validate(cfg)
+    return Setup(cfg, layout, make_mesh(layout, jax.devices()[:n]))
 
 
 def test_megatron_rules_and_zero_dims():

@@ -1,4 +1,5 @@
-"""`jaxpar train` end to end on the default config (shortened): it learns and logs every step."""
+"""`jaxpar train` end to end on the default config (shortened): it learns and logs every step, and builds its
+ParallelLayout once."""
 
 import json
 import subprocess
@@ -40,3 +41,41 @@ def test_default_config_learns_and_logs(tmp_path):
     assert 7.5 < start < 8.5  # a random byte model: ~log2(256) = 8 bits
     assert end <= 0.6 * start  # the README's claim: at least 40% lower
     assert "validation at step 30" in out and "MFU" in out
+
+
+def test_train_builds_the_layout_once(tmp_path, monkeypatch, capsys):
+    """`jaxpar train` builds one ParallelLayout per run: config.validate (through
+    load_config_and_layout) makes it from the config, and the simulated-device count, the trainer,
+    the mesh, Setup, the rules, the batch feed and the step builder are all handed that one. Every
+    construction is counted (``__init__``: direct calls, ``from_config`` and ``dataclasses.replace``
+    alike), in process, over 2 short steps."""
+    from jaxpar.cli import main
+    from jaxpar.layout import ParallelLayout
+
+    built: list[str] = []
+    init, from_config = ParallelLayout.__init__, ParallelLayout.from_config.__func__
+
+    def counted_init(self, *args, **kwargs):
+        built.append("__init__")
+        init(self, *args, **kwargs)
+
+    def counted_from_config(cls, cfg):
+        built.append("from_config")
+        return from_config(cls, cfg)
+
+    monkeypatch.setattr(ParallelLayout, "__init__", counted_init)
+    monkeypatch.setattr(ParallelLayout, "from_config", classmethod(counted_from_config))
+    code = main(
+        [
+            "train",
+            "--config",
+            TINY,
+            "--no-progress",
+            "--config.train.steps=2",
+            "--config.train.seq_len=64",
+            "--config.data.source=synthetic",
+            f"--config.train.workdir={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert built == ["from_config", "__init__"]  # one layout: from_config's one construction

@@ -13,13 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from jaxpar.config import ConfigError
-from jaxpar.layout import ParallelLayout
-from jaxpar.mesh import make_mesh
+from jaxpar.config import ConfigError, validate
 from jaxpar.models import llama
 from jaxpar.port import weights
-from jaxpar.train.state import Setup
-from tests.helpers import tiny_config
+from tests.helpers import make_setup, tiny_config
 
 Q = "model.layers.1.self_attn.q_proj.weight"
 
@@ -98,7 +95,7 @@ def test_sharded_files_round_trip(tmp_path, model_cfg):
 def test_zero3_load_reads_only_slices(saved, model_cfg):
     """data=4 x tensor=2, ZeRO-3: every device's shard comes straight from the file."""
     cfg = tiny_config("--config.parallel.zero_stage=3")
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
+    setup = make_setup(cfg)
     params, path = saved
     reads: list[tuple[str, tuple[int, ...]]] = []
     loaded = weights.load_hf(path, cfg.model, setup.param_shardings, on_read=lambda n, s: reads.append((n, s)))
@@ -284,7 +281,7 @@ def test_init_from_hf_lands_in_the_layout(saved, layout):
     stage form with embedding and head in `ends`), bitwise, with a zero optimizer state."""
     params, path = saved
     cfg = tiny_config(*layout, f"--config.train.init_from={path}")
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
+    setup = make_setup(cfg)
     got, opt = setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_param_shardings))
     assert jax.tree.structure(got) == jax.tree.structure(setup.abstract_params)
     for arr, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(setup.param_shardings)):
@@ -297,7 +294,7 @@ def test_init_from_hf_lands_in_the_layout(saved, layout):
 def test_init_from_hf_rejects_another_model(saved):
     _, path = saved
     cfg = tiny_config("--config.model.num_layers=2", f"--config.train.init_from={path}")
-    setup = Setup(cfg, make_mesh(ParallelLayout.from_config(cfg)))
+    setup = make_setup(cfg)
     with pytest.raises(ConfigError, match=r"num_hidden_layers.*set --config.model.num_layers=4$") as e:
         setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_param_shardings))
     assert "\n" not in str(e.value)
@@ -322,16 +319,15 @@ def test_trainer_starts_from_hf_then_resumes_its_own_checkpoint(saved, tmp_path)
         "--config.train.steps=1",
     ]
     messages: list[str] = []
-    trainer = Trainer(
-        tiny_config(*overrides), echo=messages.append, progress=False, weights_loader=weights.load_checked
-    )
+    cfg = tiny_config(*overrides)
+    trainer = Trainer(cfg, validate(cfg), echo=messages.append, progress=False, weights_loader=weights.load_checked)
     trainer.initialize()
     assert any(m == f"initialised from HF weights in {path}" for m in messages)
     assert_bitwise(params, jax.device_get(trainer.params))
     trainer.train_step()
     trainer.save()
     trainer.checkpoints.wait()
-    again = Trainer(tiny_config(*overrides), echo=messages.append, progress=False, weights_loader=weights.load_checked)
+    again = Trainer(cfg, validate(cfg), echo=messages.append, progress=False, weights_loader=weights.load_checked)
     again.initialize()
     assert again.step == 1 and messages[-1].startswith("resumed from checkpoint at step 1")
     again.checkpoints.close()
@@ -360,7 +356,7 @@ def test_export_writes_the_checkpoint_as_hf(tmp_path, capsys):
         "--config.pipeline.virtual_stages=2",
     ]
     cfg = tiny_config(*overrides)
-    trainer = Trainer(cfg, echo=lambda _: None, progress=False)
+    trainer = Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False)
     trainer.initialize()
     trainer.train_step()
     trainer.save()

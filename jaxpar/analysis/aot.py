@@ -35,12 +35,21 @@ def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: st
     in ``model.compute_dtype`` (the config requires it). With RoPE, ``model.max_seq_len`` is raised
     to the sequence length if it is shorter (it sizes nothing then).
     """
+    return layout_run(cfg, layout, grad_reduce_dtype)[0]
+
+
+def layout_run(
+    cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: str | None = None
+) -> tuple[ConfigDict, ParallelLayout]:
+    """:func:`layout_config` and the layout its validation built: what the compiled step runs. It is
+    ``layout`` up to the fields the config leaves inert there (reset to their defaults, e.g. a
+    schedule on one stage), so the step and its analysis are handed this one."""
     out = copy.deepcopy(cfg)
     for axis, size in layout.mesh.items():
         out.mesh[axis.value] = size
     out.parallel.zero_stage, out.parallel.sequence_parallel = layout.zero_stage, layout.sequence_parallel
     out.parallel.grad_reduce_dtype = grad_reduce_dtype or cfg.parallel.grad_reduce_dtype
-    if layout.zero_stage == 3:
+    if layout.shards_parameters:
         out.parallel.grad_reduce_dtype = out.model.compute_dtype
     out.model.remat = layout.recompute  # none | selective | full: the same names
     out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
@@ -50,13 +59,10 @@ def layout_config(cfg: ConfigDict, layout: ParallelLayout, grad_reduce_dtype: st
     out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
     out.train.seq_len = layout.seq_len
     out.pipeline.schedule, out.pipeline.virtual_stages = layout.schedule, layout.virtual_stages
-    out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
-    out.parallel.context_exchange = layout.context_exchange
     # a field that acted in ``cfg`` (or a label the layout carries, e.g. a pinned gpipe on one stage)
     # can be inert on this layout: at its default it trains the same, and validate accepts it
     acts.reset_inert(out, default_config())
-    validate(out)
-    return out
+    return out, validate(out)
 
 
 def ensure_aot_devices(num_devices: int) -> None:
@@ -198,13 +204,13 @@ def aot_compare(
     failure of a pipeline layout while pipelining is in progress) comes back with ``skipped`` set.
     """
     try:
-        lcfg = layout_config(cfg, layout, grad_reduce_dtype)
+        lcfg, run = layout_run(cfg, layout, grad_reduce_dtype)
     except ConfigError as e:
         return AotComparison(layout, skipped=str(e))
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
 
     try:
-        mesh = mesh_for(lcfg)
+        mesh = mesh_for(run)
     except ConfigError as e:
         return AotComparison(layout, skipped=str(e))
     platform = mesh.devices.flat[0].platform
@@ -212,7 +218,7 @@ def aot_compare(
         lcfg.model.compute_dtype, lcfg.parallel.grad_reduce_dtype = "float32", "float32"
     start = time.perf_counter()
     try:
-        report = analyze_layout(lcfg, mesh, compiler_options=AOT_COMPILER_OPTIONS)
+        report = analyze_layout(lcfg, mesh, compiler_options=AOT_COMPILER_OPTIONS, layout=run)
     except ConfigError as e:
         return AotComparison(layout, skipped=str(e))
     except Exception as e:  # noqa: BLE001 - pipeline layouts may not build yet; anything else is a bug

@@ -45,7 +45,8 @@ from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_group
     source_target_pairs,
 )
 from jaxpar.axes import MeshAxis
-from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.config import ConfigDict, ConfigError, validate
+from jaxpar.layout import ParallelLayout
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 MB, MIB = 1e6, 2**20
@@ -426,37 +427,34 @@ def _flops(compiled: Any) -> float | None:
 # --------------------------------------------------------------------------- one layout
 
 
-def report_fields(cfg: ConfigDict) -> dict[str, Any]:
-    """The config fields a compiled report is about (its JSON "layout" object: mesh sizes, ZeRO, SP,
-    batch, remat, dtypes)."""
-    m, p, t = cfg.mesh, cfg.parallel, cfg.train
+def report_fields(cfg: ConfigDict, layout: ParallelLayout) -> dict[str, Any]:
+    """The fields a compiled report is about (its JSON "layout" object: mesh sizes, ZeRO, SP,
+    batch, remat, dtypes): the layout's, and the config's dtypes."""
     return {
-        MeshAxis.DATA: m.data,
-        MeshAxis.TENSOR: m.tensor,
-        MeshAxis.PIPELINE: m.pipeline,
-        MeshAxis.CONTEXT: m.context,
-        MeshAxis.EXPERT: m.expert,
-        "context_exchange": p.context_exchange,
-        "zero_stage": p.zero_stage,
-        "sequence_parallel": p.sequence_parallel,
-        "microbatches": t.microbatches,
-        "global_batch": t.global_batch,
-        "seq_len": t.seq_len,
-        "remat": cfg.model.remat,
+        MeshAxis.DATA: layout.data,
+        MeshAxis.TENSOR: layout.tensor,
+        MeshAxis.PIPELINE: layout.pipeline,
+        MeshAxis.CONTEXT: layout.context,
+        MeshAxis.EXPERT: layout.expert,
+        "context_exchange": layout.context_exchange,
+        "zero_stage": layout.zero_stage,
+        "sequence_parallel": layout.sequence_parallel,
+        "microbatches": layout.microbatches,
+        "global_batch": layout.global_batch,
+        "seq_len": layout.seq_len,
+        "remat": layout.recompute,
         "compute_dtype": cfg.model.compute_dtype,
-        "grad_reduce_dtype": p.grad_reduce_dtype,
+        "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
     }
 
 
-def mesh_for(cfg: ConfigDict) -> Any:
-    """The config's mesh on the first data*tensor*pipeline*context devices (CPU ones if the default
-    backend has too few)."""
+def mesh_for(layout: ParallelLayout) -> Any:
+    """The layout's mesh on the first data*tensor*pipeline*context*expert devices (CPU ones if the
+    default backend has too few)."""
     import jax
 
-    from jaxpar.layout import ParallelLayout
     from jaxpar.mesh import make_mesh
 
-    layout = ParallelLayout.from_config(cfg)
     devices = jax.devices()
     if len(devices) < layout.devices:
         devices = jax.devices("cpu")
@@ -468,27 +466,35 @@ def mesh_for(cfg: ConfigDict) -> Any:
     return make_mesh(layout, devices[: layout.devices])
 
 
-def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str, Any] | None = None) -> CompiledReport:
+def analyze_layout(
+    cfg: ConfigDict,
+    mesh: Any = None,
+    compiler_options: dict[str, Any] | None = None,
+    layout: ParallelLayout | None = None,
+) -> CompiledReport:
     """Build the layout's :class:`~jaxpar.train.state.Setup`, compile its train step ahead of
     time from abstract arrays (nothing allocated), and analyze it against the formulas: the one
-    compile path of ``inspect``, ``plan --aot`` and ``compare --aot``. ``compiler_options`` such as
-    :data:`AOT_COMPILER_OPTIONS` change compile time, not the numbers (tested)."""
+    compile path of ``inspect``, ``plan --aot`` and ``compare --aot``. ``layout``: ``cfg``'s
+    validated layout (``inspect`` and the planner pass the one they hold; without it ``cfg`` is
+    validated here). ``compiler_options`` such as :data:`AOT_COMPILER_OPTIONS` change compile time,
+    not the numbers (tested)."""
     from jaxpar.train.state import Setup
 
-    setup = Setup(cfg, mesh if mesh is not None else mesh_for(cfg))
+    layout = layout if layout is not None else validate(cfg)
+    setup = Setup(cfg, layout, mesh if mesh is not None else mesh_for(layout))
     compiled = setup.lower_train_step().compile(compiler_options=compiler_options)
-    if cfg.mesh.pipeline > 1:
-        report = _analyze_pipeline(cfg, setup, compiled)
+    if layout.pipeline > 1:
+        report = _analyze_pipeline(cfg, layout, setup, compiled)
     else:
         report = analyze_compiled(
             compiled,
             setup.mesh,
-            expected=expected_collectives(cfg, setup.placements),
-            expected_memory=expected_memory(cfg, setup.placements),
+            expected=expected_collectives(cfg, layout, setup.placements),
+            expected_memory=expected_memory(cfg, layout, setup.placements),
         )
-    report.layout = report_fields(cfg)
+    report.layout = report_fields(cfg, layout)
     if report.memory is not None:
-        _expect_temps(report.memory, cfg)
+        _expect_temps(report.memory, cfg, layout)
     half = {cfg.model.compute_dtype, cfg.parallel.grad_reduce_dtype} & {"bfloat16", "float16"}
     if half and setup.mesh.devices.flat[0].platform == "cpu":
         report.warnings.append(
@@ -499,30 +505,22 @@ def analyze_layout(cfg: ConfigDict, mesh: Any = None, compiler_options: dict[str
     return report
 
 
-def _expect_temps(memory: MemoryReport, cfg: ConfigDict) -> None:
+def _expect_temps(memory: MemoryReport, cfg: ConfigDict, layout: ParallelLayout) -> None:
     """Put the estimated temporaries (:mod:`jaxpar.analysis.activations`, in the dtypes compiled) beside
     the measured ones."""
     from jaxpar.analysis import activations
-    from jaxpar.layout import ParallelLayout
 
-    temps = activations.stage_temps(cfg.model, ParallelLayout.from_config(cfg))
+    temps = activations.stage_temps(cfg.model, layout)
     memory.expected_temp_bytes = max(t.total_bytes for t in temps)
     memory.expected_stage_temp_bytes = [t.total_bytes for t in temps] if len(temps) > 1 else []
 
 
-def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledReport:
+def _analyze_pipeline(cfg: ConfigDict, layout: ParallelLayout, setup: Any, compiled: Any) -> CompiledReport:
     """A pipeline layout: rows of the busiest stage; per stage, each axis beside the estimate of
     :func:`jaxpar.analysis.estimate.jaxpar_stage_traffic` (data: the same on every stage); the
     argument memory beside the estimate of :func:`jaxpar.analysis.estimate.estimated_argument_bytes`."""
-    from jaxpar.analysis.estimate import (
-        DTYPE_BYTES,
-        ParallelLayout,
-        communication,
-        estimated_argument_bytes,
-        jaxpar_stage_traffic,
-    )
+    from jaxpar.analysis.estimate import DTYPE_BYTES, communication, estimated_argument_bytes, jaxpar_stage_traffic
 
-    layout = ParallelLayout.from_config(cfg)
     memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)}
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, expected_memory=memory)
     grad_bytes = DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]

@@ -100,11 +100,13 @@ def model_states(
         )
     full = _held_elements(model, layout, stage, False, every_stage=True)
     zero = _held_elements(model, layout, stage, True, every_stage=True)
-    pb, z = DTYPE_BYTES[model.param_dtype], layout.zero_stage
+    pb = DTYPE_BYTES[model.param_dtype]
     # optimizer state per parameter: jaxpar.optim.registry's formula (None: AdamW's mu + nu)
     per_param = 2.0 if optim is None else registry.state_elements_ratio(optim, model)
     return ModelStates(
-        pb * (zero if z >= 3 else full), pb * (zero if z >= 2 else full), per_param * pb * (zero if z else full)
+        pb * (zero if layout.shards_parameters else full),
+        pb * (zero if layout.shards_gradients else full),
+        per_param * pb * (zero if layout.shards_optimizer else full),
     )
 
 

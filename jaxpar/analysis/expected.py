@@ -14,6 +14,7 @@ from typing import Any
 from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.layout import ParallelLayout
 from jaxpar.optim import registry
 from jaxpar.sharding import spec_axes
 
@@ -25,7 +26,9 @@ def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
     return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
 
 
-def param_leaves(cfg: ConfigDict, placements: Any = None) -> list[tuple[str, tuple[int, ...], Any]]:
+def param_leaves(
+    cfg: ConfigDict, layout: ParallelLayout, placements: Any = None
+) -> list[tuple[str, tuple[int, ...], Any]]:
     """(path, global shape, :class:`~jaxpar.sharding.ParamPlacement`) of every parameter, built from
     shapes alone (``placements`` from a ``Setup`` may be passed to reuse them)."""
     import jax
@@ -36,9 +39,9 @@ def param_leaves(cfg: ConfigDict, placements: Any = None) -> list[tuple[str, tup
     model = get_model(cfg.model)
     abstract = model.abstract_params()
     if placements is None:
-        strategy, shape = Strategy.from_config(cfg.parallel), dict(cfg.mesh)
+        strategy = Strategy.for_layout(layout)
         placements = jax.tree.map(
-            lambda a, n: param_placement(tuple(a.shape), tuple(n), strategy, shape),
+            lambda a, n: param_placement(tuple(a.shape), tuple(n), strategy, layout),
             abstract,
             model.logical_axes(),
             is_leaf=lambda x: isinstance(x, tuple),
@@ -55,7 +58,9 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]
     return math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
 
 
-def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[str, tuple[str, ...]], dict]:
+def expected_collectives(
+    cfg: ConfigDict, layout: ParallelLayout, placements: Any = None
+) -> dict[tuple[str, tuple[str, ...]], dict]:
     """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
 
     Ring costs (nccl-tests PERFORMANCE.md) per device and step: m microbatches of b sequences of s
@@ -92,7 +97,6 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
     h, layers = cfg.model.embed_dim, cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
     pb = DTYPE_BYTES[cfg.model.param_dtype]
-    stage = cfg.parallel.zero_stage
     out: dict[tuple[str, tuple[str, ...]], dict] = {}
 
     def add(kind: str, axes: tuple[str, ...], size: float, count: int, what: str) -> None:
@@ -114,9 +118,9 @@ def expected_collectives(cfg: ConfigDict, placements: Any = None) -> dict[tuple[
 
     from jaxpar.models import model_class
 
-    per_reduce = m if stage >= 2 else 1
+    per_reduce = m if layout.shards_gradients else 1
     stacked = model_class(cfg.model.name).stacked  # the scanned layers: gathered again in the backward
-    for path, shape, lay in param_leaves(cfg, placements):
+    for path, shape, lay in param_leaves(cfg, layout, placements):
         e = local_elements(shape, lay.compute, mesh_shape)
         if lay.sharded_storage:  # ZeRO-3
             gathers = 2 if path.startswith(f"['{stacked}']") else 1
@@ -178,7 +182,7 @@ def context_collectives(
     ]
 
 
-def expected_memory(cfg: ConfigDict, placements: Any = None) -> dict[str, float]:
+def expected_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = None) -> dict[str, float]:
     """Per-device argument and output bytes of the train step, and the gradient buffer.
 
     argument = parameters under their storage spec (param dtype) + the optimizer's state
@@ -191,10 +195,10 @@ def expected_memory(cfg: ConfigDict, placements: Any = None) -> dict[str, float]
     mesh_shape = dict(cfg.mesh)
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     params = opt = grads = 0
-    for _, shape, lay in param_leaves(cfg, placements):
+    for _, shape, lay in param_leaves(cfg, layout, placements):
         params += local_elements(shape, lay.storage, mesh_shape) * pb
         opt += registry.local_state_bytes(cfg.optim, shape, lay, mesh_shape)  # AdamW: mu + nu, 8 bytes
-        grads += local_elements(shape, lay.optimizer if cfg.parallel.zero_stage >= 2 else lay.compute, mesh_shape) * 4
+        grads += local_elements(shape, lay.optimizer if layout.shards_gradients else lay.compute, mesh_shape) * 4
     t = cfg.train
     batch = t.global_batch // cfg.mesh.data * (t.seq_len + 1) * 4
     return {

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from jaxpar.analysis.aot import estimated_argument_bytes, layout_config
+from jaxpar.analysis.aot import estimated_argument_bytes, layout_run
 from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.estimate import ParallelLayout
 from jaxpar.analysis.plan import PlanOptions, evaluate_layout
@@ -124,7 +124,7 @@ def _run(
     from jaxpar.analysis.compiled import analyze_compiled
     from jaxpar.analysis.estimate import DTYPE_BYTES
 
-    lcfg = layout_config(cfg, layout)
+    lcfg, run = layout_run(cfg, layout)
     lcfg.train.steps = steps
     grad_bytes = DTYPE_BYTES[lcfg.parallel.grad_reduce_dtype]
     est = evaluate_layout(
@@ -140,7 +140,7 @@ def _run(
     record.est_step_time_s = est.step_time_s
 
     start = time.perf_counter()
-    setup, compiled = _compile_step(lcfg)
+    setup, compiled = _compile_step(lcfg, run)
     record.compile_s = time.perf_counter() - start
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline)
     if report.memory is not None:
@@ -156,8 +156,9 @@ def _run(
     summarize_times(record, lcfg, layout, warmup, peak_flops)
 
 
-def _compile_step(lcfg: ConfigDict) -> tuple[Any, Any]:
-    """The layout's ``Setup`` and its train step compiled ahead of time from abstract arrays."""
+def _compile_step(lcfg: ConfigDict, run: ParallelLayout) -> tuple[Any, Any]:
+    """The ``Setup`` of ``lcfg`` and its validated layout ``run`` (:func:`jaxpar.analysis.aot.layout_run`),
+    and its train step compiled ahead of time from abstract arrays."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -166,7 +167,7 @@ def _compile_step(lcfg: ConfigDict) -> tuple[Any, Any]:
     from jaxpar.analysis.compiled import mesh_for
     from jaxpar.train.state import Setup
 
-    setup = Setup(lcfg, mesh_for(lcfg))
+    setup = Setup(lcfg, run, mesh_for(run))
     guard = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(setup.mesh, P()))
     return setup, setup.train_step.jitted.lower(*setup.abstract_state(), guard).compile()
 
@@ -237,9 +238,9 @@ def time_again(
         if kept is not None and layout_name(layout) in kept:
             setup, compiled, lcfg = kept[layout_name(layout)]
         else:
-            lcfg = layout_config(cfg, layout)
+            lcfg, run = layout_run(cfg, layout)
             lcfg.train.steps = steps if run_steps is None else run_steps
-            setup, compiled = _compile_step(lcfg)
+            setup, compiled = _compile_step(lcfg, run)
         probed = {"probe_s": probe.measure()} if probe is not None else {}
         times, losses, faults = _timed_steps(setup, compiled, lcfg, batches, steps, on_step)
     except Exception as e:  # noqa: BLE001 - one broken layout must not end the sweep
@@ -271,8 +272,8 @@ class HostProbe:
             if self.kept is not None and name in self.kept:
                 setup, compiled, lcfg = self.kept[name]
             else:
-                lcfg = layout_config(self.cfg, self.layout)
-                setup, compiled = _compile_step(lcfg)
+                lcfg, run = layout_run(self.cfg, self.layout)
+                setup, compiled = _compile_step(lcfg, run)
             params, opt = setup.init(lcfg.train.seed)
             self._state = [compiled, params, opt, setup.feed.make_batch(self.batch), _never_skip(setup.mesh)]
         compiled, params, opt, batch, guard = self._state

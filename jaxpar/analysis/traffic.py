@@ -195,13 +195,13 @@ def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: i
     gradient reduce-scattered per microbatch. Parameters no ZeRO dim divides are all-reduced
     instead, and not counted here (nor are the loss and gradient-norm scalars).
     """
-    n, m, z = reduce_group(layout), layout.microbatches, layout.zero_stage
+    n, m = reduce_group(layout), layout.microbatches
     layer, other = _held_by_place(model, layout)
     full, pb = layer + other, DTYPE_BYTES[model.param_dtype]
-    if z == 0:
+    if not layout.shards_optimizer:
         return all_reduce_bytes(full * grad_reduce_bytes, n), 1
-    if z in (1, 2):
-        reductions = m if z == 2 else 1
+    if not layout.shards_parameters:
+        reductions = m if layout.shards_gradients else 1
         moved = reductions * all_gather_bytes(full * grad_reduce_bytes, n) + all_gather_bytes(full * pb, n)
         return moved, reductions + 1
     a = DTYPE_BYTES[model.compute_dtype]
@@ -270,10 +270,10 @@ def jaxpar_stage_traffic(
     if p == 1:
         return {MeshAxis.TENSOR: _jaxpar_tensor(model, layout), MeshAxis.PIPELINE: (0.0, 0)}
     data = None  # ZeRO 0/1: the same on every stage (see communication)
-    if layout.zero_stage == 2:
-        data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
-    elif layout.zero_stage == 3:
+    if layout.shards_parameters:
         data = _jaxpar_pipeline_zero3(model, layout, stage)
+    elif layout.shards_gradients:
+        data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
     v = v if layout.schedule == "interleaved" else 1
     bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
@@ -285,7 +285,7 @@ def jaxpar_stage_traffic(
         for x in param_tensors(model)
         if x.name.startswith("final_norm") or x.name == "positions" or (model.tie_embeddings and x.name == "embedding")
     ]
-    summed = 4 + 4 * sum(shard_elements(x, t, reduce_group(layout), layout.zero_stage >= 2) for x in held)
+    summed = 4 + 4 * sum(shard_elements(x, t, reduce_group(layout), layout.shards_gradients) for x in held)
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
         return {MeshAxis.TENSOR: (0.0, 0), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}

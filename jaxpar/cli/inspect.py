@@ -19,7 +19,7 @@ from typing import Any
 
 from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import config_or_default, modelled, needs, overrides
-from jaxpar.config import load_config
+from jaxpar.config import load_config_and_layout
 from jaxpar.distributed import ensure_host_devices
 from jaxpar.layout import ParallelLayout
 
@@ -39,13 +39,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     Raises :class:`~jaxpar.config.ConfigError` on bad input (the CLI turns it into exit code 2).
     """
     needs("inspect", "--ops", getattr(args, "ops", False), "--json", getattr(args, "json", False))
-    cfg = modelled(load_config(config_or_default(args), overrides(args)), "inspect")
-    ensure_host_devices(ParallelLayout.from_config(cfg).devices)
+    cfg, layout = load_config_and_layout(config_or_default(args), overrides(args))
+    modelled(cfg, "inspect")
+    ensure_host_devices(layout.devices)
     from jaxpar.analysis.compiled import analyze_layout
 
-    report = analyze_layout(cfg)
-    schedule = pipeline_schedule(cfg)
-    terms = estimated_peak_terms(cfg)
+    report = analyze_layout(cfg, layout=layout)
+    schedule = pipeline_schedule(layout)
+    terms = estimated_peak_terms(cfg, layout)
     if getattr(args, "json", False):
         out = report.to_dict()
         if not getattr(args, "ops", False):
@@ -69,28 +70,28 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def estimated_peak_terms(cfg: Any, top: int = 3) -> list[tuple[str, float]]:
+def estimated_peak_terms(cfg: Any, layout: ParallelLayout, top: int = 3) -> list[tuple[str, float]]:
     """The largest ``top`` terms of the layout's estimated peak per device
     (:func:`jaxpar.analysis.estimate.peak_terms`, in the config's dtypes)."""
     from jaxpar.analysis.estimate import peak_terms
 
-    return peak_terms(cfg.model, ParallelLayout.from_config(cfg), cfg.optim, top)
+    return peak_terms(cfg.model, layout, cfg.optim, top)
 
 
-def pipeline_schedule(cfg: Any) -> dict[str, Any] | None:
+def pipeline_schedule(layout: ParallelLayout) -> dict[str, Any] | None:
     """The pipeline schedule table of a layout (None without pipeline): diagram, bubble, sends."""
-    if cfg.mesh.pipeline <= 1:
+    if layout.pipeline <= 1:
         return None
     from jaxpar.parallel import pipeline
 
-    p, m, v = cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
-    table = pipeline.build_schedule(cfg.pipeline.schedule, p, m, v)
+    p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
+    table = pipeline.build_schedule(layout.schedule, p, m, v)
     forward, backward = pipeline.boundary_sends(table)
     return {
-        "schedule": cfg.pipeline.schedule,
+        "schedule": layout.schedule,
         "ticks": table.ticks,
         "bubble_fraction": pipeline.bubble_fraction(table),
-        "expected_bubble_fraction": pipeline.expected_bubble_fraction(cfg.pipeline.schedule, p, m, v),
+        "expected_bubble_fraction": pipeline.expected_bubble_fraction(layout.schedule, p, m, v),
         "boundary_sends_forward": forward,
         "boundary_sends_backward": backward,
         "diagram": pipeline.render_schedule(table),

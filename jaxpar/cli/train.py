@@ -14,9 +14,8 @@ import sys
 
 from jaxpar.cli.common import DEFAULT_CONFIG, overrides
 from jaxpar.cli.errors import EXIT_INTERRUPTED, note_workdir
-from jaxpar.config import load_config
+from jaxpar.config import load_config_and_layout
 from jaxpar.errors import JaxparError
-from jaxpar.layout import ParallelLayout
 
 HELP = "train a config on the devices present (CPU: simulated devices)"
 EXIT_PEER_FAILURE = 3
@@ -38,17 +37,17 @@ def _config_path(args: argparse.Namespace) -> str:
 def run_train(args: argparse.Namespace) -> int:
     """Train to ``train.steps``; returns 0, or 130 after Ctrl-C stopped it at a checkpoint (a multi-process
     failure exits the process with code 3)."""
-    cfg = load_config(_config_path(args), overrides(args))
+    cfg, layout = load_config_and_layout(_config_path(args), overrides(args))  # the run's one layout
     note_workdir(cfg.train.workdir)
     from jaxpar.distributed import initialize_from_env, simulate_local_devices
 
-    simulate_local_devices(ParallelLayout.from_config(cfg).devices)
+    simulate_local_devices(layout.devices)
     from jaxpar.port.weights import load_checked
     from jaxpar.train.loop import Trainer
 
     distributed = initialize_from_env()
     try:
-        trainer = Trainer(cfg, progress=not args.no_progress, weights_loader=load_checked)
+        trainer = Trainer(cfg, layout, progress=not args.no_progress, weights_loader=load_checked)
         trainer.run()
     except JaxparError:  # bad input (a config value, a diverged run): exit 2 on every process
         raise

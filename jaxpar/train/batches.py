@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import MeshAxis, batch_axes, group_axes
-from jaxpar.config import ConfigDict, ConfigError
+from jaxpar.config import ConfigError
+from jaxpar.layout import ParallelLayout
 
 
 def batch_spec(mesh: Mesh) -> P:
@@ -37,13 +38,9 @@ def _rows(mesh: Mesh):
 class BatchFeed:
     """The batch shapes and shardings of one layout, and this process's share of the rows."""
 
-    def __init__(self, mesh: Mesh, train_cfg: ConfigDict):
+    def __init__(self, mesh: Mesh, layout: ParallelLayout):
         self.mesh = mesh
-        self.microbatches, self.global_batch, self.seq_len = (
-            train_cfg.microbatches,
-            train_cfg.global_batch,
-            train_cfg.seq_len,
-        )
+        self.microbatches, self.global_batch, self.seq_len = layout.microbatches, layout.global_batch, layout.seq_len
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         self.eval_sharding = NamedSharding(mesh, eval_spec(mesh))
 

@@ -109,39 +109,41 @@ class Trainer:
     def __init__(
         self,
         cfg: ConfigDict,
+        layout: ParallelLayout,
         echo: Callable[[str], None] = print,
         progress: bool = True,
         weights_loader: Callable[[str, ConfigDict, Any], Any] | None = None,
     ):
-        """``weights_loader(path, model_cfg, shardings)``: reads ``train.init_from`` onto the mesh
-        (the CLI passes :func:`jaxpar.port.weights.load_checked`: the HF format lives with the
+        """``layout``: ``cfg``'s layout as :func:`jaxpar.config.validate` returned it (built once per
+        run and passed down to :class:`Setup`). ``weights_loader(path, model_cfg, shardings)``: reads
+        ``train.init_from`` onto the mesh (the CLI passes :func:`jaxpar.port.weights.load_checked`: the HF format lives with the
         importers, and the trainer does not import them)."""
         self.cfg, self.show_progress, self.weights_loader = cfg, progress, weights_loader
         self.echo = echo if jax.process_index() == 0 else (lambda _: None)
         if jax.process_index() == 0:  # before anything is written there: a user's folder or a live run's is refused
             workdir_lib.claim(cfg.train.workdir, str(cfg.train.resume), cfg.train.init_from)
-        self.layout = ParallelLayout.from_config(cfg)
-        self.mesh = make_mesh(self.layout, cross_node_tensor=cfg.parallel.cross_node_tensor)
-        self.setup = Setup(cfg, self.mesh)
+        self.layout = layout
+        self.mesh = make_mesh(layout, cross_node_tensor=cfg.parallel.cross_node_tensor)
+        self.setup = Setup(cfg, layout, self.mesh)
         t = cfg.train
         pidx, pcount = self.setup.feed.data_split  # the rows of this process's data shards
         self.batches = data_lib.make_batches(
             cfg.data,
             vocab_size=cfg.model.vocab_size,
-            seq_len=t.seq_len,
-            global_batch=t.global_batch,
+            seq_len=layout.seq_len,
+            global_batch=layout.global_batch,
             seed=t.seed,
             split="train",
             process_index=pidx,
             process_count=pcount,
         )
         unit_rows = math.lcm(self.mesh.shape[MeshAxis.DATA], pcount)  # eval rows must split over both
-        eval_rows = unit_rows * max(1, (t.global_batch // t.microbatches) // unit_rows)
+        eval_rows = unit_rows * max(1, layout.microbatch_sequences // unit_rows)
         self.eval_data = (
             data_lib.eval_batches(
                 cfg.data,
                 vocab_size=cfg.model.vocab_size,
-                seq_len=t.seq_len,
+                seq_len=layout.seq_len,
                 global_batch=eval_rows,
                 seed=t.seed,
                 num_batches=t.eval_batches,
@@ -154,7 +156,7 @@ class Trainer:
         peak, self.peak_source = device_peak_flops(self.layout.devices)
         self.log = MetricsLog(
             t.workdir,
-            model_flops_per_token(cfg.model, t.seq_len),
+            model_flops_per_token(cfg.model, layout.seq_len),
             peak,
             self.layout.devices,
             t.warmup_steps_excluded,
@@ -348,19 +350,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
-        cfg, unit = self.cfg, bits_unit(self.cfg.model)
-        m = cfg.mesh
+        cfg, unit, lay = self.cfg, bits_unit(self.cfg.model), self.layout
         self.echo(
-            f"jaxpar train: {self.layout.devices} devices ({jax.devices()[0].platform}), mesh data={m.data} "
-            f"tensor={m.tensor} pipeline={m.pipeline}"
-            + (f" context={m.context} ({cfg.parallel.context_exchange})" if m.context > 1 else "")
-            + (f" expert={m.expert}" if m.expert > 1 else "")
-            + f", zero_stage={cfg.parallel.zero_stage}, "
-            f"sequence_parallel={cfg.parallel.sequence_parallel}, {cfg.train.steps} steps of "
-            f"{self.layout.tokens_per_step} tokens"
+            f"jaxpar train: {lay.devices} devices ({jax.devices()[0].platform}), mesh data={lay.data} "
+            f"tensor={lay.tensor} pipeline={lay.pipeline}"
+            + (f" context={lay.context} ({lay.context_exchange})" if lay.context > 1 else "")
+            + (f" expert={lay.expert}" if lay.expert > 1 else "")
+            + f", zero_stage={lay.zero_stage}, "
+            f"sequence_parallel={lay.sequence_parallel}, {cfg.train.steps} steps of "
+            f"{lay.tokens_per_step} tokens"
         )
         p = cfg.parallel
-        if p.zero_stage == 3 and p.grad_reduce_dtype != cfg.model.compute_dtype:
+        if lay.shards_parameters and p.grad_reduce_dtype != cfg.model.compute_dtype:
             self.echo(
                 f"note: ZeRO-3 gathers parameters and reduce-scatters their gradients in {cfg.model.compute_dtype} "
                 f"(model.compute_dtype); parallel.grad_reduce_dtype={p.grad_reduce_dtype} applies to the "

@@ -1,6 +1,6 @@
 """Shapes first, then specs, then ``jit(init, out_shardings=...)``: one layout's compiled pieces.
 
-:class:`Setup` holds, for a validated config and a mesh, the abstract parameter tree, the
+:class:`Setup` holds, for a config, its validated layout and a mesh, the abstract parameter tree, the
 per-parameter placements (:mod:`jaxpar.sharding`), the shardings of parameters, optimizer state and
 batches, and the jitted ``init``, ``train_step`` and ``eval_step``. Nothing here allocates until
 ``init`` runs, so the same object serves AOT analysis (``lower_train_step``) on abstract arrays.
@@ -27,6 +27,7 @@ from jaxpar import acts
 from jaxpar.axes import MESH_AXES
 from jaxpar.compat import Uncached, cached_pipelines_are_wrong, persistent_cache_skipped
 from jaxpar.config import ConfigDict, default_config, validate
+from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
 from jaxpar.ops.attention import resolve_attention
 from jaxpar.optim import registry
@@ -39,20 +40,24 @@ from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
 
 
 class Setup:
-    """Everything one layout needs to train, built from (config, mesh) without allocating."""
+    """Everything one layout needs to train, built from (config, layout, mesh) without allocating."""
 
-    def __init__(self, cfg: ConfigDict, mesh: Mesh):
-        self.cfg, self.mesh = cfg, mesh
-        self.layout = validate(cfg, mesh.devices.size)  # the step runs what validates
+    def __init__(self, cfg: ConfigDict, layout: ParallelLayout, mesh: Mesh):
+        """``layout``: ``cfg``'s layout as :func:`jaxpar.config.validate` returns it (the step runs what
+        validates; the layout's fields are read from it, not from ``cfg``); ``mesh``: its mesh
+        (:func:`jaxpar.mesh.make_mesh`)."""
+        if dict(mesh.shape) != {axis.value: size for axis, size in layout.mesh.items()}:
+            raise ValueError(f"the mesh {dict(mesh.shape)} is not the layout's {layout.mesh}; build it with make_mesh")
+        self.cfg, self.layout, self.mesh = cfg, layout, mesh
         self.model = get_model(cfg.model)  # the model family (jaxpar.models), validated
-        self.pipeline = pipeline_lib.Pipeline.from_config(cfg, self.model) if cfg.mesh.pipeline > 1 else None
+        self.pipeline = pipeline_lib.Pipeline.from_layout(layout, self.model) if layout.pipeline > 1 else None
         # XLA:CPU (jax 0.10) pipeline executables read back from the persistent compilation cache
         # compute wrong losses: this layout's programs compile without it (jaxpar.compat)
         self.skips_cache = (
             self.pipeline is not None and mesh.devices.flat[0].platform == "cpu" and cached_pipelines_are_wrong()
         )
-        self.strategy = Strategy.from_config(cfg.parallel, pipeline=cfg.mesh.pipeline)
-        stages, virtual = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
+        self.strategy = Strategy.for_layout(layout)
+        stages, virtual = layout.pipeline, layout.virtual_stages
         self.model_abstract_params = self.model.abstract_params()
         model_logical = self.model.logical_axes()
         self.abstract_params, self.logical = self.model_abstract_params, model_logical
@@ -62,11 +67,11 @@ class Setup:
                 self.model_abstract_params,
             )
             self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
-        self.placements = param_placements(self.abstract_params, self.logical, self.strategy, mesh)
+        self.placements = param_placements(self.abstract_params, self.logical, self.strategy, layout)
         model_placements = (
             self.placements
             if stages == 1
-            else param_placements(self.model_abstract_params, model_logical, self.strategy, mesh)
+            else param_placements(self.model_abstract_params, model_logical, self.strategy, layout)
         )
         self.model_placements = model_placements
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
@@ -79,19 +84,21 @@ class Setup:
             self.model_tx = self.tx if stages == 1 else self.optimizer.build(cfg.optim, self.schedule, model_placements)
         self.model_param_shardings = named(mesh, specs(model_placements, "storage"))
         self.model_opt_shardings = named(mesh, self._opt_specs(model_form=True))
-        self.replicated_fraction = check_sufficiently_sharded(self.abstract_params, self.placements, self.strategy)
+        self.replicated_fraction = check_sufficiently_sharded(
+            self.abstract_params, self.placements, layout, cfg.parallel.max_replicated_fraction
+        )
         self.param_specs = specs(self.placements, "storage")
         self.opt_specs = self._opt_specs()
         self.param_shardings = named(mesh, self.param_specs)
         self.opt_shardings = named(mesh, self.opt_specs)
-        self.feed = BatchFeed(mesh, cfg.train)  # batch shapes, shardings, which rows this process feeds
+        self.feed = BatchFeed(mesh, layout)  # batch shapes, shardings, which rows this process feeds
         # model.attention resolved on this backend (auto: cuDNN on NVIDIA GPUs where it takes the shapes,
         # blockwise elsewhere and always with context parallelism, which merges blockwise partials)
         self.attention = (
             "blockwise"
-            if self.layout.context > 1
+            if layout.context > 1
             else resolve_attention(
-                self.layout.attention,
+                layout.attention,
                 mesh.devices.flat[0].platform,
                 cfg.model.head_dim,
                 compute_dtype=cfg.model.compute_dtype,
@@ -99,16 +106,14 @@ class Setup:
             )
         )
         self.builder = StepBuilder(
-            layout=self.layout,
+            layout=layout,
             attention=self.attention,
             model_cfg=cfg.model,
             optim_cfg=cfg.optim,
-            strategy=self.strategy,
             placements=self.placements,
             mesh=mesh,
-            microbatches=cfg.train.microbatches,
-            global_tokens=self.layout.tokens_per_step,
             schedule=self.schedule,
+            grad_reduce_dtype=cfg.parallel.grad_reduce_dtype,
             pipeline=self.pipeline,
             tx=self.tx,
             seed=cfg.train.seed,
@@ -122,7 +127,7 @@ class Setup:
         """Initialise parameters and optimizer state, each device creating only its shard. The
         program is compiled once per ``Setup``: a sweep's later passes start from it again."""
         if self._init is None:
-            model, stages, virtual = self.model, self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
+            model, stages, virtual = self.model, self.layout.pipeline, self.layout.virtual_stages
 
             @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
             def _init(key):
@@ -168,7 +173,7 @@ class Setup:
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
-        p, v = self.cfg.mesh.pipeline, self.cfg.pipeline.virtual_stages
+        p, v = self.layout.pipeline, self.layout.virtual_stages
         if p <= 1 or (v <= 1 and not pipeline_lib.has_ends(self.cfg.model, p)):  # the forms are one
             return params, opt
         move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
@@ -266,7 +271,7 @@ def one_device_checkpoint_state(cfg: ConfigDict) -> tuple[Any, Any]:
     one.train.microbatches = 1
     one.pipeline.virtual_stages = 1
     acts.reset_inert(one, default_config())  # e.g. pipeline.schedule, parallel.sequence_parallel: inert on one device
-    params, opt, _ = Setup(one, single_device_mesh()).abstract_state(model_form=True)
+    params, opt, _ = Setup(one, validate(one, 1), single_device_mesh()).abstract_state(model_form=True)
     return params, opt
 
 

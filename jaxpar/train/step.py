@@ -3,21 +3,23 @@
 The whole step runs in one ``shard_map`` over every mesh axis, so each collective is written
 down where it belongs (and shows up as exactly that collective in the compiled HLO):
 
-=========  ==================  =========================================  =====================
-stage      parameters          gradient reduction over ``data``            optimizer state
-=========  ==================  =========================================  =====================
-0 (DP)     replicated          one ``psum`` (all-reduce) per step          replicated
-1          replicated          one ``psum_scatter`` per step, update the   sharded
-                               local shard, ``all_gather`` the parameters
-2          replicated          ``psum_scatter`` every microbatch into a    sharded
-                               sharded accumulation buffer
-3 (FSDP)   sharded             per layer: ``all_gather`` fwd (+ again in   sharded
-                               bwd), its transpose reduce-scatters grads
-=========  ==================  =========================================  =====================
+=======================  ==========  =========================================  ===============
+stage (layout property)  parameters  gradient reduction over ``data``           optimizer state
+=======================  ==========  =========================================  ===============
+0 (DP)                   replicated  one ``psum`` (all-reduce) per step         replicated
+1 (shards_optimizer)     replicated  one ``psum_scatter`` per step, update the  sharded
+                                     local shard, ``all_gather`` the parameters
+2 (shards_gradients)     replicated  ``psum_scatter`` every microbatch into a   sharded
+                                     sharded accumulation buffer
+3 (shards_parameters)    sharded     per layer: ``all_gather`` fwd (+ again in  sharded
+                                     bwd), its transpose reduce-scatters grads
+=======================  ==========  =========================================  ===============
 
-Parameters ZeRO cannot split (no dim divisible by ``data``) fall back to the stage-0 path. The
-ZeRO pieces (marking, reduction, local shards, gathers) live in :mod:`jaxpar.parallel.zero` and,
-for stage 3's parameter gathers, :mod:`jaxpar.ops.zero3`.
+The step asks the layout's ZeRO properties (:attr:`jaxpar.layout.ParallelLayout.shards_optimizer`
+and the others; each implies the ones above it), never the stage number. Parameters ZeRO cannot
+split (no dim divisible by ``data``) fall back to the stage-0 path. The ZeRO pieces (marking,
+reduction, local shards, gathers) live in :mod:`jaxpar.parallel.zero` and, for stage 3's parameter
+gathers, :mod:`jaxpar.ops.zero3`.
 Tensor parallelism lives in the model (:mod:`jaxpar.models`, reached through its interface). With ``mesh.pipeline > 1`` the
 microbatches run through :mod:`jaxpar.parallel.pipeline` (its schedule is the gradient accumulation): the
 layers are split over ``pipeline``, parameters not split over it (embedding, final norm, head) are
@@ -53,7 +55,7 @@ from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout, zero3
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.sharding import ParamPlacement, Strategy, is_placement
+from jaxpar.sharding import ParamPlacement, is_placement
 from jaxpar.train.batches import batch_spec
 
 
@@ -62,22 +64,29 @@ class StepBuilder:
     """Static description of one layout's step: :meth:`local_step` (jaxpar AdamW) or
     :meth:`global_step` (optax) is what ``Setup`` jits (inside ``shard_map`` for the former)."""
 
-    layout: ParallelLayout
+    layout: ParallelLayout  # the run's validated layout: mesh sizes, ZeRO, microbatches, tokens per step
     attention: str  # model.attention resolved on the backend (jaxpar.ops.attention.resolve_attention)
     model_cfg: ConfigDict
     optim_cfg: ConfigDict
-    strategy: Strategy
     placements: Any  # tree of ParamPlacement
     mesh: Mesh
-    microbatches: int
-    global_tokens: int  # target tokens per optimizer step (loss normaliser)
     schedule: Callable[[jax.Array], jax.Array]
+    grad_reduce_dtype: str  # parallel.grad_reduce_dtype: float32 | bfloat16
     pipeline: Pipeline | None = None  # set when mesh.pipeline > 1
     tx: Any = None  # optax.GradientTransformation for global_step (None: jaxpar AdamW in local_step)
     skip_bad_steps: bool = True  # False only to measure what the skip costs
     seed: int = 0  # train.seed: keys the dropout masks with the optimizer step (jaxpar.ops.dropout)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches
+
+    @property
+    def global_tokens(self) -> int:
+        """Target tokens per optimizer step: the loss normaliser."""
+        return self.layout.tokens_per_step
+
     @property
     def dropout(self) -> bool:
         """Whether the model drops anything (``model.dropout`` or ``model.attention_dropout`` > 0);
@@ -102,12 +111,12 @@ class StepBuilder:
             context_exchange=self.layout.context_exchange,
             attention=self.attention,
             attention_block=self.layout.attention_block,
-            sequence_parallel=self.strategy.sequence_parallel,
+            sequence_parallel=self.layout.sequence_parallel,
             zero3_dims=zero3.zero3_dims(self.placements),
         )
 
     def _reduce_dtype(self):
-        return jnp.bfloat16 if self.strategy.grad_reduce_dtype == "bfloat16" else jnp.float32
+        return jnp.bfloat16 if self.grad_reduce_dtype == "bfloat16" else jnp.float32
 
     def _reduce(self, grads: Any, scatter: bool, prescattered: bool = False) -> Any:
         return zero.reduce_grads(self.placements, grads, scatter, self._reduce_dtype(), prescattered)
@@ -138,7 +147,7 @@ class StepBuilder:
             rows = batch_axes(self.layout.expert)
             global_batch = batch.shape[0] * batch.shape[1] * jax.lax.axis_size(rows)
             batch = dropout.append_rows(batch, global_batch, rows)
-        stage = self.strategy.zero_stage
+        layout = self.layout
         scale = 1.0 / self.global_tokens
 
         # Differentiate with respect to the varying copy: its gradient is the local, unreduced one.
@@ -149,15 +158,17 @@ class StepBuilder:
 
         if self.pipeline is not None:  # the schedule accumulates over microbatches
             scatter = None
-            if stage == 2:  # reduce-scattered in every backward tick, accumulated sharded
+            # ZeRO-2: reduce-scattered in every backward tick, accumulated sharded (ZeRO-3: the
+            # parameter gathers' transposes reduce-scatter inside the ticks)
+            if layout.shards_gradients and not layout.shards_parameters:
                 dims = zero.map_placements(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.placements)
                 scatter = (dims, self._reduce_dtype())
             loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale, scatter)
-            if stage >= 2:
+            if layout.shards_gradients:
                 grads = self._reduce(grads, scatter=True, prescattered=True)
         elif self.microbatches == 1:
             loss, grads = micro_grads(batch[0])
-            if stage >= 2:
+            if layout.shards_gradients:
                 grads = self._reduce(grads, scatter=True)
         else:
             # Every microbatch runs in the loop, from zeros (0 + g is g: the sums are unchanged).
@@ -166,7 +177,7 @@ class StepBuilder:
             # XLA:CPU may then run them concurrently (jaxpar.analysis.collective_order).
             def reduced_grads(tokens):
                 micro_loss, g = micro_grads(tokens)
-                return micro_loss, (self._reduce(g, scatter=True) if stage >= 2 else g)
+                return micro_loss, (self._reduce(g, scatter=True) if layout.shards_gradients else g)
 
             def accumulate(carry, tokens):
                 acc_loss, acc = carry
@@ -177,8 +188,8 @@ class StepBuilder:
                 lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)), jax.eval_shape(reduced_grads, batch[0])
             )
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
-        if stage < 2:
-            grads = self._reduce(grads, scatter=stage == 1)
+        if not layout.shards_gradients:  # one reduction per step: reduce-scatter where the optimizer is sharded
+            grads = self._reduce(grads, scatter=layout.shards_optimizer)
         loss = jax.lax.psum(loss, ctx.data_axis) + guard[1]
 
         grad_norm = self._grad_norm(grads)

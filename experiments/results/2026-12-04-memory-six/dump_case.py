@@ -25,7 +25,7 @@ def main() -> None:
     import test_memory_random as T
 
     from jaxpar.analysis import activations as A
-    from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
+    from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
     from jaxpar.config import ConfigError
 
     rng = random.Random(int(seed) * 1000 + int(case))
@@ -36,7 +36,7 @@ def main() -> None:
         try:
             cfg = T._config(name, model, lay)
             opts = dict(AOT_COMPILER_OPTIONS) | {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-            mem = analyze_layout(cfg, mesh_for(cfg), compiler_options=opts).memory
+            mem = analyze_layout(cfg, compiler_options=opts).memory
         except ConfigError:
             continue
         break

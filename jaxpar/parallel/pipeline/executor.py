@@ -15,8 +15,7 @@ import jax.numpy as jnp
 
 from jaxpar.axes import MeshAxis
 from jaxpar.compat import vary, varying_axes
-from jaxpar.config import ConfigDict
-from jaxpar.models import get_model
+from jaxpar.layout import ParallelLayout
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
@@ -516,13 +515,11 @@ class Pipeline:
     model: Model
 
     @classmethod
-    def from_config(cls, cfg: ConfigDict, model: Model | None = None) -> Pipeline:
-        """Build the schedule of a validated config (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`);
-        ``model`` defaults to ``get_model(cfg.model)``."""
-        table = build_schedule(
-            cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches, cfg.pipeline.virtual_stages
-        )
-        return cls(table, compile_program(table), model or get_model(cfg.model))
+    def from_layout(cls, layout: ParallelLayout, model: Model) -> Pipeline:
+        """The pipeline of a validated layout (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)
+        running ``model``'s stages."""
+        table = build_schedule(layout.schedule, layout.pipeline, layout.microbatches, layout.virtual_stages)
+        return cls(table, compile_program(table), model)
 
     def loss_and_grads(
         self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float, scatter: tuple[dict, Any] | None = None

@@ -81,13 +81,14 @@ def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages
     """Simulate each stage's action sequence tick by tick; an action waits for its input.
 
     F(i, k) needs F(i, k-1) done on the previous stage at an earlier tick; B(i, k) needs B(i, k+1)
-    (or, on the last virtual stage, F(i, k)). Raises ``ValueError`` for impossible arguments.
+    (or, on the last virtual stage, F(i, k)). The arguments are a validated layout's
+    (:meth:`jaxpar.layout.ParallelLayout.validate` holds the rules tying them together, e.g. the
+    interleaved schedule's microbatches in groups of ``stages``); ``ValueError`` for a schedule name
+    or a count below 1.
     """
     p, m, v = stages, microbatches, virtual_stages
-    if schedule not in SCHEDULES or p < 1 or m < 1 or v < 1 or (schedule != "interleaved" and v != 1):
+    if schedule not in SCHEDULES or p < 1 or m < 1 or v < 1:
         raise ValueError(f"no schedule {schedule!r} with stages={p} microbatches={m} virtual_stages={v}")
-    if schedule == "interleaved" and m % p:
-        raise ValueError(f"interleaved needs microbatches ({m}) to be a multiple of stages ({p})")
     seqs, pos, done, grid = _sequences(schedule, p, m, v), [0] * p, {}, []
     last = p * v - 1
     while any(pos[d] < len(seqs[d]) for d in range(p)):
