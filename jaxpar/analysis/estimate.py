@@ -85,19 +85,29 @@ def model_states(
     """Model-state bytes per device of one pipeline stage, under one of two stated conventions.
 
     ``paper``: the ZeRO paper's 16 bytes/param for the parameters a device holds after the tensor and
-    pipeline split (norms replicated over tensor), divided by N = data as the paper does.
+    pipeline split (norms replicated over tensor), divided by N = data as the paper does (MoE: the
+    experts' weights split over ``expert`` and N = data for them, N = data x expert for the rest).
     ``jaxpar``: what the trainer holds (a pipeline stage also holds one V x h table, the final norm
     and positions: :func:`stage_tensors`): fp32 master parameters sharded over data (x context) at
-    ZeRO-3 only; Adam mu + nu in the param dtype sharded at ZeRO >= 1 (``optim`` given: its state
+    ZeRO-3 only (MoE: the experts' weights split over ``expert``, the rest sharded over data x
+    expert (x context), as :func:`jaxpar.sharding.param_placement` places them); Adam mu + nu in the param dtype sharded at ZeRO >= 1 (``optim`` given: its state
     elements per parameter); fp32 gradients, live at the update, sharded at ZeRO >= 2. Sharding
     follows :func:`shard_elements`.
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
     if convention == "paper":
-        return zero_paper_states(
-            _held_elements(model, layout, stage, False), layout.zero_stage, layout.data * layout.context
+        n = layout.data * layout.context
+        if layout.expert == 1:
+            return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage, n)
+        # MoE: the experts' weights (split over expert) shard over data (x context), the rest over data x expert
+        parts = (
+            zero_paper_states(_held_elements(model, layout, stage, False, experts=True), layout.zero_stage, n),
+            zero_paper_states(
+                _held_elements(model, layout, stage, False, experts=False), layout.zero_stage, n * layout.expert
+            ),
         )
+        return ModelStates(*(a + b for a, b in zip(dataclasses.astuple(parts[0]), dataclasses.astuple(parts[1]))))
     full = _held_elements(model, layout, stage, False, every_stage=True)
     zero = _held_elements(model, layout, stage, True, every_stage=True)
     pb, z = DTYPE_BYTES[model.param_dtype], layout.zero_stage
