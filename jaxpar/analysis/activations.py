@@ -168,13 +168,13 @@ def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
 
 def layer_params(model: ConfigDict, layout: ParallelLayout) -> float:
     """Elements of one layer's parameters on one device (split over tensor, not over data)."""
-    return sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
+    return sum(shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place == "layer")
 
 
 def shared_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> float:
     """Elements of the parameters outside the layers one device holds (embedding, head, norms)."""
     places = ("first", "last") if layout.pipeline == 1 else (stage,)
-    return sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place in places)
+    return sum(shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place in places)
 
 
 def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -449,7 +449,7 @@ def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> flo
     full. With sequence parallelism XLA schedules the scatter after the layer loop (~1B data=2 x
     tensor=2 x context=2 ZeRO-1 SP: the full f32[2048,16000] gradient at the peak): not counted there."""
     n = layout.data * layout.context
-    head = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.name == "output")
+    head = sum(shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.name == "output")
     return DTYPE_BYTES[model.param_dtype] * head * (1 - 1 / n)
 
 
@@ -481,7 +481,7 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
 def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
     """Elements of the largest stacked layer weight one device holds (the stage's layers of it)."""
     layers = model.num_layers // layout.pipeline
-    return layers * max(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
+    return layers * max(shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place == "layer")
 
 
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:

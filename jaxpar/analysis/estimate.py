@@ -316,6 +316,7 @@ class StepTime:
     step_s: float
     model_flops_per_step: float
     mfu: float
+    expert_s: float = 0.0  # the MoE dispatch and combine over `expert` (exposed, in busy time)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -333,11 +334,13 @@ def step_time(
     comm: dict[str, AxisComm] | None = None,
     convention: str = "jaxpar",
 ) -> StepTime:
-    """step = (compute + TP + PP p2p) / (1 - bubble) + exposed data-axis time.
+    """step = (compute + TP + PP p2p + EP) / (1 - bubble) + exposed data-axis time.
 
     compute: executed FLOPs of the slowest stage (the last also runs the output layer) at
     ``efficiency`` x peak (default 55%, a typical achieved MFU for large dense training: PaLM 46%,
-    Megatron 52%). TP and PP traffic are exposed. The data-axis reduction overlaps with backward
+    Megatron 52%), the tokens split over data x expert x tensor (an MoE layer's experts see, on
+    average, k routed copies of the rank's own tokens: the active-parameter FLOPs, balanced). TP, PP
+    and the MoE dispatch and combine over ``expert`` (EP) are exposed. The data-axis reduction overlaps with backward
     compute except ``dp_exposed_fraction``: DP/ZeRO-1 reduce once, after the last microbatch, whose
     backward alone can hide it; ZeRO-2 overlaps every backward, ZeRO-3 (prefetched gathers) the
     forward too. ``jaxpar`` convention: a 1F1B / interleaved backward tick recomputes its stage's
@@ -352,21 +355,23 @@ def step_time(
         recompute = "full"
     hw = hardware_flops_per_token(model, layout.seq_len, recompute, causal, model_fpt)
     out_layer = 6 * model.vocab_size * model.embed_dim if p > 1 else 0.0  # runs on the last stage only
-    compute = (
-        ((hw - out_layer) / p + out_layer) * tokens / (layout.data * layout.tensor) / (cluster.peak_flops * efficiency)
-    )
+    shards = layout.data * layout.tensor * (layout.expert if layout.expert > 1 else 1)
+    compute = ((hw - out_layer) / p + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)
     bwd = compute * (1 - model_fpt / 3 / hw)  # all but the forward (2N + 4Lqs)
     window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]
     data = comm[MeshAxis.DATA].time_s
     data_exposed = max(dp_exposed_fraction * data, data - window)
     bubble = bubble_fraction(p, m, layout.virtual_stages, layout.schedule)
     tp, pp = comm[MeshAxis.TENSOR].time_s, comm[MeshAxis.PIPELINE].time_s
+    ep = comm[MeshAxis.EXPERT].time_s if MeshAxis.EXPERT in comm else 0.0
     busy = compute + tp + pp
+    if ep:
+        busy += ep
     step = busy / (1 - bubble) + data_exposed
     model_flops = model_fpt * tokens
     achieved = mfu(model_flops, step, layout.devices, cluster.peak_flops)
     return StepTime(
-        compute, tp, pp, data, data_exposed, bubble, busy * bubble / (1 - bubble), step, model_flops, achieved
+        compute, tp, pp, data, data_exposed, bubble, busy * bubble / (1 - bubble), step, model_flops, achieved, ep
     )
 
 

@@ -16,7 +16,7 @@ from jaxpar.analysis.compare import choice_sources, compare_layouts, config_choi
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.plan import PlanOptions, plan_summary
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import at_least_one, at_most, modelled, overrides, share
+from jaxpar.cli.common import at_least_one, at_most, overrides, share
 from jaxpar.cli.plan import render_aot, render_table
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
@@ -115,7 +115,7 @@ def run_compare(args: argparse.Namespace) -> int:
     at_least_one(global_batch=args.global_batch, seq=args.seq)
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq)
     share("--efficiency", args.efficiency)
-    cfg = modelled(load_config(args.config, overrides(args)), "compare")
+    cfg = load_config(args.config, overrides(args))
     model, cluster = cfg.model, get_cluster(args.cluster)
     pinned = [parse_compare_layout(text) for text in args.layouts]
     num_devices = device_count(pinned)

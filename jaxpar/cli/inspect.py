@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import config_or_default, modelled, needs, overrides
+from jaxpar.cli.common import config_or_default, needs, overrides
 from jaxpar.config import load_config
 from jaxpar.distributed import ensure_host_devices
 from jaxpar.layout import ParallelLayout
@@ -39,7 +39,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     Raises :class:`~jaxpar.config.ConfigError` on bad input (the CLI turns it into exit code 2).
     """
     needs("inspect", "--ops", getattr(args, "ops", False), "--json", getattr(args, "json", False))
-    cfg = modelled(load_config(config_or_default(args), overrides(args)), "inspect")
+    cfg = load_config(config_or_default(args), overrides(args))
     ensure_host_devices(ParallelLayout.from_config(cfg).devices)
     from jaxpar.analysis.compiled import analyze_layout
 
@@ -101,6 +101,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
     text = f"data={layout['data']} x tensor={layout['tensor']} x pipeline={layout['pipeline']}"
     if layout.get("context", 1) > 1:
         text += f" x context={layout['context']} ({layout['context_exchange']})"
+    if layout.get("expert", 1) > 1:
+        text += f" x expert={layout['expert']}"
     text += f", ZeRO-{layout['zero_stage']}"
     if layout["sequence_parallel"]:
         text += ", SP"
