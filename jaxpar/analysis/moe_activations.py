@@ -20,17 +20,24 @@ Residuals (``none``), per layer, replacing the dense SwiGLU's 6 e*b*s*f:
 ``selective`` keeps the router logits (a dot without batch dims) of all that, ``full`` nothing;
 both recompute the rest inside the layer's backward.
 
-Backward working set (the layer's MoE phase, on top of the stack): XLA:CPU runs ``ragged_dot``'s
-transposes as matmuls over every local group with the rows of the other groups masked out (the
-``select_n`` of jax's generic ``ragged_dot`` lowering): the gate and up gradients masked per
-group, (G, N, f) each, and each laid out again as (N, G*f) for the weight gradient, 4 e*G*N*f;
-the masked rows (G, N, h), e*G*N*h; the gradient of W_down's input, e*N*f; and the zero (n*T, h)
-buffer the token gradient is scatter-added into, e*n*T*h. A grouped GEMM (GPU) holds none of the
-G-fold arrays. Counted in the buffer assignment of tiny_mixtral, fp32, e4 x d2 at s=256 (the
-live set at the peak: ``experiments/results/2026-12-04-memory-six/live.py``) and held against the
-grid of tests/test_memory_moe.py. A shared expert (``shared_expert_dim``) adds the dense SwiGLU's
-terms at its width. ``moe_dispatch=dense`` (every local expert on every gathered token) is
-counted with n*T*G rows in place of N (not compiled-checked).
+Backward working set (the layer's MoE phase, on top of the stack): on CPU jax lowers
+``ragged_dot`` through its generic implementation (``_ragged_dot_general_impl`` in
+``jax/_src/lax/lax.py``: the ragged operand broadcast over the G local groups and masked with
+``select``), so the transposes run over every group: the gate and up gradients masked per group,
+(G, N, f) each, and each laid out again as (N, G*f) for the weight gradient, 4 e*G*N*f; the masked
+rows (G, N, h), e*G*N*h; the gradient of W_down's input, e*N*f; and the zero (n*T, h) buffer the
+token gradient is scatter-added into, e*n*T*h. On GPU and TPU ``ragged_dot`` lowers to the
+ragged-dot instruction (or a Triton kernel) without the G-fold arrays: for those the count is an
+upper bound (the planner uses it for every cluster). Counted in the buffer assignment of
+tiny_mixtral, fp32, e4 x d2 at s=256 (the live set at the peak:
+``experiments/results/2026-12-04-memory-six/live.py``) and held against the grid of
+tests/test_memory_moe.py. A shared expert (``shared_expert_dim``) adds the dense SwiGLU's
+terms at its width.
+
+``moe_dispatch=dense`` (every local expert on every gathered token: R = n*T*G rows, einsums, no
+ragged matmul) saves the SwiGLU's six (R, f) arrays, W_down's per-expert output (R, h) and the
+gathered tokens (n*T, h), and its backward holds five (R, f) arrays and the tokens' slice (n*T, h)
+(buffer assignment of tiny_mixtral e4 x d2, s=128).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class MoeDims:
     f: float  # mlp_dim / t
     shared: float  # shared_expert_dim / t
     experts: int  # E
+    dense: bool = False  # moe_dispatch=dense: rows = n*T*G, every local expert on every token
 
     @classmethod
     def of(cls, model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> MoeDims:
@@ -77,12 +85,14 @@ class MoeDims:
             model.mlp_dim / t,
             model.get("shared_expert_dim", 0) / t,
             model.num_experts,
+            dense,
         )
 
 
 def moe_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: str, b: int | None = None) -> float:
     """What one MoE layer saves for its backward beyond attention and norms (module docstring):
-    ``none`` 6 e*N*f + 2 e*N*h + 2 * 4*T*E (+ the shared expert's 6 e*T*f_s); ``selective`` the
+    ``none`` 6 e*N*f + 2 e*N*h + 2 * 4*T*E (dense dispatch: 6 e*R*f + e*R*h + e*n*T*h in place of
+    the first two; + the shared expert's 6 e*T*f_s); ``selective`` the
     router's fp32 logits 4*T*E (+ the shared expert's gate and up, 2 e*T*f_s); ``full`` nothing."""
     d = MoeDims.of(model, layout, b)
     if recompute == "full":
@@ -90,15 +100,19 @@ def moe_residual_bytes(model: ConfigDict, layout: ParallelLayout, recompute: str
     if recompute == "selective":
         return F32 * d.router_rows * d.experts + 2 * d.e * d.tokens * d.shared
     routed = 6 * d.e * d.rows * d.f + 2 * d.e * d.rows * d.h
+    if d.dense:  # W_down's per-expert output and the gathered tokens, not the taken rows
+        routed = 6 * d.e * d.rows * d.f + d.e * d.rows * d.h + d.e * d.gathered * d.h
     return routed + 2 * F32 * d.router_rows * d.experts + 6 * d.e * d.tokens * d.shared
 
 
 def moe_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """One MoE layer's backward working set (module docstring): 4 e*G*N*f + e*G*N*h + e*N*f +
-    e*n*T*h, the shared expert's three (b, s, f_s) gradients, and under ``selective`` / ``full`` the
+    e*n*T*h (dense dispatch: 5 e*R*f + e*n*T*h), the shared expert's three (b, s, f_s) gradients, and under ``selective`` / ``full`` the
     recomputed forward's residuals (:func:`moe_residual_bytes` of ``none``)."""
     d = MoeDims.of(model, layout, b)
     working = d.e * (4 * d.groups * d.rows * d.f + d.groups * d.rows * d.h + d.rows * d.f + d.gathered * d.h)
+    if d.dense:  # plain einsums: five (R, f) arrays and the tokens' slice
+        working = d.e * (5 * d.rows * d.f + d.gathered * d.h)
     working += 3 * d.e * d.tokens * d.shared
     if layout.recompute != "none":
         working += moe_residual_bytes(model, layout, "none", b)
