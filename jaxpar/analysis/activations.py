@@ -311,9 +311,13 @@ def _layer_working_phases(
     if tick and rec == "none" and layers <= 1:  # the chunk's residuals hold the scores and probabilities;
         # its attention backward adds dP (one fp32 score array: buffer assignment of tiny interleaved,
         # chunks of one layer, s=1024: three f32[b, n/t, s, s] arrays at the peak, two of them residuals)
+        # an MoE layer: its backward working set in the (b, s, f) array's place
+        mlp = moe_activations.moe_backward_bytes(model, layout, b) if model.get("num_experts", 0) else None
         if _attention(layout) == "dot_product":
-            return 0.0, d.e * d.b * d.s * d.f + F32 * d.b * d.n * d.s * d.s
-        return 0.0, max(d.e * d.b * d.s * d.f, blockwise_attention_backward_bytes(model, layout, b))
+            return 0.0, (d.e * d.b * d.s * d.f if mlp is None else mlp) + F32 * d.b * d.n * d.s * d.s
+        return 0.0, max(
+            d.e * d.b * d.s * d.f if mlp is None else mlp, blockwise_attention_backward_bytes(model, layout, b)
+        )
     weights = d.e * layer_params(model, layout)
     dot = _attention(layout) == "dot_product"
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)

@@ -564,6 +564,9 @@ def _analyze_pipeline(cfg: ConfigDict, setup: Any, compiled: Any) -> CompiledRep
         }
         if layout.expert > 1:
             st["expected"][MeshAxis.EXPERT] = expert_traffic(cfg.model, layout, st["stage"])[0]
+            if layout.data == 1 and layout.context == 1:  # the reduction runs over expert alone (counted_axes)
+                st["expected"][MeshAxis.EXPERT] += st["expected"][MeshAxis.DATA]
+                st["expected"][MeshAxis.DATA] = 0.0
     axes = (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE)
     busiest = max(report.stages, key=lambda st: sum(st[a] for a in axes))["stage"]
     report.warnings.append(
