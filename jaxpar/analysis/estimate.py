@@ -4,7 +4,7 @@ Pure functions of (model sub-config, :class:`ParallelLayout`[, :class:`Cluster`]
 compiled or allocated, so any model plans for any cluster in microseconds. Each formula names its
 source; tests/test_estimate.py checks the published numbers. Units: bytes, GB = 1e9, seconds. ``b``
 is sequences per data shard per microbatch, ``m`` microbatches per step: global_batch = b * m *
-data. Activations count in the compute dtype. The parameter inventory is
+data (x expert: the batch is split over data x expert). Activations count in the compute dtype. The parameter inventory is
 :mod:`jaxpar.models.inventory`, communication per axis :mod:`jaxpar.analysis.traffic` (ring bytes
 on the wire); both are re-exported, so ``estimate`` is the one name for every closed-form number.
 """
@@ -355,7 +355,7 @@ def step_time(
         recompute = "full"
     hw = hardware_flops_per_token(model, layout.seq_len, recompute, causal, model_fpt)
     out_layer = 6 * model.vocab_size * model.embed_dim if p > 1 else 0.0  # runs on the last stage only
-    shards = layout.data * layout.tensor * (layout.expert if layout.expert > 1 else 1)
+    shards = layout.data * layout.tensor * layout.expert
     compute = ((hw - out_layer) / p + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)
     bwd = compute * (1 - model_fpt / 3 / hw)  # all but the forward (2N + 4Lqs)
     window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]

@@ -6,6 +6,9 @@ collective-permute S) and, with a cluster, the time over its links, under the ``
 or the ``jaxpar`` one (what jaxpar's train step compiles to, per pipeline stage). With context
 parallelism (c > 1) the ``data`` entry is the gradient reduction over data*c devices, activation
 terms hold s/c tokens, and the ``context`` entry is the attention exchange (:func:`context_traffic`).
+With experts (mesh.expert > 1) the ``data`` entry sums two reductions (the experts' weights over
+data*c, the rest over data*expert*c) and the ``expert`` entry is the MoE dispatch and combine
+(:func:`expert_traffic`, the same in both conventions: it is how jaxpar's MoE layer is built).
 """
 
 from __future__ import annotations
