@@ -279,3 +279,21 @@ def test_expert_sizes_divide_the_experts_and_the_data_devices():
     assert P._expert_sizes(moe, 6, {}) == [1, 2]
     assert P._expert_sizes(model("llama2_7b"), 16, {}) == [1]
     assert P._expert_sizes(moe, 16, {"expert": 4}) == [4]
+
+
+def test_compare_and_the_sweep_grid_take_moe_layouts(capsys):
+    """``compare`` evaluates expert layouts of the tiny Mixtral (the batch split over data x expert), and
+    the sweep's grid lists them (``e<size>`` in the name), pure data parallelism first."""
+    from jaxpar.analysis.sweep_grid import cpu_cluster, layout_name, sweep_layouts
+
+    cfg = str(CONFIGS / "tiny_mixtral.py")
+    code, out, _ = _compare(capsys, "--config", cfg, "--layout=data=2,expert=4", "--layout=data=8", "--json")
+    assert code == 0
+    rows = json.loads(out)["layouts"]
+    assert [(r["data"], r["expert"], r["microbatch_size"]) for r in rows] == [(2, 4, 2), (8, 1, 2)]
+    assert rows[0]["communication"]["expert"]["bytes"] > 0 == rows[1]["communication"]["expert"]["bytes"]
+    tiny = load_config(cfg)
+    layouts = sweep_layouts(tiny.model, 8, tiny.train.global_batch, tiny.train.seq_len, cpu_cluster(8, 1e11, 10.0))
+    names = [layout_name(lay) for lay in layouts]
+    assert names[0] == "d8t1p1-z0-m1" and "d2t1p1e4-z0-m1" in names and "d1t1p1e8-z3-m1" in names
+    assert all(lay.global_batch == tiny.train.global_batch for lay in layouts)

@@ -14,7 +14,7 @@ from typing import Any
 from jaxpar.analysis.clusters import GIB, PRESETS, get_cluster
 from jaxpar.analysis.compare import choice_sources, compare_layouts, config_choices, device_count, relative_to_first
 from jaxpar.analysis.estimate import DTYPE_BYTES
-from jaxpar.analysis.plan import PlanOptions, plan_summary
+from jaxpar.analysis.plan import PlanOptions, flops_convention, plan_summary
 from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import at_least_one, at_most, overrides, share
 from jaxpar.cli.plan import render_aot, render_table
@@ -162,6 +162,7 @@ def run_compare(args: argparse.Namespace) -> int:
         f"{seq_len}; memory budget {budget:.1f} GiB per device (red: does not fit)"
     )
     render_table(estimates, cluster, title="the layouts as given")
+    console.print(f"MFU counts {flops_convention(model)}.")
     for i, (e, rel) in enumerate(zip(estimates, relative), 1):
         console.print(
             f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"
