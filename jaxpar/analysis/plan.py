@@ -417,9 +417,10 @@ def flops_convention(model: ConfigDict) -> str:
     """How MFU counts FLOPs (:func:`jaxpar.models.flops.flops_per_token`), in one line."""
     text = "6 x parameters + 12 x L x heads x head_dim x s per token (PaLM appendix B, no causal discount)"
     if model.get("num_experts", 0):
-        active = flops_params(model) / 1e9
+        active = flops_params(model)
+        count = f"{active / 1e9:.2f}B" if active >= 1e9 else f"{active / 1e6:.2f}M"
         text += (
-            f"; MoE: active parameters only ({active:.2f}B: the {model.experts_per_token} of "
+            f"; MoE: active parameters only ({count}: the {model.experts_per_token} of "
             f"{model.num_experts} experts a token runs through, as Mixtral's 12.9B active)"
         )
     return text
