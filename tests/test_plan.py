@@ -255,3 +255,45 @@ def test_compare_keeps_the_config_choices_and_says_so(capsys):
     assert row["choices"]["zero_stage"] == row["choices"]["recompute"] == "config"
     code, out, _ = _compare(capsys, "--layout=data=4,tensor=2,zero=1", "--config.parallel.zero_stage=2")
     assert code == 0 and "from the config: recompute=" in out and "zero=" not in out.split("from the config")[1]
+
+
+def test_plan_mixtral_searches_the_expert_axis(capsys):
+    """An MoE model is planned, not refused: the search includes expert sizes dividing the experts and
+    the data-parallel devices, prices their dispatch, and states the active-parameter FLOP convention."""
+    args = plan_args("--config", str(CONFIGS / "mixtral_8x7b.py"), "--nodes", "2", "--top", "1000", "--json")
+    assert plan_cli.run_plan(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "active parameters" in doc["model"]["flops_convention"]
+    experts = [row for row in doc["layouts"] if row["expert"] > 1]
+    assert experts and all(8 % row["expert"] == 0 for row in experts)
+    assert all(row["communication"]["expert"]["bytes"] > 0 for row in experts)
+    assert all(row["time"]["expert_s"] > 0 for row in experts)
+    args = plan_args("--config", str(CONFIGS / "mixtral_8x7b.py"), "--nodes", "2", "--top", "3")
+    assert plan_cli.run_plan(args) == 0
+    assert "MoE: active parameters only" in capsys.readouterr().out
+
+
+def test_expert_sizes_divide_the_experts_and_the_data_devices():
+    moe = model("mixtral_8x7b")
+    assert P._expert_sizes(moe, 16, {}) == [1, 2, 4, 8]
+    assert P._expert_sizes(moe, 6, {}) == [1, 2]
+    assert P._expert_sizes(model("llama2_7b"), 16, {}) == [1]
+    assert P._expert_sizes(moe, 16, {"expert": 4}) == [4]
+
+
+def test_compare_and_the_sweep_grid_take_moe_layouts(capsys):
+    """``compare`` evaluates expert layouts of the tiny Mixtral (the batch split over data x expert), and
+    the sweep's grid lists them (``e<size>`` in the name), pure data parallelism first."""
+    from jaxpar.analysis.sweep_grid import cpu_cluster, layout_name, sweep_layouts
+
+    cfg = str(CONFIGS / "tiny_mixtral.py")
+    code, out, _ = _compare(capsys, "--config", cfg, "--layout=data=2,expert=4", "--layout=data=8", "--json")
+    assert code == 0
+    rows = json.loads(out)["layouts"]
+    assert [(r["data"], r["expert"], r["microbatch_size"]) for r in rows] == [(2, 4, 2), (8, 1, 2)]
+    assert rows[0]["communication"]["expert"]["bytes"] > 0 == rows[1]["communication"]["expert"]["bytes"]
+    tiny = load_config(cfg)
+    layouts = sweep_layouts(tiny.model, 8, tiny.train.global_batch, tiny.train.seq_len, cpu_cluster(8, 1e11, 10.0))
+    names = [layout_name(lay) for lay in layouts]
+    assert names[0] == "d8t1p1-z0-m1" and "d2t1p1e4-z0-m1" in names and "d1t1p1e8-z3-m1" in names
+    assert all(lay.global_batch == tiny.train.global_batch for lay in layouts)

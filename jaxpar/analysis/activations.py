@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxpar.analysis import moe_activations
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
 from jaxpar.parallel.pipeline.schedule import steady_slot_counts
@@ -108,7 +109,8 @@ def layer_residual_bytes(
       4*b*s*n (Dao et al. 2022: the backward recomputes the blocks);
     - SwiGLU MLP: gate and up outputs, silu's three jvp residuals (x, sigmoid, silu) and the
       product fed to W_down: 6 e*b*s*f. GeLU (tanh): up output, its cube term, tanh and the
-      activation: 4 e*b*s*f (from JAX's jvp rules; not compiled-checked).
+      activation: 4 e*b*s*f (from JAX's jvp rules; not compiled-checked). An MoE layer:
+      :func:`jaxpar.analysis.moe_activations.moe_residual_bytes` in their place.
 
     Korthikanti et al. 2022 (arXiv:2205.05198) count 34sbh + 5as^2b for a GPT layer with dropout in
     2-byte activations; without dropout this step keeps none of its masks, keeps fp32 norms, scores
@@ -128,6 +130,9 @@ def layer_residual_bytes(
     if recompute == "full":
         return d.e * d.b * d.so * d.h
     if recompute == "selective":
+        if model.get("num_experts", 0):  # the MoE layer's saved dots (jaxpar.analysis.moe_activations)
+            moe = moe_activations.moe_residual_bytes(model, layout, recompute, b)
+            return d.e * d.b * (d.so * d.h + d.s * (d.q + 2 * d.k + d.h)) + moe
         return d.e * d.b * (d.so * d.h + d.s * (d.q + 2 * d.k + d.h + (2 if swiglu else 1) * d.f))
     outside = d.b * d.so * (2 * d.e * d.h + 2 * F32 * d.h + 4 * F32)
     inputs = 2 * d.e * d.b * d.s * d.h
@@ -136,7 +141,10 @@ def layer_residual_bytes(
         attention += 2 * F32 * d.b * d.n * d.s * (d.s + 1)
     else:
         attention += F32 * d.b * d.s * d.n
-    mlp = (6 if swiglu else 4) * d.e * d.b * d.s * d.f
+    if model.get("num_experts", 0):  # the MoE layer in the MLP's place
+        mlp = moe_activations.moe_residual_bytes(model, layout, recompute, b)
+    else:
+        mlp = (6 if swiglu else 4) * d.e * d.b * d.s * d.f
     return outside + inputs + attention + mlp
 
 
@@ -168,13 +176,17 @@ def dropout_residual_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
 
 def layer_params(model: ConfigDict, layout: ParallelLayout) -> float:
     """Elements of one layer's parameters on one device (split over tensor, not over data)."""
-    return sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
+    return sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place == "layer"
+    )
 
 
 def shared_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> float:
     """Elements of the parameters outside the layers one device holds (embedding, head, norms)."""
     places = ("first", "last") if layout.pipeline == 1 else (stage,)
-    return sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place in places)
+    return sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place in places
+    )
 
 
 def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -240,7 +252,7 @@ def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) ->
     loop; XLA:CPU allocates it (a broadcast of zeros) before the forward loop, so it is live through the
     whole backward beside the sharded gradients, which count its 1/N shard: pb * V*h/t * (1 - 1/N).
     ZeRO 0-2 count the full table among their gradients."""
-    n = layout.data * layout.context
+    n = layout.data * layout.context * layout.expert
     return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) * (1 - 1 / n)
 
 
@@ -299,14 +311,22 @@ def _layer_working_phases(
     if tick and rec == "none" and layers <= 1:  # the chunk's residuals hold the scores and probabilities;
         # its attention backward adds dP (one fp32 score array: buffer assignment of tiny interleaved,
         # chunks of one layer, s=1024: three f32[b, n/t, s, s] arrays at the peak, two of them residuals)
+        # an MoE layer: its backward working set in the (b, s, f) array's place
+        mlp = moe_activations.moe_backward_bytes(model, layout, b) if model.get("num_experts", 0) else None
         if _attention(layout) == "dot_product":
-            return 0.0, d.e * d.b * d.s * d.f + F32 * d.b * d.n * d.s * d.s
-        return 0.0, max(d.e * d.b * d.s * d.f, blockwise_attention_backward_bytes(model, layout, b))
+            return 0.0, (d.e * d.b * d.s * d.f if mlp is None else mlp) + F32 * d.b * d.n * d.s * d.s
+        return 0.0, max(
+            d.e * d.b * d.s * d.f if mlp is None else mlp, blockwise_attention_backward_bytes(model, layout, b)
+        )
     weights = d.e * layer_params(model, layout)
     dot = _attention(layout) == "dot_product"
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
+    if model.get("num_experts", 0):  # the MoE layer's backward in the MLP's place
+        mlp = moe_activations.moe_backward_bytes(model, layout, b)
+    else:
+        mlp = BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f
     backward = (
-        BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f
+        mlp
         + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
         + (BACKWARD_HIDDEN_WIDE[rec] - BACKWARD_HIDDEN_OUTSIDE) * d.e * d.b * d.s * d.h
         + kv
@@ -448,8 +468,10 @@ def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> flo
     output-layer gradient). The embedding's gradient, a scatter-add finished after the layer loop, stays
     full. With sequence parallelism XLA schedules the scatter after the layer loop (~1B data=2 x
     tensor=2 x context=2 ZeRO-1 SP: the full f32[2048,16000] gradient at the peak): not counted there."""
-    n = layout.data * layout.context
-    head = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.name == "output")
+    n = layout.data * layout.context * layout.expert
+    head = sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.name == "output"
+    )
     return DTYPE_BYTES[model.param_dtype] * head * (1 - 1 / n)
 
 
@@ -469,19 +491,37 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     update reads in place (buffer assignment of ~1B data=8 full, s=512: the update's live set is
     those buffers, 749 MiB, and nothing of their size besides).
     """
-    n = layout.data * layout.context
     pb = DTYPE_BYTES[model.param_dtype]
     if layout.zero_stage == 0:
         return 2 * grads - pb * shared_tables(model, layout)
     if layout.zero_stage in (1, 2):
         return grads + pb * largest_param(model, layout)
-    return grads / n + zero3_embedding_gradient_bytes(model, layout)
+    return zero_sharded_bytes(model, layout, grads) + zero3_embedding_gradient_bytes(model, layout)
+
+
+def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: float) -> float:
+    """``full_bytes`` of gradients (every parameter one device holds) ZeRO-sharded: / (data x context);
+    with ``expert`` > 1 the experts' weights' share / (data x context), the rest / (data x expert x
+    context) (:func:`jaxpar.axes.data_group`)."""
+    n = layout.data * layout.context
+    if layout.expert == 1:
+        return full_bytes / n
+    layers = model.num_layers // layout.pipeline
+    experts = sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert)
+        for t in param_tensors(model)
+        if t.place == "layer" and t.expert_split
+    )
+    experts *= layers * DTYPE_BYTES[model.param_dtype]
+    return experts / n + (full_bytes - experts) / (n * layout.expert)
 
 
 def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
     """Elements of the largest stacked layer weight one device holds (the stage's layers of it)."""
     layers = model.num_layers // layout.pipeline
-    return layers * max(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
+    return layers * max(
+        shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place == "layer"
+    )
 
 
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
@@ -513,7 +553,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`) and works on one layer
     (:func:`layer_working_bytes`).
     """
-    p, pb, n = layout.pipeline, DTYPE_BYTES[model.param_dtype], layout.data * layout.context
+    p, pb = layout.pipeline, DTYPE_BYTES[model.param_dtype]
     d = Dims.of(model, layout)
     layer_el, shared_el = _grad_elements(model, layout, stage)
     full_grads = pb * (layer_el + shared_el)
@@ -529,7 +569,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             layer_working_term(model, layout, layers=layers),
             ("loss head", head_working_bytes(model, layout)),
         ]
-        grads = full_grads / n if zero3 else full_grads
+        grads = zero_sharded_bytes(model, layout, full_grads) if zero3 else full_grads
         if zero3:  # no gathered layer added: it takes the place of the sliced one (see above)
             candidates.append(
                 ("ZeRO-3 loss head (gathered weight, its gradient)", zero3_head_phase_bytes(model, layout))
@@ -544,7 +584,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         grads -= early
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
             # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
-            grads += full_grads / n if layout.zero_stage >= 2 else pb * layer_el
+            grads += zero_sharded_bytes(model, layout, full_grads) if layout.zero_stage >= 2 else pb * layer_el
             if zero3:  # the zero table the embedding's scatter-add starts from, hoisted out of the microbatch
                 # loop, and each microbatch's copy of it (buffer assignment of ~1B ZeRO-3 m=2 and m=4:
                 # two f32[V/t, h] tables beside the sharded gradients)
@@ -592,7 +632,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             if head > working:
                 working, term = head, "backward tick: the loss head's backward"
         chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
-    acc = full_grads / n if layout.zero_stage >= 2 else full_grads
+    acc = zero_sharded_bytes(model, layout, full_grads) if layout.zero_stage >= 2 else full_grads
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
     backward = residual + working + grads + gather + slots

@@ -249,28 +249,25 @@ def aot_compare(
 
 def _estimated_axis_bytes(comm: dict[str, Any], layout: ParallelLayout) -> dict[str, float]:
     """The estimate's bytes per axis as :func:`compiled_axis_bytes` splits the compiled ones: with
-    ``data = 1`` and context, the gradient reduction runs over ``context`` alone, in the same rows as
-    the exchange, so both count under ``context``."""
+    ``data = 1`` and only one of context and expert, the gradient reduction runs over that axis
+    alone, in the same rows as its exchange or dispatch, so both count under it."""
     out = {axis: comm[axis].bytes for axis in MESH_AXES}
-    if layout.context > 1 and layout.data == 1:
-        out[MeshAxis.CONTEXT] += out[MeshAxis.DATA]
+    alone = [a for a in (MeshAxis.CONTEXT, MeshAxis.EXPERT) if layout.size(a) > 1]
+    if layout.data == 1 and len(alone) == 1:
+        out[alone[0]] += out[MeshAxis.DATA]
         out[MeshAxis.DATA] = 0.0
     return out
 
 
 def compiled_axis_bytes(report: Any, layout: ParallelLayout | None = None) -> dict[str, float]:
     """Bytes per device per step on each axis; with a pipeline, of the busiest stage on that axis
-    (each stage counted exactly from the schedule, as the estimate's busiest stage). With context
-    and data > 1, a row over both ``data`` and ``context`` (the gradient reduction's group) counts
-    under ``data`` only: the estimate's ``context`` is the attention exchange."""
+    (each stage counted exactly from the schedule, as the estimate's busiest stage). A row over
+    several of ``data``, ``expert`` and ``context`` (a gradient reduction's group) counts under
+    ``data`` only (:func:`jaxpar.analysis.compiled.counted_axes`): the estimate's ``context`` is the
+    attention exchange, its ``expert`` the MoE dispatch and combine."""
     if report.stages:
         return {axis: max(st.get(axis, 0.0) for st in report.stages) for axis in MESH_AXES}
-    out = {axis: report.total_bytes(axis) for axis in MESH_AXES}
-    if layout is not None and layout.context > 1 and layout.data > 1:
-        out[MeshAxis.CONTEXT] = sum(
-            r.bytes_per_device for r in report.rows if MeshAxis.CONTEXT in r.axes and MeshAxis.DATA not in r.axes
-        )
-    return out
+    return {axis: report.axis_bytes(axis) for axis in MESH_AXES}
 
 
 def run_aot(

@@ -26,12 +26,12 @@ from jaxpar.config import ConfigDict, ConfigError
 
 
 def device_count(pinned: list[dict[str, Any]]) -> int:
-    """The one device count (data*tensor*pipeline*context) of the pinned layouts; a ConfigError if they differ."""
+    """The one device count (the product of the mesh sizes) of the pinned layouts; a ConfigError if they differ."""
     sizes = {math.prod(p.get(axis, 1) for axis in MESH_AXES) for p in pinned}
     if len(sizes) != 1:
         raise ConfigError(
             f"--layout: the layouts use different device counts ({sorted(sizes)}); give each the same "
-            "data*tensor*pipeline*context"
+            "data*tensor*pipeline*context*expert"
         )
     return sizes.pop()
 

@@ -175,6 +175,10 @@ class CompiledReport:
     def total_expected_bytes(self, axis: str | None = None) -> float:
         return sum(r.expected_bytes or 0.0 for r in self.rows if axis is None or axis in r.axes)
 
+    def axis_bytes(self, axis: str) -> float:
+        """Ring bytes per device per step counted under ``axis`` (:func:`counted_axes`)."""
+        return sum(r.bytes_per_device for r in self.rows if axis in counted_axes(r.axes))
+
     def to_dict(self) -> dict[str, Any]:
         mem = None
         if self.memory is not None:
@@ -199,6 +203,22 @@ class CompiledReport:
             "unordered": list(self.unordered),
             "ops": [dataclasses.asdict(op) | {"axes": list(op.axes)} for op in self.ops],
         }
+
+
+# The axes a gradient reduction group is made of (jaxpar.axes.data_group): a row over several of them is
+# the reduction of a ZeRO group, counted under `data` in per-axis totals (the estimates' data entry).
+GROUP_AXES = (MeshAxis.DATA, MeshAxis.EXPERT, MeshAxis.CONTEXT)
+
+
+def counted_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes a row's bytes count under in per-axis totals: its own, except that a row over
+    several of data, expert and context (a gradient reduction group, or the MoE auxiliary loss's
+    token statistics) counts under ``data`` in their place; the ``expert`` and ``context`` totals
+    are then the MoE dispatch and the attention exchange alone."""
+    group = [a for a in axes if a in GROUP_AXES]
+    if len(group) < 2:
+        return axes
+    return (*(a for a in axes if a not in GROUP_AXES), MeshAxis.DATA)
 
 
 def _ratio(measured: float, expected: float | None) -> float | None:
@@ -287,7 +307,13 @@ def analyze_compiled(
     if pipeline is not None:
         per_stage = [_stage_rows(ops, pipeline, d, coords, names) for d in range(pipeline.table.stages)]
         stages = [
-            {"stage": d, **{axis: sum(r.bytes_per_device for r in rows.values() if axis in r.axes) for axis in names}}
+            {
+                "stage": d,
+                **{
+                    axis: sum(r.bytes_per_device for r in rows.values() if axis in counted_axes(r.axes))
+                    for axis in names
+                },
+            }
             for d, rows in enumerate(per_stage)
         ]
         rows = max(per_stage, key=lambda rows: sum(r.bytes_per_device for r in rows.values()))
@@ -517,9 +543,11 @@ def _expect_temps(memory: MemoryReport, cfg: ConfigDict, layout: ParallelLayout)
 
 def _analyze_pipeline(cfg: ConfigDict, layout: ParallelLayout, setup: Any, compiled: Any) -> CompiledReport:
     """A pipeline layout: rows of the busiest stage; per stage, each axis beside the estimate of
-    :func:`jaxpar.analysis.estimate.jaxpar_stage_traffic` (data: the same on every stage); the
+    :func:`jaxpar.analysis.estimate.jaxpar_stage_traffic` (data: the same on every stage; expert:
+    :func:`jaxpar.analysis.traffic.expert_traffic`); the
     argument memory beside the estimate of :func:`jaxpar.analysis.estimate.estimated_argument_bytes`."""
     from jaxpar.analysis.estimate import DTYPE_BYTES, communication, estimated_argument_bytes, jaxpar_stage_traffic
+    from jaxpar.analysis.traffic import expert_traffic
 
     memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)}
     report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, expected_memory=memory)
@@ -532,6 +560,11 @@ def _analyze_pipeline(cfg: ConfigDict, layout: ParallelLayout, setup: Any, compi
             MeshAxis.TENSOR: traffic[MeshAxis.TENSOR][0],
             MeshAxis.PIPELINE: traffic[MeshAxis.PIPELINE][0],
         }
+        if layout.expert > 1:
+            st["expected"][MeshAxis.EXPERT] = expert_traffic(cfg.model, layout, st["stage"])[0]
+            if layout.data == 1 and layout.context == 1:  # the reduction runs over expert alone (counted_axes)
+                st["expected"][MeshAxis.EXPERT] += st["expected"][MeshAxis.DATA]
+                st["expected"][MeshAxis.DATA] = 0.0
     axes = (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE)
     busiest = max(report.stages, key=lambda st: sum(st[a] for a in axes))["stage"]
     report.warnings.append(

@@ -4,7 +4,7 @@ Pure functions of (model sub-config, :class:`ParallelLayout`[, :class:`Cluster`]
 compiled or allocated, so any model plans for any cluster in microseconds. Each formula names its
 source; tests/test_estimate.py checks the published numbers. Units: bytes, GB = 1e9, seconds. ``b``
 is sequences per data shard per microbatch, ``m`` microbatches per step: global_batch = b * m *
-data. Activations count in the compute dtype. The parameter inventory is
+data (x expert: the batch is split over data x expert). Activations count in the compute dtype. The parameter inventory is
 :mod:`jaxpar.models.inventory`, communication per axis :mod:`jaxpar.analysis.traffic` (ring bytes
 on the wire); both are re-exported, so ``estimate`` is the one name for every closed-form number.
 """
@@ -85,19 +85,29 @@ def model_states(
     """Model-state bytes per device of one pipeline stage, under one of two stated conventions.
 
     ``paper``: the ZeRO paper's 16 bytes/param for the parameters a device holds after the tensor and
-    pipeline split (norms replicated over tensor), divided by N = data as the paper does.
+    pipeline split (norms replicated over tensor), divided by N = data as the paper does (MoE: the
+    experts' weights split over ``expert`` and N = data for them, N = data x expert for the rest).
     ``jaxpar``: what the trainer holds (a pipeline stage also holds one V x h table, the final norm
     and positions: :func:`stage_tensors`): fp32 master parameters sharded over data (x context) at
-    ZeRO-3 only; Adam mu + nu in the param dtype sharded at ZeRO >= 1 (``optim`` given: its state
+    ZeRO-3 only (MoE: the experts' weights split over ``expert``, the rest sharded over data x
+    expert (x context), as :func:`jaxpar.sharding.param_placement` places them); Adam mu + nu in the param dtype sharded at ZeRO >= 1 (``optim`` given: its state
     elements per parameter); fp32 gradients, live at the update, sharded at ZeRO >= 2. Sharding
     follows :func:`shard_elements`.
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
     if convention == "paper":
-        return zero_paper_states(
-            _held_elements(model, layout, stage, False), layout.zero_stage, layout.data * layout.context
+        n = layout.data * layout.context
+        if layout.expert == 1:
+            return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage, n)
+        # MoE: the experts' weights (split over expert) shard over data (x context), the rest over data x expert
+        parts = (
+            zero_paper_states(_held_elements(model, layout, stage, False, experts=True), layout.zero_stage, n),
+            zero_paper_states(
+                _held_elements(model, layout, stage, False, experts=False), layout.zero_stage, n * layout.expert
+            ),
         )
+        return ModelStates(*(a + b for a, b in zip(dataclasses.astuple(parts[0]), dataclasses.astuple(parts[1]))))
     full = _held_elements(model, layout, stage, False, every_stage=True)
     zero = _held_elements(model, layout, stage, True, every_stage=True)
     pb = DTYPE_BYTES[model.param_dtype]
@@ -308,6 +318,7 @@ class StepTime:
     step_s: float
     model_flops_per_step: float
     mfu: float
+    expert_s: float = 0.0  # the MoE dispatch and combine over `expert` (exposed, in busy time)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -325,11 +336,13 @@ def step_time(
     comm: dict[str, AxisComm] | None = None,
     convention: str = "jaxpar",
 ) -> StepTime:
-    """step = (compute + TP + PP p2p) / (1 - bubble) + exposed data-axis time.
+    """step = (compute + TP + PP p2p + EP) / (1 - bubble) + exposed data-axis time.
 
     compute: executed FLOPs of the slowest stage (the last also runs the output layer) at
     ``efficiency`` x peak (default 55%, a typical achieved MFU for large dense training: PaLM 46%,
-    Megatron 52%). TP and PP traffic are exposed. The data-axis reduction overlaps with backward
+    Megatron 52%), the tokens split over data x expert x tensor (an MoE layer's experts see, on
+    average, k routed copies of the rank's own tokens: the active-parameter FLOPs, balanced). TP, PP
+    and the MoE dispatch and combine over ``expert`` (EP) are exposed. The data-axis reduction overlaps with backward
     compute except ``dp_exposed_fraction``: DP/ZeRO-1 reduce once, after the last microbatch, whose
     backward alone can hide it; ZeRO-2 overlaps every backward, ZeRO-3 (prefetched gathers) the
     forward too. ``jaxpar`` convention: a 1F1B / interleaved backward tick recomputes its stage's
@@ -344,21 +357,23 @@ def step_time(
         recompute = "full"
     hw = hardware_flops_per_token(model, layout.seq_len, recompute, causal, model_fpt)
     out_layer = 6 * model.vocab_size * model.embed_dim if p > 1 else 0.0  # runs on the last stage only
-    compute = (
-        ((hw - out_layer) / p + out_layer) * tokens / (layout.data * layout.tensor) / (cluster.peak_flops * efficiency)
-    )
+    shards = layout.data * layout.tensor * layout.expert
+    compute = ((hw - out_layer) / p + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)
     bwd = compute * (1 - model_fpt / 3 / hw)  # all but the forward (2N + 4Lqs)
     window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]
     data = comm[MeshAxis.DATA].time_s
     data_exposed = max(dp_exposed_fraction * data, data - window)
     bubble = bubble_fraction(p, m, layout.virtual_stages, layout.schedule)
     tp, pp = comm[MeshAxis.TENSOR].time_s, comm[MeshAxis.PIPELINE].time_s
+    ep = comm[MeshAxis.EXPERT].time_s if MeshAxis.EXPERT in comm else 0.0
     busy = compute + tp + pp
+    if ep:
+        busy += ep
     step = busy / (1 - bubble) + data_exposed
     model_flops = model_fpt * tokens
     achieved = mfu(model_flops, step, layout.devices, cluster.peak_flops)
     return StepTime(
-        compute, tp, pp, data, data_exposed, bubble, busy * bubble / (1 - bubble), step, model_flops, achieved
+        compute, tp, pp, data, data_exposed, bubble, busy * bubble / (1 - bubble), step, model_flops, achieved, ep
     )
 
 

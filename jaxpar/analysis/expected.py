@@ -83,6 +83,14 @@ def expected_collectives(
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
     * ``context`` (c > 1): ``data`` reads (``data``, ``context``), n = data*c, and s reads s/c; the
       attention exchange is :func:`context_collectives`.
+    * ``expert`` (MoE): each parameter reduces over its placement's group (the experts' weights over
+      data (x context), the rest over data x expert (x context)), b counts sequences per data x
+      expert shard, and every MoE layer adds, per microbatch, the dispatch and combine over
+      ``expert`` (:func:`jaxpar.analysis.traffic.moe_dispatch_arrays`), its ``tensor`` collectives
+      (:func:`jaxpar.analysis.traffic.moe_tensor_arrays`), each as often as
+      :func:`jaxpar.analysis.traffic.moe_layer_phases` says, and with an auxiliary loss the fp32
+      expert counts (E) all-reduced over the token axes (the other statistics' reductions are dead:
+      only the loss's gradient is used).
 
     ``count`` is the number of logical collectives; XLA may combine several into one op.
     Pipeline placements are not modelled (``ConfigError``).
@@ -90,10 +98,10 @@ def expected_collectives(
     if cfg.mesh.pipeline > 1:
         raise ConfigError("expected_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
     mesh_shape = dict(cfg.mesh)
-    c = cfg.mesh.context
-    group = group_axes(data_group(c))  # ZeRO and gradient reductions: data, or (data, context)
+    c, experts = cfg.mesh.context, cfg.mesh.expert
+    group = group_axes(data_group(c, experts))  # the batch's reductions: data (x expert) (x context)
     m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
-    b = cfg.train.global_batch // (m * cfg.mesh.data)
+    b = cfg.train.global_batch // (m * cfg.mesh.data * experts)
     h, layers = cfg.model.embed_dim, cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
     pb = DTYPE_BYTES[cfg.model.param_dtype]
@@ -122,16 +130,18 @@ def expected_collectives(
     stacked = model_class(cfg.model.name).stacked  # the scanned layers: gathered again in the backward
     for path, shape, lay in param_leaves(cfg, layout, placements):
         e = local_elements(shape, lay.compute, mesh_shape)
+        zero = group_axes(lay.zero_axes)  # its ZeRO and reduction group
         if lay.sharded_storage:  # ZeRO-3
             gathers = 2 if path.startswith(f"['{stacked}']") else 1
-            add("all-gather", group, e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
-            add("reduce-scatter", group, e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
+            add("all-gather", zero, e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
+            add("reduce-scatter", zero, e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
         elif lay.sharded_optimizer:  # ZeRO-1/2
-            add("reduce-scatter", group, e * g, per_reduce, "gradient reduce-scatter")
-            add("all-gather", group, e * pb, 1, "updated parameter all-gather")
+            add("reduce-scatter", zero, e * g, per_reduce, "gradient reduce-scatter")
+            add("all-gather", zero, e * pb, 1, "updated parameter all-gather")
         else:
-            add("all-reduce", group, e * g, per_reduce, "gradient all-reduce")
-        split = tuple(a for a in (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR) if a in spec_axes(lay.optimizer))
+            add("all-reduce", zero, e * g, per_reduce, "gradient all-reduce")
+        norm_axes = (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR, MeshAxis.EXPERT)
+        split = tuple(a for a in norm_axes if a in spec_axes(lay.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")
 
@@ -157,7 +167,29 @@ def expected_collectives(
         kv = 2 * b * s * cfg.model.num_kv_heads // cfg.mesh.tensor * cfg.model.head_dim * act  # kvb
         for kind, count, size, what in context_collectives(kv, c, cfg.parallel.context_exchange, act, remat):
             add(kind, (MeshAxis.CONTEXT,), size, m * layers * count, what)
+    if cfg.model.num_experts:
+        _moe_collectives(cfg, add, group)
     return out
+
+
+def _moe_collectives(cfg: ConfigDict, add: Any, group: tuple[str, ...]) -> None:
+    """The MoE layers' rows of :func:`expected_collectives` (its docstring), through its ``add``."""
+    from jaxpar.analysis.traffic import moe_dispatch_arrays, moe_layer_phases, moe_tensor_arrays
+    from jaxpar.layout import ParallelLayout
+
+    layout = ParallelLayout.from_config(cfg)
+    per_step = cfg.train.microbatches * cfg.model.num_layers
+    phases = moe_layer_phases(layout)
+    for axis, arrays in (
+        (MeshAxis.EXPERT, moe_dispatch_arrays(cfg.model, layout)),
+        (MeshAxis.TENSOR, moe_tensor_arrays(cfg.model, layout)),
+    ):
+        for phase, times in phases.items():
+            for kind, size, what in arrays[phase]:
+                add(kind, (axis,), size, per_step * times, what)
+    if cfg.model.moe_aux_loss_coeff or cfg.model.moe_z_loss_coeff:
+        tokens = (*group, *((MeshAxis.TENSOR,) if cfg.parallel.sequence_parallel else ()))
+        add("all-reduce", tokens, cfg.model.num_experts * 4, per_step, "MoE expert counts (aux loss)")
 
 
 def context_collectives(
@@ -200,7 +232,7 @@ def expected_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = N
         opt += registry.local_state_bytes(cfg.optim, shape, lay, mesh_shape)  # AdamW: mu + nu, 8 bytes
         grads += local_elements(shape, lay.optimizer if layout.shards_gradients else lay.compute, mesh_shape) * 4
     t = cfg.train
-    batch = t.global_batch // cfg.mesh.data * (t.seq_len + 1) * 4
+    batch = t.global_batch // (cfg.mesh.data * cfg.mesh.expert) * (t.seq_len + 1) * 4  # rows over data x expert
     return {
         "param_bytes": params,
         "optimizer_bytes": opt,

@@ -1,9 +1,10 @@
-"""ParallelLayout search: every (data, tensor, pipeline, context) split and schedule choice, ranked by estimated step time.
+"""ParallelLayout search: every (data, tensor, pipeline, context, expert) split and schedule choice, ranked by estimated step time.
 
 ``jaxpar plan`` answers "how should I lay out this model on that cluster?" from the closed-form
 estimates of :mod:`jaxpar.analysis.estimate` alone, in seconds for any cluster size. It enumerates
 tensor sizes (:func:`_tensor_sizes`), pipeline sizes dividing the layers, context sizes
-(:func:`_context_sizes`), data = devices / (tensor * pipeline * context), ZeRO 0-3, microbatch
+(:func:`_context_sizes`), expert sizes for MoE models (:func:`_expert_sizes`), data = devices /
+(tensor * pipeline * context * expert), ZeRO 0-3, microbatch
 sizes (ascending until memory runs out), recompute none/selective/full, sequence parallelism on or
 off, 1F1B or interleaved; layouts over device memory x (1 - headroom) are dropped, the rest ranked.
 
@@ -29,6 +30,7 @@ from jaxpar.analysis.estimate import (
     StepTime,
     communication,
     count_params,
+    flops_params,
     memory_estimate,
     step_time,
 )
@@ -178,11 +180,21 @@ def _context_sizes(seq_len: int, fixed: dict[str, Any]) -> list[int]:
     return out
 
 
+def _expert_sizes(model: ConfigDict, devices: int, fixed: dict[str, Any]) -> list[int]:
+    """Expert sizes e: the pinned one, else 1 for a dense model, and for an MoE model every e that
+    divides both the expert count and the ``devices`` left for data parallelism (``expert`` takes its
+    devices from ``data``: :func:`jaxpar.axes.batch_axes`)."""
+    if "expert" in fixed:
+        return [fixed["expert"]]
+    experts = model.get("num_experts", 0)
+    return [e for e in _divisors(devices) if experts and experts % e == 0] if experts else [1]
+
+
 def _meshes(
     model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any], seq_len: int = 0
 ):
-    """(data, tensor, pipeline, context) with pipeline dividing the layers, context from
-    :func:`_context_sizes` and data dividing the global batch."""
+    """(data, tensor, pipeline, context, expert) with pipeline dividing the layers, context from
+    :func:`_context_sizes`, expert from :func:`_expert_sizes` and data x expert dividing the global batch."""
     for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
         rest = num_devices // t if num_devices % t == 0 else 0
         pipelines = (
@@ -194,9 +206,12 @@ def _meshes(
             for c in _context_sizes(seq_len, fixed):
                 if (rest // p) % c:
                     continue
-                data = rest // (p * c)
-                if fixed.get("data", data) == data and global_batch % data == 0:
-                    yield data, t, p, c
+                for e in _expert_sizes(model, rest // (p * c), fixed):
+                    if (rest // (p * c)) % e:
+                        continue
+                    data = rest // (p * c * e)
+                    if fixed.get("data", data) == data and global_batch % (data * e) == 0:
+                        yield data, t, p, c, e
 
 
 def _divisors(n: int) -> list[int]:
@@ -272,13 +287,13 @@ def search_layouts(
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
     results = SearchResult()
     smallest: LayoutEstimate | None = None
-    for data, t, p, c in _meshes(model, cluster, num_devices, global_batch, fixed, seq_len):
+    for data, t, p, c, e in _meshes(model, cluster, num_devices, global_batch, fixed, seq_len):
         attention = {"attention": "blockwise"} if c > 1 and "attention" not in fixed else {}  # what the ring runs
         attention |= {k: fixed[k] for k in ("attention", "attention_block", "context_exchange") if k in fixed}
-        per_shard = global_batch // data
+        per_shard = global_batch // (data * e)
         sizes = _microbatch_sizes(per_shard, p, fixed)
         choices = itertools.product(
-            [fixed["zero_stage"]] if "zero_stage" in fixed else (0, 1, 2, 3) if data > 1 else (0,),
+            [fixed["zero_stage"]] if "zero_stage" in fixed else (0, 1, 2, 3) if data * e > 1 else (0,),
             [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE,
             [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else (False, True) if t > 1 else (False,),
             _schedules(model, p, fixed),
@@ -300,6 +315,7 @@ def search_layouts(
                     sequence_parallel=sp,
                     schedule=schedule,
                     context=c,
+                    expert=e,
                     **attention,
                 )
                 try:
@@ -339,6 +355,7 @@ def describe(layout: ParallelLayout) -> str:
     """A short one-line name of a layout."""
     v = f",virtual={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
     v += f",context={layout.context} ({layout.context_exchange})" if layout.context > 1 else ""
+    v += f",expert={layout.expert}" if layout.expert > 1 else ""
     sp = " +SP" if layout.sequence_parallel else ""
     return (
         f"data={layout.data},tensor={layout.tensor},pipeline={layout.pipeline}{v} ZeRO-{layout.zero_stage} "
@@ -375,6 +392,12 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
             f"context={lay.context} splits each sequence into {2 * lay.context} chunks and {how} {where} every layer "
             f"({est.context_s / est.step_time_s:.1%} of the step exposed)"
         )
+    if lay.expert > 1:
+        where = "inside the node" if est.communication[MeshAxis.EXPERT].link == "intra" else "across nodes"
+        parts.append(
+            f"expert={lay.expert} splits the experts and all-gathers each MoE layer's tokens (and reduce-scatters "
+            f"its output) {where} ({est.time.expert_s / est.step_time_s:.1%} of the step exposed)"
+        )
     if lay.data > 1:
         zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "plain DP"
         exposed = est.time.data_exposed_s / est.step_time_s
@@ -390,12 +413,25 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
     return "; ".join(parts) + "."
 
 
+def flops_convention(model: ConfigDict) -> str:
+    """How MFU counts FLOPs (:func:`jaxpar.models.flops.flops_per_token`), in one line."""
+    text = "6 x parameters + 12 x L x heads x head_dim x s per token (PaLM appendix B, no causal discount)"
+    if model.get("num_experts", 0):
+        active = flops_params(model)
+        count = f"{active / 1e9:.2f}B" if active >= 1e9 else f"{active / 1e6:.2f}M"
+        text += (
+            f"; MoE: active parameters only ({count}: the {model.experts_per_token} of "
+            f"{model.num_experts} experts a token runs through, as Mixtral's 12.9B active)"
+        )
+    return text
+
+
 def plan_summary(
     model: ConfigDict, cluster: Cluster, num_devices: int, estimates: list[LayoutEstimate], options: PlanOptions
 ) -> dict[str, Any]:
     """The JSON document of a plan: cluster, assumptions and the ranked layouts."""
     return {
-        "model": {"name": model.name, "params": count_params(model)},
+        "model": {"name": model.name, "params": count_params(model), "flops_convention": flops_convention(model)},
         "cluster": cluster.to_dict(),
         "devices": num_devices,
         "nodes": num_devices // cluster.devices_per_node,

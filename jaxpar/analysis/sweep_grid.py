@@ -2,7 +2,7 @@
 cluster the planner's estimates beside the measurements assume.
 
 The layouts are the planner's (:func:`jaxpar.analysis.plan.search_layouts`): every (data, tensor,
-pipeline) mesh whose sizes divide the model, ZeRO 0-3, sequence parallelism, each pipeline schedule
+pipeline, expert) mesh whose sizes divide the model, ZeRO 0-3, sequence parallelism, each pipeline schedule
 (interleaved with each number of virtual stages), recompute off; microbatches per
 :func:`_microbatches`. The time estimate needs a cluster: on a GPU its data-sheet preset, on CPU
 :func:`cpu_cluster` (a rough model; the estimate-vs-measured figure shows how rough).
@@ -26,11 +26,14 @@ AXES = tuple(axis.value for axis in MESH_AXES)
 
 def layout_name(layout: ParallelLayout) -> str:
     """A short unique name: ``d2t2p2v2-z1-sp-interleaved-m4`` (mesh, ZeRO, +SP, schedule, microbatches);
-    with context parallelism ``c<size>`` after the mesh (``c<size>ag`` for the all-gather exchange)."""
+    with context parallelism ``c<size>`` after the mesh (``c<size>ag`` for the all-gather exchange), with
+    expert parallelism ``e<size>``."""
     name = f"d{layout.data}t{layout.tensor}p{layout.pipeline}"
     name += f"v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""
     if layout.context > 1:
         name += f"c{layout.context}" + ("ag" if layout.context_exchange == "all_gather" else "")
+    if layout.expert > 1:
+        name += f"e{layout.expert}"
     name += f"-z{layout.zero_stage}" + ("-sp" if layout.sequence_parallel else "")
     if layout.pipeline > 1:
         name += f"-{layout.schedule}"
@@ -70,12 +73,20 @@ def sweep_layouts(
             m = _microbatches(lay)
             if lay.schedule == "interleaved" and m % lay.pipeline:
                 continue
-            lay = dataclasses.replace(lay, microbatches=m, microbatch_size=global_batch // (lay.data * m))
+            lay = dataclasses.replace(lay, microbatches=m, microbatch_size=global_batch // (lay.batch_shards * m))
             found.setdefault(layout_name(lay), lay)
     order = {"1f1b": 0, "gpipe": 1, "interleaved": 2}
     return sorted(
         found.values(),
-        key=lambda x: (x.pipeline, x.tensor, x.virtual_stages, order[x.schedule], x.zero_stage, x.sequence_parallel),
+        key=lambda x: (
+            x.pipeline,
+            x.tensor,
+            x.expert,
+            x.virtual_stages,
+            order[x.schedule],
+            x.zero_stage,
+            x.sequence_parallel,
+        ),
     )
 
 

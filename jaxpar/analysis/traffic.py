@@ -6,6 +6,9 @@ collective-permute S) and, with a cluster, the time over its links, under the ``
 or the ``jaxpar`` one (what jaxpar's train step compiles to, per pipeline stage). With context
 parallelism (c > 1) the ``data`` entry is the gradient reduction over data*c devices, activation
 terms hold s/c tokens, and the ``context`` entry is the attention exchange (:func:`context_traffic`).
+With experts (mesh.expert > 1) the ``data`` entry sums two reductions (the experts' weights over
+data*c, the rest over data*expert*c) and the ``expert`` entry is the MoE dispatch and combine
+(:func:`expert_traffic`, the same in both conventions: it is how jaxpar's MoE layer is built).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.models.inventory import (
     DTYPE_BYTES,
-    TENSOR_DIMS,
     ParallelLayout,
     ParamTensor,
     held_elements,
@@ -60,23 +62,156 @@ class AxisComm:
 
 
 def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
-    """The link a ring over ``axis`` uses. With devices ordered tensor, context, data, pipeline
-    (innermost first, :data:`jaxpar.axes.DEVICE_ORDER`), a ring stays in a node when the span of
-    device ids it touches (t, t*c, t*c*N, all) fits in one; else it crosses the NIC. ``data`` is the
-    gradient reduction over (data, context): its span includes the context ranks."""
-    t, c = layout.tensor, layout.context
+    """The link a ring over ``axis`` uses. With devices ordered tensor, context, expert, data,
+    pipeline (innermost first, :data:`jaxpar.axes.DEVICE_ORDER`), a ring stays in a node when the
+    span of device ids it touches (t, t*c, t*c*e, t*c*e*N, all) fits in one; else it crosses the
+    NIC. ``data`` is the gradient reduction over (data, expert, context): its span includes the
+    expert and context ranks."""
+    t, c, e = layout.tensor, layout.context, layout.expert
     span = {
         MeshAxis.TENSOR: t,
         MeshAxis.CONTEXT: t * c,
-        MeshAxis.DATA: t * c * layout.data,
+        MeshAxis.EXPERT: t * c * e,
+        MeshAxis.DATA: t * c * e * layout.data,
         MeshAxis.PIPELINE: layout.devices,
     }[axis]
     return "intra" if span <= cluster.devices_per_node else "inter"
 
 
 def reduce_group(layout: ParallelLayout) -> int:
-    """Devices the gradients are reduced (and ZeRO shards) over: data x context (:func:`jaxpar.axes.data_group`)."""
+    """Devices the gradients are reduced (and ZeRO shards) over: data x context (:func:`jaxpar.axes.data_group`);
+    with ``expert`` > 1 the experts' weights' group (the other parameters' is ``expert`` times it)."""
     return layout.data * layout.context
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def moe_dispatch_arrays(model: ConfigDict, layout: ParallelLayout) -> dict[str, list[tuple[str, float, str]]]:
+    """One MoE layer's collectives over ``expert`` for one microbatch, as (kind, S, what) with S the
+    full array in bytes (the all-gather output, the reduce-scatter input), by phase. As built in
+    :func:`jaxpar.models.moe.expert_mlp` (Megatron-core's ``allgather`` dispatcher): n = mesh.expert,
+    T = b*s/c tokens of a rank (gathered over ``tensor`` first under SP), k = experts per token,
+    a = compute-dtype bytes; the router's weights are fp32 and its choices int32.
+
+    - ``gather`` (dispatch): all-gather of the tokens n*T*h*a, of the routing weights and of the
+      choices, n*T*k*4 each; repeated by a recomputed forward (``selective`` too: the gathers are
+      not saved);
+    - ``combine``: reduce-scatter of the summed expert outputs, n*T*h*a (dead in a recomputation,
+      whose layer output nothing reads);
+    - ``backward``: the transposes, all-gather of the output's gradient and reduce-scatter of the
+      tokens' (n*T*h*a each) and of the routing weights' (n*T*k*4); the choices have none.
+
+    Capacity dropping (``model.moe_capacity_factor``) moves the same arrays: a dropped choice keeps
+    its row with weight 0 (:func:`jaxpar.models.moe.moe_mlp`); ``moe_dispatch=dense`` too. Priced as
+    ring traffic, (n-1)/n * S each (nccl-tests PERFORMANCE.md).
+    """
+    n, a = layout.expert, DTYPE_BYTES[model.compute_dtype]
+    tokens = layout.microbatch_size * layout.seq_local
+    x, routing = n * tokens * model.embed_dim * a, n * tokens * model.experts_per_token * 4
+    return {
+        "gather": [
+            ("all-gather", x, "MoE dispatch: tokens all-gathered over expert"),
+            ("all-gather", routing, "MoE dispatch: router weights (fp32)"),
+            ("all-gather", routing, "MoE dispatch: router choices (int32)"),
+        ],
+        "combine": [("reduce-scatter", x, "MoE combine: expert outputs reduce-scattered")],
+        "backward": [
+            ("all-gather", x, "MoE combine's transpose: output gradient (bwd)"),
+            ("reduce-scatter", x, "MoE dispatch's transpose: token gradient (bwd)"),
+            ("reduce-scatter", routing, "MoE dispatch's transpose: router weight gradient (bwd)"),
+        ],
+    }
+
+
+def moe_tensor_arrays(model: ConfigDict, layout: ParallelLayout) -> dict[str, list[tuple[str, float, str]]]:
+    """One MoE layer's collectives over ``tensor`` for one microbatch beyond the dense MLP's (whose
+    output reduction the routed and shared experts share), as :func:`moe_dispatch_arrays` lists them.
+    The router runs on the rank's own (b, s/t, h) rows under SP, on the replicated sequence without:
+
+    - without SP, ``backward``: the routing weights are tensor-invariant and scale each expert row of
+      a tensor-partial output, so their gradient is all-reduced: the grouped dispatch's (n*T*k, 1)
+      row weights, the dense dispatch's (n*T, E/n) mask, in the compute dtype;
+    - with SP, ``gather``: the routing weights (fp32) and choices (int32), (b, s, k), all-gathered
+      over the sequence (:func:`jaxpar.models.llama._gather_routing`); ``backward``: the weights'
+      gradient reduce-scattered, and the router's (h, E) fp32 gradient all-reduced (the router sees
+      s/t tokens per rank, like the norm scales).
+    """
+    t = layout.tensor
+    if t == 1 or not model.get("num_experts", 0):
+        return {"gather": [], "combine": [], "backward": []}
+    tokens = layout.microbatch_size * layout.seq_local
+    routing = tokens * model.experts_per_token * 4
+    if layout.sequence_parallel:
+        return {
+            "gather": [
+                ("all-gather", routing, "MoE router weights gathered over the sequence (SP)"),
+                ("all-gather", routing, "MoE router choices gathered over the sequence (SP)"),
+            ],
+            "combine": [],
+            "backward": [
+                ("reduce-scatter", routing, "MoE router weight gradient (SP, bwd)"),
+                ("all-reduce", model.embed_dim * model.num_experts * 4, "MoE router gradient (SP, bwd)"),
+            ],
+        }
+    rows = layout.expert * tokens * model.experts_per_token
+    if model.get("moe_dispatch", "grouped") == "dense":
+        rows = tokens * model.num_experts
+    what = "MoE routing weight gradient (bwd)"
+    return {"gather": [], "combine": [], "backward": [("all-reduce", rows * DTYPE_BYTES[model.compute_dtype], what)]}
+
+
+def _moe_phase_bytes(arrays: dict[str, list[tuple[str, float, str]]], phases: dict[str, int], n: int) -> float:
+    """Ring bytes over ``n`` devices of the ``phases`` (times each) of one layer's ``arrays``."""
+    return sum(
+        times * (all_reduce_bytes(size, n) if kind == "all-reduce" else all_gather_bytes(size, n))
+        for phase, times in phases.items()
+        for kind, size, _ in arrays[phase]
+    )
+
+
+def moe_layer_phases(layout: ParallelLayout, tick: str = "") -> dict[str, int]:
+    """How often one MoE layer runs each phase of :func:`moe_dispatch_arrays` per microbatch.
+
+    Without a pipeline (``tick`` empty): gather 1 + [recompute], combine 1, backward 1. In a 1F1B /
+    interleaved ``forward`` tick gather and combine once; in a ``backward`` tick (which recomputes
+    its chunk under ``jax.vjp``, :mod:`jaxpar.parallel.pipeline`) gather and combine once more,
+    backward once, and the gathers again with recompute (with ``full``: the scan keeping each
+    layer's input, then the layer's recomputation). GPipe: as without a pipeline.
+    """
+    remat = int(layout.recompute != "none")
+    if tick == "forward":
+        return {"gather": 1, "combine": 1, "backward": 0}
+    if tick == "backward":
+        return {"gather": 1 + remat, "combine": 1, "backward": 1}
+    return {"gather": 1 + remat, "combine": 1, "backward": 1}
+
+
+def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> tuple[float, int]:
+    """Expert-axis (bytes, collectives) per step and device: :func:`moe_dispatch_arrays` of every
+    MoE layer of pipeline stage ``stage`` per microbatch, as often as :func:`moe_layer_phases` says
+    (1F1B / interleaved: the last virtual stage has no forward tick; its backward tick runs it)."""
+    n = layout.expert
+    if n == 1 or not model.get("num_experts", 0):
+        return 0.0, 0
+    arrays = moe_dispatch_arrays(model, layout)
+
+    def moved(phases: dict[str, int]) -> tuple[float, int]:
+        return _moe_phase_bytes(arrays, phases, n), sum(times * len(arrays[ph]) for ph, times in phases.items())
+
+    p, m = layout.pipeline, layout.microbatches
+    if p == 1 or layout.schedule == "gpipe":
+        per_layer = moved(moe_layer_phases(layout))
+        layers = model.num_layers // p
+        return m * layers * per_layer[0], m * layers * per_layer[1]
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    c = model.num_layers // (p * v)
+    fwd, bwd = moved(moe_layer_phases(layout, "forward")), moved(moe_layer_phases(layout, "backward"))
+    chunks_forward = v - (stage == p - 1)  # the last virtual stage's forward runs in its backward tick
+    return (
+        m * c * (chunks_forward * fwd[0] + v * bwd[0]),
+        m * c * (chunks_forward * fwd[1] + v * bwd[1]),
+    )
 
 
 def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
@@ -130,27 +265,35 @@ def communication(
     bsh = layout.microbatch_size * layout.seq_local * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
     pp_calls = 2 * m * layout.virtual_stages
     pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
+    expert = (layout.expert, *max((expert_traffic(model, layout, d) for d in range(p)), key=lambda x: x[0]))
     if convention == "jaxpar":
         stages = [jaxpar_stage_traffic(model, layout, d, grad_reduce_bytes) for d in range(p)]
         data = _jaxpar_data(model, layout, grad_reduce_bytes)
         traffic = {
-            MeshAxis.DATA: (n, *max((st.get(MeshAxis.DATA, data) for st in stages), key=lambda x: x[0])),
+            MeshAxis.DATA: (
+                n * layout.expert,
+                *max((st.get(MeshAxis.DATA, data) for st in stages), key=lambda x: x[0]),
+            ),
             MeshAxis.TENSOR: (t, *max((st[MeshAxis.TENSOR] for st in stages), key=lambda x: x[0])),
             MeshAxis.PIPELINE: (p, *max((st[MeshAxis.PIPELINE] for st in stages), key=lambda x: x[0])),
             MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
-            MeshAxis.EXPERT: (layout.expert, 0.0, 0),  # MoE is not priced: plan refuses it (dense: nothing)
+            MeshAxis.EXPERT: expert,
         }
     else:
-        grads = max(held_elements(model, layout, st, False) for st in ("first", "last")) * grad_reduce_bytes
-        data = {  # (bytes, collectives) by ZeRO stage
-            0: (all_reduce_bytes(grads, n), 1),
-            1: (all_reduce_bytes(grads, n), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce
-            2: ((m + 1) * all_gather_bytes(grads, n), m + 1),
-            3: (3 * m * all_gather_bytes(grads, n), 3 * m),
-        }[z]
+        data = (0.0, 0)
+        for experts, group in _reduce_groups(layout):
+            held = max(held_elements(model, layout, st, False, experts=experts) for st in ("first", "last"))
+            grads = held * grad_reduce_bytes
+            part = {  # (bytes, collectives) by ZeRO stage
+                0: (all_reduce_bytes(grads, group), 1),
+                1: (all_reduce_bytes(grads, group), 2),  # reduce-scatter + all-gather: the same bytes as one all-reduce
+                2: ((m + 1) * all_gather_bytes(grads, group), m + 1),
+                3: (3 * m * all_gather_bytes(grads, group), 3 * m),
+            }[z]
+            data = (data[0] + part[0], max(data[1], part[1]))
         tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
         traffic = {
-            MeshAxis.DATA: (n, *data),
+            MeshAxis.DATA: (n * layout.expert, *data),
             MeshAxis.TENSOR: (
                 t,
                 tp_calls * all_reduce_bytes(bsh, t),
@@ -158,7 +301,7 @@ def communication(
             ),
             MeshAxis.PIPELINE: pipeline,
             MeshAxis.CONTEXT: (layout.context, *context_traffic(model, layout)),
-            MeshAxis.EXPERT: (layout.expert, 0.0, 0),  # MoE is not priced: plan refuses it (dense: nothing)
+            MeshAxis.EXPERT: expert,
         }
     out = {}
     for axis, (size, nbytes, calls) in traffic.items():
@@ -171,21 +314,47 @@ def communication(
     return out
 
 
-def _held_by_place(model: ConfigDict, layout: ParallelLayout) -> tuple[float, float]:
-    """(layer, other) parameter elements per device after the tensor split, unsharded over data, on
-    the stage holding the most parameters (jaxpar's pipeline: every stage holds the non-layer ones)."""
+def _reduce_groups(layout: ParallelLayout) -> list[tuple[bool | None, int]]:
+    """(which tensors, group size) of each gradient reduction: every parameter over data x context,
+    or with ``expert`` > 1 the experts' weights over data x context and the rest over data x expert
+    x context (:func:`jaxpar.axes.data_group`)."""
+    n = reduce_group(layout)
+    return [(None, n)] if layout.expert == 1 else [(True, n), (False, n * layout.expert)]
+
+
+def _held_by_place(model: ConfigDict, layout: ParallelLayout, experts: bool | None = None) -> tuple[float, float]:
+    """(layer, other) parameter elements per device after the tensor (and expert) split, unsharded
+    over data, on the stage holding the most parameters (jaxpar's pipeline: every stage holds the
+    non-layer ones); ``experts``: only the experts' weights (True) or only the rest (False)."""
     best = (0.0, 0.0)
     for stage in ("first", "last"):
         held = stage_tensors(model, layout, stage, shared_on_every_stage=True)
-        layer = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place == "layer")
-        other = sum(c * shard_elements(t, layout.tensor, 1, False) for t, c in held if t.place != "layer")
+        if experts is not None:
+            held = [(t, c) for t, c in held if t.expert_split == experts]
+        e = layout.expert
+        layer = sum(c * shard_elements(t, layout.tensor, 1, False, e) for t, c in held if t.place == "layer")
+        other = sum(c * shard_elements(t, layout.tensor, 1, False, e) for t, c in held if t.place != "layer")
         best = max(best, (layer, other), key=sum)
     return best
 
 
 def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: int) -> tuple[float, int]:
-    """Data-axis (bytes, collectives) of the jaxpar step (jaxpar/train/step.py), E the per-device
-    parameter elements after the tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
+    """Data-axis (bytes, collectives) of the jaxpar step: :func:`_jaxpar_data_group` of each
+    gradient reduction group (:func:`_reduce_groups`: one for a dense model; an MoE model's experts'
+    weights reduce over data x context, the rest over data x expert x context)."""
+    moved, calls = 0.0, 0
+    for experts, n in _reduce_groups(layout):
+        group = _jaxpar_data_group(model, layout, grad_reduce_bytes, n, *_held_by_place(model, layout, experts))
+        moved, calls = moved + group[0], max(calls, group[1])
+    return moved, calls
+
+
+def _jaxpar_data_group(
+    model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: int, n: int, layer: float, other: float
+) -> tuple[float, int]:
+    """Data-axis (bytes, collectives) of one reduction group of ``n`` devices in the jaxpar step
+    (jaxpar/train/step.py), E = ``layer`` + ``other`` its parameter elements per device after the
+    tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
 
     stage 0: all-reduce E*g once per step. Stage 1: reduce-scatter E*g once and all-gather the
     updated parameters (E*pb). Stage 2: the reduce-scatter every microbatch, the all-gather once.
@@ -195,8 +364,7 @@ def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: i
     gradient reduce-scattered per microbatch. Parameters no ZeRO dim divides are all-reduced
     instead, and not counted here (nor are the loss and gradient-norm scalars).
     """
-    n, m = reduce_group(layout), layout.microbatches
-    layer, other = _held_by_place(model, layout)
+    m = layout.microbatches
     full, pb = layer + other, DTYPE_BYTES[model.param_dtype]
     if not layout.shards_optimizer:
         return all_reduce_bytes(full * grad_reduce_bytes, n), 1
@@ -218,7 +386,8 @@ def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, in
     gathers and the attention scatter: 5.5 per layer. Also per microbatch the vocabulary-parallel
     embedding (forward, first stage) and the output layer input's gradient (backward, last stage),
     each b*s*h; the cross-entropy's 3 fp32 all-reduces of b*s (last stage); with SP the norm scales'
-    gradients (2L/p + 1 fp32 vectors of h). The busiest stage (the last) counts.
+    gradients (2L/p + 1 fp32 vectors of h); an MoE layer's :func:`moe_tensor_arrays`. The busiest
+    stage (the last) counts.
     """
     t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
     bs = layout.microbatch_size * layout.seq_local
@@ -231,6 +400,10 @@ def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, in
     if sp:
         moved += (2 * layers + 1) * all_reduce_bytes(model.embed_dim * 4, t)
         calls += (4 + 2 * remat) * layers + ends + 2 * layers + 1  # each pair counts 2, plus the norm scales
+    if model.get("num_experts", 0):  # the MoE layer's own (moe_tensor_arrays)
+        arrays, phases = moe_tensor_arrays(model, layout), moe_layer_phases(layout)
+        moved += layers * _moe_phase_bytes(arrays, phases, t)
+        calls += layers * sum(times * len(arrays[ph]) for ph, times in phases.items())
     return m * moved, m * calls
 
 
@@ -258,6 +431,7 @@ def jaxpar_stage_traffic(
 
     With c = 1 and no full remat, XLA unrolls the one-step scan and merges the recomputed forward
     with the vjp's own (``prevent_cse=False``): no recompute all-reduce is left (with SP, A is).
+    An MoE layer adds its :func:`moe_tensor_arrays` per tick as :func:`moe_layer_phases` counts them.
     Checked per stage against the compiled step by tests/test_plan_aot.py.
     """
     t, p, v, m, sp = (
@@ -285,7 +459,9 @@ def jaxpar_stage_traffic(
         for x in param_tensors(model)
         if x.name.startswith("final_norm") or x.name == "positions" or (model.tie_embeddings and x.name == "embedding")
     ]
-    summed = 4 + 4 * sum(shard_elements(x, t, reduce_group(layout), layout.shards_gradients) for x in held)
+    summed = 4 + 4 * sum(
+        shard_elements(x, t, reduce_group(layout), layout.shards_gradients, layout.expert) for x in held
+    )
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
         return {MeshAxis.TENSOR: (0.0, 0), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
@@ -309,6 +485,14 @@ def jaxpar_stage_traffic(
         units += (explicit_embed if layout.schedule != "gpipe" else 1) * first + (1 if last else 0)
         moved += units * a + (3 * all_reduce_bytes(bs * 4, t) if last else 0.0)
         calls += round(units) + (3 if last else 0)
+        if model.get("num_experts", 0):  # the MoE layers' own (moe_tensor_arrays), per tick
+            arrays = moe_tensor_arrays(model, layout)
+            ticks = [moe_layer_phases(layout)] if layout.schedule == "gpipe" else [moe_layer_phases(layout, "backward")]
+            if layout.schedule != "gpipe" and not last:
+                ticks.append(moe_layer_phases(layout, "forward"))
+            for phases in ticks:
+                moved += c * _moe_phase_bytes(arrays, phases, t)
+                calls += c * sum(times * len(arrays[ph]) for ph, times in phases.items())
         if sp:  # norm-scale gradients: 2 per layer (+ the final norm on the last stage), per sequence
             moved += per_seq * (2 * c + last) * all_reduce_bytes(model.embed_dim * 4, t)
             calls += per_seq * (2 * c + last)
@@ -320,12 +504,17 @@ def jaxpar_stage_traffic(
 
 
 def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:
-    """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors."""
-    n, t = reduce_group(layout), layout.tensor
+    """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors
+    (each over its group: :func:`_reduce_groups`)."""
+    t, e = layout.tensor, layout.expert
+
+    def group(x: ParamTensor) -> int:
+        return reduce_group(layout) * (1 if x.expert_split else e)
+
     return sum(
-        all_gather_bytes(shard_elements(x, t, 1, False) * nbytes, n)
+        all_gather_bytes(shard_elements(x, t, 1, False, e) * nbytes, group(x))
         for x in tensors
-        if any(size % n == 0 for name, size in x.dims if name not in TENSOR_DIMS)
+        if any(size % group(x) == 0 for size in x.zero_candidates)
     )
 
 

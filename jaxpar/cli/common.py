@@ -119,15 +119,3 @@ def excludes(command: str, flag: str, given: bool, other: str, present: bool) ->
     """Refuse ``flag`` together with ``other`` (they say the same thing two ways)."""
     if given and present:
         raise ConfigError(f"{command}: {flag} and {other} both set the same thing; give one of them")
-
-
-def modelled(cfg, command: str):
-    """``cfg``, or a one-line :class:`ConfigError` where the analysis of ``command`` does not model
-    the config's model: the planner's memory and traffic formulas do not count mixture-of-experts
-    layers yet (their expert states, dispatch and combine bytes), so their figures would be wrong."""
-    if cfg.model.num_experts:
-        raise ConfigError(
-            f"model.num_experts={cfg.model.num_experts}: jaxpar {command} does not model mixture-of-experts "
-            "layers yet (expert states, dispatch and combine bytes); `jaxpar train` runs them"
-        )
-    return cfg

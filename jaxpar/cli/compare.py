@@ -14,9 +14,9 @@ from typing import Any
 from jaxpar.analysis.clusters import GIB, PRESETS, get_cluster
 from jaxpar.analysis.compare import choice_sources, compare_layouts, config_choices, device_count, relative_to_first
 from jaxpar.analysis.estimate import DTYPE_BYTES
-from jaxpar.analysis.plan import PlanOptions, plan_summary
+from jaxpar.analysis.plan import PlanOptions, flops_convention, plan_summary
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import at_least_one, at_most, modelled, overrides, share
+from jaxpar.cli.common import at_least_one, at_most, overrides, share
 from jaxpar.cli.plan import render_aot, render_table
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
@@ -115,7 +115,7 @@ def run_compare(args: argparse.Namespace) -> int:
     at_least_one(global_batch=args.global_batch, seq=args.seq)
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq)
     share("--efficiency", args.efficiency)
-    cfg = modelled(load_config(args.config, overrides(args)), "compare")
+    cfg = load_config(args.config, overrides(args))
     model, cluster = cfg.model, get_cluster(args.cluster)
     pinned = [parse_compare_layout(text) for text in args.layouts]
     num_devices = device_count(pinned)
@@ -162,6 +162,7 @@ def run_compare(args: argparse.Namespace) -> int:
         f"{seq_len}; memory budget {budget:.1f} GiB per device (red: does not fit)"
     )
     render_table(estimates, cluster, title="the layouts as given")
+    console.print(f"MFU counts {flops_convention(model)}.")
     for i, (e, rel) in enumerate(zip(estimates, relative), 1):
         console.print(
             f"#{i}: memory {rel['memory']:.2f}x, step time {rel['step_time']:.2f}x of #1; MFU {e.mfu:.1%}"

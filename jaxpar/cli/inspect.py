@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import config_or_default, modelled, needs, overrides
+from jaxpar.cli.common import config_or_default, needs, overrides
 from jaxpar.config import load_config_and_layout
 from jaxpar.distributed import ensure_host_devices
 from jaxpar.layout import ParallelLayout
@@ -40,7 +40,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     """
     needs("inspect", "--ops", getattr(args, "ops", False), "--json", getattr(args, "json", False))
     cfg, layout = load_config_and_layout(config_or_default(args), overrides(args))
-    modelled(cfg, "inspect")
     ensure_host_devices(layout.devices)
     from jaxpar.analysis.compiled import analyze_layout
 
@@ -102,6 +101,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
     text = f"data={layout['data']} x tensor={layout['tensor']} x pipeline={layout['pipeline']}"
     if layout.get("context", 1) > 1:
         text += f" x context={layout['context']} ({layout['context_exchange']})"
+    if layout.get("expert", 1) > 1:
+        text += f" x expert={layout['expert']}"
     text += f", ZeRO-{layout['zero_stage']}"
     if layout["sequence_parallel"]:
         text += ", SP"

@@ -16,9 +16,9 @@ from typing import Any
 from jaxpar.analysis.aot import AotComparison, run_aot
 from jaxpar.analysis.clusters import GIB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params, format_peak_terms
-from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, plan_summary, search_layouts
+from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, flops_convention, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES, MeshAxis
-from jaxpar.cli.common import at_least_one, at_most, excludes, modelled, needs, overrides, share
+from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
@@ -65,12 +65,14 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
     console = console or wide_console()
     table = Table(title=title, title_justify="left")
     context = any(e.layout.context > 1 for e in estimates)  # the columns appear only when a layout uses it
+    expert = any(e.layout.expert > 1 for e in estimates)
     for col in (
         "#",
         "data",
         "tensor",
         "pipe",
         *(("ctx",) if context else ()),
+        *(("exp",) if expert else ()),
         "v",
         "ZeRO",
         "m",
@@ -90,6 +92,7 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
         "TP s",
         "PP s",
         *(("CP s",) if context else ()),
+        *(("EP s",) if expert else ()),
         "DP s*",
     ):
         table.add_column(col, justify="right")
@@ -97,13 +100,15 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
         lay, mem, t = e.layout, e.memory, e.time
         style = None if e.fits else "red"
         ctx = (f"{lay.context}{'ag' if lay.context_exchange == 'all_gather' else ''}",) if context else ()
+        ctx += (str(lay.expert),) if expert else ()
         table.add_row(
             str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), *ctx, str(lay.virtual_stages),
             str(lay.zero_stage), str(lay.microbatches), str(lay.microbatch_size), lay.recompute,
             "y" if lay.sequence_parallel else "", lay.schedule, gib(mem.model_states_bytes),
             gib(mem.activation_bytes + mem.transient_bytes), gib(mem.total_bytes),
             f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}", f"{t.tensor_s:.2f}",
-            f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()), f"{t.data_exposed_s:.2f}",
+            f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()),
+            *((f"{t.expert_s:.2f}",) if expert else ()), f"{t.data_exposed_s:.2f}",
             style=style,
         )  # fmt: skip
     console.print(table)
@@ -245,7 +250,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq, microbatches=args.microbatches)
     share("--efficiency", args.efficiency)
-    cfg = modelled(load_config(args.config, overrides(args)), "plan")
+    cfg = load_config(args.config, overrides(args))
     model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
     cluster = get_cluster(args.cluster)
     fixed = parse_layout(args.layout) if args.layout else {}
@@ -347,7 +352,9 @@ def run_plan(args: argparse.Namespace) -> int:
         console.print(f"[bold]why #1:[/] {estimates[0].why}")
     elif pinned:
         console.print("[red]the pinned layout does not fit the memory budget[/]")
-    console.print(f"* DP s = exposed data-axis time. Searched in {elapsed:.2f} s.")
+    console.print(
+        f"* DP s = exposed data-axis time. MFU counts {flops_convention(model)}. Searched in {elapsed:.2f} s."
+    )
     if aot:
         render_aot(aot, list(range(1, len(aot) + 1)), console, cluster.memory_bytes * (1 - options.headroom))
         console.print(f"Compiled {sum(not r.skipped for r in aot)} of {len(aot)} layouts in {aot_s:.1f} s.")

@@ -15,7 +15,6 @@ import shlex
 import sys
 
 from jaxpar import children, files, write_guard
-from jaxpar.cli.common import modelled
 from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
 HELP = "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots"
@@ -76,7 +75,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from jaxpar.analysis import sweep_report
 
     config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
-    cfg = modelled(load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])]), "sweep")
+    cfg = load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])])
     _check_flags(args)
     if not args.list:  # before hours of runs: -o replaces only an earlier sweep's folder, never an input
         write_guard.check_apart(args.output, "sweep -o", inputs={"--config": config, "--baseline": args.baseline})

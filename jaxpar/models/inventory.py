@@ -15,10 +15,11 @@ import math
 
 from jaxpar.config import ConfigDict
 from jaxpar.layout import RECOMPUTE, ParallelLayout  # noqa: F401 - RECOMPUTE re-exported
-from jaxpar.sharding import TENSOR_RULES
+from jaxpar.sharding import EXPERT_RULES, TENSOR_RULES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TENSOR_DIMS = frozenset(TENSOR_RULES)  # logical dims split over `tensor` (heads, kv_heads, mlp, vocab)
+EXPERT_DIMS = frozenset(EXPERT_RULES)  # logical dims split over `expert` (the MoE experts)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -43,9 +44,14 @@ class ParamTensor:
         return any(name in TENSOR_DIMS for name, _ in self.dims)
 
     @functools.cached_property
+    def expert_split(self) -> bool:
+        """Whether a dim is split over ``expert`` (an MoE expert weight)."""
+        return any(name in EXPERT_DIMS for name, _ in self.dims)
+
+    @functools.cached_property
     def zero_candidates(self) -> tuple[int, ...]:
-        """Sizes of the dims ZeRO may shard over ``data`` (those the tensor rules do not map)."""
-        return tuple(n for name, n in self.dims if name not in TENSOR_DIMS)
+        """Sizes of the dims ZeRO may shard over ``data`` (those the tensor and expert rules do not map)."""
+        return tuple(n for name, n in self.dims if name not in TENSOR_DIMS and name not in EXPERT_DIMS)
 
 
 def param_tensors(model: ConfigDict) -> tuple[ParamTensor, ...]:
@@ -88,17 +94,24 @@ def count_params(model: ConfigDict) -> int:
     return sum(t.size * (model.num_layers if t.place == "layer" else 1) for t in param_tensors(model))
 
 
-def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard: bool) -> float:
+def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard: bool, expert: int = 1) -> float:
     """Elements of ``tensor`` held per device under the jaxpar sharding rules.
 
     Tensor parallelism splits the logical dims heads, kv_heads, mlp and vocab over ``tensor``
-    (norms and position tables are replicated). ZeRO (``zero_shard``) shards over ``data`` the
-    largest other dim that ``data`` divides, the first on ties, and never the stacked layer dim;
-    if none divides, the tensor stays replicated. As :func:`jaxpar.sharding.zero_dim` on the real dims.
+    (norms and position tables are replicated); expert parallelism splits an expert weight's
+    ``experts`` dim over ``expert`` (``expert`` = mesh.expert). ZeRO (``zero_shard``) shards the
+    largest other dim that its group divides, the first on ties, and never the stacked layer dim;
+    if none divides, the tensor stays replicated. The group is ``data`` (the caller's data x
+    context) for an expert weight and ``data x expert`` for every other tensor
+    (:func:`jaxpar.axes.data_group`). As :func:`jaxpar.sharding.zero_dim` on the real dims.
     """
     elements = float(tensor.size)
     if tensor.tensor_split:
         elements /= tensor_size
+    if tensor.expert_split:
+        elements /= expert
+    elif expert > 1:
+        data *= expert
     if zero_shard and data > 1 and any(n % data == 0 for n in tensor.zero_candidates):
         elements /= data
     return elements
@@ -127,10 +140,20 @@ def stage_tensors(
 
 
 def held_elements(
-    model: ConfigDict, layout: ParallelLayout, stage: str, zero_shard: bool, every_stage: bool = False
+    model: ConfigDict,
+    layout: ParallelLayout,
+    stage: str,
+    zero_shard: bool,
+    every_stage: bool = False,
+    experts: bool | None = None,
 ) -> float:
     """Parameter elements one device of pipeline stage ``stage`` holds (:func:`stage_tensors`), each
-    split over ``tensor`` and, with ``zero_shard``, over the ZeRO group ``data x context``."""
+    split over ``tensor`` (and an expert weight over ``expert``) and, with ``zero_shard``, over its
+    ZeRO group: ``data x context``, times ``expert`` for all but the experts' weights. ``experts``:
+    count only the experts' weights (True) or only the other tensors (False)."""
     held = stage_tensors(model, layout, stage, every_stage)
-    # ZeRO shards over the data x context group (jaxpar.axes.data_group)
-    return sum(c * shard_elements(t, layout.tensor, layout.data * layout.context, zero_shard) for t, c in held)
+    if experts is not None:  # only the experts' weights (True) or only the rest (False)
+        held = [(t, c) for t, c in held if t.expert_split == experts]
+    # ZeRO shards over the data (x expert) x context group (jaxpar.axes.data_group)
+    group = layout.data * layout.context
+    return sum(c * shard_elements(t, layout.tensor, group, zero_shard, layout.expert) for t, c in held)
