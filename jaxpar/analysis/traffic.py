@@ -133,7 +133,7 @@ def moe_tensor_arrays(model: ConfigDict, layout: ParallelLayout) -> dict[str, li
       a tensor-partial output, so their gradient is all-reduced: the grouped dispatch's (n*T*k, 1)
       row weights, the dense dispatch's (n*T, E/n) mask, in the compute dtype;
     - with SP, ``gather``: the routing weights (fp32) and choices (int32), (b, s, k), all-gathered
-      over the sequence (:func:`jaxpar.models.llama._gather_routing`); ``backward``: the weights'
+      over the sequence (the routing gather of :mod:`jaxpar.models.llama`); ``backward``: the weights'
       gradient reduce-scattered, and the router's (h, E) fp32 gradient all-reduced (the router sees
       s/t tokens per rank, like the norm scales).
     """
