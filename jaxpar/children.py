@@ -160,6 +160,11 @@ def kill_all() -> None:
         _signal(c, signal.SIGKILL)
 
 
+def forget_stopped() -> None:
+    """Start a new command's record of what it stopped (:func:`summary` names only its own)."""
+    _stopped.clear()
+
+
 def summary() -> str:
     """``: stopped <what> (pid N)`` for the line the parent ends with; empty when it stopped nothing."""
     return f": stopped {'; '.join(_stopped)}" if _stopped else ""

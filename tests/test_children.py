@@ -198,3 +198,22 @@ def test_a_child_dies_with_a_parent_killed_by_sigkill(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_command_names_only_the_processes_it_stopped(tmp_path, capsys, monkeypatch):
+    """The record of stopped children is per command: ``jaxpar.cli.main`` starts a new one, so a later
+    command in the same process (the tests run many) does not name an earlier one's children."""
+    from jaxpar import cli
+    from jaxpar.cli import plan as plan_cli
+
+    with children.started(lambda: _sleeper_tree(tmp_path), "an earlier command's shell", lambda p: p.pid) as proc:
+        assert children.stop([proc.pid], grace_s=2.0)
+    proc.wait(timeout=10)
+    assert "an earlier command's shell" in children.summary()
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_cli, "run_plan", interrupted)
+    assert cli.main(["plan"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"

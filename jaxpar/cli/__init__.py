@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C anywhere is one line too (:mod:`jaxpar.interrupt`)."""
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    children.forget_stopped()  # a command names only the processes it stopped itself
     stdout = sys.stdout
     if program:
         if interrupt.interrupted():  # Ctrl-C while the CLI's modules loaded (noted, not raised there)
