@@ -27,8 +27,9 @@ def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int) -> jax.Arra
 
 
 def varying_axes(x: Any) -> frozenset:
-    """Mesh axes over which a traced value (or ShapeDtypeStruct) varies (shard_map check_vma)."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    """Mesh axes over which a traced value (or ShapeDtypeStruct, or abstract value) varies (shard_map
+    check_vma)."""
+    aval = x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
@@ -108,3 +109,12 @@ class _UncachedLowered:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.lowered, name)
+
+
+def dce_jaxpr(jaxpr: Any, used_outputs: list[bool]) -> Any:
+    """``jaxpr`` pruned to the outputs marked in ``used_outputs`` (JAX's dead-code elimination, which
+    also prunes the carries and outputs of loops; every input stays an input). JAX exposes it only
+    internally (``jax._src.interpreters.partial_eval.dce_jaxpr``, 0.10 to 0.12)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=True)[0]

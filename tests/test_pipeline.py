@@ -499,8 +499,10 @@ def test_slot_counts_are_the_programs():
         if (schedule != "interleaved" and v > 1) or (schedule == "interleaved" and m % p):
             continue
         table = build_schedule(schedule, p, m, v)
-        prog = compile_program(table)
-        assert slot_counts(table) == (prog.act_slots, prog.grad_slots), (schedule, p, m, v)
+        for stash in (False, True):
+            prog = compile_program(table, stash)
+            got = slot_counts(table, stash)
+            assert got == (prog.act_slots, prog.grad_slots, prog.stash_slots), (schedule, p, m, v, stash)
         checked += 1
     assert checked == 65
 
@@ -515,12 +517,41 @@ def test_slot_counts_saturate():
     checked = capped = 0
     for schedule, p, v in cases:
         for m in range(p, 8 * p + 1, 1 if schedule == "1f1b" else p):
-            assert steady_slot_counts(schedule, p, m, v) == slot_counts(build_schedule(schedule, p, m, v)), (
-                schedule,
-                p,
-                m,
-                v,
-            )
+            for stash in (False, True):
+                want = slot_counts(build_schedule(schedule, p, m, v), stash)
+                assert steady_slot_counts(schedule, p, m, v, stash) == want, (schedule, p, m, v, stash)
             checked, capped = checked + 1, capped + (m > SATURATION * p)
     assert (checked, capped) == (171, 92)
-    assert steady_slot_counts("gpipe", 2, 64) == (64, 1)
+    assert steady_slot_counts("gpipe", 2, 64) == (64, 1, 0)
+
+
+def test_stash_holds_the_in_flight_microbatches():
+    """Without recomputation a stage keeps each in-flight microbatch's residuals from its forward to
+    its backward: at most p on stage 0 under 1F1B (PipeDream-Flush's bound), and a stage input is
+    then alive only until its forward (2 slots instead of p)."""
+    from jaxpar.parallel.pipeline.schedule import build_schedule, slot_counts
+
+    assert slot_counts(build_schedule("1f1b", 4, 8)) == (4, 1, 0)
+    assert slot_counts(build_schedule("1f1b", 4, 8), stash=True) == (2, 1, 4)
+    assert slot_counts(build_schedule("1f1b", 4, 32), stash=True) == (2, 1, 4)
+    assert slot_counts(build_schedule("interleaved", 4, 8, 2), stash=True) == (2, 2, 11)
+
+
+def _executed_flops(*overrides: str) -> float:
+    from jaxpar.analysis.executed_flops import executed_dot_flops
+
+    setup, step = compiled(*overrides)
+    if setup.pipeline is None:
+        return executed_dot_flops(step.as_text())
+    return sum(executed_dot_flops(step.as_text(), setup.pipeline, s) for s in range(setup.pipeline.table.stages))
+
+
+def test_pipeline_runs_each_forward_once():
+    """Dot FLOPs the compiled step executes (loop trip counts and the schedule's branch shares, all
+    pipeline ranks summed), p=4 m=8: 1F1B with ``model.remat=none`` runs exactly the unpipelined
+    step's matmuls (the backward reads the stashed residuals); with ``full`` it recomputes forwards,
+    as asked (its layer-by-layer backward runs each layer's forward twice more)."""
+    base = _executed_flops("--config.train.microbatches=8", "--config.mesh.data=1")
+    assert _executed_flops(*layout("1f1b", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
+    recomputed = _executed_flops(*layout("1f1b", 4, 8), "--config.model.remat=full") / base
+    assert recomputed > 1.5

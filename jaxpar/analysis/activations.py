@@ -47,7 +47,7 @@ from typing import Any
 from jaxpar.analysis import moe_activations
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
-from jaxpar.parallel.pipeline.schedule import steady_slot_counts
+from jaxpar.parallel.pipeline.schedule import keeps_activations, steady_slot_counts
 
 F32 = 4
 
@@ -612,11 +612,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
     else:
-        prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages)
-        slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h
+        keep = keeps_activations(layout)
+        prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages, keep)
         by_layer = layout.recompute == "full" and layout.zero_stage < 2
         rows = 1 if by_layer else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
+        # stage inputs and arriving gradients, and (no recomputation) each in-flight microbatch's
+        # saved residuals: the stash slots of the program times one microbatch's chunk residuals, plus
+        # one more set, the forward tick's residuals leaving its switch before they are written
+        # into their slot (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B m=4)
+        slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h + (prog[2] + 1) * residual * keep
         working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
         if by_layer:  # the microbatch's gradient at the chunk's output and its input gradient, assembled
             # sequence by sequence: two (b, s, h) arrays of the whole microbatch beside the one sequence's
@@ -691,15 +696,15 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
 
 
-_PROGRAMS: dict[tuple, tuple[int, int]] = {}
+_PROGRAMS: dict[tuple, tuple[int, int, int]] = {}
 
 
-def _program(schedule: str, p: int, m: int, v: int) -> tuple[int, int]:
-    """(act_slots, grad_slots) of a schedule's executor program, cached: the planner asks for the
-    same few many times."""
-    key = (schedule, p, m, v)
+def _program(schedule: str, p: int, m: int, v: int, keep: bool) -> tuple[int, int, int]:
+    """(act_slots, grad_slots, stash_slots) of a schedule's executor program, cached: the planner
+    asks for the same few many times."""
+    key = (schedule, p, m, v, keep)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = steady_slot_counts(schedule, p, m, v)
+        _PROGRAMS[key] = steady_slot_counts(schedule, p, m, v, keep)
     return _PROGRAMS[key]
 
 

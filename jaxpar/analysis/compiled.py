@@ -389,6 +389,8 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
         ok &= (chunk == v - 1) & (stage == p - 1)
     if pl.SCOPE_ENDS in tags:
         ok &= ((chunk == 0) & (stage == 0)) | ((chunk == v - 1) & (stage == p - 1))
+    if pl.SCOPE_KEPT in tags:
+        ok &= ~((chunk == v - 1) & (stage == p - 1))
     if send:
         ok &= prog.pattern[send.group(1)] == int(send.group(2))
     return float(ok.mean())

@@ -67,6 +67,7 @@ from jaxpar.parallel.pipeline.executor import (
     SCOPE_ENDS,
     SCOPE_FIRST,
     SCOPE_FORWARD,
+    SCOPE_KEPT,
     SCOPE_LAST,
     SCOPE_SEND,
     SCOPE_WORK,
@@ -94,6 +95,7 @@ from jaxpar.parallel.pipeline.schedule import (
     build_schedule,
     compile_program,
     expected_bubble_fraction,
+    keeps_activations,
     render_schedule,
 )
 
@@ -108,6 +110,7 @@ __all__ = [
     "SCOPE_ENDS",
     "SCOPE_FIRST",
     "SCOPE_FORWARD",
+    "SCOPE_KEPT",
     "SCOPE_LAST",
     "SCOPE_SEND",
     "SCOPE_WORK",
@@ -122,6 +125,7 @@ __all__ = [
     "eval_loss_sum",
     "expected_bubble_fraction",
     "has_ends",
+    "keeps_activations",
     "layer_order",
     "render_schedule",
     "stage_form_logical_axes",

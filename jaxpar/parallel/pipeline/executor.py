@@ -19,12 +19,14 @@ from jaxpar.layout import ParallelLayout
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
+from jaxpar.parallel.pipeline import stash as stash_lib
 from jaxpar.parallel.pipeline.forms import ENDS
 from jaxpar.parallel.pipeline.schedule import (
     Program,
     ScheduleTable,
     build_schedule,
     compile_program,
+    keeps_activations,
 )
 
 AXIS = MeshAxis.PIPELINE
@@ -58,6 +60,7 @@ def _cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *args: Any) ->
 SCOPE_FORWARD, SCOPE_BACKWARD, SCOPE_WORK = "pp_forward", "pp_backward", "pp_work"
 SCOPE_FIRST, SCOPE_LAST, SCOPE_SEND = "pp_first", "pp_last", "pp_send"
 SCOPE_ENDS = "pp_ends"  # the first or the last virtual stage
+SCOPE_KEPT = "pp_kept"  # a backward from stashed residuals: every virtual stage but the last
 
 
 def _scoped(name: str, f: Callable) -> Callable:
@@ -312,7 +315,25 @@ def _explicit_loss_and_grads(
         shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
         return _zeros(shape, jnp.float32, varying_axes(a))
 
-    def run(kind, mb, chunk, act_buf, grad_buf, act_slot, grad_slot, acc, loss):
+    def stage_fn(chunk):
+        """A non-last virtual stage's output as a function of (shared, its layers, input, tokens):
+        the function whose residuals the stash keeps (:mod:`~jaxpar.parallel.pipeline.stash`)."""
+        first, layer0 = (chunk == 0) & (d == 0), _layer0(chunk, p, v, blocks, ctx)
+
+        def fn(sh, ch, x, tok):
+            return _stage(model, sh, ch, x, tok, first, None, ctx, scale, layer0)[0]
+
+        return fn
+
+    keep = prog.stash_slots > 0  # no recomputation: the backward reads the forward's residuals
+    if keep:  # the kept residuals' types, traced once for the slot buffers (nothing is emitted)
+        c0 = jnp.int32(0)
+        plan = stash_lib.split(stage_fn(c0), (shared, _chunk(blocks, c0, v), zeros_act(), batch[0]), (2, 3))
+        kept_zeros = [functools.partial(_zeros, a.shape, a.dtype, varying_axes(a)) for a in plan.kept_avals]
+    else:
+        kept_zeros = []
+
+    def run(kind, mb, chunk, act_buf, grad_buf, stash_bufs, act_slot, grad_slot, stash_slot, acc, loss):
         # the stage input and output gradient are read from their slots inside the branches: read
         # before the switch they would be copies alive through the whole tick
         def act_in(start=0, n=act.shape[0]):
@@ -327,9 +348,13 @@ def _explicit_loss_and_grads(
         tokens = jax.lax.dynamic_index_in_dim(batch, mb, 0, keepdims=False)
 
         def idle(acc, loss):
-            return zeros_act(), zeros_act(), acc, loss
+            return zeros_act(), zeros_act(), [z() for z in kept_zeros], acc, loss
 
         def forward(acc, loss):
+            if keep:
+                args = (shared, _chunk(blocks, chunk, v), act_in(), tokens)
+                y, kept = stash_lib.forward(stage_fn(chunk), args, plan)
+                return y, zeros_act(), kept, acc, loss
             y, _ = _stage(
                 model,
                 shared,
@@ -342,7 +367,7 @@ def _explicit_loss_and_grads(
                 scale,
                 _layer0(chunk, p, v, blocks, ctx),
             )
-            return y, zeros_act(), acc, loss
+            return y, zeros_act(), [z() for z in kept_zeros], acc, loss
 
         def backward(acc, loss):
             rows = act.shape[0] // splits
@@ -380,9 +405,24 @@ def _explicit_loss_and_grads(
                             model, sh, ch, x, part(tokens), first, last, ctx, scale, _layer0(chunk, p, v, blocks, ctx)
                         )
 
-                    (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
-                    g_y = jnp.where(last, jnp.zeros_like(y), g_y)
-                    d_shared, d_chunk, d_x = vjp((vary(g_y, varying_axes(y)), jnp.ones_like(stage_loss)))
+                    def recompute(x_in, g_y):  # the stage's forward again, under jax.vjp
+                        (y, stage_loss), vjp = jax.vjp(f, shared, _chunk(blocks, chunk, v), x_in)
+                        g_y = jnp.where(last, jnp.zeros_like(y), g_y)
+                        return *vjp((vary(g_y, varying_axes(y)), jnp.ones_like(stage_loss))), stage_loss
+
+                    def kept(x_in, g_y):  # a non-last stage's pullback from its stashed residuals
+                        args = (shared, _chunk(blocks, chunk, v), x_in, tokens)
+                        in_branch = stash_lib.split(stage_fn(chunk), args, (2, 3))
+                        saved = [jax.lax.dynamic_index_in_dim(buf, stash_slot, 0, False) for buf in stash_bufs]
+                        d_shared, d_chunk, d_x, _ = stash_lib.pullback(args, saved, in_branch)(g_y)
+                        return d_shared, d_chunk, d_x, jnp.zeros((), jnp.float32)
+
+                    if keep:  # the last virtual stage ran no forward tick: it computes both now
+                        d_shared, d_chunk, d_x, stage_loss = _cond(
+                            last, _scoped(SCOPE_LAST, recompute), _scoped(SCOPE_KEPT, kept), x_in, g_y
+                        )
+                    else:
+                        d_shared, d_chunk, d_x, stage_loss = recompute(x_in, g_y)
                     acc_shared, acc_blocks = _split(acc)
                     dims_shared, dims_blocks = _split(dims)
 
@@ -402,21 +442,23 @@ def _explicit_loss_and_grads(
                 return jax.tree.map(lambda new, old: vary(new, varying_axes(old)), out, carry), None
 
             (acc, loss, d_in), _ = jax.lax.scan(one, (acc, loss, zeros_act()), jnp.arange(splits))
-            return zeros_act(), d_in, acc, loss
+            return zeros_act(), d_in, [z() for z in kept_zeros], acc, loss
 
         return _switch(kind, [idle, _scoped(SCOPE_FORWARD, forward), _scoped(SCOPE_BACKWARD, backward)], acc, loss)
 
     def tick(carry, xs):
-        act_buf, grad_buf, acc, loss = carry
+        act_buf, grad_buf, stash_bufs, acc, loss = carry
         row = {name: column[d] for name, column in xs["per_stage"].items()}
-        send_f, send_b, acc, loss = run(
+        send_f, send_b, kept, acc, loss = run(
             row["kind"],
             row["microbatch"],
             row["chunk"],
             act_buf,
             grad_buf,
+            stash_bufs,
             row["act_read"],
             row["grad_read"],
+            row["stash_read"],
             acc,
             loss,
         )
@@ -424,16 +466,18 @@ def _explicit_loss_and_grads(
         recv_b = _send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd")
         act_buf = _store(act_buf, recv_f, row["act_write"])
         grad_buf = _store(grad_buf, recv_b, row["grad_write"])
-        return (act_buf, grad_buf, acc, loss), None
+        stash_bufs = [_store(buf, vary(x, varying_axes(buf)), row["stash_write"]) for buf, x in zip(stash_bufs, kept)]
+        return (act_buf, grad_buf, stash_bufs, acc, loss), None
 
     xs = {"per_stage": prog.per_stage, **prog.pattern}
     carry = (
         _zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
         _zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
+        [_zeros((prog.stash_slots, *a.shape), a.dtype, varying_axes(a)) for a in (plan.kept_avals if keep else [])],
         jax.tree.map(acc_zeros, params, dims),
         _zeros((), jnp.float32, loss_axes),
     )
-    (_, _, grads, loss), _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, xs))
+    (_, _, _, grads, loss), _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, xs))
     return _reduce_shared(loss, grads)
 
 
@@ -519,7 +563,7 @@ class Pipeline:
         """The pipeline of a validated layout (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)
         running ``model``'s stages."""
         table = build_schedule(layout.schedule, layout.pipeline, layout.microbatches, layout.virtual_stages)
-        return cls(table, compile_program(table), model)
+        return cls(table, compile_program(table, stash=keeps_activations(layout)), model)
 
     def loss_and_grads(
         self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float, scatter: tuple[dict, Any] | None = None

@@ -11,7 +11,7 @@ import heapq
 
 import numpy as np
 
-from jaxpar.layout import SCHEDULES
+from jaxpar.layout import SCHEDULES, ParallelLayout
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
@@ -75,6 +75,14 @@ def _sequences(schedule: str, p: int, m: int, v: int) -> list[list[Action]]:
         seq += [Action("B", *a) for a in bwd[len(fwd) - warmup :]]
         out.append(seq)
     return out
+
+
+def keeps_activations(layout: ParallelLayout) -> bool:
+    """Whether 1F1B / interleaved keep each in-flight microbatch's residuals for its backward
+    (:mod:`~jaxpar.parallel.pipeline.stash`) instead of recomputing the stage: unless ``model.remat``
+    is ``full``, which asks for the recomputation (GPipe's backward is JAX's transpose of its forward
+    scan, which keeps the residuals of its own)."""
+    return layout.schedule != "gpipe" and layout.recompute != "full"
 
 
 def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> ScheduleTable:
@@ -175,6 +183,7 @@ class Program:
     pairs: dict[str, tuple[tuple[tuple[int, int], ...], ...]]
     act_slots: int
     grad_slots: int
+    stash_slots: int = 0
 
 
 def _allocate(intervals: dict[tuple[int, int], tuple[int, int, int]]) -> tuple[dict[tuple[int, int], int], int]:
@@ -199,29 +208,37 @@ def _allocate(intervals: dict[tuple[int, int], tuple[int, int, int]]) -> tuple[d
     return slots, used
 
 
-def _live_intervals(table: ScheduleTable) -> tuple[dict, dict]:
+def _live_intervals(table: ScheduleTable, stash: bool = False) -> tuple[dict, dict, dict]:
     """Per (microbatch, virtual stage): (device, arrival tick, consuming tick) of the stage input
-    (after F on the previous virtual stage, until B) and of the output gradient (after B on the next
-    one, until B)."""
+    (after F on the previous virtual stage, until B, or until F with a stash), of the output gradient
+    (after B on the next one, until B) and of the stashed activations (after F until B; none on the
+    last virtual stage, whose F runs in its B tick)."""
     p, m, last = table.stages, table.microbatches, table.stages * table.virtual_stages - 1
     when = table.ticks_of()
     pairs_ik = [(i, k) for i in range(m) for k in range(last + 1)]
-    act = {(i, k): (k % p, when["F", i, k - 1], when["B", i, k]) for i, k in pairs_ik if k > 0}
+    act = {
+        (i, k): (k % p, when["F", i, k - 1], when["F" if stash and k < last else "B", i, k])
+        for i, k in pairs_ik
+        if k > 0
+    }
     grad = {(i, k): (k % p, when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last}
-    return act, grad
+    kept = {(i, k): (k % p, when["F", i, k], when["B", i, k]) for i, k in pairs_ik if stash and k < last}
+    return act, grad, kept
 
 
-def slot_counts(table: ScheduleTable) -> tuple[int, int]:
-    """``(act_slots, grad_slots)`` of :func:`compile_program`, without building its arrays (what the
-    memory estimate needs, for hundreds of schedules in one planner search)."""
-    act, grad = _live_intervals(table)
-    return _allocate(act)[1], _allocate(grad)[1]
+def slot_counts(table: ScheduleTable, stash: bool = False) -> tuple[int, int, int]:
+    """``(act_slots, grad_slots, stash_slots)`` of :func:`compile_program`, without building its
+    arrays (what the memory estimate needs, for hundreds of schedules in one planner search)."""
+    act, grad, kept = _live_intervals(table, stash)
+    return _allocate(act)[1], _allocate(grad)[1], _allocate(kept)[1]
 
 
 SATURATION = 4  # slot counts are those of min(m, SATURATION * p) microbatches (1F1B, interleaved)
 
 
-def steady_slot_counts(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, int]:
+def steady_slot_counts(
+    schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, stash: bool = False
+) -> tuple[int, int, int]:
     """:func:`slot_counts` of the schedule, simulated with at most ``SATURATION * stages``
     microbatches for 1F1B and interleaved: the planner prices schedules of up to thousands.
 
@@ -233,18 +250,21 @@ def steady_slot_counts(schedule: str, stages: int, microbatches: int, virtual_st
     at m = 2p, for p up to 16 and v up to 4; the cap is twice that. GPipe keeps every microbatch,
     so it is simulated as given."""
     m = microbatches if schedule == "gpipe" else min(microbatches, SATURATION * stages)
-    return slot_counts(build_schedule(schedule, stages, m, virtual_stages))
+    return slot_counts(build_schedule(schedule, stages, m, virtual_stages), stash)
 
 
-def compile_program(table: ScheduleTable) -> Program:
-    """Lower a table to a :class:`Program` (slot allocation and send patterns)."""
+def compile_program(table: ScheduleTable, stash: bool = False) -> Program:
+    """Lower a table to a :class:`Program` (slot allocation and send patterns); ``stash``: the
+    backward reads saved activations instead of recomputing the stage from its input."""
     p, ticks, last = table.stages, table.ticks, table.stages * table.virtual_stages - 1
-    act_live, grad_live = _live_intervals(table)
+    act_live, grad_live, kept_live = _live_intervals(table, stash)
     act, n_act = _allocate(act_live)
     grad, n_grad = _allocate(grad_live)
+    kept, n_kept = _allocate(kept_live)
     arr = {name: np.zeros((ticks, p), np.int32) for name in ("kind", "microbatch", "chunk")}
     arr |= {name: np.full((ticks, p), n_act, np.int32) for name in ("act_read", "act_write")}
     arr |= {name: np.full((ticks, p), n_grad, np.int32) for name in ("grad_read", "grad_write")}
+    arr |= {name: np.full((ticks, p), n_kept, np.int32) for name in ("stash_read", "stash_write")}
     pairs: dict[str, list] = {"fwd": [()], "bwd": [()]}
     pattern = {"fwd": np.zeros(ticks, np.int32), "bwd": np.zeros(ticks, np.int32)}
     for t, row in enumerate(table.grid):
@@ -254,11 +274,16 @@ def compile_program(table: ScheduleTable) -> Program:
             if a is None or (a.kind == "F" and k == last):
                 continue
             arr["microbatch"][t, d], arr["chunk"][t, d] = i, a.chunk
-            arr["act_read"][t, d] = act[i, k] if k > 0 else n_act
+            reads_input = k > 0 and (a.kind == "F" or not stash or k == last)
+            arr["act_read"][t, d] = act[i, k] if reads_input else n_act
             if a.kind == "F":
                 arr["kind"][t, d], arr["act_write"][t, (k + 1) % p] = FORWARD, act[i, k + 1]
                 sends["fwd"].append((d, (k + 1) % p))
+                if stash:
+                    arr["stash_write"][t, d] = kept[i, k]
             else:
+                if stash and k < last:
+                    arr["stash_read"][t, d] = kept[i, k]
                 arr["kind"][t, d], arr["grad_read"][t, d] = BACKWARD, grad[i, k] if k < last else n_grad
                 if k > 0:
                     arr["grad_write"][t, (k - 1) % p] = grad[i, k - 1]
@@ -268,4 +293,4 @@ def compile_program(table: ScheduleTable) -> Program:
             if key not in pairs[direction]:
                 pairs[direction].append(key)
             pattern[direction][t] = pairs[direction].index(key)
-    return Program(arr, pattern, {k: tuple(v) for k, v in pairs.items()}, n_act, n_grad)
+    return Program(arr, pattern, {k: tuple(v) for k, v in pairs.items()}, n_act, n_grad, n_kept)

@@ -1,0 +1,92 @@
+"""A stage's saved activations, kept from its forward tick to its backward tick (no recomputation).
+
+``jax.vjp`` returns its pullback as a pytree whose leaves are the residuals (the values the backward
+reads) and whose structure is static, so a residual can be written into a slot buffer in the scan's
+carry at the forward tick and the pullback rebuilt from the slot at the backward tick, as Megatron-LM
+and ``torch.distributed.pipelining`` keep each in-flight microbatch's saved tensors.
+
+Not every residual belongs in a slot: the layers' weights (forwarded inputs), their casts to the
+compute dtype, rotary tables and masks do not depend on the microbatch, and one copy per in-flight
+microbatch would cost a multiple of the parameters. :func:`split` traces the residuals as a jaxpr and
+keeps, by dead-code elimination, only those that depend on the microbatch's data (the stage input and
+its tokens); the backward recomputes the others from the parameters with the pruned jaxpr (casts,
+ZeRO-3 gathers: what the backward without a stash would compute as well).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Literal
+
+from jaxpar.compat import dce_jaxpr
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+    """The residuals of ``jax.vjp(fn, *args)``: the pullback's structure, which leaves are kept per
+    microbatch (``kept[i]``), the jaxpr of all leaves and its part computing the recomputed ones."""
+
+    treedef: Any
+    kept: tuple[bool, ...]
+    jaxpr: Any  # ClosedJaxpr: args -> all residual leaves
+    recompute: Any  # Jaxpr: args -> the leaves not kept
+
+    @property
+    def kept_avals(self) -> list[Any]:
+        """Abstract values (shape, dtype, varying mesh axes) of the kept leaves."""
+        return [v.aval for v, k in zip(self.jaxpr.jaxpr.outvars, self.kept, strict=True) if k]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of one microbatch's kept residuals on one device."""
+        return sum(a.size * a.dtype.itemsize for a in self.kept_avals)
+
+
+def split(fn: Callable, args: Sequence[Any], data: Sequence[int]) -> Split:
+    """Trace ``jax.vjp(fn, *args)`` and split its residual leaves into those depending on the
+    arguments at positions ``data`` (kept) and the others (recomputed)."""
+    box: dict[str, Any] = {}
+
+    def leaves(*a: Any) -> list[jax.Array]:
+        _, pullback = jax.vjp(fn, *a)
+        out, box["treedef"] = jax.tree.flatten(pullback)
+        return out
+
+    closed = jax.make_jaxpr(leaves)(*args)
+    flat_in = [len(jax.tree.leaves(a)) for a in args]
+    starts = [sum(flat_in[:i]) for i in range(len(args))]
+    data_vars = {id(v) for i in data for v in closed.jaxpr.invars[starts[i] : starts[i] + flat_in[i]]}
+    n = len(closed.jaxpr.outvars)
+    kept = []
+    for i in range(n):
+        pruned = dce_jaxpr(closed.jaxpr, [j == i for j in range(n)])
+        kept.append(bool(_inputs_used(pruned) & data_vars))
+    recompute = dce_jaxpr(closed.jaxpr, [not k for k in kept])
+    return Split(box["treedef"], tuple(kept), closed, recompute)
+
+
+def _inputs_used(jaxpr: Any) -> set[int]:
+    """ids of the variables a (pruned) jaxpr reads at its top level or returns."""
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, Literal)}
+    return used | {id(v) for v in jaxpr.outvars if not isinstance(v, Literal)}
+
+
+def forward(fn: Callable, args: Sequence[Any], plan: Split) -> tuple[Any, list[jax.Array]]:
+    """``fn(*args)`` and the residual leaves ``plan`` keeps (in leaf order)."""
+    out, pullback = jax.vjp(fn, *args)
+    leaves = jax.tree.leaves(pullback)
+    return out, [leaf for leaf, k in zip(leaves, plan.kept, strict=True) if k]
+
+
+def pullback(args: Sequence[Any], kept: Sequence[jax.Array], plan: Split) -> Callable:
+    """The pullback of ``fn`` at ``args`` from the kept leaves (read back from the stash) and the
+    others recomputed from ``args`` (only their parameter parts are read)."""
+    flat = jax.tree.leaves(list(args))
+    others = iter(jax.core.eval_jaxpr(plan.recompute, plan.jaxpr.consts, *flat))
+    stored = iter(kept)
+    leaves = [next(stored) if k else next(others) for k in plan.kept]
+    return jax.tree.unflatten(plan.treedef, leaves)
