@@ -147,7 +147,7 @@ def default_config() -> ConfigDict:
     c.data.val_fraction = 0.05  # share of files (stdlib) or tokens (bin) held out
 
     c.pipeline = ConfigDict()
-    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | interleaved
+    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (input and weight gradients split)
     c.pipeline.virtual_stages = 1
 
     c.checkpoint = ConfigDict()

@@ -30,7 +30,8 @@ from typing import Any
 from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.errors import require
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)  # schedules that run the input and the weight gradient as separate ticks
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.ops.attention)
 CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.ops.context_parallel)
@@ -53,7 +54,7 @@ class ParallelLayout:
     seq_len: int = 2048
     recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipeline > 1)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (used when pipeline > 1)
     # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
     # calls (planner, tests, experiments) keep their meaning
     context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.ops.context_parallel)
@@ -307,9 +308,20 @@ class ParallelLayout:
             "--config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1",
         )
         require(
-            schedule != "1f1b" or m >= p,
-            f"train.microbatches={m} < mesh.pipeline={p}: 1F1B needs at least one microbatch per stage; "
+            schedule not in ("1f1b", *SPLIT_BACKWARD) or m >= p,
+            f"train.microbatches={m} < mesh.pipeline={p}: {schedule} needs at least one microbatch per stage; "
             f"set --config.train.microbatches={p} or more",
+        )
+        require(
+            schedule not in SPLIT_BACKWARD or self.recompute == "none",
+            f"pipeline.schedule={schedule} with model.remat={self.recompute}: the split backward computes the "
+            "weight gradients from the forward's stashed residuals, which recomputation does not keep; set "
+            "--config.model.remat=none or --config.pipeline.schedule=1f1b",
+        )
+        require(
+            schedule not in SPLIT_BACKWARD or not model.get("num_experts", 0),
+            f"pipeline.schedule={schedule} with an MoE model (model.num_experts={model.get('num_experts', 0)}) is "
+            "not supported yet; set --config.pipeline.schedule=1f1b",
         )
         require(
             schedule != "interleaved" or m % p == 0,

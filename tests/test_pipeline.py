@@ -157,6 +157,10 @@ DEFAULT = {
         "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3", "--config.model.remat=full"
     ),
     "gpipe_p2_m4_d4_zero3": layout("gpipe", 2, 4, 4, 1, "--config.parallel.zero_stage=3"),
+    # ZB-H1: the input gradient (B) and the weight gradient (W) as separate ticks
+    "zbh1_p2_m4": layout("zb-h1", 2, 4),
+    "zbh1_p4_m8_d2_zero1": layout("zb-h1", 4, 8, 2, 1, "--config.parallel.zero_stage=1"),
+    "zbh1_p2_m4_d2_t2_zero3": layout("zb-h1", 2, 4, 2, 2, "--config.parallel.zero_stage=3"),
     # ZeRO-2: each backward tick reduce-scatters its gradients over data into a sharded accumulator
     "1f1b_p2_m4_d2_zero2": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=2"),
     "interleaved_p2_m4_d2_t2_zero2_remat": layout(
@@ -171,6 +175,15 @@ GRID = {
     for m in (p, 2 * p, 4 * p)
     for extra in AXES
     if 16 % (m * AXES[extra][0]) == 0
+}
+# 1F1B without recomputation and ZB-H1 with data=2 (and tensor=2 where 8 devices allow) under ZeRO-1 and 3
+GRID |= {
+    f"{s}_p{p}_m{m}_d2_t{t}_zero{z}": layout(s, p, m, 2, t, f"--config.parallel.zero_stage={z}")
+    for s in ("1f1b", "zb-h1")
+    for p, t in ((2, 2), (4, 1))
+    for m in (p, 2 * p, 4 * p)
+    for z in (1, 3)
+    if 16 % (2 * m) == 0
 }
 SLOW_GRID = {name: o for name, o in GRID.items() if o not in DEFAULT.values()}
 
@@ -219,34 +232,53 @@ def test_full_remat_layer_by_layer_backward_matches_single_device(name):
     assert_matches(reference_run(REMAT), train(REMAT_LAYOUTS[name], REMAT), name)
 
 
-def test_eval_step_matches_single_device():
-    """The forward-only pipelined evaluation (interleaved layer order, tensor=2) gives the same loss."""
+@pytest.mark.parametrize(
+    "name,rows", [("interleaved_p2_t2", 4), ("1f1b_p4", 8), ("1f1b_p4_rows6", 6), ("interleaved_p4_d2", 16)]
+)
+def test_eval_step_matches_single_device(name, rows):
+    """Pipelined evaluation (a forward-only table, interleaved layer order, tensor=2, p=4) gives the
+    one-device loss; with 8 rows on p=4 the table has ticks where all 4 stages work at once."""
+    pipelined = {
+        "interleaved_p2_t2": layout("interleaved", 2, 4, 1, 2),
+        "1f1b_p4": layout("1f1b", 4, 8),
+        "1f1b_p4_rows6": layout("1f1b", 4, 4),
+        "interleaved_p4_d2": layout("interleaved", 4, 8, 2),
+    }[name]
     host = _host_params()
-    rows = np.random.default_rng(1).integers(0, 256, size=(4, 33))
+    rows = np.random.default_rng(1).integers(0, 256, size=(rows, 33))
     losses = []
-    for overrides in (["--config.mesh.data=1"], layout("interleaved", 2, 4, 2, 2)):
+    for overrides in (["--config.mesh.data=1"], pipelined):
         cfg = small_config(*overrides)
         setup = make_setup(cfg)
         staged = pipeline.to_stage_form(host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
         params = jax.device_put(staged, setup.param_shardings)
         losses.append(float(setup.eval_step(params, setup.feed.make_eval_batch(rows))))
     assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
+    p, m = cfg.mesh.pipeline, cfg.train.microbatches
+    local = len(rows) // cfg.mesh.data
+    table = pipeline.build_eval_schedule(p, pipeline.eval_microbatches(local, p, m), cfg.pipeline.virtual_stages)
+    busy = max(sum(a is not None for a in tick) for tick in table.grid)
+    assert busy == (3 if name == "1f1b_p4_rows6" else p)  # 6 rows: 3 microbatches of 2
 
 
 # --------------------------------------------------------------------------- schedules as data
 
 
 def _check_table(table: pipeline.ScheduleTable) -> None:
-    """Every (microbatch, virtual stage) runs F then B once, after its inputs were produced."""
+    """Every (microbatch, virtual stage) runs F then B (then W, split) once, after its inputs
+    were produced."""
     p, v, m = table.stages, table.virtual_stages, table.microbatches
     when = table.ticks_of()
-    assert len(when) == 2 * m * p * v
+    split = pipeline.splits_backward(table.schedule)
+    assert len(when) == (3 if split else 2) * m * p * v
     last = p * v - 1
     for i in range(m):
         for k in range(p * v):
             if k > 0:
                 assert when[("F", i, k)] > when[("F", i, k - 1)]
             assert when[("B", i, k)] > (when[("B", i, k + 1)] if k < last else when[("F", i, k)])
+            if split:
+                assert when[("W", i, k)] > when[("B", i, k)]
 
 
 CASES = [
@@ -502,7 +534,8 @@ def test_slot_counts_are_the_programs():
         for stash in (False, True):
             prog = compile_program(table, stash)
             got = slot_counts(table, stash)
-            assert got == (prog.act_slots, prog.grad_slots, prog.stash_slots), (schedule, p, m, v, stash)
+            want = (prog.act_slots, prog.grad_slots, prog.stash_slots, prog.front_slots)
+            assert got == want, (schedule, p, m, v, stash)
         checked += 1
     assert checked == 65
 
@@ -522,7 +555,7 @@ def test_slot_counts_saturate():
                 assert steady_slot_counts(schedule, p, m, v, stash) == want, (schedule, p, m, v, stash)
             checked, capped = checked + 1, capped + (m > SATURATION * p)
     assert (checked, capped) == (171, 92)
-    assert steady_slot_counts("gpipe", 2, 64) == (64, 1, 0)
+    assert steady_slot_counts("gpipe", 2, 64) == (64, 1, 0, 0)
 
 
 def test_stash_holds_the_in_flight_microbatches():
@@ -531,10 +564,10 @@ def test_stash_holds_the_in_flight_microbatches():
     then alive only until its forward (2 slots instead of p)."""
     from jaxpar.parallel.pipeline.schedule import build_schedule, slot_counts
 
-    assert slot_counts(build_schedule("1f1b", 4, 8)) == (4, 1, 0)
-    assert slot_counts(build_schedule("1f1b", 4, 8), stash=True) == (2, 1, 4)
-    assert slot_counts(build_schedule("1f1b", 4, 32), stash=True) == (2, 1, 4)
-    assert slot_counts(build_schedule("interleaved", 4, 8, 2), stash=True) == (2, 2, 11)
+    assert slot_counts(build_schedule("1f1b", 4, 8)) == (4, 1, 0, 0)
+    assert slot_counts(build_schedule("1f1b", 4, 8), stash=True) == (2, 1, 4, 0)
+    assert slot_counts(build_schedule("1f1b", 4, 32), stash=True) == (2, 1, 4, 0)
+    assert slot_counts(build_schedule("interleaved", 4, 8, 2), stash=True) == (2, 2, 11, 0)
 
 
 def _executed_flops(*overrides: str) -> float:
@@ -555,3 +588,39 @@ def test_pipeline_runs_each_forward_once():
     assert _executed_flops(*layout("1f1b", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
     recomputed = _executed_flops(*layout("1f1b", 4, 8), "--config.model.remat=full") / base
     assert recomputed > 1.5
+
+
+def test_zb_h1_table_bubble_and_memory():
+    """ZB-H1's table under equal F, B, W times has the bubble rate Qi et al. state, (p-1)/(3m), a
+    third of 1F1B's (p-1)/m, with at most p microbatches in flight on any stage (1F1B's peak)."""
+    from jaxpar.parallel.pipeline.timing import timed
+
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p, 4 * p + 1):
+            zb, one = timed(pipeline.build_schedule("zb-h1", p, m)), timed(pipeline.build_schedule("1f1b", p, m))
+            assert zb.bubble == pytest.approx((p - 1) / (3 * m)), (p, m)
+            assert one.bubble == pytest.approx((p - 1) / m), (p, m)
+            assert max(zb.in_flight) == max(one.in_flight) == p, (p, m)
+            _check_table(pipeline.build_schedule("zb-h1", p, m))
+    # with a W half as long as B, the saving is (p-1)(T_F + T_B - T_W) per stage (Qi et al.)
+    slow_b = timed(pipeline.build_schedule("zb-h1", 4, 8), {"F": 1.0, "B": 1.0, "W": 0.5})
+    assert slow_b.makespan - slow_b.work == pytest.approx(3 * (1 + 1 - 0.5))
+
+
+def test_zb_h1_runs_each_matmul_once():
+    """The split backward runs every dot once: B's equations and W's partition the pullback."""
+    base = _executed_flops("--config.train.microbatches=8", "--config.mesh.data=1")
+    assert _executed_flops(*layout("zb-h1", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--config.model.remat=full"], "model.remat=none"),
+        (["--config.model.remat=selective"], "model.remat=none"),
+        (["--config.train.microbatches=2"], "at least one microbatch per stage"),
+    ],
+)
+def test_zb_h1_refusals(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        make_setup(small_config(*layout("zb-h1", 4, 4), *extra))

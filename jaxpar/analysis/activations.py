@@ -696,11 +696,11 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
 
 
-_PROGRAMS: dict[tuple, tuple[int, int, int]] = {}
+_PROGRAMS: dict[tuple, tuple[int, int, int, int]] = {}
 
 
-def _program(schedule: str, p: int, m: int, v: int, keep: bool) -> tuple[int, int, int]:
-    """(act_slots, grad_slots, stash_slots) of a schedule's executor program, cached: the planner
+def _program(schedule: str, p: int, m: int, v: int, keep: bool) -> tuple[int, int, int, int]:
+    """(act_slots, grad_slots, stash_slots, front_slots) of a schedule's executor program, cached: the planner
     asks for the same few many times."""
     key = (schedule, p, m, v, keep)
     if key not in _PROGRAMS:

@@ -383,6 +383,8 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
         ok &= kind == pl.FORWARD
     if pl.SCOPE_BACKWARD in tags:
         ok &= kind == pl.BACKWARD
+    if pl.SCOPE_WEIGHT in tags:
+        ok &= kind == pl.WEIGHT
     if pl.SCOPE_FIRST in tags:
         ok &= (chunk == 0) & (stage == 0)
     if pl.SCOPE_LAST in tags:

@@ -279,9 +279,11 @@ def _paper_memory_estimate(
 
 def bubble_fraction(pipeline: int, microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
     """Idle share of a step: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved
-    (Narayanan et al. 2021; Huang et al. 2019). 1F1B changes memory, not the bubble."""
-    v = virtual_stages if schedule == "interleaved" else 1
-    return (pipeline - 1) / (v * microbatches + pipeline - 1)
+    (Narayanan et al. 2021; Huang et al. 2019), (p-1)/(3m+p-1) ZB-H1 with equal F, B and W times
+    (Qi et al. 2024). 1F1B changes memory, not the bubble."""
+    from jaxpar.parallel.pipeline.schedule import expected_bubble_fraction
+
+    return expected_bubble_fraction(schedule, pipeline, microbatches, virtual_stages)
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flops: float) -> float:
@@ -352,10 +354,7 @@ def step_time(
     comm = comm if comm is not None else communication(model, layout, cluster, grad_reduce_bytes, link_efficiency)
     p, m, tokens = layout.pipeline, layout.microbatches, layout.tokens_per_step
     model_fpt = flops_per_token(model, layout.seq_len, causal)
-    recompute = layout.recompute
-    if convention == "jaxpar" and p > 1 and layout.schedule != "gpipe":
-        recompute = "full"
-    hw = hardware_flops_per_token(model, layout.seq_len, recompute, causal, model_fpt)
+    hw = hardware_flops_per_token(model, layout.seq_len, layout.recompute, causal, model_fpt)
     out_layer = 6 * model.vocab_size * model.embed_dim if p > 1 else 0.0  # runs on the last stage only
     shards = layout.data * layout.tensor * layout.expert
     compute = ((hw - out_layer) / p + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)

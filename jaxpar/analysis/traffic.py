@@ -29,6 +29,7 @@ from jaxpar.models.inventory import (
     stage_tensors,
 )
 from jaxpar.ops.context_parallel import ring_bytes_per_layer
+from jaxpar.parallel.pipeline.schedule import keeps_activations, splits_backward
 
 CONVENTIONS = ("jaxpar", "paper")
 
@@ -469,20 +470,25 @@ def jaxpar_stage_traffic(
     remat = layout.recompute != "none"
     full = layout.recompute == "full" and layout.schedule != "gpipe"
     per_seq = layout.microbatch_size if full else 1  # the full-remat backward runs sequence by sequence
-    recompute = (1.5 if sp else 1.0) * remat
+    recompute = kept_recompute = (1.5 if sp else 1.0) * remat
     if c == 1 and not full and layout.schedule != "gpipe":  # XLA merges the recomputed forward (see above)
         recompute = 1.0 if sp and remat else 0.0
+    keep, split = keeps_activations(layout), splits_backward(layout.schedule)
     moved, calls = 0.0, 0
     for chunk in range(v):
         first, last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        kept = keep and (split or not last)  # this virtual stage's backward reads its stash
         if layout.schedule == "gpipe":
             units = (4 + recompute) * c
+        elif kept:  # the forward once, the backward from the stash (selective: its recomputed part)
+            units = 2 * c + (2 + kept_recompute) * c
         else:
             forward = 0 if last else 2 * c
             backward = (5.5 if sp else 5) * c if full else (4 + recompute) * c
             units = forward + backward
-        explicit_embed = 1.5 if sp else 2  # forward, and again in the backward (SP: a scatter, then a pair)
-        units += (explicit_embed if layout.schedule != "gpipe" else 1) * first + (1 if last else 0)
+        # the embedding: forward, and again in a recomputing backward (SP: a scatter, then a pair)
+        embed = 1 if layout.schedule == "gpipe" or kept else 1.5 if sp else 2
+        units += embed * first + (1 if last else 0)
         moved += units * a + (3 * all_reduce_bytes(bs * 4, t) if last else 0.0)
         calls += round(units) + (3 if last else 0)
         if model.get("num_experts", 0):  # the MoE layers' own (moe_tensor_arrays), per tick
@@ -569,9 +575,14 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int
     # one layer per chunk without full remat: the backward's regather merges with the vjp forward's
     explicit = layout.schedule != "gpipe"
     backward = 2 if c == 1 and explicit and layout.recompute != "full" else 3
-    moved = 0.0
+    keep, split = keeps_activations(layout), splits_backward(layout.schedule)
+    moved, calls = 0.0, 0
     for chunk in range(v):
         is_first, is_last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
-        forward = 0 if layout.schedule == "gpipe" or is_last else c * layer + is_first * first
-        moved += forward + backward * c * layer + 2 * is_first * first + 2 * is_last * last
-    return m * moved, m * backward * c * v
+        kept = keep and (split or not is_last)
+        # from the stash: the backward gathers each layer once (the split's W once more), then scatters
+        back = (3 if split else 2) if kept else backward
+        forward = 0 if layout.schedule == "gpipe" or (is_last and not split) else c * layer + is_first * first
+        moved += forward + back * c * layer + (1 if kept else 2) * is_first * first + 2 * is_last * last
+        calls += back * c
+    return m * moved, m * calls

@@ -84,16 +84,25 @@ def pipeline_schedule(layout: ParallelLayout) -> dict[str, Any] | None:
     from jaxpar.parallel import pipeline
 
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
+    from jaxpar.parallel.pipeline.timing import published_bubble, timed
+
     table = pipeline.build_schedule(layout.schedule, p, m, v)
     forward, backward = pipeline.boundary_sends(table)
+    timing = timed(table)
+    published = published_bubble(layout.schedule, p, m, v)
     return {
         "schedule": layout.schedule,
         "ticks": table.ticks,
         "bubble_fraction": pipeline.bubble_fraction(table),
         "expected_bubble_fraction": pipeline.expected_bubble_fraction(layout.schedule, p, m, v),
+        "bubble_rate": timing.bubble,
+        "published_bubble_rate": published,
+        "in_flight": list(timing.in_flight),
         "boundary_sends_forward": forward,
         "boundary_sends_backward": backward,
-        "diagram": pipeline.render_schedule(table),
+        "diagram": pipeline.render_schedule(table)
+        + f"\nbubble rate {timing.bubble:.4f} with equal F, B, W times (published {published:.4f}); "
+        + f"microbatches in flight per stage {list(timing.in_flight)}",
     }
 
 

@@ -37,14 +37,15 @@ that carry data, so bubbles move no bytes: every boundary carries b*s*h activati
 forward and the same backward.
 
 * ``1f1b`` / ``interleaved`` (:func:`_explicit_loss_and_grads`): each tick every stage runs its
-  action through ``lax.switch``; a backward calls ``jax.vjp`` on the stage and **recomputes the
-  stage forward** from the stored stage input (the forward tick only produces the activation to
-  send; the last stage does all its work in its backward tick). Stage inputs and arriving
-  gradients live in slot buffers whose size is the table's largest number of live inputs (p for
-  1F1B), not m, so activation memory does not grow with m (the program's "nothing arrives" index
-  keeps a buffer as is: no trash slot). With full rematerialisation
-  (``model.remat=full``) the backward also runs the microbatch one sequence at a time and the stage
-  layer by layer (:func:`_stage_backward_by_layer`): the same flops, but the working set of one
+  action through ``lax.switch``. A forward tick runs the stage under ``jax.vjp`` and writes the
+  residuals that depend on the microbatch into a stash slot (:mod:`~jaxpar.parallel.pipeline.stash`);
+  its backward tick rebuilds the pullback from the slot, recomputing only what depends on the
+  parameters alone (casts, ZeRO-3 gathers), so each forward runs once, as in Megatron-LM. The last
+  virtual stage runs its forward and backward in one tick. Stage inputs, arriving gradients and
+  stashes live in slot buffers whose size is the table's largest number of live values (p stashes
+  on stage 0 for 1F1B), not m (the program's "nothing arrives" index keeps a buffer as is: no
+  trash slot). ``model.remat=full`` asks for recomputation instead: the backward tick recomputes
+  the stage from its stored input, one sequence at a time and layer by layer (:func:`_stage_backward_by_layer`): the same flops, but the working set of one
   sequence through one layer, and each layer's weight gradient is added into the fp32 accumulator
   (the scan's carry) in place, with no stacked gradient of the stage's layers beside it.
 * ZeRO-3 (``parallel.zero_stage=3``, FSDP + PP): block parameters and the stage's ``ends`` slot
@@ -59,6 +60,10 @@ forward and the same backward.
 * ``gpipe`` (:func:`_gpipe_loss_and_grads`): the forward ticks are a scan differentiated by JAX,
   whose transpose is the backward half of the table (reverse order, gradients permuted back); the
   residuals of all m microbatches stay alive, as in GPipe without recomputation.
+
+**Evaluation** (:func:`eval_loss_sum`) runs a forward-only table
+(:func:`build_eval_schedule`): the rows of a data shard split into microbatches that flow
+through the stages at once, the last virtual stage adding the loss.
 """
 
 from jaxpar.parallel.pipeline.executor import (
@@ -70,9 +75,11 @@ from jaxpar.parallel.pipeline.executor import (
     SCOPE_KEPT,
     SCOPE_LAST,
     SCOPE_SEND,
+    SCOPE_WEIGHT,
     SCOPE_WORK,
     Pipeline,
     eval_loss_sum,
+    eval_microbatches,
 )
 from jaxpar.parallel.pipeline.forms import (
     ENDS,
@@ -87,16 +94,19 @@ from jaxpar.parallel.pipeline.schedule import (
     FORWARD,
     IDLE,
     SCHEDULES,
+    WEIGHT,
     Action,
     Program,
     ScheduleTable,
     boundary_sends,
     bubble_fraction,
+    build_eval_schedule,
     build_schedule,
     compile_program,
     expected_bubble_fraction,
     keeps_activations,
     render_schedule,
+    splits_backward,
 )
 
 __all__ = [
@@ -106,6 +116,7 @@ __all__ = [
     "FORWARD",
     "IDLE",
     "SCHEDULES",
+    "WEIGHT",
     "SCOPE_BACKWARD",
     "SCOPE_ENDS",
     "SCOPE_FIRST",
@@ -113,6 +124,7 @@ __all__ = [
     "SCOPE_KEPT",
     "SCOPE_LAST",
     "SCOPE_SEND",
+    "SCOPE_WEIGHT",
     "SCOPE_WORK",
     "Action",
     "Pipeline",
@@ -120,14 +132,17 @@ __all__ = [
     "ScheduleTable",
     "boundary_sends",
     "bubble_fraction",
+    "build_eval_schedule",
     "build_schedule",
     "compile_program",
     "eval_loss_sum",
+    "eval_microbatches",
     "expected_bubble_fraction",
     "has_ends",
     "keeps_activations",
     "layer_order",
     "render_schedule",
+    "splits_backward",
     "stage_form_logical_axes",
     "to_model_form",
     "to_stage_form",

@@ -20,13 +20,16 @@ from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.parallel.pipeline import stash as stash_lib
+from jaxpar.parallel.pipeline import weight_split
 from jaxpar.parallel.pipeline.forms import ENDS
 from jaxpar.parallel.pipeline.schedule import (
     Program,
     ScheduleTable,
+    build_eval_schedule,
     build_schedule,
     compile_program,
     keeps_activations,
+    splits_backward,
 )
 
 AXIS = MeshAxis.PIPELINE
@@ -60,6 +63,7 @@ def _cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *args: Any) ->
 SCOPE_FORWARD, SCOPE_BACKWARD, SCOPE_WORK = "pp_forward", "pp_backward", "pp_work"
 SCOPE_FIRST, SCOPE_LAST, SCOPE_SEND = "pp_first", "pp_last", "pp_send"
 SCOPE_ENDS = "pp_ends"  # the first or the last virtual stage
+SCOPE_WEIGHT = "pp_weight"  # a split backward's weight-gradient tick
 SCOPE_KEPT = "pp_kept"  # a backward from stashed residuals: every virtual stage but the last
 
 
@@ -481,6 +485,227 @@ def _explicit_loss_and_grads(
     return _reduce_shared(loss, grads)
 
 
+# --------------------------------------------------------------------------- split backward (zb-h1)
+
+
+def _split_parts(
+    model: Model, chunk: jax.Array, p: int, v: int, blocks: dict, tokens: jax.Array, ctx: ShardContext, scale: float
+):
+    """The stage of a split-backward schedule as three differentiable parts: ``embed(shared, x)``
+    (the embedding on the first virtual stage, else identity), ``layer(layer, x, j)`` (the chunk's
+    layer j) and ``head(shared, y)`` (the scaled loss on the last virtual stage, else 0)."""
+    d = jax.lax.axis_index(AXIS)
+    first, last = (chunk == 0) & (d == 0), (chunk == v - 1) & (d == p - 1)
+    tokens, ctx = dropout.bind(tokens, ctx)
+    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
+    one, layer0 = model.layer_step(positions, ctx), _layer0(chunk, p, v, blocks, ctx)
+
+    def embed(sh, x):
+        return _cond(
+            first, _scoped(SCOPE_FIRST, lambda x: model.embed(_view(model, sh, ctx), inputs, ctx)), lambda x: x, x
+        )
+
+    def layer(lay, x, j):
+        return one(x, lay, layer0 + j) if dropout.active(ctx) else one(x, lay)
+
+    def head(sh, y):
+        def loss(y):
+            return model.head_loss(_view(model, sh, ctx), y, targets, ctx) * scale
+
+        return _cond(last, _scoped(SCOPE_LAST, loss), lambda y: jnp.zeros((), jnp.float32), y)
+
+    return embed, layer, head
+
+
+def _layer_pullback(layer_fn: Callable, lay: dict, x: jax.Array, j: jax.Array, kept: list, g: jax.Array):
+    """(flat residuals, weight-split plan, flat arguments) of one layer's pullback rebuilt from its
+    kept residuals: what B and W both run a part of (:mod:`~jaxpar.parallel.pipeline.weight_split`)."""
+    fn = functools.partial(lambda j, lay, x: layer_fn(lay, x, j), j)
+    plan = stash_lib.split(fn, (lay, x), (1,))
+    leaves = jax.tree.leaves(stash_lib.pullback((lay, x), kept, plan))
+    n_params = len(jax.tree.leaves(lay))
+
+    def pull(leaves, g):
+        return jax.tree.leaves(jax.tree.unflatten(plan.treedef, leaves)(g))
+
+    ws = weight_split.split(pull, (leaves, g), [False] * n_params + [True], available=len(leaves))
+    return leaves, ws
+
+
+def _split_loss_and_grads(
+    model: Model,
+    params: dict,
+    batch: jax.Array,
+    ctx: ShardContext,
+    table: ScheduleTable,
+    prog: Program,
+    scale: float,
+    scatter: tuple[dict, Any] | None,
+) -> tuple[jax.Array, dict]:
+    """ZB-H1: one scan over the table's ticks; F keeps each layer's residuals, B computes the input
+    gradient and keeps the frontier, W the weight gradients (embedding and head gradients in B)."""
+    p, v = table.stages, table.virtual_stages
+    shared, blocks = _split(params)
+    act, act_axes, loss_axes = _boundary_types(model, shared, blocks, batch, ctx, v, scale)
+    dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
+    dims_shared, dims_blocks = _split(dims)
+    n = jax.tree.leaves(blocks)[0].shape[0] // v
+    n_data = jax.lax.axis_size(ctx.data_axis)
+
+    def zeros_act():
+        return _zeros(act.shape, act.dtype, act_axes)
+
+    def layer_of(ch, j):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), ch)
+
+    # the kept residuals' and the frontier's types, traced once (nothing is emitted)
+    box: dict[str, Any] = {}
+
+    def trace(c, x, tok):
+        embed, layer, head = _split_parts(model, c, p, v, blocks, tok, ctx, scale)
+        ch, j = _chunk(blocks, c, v), jnp.int32(0)
+        box["embed"] = stash_lib.split(embed, (shared, x), (1,))
+        box["layer"] = stash_lib.split(
+            functools.partial(lambda j, lay, x: layer(lay, x, j), j), (layer_of(ch, j), x), (1,)
+        )
+        box["head"] = stash_lib.split(head, (shared, x), (1,))
+        kept = [jnp.zeros(a.shape, a.dtype) for a in box["layer"].kept_avals]
+        _, ws = _layer_pullback(layer, layer_of(ch, j), x, j, kept, x)
+        box["front"] = ws.frontier_avals
+        return jnp.zeros(())
+
+    jax.eval_shape(trace, jnp.int32(0), zeros_act(), batch[0])
+    kept_avals = (
+        [("embed", a) for a in box["embed"].kept_avals]
+        + [("layer", a) for a in box["layer"].kept_avals]
+        + [("head", a) for a in box["head"].kept_avals]
+    )
+
+    def stacked(part, a):  # a layer's residual or frontier value, stacked over the chunk's layers
+        return (n, *a.shape) if part == "layer" else a.shape
+
+    def kept_zeros():
+        return [_zeros(stacked(part, a), a.dtype, varying_axes(a)) for part, a in kept_avals]
+
+    def front_zeros():
+        return [_zeros((n, *a.shape), a.dtype, varying_axes(a)) for a in box["front"]]
+
+    def groups(values):  # kept values as (embed, layer, head) lists
+        counts = [len(box[k].kept_avals) for k in ("embed", "layer", "head")]
+        return values[: counts[0]], values[counts[0] : counts[0] + counts[1]], values[counts[0] + counts[1] :]
+
+    def acc_zeros(a, dim):
+        shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
+        return _zeros(shape, jnp.float32, varying_axes(a))
+
+    def run(row, bufs, acc, loss):
+        act_buf, grad_buf, stash_bufs, front_bufs = bufs
+        chunk, mb = row["chunk"], row["microbatch"]
+        tokens = jax.lax.dynamic_index_in_dim(batch, mb, 0, keepdims=False)
+        embed, layer, head = _split_parts(model, chunk, p, v, blocks, tokens, ctx, scale)
+        ch = _chunk(blocks, chunk, v)
+        first, last = (
+            (chunk == 0) & (jax.lax.axis_index(AXIS) == 0),
+            (chunk == v - 1) & (jax.lax.axis_index(AXIS) == p - 1),
+        )
+
+        def read(bufs, slot):
+            return [jax.lax.dynamic_index_in_dim(b, slot, 0, False) for b in bufs]
+
+        def idle(acc, loss):
+            return zeros_act(), zeros_act(), kept_zeros(), front_zeros(), acc, loss
+
+        def forward(acc, loss):
+            x_in = jax.lax.dynamic_index_in_dim(act_buf, row["act_read"], 0, False)
+            x0, e_kept = stash_lib.forward(embed, (shared, x_in), box["embed"])
+
+            def body(x, lj):
+                lay, j = lj
+                fn = functools.partial(lambda j, lay, x: layer(lay, x, j), j)
+                return stash_lib.forward(fn, (lay, x), box["layer"])
+
+            y, l_kept = jax.lax.scan(body, x0, (ch, jnp.arange(n, dtype=jnp.int32)))
+            stage_loss, h_kept = stash_lib.forward(head, (shared, y), box["head"])
+            return y, zeros_act(), [*e_kept, *l_kept, *h_kept], front_zeros(), acc, loss + stage_loss
+
+        def backward(acc, loss):
+            e_kept, l_kept, h_kept = groups(read(stash_bufs, row["stash_read"]))
+            x = zeros_act()  # a placeholder of the right type: the pullbacks read only kept values
+            h_plan = stash_lib.split(head, (shared, x), (1,))
+            d_head, d_y = stash_lib.pullback((shared, x), h_kept, h_plan)(_zeros((), jnp.float32, loss_axes) + 1)
+            g_in = jax.lax.dynamic_index_in_dim(grad_buf, row["grad_read"], 0, False)
+            g = vary(d_y + jnp.where(last, jnp.zeros_like(g_in), g_in), act_axes)
+
+            def body(g, xs):
+                lay, j, kept = xs
+                leaves, ws = _layer_pullback(layer, lay, x, j, kept, g)
+                (d_x,), front = weight_split.run_input_grad(ws, [*leaves, g])
+                return vary(d_x, act_axes), front
+
+            idx = jnp.arange(n, dtype=jnp.int32)
+            g, front = jax.lax.scan(body, g, (ch, idx, l_kept), reverse=True)
+            e_plan = stash_lib.split(embed, (shared, x), (1,))
+            d_embed, d_x = stash_lib.pullback((shared, x), e_kept, e_plan)(g)
+            d_shared = _scatter_shared(
+                jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last, ctx.data_axis
+            )
+            acc = {
+                **jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), _split(acc)[0], d_shared),
+                "blocks": acc["blocks"],
+            }
+            return zeros_act(), d_x, kept_zeros(), front, acc, loss
+
+        def weight(acc, loss):
+            _, l_kept, _ = groups(read(stash_bufs, row["stash_read"]))
+            front = read(front_bufs, row["front_read"])
+            x, row0 = zeros_act(), chunk * n
+
+            def body(acc_blocks, xs):
+                lay, j, kept, fr = xs
+                leaves, ws = _layer_pullback(layer, lay, x, j, kept, x)
+                d_lay = jax.tree.unflatten(jax.tree.structure(lay), weight_split.run_weight_grad(ws, leaves, fr))
+
+                def add(a, dw, dim):
+                    dw = _scatter(dw, dim - 1 if dim >= 0 else -1, dtype, ctx.data_axis)
+                    return a.at[row0 + j].add(vary(dw, varying_axes(a)), mode="promise_in_bounds")
+
+                return jax.tree.map(add, acc_blocks, d_lay, dims_blocks), None
+
+            idx = jnp.arange(n, dtype=jnp.int32)
+            acc_blocks, _ = jax.lax.scan(body, acc["blocks"], (ch, idx, l_kept, front))
+            return zeros_act(), zeros_act(), kept_zeros(), front_zeros(), {**acc, "blocks": acc_blocks}, loss
+
+        branches = [
+            idle,
+            _scoped(SCOPE_FORWARD, forward),
+            _scoped(SCOPE_BACKWARD, backward),
+            _scoped(SCOPE_WEIGHT, weight),
+        ]
+        return _switch(row["kind"], branches, acc, loss)
+
+    def tick(carry, xs):
+        bufs, acc, loss = carry
+        act_buf, grad_buf, stash_bufs, front_bufs = bufs
+        row = {name: column[jax.lax.axis_index(AXIS)] for name, column in xs["per_stage"].items()}
+        send_f, send_b, kept, front, acc, loss = run(row, bufs, acc, loss)
+        act_buf = _store(act_buf, _send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd"), row["act_write"])
+        grad_buf = _store(grad_buf, _send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd"), row["grad_write"])
+        stash_bufs = [_store(b, vary(x, varying_axes(b)), row["stash_write"]) for b, x in zip(stash_bufs, kept)]
+        front_bufs = [_store(b, vary(x, varying_axes(b)), row["front_write"]) for b, x in zip(front_bufs, front)]
+        return ((act_buf, grad_buf, stash_bufs, front_bufs), acc, loss), None
+
+    bufs = (
+        _zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
+        _zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
+        [_zeros((prog.stash_slots, *stacked(part, a)), a.dtype, varying_axes(a)) for part, a in kept_avals],
+        [_zeros((prog.front_slots, n, *a.shape), a.dtype, varying_axes(a)) for a in box["front"]],
+    )
+    carry = (bufs, jax.tree.map(acc_zeros, params, dims), _zeros((), jnp.float32, loss_axes))
+    xs = {"per_stage": prog.per_stage, **prog.pattern}
+    (_, grads, loss), _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, xs))
+    return _reduce_shared(loss, grads)
+
+
 def _gpipe_loss_and_grads(
     model: Model, params: dict, batch: jax.Array, ctx: ShardContext, table: ScheduleTable, prog: Program, scale: float
 ) -> tuple[jax.Array, dict]:
@@ -519,34 +744,48 @@ def _gpipe_loss_and_grads(
     return _reduce_shared(loss, grads)
 
 
-def eval_loss_sum(
-    model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, stages: int, virtual_stages: int
-) -> jax.Array:
-    """Summed loss of ``tokens`` (b, s+1) through the pipeline, forward only: the microbatch walks
-    the p*v virtual stages in order (one stage busy at a time); the loss is summed over stages."""
-    p, v = stages, virtual_stages
+def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, prog: Program) -> jax.Array:
+    """Summed loss of ``tokens`` (m, b, s+1) through the pipeline, forward only, on the forward
+    table ``prog`` (:func:`~jaxpar.parallel.pipeline.schedule.build_eval_schedule`): every stage
+    works on its own microbatch at each tick, activations move as in training; the last virtual
+    stage adds its microbatch's loss, summed over stages at the end."""
+    table_p = prog.per_stage["kind"].shape[1]
+    v = int(prog.per_stage["chunk"].max()) + 1
     d = jax.lax.axis_index(AXIS)
     shared, blocks = _split(params)
-    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
-    x = model.embed(_view(model, shared, ctx), inputs, ctx)
-    x = vary(x, varying_axes(x) | {AXIS})
-    ring = [(j, (j + 1) % p) for j in range(p)]
+    act, act_axes, loss_axes = _boundary_types(model, shared, blocks, tokens, ctx, v, 1.0)
 
-    def run(x, k):
-        return _cond(
-            d == k % p, lambda x: model.run_blocks(x, _chunk(blocks, k // p, v), positions, ctx), lambda x: x, x
-        )
+    def tick(carry, xs):
+        act_buf, loss = carry
+        row = {name: column[d] for name, column in xs["per_stage"].items()}
+        chunk = row["chunk"]
+        first, last = (chunk == 0) & (d == 0), (chunk == v - 1) & (d == table_p - 1)
+        mb = jax.lax.dynamic_index_in_dim(tokens, row["microbatch"], 0, keepdims=False)
 
-    def step(x, k):
-        return jax.lax.ppermute(run(x, k), AXIS, ring), None
+        def idle(loss):
+            return _zeros(act.shape, act.dtype, act_axes), loss
 
-    x, _ = jax.lax.scan(step, x, jnp.arange(p * v - 1))
-    x = run(x, p * v - 1)  # the last virtual stage is on the last device, which holds the head
+        def forward(loss):
+            x = jax.lax.dynamic_index_in_dim(act_buf, row["act_read"], 0, False)
+            layer0 = _layer0(chunk, table_p, v, blocks, ctx)
+            y, stage_loss = _stage(model, shared, _chunk(blocks, chunk, v), x, mb, first, last, ctx, 1.0, layer0)
+            return y, loss + stage_loss
 
-    def loss(x):
-        return model.head_loss(_view(model, shared, ctx), x, targets, ctx)
+        y, loss = _switch(row["kind"], [idle, _scoped(SCOPE_FORWARD, forward)], loss)
+        act_buf = _store(act_buf, _send(y, xs["fwd"], prog.pairs["fwd"], "fwd"), row["act_write"])
+        return (act_buf, loss), None
 
-    return jax.lax.psum(_cond(d == p - 1, loss, lambda x: jnp.zeros((), jnp.float32), x), AXIS)
+    xs = jax.tree.map(jnp.asarray, {"per_stage": prog.per_stage, "fwd": prog.pattern["fwd"]})
+    carry = (_zeros((prog.act_slots, *act.shape), act.dtype, act_axes), _zeros((), jnp.float32, loss_axes))
+    (_, loss), _ = jax.lax.scan(tick, carry, xs)
+    return jax.lax.psum(loss, AXIS)
+
+
+def eval_microbatches(rows: int, stages: int, microbatches: int) -> int:
+    """Microbatches of an evaluation batch of ``rows`` sequences per data shard: the training
+    count, or the largest divisor of ``rows`` not above it (at least ``stages`` when ``rows``
+    allows, so every stage has work at once)."""
+    return max(k for k in range(1, rows + 1) if rows % k == 0 and k <= max(microbatches, min(stages, rows)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -575,7 +814,14 @@ class Pipeline:
         dtype): those gradients come back reduce-scattered over ``data``."""
         if self.table.schedule == "gpipe":
             return _gpipe_loss_and_grads(self.model, params, batch, ctx, self.table, self.program, scale)
+        if splits_backward(self.table.schedule):
+            return _split_loss_and_grads(self.model, params, batch, ctx, self.table, self.program, scale, scatter)
         return _explicit_loss_and_grads(self.model, params, batch, ctx, self.table, self.program, scale, scatter)
 
     def eval_loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
-        return eval_loss_sum(self.model, params, tokens, ctx, self.table.stages, self.table.virtual_stages)
+        """Inside the shard_map: the summed loss of ``tokens`` (b, s+1) on this data shard, the
+        rows split into :func:`eval_microbatches` that flow through the stages at once."""
+        p, v = self.table.stages, self.table.virtual_stages
+        m = eval_microbatches(tokens.shape[0], p, self.table.microbatches)
+        prog = compile_program(build_eval_schedule(p, m, v))
+        return eval_loss_sum(self.model, params, tokens.reshape(m, -1, *tokens.shape[1:]), ctx, prog)

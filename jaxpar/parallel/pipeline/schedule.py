@@ -11,9 +11,10 @@ import heapq
 
 import numpy as np
 
-from jaxpar.layout import SCHEDULES, ParallelLayout
+from jaxpar.layout import SCHEDULES, SPLIT_BACKWARD, ParallelLayout
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+EVAL = "forward"  # the forward-only table of pipelined evaluation (build_eval_schedule)
 
 
 # --------------------------------------------------------------------------- schedule tables
@@ -24,7 +25,7 @@ class Action:
     """One unit of work: forward or backward of ``microbatch`` through the stage's chunk ``chunk``
     (virtual stage ``chunk * p + stage``)."""
 
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B" | "W" (with a split backward "B" is the input gradient, "W" the weights')
     microbatch: int
     chunk: int = 0
 
@@ -61,6 +62,9 @@ def _sequences(schedule: str, p: int, m: int, v: int) -> list[list[Action]]:
             fwd, bwd, warmup = [(i, 0) for i in range(m)], [(i, 0) for i in reversed(range(m))], m
         elif schedule == "1f1b":
             fwd, bwd, warmup = [(i, 0) for i in range(m)], [(i, 0) for i in range(m)], min(p - 1 - d, m)
+        elif schedule == "zb-h1":
+            out.append(_zb_h1(d, p, m))
+            continue
         else:  # interleaved: microbatches in groups of p, chunk by chunk (backward: chunks reversed)
             fwd, bwd = [], []
             for j in range(m * v):
@@ -77,12 +81,35 @@ def _sequences(schedule: str, p: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
+def _zb_h1(d: int, p: int, m: int) -> list[Action]:
+    """Stage d of ZB-H1 (Qi et al. 2024, arXiv:2401.10241, section 3.1): 1F1B's order with each
+    backward split into B (input gradient) and W (weight gradient), stage d holding back d of its
+    W's so that they fill the cool-down where 1F1B idles. At most p microbatches are in flight
+    (forward done, W not yet) on any stage: 1F1B's peak on stage 0."""
+    warmup = min(p - 1 - d, m)
+    seq, pending = [Action("F", i) for i in range(warmup)], []
+    for j in range(m):
+        if warmup + j < m:
+            seq.append(Action("F", warmup + j))
+        seq.append(Action("B", j))
+        pending.append(j)
+        if len(pending) > d:
+            seq.append(Action("W", pending.pop(0)))
+    return seq + [Action("W", j) for j in pending]
+
+
 def keeps_activations(layout: ParallelLayout) -> bool:
     """Whether 1F1B / interleaved keep each in-flight microbatch's residuals for its backward
     (:mod:`~jaxpar.parallel.pipeline.stash`) instead of recomputing the stage: unless ``model.remat``
     is ``full``, which asks for the recomputation (GPipe's backward is JAX's transpose of its forward
     scan, which keeps the residuals of its own)."""
     return layout.schedule != "gpipe" and layout.recompute != "full"
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether the schedule runs the input gradient (B) and the weight gradient (W) as separate
+    actions (:data:`jaxpar.layout.SPLIT_BACKWARD`)."""
+    return schedule in SPLIT_BACKWARD
 
 
 def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> ScheduleTable:
@@ -97,7 +124,24 @@ def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages
     p, m, v = stages, microbatches, virtual_stages
     if schedule not in SCHEDULES or p < 1 or m < 1 or v < 1:
         raise ValueError(f"no schedule {schedule!r} with stages={p} microbatches={m} virtual_stages={v}")
-    seqs, pos, done, grid = _sequences(schedule, p, m, v), [0] * p, {}, []
+    return _simulate(schedule, _sequences(schedule, p, m, v), p, m, v)
+
+
+def build_eval_schedule(stages: int, microbatches: int, virtual_stages: int = 1) -> ScheduleTable:
+    """The forward-only table of pipelined evaluation: each stage runs its forwards in the order of
+    the training schedules (with v chunks: groups of p microbatches, chunk by chunk), so microbatch
+    i enters stage 0 at tick i and the stages work at once: p - 1 idle ticks per stage when m is a
+    multiple of p, a bubble of (p-1)/(v*m + p-1) as for the interleaved schedule."""
+    p, m, v = stages, microbatches, virtual_stages
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"no forward schedule with stages={p} microbatches={m} virtual_stages={v}")
+    order = [(i, c) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
+    return _simulate(EVAL, [[Action("F", i, c) for i, c in order] for _ in range(p)], p, m, v)
+
+
+def _simulate(schedule: str, seqs: list[list[Action]], p: int, m: int, v: int) -> ScheduleTable:
+    """Tick by tick, each stage runs its next action once its input exists (module docstring)."""
+    pos, done, grid = [0] * p, {}, []
     last = p * v - 1
     while any(pos[d] < len(seqs[d]) for d in range(p)):
         t, row = len(grid), [None] * p
@@ -109,6 +153,8 @@ def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages
             dep = ("F", a.microbatch, k - 1) if a.kind == "F" else ("B", a.microbatch, k + 1)
             if a.kind == "B" and k == last:
                 dep = ("F", a.microbatch, k)
+            if a.kind == "W":  # after its own stage's B (an earlier action of the same sequence)
+                dep = ("B", a.microbatch, k)
             if (a.kind == "F" and k == 0) or done.get(dep, t) < t:
                 row[d], pos[d] = a, pos[d] + 1
         for d, a in enumerate(row):
@@ -127,8 +173,10 @@ def bubble_fraction(table: ScheduleTable) -> float:
 
 
 def expected_bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021)."""
-    v = virtual_stages if schedule == "interleaved" else 1
+    """Idle share of the table's slots: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1)
+    interleaved (Narayanan et al. 2021), (p-1)/(3m+p-1) zb-h1, whose F, B and W take a slot each
+    (Qi et al. 2024)."""
+    v = virtual_stages if schedule in ("interleaved", EVAL) else 3 if splits_backward(schedule) else 1
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
@@ -184,6 +232,7 @@ class Program:
     act_slots: int
     grad_slots: int
     stash_slots: int = 0
+    front_slots: int = 0
 
 
 def _allocate(intervals: dict[tuple[int, int], tuple[int, int, int]]) -> tuple[dict[tuple[int, int], int], int]:
@@ -208,29 +257,36 @@ def _allocate(intervals: dict[tuple[int, int], tuple[int, int, int]]) -> tuple[d
     return slots, used
 
 
-def _live_intervals(table: ScheduleTable, stash: bool = False) -> tuple[dict, dict, dict]:
+def _live_intervals(table: ScheduleTable, stash: bool = False) -> tuple[dict, dict, dict, dict]:
     """Per (microbatch, virtual stage): (device, arrival tick, consuming tick) of the stage input
     (after F on the previous virtual stage, until B, or until F with a stash), of the output gradient
-    (after B on the next one, until B) and of the stashed activations (after F until B; none on the
-    last virtual stage, whose F runs in its B tick)."""
+    (after B on the next one, until B), of the stashed activations (after F until B, or until W with
+    a split backward; none on the last virtual stage without one, whose F runs in its B tick) and of
+    the split backward's frontier (after B until W)."""
     p, m, last = table.stages, table.microbatches, table.stages * table.virtual_stages - 1
     when = table.ticks_of()
     pairs_ik = [(i, k) for i in range(m) for k in range(last + 1)]
+    if table.schedule == EVAL:  # forward only: a stage input lives until its forward, nothing else
+        return {(i, k): (k % p, when["F", i, k - 1], when["F", i, k]) for i, k in pairs_ik if k > 0}, {}, {}, {}
+    split = splits_backward(table.schedule)
+    stash = stash or split
     act = {
-        (i, k): (k % p, when["F", i, k - 1], when["F" if stash and k < last else "B", i, k])
+        (i, k): (k % p, when["F", i, k - 1], when["F" if stash and (k < last or split) else "B", i, k])
         for i, k in pairs_ik
         if k > 0
     }
     grad = {(i, k): (k % p, when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last}
-    kept = {(i, k): (k % p, when["F", i, k], when["B", i, k]) for i, k in pairs_ik if stash and k < last}
-    return act, grad, kept
+    freed = "W" if split else "B"
+    kept = {(i, k): (k % p, when["F", i, k], when[freed, i, k]) for i, k in pairs_ik if stash and (k < last or split)}
+    front = {(i, k): (k % p, when["B", i, k], when["W", i, k]) for i, k in pairs_ik if split}
+    return act, grad, kept, front
 
 
-def slot_counts(table: ScheduleTable, stash: bool = False) -> tuple[int, int, int]:
-    """``(act_slots, grad_slots, stash_slots)`` of :func:`compile_program`, without building its
-    arrays (what the memory estimate needs, for hundreds of schedules in one planner search)."""
-    act, grad, kept = _live_intervals(table, stash)
-    return _allocate(act)[1], _allocate(grad)[1], _allocate(kept)[1]
+def slot_counts(table: ScheduleTable, stash: bool = False) -> tuple[int, int, int, int]:
+    """``(act_slots, grad_slots, stash_slots, front_slots)`` of :func:`compile_program`, without
+    building its arrays (what the memory estimate needs, for hundreds of schedules in one planner
+    search)."""
+    return tuple(_allocate(live)[1] for live in _live_intervals(table, stash))
 
 
 SATURATION = 4  # slot counts are those of min(m, SATURATION * p) microbatches (1F1B, interleaved)
@@ -238,7 +294,7 @@ SATURATION = 4  # slot counts are those of min(m, SATURATION * p) microbatches (
 
 def steady_slot_counts(
     schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, stash: bool = False
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int]:
     """:func:`slot_counts` of the schedule, simulated with at most ``SATURATION * stages``
     microbatches for 1F1B and interleaved: the planner prices schedules of up to thousands.
 
@@ -255,42 +311,49 @@ def steady_slot_counts(
 
 def compile_program(table: ScheduleTable, stash: bool = False) -> Program:
     """Lower a table to a :class:`Program` (slot allocation and send patterns); ``stash``: the
-    backward reads saved activations instead of recomputing the stage from its input."""
+    backward reads saved activations instead of recomputing the stage from its input (always with
+    a split backward, whose W ticks read them too)."""
     p, ticks, last = table.stages, table.ticks, table.stages * table.virtual_stages - 1
-    act_live, grad_live, kept_live = _live_intervals(table, stash)
-    act, n_act = _allocate(act_live)
-    grad, n_grad = _allocate(grad_live)
-    kept, n_kept = _allocate(kept_live)
+    split, evaluates = splits_backward(table.schedule), table.schedule == EVAL
+    stash = stash or split
+    (act, n_act), (grad, n_grad), (kept, n_kept), (front, n_front) = map(_allocate, _live_intervals(table, stash))
     arr = {name: np.zeros((ticks, p), np.int32) for name in ("kind", "microbatch", "chunk")}
-    arr |= {name: np.full((ticks, p), n_act, np.int32) for name in ("act_read", "act_write")}
-    arr |= {name: np.full((ticks, p), n_grad, np.int32) for name in ("grad_read", "grad_write")}
-    arr |= {name: np.full((ticks, p), n_kept, np.int32) for name in ("stash_read", "stash_write")}
+    for name, n in (("act", n_act), ("grad", n_grad), ("stash", n_kept), ("front", n_front)):
+        arr |= {f"{name}_read": np.full((ticks, p), n, np.int32), f"{name}_write": np.full((ticks, p), n, np.int32)}
     pairs: dict[str, list] = {"fwd": [()], "bwd": [()]}
     pattern = {"fwd": np.zeros(ticks, np.int32), "bwd": np.zeros(ticks, np.int32)}
     for t, row in enumerate(table.grid):
         sends: dict[str, list[tuple[int, int]]] = {"fwd": [], "bwd": []}
         for d, a in enumerate(row):
             i, k = (a.microbatch, a.chunk * p + d) if a else (0, 0)
-            if a is None or (a.kind == "F" and k == last):
-                continue
+            if a is None or (a.kind == "F" and k == last and not (evaluates or split)):
+                continue  # without a split the last virtual stage runs its forward in its B tick
             arr["microbatch"][t, d], arr["chunk"][t, d] = i, a.chunk
-            reads_input = k > 0 and (a.kind == "F" or not stash or k == last)
-            arr["act_read"][t, d] = act[i, k] if reads_input else n_act
+            stashed = stash and (k < last or split)
             if a.kind == "F":
-                arr["kind"][t, d], arr["act_write"][t, (k + 1) % p] = FORWARD, act[i, k + 1]
-                sends["fwd"].append((d, (k + 1) % p))
-                if stash:
+                arr["kind"][t, d] = FORWARD
+                arr["act_read"][t, d] = act[i, k] if k > 0 else n_act
+                if stashed:
                     arr["stash_write"][t, d] = kept[i, k]
-            else:
-                if stash and k < last:
-                    arr["stash_read"][t, d] = kept[i, k]
+                if k < last:
+                    arr["act_write"][t, (k + 1) % p] = act[i, k + 1]
+                    sends["fwd"].append((d, (k + 1) % p))
+            elif a.kind == "B":
                 arr["kind"][t, d], arr["grad_read"][t, d] = BACKWARD, grad[i, k] if k < last else n_grad
+                arr["act_read"][t, d] = act[i, k] if k > 0 and not stashed else n_act
+                if stashed:
+                    arr["stash_read"][t, d] = kept[i, k]
+                if split:
+                    arr["front_write"][t, d] = front[i, k]
                 if k > 0:
                     arr["grad_write"][t, (k - 1) % p] = grad[i, k - 1]
                     sends["bwd"].append((d, (k - 1) % p))
+            else:
+                arr["kind"][t, d] = WEIGHT
+                arr["stash_read"][t, d], arr["front_read"][t, d] = kept[i, k], front[i, k]
         for direction, found in sends.items():
             key = tuple(sorted(found))
             if key not in pairs[direction]:
                 pairs[direction].append(key)
             pattern[direction][t] = pairs[direction].index(key)
-    return Program(arr, pattern, {k: tuple(v) for k, v in pairs.items()}, n_act, n_grad, n_kept)
+    return Program(arr, pattern, {k: tuple(v) for k, v in pairs.items()}, n_act, n_grad, n_kept, n_front)
