@@ -13,6 +13,7 @@ sample-based settings become fractional steps ``samples / GBS``.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 from typing import Any
@@ -21,7 +22,6 @@ from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.port import Shell, launch_flags, show, unresolved_names
 from jaxpar.port.report import (
-    FP16_AS_BF16,
     LOSS_SCALE_NOOP,
     Report,
     apply_schedule_fields,
@@ -1321,13 +1321,68 @@ def _observability(a: _Args, values: dict[str, Any]) -> None:
             a.note(name, "approximated", "", _NOOP + "without --profile Megatron traces nothing")
 
 
+# Megatron's loss-scale flags -> train.loss_scale fields (megatron/training/arguments.py defaults)
+LOSS_SCALE_FLAGS = {
+    "--min-loss-scale": ("min_scale", float, 1.0),
+    "--loss-scale-window": ("window", int, 1000),
+    "--hysteresis": ("hysteresis", int, 2),
+}
+
+
+def _loss_scale(a: _Args, values: dict[str, Any]) -> None:
+    """--fp16's loss scale: --loss-scale fixes it, else Megatron's DynamicGradScaler from
+    --initial-loss-scale (default 2**32), --min-loss-scale, --loss-scale-window, --hysteresis. With
+    --deepspeed the DeepSpeed JSON's fp16 section decides instead (DeepSpeed's rule)."""
+    flags = ("--loss-scale", "--initial-loss-scale", *LOSS_SCALE_FLAGS)
+    if a.get("--deepspeed", bool, False):
+        a.note(
+            "--fp16",
+            "approximated",
+            "model.compute_dtype",
+            "float16 with DeepSpeed's loss scaler, whose settings are the DeepSpeed JSON's fp16 section (port it "
+            "too); the port keeps DeepSpeed's defaults (train.loss_scale)",
+        )
+        for name in flags:
+            a.note(name, "approximated", "", _NOOP + "with --deepspeed the DeepSpeed JSON's fp16 section decides")
+        return
+    static = a.get("--loss-scale", float, None)
+    if static is not None and static > 0:
+        values["train.loss_scale.static"] = static
+        a.note("--fp16", "mapped", "model.compute_dtype", "float16 with a fixed loss scale (--loss-scale)")
+        a.note("--loss-scale", "mapped", "train.loss_scale.static")
+        for name in flags[1:]:
+            a.note(name, "approximated", "", _NOOP + "Megatron ignores it with a fixed --loss-scale")
+        return
+    values["train.loss_scale.rule"] = "megatron"
+    a.note("--fp16", "mapped", "model.compute_dtype", "float16 with Megatron's dynamic loss scaling (train.loss_scale)")
+    a.note("--loss-scale", "mapped", "train.loss_scale.static", "none: dynamic")
+    initial = a.get("--initial-loss-scale", float, 2.0**32)
+    power = round(math.log2(initial)) if initial > 0 and math.isfinite(initial) else -1
+    if not 0 <= power <= 64:
+        raise ConfigError(f"megatron: --initial-loss-scale {initial:g}: use a scale in [1, 2**64]; fix the value")
+    values["train.loss_scale.initial_scale_power"] = power
+    exact = 2.0**power == initial
+    a.note(
+        "--initial-loss-scale",
+        "mapped" if exact else "approximated",
+        "train.loss_scale.initial_scale_power",
+        f"2**{power}" if exact else f"2**{power}, the nearest power of two: jaxpar starts the scale at a power of two",
+    )
+    if not a.has("--initial-loss-scale"):
+        a.report.mapped("(initial loss scale)", "2**32", "train.loss_scale.initial_scale_power", "Megatron's default")
+    for name, (field, kind, default) in LOSS_SCALE_FLAGS.items():
+        values[f"train.loss_scale.{field}"] = a.get(name, kind, default)
+        a.note(name, "mapped", f"train.loss_scale.{field}", "Megatron's DynamicGradScaler rule")
+
+
 def _misc(a: _Args, values: dict[str, Any]) -> None:
     """Precision, recompute, data, checkpoints, logging."""
     fp16 = a.get("--fp16", bool, False) and not a.get("--bf16", bool, False)
-    dtype = "bfloat16" if a.get("--bf16", bool, False) or fp16 else "float32"
+    dtype = "bfloat16" if a.get("--bf16", bool, False) else "float16" if fp16 else "float32"
     values["model.compute_dtype"] = dtype
     a.note("--bf16", "mapped", "model.compute_dtype")
-    a.note("--fp16", "approximated", "model.compute_dtype", "Megatron's dynamic loss scaling; " + FP16_AS_BF16)
+    if fp16:
+        _loss_scale(a, values)
     if dtype == "float32":
         a.report.mapped(
             "(precision)", "fp32", "model.compute_dtype", "neither --bf16 nor --fp16: Megatron trains in fp32"
