@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port import Shell, launch_flags, show, unresolved_names
+from jaxpar.port import Shell, launch_flags, megatron_log, show, unresolved_names
 from jaxpar.port.report import (
     LOSS_SCALE_NOOP,
     Report,
@@ -92,6 +92,7 @@ NOOP = {
             "--abort-on-unmet-fused-kernel-constraints",
             "--kill-switch-path",
             "--no-query-key-layer-scaling",
+            "--no-async-tensor-model-parallel-allreduce",
             "--apply-query-key-layer-scaling",
             "--attention-softmax-in-fp32",
             "--no-position-embedding",
@@ -324,7 +325,11 @@ def port_megatron(
     text, source = _read(path_or_text)
     shell = Shell(variables)
     report = Report("megatron", source)
-    flags = _flags(text, shell, report)
+    if megatron_log.is_log(text):  # a training log's printed arguments (jaxpar.port.megatron_log)
+        flags, logged_world, shell.script = megatron_log.read(text, report)
+        world_size = world_size or logged_world
+    else:
+        flags = _flags(text, shell, report)
     a = _Args(flags, shell, report)
     values: dict[str, Any] = {}
     script = shell.script or ""
@@ -1375,6 +1380,10 @@ def _loss_scale(a: _Args, values: dict[str, Any]) -> None:
         a.note(name, "mapped", f"train.loss_scale.{field}", "Megatron's DynamicGradScaler rule")
 
 
+# Megatron's defaults of the run options _misc maps (megatron/arguments.py): a recipe without them runs these
+RUN_DEFAULTS = {"--seed": 1234, "--log-interval": 100, "--eval-interval": 1000, "--eval-iters": 100}
+
+
 def _misc(a: _Args, values: dict[str, Any]) -> None:
     """Precision, recompute, data, checkpoints, logging."""
     fp16 = a.get("--fp16", bool, False) and not a.get("--bf16", bool, False)
@@ -1420,6 +1429,9 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
         value = a.get(name, kind, soft=True)
         if value is not None:
             values[key] = value
+        elif name in RUN_DEFAULTS and not a.has(name):  # absent: Megatron's default, not jaxpar's
+            values[key] = RUN_DEFAULTS[name]
+            a.report.mapped(f"{name} (default)", RUN_DEFAULTS[name], key, "Megatron's default")
         a.note(
             name,
             "mapped" if value is not None else "approximated",
