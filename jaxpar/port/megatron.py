@@ -1351,6 +1351,8 @@ def _loss_scale(a: _Args, values: dict[str, Any]) -> None:
             a.note(name, "approximated", "", _NOOP + "with --deepspeed the DeepSpeed JSON's fp16 section decides")
         return
     static = a.get("--loss-scale", float, None)
+    if static is not None and not (math.isfinite(static) and static >= 0):
+        raise ConfigError(f"megatron: --loss-scale {static:g}: use a fixed scale > 0, or drop it for a dynamic one")
     if static is not None and static > 0:
         values["train.loss_scale.static"] = static
         a.note("--fp16", "mapped", "model.compute_dtype", "float16 with a fixed loss scale (--loss-scale)")

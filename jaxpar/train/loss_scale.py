@@ -4,8 +4,9 @@ The loss is multiplied by the scale before the backward pass, so small fp16 grad
 underflow, and the gradients are divided by it before clipping and the update (Micikevicius et al.
 2018, "Mixed Precision Training"). ``static > 0`` is a fixed scale; ``static = 0`` a dynamic one that
 starts at ``2**initial_scale_power``: a step whose gradients overflow (a non-finite gradient norm) is
-skipped, and after ``hysteresis`` such steps the scale halves (never below ``min_scale``); ``window``
-good steps double it. Two rules, as the frameworks whose recipes port here run them:
+skipped; the ``hysteresis``-th overflow since the hysteresis was last full halves the scale (never
+below ``min_scale``), and so does every overflow after it until a growth refills the hysteresis;
+``window`` good steps double the scale. Two rules, as the frameworks whose recipes port here run them:
 
 * ``deepspeed`` (DeepSpeed's ``DynamicLossScaler``): the scale doubles at every good step whose
   count of good steps before it since the last overflow (or the start) is a positive multiple of
