@@ -118,6 +118,12 @@ def test_each_logged_value_becomes_its_option():
     assert cfg.mesh.data == 4
 
 
+def test_a_prefix_on_every_line_is_dropped():
+    """srun --label and torchrun --tee prefix each line with the rank: the header's prefix is every line's."""
+    labeled = "\n".join("0: " + line if line else line for line in _log(*BASE).splitlines())
+    assert flatten(port_megatron(labeled)[0].to_dict()) == flatten(port_megatron(_log(*BASE))[0].to_dict())
+
+
 def test_the_log_says_which_model_it_trained():
     with pytest.raises(ConfigError, match=r"pretrain_bert.py trains"):
         port_megatron(_log(*BASE, after="building BERT model ..."), approximate=False)

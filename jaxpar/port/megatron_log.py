@@ -7,7 +7,8 @@ arguments ----``. Each logged attribute is turned back into its option through t
 value is not their default, other options with their value unless it is the default or ``None``.
 Attributes that no option sets (Megatron derives them: ``rank``, ``data_parallel_size``,
 ``params_dtype`` ...) are not flags: each is a report row; ``world_size`` sizes the mesh. The log does
-not name the training script; ``building GPT model`` (BERT, T5) after the block tells which.
+not name the training script; ``building GPT model`` (BERT, T5) after the block tells which. A
+prefix before the header on its line (a rank label) is dropped from every line of the block.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def read(text: str, report: Report) -> tuple[list[tuple[str, list[str]]], int | 
     end = text.find(FOOTER, start)
     if end < 0:
         raise ConfigError("megatron: the log's 'arguments' block has no 'end of arguments' line; pass the whole block")
+    # what precedes the header on its line (srun --label's "0: ", a "[rank0]: ") precedes every line of the block
+    prefix = text[text.rfind("\n", 0, start - len(HEADER)) + 1 : start - len(HEADER)]
     logged: dict[str, str] = {}
     for number, line in enumerate(text[start:end].splitlines(), text[:start].count("\n") + 1):
+        line = line[len(prefix) :] if prefix.strip() and line.startswith(prefix) else line
         if line.strip():
             match = LINE.match(line)
             if match is None:
