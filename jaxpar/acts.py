@@ -37,6 +37,10 @@ def _llama3_rope(c: Any) -> bool:
     return c.model.position == "rope" and c.model.rope_scaling == "llama3"
 
 
+def _dynamic_loss_scale(c: Any) -> bool:
+    return c.model.compute_dtype == "float16" and c.train.loss_scale.static == 0
+
+
 CONDITIONS: dict[str, Condition] = {
     "parallel.sequence_parallel": Condition("mesh.tensor > 1", ("mesh.tensor",), lambda c: c.mesh.tensor > 1),
     "parallel.context_exchange": Condition("mesh.context > 1", ("mesh.context",), lambda c: c.mesh.context > 1),
@@ -101,6 +105,23 @@ CONDITIONS: dict[str, Condition] = {
             "moe_dispatch",
         )
     },
+    "train.loss_scale.static": Condition(
+        "model.compute_dtype = float16", ("model.compute_dtype",), lambda c: c.model.compute_dtype == "float16"
+    ),
+    # the dynamic scale's fields: with fp16 and no fixed scale
+    **{
+        f"train.loss_scale.{name}": Condition(
+            "model.compute_dtype = float16 and train.loss_scale.static = 0",
+            ("model.compute_dtype", "train.loss_scale.static"),
+            _dynamic_loss_scale,
+        )
+        for name in ("initial_scale_power", "window", "hysteresis", "min_scale", "rule")
+    },
+    "train.loss_scale.consecutive_hysteresis": Condition(
+        "model.compute_dtype = float16 and train.loss_scale.static = 0 and train.loss_scale.rule = deepspeed",
+        ("model.compute_dtype", "train.loss_scale.static", "train.loss_scale.rule"),
+        lambda c: _dynamic_loss_scale(c) and c.train.loss_scale.rule == "deepspeed",
+    ),
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
 }

@@ -139,6 +139,15 @@ def default_config() -> ConfigDict:
     c.train.max_bad_steps = 3  # consecutive skipped steps before rolling back to the last checkpoint
     c.train.inject_bad_steps = ""  # fault drills: comma-separated batch numbers (from 1) whose loss is made NaN
     c.train.profile_steps = ""  # "a,b": jax.profiler trace of steps a..b (from 1) into <workdir>/profile
+    # fp16 loss scaling (jaxpar.train.loss_scale); acts only with model.compute_dtype=float16
+    c.train.loss_scale = ConfigDict()
+    c.train.loss_scale.static = 0.0  # > 0: this fixed scale; 0: dynamic, from 2**initial_scale_power
+    c.train.loss_scale.initial_scale_power = 16
+    c.train.loss_scale.window = 1000  # good steps before the scale doubles
+    c.train.loss_scale.hysteresis = 2  # overflowing steps before the scale halves
+    c.train.loss_scale.min_scale = 1.0
+    c.train.loss_scale.consecutive_hysteresis = False  # deepspeed rule: every good step refills the hysteresis
+    c.train.loss_scale.rule = "deepspeed"  # deepspeed | megatron: when the scale grows (jaxpar.train.loss_scale)
 
     c.data = ConfigDict()
     c.data.source = "stdlib"  # stdlib | synthetic | bin | megatron
@@ -527,9 +536,33 @@ def _validate_train(t: ConfigDict) -> None:
         f"train.spike_factor={t.spike_factor}: use 0 (off) or a finite value > 1",
     )
     require(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
+    _validate_loss_scale(t.loss_scale)
     require(
         all(_is_count(x.strip()) for x in t.inject_bad_steps.split(",")) if t.inject_bad_steps else True,
         f"train.inject_bad_steps='{t.inject_bad_steps}': give comma-separated step numbers, e.g. 3,4",
+    )
+
+
+def _validate_loss_scale(ls: ConfigDict) -> None:
+    require(
+        math.isfinite(ls.static) and ls.static >= 0,
+        f"train.loss_scale.static={ls.static}: use 0 (dynamic) or a finite fixed scale > 0",
+    )
+    require(
+        0 <= ls.initial_scale_power <= 64,
+        f"train.loss_scale.initial_scale_power={ls.initial_scale_power}: use a power of two in [0, 64] "
+        "(DeepSpeed: 16, Megatron: 32)",
+    )
+    require(ls.window >= 1, f"train.loss_scale.window={ls.window}: use >= 1 good steps (DeepSpeed, Megatron: 1000)")
+    require(ls.hysteresis >= 1, f"train.loss_scale.hysteresis={ls.hysteresis}: use >= 1 overflows (default 2)")
+    require(
+        math.isfinite(ls.min_scale) and 0 < ls.min_scale <= 2.0**ls.initial_scale_power,
+        f"train.loss_scale.min_scale={ls.min_scale}: use a value > 0 and at most "
+        f"2**train.loss_scale.initial_scale_power={2.0**ls.initial_scale_power:g}",
+    )
+    require(
+        ls.rule in ("deepspeed", "megatron"),
+        f"train.loss_scale.rule='{ls.rule}': use deepspeed or megatron (when the scale grows and halves)",
     )
 
 

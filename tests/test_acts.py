@@ -19,6 +19,7 @@ from tests.helpers import ROOT, make_setup, tiny_config
 
 D8 = ["--config.mesh.data=8", "--config.mesh.tensor=1"]  # no tensor, context or pipeline axis
 BLOCKWISE = ["--config.model.attention=blockwise"]
+FP16 = ["--config.model.compute_dtype=float16"]
 # field -> (a value away from the default, overrides where it cannot act, overrides where it acts)
 CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "parallel.sequence_parallel": ("True", D8, []),
@@ -60,6 +61,18 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
             ("moe_capacity_factor", "1.25"),
             ("shared_expert_dim", "64"),
             ("moe_dispatch", "dense"),
+        )
+    },
+    "train.loss_scale.static": ("128", [], FP16),
+    **{
+        f"train.loss_scale.{name}": (value, [], FP16)
+        for name, value in (
+            ("initial_scale_power", "12"),
+            ("window", "10"),
+            ("hysteresis", "3"),
+            ("min_scale", "2.0"),
+            ("rule", "megatron"),
+            ("consecutive_hysteresis", "True"),
         )
     },
     "pipeline.schedule": (
@@ -137,6 +150,12 @@ IN_THE_STEP = [
     "model.moe_capacity_factor",
     "model.shared_expert_dim",
     "model.moe_dispatch",
+    "train.loss_scale.static",
+    "train.loss_scale.window",
+    "train.loss_scale.hysteresis",
+    "train.loss_scale.min_scale",
+    "train.loss_scale.rule",
+    "train.loss_scale.consecutive_hysteresis",
 ]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare
 DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
 

@@ -97,6 +97,13 @@ BAD: dict[str, list] = {
     "train.max_bad_steps": [0],
     "train.profile_steps": ["5", "3,2", "0,1", "a,b", "1,2,3"],
     "train.inject_bad_steps": ["a", "1,,x", "-1", "\u00b2"],
+    "train.loss_scale.static": [-1.0, NAN, INF],
+    "train.loss_scale.initial_scale_power": [-1, 65],
+    "train.loss_scale.window": [0, -1],
+    "train.loss_scale.hysteresis": [0, -1],
+    "train.loss_scale.min_scale": [0.0, -1.0, NAN, 2.0**20],  # above 2**initial_scale_power (16)
+    "train.loss_scale.consecutive_hysteresis": [],
+    "train.loss_scale.rule": ["torch", ""],
     "data.source": ["web"],
     "data.path": ["/tmp/tokens.bin"],
     "data.token_dtype": ["int8"],
@@ -139,7 +146,7 @@ def _refused_naming(family: str, key: str, value, fn) -> None:
         message = fuzzkit.expect_refused(family, fn)
     except AssertionError as e:
         raise AssertionError(f"{key}={value!r}: {str(e)[:300]}") from None
-    section, field = key.split(".")
+    section, field = key.split(".")[0], key.split(".")[-1]  # train.loss_scale.window: train, window
     assert field in message or section in message, f"{key}={value!r}: the message does not name it: {message}"
 
 

@@ -129,16 +129,24 @@ def test_auto_values_filled_from_side_inputs_and_offload_reported():
     cfg, report = port_deepspeed(DS / "hf_zero3_offload_fp16.json", side_inputs=HF_SIDE)
     assert cfg.optim.lr == 3e-4 and cfg.optim.weight_decay == 0.1 and cfg.optim.clip_norm == 1.0
     assert (cfg.mesh.data, cfg.train.global_batch, cfg.train.microbatches) == (8, 16, 1)  # its gas is 1, not "auto"
-    # fp16 with loss scaling ports to bf16 (jaxpar has no loss scaling): a precision change, said by the row
-    assert cfg.parallel.zero_stage == 3 and cfg.model.compute_dtype == "bfloat16"
+    # fp16 with DeepSpeed's dynamic loss scaling, field by field
+    assert cfg.parallel.zero_stage == 3 and cfg.model.compute_dtype == "float16"
     fp16 = report.find("fp16.enabled")
-    assert (fp16.status, fp16.target) == ("approximated", "model.compute_dtype") and "loss scaling" in fp16.note
+    assert (fp16.status, fp16.target) == ("mapped", "model.compute_dtype") and "loss scaling" in fp16.note
+    ls = cfg.train.loss_scale
+    assert (ls.rule, ls.static, ls.initial_scale_power, ls.window, ls.hysteresis, ls.min_scale) == (
+        "deepspeed",
+        0.0,
+        12,
+        500,
+        2,
+        1.0,
+    )
     assert cfg.optim.warmup_type == "log" and cfg.optim.schedule == "linear" and cfg.train.steps == 1000
     for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
         entry = report.find(key)
         assert entry.status == "unsupported" and "ZeRO-3" in entry.note
-    assert report.find("fp16.loss_scale_window").status == "approximated"  # no-op: the port computes in bf16
-    assert "loss scale serves fp16" in report.find("fp16.loss_scale_window").note
+    assert report.find("fp16.loss_scale_window").target == "train.loss_scale.window"
     assert report.find("zero_optimization.reduce_bucket_size").status == "approximated"
     cfg, report = port_deepspeed(DS / "hf_zero3_all_auto.json", side_inputs=HF_SIDE)
     assert report.find("zero_optimization.offload_param").status == "approximated"  # device "none"
@@ -173,8 +181,8 @@ def test_zero_plus_plus_and_mics_are_never_dropped():
 
 def test_fp16_and_unknown_keys_in_vision_config():
     cfg, report = port_deepspeed(DS / "vision_fp16_zero1.json", world_size=8)
-    assert cfg.model.compute_dtype == "bfloat16" and cfg.parallel.zero_stage == 1 and cfg.optim.clip_norm == 0.0
-    assert report.find("fp16.enabled").status == "approximated" and "bfloat16" in report.find("fp16.enabled").note
+    assert cfg.model.compute_dtype == "float16" and cfg.parallel.zero_stage == 1 and cfg.optim.clip_norm == 0.0
+    assert report.find("fp16.enabled").status == "mapped" and "float16" in report.find("fp16.enabled").note
     assert (cfg.train.global_batch, cfg.train.microbatches, cfg.optim.b1) == (128, 1, 0.85)
     assert report.find("local_rank").status == "unknown"
     assert report.find("fp16.auto_cast").status == "approximated"

@@ -104,9 +104,18 @@ def test_gpt3_13b_shape_and_schedule():
         True,
     )
     assert m.vocab_size == 50688 and m.init_std == 0.008  # 50257 padded to 128*4
-    # --fp16 (Megatron's dynamic loss scaling) ports to bf16: jaxpar has no loss scaling; the row says so
-    assert m.compute_dtype == "bfloat16" and "loss scaling" in report.find("--fp16").note
-    assert report.find("--fp16").status == "approximated"
+    # --fp16: float16 with Megatron's dynamic loss scaling at its defaults (initial 2**32, window 1000, hysteresis 2)
+    ls = cfg.train.loss_scale
+    assert m.compute_dtype == "float16" and report.find("--fp16").status == "mapped"
+    assert (ls.rule, ls.static, ls.initial_scale_power, ls.window, ls.hysteresis, ls.min_scale) == (
+        "megatron",
+        0.0,
+        32,
+        1000,
+        2,
+        1.0,
+    )
+    assert report.find("(initial loss scale)").value == "2**32"
     bias = report.find("--add-bias-linear (default)")  # GPT-3's linear layers have biases, jaxpar's none
     assert bias.model and bias.status == "unsupported" and report.model_changes == [bias]
     o = cfg.optim
@@ -185,8 +194,8 @@ def test_sweep_template_ports_once_its_variables_are_given():
     }
     cfg, report = port_megatron(MEG / SWEEP, variables=variables)
     assert (cfg.mesh.data, cfg.train.microbatches, cfg.optim.schedule) == (4, 16, "cosine")  # 16/(2*2); 64/(1*4)
-    assert cfg.model.compute_dtype == "bfloat16" and report.find("--loss-scale").status == "approximated"
-    assert "loss scale serves fp16" in report.find("--loss-scale").note
+    assert cfg.model.compute_dtype == "float16" and cfg.train.loss_scale.static == 4096.0  # a fixed scale
+    assert report.find("--loss-scale").status == "mapped" and report.find("--fp16").status == "mapped"
     lines = (MEG / SWEEP).read_text().splitlines()
     unbalanced = next(i for i, line in enumerate(lines, 1) if line.startswith("--loss-scale"))
     assert report.find(f"(line {unbalanced})").note == "unbalanced quote removed"

@@ -3,7 +3,7 @@
 Every importer ends in exit 2 with one line naming the family / flavor / setting and the fix when
 jaxpar would train another model (an unknown family or flavor, MoE as a dense backbone, ALiBi, MLA,
 a shape the recipe does not state), unless ``--approximate``: then it exits 0, the report lists
-each model change first and closes with a summary line. Precision-only changes (fp16 as bf16,
+each model change first and closes with a summary line. Precision-only changes (GradScaler fp16 as bf16,
 fp8 as bf16) stay approximated rows with exit 0 (tests/test_port_quiet_defaults.py).
 """
 

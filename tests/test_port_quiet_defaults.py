@@ -76,21 +76,32 @@ def test_deepspeed_set_lr_without_an_optimizer_section_sets_optim():
     assert "lr, betas, eps from --set" in report.find("(optimizer)").note
 
 
-def test_fp16_is_bf16_and_a_row_says_so(tmp_path):
-    """fp16 recipes scale the loss; jaxpar has no loss scaling, so they port to bf16, approximated (a precision
-    change only, exit 0), and their loss-scale settings are no-op rows."""
+def test_fp16_keeps_its_loss_scale_and_grad_scaler_fp16_is_bf16(tmp_path):
+    """DeepSpeed's and Megatron's fp16 port as float16 with their loss scaling (train.loss_scale), each
+    setting mapped; fp16 under torch's GradScaler (accelerate) ports to bf16, approximated (a precision
+    change only, exit 0), the row says why."""
     cfg, report = port_megatron(MEGATRON)
     row = report.find("--fp16")
-    assert cfg.model.compute_dtype == "bfloat16" and (row.status, row.target) == ("approximated", "model.compute_dtype")
-    assert "jaxpar has no loss scaling" in row.note and report.find("--loss-scale-window").status == "approximated"
-    raw = {"train_batch_size": 16, "fp16": {"enabled": True, "initial_scale_power": 16}}
+    assert cfg.model.compute_dtype == "float16" and (row.status, row.target) == ("mapped", "model.compute_dtype")
+    assert (cfg.train.loss_scale.rule, cfg.train.loss_scale.window) == ("megatron", 500)
+    assert report.find("--loss-scale-window").status == "mapped"
+    cfg, report = port_megatron(MEGATRON.replace("--fp16", "--bf16"))  # no fp16: the loss-scale flag does nothing
+    assert report.find("--loss-scale-window").status == "approximated" and cfg.train.loss_scale.window == 1000
+    raw = {"train_batch_size": 16, "fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale": 0}}
     cfg, report = port_deepspeed(raw, world_size=8)
-    assert cfg.model.compute_dtype == "bfloat16" and report.find("fp16.enabled").status == "approximated"
-    assert report.find("fp16.initial_scale_power").status == "approximated"
+    assert cfg.model.compute_dtype == "float16" and report.find("fp16.enabled").status == "mapped"
+    assert cfg.train.loss_scale.initial_scale_power == 10 and cfg.train.loss_scale.rule == "deepspeed"
+    raw["fp16"] |= {"loss_scale": 128, "hysteresis": 4}  # a fixed scale: the dynamic fields do nothing
+    cfg, report = port_deepspeed(raw, world_size=8)
+    assert (cfg.train.loss_scale.static, cfg.train.loss_scale.hysteresis) == (128.0, 2)
+    assert (
+        report.find("fp16.hysteresis").status == "approximated" and "fixed scale" in report.find("fp16.hysteresis").note
+    )
     path = tmp_path / "a.yaml"
     path.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\nmixed_precision: fp16\n")
     cfg, report = port_fsdp(path)
     assert cfg.model.compute_dtype == "bfloat16" and report.find("mixed_precision").status == "approximated"
+    assert "GradScaler" in report.find("mixed_precision").note
 
 
 def test_accelerate_without_mixed_precision_is_fp32():

@@ -217,12 +217,12 @@ def test_fsdp_hybrid_across_nodes_and_fsdp2_reshard_flag():
     assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (
         16,
         3,
-        "bfloat16",  # accelerate's fp16 scales the loss, jaxpar cannot: bf16, said by the row
+        "bfloat16",  # accelerate's fp16 runs torch's GradScaler, not a rule jaxpar has: bf16, said by the row
         "full",
     )
     precision = report.find("mixed_precision")
     assert (precision.status, precision.target) == ("approximated", "model.compute_dtype")
-    assert "loss scaling" in precision.note
+    assert "GradScaler" in precision.note
     entry = report.find("fsdp_config.fsdp_sharding_strategy")
     assert entry.status == "approximated" and "replicated across 2 node(s)" in entry.note
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp2_no_reshard.yaml")

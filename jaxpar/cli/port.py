@@ -42,7 +42,9 @@ def add_port_arguments(subparsers: Any) -> argparse.ArgumentParser:
         "jaxpar config and report what became of every setting.",
     )
     p.add_argument("source", choices=SOURCES, help="recipe kind")
-    p.add_argument("file", help="ds_config.json, Megatron .args / launch script, torchtitan .toml, accelerate .yaml")
+    p.add_argument(
+        "file", help="ds_config.json, Megatron .args / launch script / training log, torchtitan .toml, accelerate .yaml"
+    )
     p.add_argument("--world-size", type=int, default=None, help="total number of GPUs the recipe runs on")
     p.add_argument(
         "--tensor",

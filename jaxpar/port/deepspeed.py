@@ -13,6 +13,7 @@ report carries a ``(model)`` model change that ``--model-config`` (an HF ``confi
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 from typing import Any
@@ -452,6 +453,16 @@ def _batch(ctx: _Ctx, world: int | None, tensor: int, pipeline: int) -> None:
         ctx.report.mapped(key if key in ctx.raw else f"{key} (derived)", value, target, note)
 
 
+# DeepSpeed's fp16 loss-scale keys -> train.loss_scale fields (jaxpar.train.loss_scale, rule deepspeed)
+FP16_LOSS_SCALE = {
+    "initial_scale_power": ("initial_scale_power", int),
+    "loss_scale_window": ("window", int),
+    "hysteresis": ("hysteresis", int),
+    "consecutive_hysteresis": ("consecutive_hysteresis", bool),
+    "min_loss_scale": ("min_scale", float),
+}
+
+
 def _precision(ctx: _Ctx) -> None:
     fp16 = ctx.raw.get("fp16", {}) or {}
     bf16 = ctx.raw.get("bf16", ctx.raw.get("bfloat16", {})) or {}
@@ -461,23 +472,27 @@ def _precision(ctx: _Ctx) -> None:
     autocast = ctx.raw.get("torch_autocast", {}) or {}
     if fp16_on and bf16_on:
         raise ConfigError("deepspeed: fp16.enabled and bf16.enabled are both true (DeepSpeed rejects this); enable one")
-    half = fp16_on
-    if autocast.get("enabled"):
-        half = str(autocast.get("dtype")) in ("torch.float16", "float16")
-    dtype = "bfloat16" if half or bf16_on or autocast.get("enabled") else "float32"  # fp16: see FP16_AS_BF16
+    half = autocast.get("enabled") and str(autocast.get("dtype")) in ("torch.float16", "float16")
+    # fp16: float16 with DeepSpeed's loss scaler; fp16 under torch autocast (torch's GradScaler): see FP16_AS_BF16
+    dtype = "float16" if fp16_on and not autocast.get("enabled") else "float32"
+    if bf16_on or autocast.get("enabled"):
+        dtype = "bfloat16"
     ctx.values["model.compute_dtype"] = dtype
+    if dtype == "float16" and not ctx.get("fp16.loss_scale", 0):
+        ctx.values["train.loss_scale.rule"] = "deepspeed"
     for section, on in (("fp16", fp16_on), (bf16_key, bf16_on), ("torch_autocast", bool(autocast.get("enabled")))):
         block = ctx.raw.get(section)
         if block is None:
             continue
         for key, value in block.items() if isinstance(block, dict) else [("enabled", block)]:
             src = f"{section}.{key}"
-            if (key == "enabled" or (section == "torch_autocast" and key == "dtype")) and on and half:
+            if section == "torch_autocast" and key in ("enabled", "dtype") and on and half:
                 ctx.report.approximated(src, value, "model.compute_dtype", FP16_AS_BF16)
             elif key == "enabled" or (section == "torch_autocast" and key == "dtype"):
-                ctx.report.mapped(
-                    src, value, "model.compute_dtype" if on else "", f"compute dtype {dtype}" if on else "disabled"
+                how = f"compute dtype {dtype}" + (
+                    ", DeepSpeed's loss scaling (train.loss_scale)" * (dtype == "float16")
                 )
+                ctx.report.mapped(src, value, "model.compute_dtype" if on else "", how if on else "disabled")
             elif not on:
                 ctx.report.approximated(src, value, "", _NOOP + f"{section} is disabled")
             elif key == "auto_cast" or section == "torch_autocast":
@@ -487,10 +502,43 @@ def _precision(ctx: _Ctx) -> None:
                     "model.compute_dtype",
                     "jaxpar casts inputs and activations to the compute dtype throughout",
                 )
-            else:
+            elif section == "fp16" and dtype != "float16":
                 ctx.report.approximated(src, value, "", LOSS_SCALE_NOOP)
+            else:
+                _loss_scale(ctx, key, value)
     if "fp16" not in ctx.raw and bf16_key not in ctx.raw and not autocast:
         ctx.report.mapped("(precision)", None, "model.compute_dtype", "neither fp16 nor bf16: DeepSpeed trains in fp32")
+
+
+def _loss_scale(ctx: _Ctx, key: str, value: Any) -> None:
+    """One key of an enabled ``fp16`` section: DeepSpeed's loss scaler, field by field."""
+    src, static = f"fp16.{key}", ctx.get("fp16.loss_scale", 0)
+    value = ctx.get(src)  # "auto" resolved
+    if value is None:  # an unresolved "auto": named by the refusal
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if key == "loss_scale":
+        if not number or value < 0:
+            raise ConfigError(f"deepspeed: {src}={value!r}: DeepSpeed takes 0 (dynamic) or a fixed scale > 0; fix it")
+        if value > 0:
+            ctx.values["train.loss_scale.static"] = float(value)
+        ctx.report.mapped(src, value, "train.loss_scale.static", "a fixed scale" if value > 0 else "0: dynamic")
+    elif key in FP16_LOSS_SCALE:
+        field, kind = FP16_LOSS_SCALE[key]
+        if kind is bool and not isinstance(value, bool) or kind is not bool and not number:
+            want = "true or false" if kind is bool else "a number"
+            raise ConfigError(f"deepspeed: {src}={value!r}: DeepSpeed takes {want}; fix it")
+        if static:
+            ctx.report.approximated(src, value, "", _NOOP + f"fp16.loss_scale={static} is a fixed scale")
+            return
+        ctx.values[f"train.loss_scale.{field}"] = kind(value)
+        ctx.report.mapped(src, value, f"train.loss_scale.{field}", "DeepSpeed's DynamicLossScaler rule")
+    elif key == "fp16_master_weights_and_grads" and not value:
+        ctx.report.mapped(src, value, "model.param_dtype", "fp32 master weights, as jaxpar keeps them")
+    elif key == "fp16_master_weights_and_grads":
+        ctx.report.approximated(src, value, "model.param_dtype", "jaxpar keeps fp32 master weights: memory only")
+    else:
+        ctx.report.unknown(src, value, ["enabled", "auto_cast", "loss_scale", *FP16_LOSS_SCALE], "DeepSpeed fp16")
 
 
 def _optimizer(ctx: _Ctx) -> float | None:

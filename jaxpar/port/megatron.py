@@ -13,15 +13,15 @@ sample-based settings become fractional steps ``samples / GBS``.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 from typing import Any
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port import Shell, launch_flags, show, unresolved_names
+from jaxpar.port import Shell, launch_flags, megatron_log, show, unresolved_names
 from jaxpar.port.report import (
-    FP16_AS_BF16,
     LOSS_SCALE_NOOP,
     Report,
     apply_schedule_fields,
@@ -92,6 +92,7 @@ NOOP = {
             "--abort-on-unmet-fused-kernel-constraints",
             "--kill-switch-path",
             "--no-query-key-layer-scaling",
+            "--no-async-tensor-model-parallel-allreduce",
             "--apply-query-key-layer-scaling",
             "--attention-softmax-in-fp32",
             "--no-position-embedding",
@@ -324,7 +325,11 @@ def port_megatron(
     text, source = _read(path_or_text)
     shell = Shell(variables)
     report = Report("megatron", source)
-    flags = _flags(text, shell, report)
+    if megatron_log.is_log(text):  # a training log's printed arguments (jaxpar.port.megatron_log)
+        flags, logged_world, shell.script = megatron_log.read(text, report)
+        world_size = world_size or logged_world
+    else:
+        flags = _flags(text, shell, report)
     a = _Args(flags, shell, report)
     values: dict[str, Any] = {}
     script = shell.script or ""
@@ -1321,13 +1326,74 @@ def _observability(a: _Args, values: dict[str, Any]) -> None:
             a.note(name, "approximated", "", _NOOP + "without --profile Megatron traces nothing")
 
 
+# Megatron's loss-scale flags -> train.loss_scale fields (megatron/training/arguments.py defaults)
+LOSS_SCALE_FLAGS = {
+    "--min-loss-scale": ("min_scale", float, 1.0),
+    "--loss-scale-window": ("window", int, 1000),
+    "--hysteresis": ("hysteresis", int, 2),
+}
+
+
+def _loss_scale(a: _Args, values: dict[str, Any]) -> None:
+    """--fp16's loss scale: --loss-scale fixes it, else Megatron's DynamicGradScaler from
+    --initial-loss-scale (default 2**32), --min-loss-scale, --loss-scale-window, --hysteresis. With
+    --deepspeed the DeepSpeed JSON's fp16 section decides instead (DeepSpeed's rule)."""
+    flags = ("--loss-scale", "--initial-loss-scale", *LOSS_SCALE_FLAGS)
+    if a.get("--deepspeed", bool, False):
+        a.note(
+            "--fp16",
+            "approximated",
+            "model.compute_dtype",
+            "float16 with DeepSpeed's loss scaler, whose settings are the DeepSpeed JSON's fp16 section (port it "
+            "too); the port keeps DeepSpeed's defaults (train.loss_scale)",
+        )
+        for name in flags:
+            a.note(name, "approximated", "", _NOOP + "with --deepspeed the DeepSpeed JSON's fp16 section decides")
+        return
+    static = a.get("--loss-scale", float, None)
+    if static is not None and not (math.isfinite(static) and static >= 0):
+        raise ConfigError(f"megatron: --loss-scale {static:g}: use a fixed scale > 0, or drop it for a dynamic one")
+    if static is not None and static > 0:
+        values["train.loss_scale.static"] = static
+        a.note("--fp16", "mapped", "model.compute_dtype", "float16 with a fixed loss scale (--loss-scale)")
+        a.note("--loss-scale", "mapped", "train.loss_scale.static")
+        for name in flags[1:]:
+            a.note(name, "approximated", "", _NOOP + "Megatron ignores it with a fixed --loss-scale")
+        return
+    values["train.loss_scale.rule"] = "megatron"
+    a.note("--fp16", "mapped", "model.compute_dtype", "float16 with Megatron's dynamic loss scaling (train.loss_scale)")
+    a.note("--loss-scale", "mapped", "train.loss_scale.static", "none: dynamic")
+    initial = a.get("--initial-loss-scale", float, 2.0**32)
+    power = round(math.log2(initial)) if initial > 0 and math.isfinite(initial) else -1
+    if not 0 <= power <= 64:
+        raise ConfigError(f"megatron: --initial-loss-scale {initial:g}: use a scale in [1, 2**64]; fix the value")
+    values["train.loss_scale.initial_scale_power"] = power
+    exact = 2.0**power == initial
+    a.note(
+        "--initial-loss-scale",
+        "mapped" if exact else "approximated",
+        "train.loss_scale.initial_scale_power",
+        f"2**{power}" if exact else f"2**{power}, the nearest power of two: jaxpar starts the scale at a power of two",
+    )
+    if not a.has("--initial-loss-scale"):
+        a.report.mapped("(initial loss scale)", "2**32", "train.loss_scale.initial_scale_power", "Megatron's default")
+    for name, (field, kind, default) in LOSS_SCALE_FLAGS.items():
+        values[f"train.loss_scale.{field}"] = a.get(name, kind, default)
+        a.note(name, "mapped", f"train.loss_scale.{field}", "Megatron's DynamicGradScaler rule")
+
+
+# Megatron's defaults of the run options _misc maps (megatron/arguments.py): a recipe without them runs these
+RUN_DEFAULTS = {"--seed": 1234, "--log-interval": 100, "--eval-interval": 1000, "--eval-iters": 100}
+
+
 def _misc(a: _Args, values: dict[str, Any]) -> None:
     """Precision, recompute, data, checkpoints, logging."""
     fp16 = a.get("--fp16", bool, False) and not a.get("--bf16", bool, False)
-    dtype = "bfloat16" if a.get("--bf16", bool, False) or fp16 else "float32"
+    dtype = "bfloat16" if a.get("--bf16", bool, False) else "float16" if fp16 else "float32"
     values["model.compute_dtype"] = dtype
     a.note("--bf16", "mapped", "model.compute_dtype")
-    a.note("--fp16", "approximated", "model.compute_dtype", "Megatron's dynamic loss scaling; " + FP16_AS_BF16)
+    if fp16:
+        _loss_scale(a, values)
     if dtype == "float32":
         a.report.mapped(
             "(precision)", "fp32", "model.compute_dtype", "neither --bf16 nor --fp16: Megatron trains in fp32"
@@ -1365,6 +1431,9 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
         value = a.get(name, kind, soft=True)
         if value is not None:
             values[key] = value
+        elif name in RUN_DEFAULTS and not a.has(name):  # absent: Megatron's default, not jaxpar's
+            values[key] = RUN_DEFAULTS[name]
+            a.report.mapped(f"{name} (default)", RUN_DEFAULTS[name], key, "Megatron's default")
         a.note(
             name,
             "mapped" if value is not None else "approximated",

@@ -275,16 +275,16 @@ def schema_type(key: str) -> type | None:
     return type(flat[key]) if key in flat else None
 
 
-# fp16 recipes: every framework jaxpar ports trains fp16 with a (dynamic) loss scale, which jaxpar does
-# not have yet; float16 without one underflows small gradients, which would change the training, so
-# fp16 ports compute in bfloat16 instead (fp32's range, no scale needed): a precision change only,
-# reported as approximated (the policy: precision, speed and memory changes port with exit 0)
+# fp16 under torch's GradScaler (torch autocast, accelerate): jaxpar runs DeepSpeed's and Megatron's
+# loss-scale rules (train.loss_scale), not GradScaler's, so these port to bfloat16 instead (fp32's range,
+# no scale needed): a precision change only, reported as approximated (the policy: precision, speed and
+# memory changes port with exit 0). DeepSpeed's fp16 section and Megatron's --fp16 port exactly.
 FP16_AS_BF16 = (
-    "fp16 with loss scaling -> bf16: jaxpar has no loss scaling yet and float16 without it underflows small "
-    "gradients, so the port computes in bfloat16 (fp32's range, 3 fewer mantissa bits than fp16): a "
-    "precision change only"
+    "fp16 with torch's GradScaler -> bf16: jaxpar runs DeepSpeed's and Megatron's loss-scale rules "
+    "(train.loss_scale), not GradScaler's, so the port computes in bfloat16 (fp32's range, 3 fewer "
+    "mantissa bits than fp16): a precision change only"
 )
-LOSS_SCALE_NOOP = "no-op in jaxpar: a loss scale serves fp16, and the port computes in bf16 (see the fp16 row)"
+LOSS_SCALE_NOOP = "no-op in jaxpar: a loss scale serves fp16 only, and this port does not compute in float16"
 
 
 def build_config(values: dict[str, Any], report: Report) -> ConfigDict:

@@ -50,8 +50,12 @@ class BadStepGuard:
         median = data[mid] if len(data) % 2 else (data[mid - 1] + data[mid]) * np.float32(0.5)
         return float(np.float32(self.spike_factor) * median)
 
-    def observe(self, loss: float, skipped: bool) -> None:
-        if skipped:
+    def observe(self, loss: float, skipped: bool, overflow: bool = False) -> None:
+        """``overflow``: an fp16 step skipped for a gradient overflow (:mod:`jaxpar.train.loss_scale`):
+        counted in ``total`` but not in ``consecutive`` (the scale, not a rollback, is the remedy)."""
+        if overflow:
+            self.total += 1
+        elif skipped:
             self.consecutive += 1
             self.total += 1
         else:

@@ -48,6 +48,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
 from jaxpar.metrics import MetricsLog, device_peak_flops, model_flops_per_token
+from jaxpar.train import loss_scale as loss_scale_lib
 from jaxpar.train.guard import BadStepGuard, SpikeThreshold
 from jaxpar.train.state import Setup
 
@@ -293,16 +294,21 @@ class Trainer:
         if self._inflight is flight:
             self._inflight = None
         self._profile_stop(flight.step)
-        self.guard.observe(float(values["loss"]), bool(values["skipped"]))
+        overflow = bool(values.get("overflow", 0))  # fp16: gradients overflowed the loss scale
+        self.guard.observe(float(values["loss"]), bool(values["skipped"]), overflow)
         self.good_steps += int(not values["skipped"] and np.isfinite(values["loss"]))
         row = self.log.record(
             flight.step, elapsed, self.layout.tokens_per_step, {**values, "bad_steps_total": self.guard.total}
         )
-        if values["skipped"]:
+        if overflow:
+            self.echo(loss_scale_lib.overflow_line(flight.step, values, self.setup.loss_scale, self.guard.total))
+        elif values["skipped"]:
             self.echo(
                 f"step {flight.step}: update skipped (loss {float(values['loss']):.4g}, grad norm "
                 f"{float(values['grad_norm']):.4g}; {self.guard.consecutive} in a row, {self.guard.total} in all)"
             )
+        if values.get("loss_scale_stop"):
+            raise TrainingDiverged(loss_scale_lib.stop_line(flight.step, self.setup.loss_scale))
         if self.guard.consecutive >= self.cfg.train.max_bad_steps:
             self.rollback(flight.step)
         return row

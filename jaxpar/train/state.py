@@ -35,6 +35,7 @@ from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_placements, specs
+from jaxpar.train import loss_scale as loss_scale_lib
 from jaxpar.train.batches import BatchFeed, batch_spec, eval_spec
 from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
 
@@ -76,6 +77,7 @@ class Setup:
         self.model_placements = model_placements
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
         self.optimizer = registry.get(cfg.optim.name)
+        self.loss_scale = loss_scale_lib.from_config(cfg.model, cfg.train)  # fp16 only; its state is in opt_state
         # optax path (every optimizer but adamw): one transformation per parameter form (the weight-decay
         # mask and the per-tensor batch dims follow the form's tree)
         self.tx = self.model_tx = None
@@ -117,6 +119,7 @@ class Setup:
             pipeline=self.pipeline,
             tx=self.tx,
             seed=cfg.train.seed,
+            loss_scale=self.loss_scale,
         )
         self.train_step = self._make_train_step()
         self.eval_step = self._make_eval_step()
@@ -158,15 +161,15 @@ class Setup:
         """The optimizer's initial state for ``params`` (stage form, or the model form): jaxpar AdamW's
         {count, mu, nu}, else {count, tx: the optax state}."""
         if self.optimizer.in_shard_map:
-            return init_opt_state(params)
+            return loss_scale_lib.add_state(init_opt_state(params), self.loss_scale)
         tx = self.model_tx if model_form else self.tx
-        return {"count": jnp.zeros((), jnp.int32), "tx": tx.init(params)}
+        return loss_scale_lib.add_state({"count": jnp.zeros((), jnp.int32), "tx": tx.init(params)}, self.loss_scale)
 
     def _opt_specs(self, model_form: bool = False) -> Any:
         """Optimizer-state specs derived from the state's shapes (:mod:`jaxpar.optim.state`)."""
         placements = self.model_placements if model_form else self.placements
         if self.optimizer.in_shard_map:
-            return opt_state_specs(placements)
+            return loss_scale_lib.add_specs(opt_state_specs(placements), self.loss_scale)
         params = self.model_abstract_params if model_form else self.abstract_params
         abstract = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), params)
         return opt_state_lib.state_specs(abstract, params, specs(placements, "optimizer"))

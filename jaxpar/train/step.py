@@ -56,6 +56,7 @@ from jaxpar.ops import dropout, zero3
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamPlacement, is_placement
+from jaxpar.train import loss_scale as loss_scale_lib
 from jaxpar.train.batches import batch_spec
 
 
@@ -76,6 +77,7 @@ class StepBuilder:
     tx: Any = None  # optax.GradientTransformation for global_step (None: jaxpar AdamW in local_step)
     skip_bad_steps: bool = True  # False only to measure what the skip costs
     seed: int = 0  # train.seed: keys the dropout masks with the optimizer step (jaxpar.ops.dropout)
+    loss_scale: loss_scale_lib.LossScale | None = None  # fp16 loss scaling (jaxpar.train.loss_scale)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -148,7 +150,7 @@ class StepBuilder:
             global_batch = batch.shape[0] * batch.shape[1] * jax.lax.axis_size(rows)
             batch = dropout.append_rows(batch, global_batch, rows)
         layout = self.layout
-        scale = 1.0 / self.global_tokens
+        scale = loss_scale_lib.scaled(1.0 / self.global_tokens, guard)  # guard[2]: the fp16 loss scale, if any
 
         # Differentiate with respect to the varying copy: its gradient is the local, unreduced one.
         local_params = zero.vary_replicated(self.placements, params, over_pipeline=self.pipeline is not None)
@@ -190,7 +192,8 @@ class StepBuilder:
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
         if not layout.shards_gradients:  # one reduction per step: reduce-scatter where the optimizer is sharded
             grads = self._reduce(grads, scatter=layout.shards_optimizer)
-        loss = jax.lax.psum(loss, ctx.data_axis) + guard[1]
+        grads, loss = loss_scale_lib.unscale(grads, jax.lax.psum(loss, ctx.data_axis), guard)
+        loss = loss + guard[1]
 
         grad_norm = self._grad_norm(grads)
         clip = self.optim_cfg.clip_norm
@@ -209,14 +212,14 @@ class StepBuilder:
         the update is skipped (parameters and optimizer state returned unchanged) when the loss or
         the gradient norm is not finite or the loss exceeds max_loss; loss_offset is added to the
         reported loss (0 in training; NaN injects a bad step for fault drills)."""
-        step = opt_state["count"]
+        step, guard = opt_state["count"], loss_scale_lib.with_scale(guard, opt_state)
         grads, loss, grad_norm = self.local_grads(params, batch, guard, *((step,) if self.dropout else ()))
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
         new_params, mu, nu = self._adamw(params, grads, opt_state, lr, ok)
         new_state = {"count": jnp.where(ok, step + 1, step), "mu": mu, "nu": nu}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
-        return new_params, new_state, metrics
+        return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
 
     def global_step(self, params: Any, opt_state: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, Any, dict]:
         """One step of an optax optimizer: gradients from the ``shard_map`` (:meth:`local_grads`),
@@ -227,7 +230,7 @@ class StepBuilder:
         under their optimizer spec (ZeRO-1/2: this device's shard; no data moves) and written back
         under their storage spec (ZeRO-1/2: the all-gather). A bad step selects the old values."""
         grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.placements, is_leaf=is_placement)
-        step = opt_state["count"]
+        step, guard = opt_state["count"], loss_scale_lib.with_scale(guard, opt_state)
         keyed = (step,) if self.dropout else ()  # the step keys the dropout masks
         grads, loss, grad_norm = jax.shard_map(
             self.local_grads,
@@ -247,7 +250,7 @@ class StepBuilder:
             tx_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), tx_state, opt_state["tx"])
         new_state = {"count": jnp.where(ok, step + 1, step), "tx": tx_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
-        return new_params, new_state, metrics
+        return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
 
     def param_specs(self) -> Any:
         return jax.tree.map(lambda lay: lay.storage, self.placements, is_leaf=is_placement)
