@@ -77,7 +77,9 @@ from jaxpar.parallel.pipeline.forms import (
     ENDS,
     has_ends,
     layer_order,
+    model_index,
     stage_form_logical_axes,
+    stored_order,
     to_model_form,
     to_stage_form,
 )
@@ -123,8 +125,10 @@ __all__ = [
     "expected_bubble_fraction",
     "has_ends",
     "layer_order",
+    "model_index",
     "render_schedule",
     "stage_form_logical_axes",
+    "stored_order",
     "to_model_form",
     "to_stage_form",
 ]
