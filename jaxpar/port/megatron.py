@@ -431,6 +431,54 @@ def _sizes(a: _Args, shell: Shell, world_size: int | None) -> dict[str, Any]:
     return s
 
 
+def pipeline_layout_counts(text: str, pp: int) -> list[int]:
+    """Decoder layers of each stage in a ``--pipeline-model-parallel-layout`` string (Megatron-core's
+    ``PipelineParallelLayerLayout``: ``E`` embedding, ``t`` decoder layer, ``L`` loss, ``|`` between
+    stages, ``X*n`` and ``(...)*n`` repeats, commas and spaces ignored). Only the simple forms map:
+    one stage per rank (no virtual stages), ``E`` only on the first stage and ``L`` only on the last;
+    anything else raises a one-line ConfigError naming the flag."""
+    flag = f"megatron: --pipeline-model-parallel-layout {text!r}"
+    body = text.strip().strip("\"'").replace(",", "").replace(" ", "")
+    for _ in range(len(body)):  # innermost first
+        expanded = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), body)
+        expanded = re.sub(r"([EtLm|])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+        if expanded == body:
+            break
+        body = expanded
+    if body.endswith("|"):
+        body = body[:-1]
+    bad = sorted(set(body) - set("EtL|"))
+    if bad:
+        what = "a multi-token-prediction layer ('m')" if bad == ["m"] else f"the symbols {''.join(bad)!r}"
+        raise ConfigError(f"{flag}: {what} has no jaxpar counterpart; only E, t, L, | and repeats map")
+    stages = body.split("|")
+    if len(stages) != pp:
+        raise ConfigError(
+            f"{flag}: {len(stages)} stages for --pipeline-model-parallel-size {pp}; only one stage per rank "
+            "maps (jaxpar's virtual stages cut equal chunks); drop the virtual stages from the layout"
+        )
+    if "E" not in stages[0] or "L" not in stages[-1] or "E" in "".join(stages[1:]) or "L" in "".join(stages[:-1]):
+        raise ConfigError(f"{flag}: jaxpar keeps the embedding (E) on the first stage and the loss (L) on the last")
+    return [stage.count("t") for stage in stages]
+
+
+def _uneven_stages(a: _Args, values: dict[str, Any], pp: int) -> None:
+    """``--decoder-first/last-pipeline-num-layers`` and ``--pipeline-model-parallel-layout``."""
+    first = a.get("--decoder-first-pipeline-num-layers", int)
+    last = a.get("--decoder-last-pipeline-num-layers", int)
+    layout = a.get("--pipeline-model-parallel-layout")
+    if first:
+        values["pipeline.first_stage_layers"] = first
+    if last:
+        values["pipeline.last_stage_layers"] = last
+    a.note("--decoder-first-pipeline-num-layers", "mapped", "pipeline.first_stage_layers")
+    a.note("--decoder-last-pipeline-num-layers", "mapped", "pipeline.last_stage_layers")
+    if layout:
+        counts = pipeline_layout_counts(layout, pp)
+        values["pipeline.layers_per_stage"] = ",".join(map(str, counts))
+        a.note("--pipeline-model-parallel-layout", "mapped", "pipeline.layers_per_stage", f"{len(counts)} stages")
+
+
 def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) -> None:
     """DP, microbatches, virtual stages, sequence parallel: Megatron's arithmetic."""
     tp, pp, cp, mbs, gbs, world = s["tp"], s["pp"], s["cp"], s["mbs"], s["gbs"], s["world"]
@@ -508,6 +556,7 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         "mesh.pipeline, pipeline.schedule",
         "Megatron's 1F1B" if pp > 1 and virtual == 1 else "",
     )
+    _uneven_stages(a, values, pp)
     sp = a.get("--sequence-parallel", bool, False) and tp > 1
     values["parallel.sequence_parallel"] = sp
     a.note(

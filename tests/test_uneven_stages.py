@@ -1,0 +1,340 @@
+"""Uneven pipeline stages (``pipeline.layers_per_stage``, ``first_stage_layers`` / ``last_stage_layers``,
+the balanced split): the resolved split, one-line errors, fp32 equivalence with one device (padding
+rows stay exactly zero, their gradient too), and checkpoints uneven -> even -> uneven.
+
+The default run: 4 layers on p=3 (1/2/1) with 1F1B, data=2 and ZeRO-1, and 5 layers on p=2
+(balanced 2/3) with GPipe, tensor=2 and ZeRO-3; ``JAXPAR_SLOW=1`` adds the other schedule for each,
+ZeRO-3 / ZeRO-1 swapped, full recompute (the layer-by-layer backward) and dropout.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import ConfigError, validate
+from jaxpar.layout import ParallelLayout, balanced_split
+from jaxpar.mesh import make_mesh
+from jaxpar.parallel import pipeline
+from jaxpar.train.state import Setup
+from jaxpar.train.step import init_opt_state
+from tests.helpers import ROOT, TINY, child_env, max_rel_error, tiny_config
+from tests.test_pipeline import NO_GUARD, SMALL
+
+SLOW = os.environ.get("JAXPAR_SLOW") == "1"
+TOL = 1e-5
+P3 = ("--config.mesh.pipeline=3", "--config.pipeline.layers_per_stage=1,2,1", "--config.model.num_layers=4")
+P2 = ("--config.mesh.pipeline=2", "--config.model.num_layers=5")
+
+
+def _cfg(*overrides: str):
+    return tiny_config(*SMALL, *overrides)
+
+
+# --------------------------------------------------------------------------- the split
+
+
+@pytest.mark.parametrize(
+    "overrides, want, source",
+    [
+        (P3, (1, 2, 1), "pipeline.layers_per_stage"),
+        (P2, (2, 3), "balanced"),
+        (("--config.mesh.pipeline=4", "--config.model.num_layers=6"), (1, 2, 2, 1), "balanced"),
+        (("--config.mesh.pipeline=2", "--config.model.num_layers=8"), (), ""),  # even: nothing stored
+        (
+            ("--config.mesh.pipeline=4", "--config.model.num_layers=8", "--config.pipeline.first_stage_layers=1"),
+            None,  # 7 over 3: refused below
+            None,
+        ),
+        (
+            (
+                "--config.mesh.pipeline=4",
+                "--config.model.num_layers=9",
+                "--config.pipeline.first_stage_layers=1",
+                "--config.pipeline.last_stage_layers=2",
+            ),
+            (1, 3, 3, 2),
+            "pipeline.first_stage_layers/last_stage_layers",
+        ),
+        (
+            ("--config.mesh.pipeline=3", "--config.model.num_layers=7", "--config.pipeline.last_stage_layers=1"),
+            (3, 3, 1),
+            "pipeline.last_stage_layers",
+        ),
+    ],
+)
+def test_the_resolved_split(overrides, want, source):
+    if want is None:
+        with pytest.raises(ConfigError, match=r"^pipeline.first_stage_layers: the remaining 7 of model.num_layers=8"):
+            _cfg("--config.mesh.data=1", "--config.train.microbatches=4", *overrides)
+        return
+    cfg = _cfg("--config.mesh.data=1", "--config.train.microbatches=4", *overrides)
+    layout = validate(cfg)
+    assert (layout.stage_layers, layout.stage_split) == (want, source)
+    assert layout.stage_layer_counts(cfg.model.num_layers) == (want or (4, 4))
+    assert layout.layers_per_stage(cfg.model.num_layers) == (max(want) if layout.uneven else 4)
+
+
+def test_balanced_split_puts_the_extra_layers_on_the_middle_stages_first():
+    assert balanced_split(70, 12) == (5, *[6] * 10, 5)  # BLOOM-176B: 70 layers on 12 stages
+    assert balanced_split(5, 2) == (2, 3)
+    assert balanced_split(7, 4) == (1, 2, 2, 2)
+    assert balanced_split(8, 4) == (2, 2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ("--config.pipeline.layers_per_stage=1,2", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "pipeline.layers_per_stage: 2 stage counts (1,2) for mesh.pipeline=3; give one count per stage",
+        ),
+        (
+            ("--config.pipeline.layers_per_stage=1,2,2", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "pipeline.layers_per_stage: the split 1,2,2 sums to 5, not model.num_layers=4; make the counts add up to 4",
+        ),
+        (
+            ("--config.pipeline.layers_per_stage=0,3,1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "pipeline.layers_per_stage: the split 0,3,1 leaves a stage without layers",
+        ),
+        (
+            ("--config.pipeline.layers_per_stage=1;2;1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "pipeline.layers_per_stage='1;2;1': give one layer count per stage, comma-separated, e.g. 1,2,1",
+        ),
+        (
+            (
+                "--config.pipeline.layers_per_stage=1,2,1",
+                "--config.pipeline.first_stage_layers=1",
+                "--config.mesh.pipeline=3",
+                "--config.model.num_layers=4",
+            ),
+            "pipeline.layers_per_stage='1,2,1' with pipeline.first_stage_layers=1",
+        ),
+        (
+            ("--config.pipeline.first_stage_layers=-1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "pipeline.first_stage_layers=-1: must be >= 0 (0: not set)",
+        ),
+        (
+            ("--config.pipeline.first_stage_layers=3", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "pipeline.first_stage_layers: the remaining 1 of model.num_layers=4 do not split evenly over the 2",
+        ),
+        (
+            ("--config.mesh.pipeline=3", "--config.model.num_layers=2"),
+            "model.num_layers=2 is not divisible by mesh.pipeline*pipeline.virtual_stages=3",
+        ),
+        (
+            (
+                "--config.pipeline.layers_per_stage=1,3",
+                "--config.mesh.pipeline=2",
+                "--config.model.num_layers=4",
+                "--config.pipeline.schedule=interleaved",
+                "--config.pipeline.virtual_stages=2",
+            ),
+            "pipeline.layers_per_stage: uneven stages (1,3) with pipeline.virtual_stages=2 are not supported",
+        ),
+        (
+            (
+                "--config.mesh.pipeline=2",
+                "--config.model.num_layers=5",
+                "--config.pipeline.schedule=interleaved",
+                "--config.pipeline.virtual_stages=2",
+            ),
+            "model.num_layers=5 is not divisible by mesh.pipeline*pipeline.virtual_stages=4",
+        ),
+        (
+            ("--config.mesh.pipeline=1", "--config.pipeline.layers_per_stage=2,2"),
+            "pipeline.layers_per_stage='2,2' has no effect here: it acts only when mesh.pipeline > 1",
+        ),
+    ],
+)
+def test_bad_splits_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg("--config.mesh.data=1", "--config.train.microbatches=4", *overrides))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_cli_exits_2_naming_the_field():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpar", "inspect", "--config", TINY, "--config.mesh.pipeline=2",
+         "--config.pipeline.layers_per_stage=1,1"],
+        capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pipeline.layers_per_stage: the split 1,1 sums to 2" in lines[0], proc.stderr
+
+
+def test_layout_validate_checks_a_split_given_directly():
+    model = {**dict(_cfg().model), "num_layers": 4}
+    with pytest.raises(ConfigError, match=r"^pipeline.layers_per_stage: the split 1,1,1 sums to 3"):
+        ParallelLayout(pipeline=3, microbatches=3, stage_layers=(1, 1, 1)).validate(model)
+
+
+# --------------------------------------------------------------------------- stage form
+
+
+def test_stage_form_pads_each_stage_and_the_model_form_drops_the_padding():
+    order = pipeline.stored_order(4, 3, 1, (1, 2, 1))
+    assert order.tolist() == [0, 4, 1, 2, 3, 4]  # 4: a padding row
+    assert pipeline.model_index(4, 3, 1, (1, 2, 1)).tolist() == [0, 2, 3, 4]
+    blocks = {"blocks": {"w": np.arange(4.0)[:, None] + 1}}
+    staged = pipeline.to_stage_form(blocks, 3, 1, (1, 2, 1))
+    assert np.asarray(staged["blocks"]["w"])[:, 0].tolist() == [1, 0, 2, 3, 4, 0]
+    back = pipeline.to_model_form(staged, 3, 1, (1, 2, 1))
+    assert np.asarray(back["blocks"]["w"])[:, 0].tolist() == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@functools.cache
+def _compiled(*overrides: str):
+    cfg = _cfg(*overrides)
+    layout = validate(cfg)
+    setup = Setup(cfg, layout, make_mesh(layout, jax.devices()[: layout.devices]))
+    return setup, setup.lower_train_step().compile()
+
+
+@functools.cache
+def _host_params(num_layers: str):
+    cfg = _cfg(num_layers)
+    from jaxpar.models import get_model
+
+    return jax.device_get(get_model(cfg.model).init(jax.random.key(0)))
+
+
+def _train(overrides: tuple[str, ...], steps: int = 2):
+    """(losses and grad norms, gradient of step 1, final parameters in model form, padding rows of
+    the final stage-form parameters / optimizer moments)."""
+    setup, step_fn = _compiled(*overrides)
+    cfg, lay = setup.cfg, setup.layout
+    p = lay.pipeline
+    host = _host_params(f"--config.model.num_layers={cfg.model.num_layers}")
+    staged = pipeline.to_stage_form(host, p, 1, lay.stage_layers) if p > 1 else host
+    params = jax.device_put(staged, setup.param_shardings)
+    opt = jax.device_put(init_opt_state(staged), setup.opt_shardings)
+    rng = np.random.default_rng(0)
+    history, grads = [], None
+    for step in range(steps):
+        rows = rng.integers(0, cfg.model.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
+        params, opt, metrics = step_fn(params, opt, setup.feed.make_batch(rows), NO_GUARD(setup))
+        history.append({k: float(x) for k, x in jax.device_get(metrics).items()})
+        if step == 0:
+            grads = jax.tree.map(lambda mu: mu / (1 - cfg.optim.b1), jax.device_get(opt["mu"]))
+    params, opt = jax.device_get(params), jax.device_get(opt)
+    padding = []
+    if lay.uneven:
+        pad = pipeline.stored_order(cfg.model.num_layers, p, 1, lay.stage_layers) >= cfg.model.num_layers
+        padding = [a[pad] for tree in (params, opt["mu"], opt["nu"]) for a in jax.tree.leaves(tree["blocks"])]
+        params = pipeline.to_model_form(params, p, 1, lay.stage_layers)
+        grads = pipeline.to_model_form(grads, p, 1, lay.stage_layers)
+    return history, grads, params, padding
+
+
+@functools.cache
+def _reference(num_layers: int, *model: str):
+    return _train(
+        (f"--config.model.num_layers={num_layers}", "--config.mesh.data=1", "--config.train.microbatches=1", *model)
+    )
+
+
+CASES = [
+    pytest.param((*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2", "--config.parallel.zero_stage=1"),
+                 id="p3_1-2-1_1f1b_data2_zero1"),
+    pytest.param((*P2, "--config.pipeline.schedule=gpipe", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3",
+                  "--config.mesh.data=2"), id="p2_5layers_gpipe_tensor2_zero3"),
+    *[
+        pytest.param(case, id=name, marks=pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1"))
+        for name, case in {
+            "p3_1-2-1_gpipe_data2_zero3": (*P3, "--config.pipeline.schedule=gpipe", "--config.mesh.data=2",
+                                           "--config.parallel.zero_stage=3"),
+            "p3_1-2-1_1f1b_tensor2_zero3": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.tensor=2",
+                                            "--config.parallel.zero_stage=3"),
+            "p3_1-2-1_1f1b_data2_zero2": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
+                                          "--config.parallel.zero_stage=2"),
+            "p2_5layers_1f1b_tensor2_zero1": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.tensor=2",
+                                              "--config.parallel.zero_stage=1", "--config.mesh.data=2"),
+            "p2_5layers_1f1b_data2_zero3_full_remat": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
+                                                       "--config.parallel.zero_stage=3", "--config.model.remat=full"),
+            "p3_1-2-1_1f1b_data2_full_remat": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
+                                               "--config.model.remat=full"),
+        }.items()
+    ],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_uneven_stages_match_one_device(overrides):
+    num_layers = int(next(o for o in overrides if "num_layers" in o).split("=")[1])
+    got = _train((*overrides, "--config.train.microbatches=4"))
+    ref_history, ref_grads, ref_params, _ = _reference(num_layers)
+    history, grads, params, padding = got
+    for mine, want in zip(history, ref_history, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(mine[key] - want[key]) / abs(want[key]) < TOL, (key, mine, want)
+    assert max_rel_error(grads, ref_grads) < TOL
+    assert max_rel_error(params, ref_params) < TOL
+    assert padding and all(not np.any(a) for a in padding)  # never moved: parameters and moments exactly 0
+
+
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1")
+def test_uneven_stages_with_dropout_draw_one_devices_masks():
+    drop = ("--config.model.dropout=0.1", "--config.model.attention_dropout=0.1")
+    got = _train((*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2", "--config.train.microbatches=4",
+                  *drop))  # fmt: skip
+    ref_history, ref_grads, ref_params, _ = _reference(4, *drop)
+    assert max_rel_error(got[1], ref_grads) < TOL
+    assert max_rel_error(got[2], ref_params) < TOL
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _setup(*overrides: str) -> Setup:
+    cfg = tiny_config(*overrides)
+    layout = validate(cfg)
+    return Setup(cfg, layout, make_mesh(layout, jax.devices()[: layout.devices]))
+
+
+def test_checkpoint_uneven_to_even_and_back(tmp_path):
+    """An uneven layout's checkpoint (model form) restores onto an even pipeline layout, whose
+    checkpoint restores onto the uneven one again: parameters and optimizer state unchanged."""
+    common = (
+        "--config.model.num_layers=4",
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=1",
+        "--config.train.microbatches=4",
+    )
+    uneven = _setup(*common, "--config.mesh.pipeline=3", "--config.pipeline.layers_per_stage=1,2,1")
+    even = _setup(*common, "--config.mesh.pipeline=2")
+    params, opt = uneven.init(5)
+    opt = jax.tree.map(lambda a: a + 1 if a.ndim else a, opt)  # moments away from zero
+    want = jax.device_get(uneven.to_model_order(params, opt))
+    ckpt = Checkpointer(str(tmp_path / "a"), 1, 2)
+    ckpt.save(1, *uneven.to_model_order(params, opt), {"step": 1}, uneven.cfg)
+    ckpt.wait()
+    p, o, _ = even.abstract_state(model_form=True)
+    _, state, _ = ckpt.restore({"params": p, "opt_state": o})
+    e_params, e_opt = even.from_model_order(state["params"], state["opt_state"])
+    ckpt.close()
+    ckpt = Checkpointer(str(tmp_path / "b"), 1, 2)
+    ckpt.save(1, *even.to_model_order(e_params, e_opt), {"step": 1}, even.cfg)
+    ckpt.wait()
+    p, o, _ = uneven.abstract_state(model_form=True)
+    _, state, _ = ckpt.restore({"params": p, "opt_state": o})
+    back = jax.device_get(uneven.from_model_order(state["params"], state["opt_state"]))
+    ckpt.close()
+    # the stage-form parameters come back exactly (padding rows zero, as init made them); the moments
+    # were moved off zero everywhere above, so compare them in model form (padding rows are not saved)
+    for a, b in zip(jax.tree.leaves(back[0]), jax.tree.leaves(jax.device_get(params)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    got = jax.device_get(uneven.to_model_order(*back))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
