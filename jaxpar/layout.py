@@ -153,9 +153,27 @@ class ParallelLayout:
         the most any stage holds, which is what every stage stores (the rest padding)."""
         return max(self.stage_layers) if self.uneven else num_layers // self.stages
 
+    def stored_layers(self, num_layers: int) -> int:
+        """Layer rows one pipeline rank stores (all its chunks): ``num_layers / pipeline``, or with
+        uneven stages the most any stage holds (the stage that sets per-stage memory)."""
+        return max(self.stage_layers) if self.uneven else num_layers // self.pipeline
+
     def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
         """Layers of each pipeline rank (its ``virtual_stages`` chunks together)."""
         return self.stage_layers or (num_layers // self.pipeline,) * self.pipeline
+
+    def stage_split_line(self) -> str:
+        """One line stating an uneven split and where it came from ("" when the stages are even)."""
+        if not self.uneven:
+            return ""
+        counts, n = ",".join(map(str, self.stage_layers)), sum(self.stage_layers)
+        why = (
+            f"model.num_layers={n} does not divide mesh.pipeline={self.pipeline}: a balanced split, the extra "
+            "layers on the middle stages first; set pipeline.layers_per_stage to choose"
+            if self.stage_split == "balanced"
+            else self.stage_split
+        )
+        return f"pipeline stages hold {counts} layers ({why})"
 
     @property
     def uneven(self) -> bool:

@@ -20,7 +20,7 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
-from jaxpar.layout import ParallelLayout, balanced_split
+from jaxpar.layout import ParallelLayout, balanced_split, resolve_stage_layers
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
@@ -338,3 +338,114 @@ def test_checkpoint_uneven_to_even_and_back(tmp_path):
     got = jax.device_get(uneven.to_model_order(*back))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- importers
+
+
+def _split(cfg) -> tuple[int, ...]:
+    return resolve_stage_layers(cfg.model.num_layers, cfg.mesh.pipeline, cfg.pipeline)[0]
+
+
+def _megatron(*flags: str, world: int = 8) -> str:
+    lines = ["# flags", f"--nproc_per_node {world}", "--num-layers 32", "--hidden-size 4096",
+             "--num-attention-heads 32", "--seq-length 1024", "--lr 1e-4", "--train-iters 100",
+             "--global-batch-size 64", *flags]  # fmt: skip
+    return "\n".join(lines)
+
+
+def test_megatron_first_and_last_stage_layers():
+    from jaxpar.port.megatron import port_megatron
+
+    cfg, report = port_megatron(
+        _megatron(
+            "--pipeline-model-parallel-size 4",
+            "--decoder-first-pipeline-num-layers 6",
+            "--decoder-last-pipeline-num-layers 6",
+        )
+    )
+    assert (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers) == (6, 6)
+    assert _split(cfg) == (6, 10, 10, 6)  # Megatron: the other 20 evenly over the 2 middle stages
+    assert report.find("--decoder-first-pipeline-num-layers").status == "mapped"
+    cfg, _ = port_megatron(
+        _megatron(
+            "--pipeline-model-parallel-size 4",
+            "--decoder-first-pipeline-num-layers 5",
+            "--decoder-last-pipeline-num-layers 6",
+        )
+    )
+    with pytest.raises(ConfigError, match=r"^pipeline.first_stage_layers/last_stage_layers: the remaining 21"):
+        _split(cfg)
+
+
+@pytest.mark.parametrize(
+    "layout, want",
+    [
+        ("Et*7|(t*8|)*2,t*9L", (7, 8, 8, 9)),
+        ("'Ettttttt|tttttttt|tttttttt|tttttttttL'", (7, 8, 8, 9)),
+        ("E(t|)*3t*29L", None),  # 4 stages of 1, 1, 1, 29: fine for the flag, one stage per rank
+    ],
+)
+def test_megatron_pipeline_layout_strings(layout, want):
+    from jaxpar.port.megatron import pipeline_layout_counts, port_megatron
+
+    if want is None:
+        assert pipeline_layout_counts(layout, 4) == [1, 1, 1, 29]
+        return
+    cfg, report = port_megatron(
+        _megatron("--pipeline-model-parallel-size 4", f"--pipeline-model-parallel-layout {layout}")
+    )
+    assert cfg.pipeline.layers_per_stage == ",".join(map(str, want))
+    assert _split(cfg) == want
+    assert report.find("--pipeline-model-parallel-layout").status == "mapped"
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("Et*3|(tt|)*14,m|L", "a multi-token-prediction layer ('m') has no jaxpar counterpart"),
+        ("Et*4|(t*4|)*6,t*4L", "8 stages for --pipeline-model-parallel-size 4"),
+        ("t*8|Et*8|t*8|t*8L", "jaxpar keeps the embedding (E) on the first stage and the loss (L) on the last"),
+    ],
+)
+def test_megatron_pipeline_layouts_jaxpar_cannot_run_are_refused_by_name(layout, message):
+    from jaxpar.port.megatron import pipeline_layout_counts
+
+    with pytest.raises(ConfigError) as err:
+        pipeline_layout_counts(layout, 4)
+    text = str(err.value)
+    assert text.startswith("megatron: --pipeline-model-parallel-layout") and message in text and "\n" not in text
+
+
+def test_torchtitan_split_matches_generate_llm_fqn_per_model_part():
+    from jaxpar.port.torchtitan import torchtitan_stage_layers
+
+    assert torchtitan_stage_layers(32, 4) == [8, 9, 8, 7]  # 34 units: 9, 9, 8, 8 less embedding and output
+    assert torchtitan_stage_layers(32, 2) == [16, 16]
+    assert torchtitan_stage_layers(32, 4, 0, 0) == [8, 8, 8, 8]
+    assert torchtitan_stage_layers(126, 8, 1, 1) == [15, 16, 16, 16, 16, 16, 16, 15]  # Llama 3 405B on 8 stages
+
+
+@pytest.mark.parametrize(
+    "extra, want, status",
+    [
+        ("", "8,9,8,7", "default"),  # the defaults 1 / 1 make torchtitan's split uneven: said as (default)
+        ("pipeline_parallel_first_stage_less_layers = 0\npipeline_parallel_last_stage_less_layers = 0\n", "", None),
+        ("pipeline_parallel_first_stage_less_layers = 2\n", "7,9,9,7", "mapped"),
+    ],
+)
+def test_torchtitan_stage_split_maps_to_layers_per_stage(tmp_path, extra, want, status):
+    from jaxpar.port.torchtitan import port_torchtitan
+
+    text = (ROOT / "tests/fixtures/recipes/corpus/torchtitan/llama3_8b.toml").read_text()
+    text = text.replace("pipeline_parallel_degree = 1\n", "pipeline_parallel_degree = 4\n" + extra)
+    path = tmp_path / "pp4.toml"
+    path.write_text(text)
+    cfg, report = port_torchtitan(path, world_size=8)
+    assert cfg.mesh.pipeline == 4 and cfg.pipeline.layers_per_stage == want
+    assert _split(cfg) == (tuple(int(x) for x in want.split(",")) if want else ())
+    if status == "default":
+        row = report.find("parallelism.pipeline_parallel_first_stage_less_layers (default)")
+        assert row.status == "mapped" and "8,9,8,7" in row.note
+    elif status:
+        assert report.find("parallelism.pipeline_parallel_first_stage_less_layers").status == status

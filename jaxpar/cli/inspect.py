@@ -66,6 +66,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             )
         if schedule is not None:
             print(schedule["diagram"])
+            if schedule["stage_split"]:
+                print(schedule["stage_split"])
     return 0
 
 
@@ -94,6 +96,8 @@ def pipeline_schedule(layout: ParallelLayout) -> dict[str, Any] | None:
         "boundary_sends_forward": forward,
         "boundary_sends_backward": backward,
         "diagram": pipeline.render_schedule(table),
+        "layers_per_stage": list(layout.stage_layers),  # [] = num_layers / pipeline on every stage
+        "stage_split": layout.stage_split_line(),
     }
 
 
