@@ -449,3 +449,30 @@ def test_torchtitan_stage_split_maps_to_layers_per_stage(tmp_path, extra, want, 
         assert row.status == "mapped" and "8,9,8,7" in row.note
     elif status:
         assert report.find("parallelism.pipeline_parallel_first_stage_less_layers").status == status
+
+
+def test_bloom_176b_split_from_its_recipe():
+    """BLOOM-176B (bigscience tr11-176B-ml, the corpus fixture): 70 layers on 12 stages with
+    Megatron-DeepSpeed's ``--pp-partition-method 'type:transformer|embedding'`` (the tied embedding
+    counted as a layer at each end): 5 layers on the first and last stage, 6 on the others. The
+    numbers are read from the verbatim script (its launcher form is read by the bash reader of
+    issue 28; the corpus test keeps that expectation)."""
+    import re
+
+    from jaxpar.port.megatron import port_megatron
+
+    text = (ROOT / "tests/fixtures/recipes/corpus/megatron_deepspeed/bloom_tr11_176B_ml.slurm").read_text()
+    layers, pp = (int(re.search(rf"^{name}=(\d+)", text, re.M).group(1)) for name in ("NLAYERS", "PP_SIZE"))
+    method = re.search(r"--pp-partition-method (\S+)", text).group(1)
+    assert (layers, pp, method) == (70, 12, "'type:transformer|embedding'")
+    cfg, report = port_megatron(
+        _megatron(f"--pipeline-model-parallel-size {pp}", f"--pp-partition-method {method}", world=96).replace(
+            "--num-layers 32", f"--num-layers {layers}"
+        )
+    )
+    assert _split(cfg) == (5, *[6] * 10, 5)
+    assert report.find("--pp-partition-method").status == "mapped"
+    model = {**dict(_cfg().model), "num_layers": layers}
+    split = ParallelLayout(pipeline=pp, microbatches=pp, seq_len=32, stage_layers=_split(cfg), stage_split="x")
+    assert split.validate(model).stored_layers(layers) == 6
+    assert balanced_split(layers, pp) == _split(cfg)  # and the same split when nothing is said

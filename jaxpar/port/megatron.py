@@ -462,8 +462,22 @@ def pipeline_layout_counts(text: str, pp: int) -> list[int]:
     return [stage.count("t") for stage in stages]
 
 
-def _uneven_stages(a: _Args, values: dict[str, Any], pp: int) -> None:
-    """``--decoder-first/last-pipeline-num-layers`` and ``--pipeline-model-parallel-layout``."""
+def _uneven_stages(a: _Args, values: dict[str, Any], pp: int, layers: int) -> None:
+    """``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout`` and
+    Megatron-DeepSpeed's ``--pp-partition-method``."""
+    method = str(a.get("--pp-partition-method", str, "parameters") or "parameters").strip("'\"")
+    units = layers + 2  # type:transformer|embedding: the (tied) embedding at each end counts as a layer
+    if method == "type:transformer|embedding" and pp > 1 and units % pp == 0:
+        ends = units // pp - 1
+        values.update({"pipeline.first_stage_layers": ends, "pipeline.last_stage_layers": ends})
+        a.note(
+            "--pp-partition-method",
+            "mapped",
+            "pipeline.first_stage_layers, pipeline.last_stage_layers",
+            f"the embedding counts as a layer on the first and the last stage: {ends} layers there, "
+            f"{units // pp} on the others",
+        )
+    a.note("--pp-partition-method", "approximated", "", "jaxpar splits the layers as evenly as it can over the stages")
     first = a.get("--decoder-first-pipeline-num-layers", int)
     last = a.get("--decoder-last-pipeline-num-layers", int)
     layout = a.get("--pipeline-model-parallel-layout")
@@ -556,7 +570,7 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         "mesh.pipeline, pipeline.schedule",
         "Megatron's 1F1B" if pp > 1 and virtual == 1 else "",
     )
-    _uneven_stages(a, values, pp)
+    _uneven_stages(a, values, pp, layers)
     sp = a.get("--sequence-parallel", bool, False) and tp > 1
     values["parallel.sequence_parallel"] = sp
     a.note(
@@ -1398,7 +1412,6 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
         ("--recompute-method", "jaxpar rematerializes every layer"),
         ("--recompute-num-layers", "jaxpar rematerializes every layer"),
         ("--deepspeed-activation-checkpointing", "DeepSpeed's implementation; same policy in jaxpar"),
-        ("--pp-partition-method", "jaxpar splits layers evenly over pipeline stages"),
         ("--calculate-per-token-loss", "jaxpar averages the loss over the tokens of the global batch"),
         ("--load", "train.resume=auto resumes from train.workdir"),
     ):
