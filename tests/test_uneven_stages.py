@@ -477,3 +477,23 @@ def test_bloom_176b_split_from_its_recipe():
     split = ParallelLayout(pipeline=pp, microbatches=pp, seq_len=32, stage_layers=_split(cfg), stage_split="x")
     assert split.validate(model).stored_layers(layers) == 6
     assert balanced_split(layers, pp) == _split(cfg)  # and the same split when nothing is said
+
+
+def test_the_planner_prices_a_balanced_split_by_its_largest_stage():
+    """A pipeline size that does not divide the layers is a candidate with the balanced split; the
+    stage with the most layers sets its memory (70 layers on 12 stages stores 6 per stage, the same
+    as 72 layers would)."""
+    from jaxpar.analysis import plan
+    from jaxpar.analysis.clusters import get_cluster
+
+    model = _cfg("--config.model.num_layers=70").model
+    found = plan.search_layouts(model, get_cluster("h100-80g"), 12, 12, 32, fixed={"pipeline": 12}, keep_unfit=True)
+    assert found and all(e.layout.stage_layers == (5, *[6] * 10, 5) for e in found)
+    assert all(e.layout.schedule in ("1f1b", "gpipe") and e.layout.virtual_stages == 1 for e in found)
+    assert "layers=5/6/6/6/6/6/6/6/6/6/6/5" in plan.describe(found[0].layout)
+    even = _cfg("--config.model.num_layers=72").model
+    lay = found[0].layout
+    same = plan.evaluate_layout(even, get_cluster("h100-80g"), ParallelLayout(**{
+        **{f: getattr(lay, f) for f in ("data", "tensor", "pipeline", "zero_stage", "microbatches", "microbatch_size",
+                                        "seq_len", "recompute", "schedule")}}))  # fmt: skip
+    assert found[0].memory.total_bytes == same.memory.total_bytes

@@ -292,6 +292,7 @@ def search_layouts(
     } | fixed  # unpinned choices: ones every mesh can take
     if probe.get("context", 1) > 1 and "attention" not in fixed:
         probe["attention"] = "blockwise"
+    probe |= {} if fixed.get("virtual_stages", 1) > 1 else _uneven(model.num_layers, probe.get("pipeline", 1))
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
     results = SearchResult()
     smallest: LayoutEstimate | None = None
