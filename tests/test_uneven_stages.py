@@ -497,3 +497,52 @@ def test_the_planner_prices_a_balanced_split_by_its_largest_stage():
         **{f: getattr(lay, f) for f in ("data", "tensor", "pipeline", "zero_stage", "microbatches", "microbatch_size",
                                         "seq_len", "recompute", "schedule")}}))  # fmt: skip
     assert found[0].memory.total_bytes == same.memory.total_bytes
+
+
+def test_megatron_embedding_and_loss_counted_as_layers():
+    from jaxpar.port.megatron import port_megatron
+
+    flags = ("--pipeline-model-parallel-size 4", "--account-for-embedding-in-pipeline-split")
+    cfg, report = port_megatron(_megatron(*flags, "--account-for-loss-in-pipeline-split").replace("32", "30", 1))
+    assert _split(cfg) == (7, 8, 8, 7)  # 30 + 2 = 32 units, 8 per stage, one of them the embedding / the loss
+    assert report.find("--account-for-loss-in-pipeline-split").status == "mapped"
+    with pytest.raises(ConfigError, match=r"^megatron: --num-layers 32 plus the embedding / loss counted as layers"):
+        port_megatron(_megatron(*flags))
+
+
+def test_train_states_the_split_once_at_the_start(monkeypatch, capsys):
+    import argparse
+
+    from jaxpar.cli import train as train_cli
+    from jaxpar.train import loop
+
+    class Idle:  # the run itself is not what is tested
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self):
+            return None
+
+    monkeypatch.setattr(loop, "Trainer", Idle)
+    args = argparse.Namespace(
+        config=TINY, overrides=["--config.mesh.pipeline=2", "--config.model.num_layers=5", "--config.mesh.data=2",
+                                "--config.train.microbatches=2"], no_progress=True,
+    )  # fmt: skip
+    assert train_cli.run_train(args) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "pipeline stages hold 2,3 layers (model.num_layers=5 does not divide mesh.pipeline=2: a balanced split, the "
+        "extra layers on the middle stages first; set pipeline.layers_per_stage to choose)"
+    ]
+
+
+def test_inspect_reports_the_split():
+    from jaxpar.cli.inspect import pipeline_schedule
+
+    layout = validate(_cfg(*P3, "--config.mesh.data=1", "--config.train.microbatches=4"))
+    pipe = pipeline_schedule(layout)
+    assert pipe["layers_per_stage"] == [1, 2, 1]
+    assert pipe["stage_split"] == "pipeline stages hold 1,2,1 layers (pipeline.layers_per_stage)"
+    even = pipeline_schedule(validate(_cfg("--config.mesh.pipeline=2", "--config.mesh.data=1",
+                                           "--config.train.microbatches=2")))  # fmt: skip
+    assert (even["layers_per_stage"], even["stage_split"]) == ([], "")

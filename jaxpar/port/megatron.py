@@ -481,6 +481,19 @@ def _uneven_stages(a: _Args, values: dict[str, Any], pp: int, layers: int) -> No
     first = a.get("--decoder-first-pipeline-num-layers", int)
     last = a.get("--decoder-last-pipeline-num-layers", int)
     layout = a.get("--pipeline-model-parallel-layout")
+    embedding = a.get("--account-for-embedding-in-pipeline-split", bool, False)
+    loss = a.get("--account-for-loss-in-pipeline-split", bool, False)
+    if (embedding or loss) and pp > 1 and not (first or last):  # Megatron: that stage builds one layer less
+        units = layers + embedding + loss
+        if units % pp:
+            raise ConfigError(
+                f"megatron: --num-layers {layers} plus the embedding / loss counted as layers ({units}) is not "
+                f"divisible by --pipeline-model-parallel-size {pp}; Megatron refuses it too"
+            )
+        first = units // pp - 1 if embedding else None
+        last = units // pp - 1 if loss else None
+    for name in ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
+        a.note(name, "mapped", "pipeline.first_stage_layers, pipeline.last_stage_layers", "counted as one layer")
     if first:
         values["pipeline.first_stage_layers"] = first
     if last:
