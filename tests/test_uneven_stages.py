@@ -10,6 +10,7 @@ p=3, full recompute (the layer-by-layer backward) and dropout (masks as on one d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -546,3 +547,15 @@ def test_inspect_reports_the_split():
     even = pipeline_schedule(validate(_cfg("--config.mesh.pipeline=2", "--config.mesh.data=1",
                                            "--config.train.microbatches=2")))  # fmt: skip
     assert (even["layers_per_stage"], even["stage_split"]) == ([], "")
+
+
+def test_a_planned_layout_carries_its_split_into_the_config_it_compiles():
+    from jaxpar.analysis.aot import layout_run
+
+    cfg = _cfg(*P3, "--config.mesh.data=1", "--config.train.microbatches=4")  # asks for 1,2,1 on 3 stages
+    even = ParallelLayout(pipeline=2, microbatches=4, microbatch_size=2, seq_len=32)
+    out, layout = layout_run(cfg, even)
+    assert (out.pipeline.layers_per_stage, layout.stage_layers) == ("", ())
+    uneven = dataclasses.replace(even, pipeline=3, stage_layers=(2, 1, 1), stage_split="x")
+    out, layout = layout_run(cfg, uneven)
+    assert (out.pipeline.layers_per_stage, layout.stage_layers) == ("2,1,1", (2, 1, 1))
