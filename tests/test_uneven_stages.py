@@ -5,7 +5,7 @@ rows stay exactly zero, their gradient too), and checkpoints uneven -> even -> u
 The default run: 4 layers on p=3 (1/2/1) with 1F1B, data=2 and ZeRO-1 (about 50 s on 2 shared
 cores: one compile of the layout and one of the reference); ``JAXPAR_SLOW=1`` adds 5 layers on p=2
 (balanced 2/3) with GPipe, tensor=2 and ZeRO-3, the other schedule for each, ZeRO-2, tensor=2 on
-p=3, full recompute (the layer-by-layer backward) and dropout (masks as on one device).
+p=3, context=2, full recompute (the layer-by-layer backward) and dropout (masks as on one device).
 """
 
 from __future__ import annotations
@@ -265,6 +265,10 @@ CASES = [
                                               "--config.parallel.zero_stage=1", "--config.mesh.data=2"),
             "p2_5layers_1f1b_data2_zero3_full_remat": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
                                                        "--config.parallel.zero_stage=3", "--config.model.remat=full"),
+            "p2_5layers_1f1b_context2": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.context=2",
+                                         "--config.parallel.context_exchange=all_gather",
+                                         "--config.model.attention=blockwise", "--config.model.attention_block=8",
+                                         "--config.mesh.data=1"),
             "p3_1-2-1_1f1b_data2_full_remat": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
                                                "--config.model.remat=full"),
         }.items()
