@@ -65,6 +65,9 @@ class ParallelLayout:
     stage_layers: tuple[int, ...] = ()
     stage_split: str = ""  # where stage_layers came from: the config field, or "balanced" (see resolve_stage_layers)
 
+    def __post_init__(self) -> None:  # a split read back from JSON is a list: keep the layout hashable
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelLayout:
         """The layout a train config (a ``ConfigDict``) runs: global_batch / (microbatches * data)
