@@ -174,6 +174,12 @@ def test_the_cli_exits_2_naming_the_field():
 
 
 def test_layout_validate_checks_a_split_given_directly():
+    import json
+
+    back = ParallelLayout(
+        **json.loads(json.dumps(dataclasses.asdict(ParallelLayout(pipeline=3, stage_layers=(1, 2, 1)))))
+    )
+    assert back.stage_layers == (1, 2, 1) and hash(back) == hash(ParallelLayout(pipeline=3, stage_layers=(1, 2, 1)))
     model = {**dict(_cfg().model), "num_layers": 4}
     with pytest.raises(ConfigError, match=r"^pipeline.layers_per_stage: the split 1,1,1 sums to 3"):
         ParallelLayout(pipeline=3, microbatches=3, stage_layers=(1, 1, 1)).validate(model)
