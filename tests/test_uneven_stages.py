@@ -569,3 +569,19 @@ def test_a_planned_layout_carries_its_split_into_the_config_it_compiles():
     uneven = dataclasses.replace(even, pipeline=3, stage_layers=(2, 1, 1), stage_split="x")
     out, layout = layout_run(cfg, uneven)
     assert (out.pipeline.layers_per_stage, layout.stage_layers) == ("2,1,1", (2, 1, 1))
+
+
+def test_pp_partition_method_that_does_not_divide_is_approximated():
+    """The hand-written BLOOM-style 104B fixture: 66 layers + 2 embeddings do not divide 8 stages:
+    approximated, and jaxpar's balanced split (the extra two layers on middle stages)."""
+    from jaxpar.port.megatron import port_megatron
+
+    cfg, report = port_megatron(ROOT / "tests/fixtures/recipes/megatron/bloom_style_104b_slurm.args",
+                                variables={"SLURM_NNODES": "32"})  # fmt: skip
+    assert report.find("--pp-partition-method").status == "approximated"
+    assert (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers, cfg.pipeline.layers_per_stage) == (
+        0,
+        0,
+        "",
+    )
+    assert _split(cfg) == (8, 9, 9, 8, 8, 8, 8, 8) == balanced_split(66, 8)
