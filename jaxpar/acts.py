@@ -124,6 +124,10 @@ CONDITIONS: dict[str, Condition] = {
     ),
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
+    **{
+        f"pipeline.{name}": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1)
+        for name in ("layers_per_stage", "first_stage_layers", "last_stage_layers")
+    },
 }
 
 

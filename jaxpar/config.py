@@ -158,6 +158,9 @@ def default_config() -> ConfigDict:
     c.pipeline = ConfigDict()
     c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (input and weight gradients split)
     c.pipeline.virtual_stages = 1
+    c.pipeline.layers_per_stage = ""  # uneven stages: layers of each stage, e.g. "1,2,1" (empty: even)
+    c.pipeline.first_stage_layers = 0  # layers of the first stage, the rest split evenly (0: not set)
+    c.pipeline.last_stage_layers = 0  # layers of the last stage (0: not set)
 
     c.checkpoint = ConfigDict()
     c.checkpoint.every = 0  # 0: never

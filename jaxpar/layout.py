@@ -62,6 +62,12 @@ class ParallelLayout:
     attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
     context_exchange: str = "ring"  # ring | all_gather (used when context > 1)
     expert: int = 1  # expert parallelism: MoE experts split over `expert`; the batch over data x expert
+    # layers of each pipeline stage (uneven stages, virtual_stages = 1); () = num_layers / pipeline each
+    stage_layers: tuple[int, ...] = ()
+    stage_split: str = ""  # where stage_layers came from: the config field, or "balanced" (see resolve_stage_layers)
+
+    def __post_init__(self) -> None:  # a split read back from JSON is a list: keep the layout hashable
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelLayout:
@@ -70,6 +76,7 @@ class ParallelLayout:
         returns the validated layout, which a run builds once and passes down."""
         mesh, train = cfg.mesh, cfg.train
         per_step = train.microbatches * mesh.data * mesh.expert
+        split, source = resolve_stage_layers(cfg.model.num_layers, mesh.pipeline, cfg.pipeline)
         return cls(
             **{axis.value: mesh[axis.value] for axis in MESH_AXES},
             virtual_stages=cfg.pipeline.virtual_stages,
@@ -83,6 +90,8 @@ class ParallelLayout:
             attention=cfg.model.attention,
             attention_block=cfg.model.attention_block,
             context_exchange=cfg.parallel.context_exchange,
+            stage_layers=split,
+            stage_split=source,
         )
 
     # ------------------------------------------------------------------ derived quantities
@@ -144,8 +153,36 @@ class ParallelLayout:
         return self.pipeline * self.virtual_stages
 
     def layers_per_stage(self, num_layers: int) -> int:
-        """Layers of one chunk (one pipeline rank holds ``virtual_stages`` chunks)."""
-        return num_layers // self.stages
+        """Layers of one chunk (one pipeline rank holds ``virtual_stages`` chunks); with uneven stages
+        the most any stage holds, which is what every stage stores (the rest padding)."""
+        return max(self.stage_layers) if self.uneven else num_layers // self.stages
+
+    def stored_layers(self, num_layers: int) -> int:
+        """Layer rows one pipeline rank stores (all its chunks): ``num_layers / pipeline``, or with
+        uneven stages the most any stage holds (the stage that sets per-stage memory)."""
+        return max(self.stage_layers) if self.uneven else num_layers // self.pipeline
+
+    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline rank (its ``virtual_stages`` chunks together)."""
+        return self.stage_layers or (num_layers // self.pipeline,) * self.pipeline
+
+    def stage_split_line(self) -> str:
+        """One line stating an uneven split and where it came from ("" when the stages are even)."""
+        if not self.uneven:
+            return ""
+        counts, n = ",".join(map(str, self.stage_layers)), sum(self.stage_layers)
+        why = (
+            f"model.num_layers={n} does not divide mesh.pipeline={self.pipeline}: a balanced split, the extra "
+            "layers on the middle stages first; set pipeline.layers_per_stage to choose"
+            if self.stage_split == "balanced"
+            else self.stage_split
+        )
+        return f"pipeline stages hold {counts} layers ({why})"
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the pipeline stages hold different numbers of layers."""
+        return len(set(self.stage_layers)) > 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"devices": self.devices, "global_batch": self.global_batch}
@@ -230,11 +267,7 @@ class ParallelLayout:
                 f"model.{name}={model[name]} is not divisible by mesh.tensor={self.tensor}; "
                 f"choose a tensor size that divides {model[name]}",
             )
-        require(
-            model["num_layers"] % self.stages == 0,
-            f"model.num_layers={model['num_layers']} is not divisible by mesh.pipeline*pipeline.virtual_stages="
-            f"{self.stages}; choose a pipeline size that divides the layers",
-        )
+        self._validate_stage_layers(model["num_layers"])
         require(
             self.seq_len <= model["max_seq_len"],
             f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model['max_seq_len']}; lower train.seq_len",
@@ -247,6 +280,43 @@ class ParallelLayout:
                 f"train.seq_len={self.seq_len} is not divisible by {what}={split} (parallel."
                 f"sequence_parallel); use a multiple of {split}",
             )
+
+    def _validate_stage_layers(self, num_layers: int) -> None:
+        counts, field = self.stage_layers, self.stage_split or "pipeline.layers_per_stage"
+        if not counts:
+            require(
+                num_layers % self.stages == 0,
+                f"model.num_layers={num_layers} is not divisible by mesh.pipeline*pipeline.virtual_stages="
+                f"{self.stages}; choose a pipeline size that divides the layers",
+            )
+            return
+        shown = ",".join(map(str, counts))
+        require(
+            len(counts) == self.pipeline,
+            f"{field}: {len(counts)} stage counts ({shown}) for mesh.pipeline={self.pipeline}; give one count per stage",
+        )
+        require(
+            min(counts) >= 1,
+            f"{field}: the split {shown} leaves a stage without layers (model.num_layers={num_layers}, mesh.pipeline="
+            f"{self.pipeline}); every stage needs at least one layer",
+        )
+        require(
+            sum(counts) == num_layers,
+            f"{field}: the split {shown} sums to {sum(counts)}, not model.num_layers={num_layers}; make the counts "
+            f"add up to {num_layers}",
+        )
+        require(
+            self.virtual_stages == 1 or not self.uneven,
+            f"{field}: uneven stages ({shown}) with pipeline.virtual_stages={self.virtual_stages} are not supported "
+            "(each rank's chunks are cut as equal slices of its stored layers); use --config.pipeline.virtual_stages=1 "
+            "and a schedule other than interleaved, or layers that divide mesh.pipeline*pipeline.virtual_stages",
+        )
+        require(
+            self.schedule not in SPLIT_BACKWARD or not self.uneven,
+            f"{field}: uneven stages ({shown}) with pipeline.schedule={self.schedule} are not supported yet (the "
+            "split backward runs every stored layer row, padding included); use --config.pipeline.schedule=1f1b, "
+            "or layers that divide mesh.pipeline",
+        )
 
     def _validate_context(self) -> None:
         c = self.context
@@ -335,3 +405,57 @@ class ParallelLayout:
             "transpose of its whole forward scan, accumulated full size); use --config.pipeline.schedule=1f1b, "
             "or --config.parallel.zero_stage=1 or 3",
         )
+
+
+def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """``num_layers`` over ``stages`` as evenly as possible: the layers left over go to the middle
+    stages first (they hold neither the embedding nor the loss), then the last, then the first."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base] * stages
+    for d in ([*range(1, stages - 1), stages - 1, 0] if stages > 1 else [0])[:extra]:
+        counts[d] += 1
+    return tuple(counts)
+
+
+def resolve_stage_layers(num_layers: int, pipeline: int, cfg: Any) -> tuple[tuple[int, ...], str]:
+    """(layers per stage, the field they came from) for the ``pipeline`` sub-config: explicit counts
+    (``layers_per_stage``, e.g. "1,2,1"), a first / last stage count with the rest split evenly over
+    the stages between (Megatron's ``--decoder-first/last-pipeline-num-layers``), or, when nothing is
+    set and the layers do not divide the stages, :func:`balanced_split` (field "balanced"). ``()``:
+    the even split. A request that cannot be read or resolved raises a one-line ConfigError; the
+    counts are checked against the model by :meth:`ParallelLayout.validate`."""
+    text, first, last = cfg.layers_per_stage.strip(), cfg.first_stage_layers, cfg.last_stage_layers
+    if text:
+        require(
+            not (first or last),
+            f"pipeline.layers_per_stage='{text}' with pipeline.first_stage_layers={first} / last_stage_layers={last}: "
+            "give either the counts of every stage or the first / last stage counts, not both",
+        )
+        parts = [x.strip() for x in text.split(",")]
+        require(
+            all(x.isascii() and x.isdigit() for x in parts),
+            f"pipeline.layers_per_stage='{text}': give one layer count per stage, comma-separated, e.g. 1,2,1",
+        )
+        return tuple(int(x) for x in parts), "pipeline.layers_per_stage"
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        require(value >= 0, f"pipeline.{name}={value}: must be >= 0 (0: not set)")
+    if first or last:
+        fields = "pipeline." + "/".join(n for n, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v)
+        ends = (1 if first else 0) + (1 if last else 0)
+        rest, between = num_layers - first - last, pipeline - ends
+        require(
+            between >= 1 or rest == 0,
+            f"{fields}: with mesh.pipeline={pipeline} no stage is left for the other {rest} of model.num_layers="
+            f"{num_layers}; make the first and last stage counts add up to {num_layers}",
+        )
+        require(
+            rest >= between and (between == 0 or rest % between == 0),
+            f"{fields}: the remaining {rest} of model.num_layers={num_layers} do not split evenly over the "
+            f"{between} other stages; choose counts that leave a multiple of {between} (at least {between})",
+        )
+        middle = [rest // between] * between if between else []
+        counts = ([first] if first else []) + middle + ([last] if last else [])
+        return tuple(counts), fields
+    if pipeline > 1 and num_layers % pipeline and num_layers >= pipeline and cfg.virtual_stages == 1:
+        return balanced_split(num_layers, pipeline), "balanced"
+    return (), ""

@@ -80,6 +80,14 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
         [],
         ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.train.microbatches=2"],
     ),
+    **{
+        f"pipeline.{name}": (
+            value,
+            [],
+            ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.train.microbatches=2"],
+        )
+        for name, value in (("layers_per_stage", "1,3"), ("first_stage_layers", "1"), ("last_stage_layers", "3"))
+    },
     "pipeline.virtual_stages": (
         "2",
         [],
@@ -142,6 +150,9 @@ IN_THE_STEP = [
     "optim.decay_start_step",
     "optim.warmup_init_lr",
     "pipeline.schedule",
+    "pipeline.layers_per_stage",
+    "pipeline.first_stage_layers",
+    "pipeline.last_stage_layers",
     "model.experts_per_token",
     "model.router_score",
     "model.router_norm_topk",

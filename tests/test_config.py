@@ -23,8 +23,8 @@ def _run(capsys, *argv):
         (["--config.model.num_kv_heads=3"], "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
         (["--config.train.global_batch=6"], "train.global_batch=6 is not divisible by train.microbatches*mesh.data"),
         (
-            ["--config.model.num_layers=3", "--config.mesh.pipeline=2", "--config.mesh.data=2"],
-            "model.num_layers=3 is not divisible by mesh.pipeline",
+            ["--config.model.num_layers=1", "--config.mesh.pipeline=2", "--config.mesh.data=2"],
+            "model.num_layers=1 is not divisible by mesh.pipeline",
         ),
         (["--config.mesh.datta=2"], "unknown config key 'mesh.datta'; did you mean 'mesh.data'?"),
         (["--config.train.steps=-5"], "train.steps=-5: must be >= 0"),

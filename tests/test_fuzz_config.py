@@ -110,6 +110,9 @@ BAD: dict[str, list] = {
     "data.val_fraction": [0.0, 1.0, NAN, -0.5],
     "pipeline.schedule": ["zigzag"],
     "pipeline.virtual_stages": [0, -1],
+    "pipeline.layers_per_stage": ["a", "1,,2", "-1,2", "1;2"],
+    "pipeline.first_stage_layers": [-1],
+    "pipeline.last_stage_layers": [-1],
     "checkpoint.every": [-1],
     "checkpoint.keep": [0, -1],
 }

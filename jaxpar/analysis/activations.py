@@ -450,7 +450,7 @@ class TempEstimate:
 
 def _grad_elements(model: ConfigDict, layout: ParallelLayout, stage: int) -> tuple[float, float]:
     """(layer, shared) gradient elements one device writes per backward (stage ``stage``)."""
-    layers = model.num_layers // layout.pipeline
+    layers = layout.stored_layers(model.num_layers)
     if layout.pipeline == 1:
         return layers * layer_params(model, layout), shared_params(model, layout)
     where = "first" if stage == 0 else "last" if stage == layout.pipeline - 1 else "none"
@@ -506,7 +506,7 @@ def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: fl
     n = layout.data * layout.context
     if layout.expert == 1:
         return full_bytes / n
-    layers = model.num_layers // layout.pipeline
+    layers = layout.stored_layers(model.num_layers)
     experts = sum(
         shard_elements(t, layout.tensor, 1, False, layout.expert)
         for t in param_tensors(model)
@@ -518,7 +518,7 @@ def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: fl
 
 def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
     """Elements of the largest stacked layer weight one device holds (the stage's layers of it)."""
-    layers = model.num_layers // layout.pipeline
+    layers = layout.stored_layers(model.num_layers)
     return layers * max(
         shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place == "layer"
     )
@@ -602,7 +602,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             working_term=term,
         )
 
-    chunk = model.num_layers // layout.stages
+    chunk = layout.layers_per_stage(model.num_layers)
     last = stage == p - 1
     if layout.schedule == "gpipe":
         per_tick = gpipe_tick_bytes(model, layout)
@@ -663,7 +663,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
       ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
     """
     pb = DTYPE_BYTES[model.param_dtype]
-    chunk = model.num_layers // layout.stages
+    chunk = layout.layers_per_stage(model.num_layers)
     loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
     if _attention(layout) == "dot_product":
         d = Dims.of(model, layout)
@@ -686,7 +686,7 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
       of forwarding them as loop constants.
     """
     d = Dims.of(model, layout)
-    layers = model.num_layers // layout.pipeline
+    layers = layout.stored_layers(model.num_layers)
     # ZeRO-3: the tick saves the layers' shards (each layer is gathered inside the layer scan, again in the
     # backward), 1/N of them (tiny data=2 x tensor=2 x pipeline=2 GPipe ZeRO-3: f32[5,2,64,192] stacks of
     # h/2 rows); the embedding / head table is saved whole

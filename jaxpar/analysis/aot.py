@@ -59,6 +59,9 @@ def layout_run(
     out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
     out.train.seq_len = layout.seq_len
     out.pipeline.schedule, out.pipeline.virtual_stages = layout.schedule, layout.virtual_stages
+    # the layout's split, whatever the config asked for another pipeline size ("": the even split)
+    out.pipeline.layers_per_stage = ",".join(map(str, layout.stage_layers)) if layout.uneven else ""
+    out.pipeline.first_stage_layers = out.pipeline.last_stage_layers = 0
     # a field that acted in ``cfg`` (or a label the layout carries, e.g. a pinned gpipe on one stage)
     # can be inert on this layout: at its default it trains the same, and validate accepts it
     acts.reset_inert(out, default_config())

@@ -260,7 +260,7 @@ def _paper_memory_estimate(
     """The published picture: ZeRO-paper states + Korthikanti-style stored activations (+ logits on
     the last stage) x in-flight microbatches + the gathered/cast weights of 2 layers (+ one layer's
     activations under full recompute); the heavier stage wins."""
-    per_layer = layer_activation_bytes(model, layout) * model.num_layers // layout.pipeline
+    per_layer = layer_activation_bytes(model, layout) * layout.stored_layers(model.num_layers)
     layer_params = sum(shard_elements(t, layout.tensor, 1, False) for t in param_tensors(model) if t.place == "layer")
     transient = 2 * layer_params * DTYPE_BYTES[model.compute_dtype]
     if layout.recompute == "full":

@@ -36,6 +36,7 @@ from jaxpar.analysis.estimate import (
 )
 from jaxpar.axes import MeshAxis
 from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError
+from jaxpar.layout import balanced_split
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_VIRTUAL_STAGES = 8
@@ -193,15 +194,15 @@ def _expert_sizes(model: ConfigDict, devices: int, fixed: dict[str, Any]) -> lis
 def _meshes(
     model: ConfigDict, cluster: Cluster, num_devices: int, global_batch: int, fixed: dict[str, Any], seq_len: int = 0
 ):
-    """(data, tensor, pipeline, context, expert) with pipeline dividing the layers, context from
+    """(data, tensor, pipeline, context, expert) with pipeline at most the layers, context from
     :func:`_context_sizes`, expert from :func:`_expert_sizes` and data x expert dividing the global batch."""
     for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
         rest = num_devices // t if num_devices % t == 0 else 0
         pipelines = (
-            [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest) if model.num_layers % p == 0]
+            [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest) if p <= model.num_layers]
         )
-        for p in pipelines:
-            if not (rest and rest % p == 0 and model.num_layers % p == 0):
+        for p in pipelines:  # layers that do not divide p: the balanced split (jaxpar.layout.balanced_split)
+            if not (rest and rest % p == 0 and p <= model.num_layers):
                 continue
             for c in _context_sizes(seq_len, fixed):
                 if (rest // p) % c:
@@ -212,6 +213,13 @@ def _meshes(
                     data = rest // (p * c * e)
                     if fixed.get("data", data) == data and global_batch % (data * e) == 0:
                         yield data, t, p, c, e
+
+
+def _uneven(num_layers: int, pipeline: int) -> dict[str, Any]:
+    """The layout fields of the balanced split where the layers do not divide the stages."""
+    if pipeline == 1 or num_layers % pipeline == 0:
+        return {}
+    return {"stage_layers": balanced_split(num_layers, pipeline), "stage_split": "balanced"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -225,7 +233,7 @@ def _schedules(model: ConfigDict, pipeline: int, fixed: dict[str, Any]) -> list[
     keep = fixed.get("schedule")
     if pipeline == 1:  # no pipeline: the schedule is moot; keep a pinned gpipe/1f1b label
         return [] if keep == "interleaved" else [(keep or "1f1b", 1)]
-    per_rank = model.num_layers // pipeline
+    per_rank = model.num_layers // pipeline if model.num_layers % pipeline == 0 else 1  # uneven: no interleaving
     out = [("1f1b", 1), ("gpipe", 1)] + [
         ("interleaved", v) for v in range(2, min(per_rank, MAX_VIRTUAL_STAGES) + 1) if per_rank % v == 0
     ]
@@ -284,6 +292,7 @@ def search_layouts(
     } | fixed  # unpinned choices: ones every mesh can take
     if probe.get("context", 1) > 1 and "attention" not in fixed:
         probe["attention"] = "blockwise"
+    probe |= {} if fixed.get("virtual_stages", 1) > 1 else _uneven(model.num_layers, probe.get("pipeline", 1))
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
     results = SearchResult()
     smallest: LayoutEstimate | None = None
@@ -317,6 +326,7 @@ def search_layouts(
                     context=c,
                     expert=e,
                     **attention,
+                    **_uneven(model.num_layers, p),
                 )
                 try:
                     layout.validate(model)  # only layouts the step runs are candidates
@@ -356,6 +366,7 @@ def describe(layout: ParallelLayout) -> str:
     v = f",virtual={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
     v += f",context={layout.context} ({layout.context_exchange})" if layout.context > 1 else ""
     v += f",expert={layout.expert}" if layout.expert > 1 else ""
+    v += f",layers={'/'.join(map(str, layout.stage_layers))}" if layout.uneven else ""
     sp = " +SP" if layout.sequence_parallel else ""
     return (
         f"data={layout.data},tensor={layout.tensor},pipeline={layout.pipeline}{v} ZeRO-{layout.zero_stage} "

@@ -203,10 +203,10 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
     p, m = layout.pipeline, layout.microbatches
     if p == 1 or layout.schedule == "gpipe":
         per_layer = moved(moe_layer_phases(layout))
-        layers = model.num_layers // p
+        layers = layout.stored_layers(model.num_layers)
         return m * layers * per_layer[0], m * layers * per_layer[1]
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1
-    c = model.num_layers // (p * v)
+    c = layout.stored_layers(model.num_layers) // v
     fwd, bwd = moved(moe_layer_phases(layout, "forward")), moved(moe_layer_phases(layout, "backward"))
     chunks_forward = v - (stage == p - 1)  # the last virtual stage's forward runs in its backward tick
     return (
@@ -229,7 +229,7 @@ def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, i
         return 0.0, 0
     a = DTYPE_BYTES[model.compute_dtype]
     kvb = 2 * layout.microbatch_size * layout.seq_local * model.num_kv_heads // layout.tensor * model.head_dim * a
-    layers, remat = model.num_layers // layout.pipeline, int(layout.recompute != "none")
+    layers, remat = layout.stored_layers(model.num_layers), int(layout.recompute != "none")
     if layout.context_exchange == "all_gather":
         per_layer, calls = (2 + remat) * (c - 1) * kvb, 2 * (2 + remat)
     else:
@@ -292,7 +292,7 @@ def communication(
                 3: (3 * m * all_gather_bytes(grads, group), 3 * m),
             }[z]
             data = (data[0] + part[0], max(data[1], part[1]))
-        tp_calls = (6 if layout.recompute == "full" else 4) * (model.num_layers // p) * m
+        tp_calls = (6 if layout.recompute == "full" else 4) * layout.stored_layers(model.num_layers) * m
         traffic = {
             MeshAxis.DATA: (n * layout.expert, *data),
             MeshAxis.TENSOR: (
@@ -393,7 +393,7 @@ def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, in
     t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
     bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    layers, remat = model.num_layers // p, layout.recompute != "none"
+    layers, remat = layout.stored_layers(model.num_layers), layout.recompute != "none"
     per_layer = 4 + (1.5 if sp else 1.0) * remat
     ends = 2 if p == 1 else 1
     moved = (per_layer * layers + ends) * all_reduce_bytes(bsh, t) + 3 * all_reduce_bytes(bs * 4, t)
@@ -466,7 +466,7 @@ def jaxpar_stage_traffic(
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:
         return {MeshAxis.TENSOR: (0.0, 0), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
-    a, c = all_reduce_bytes(bsh, t), model.num_layers // (p * v)
+    a, c = all_reduce_bytes(bsh, t), layout.stored_layers(model.num_layers) // v
     remat = layout.recompute != "none"
     full = layout.recompute == "full" and layout.schedule != "gpipe"
     per_seq = layout.microbatch_size if full else 1  # the full-remat backward runs sequence by sequence
@@ -570,7 +570,7 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int
     p, m = layout.pipeline, layout.microbatches
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1
     a = DTYPE_BYTES[model.compute_dtype]
-    c = model.num_layers // (p * v)
+    c = layout.stored_layers(model.num_layers) // v
     layer, first, last = (_zero_gathered(model, layout, group, a) for group in _stage_groups(model))
     # one layer per chunk without full remat: the backward's regather merges with the vjp forward's
     explicit = layout.schedule != "gpipe"

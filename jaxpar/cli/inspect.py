@@ -66,6 +66,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             )
         if schedule is not None:
             print(schedule["diagram"])
+            if schedule["stage_split"]:
+                print(schedule["stage_split"])
     return 0
 
 
@@ -103,6 +105,8 @@ def pipeline_schedule(layout: ParallelLayout) -> dict[str, Any] | None:
         "diagram": pipeline.render_schedule(table)
         + f"\nbubble rate {timing.bubble:.4f} with equal F, B, W times (published {published:.4f}); "
         + f"microbatches in flight per stage {list(timing.in_flight)}",
+        "layers_per_stage": list(layout.stage_layers),  # [] = num_layers / pipeline on every stage
+        "stage_split": layout.stage_split_line(),
     }
 
 

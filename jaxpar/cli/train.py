@@ -39,6 +39,8 @@ def run_train(args: argparse.Namespace) -> int:
     failure exits the process with code 3)."""
     cfg, layout = load_config_and_layout(_config_path(args), overrides(args))  # the run's one layout
     note_workdir(cfg.train.workdir)
+    if layout.uneven:  # the split is said once, at the start (a balanced split was not asked for)
+        print(layout.stage_split_line(), file=sys.stderr, flush=True)
     from jaxpar.distributed import initialize_from_env, simulate_local_devices
 
     simulate_local_devices(layout.devices)

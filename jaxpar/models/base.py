@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.ops import dropout, zero3
 from jaxpar.ops.context_parallel import split_tokens
@@ -62,6 +63,10 @@ class ShardContext:
     attention_dropout: float = 0.0  # model.attention_dropout
     # the step's dropout noise (traced: key, rows, layer); None: no dropout (evaluation, rates 0)
     noise: Any = dataclasses.field(default=None, hash=False, compare=False)
+    # uneven pipeline stages (traced, this stage's): rows of the stacked subtree that are layers (the
+    # rows after them are padding, skipped), and the model-form index of the first; None: all rows
+    layers: Any = dataclasses.field(default=None, hash=False, compare=False)
+    first_layer: Any = dataclasses.field(default=None, hash=False, compare=False)
 
     @property
     def zero3(self) -> bool:
@@ -221,16 +226,31 @@ class Model(abc.ABC):
 
 
 def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
-    """``(x, layer[, index]) -> block(x, gathered layer)``: one stored layer, gathered under ZeRO-3;
-    ``index`` (with dropout): the layer's model-form index, which keys its masks."""
+    """``(x, layer[, index[, row]]) -> block(x, gathered layer)``: one stored layer, gathered under
+    ZeRO-3; ``index`` (with dropout): the layer's model-form index, which keys its masks; ``row``:
+    its row in the stacked subtree, which with uneven stages (``ctx.layers``) skips a padding row:
+    ``x`` passes unchanged, nothing is gathered and the row's gradient is zero."""
     dims = zero3.layer_dims(ctx.zero3_dims[stacked]) if ctx.zero3 else None
     groups = ctx.zero3_groups[stacked] if ctx.zero3 and ctx.zero3_groups is not None else None
     dt = DTYPES[ctx.compute_dtype]
 
-    def one(x: jax.Array, layer: dict, index: jax.Array | None = None) -> jax.Array:
+    def run(x: jax.Array, layer: dict, index: jax.Array | None = None) -> jax.Array:
         if dims is not None:
             layer = zero3.gather_tree(layer, dims, ctx.data_axis, dt, groups)
         return block(x, layer, positions, ctx if index is None else dropout.at_layer(ctx, index))
+
+    def one(x: jax.Array, layer: dict, index: jax.Array | None = None, row: jax.Array | None = None) -> jax.Array:
+        if ctx.layers is None or row is None:
+            return run(x, layer, index)
+        axes = varying_axes(jax.eval_shape(run, x, layer, index))  # both branches vary alike
+        return jax.lax.cond(
+            row < ctx.layers,
+            lambda x, layer, index: vary(run(x, layer, index), axes),
+            lambda x, layer, index: vary(x, axes),
+            x,
+            layer,
+            index,
+        )
 
     return one
 
@@ -248,19 +268,23 @@ def scan_layers(
     ZeRO-3 the body is checkpointed (ZeRO-3 alone: every residual but the gathered parameters).
 
     ``carried`` (a tree, optional) passes through the loop unchanged and is returned beside ``x``,
-    so that what uses it afterwards depends on the loop (:meth:`Model.loss_sum`). With dropout the
-    loop also runs over the layers' model-form indices (from ``ctx.noise.layer``), which key their
-    masks (:mod:`jaxpar.ops.dropout`).
+    so that what uses it afterwards depends on the loop (:meth:`Model.loss_sum`). With dropout or
+    uneven pipeline stages the loop also runs over the row numbers: with dropout the layers'
+    model-form indices (from ``ctx.noise.layer``) key their masks (:mod:`jaxpar.ops.dropout`); rows
+    from ``ctx.layers`` on are padding, skipped (:func:`layer_step`).
     """
     step_one = layer_step(block, positions, ctx, stacked)
     rewrite = bool(jax.tree.leaves(carried))
     numbered = dropout.active(ctx)
-    if numbered:
-        n = jax.tree.leaves(blocks)[0].shape[0]
-        blocks = (blocks, ctx.noise.layer + jnp.arange(n, dtype=jnp.int32))
+    by_row = numbered or ctx.layers is not None  # the loop also runs over the row numbers
+    if by_row:
+        blocks = (blocks, jnp.arange(jax.tree.leaves(blocks)[0].shape[0], dtype=jnp.int32))
 
     def one(x, layer):
-        return step_one(x, *layer) if numbered else step_one(x, layer)
+        if not by_row:
+            return step_one(x, layer)
+        layer, row = layer
+        return step_one(x, layer, ctx.noise.layer + row if numbered else None, row)
 
     def body(carry, layer):
         if not rewrite:

@@ -122,7 +122,7 @@ def stage_tensors(
 ) -> list[tuple[ParamTensor, int]]:
     """(tensor, copies) held by the first or last pipeline stage (one stage holds all when p = 1).
 
-    Each rank holds L/p layers (v chunks when interleaved). Megatron places the embedding and
+    Each rank holds L/p layers (v chunks when interleaved; uneven stages: the most any stage holds). Megatron places the embedding and
     learned positions on the first stage, final norm and output layer on the last (with tied
     embeddings and p > 1 the last keeps its own copy of the table). ``shared_on_every_stage``:
     jaxpar's pipeline (stage form, :mod:`jaxpar.parallel.pipeline.forms`) holds on every stage the
@@ -130,7 +130,7 @@ def stage_tensors(
     the shared table).
     """
     tensors, p = param_tensors(model), layout.pipeline
-    out = [(t, model.num_layers // p if t.place == "layer" else 1) for t in tensors]
+    out = [(t, layout.stored_layers(model.num_layers) if t.place == "layer" else 1) for t in tensors]
     if shared_on_every_stage:  # one ends slot of (vocab, h): counted as the embedding, no output
         return [(t, c) for t, c in out if p == 1 or t.name != "output"]
     out = [(t, c) for t, c in out if t.place == "layer" or p == 1 or t.place == stage]

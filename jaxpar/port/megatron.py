@@ -436,6 +436,81 @@ def _sizes(a: _Args, shell: Shell, world_size: int | None) -> dict[str, Any]:
     return s
 
 
+def pipeline_layout_counts(text: str, pp: int) -> list[int]:
+    """Decoder layers of each stage in a ``--pipeline-model-parallel-layout`` string (Megatron-core's
+    ``PipelineParallelLayerLayout``: ``E`` embedding, ``t`` decoder layer, ``L`` loss, ``|`` between
+    stages, ``X*n`` and ``(...)*n`` repeats, commas and spaces ignored). Only the simple forms map:
+    one stage per rank (no virtual stages), ``E`` only on the first stage and ``L`` only on the last;
+    anything else raises a one-line ConfigError naming the flag."""
+    flag = f"megatron: --pipeline-model-parallel-layout {text!r}"
+    body = text.strip().strip("\"'").replace(",", "").replace(" ", "")
+    for _ in range(len(body)):  # innermost first
+        expanded = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), body)
+        expanded = re.sub(r"([EtLm|])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+        if expanded == body:
+            break
+        body = expanded
+    if body.endswith("|"):
+        body = body[:-1]
+    bad = sorted(set(body) - set("EtL|"))
+    if bad:
+        what = "a multi-token-prediction layer ('m')" if bad == ["m"] else f"the symbols {''.join(bad)!r}"
+        raise ConfigError(f"{flag}: {what} has no jaxpar counterpart; only E, t, L, | and repeats map")
+    stages = body.split("|")
+    if len(stages) != pp:
+        raise ConfigError(
+            f"{flag}: {len(stages)} stages for --pipeline-model-parallel-size {pp}; only one stage per rank "
+            "maps (jaxpar's virtual stages cut equal chunks); drop the virtual stages from the layout"
+        )
+    if "E" not in stages[0] or "L" not in stages[-1] or "E" in "".join(stages[1:]) or "L" in "".join(stages[:-1]):
+        raise ConfigError(f"{flag}: jaxpar keeps the embedding (E) on the first stage and the loss (L) on the last")
+    return [stage.count("t") for stage in stages]
+
+
+def _uneven_stages(a: _Args, values: dict[str, Any], pp: int, layers: int) -> None:
+    """``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout`` and
+    Megatron-DeepSpeed's ``--pp-partition-method``."""
+    method = str(a.get("--pp-partition-method", str, "parameters") or "parameters").strip("'\"")
+    units = layers + 2  # type:transformer|embedding: the (tied) embedding at each end counts as a layer
+    if method == "type:transformer|embedding" and pp > 1 and units % pp == 0:
+        ends = units // pp - 1
+        values.update({"pipeline.first_stage_layers": ends, "pipeline.last_stage_layers": ends})
+        a.note(
+            "--pp-partition-method",
+            "mapped",
+            "pipeline.first_stage_layers, pipeline.last_stage_layers",
+            f"the embedding counts as a layer on the first and the last stage: {ends} layers there, "
+            f"{units // pp} on the others",
+        )
+    a.note("--pp-partition-method", "approximated", "", "jaxpar splits the layers as evenly as it can over the stages")
+    first = a.get("--decoder-first-pipeline-num-layers", int)
+    last = a.get("--decoder-last-pipeline-num-layers", int)
+    layout = a.get("--pipeline-model-parallel-layout")
+    embedding = a.get("--account-for-embedding-in-pipeline-split", bool, False)
+    loss = a.get("--account-for-loss-in-pipeline-split", bool, False)
+    if (embedding or loss) and pp > 1 and not (first or last):  # Megatron: that stage builds one layer less
+        units = layers + embedding + loss
+        if units % pp:
+            raise ConfigError(
+                f"megatron: --num-layers {layers} plus the embedding / loss counted as layers ({units}) is not "
+                f"divisible by --pipeline-model-parallel-size {pp}; Megatron refuses it too"
+            )
+        first = units // pp - 1 if embedding else None
+        last = units // pp - 1 if loss else None
+    for name in ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
+        a.note(name, "mapped", "pipeline.first_stage_layers, pipeline.last_stage_layers", "counted as one layer")
+    if first:
+        values["pipeline.first_stage_layers"] = first
+    if last:
+        values["pipeline.last_stage_layers"] = last
+    a.note("--decoder-first-pipeline-num-layers", "mapped", "pipeline.first_stage_layers")
+    a.note("--decoder-last-pipeline-num-layers", "mapped", "pipeline.last_stage_layers")
+    if layout:
+        counts = pipeline_layout_counts(layout, pp)
+        values["pipeline.layers_per_stage"] = ",".join(map(str, counts))
+        a.note("--pipeline-model-parallel-layout", "mapped", "pipeline.layers_per_stage", f"{len(counts)} stages")
+
+
 def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) -> None:
     """DP, microbatches, virtual stages, sequence parallel: Megatron's arithmetic."""
     tp, pp, cp, mbs, gbs, world = s["tp"], s["pp"], s["cp"], s["mbs"], s["gbs"], s["world"]
@@ -513,6 +588,7 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         "mesh.pipeline, pipeline.schedule",
         "Megatron's 1F1B" if pp > 1 and virtual == 1 else "",
     )
+    _uneven_stages(a, values, pp, layers)
     sp = a.get("--sequence-parallel", bool, False) and tp > 1
     values["parallel.sequence_parallel"] = sp
     a.note(
@@ -1415,7 +1491,6 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
         ("--recompute-method", "jaxpar rematerializes every layer"),
         ("--recompute-num-layers", "jaxpar rematerializes every layer"),
         ("--deepspeed-activation-checkpointing", "DeepSpeed's implementation; same policy in jaxpar"),
-        ("--pp-partition-method", "jaxpar splits layers evenly over pipeline stages"),
         ("--calculate-per-token-loss", "jaxpar averages the loss over the tokens of the global batch"),
         ("--load", "train.resume=auto resumes from train.workdir"),
     ):

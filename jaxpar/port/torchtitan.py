@@ -176,6 +176,8 @@ KNOWN = {
         "pipeline_parallel_schedule_csv",
         "pipeline_parallel_microbatch_size",
         "pipeline_parallel_layers_per_stage",
+        "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers",
         "module_fqns_per_model_part",
         "context_parallel_degree",
         "context_parallel_rotate_method",
@@ -214,6 +216,65 @@ KNOWN = {
     "validation": ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps"),
 }
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
+# torchtitan's split of the layers over pipeline stages (pipeline_parallel.generate_llm_fqn_per_model_part)
+STAGE_KEYS = (
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
+    "pipeline_parallel_layers_per_stage",
+)
+
+
+def torchtitan_stage_layers(num_layers: int, stages: int, first_less: int = 1, last_less: int = 1) -> list[int]:
+    """Layers of each pipeline stage as torchtitan cuts them: the embedding counts as ``first_less``
+    layers and the output as ``last_less`` (both 1 by default), the total split as evenly as it
+    goes with the extra ones on the first stages, then the embedding's and output's shares taken
+    off the first and last stage."""
+    per, extra = divmod(num_layers + first_less + last_less, stages)
+    counts = [per + (1 if i < extra else 0) for i in range(stages)]
+    counts[0] -= first_less
+    counts[-1] -= last_less
+    return counts
+
+
+def _stage_split(p: dict, values: dict, report: Report, pp: int, schedule: str) -> None:
+    """torchtitan's stage split (:func:`torchtitan_stage_layers`) onto ``pipeline.layers_per_stage``."""
+    first = _count(p, "parallelism.pipeline_parallel_first_stage_less_layers", 1, zero=True)
+    last = _count(p, "parallelism.pipeline_parallel_last_stage_less_layers", 1, zero=True)
+    layers, single = values.get("model.num_layers"), schedule in ("1F1B", "GPipe")
+    per_stage = p.get("pipeline_parallel_layers_per_stage")
+    stages = pp * (1 if single else 2)
+    if per_stage is not None:
+        per_stage = _count(p, "parallelism.pipeline_parallel_layers_per_stage", 1)
+        stages = -(-(layers + first + last) // per_stage)
+        if single and stages != pp:
+            raise ConfigError(
+                f"torchtitan: parallelism.pipeline_parallel_layers_per_stage = {per_stage} gives {stages} stages "
+                f"for {layers} layers (+{first} for the embedding, +{last} for the output), but {schedule} runs "
+                f"one stage per rank of pipeline_parallel_degree {pp}; fix one of them"
+            )
+    given = {key: p[key] for key in STAGE_KEYS if key in p}
+    if pp <= 1 or not layers:
+        for key, value in given.items():
+            report.approximated(f"parallelism.{key}", value, "", "no-op: pipeline_parallel_degree = 1")
+        return
+    counts = torchtitan_stage_layers(layers, stages, first, last)
+    shown = ",".join(map(str, counts))
+    if single:
+        if len(set(counts)) > 1:
+            values["pipeline.layers_per_stage"] = shown
+        target, status, note = "pipeline.layers_per_stage", "mapped", f"torchtitan's split: {shown} layers per stage"
+    else:
+        virtual = stages // pp
+        values["pipeline.virtual_stages"] = virtual
+        even = len(set(counts)) == 1
+        target, status = "pipeline.virtual_stages", "mapped" if even else "approximated"
+        note = f"{virtual} virtual stages per rank" + (
+            "" if even else f"; torchtitan cuts {shown}, jaxpar equal chunks of num_layers / {stages}"
+        )
+    if not given and len(set(counts)) > 1:  # the defaults (1 and 1) made the split uneven
+        given = {f"{STAGE_KEYS[0]} (default)": first, f"{STAGE_KEYS[1]} (default)": last}
+    for key, value in given.items():
+        report.add(f"parallelism.{key}", value, status, target, note)
 
 
 def ffn_dim(dim: int, multiplier: float | None, multiple_of: int) -> int:
@@ -427,8 +488,13 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
         values["pipeline.schedule"] = SCHEDULES[schedule]
         if schedule == "Interleaved1F1B":
             values["pipeline.virtual_stages"] = 2
+    split = pp <= 1 or schedule in SCHEDULES  # else the schedule is approximated and so is its split
+    if split:
+        _stage_split(p, values, report, pp, schedule)
     for key, value in p.items():
         src = f"parallelism.{key}"
+        if key in STAGE_KEYS and split:
+            continue
         if key in target:
             bad = (key == "context_parallel_rotate_method" and (cp == 1 or str(value) not in ROTATE_METHODS)) or (
                 key == "data_parallel_replicate_degree" and note[key]

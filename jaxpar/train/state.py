@@ -64,15 +64,27 @@ class Setup:
         self.abstract_params, self.logical = self.model_abstract_params, model_logical
         if stages > 1:  # the stage form (see the module docstring)
             self.abstract_params = jax.eval_shape(
-                functools.partial(pipeline_lib.to_stage_form, stages=stages, virtual_stages=virtual),
+                functools.partial(
+                    pipeline_lib.to_stage_form,
+                    stages=stages,
+                    virtual_stages=virtual,
+                    stage_layers=layout.stage_layers,
+                ),
                 self.model_abstract_params,
             )
             self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
         self.placements = param_placements(self.abstract_params, self.logical, self.strategy, layout)
+        # the model form of uneven stages cannot split its [num_layers] over `pipeline`: it is kept
+        # whole on every stage (it only exists while a checkpoint or HF weights are converted)
+        model_strategy = (
+            Strategy({k: axis for k, axis in self.strategy.rules.items() if k != "layers"})
+            if layout.uneven
+            else self.strategy
+        )
         model_placements = (
             self.placements
             if stages == 1
-            else param_placements(self.model_abstract_params, model_logical, self.strategy, layout)
+            else param_placements(self.model_abstract_params, model_logical, model_strategy, layout)
         )
         self.model_placements = model_placements
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
@@ -131,12 +143,13 @@ class Setup:
         program is compiled once per ``Setup``: a sweep's later passes start from it again."""
         if self._init is None:
             model, stages, virtual = self.model, self.layout.pipeline, self.layout.virtual_stages
+            split = self.layout.stage_layers
 
             @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
             def _init(key):
                 params = model.init(key)
                 if stages > 1:
-                    params = pipeline_lib.to_stage_form(params, stages, virtual)
+                    params = pipeline_lib.to_stage_form(params, stages, virtual, split)
                 return params, self.init_opt_state(params)
 
             self._init = _init
@@ -176,8 +189,8 @@ class Setup:
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
-        p, v = self.layout.pipeline, self.layout.virtual_stages
-        if p <= 1 or (v <= 1 and not pipeline_lib.has_ends(self.cfg.model, p)):  # the forms are one
+        p, v, split = self.layout.pipeline, self.layout.virtual_stages, self.layout.stage_layers
+        if p <= 1 or (v <= 1 and not self.layout.uneven and not pipeline_lib.has_ends(self.cfg.model, p)):  # one form
             return params, opt
         move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
         out = (
@@ -187,14 +200,19 @@ class Setup:
         )
         dst = self.model_abstract_params if to_model else self.abstract_params
         target = jax.eval_shape(functools.partial(self.init_opt_state, model_form=to_model), dst)
-        order = pipeline_lib.layer_order(self.cfg.model.num_layers, p, v)
-        permute = opt_state_lib.layer_permuter(np.argsort(order) if to_model else order)
+        n = self.cfg.model.num_layers
+        index = pipeline_lib.model_index(n, p, v, split) if to_model else pipeline_lib.stored_order(n, p, v, split)
+        permute = (  # a padding row (index n, uneven stages) is filled with zeros
+            opt_state_lib.layer_permuter(index)
+            if to_model or not self.layout.uneven
+            else lambda x, dim: jnp.take(x, index, axis=dim, mode="fill", fill_value=0)
+        )
         ends = pipeline_lib.has_ends(self.cfg.model, p)
 
         @functools.partial(jax.jit, out_shardings=out)
         def reorder(params, opt):
             # every state leaf moves like its parameter (jaxpar.optim.state.convert_state)
-            return move(params, p, v), opt_state_lib.convert_state(opt, target, dst, to_model, permute, ends)
+            return move(params, p, v, split), opt_state_lib.convert_state(opt, target, dst, to_model, permute, ends)
 
         with persistent_cache_skipped(self.skips_cache):
             return reorder(params, opt)

@@ -85,7 +85,9 @@ from jaxpar.parallel.pipeline.forms import (
     ENDS,
     has_ends,
     layer_order,
+    model_index,
     stage_form_logical_axes,
+    stored_order,
     to_model_form,
     to_stage_form,
 )
@@ -141,9 +143,11 @@ __all__ = [
     "has_ends",
     "keeps_activations",
     "layer_order",
+    "model_index",
     "render_schedule",
     "splits_backward",
     "stage_form_logical_axes",
+    "stored_order",
     "to_model_form",
     "to_stage_form",
 ]

@@ -21,7 +21,7 @@ from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.parallel.pipeline import stash as stash_lib
 from jaxpar.parallel.pipeline import weight_split
-from jaxpar.parallel.pipeline.forms import ENDS
+from jaxpar.parallel.pipeline.forms import ENDS, bind_stage_layers
 from jaxpar.parallel.pipeline.schedule import (
     Program,
     ScheduleTable,
@@ -151,6 +151,8 @@ def _layer0(
     (0, nothing traced, without dropout)."""
     if not dropout.active(ctx):
         return 0
+    if ctx.first_layer is not None:  # uneven stages (virtual_stages = 1)
+        return ctx.first_layer
     size = jax.tree.leaves(blocks)[0].shape[0] // virtual_stages
     return (chunk * stages + jax.lax.axis_index(AXIS)) * size
 
@@ -211,7 +213,7 @@ def _stage_backward_by_layer(
     one = model.layer_step(positions, ctx)  # one stored layer, gathered under ZeRO-3
 
     def block(x, layer, j):  # with dropout, layer j of the chunk keys its masks by its model-form index
-        return one(x, layer, layer0 + j) if dropout.active(ctx) else one(x, layer)
+        return one(x, layer, layer0 + j if dropout.active(ctx) else None, j)
 
     def embed(sh, x):
         return _cond(
@@ -796,13 +798,14 @@ class Pipeline:
     table: ScheduleTable
     program: Program
     model: Model
+    stage_layers: tuple[int, ...] = ()  # uneven stages: layers of each (ParallelLayout.stage_layers)
 
     @classmethod
     def from_layout(cls, layout: ParallelLayout, model: Model) -> Pipeline:
         """The pipeline of a validated layout (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)
         running ``model``'s stages."""
         table = build_schedule(layout.schedule, layout.pipeline, layout.microbatches, layout.virtual_stages)
-        return cls(table, compile_program(table, stash=keeps_activations(layout)), model)
+        return cls(table, compile_program(table, stash=keeps_activations(layout)), model, layout.stage_layers)
 
     def loss_and_grads(
         self, params: dict, batch: jax.Array, ctx: ShardContext, scale: float, scatter: tuple[dict, Any] | None = None
@@ -812,6 +815,7 @@ class Pipeline:
         stages). ``params`` must vary over ``pipeline`` (and over ``data`` unless ZeRO-sharded).
         ``scatter`` (ZeRO-2, 1F1B / interleaved): (zero dim per parameter, -1 for none; reduce
         dtype): those gradients come back reduce-scattered over ``data``."""
+        ctx = bind_stage_layers(ctx, self.stage_layers)
         if self.table.schedule == "gpipe":
             return _gpipe_loss_and_grads(self.model, params, batch, ctx, self.table, self.program, scale)
         if splits_backward(self.table.schedule):
@@ -821,6 +825,7 @@ class Pipeline:
     def eval_loss_sum(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
         """Inside the shard_map: the summed loss of ``tokens`` (b, s+1) on this data shard, the
         rows split into :func:`eval_microbatches` that flow through the stages at once."""
+        ctx = bind_stage_layers(ctx, self.stage_layers)
         p, v = self.table.stages, self.table.virtual_stages
         m = eval_microbatches(tokens.shape[0], p, self.table.microbatches)
         prog = compile_program(build_eval_schedule(p, m, v))
