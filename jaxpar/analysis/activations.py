@@ -47,7 +47,7 @@ from typing import Any
 from jaxpar.analysis import moe_activations
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
-from jaxpar.parallel.pipeline.schedule import keeps_activations, steady_slot_counts
+from jaxpar.parallel.pipeline.schedule import keeps_activations, splits_backward, steady_slot_counts
 
 F32 = 4
 
@@ -622,6 +622,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # one more set, the forward tick's residuals leaving its switch before they are written
         # into their slot (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B m=4)
         slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h + (prog[2] + 1) * residual * keep
+        if splits_backward(layout.schedule):  # B's frontier for W: each weight matmul's output gradient
+            # (q, k, v, W_o's and the MLP's), per layer and microbatch in flight between B and W
+            slots += (prog[3] + 1) * chunk * frontier_bytes(model, layout)
         working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
         if by_layer:  # the microbatch's gradient at the chunk's output and its input gradient, assembled
             # sequence by sequence: two (b, s, h) arrays of the whole microbatch beside the one sequence's
@@ -644,6 +647,18 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     accumulator = 0.0 if layout.schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
     phase = max((backward, "backward"), (update, "update"), (accumulator, "accumulator"))[1]
     return TempEstimate(stage, residual, working, grads, gather, slots, update, phase, accumulator, term)
+
+
+def frontier_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What a split backward's B tick keeps of one layer for its W tick
+    (:mod:`jaxpar.parallel.pipeline.weight_split`): the gradient at each weight matmul's output and
+    the values W reads that B computed, in the compute dtype. Read from the frontier of the llama
+    block's pullback: q, k and v, the attention output's and the MLP's gate and up gradients, and
+    four (b, s, h) arrays (W_o's and W_down's output gradients, the two norms' normalised-input
+    gradients): e*b*s*(q + 2k + 4h + 2f) (GeLU: one f)."""
+    d = Dims.of(model, layout)
+    f = (2 if model.mlp_activation == "swiglu" else 1) * d.f
+    return d.e * d.b * d.s * (d.q + 2 * d.k + 4 * d.h + f)
 
 
 def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: float) -> float:
