@@ -31,6 +31,14 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 
 Path = tuple
+# A state leaf of one parameter: (shape, kept) where kept[i] is the parameter dim that leaf dim i
+# runs along (None: a dim of its own, e.g. a size-1 placeholder). Same shape: kept = all dims.
+StateLeaf = tuple[tuple[int, ...], tuple[int | None, ...]]
+
+
+def same_shape(shape: tuple[int, ...]) -> StateLeaf:
+    """A state leaf shaped like its parameter (a moment)."""
+    return tuple(shape), tuple(range(len(shape)))
 
 
 def kept_dims(shape: tuple[int, ...], param_shape: tuple[int, ...]) -> tuple[int | None, ...] | None:

@@ -30,13 +30,13 @@ from jaxpar.config import ConfigDict, default_config, validate
 from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
 from jaxpar.ops.attention import resolve_attention
-from jaxpar.optim import registry
+from jaxpar.optim import adamw, registry
 from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_placements, specs
 from jaxpar.train.batches import BatchFeed, batch_spec, eval_spec
-from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
+from jaxpar.train.step import StepBuilder
 
 
 class Setup:
@@ -158,7 +158,7 @@ class Setup:
         """The optimizer's initial state for ``params`` (stage form, or the model form): jaxpar AdamW's
         {count, mu, nu}, else {count, tx: the optax state}."""
         if self.optimizer.in_shard_map:
-            return init_opt_state(params)
+            return adamw.init_state(params)
         tx = self.model_tx if model_form else self.tx
         return {"count": jnp.zeros((), jnp.int32), "tx": tx.init(params)}
 
@@ -166,7 +166,7 @@ class Setup:
         """Optimizer-state specs derived from the state's shapes (:mod:`jaxpar.optim.state`)."""
         placements = self.model_placements if model_form else self.placements
         if self.optimizer.in_shard_map:
-            return opt_state_specs(placements)
+            return adamw.state_specs(placements)
         params = self.model_abstract_params if model_form else self.abstract_params
         abstract = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), params)
         return opt_state_lib.state_specs(abstract, params, specs(placements, "optimizer"))
