@@ -124,10 +124,12 @@ def convert_state(
     to_model: bool,
     permute: Callable[[jax.Array, int], jax.Array],
     has_ends: bool,
+    stacked: str,
 ) -> Any:
     """Move optimizer ``state`` from one form to the layout of ``target`` (an abstract state for
     ``dst_params``, the parameters in the other form). ``permute(x, dim)`` reorders the stacked
-    layer dim ``dim`` of ``x`` the way the parameters' layers move."""
+    layer dim ``dim`` of ``x`` the way the parameters' layers move; ``stacked``: the model's subtree of
+    stacked layers (:attr:`jaxpar.models.base.Model.stacked`)."""
     dst_index = _param_paths(dst_params)
     src = {tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
     out = []
@@ -150,7 +152,7 @@ def convert_state(
         else:
             x = src[path]
             kept = kept_dims(tuple(leaf.shape), tuple(pleaf.shape))
-            if name == "blocks" and kept and kept[0] == 0:
+            if name == stacked and kept and kept[0] == 0:
                 x = permute(x, 0)
             out.append(x)
     return jax.tree.unflatten(jax.tree.structure(target), out)

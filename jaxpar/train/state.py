@@ -191,7 +191,9 @@ class Setup:
         @functools.partial(jax.jit, out_shardings=out)
         def reorder(params, opt):
             # every state leaf moves like its parameter (jaxpar.optim.state.convert_state)
-            return move(params, p, v), opt_state_lib.convert_state(opt, target, dst, to_model, permute, ends)
+            return move(params, p, v), opt_state_lib.convert_state(
+                opt, target, dst, to_model, permute, ends, self.model.stacked
+            )
 
         with persistent_cache_skipped(self.skips_cache):
             return reorder(params, opt)
