@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxpar.analysis.collective_order import unordered_in
 from jaxpar.analysis.estimate import safe_ratio
-from jaxpar.analysis.expected import expected_collectives, expected_memory, ring_bytes
+from jaxpar.analysis.expected import expected_collectives, expected_memory
 from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_groups, shape_bytes: re-exported
     OP_NAME,
     Instr,
@@ -45,6 +45,7 @@ from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_group
     shape_bytes,
     source_target_pairs,
 )
+from jaxpar.analysis.traffic import ring_bytes
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError, validate
 from jaxpar.layout import ParallelLayout

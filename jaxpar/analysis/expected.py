@@ -11,19 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
+from jaxpar.analysis.estimate import DTYPE_BYTES
+from jaxpar.analysis.traffic import context_collectives, ring_bytes
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.layout import ParallelLayout
 from jaxpar.optim import registry
 from jaxpar.sharding import spec_axes
-
-
-def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
-    """Bytes one device sends for a collective over ``n`` devices on an array of ``size_bytes``."""
-    if kind == "collective-permute":
-        return size_bytes
-    return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
 
 
 def param_leaves(
@@ -82,7 +76,7 @@ def expected_collectives(
       reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
     * ``context`` (c > 1): ``data`` reads (``data``, ``context``), n = data*c, and s reads s/c; the
-      attention exchange is :func:`context_collectives`.
+      attention exchange is :func:`jaxpar.analysis.traffic.context_collectives`.
     * ``expert`` (MoE): each parameter reduces over its placement's group (the experts' weights over
       data (x context), the rest over data x expert (x context)), b counts sequences per data x
       expert shard, and every MoE layer adds, per microbatch, the dispatch and combine over
@@ -190,28 +184,6 @@ def _moe_collectives(cfg: ConfigDict, add: Any, group: tuple[str, ...]) -> None:
     if cfg.model.moe_aux_loss_coeff or cfg.model.moe_z_loss_coeff:
         tokens = (*group, *((MeshAxis.TENSOR,) if cfg.parallel.sequence_parallel else ()))
         add("all-reduce", tokens, cfg.model.num_experts * 4, per_step, "MoE expert counts (aux loss)")
-
-
-def context_collectives(
-    kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
-) -> list[tuple[str, int, float, str]]:
-    """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
-    ``context`` (:mod:`jaxpar.ops.context_parallel`). ``kv_block_bytes``: one rank's keys and values,
-    2*b*s/c*kv_heads/t*head_dim*``act``, sent as two arrays of half the block; ``remat`` = 1 if the
-    layer's forward is recomputed, which repeats the all-gather but not the ring (a ``custom_vjp``
-    whose residuals remat keeps). Ring: c-1 key/value hops forward and backward, c hops of the fp32
-    gradients; all-gather: (c-1)*kvb gathered, the same reduce-scattered."""
-    half = kv_block_bytes / 2
-    if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
-        return [
-            ("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
-            ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)"),
-        ]
-    return [
-        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
-        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
-        ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)"),
-    ]
 
 
 def expected_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = None) -> dict[str, float]:

@@ -28,7 +28,6 @@ from jaxpar.models.inventory import (
     shard_elements,
     stage_tensors,
 )
-from jaxpar.ops.context_parallel import ring_bytes_per_layer
 
 CONVENTIONS = ("jaxpar", "paper")
 
@@ -44,6 +43,13 @@ def all_reduce_bytes(size_bytes: float, n: int) -> float:
 def all_gather_bytes(size_bytes: float, n: int) -> float:
     """Ring all-gather or reduce-scatter traffic per device: (n-1)/n * S (S = the full array)."""
     return (n - 1) / n * size_bytes
+
+
+def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
+    """Ring bytes one device sends for a collective over ``n`` devices on an array of ``size_bytes``."""
+    if kind == "collective-permute":
+        return size_bytes
+    return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +169,7 @@ def moe_tensor_arrays(model: ConfigDict, layout: ParallelLayout) -> dict[str, li
 
 def _moe_phase_bytes(arrays: dict[str, list[tuple[str, float, str]]], phases: dict[str, int], n: int) -> float:
     """Ring bytes over ``n`` devices of the ``phases`` (times each) of one layer's ``arrays``."""
-    return sum(
-        times * (all_reduce_bytes(size, n) if kind == "all-reduce" else all_gather_bytes(size, n))
-        for phase, times in phases.items()
-        for kind, size, _ in arrays[phase]
-    )
+    return sum(times * ring_bytes(kind, n, size) for phase, times in phases.items() for kind, size, _ in arrays[phase])
 
 
 def moe_layer_phases(layout: ParallelLayout, tick: str = "") -> dict[str, int]:
@@ -216,12 +218,9 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
 
 def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
     """Context-axis (bytes, collectives) per step and device of the attention exchange
-    (:mod:`jaxpar.ops.context_parallel`) over the busiest stage's L/p layers and m microbatches, with
-    kvb = one rank's keys and values, 2*b*s/c*kv_heads/t*head_dim*a. ``ring``: per layer
-    :func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer`, keys and values as separate permutes,
-    not repeated under recompute (the ring's custom VJP keeps its residuals: tests/test_context_hlo.py).
-    ``all_gather``: per layer (c-1)*kvb gathered, again in a recomputed forward, and as much
-    reduce-scattered.
+    (:mod:`jaxpar.ops.context_parallel`) over the busiest stage's L/p layers and m microbatches: the
+    ring bytes of :func:`context_collectives` per layer, with kvb = one rank's keys and values,
+    2*b*s/c*kv_heads/t*head_dim*a.
     """
     c = layout.context
     if c == 1:
@@ -229,11 +228,32 @@ def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, i
     a = DTYPE_BYTES[model.compute_dtype]
     kvb = 2 * layout.microbatch_size * layout.seq_local * model.num_kv_heads // layout.tensor * model.head_dim * a
     layers, remat = model.num_layers // layout.pipeline, int(layout.recompute != "none")
-    if layout.context_exchange == "all_gather":
-        per_layer, calls = (2 + remat) * (c - 1) * kvb, 2 * (2 + remat)
-    else:
-        per_layer, calls = sum(ring_bytes_per_layer(kvb, c, 4 / a)), 2 * (c - 1) * 2 + 2 * c
+    records = context_collectives(kvb, c, layout.context_exchange, a, remat)
+    per_layer = sum(count * ring_bytes(kind, c, size) for kind, count, size, _ in records)
+    calls = sum(count for _, count, _, _ in records)
     return layout.microbatches * layers * per_layer, layout.microbatches * layers * calls
+
+
+def context_collectives(
+    kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
+) -> list[tuple[str, int, float, str]]:
+    """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
+    ``context`` (:mod:`jaxpar.ops.context_parallel`). ``kv_block_bytes``: one rank's keys and values,
+    2*b*s/c*kv_heads/t*head_dim*``act``, sent as two arrays of half the block; ``remat`` = 1 if the
+    layer's forward is recomputed, which repeats the all-gather but not the ring (a ``custom_vjp``
+    whose residuals remat keeps). Ring: c-1 key/value hops forward and backward, c hops of the fp32
+    gradients; all-gather: (c-1)*kvb gathered, the same reduce-scattered."""
+    half = kv_block_bytes / 2
+    if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
+        return [
+            ("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
+            ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)"),
+        ]
+    return [
+        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
+        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
+        ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)"),
+    ]
 
 
 def communication(
