@@ -12,7 +12,13 @@ import math
 from typing import Any
 
 from jaxpar.analysis.estimate import DTYPE_BYTES
-from jaxpar.analysis.traffic import context_collectives, ring_bytes
+from jaxpar.analysis.traffic import (
+    context_collectives,
+    moe_dispatch_arrays,
+    moe_layer_phases,
+    ring_bytes,
+    tensor_collectives,
+)
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.layout import ParallelLayout
@@ -96,7 +102,7 @@ def expected_collectives(
     group = group_axes(data_group(c, experts))  # the batch's reductions: data (x expert) (x context)
     m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
     b = cfg.train.global_batch // (m * cfg.mesh.data * experts)
-    h, layers = cfg.model.embed_dim, cfg.model.num_layers
+    layers = cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     out: dict[tuple[str, tuple[str, ...]], dict] = {}
@@ -139,48 +145,27 @@ def expected_collectives(
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")
 
-    x = b * s * h * act  # one microbatch's activations on a data shard
+    for kind, size, count, what in tensor_collectives(cfg.model, layout):
+        add(kind, (MeshAxis.TENSOR,), size, count, what)
     remat = int(cfg.model.remat != "none")
-    tp = (MeshAxis.TENSOR,)
-    if cfg.parallel.sequence_parallel:
-        add("all-gather", tp, x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)")
-        add("reduce-scatter", tp, x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)")
-        add("reduce-scatter", tp, x, m, "embedding output (fwd)")
-        add("all-gather", tp, x, m, "embedding output gradient (bwd)")
-        add("all-gather", tp, x, m, "final norm output (fwd)")
-        add("reduce-scatter", tp, x, m, "output layer input gradient (bwd)")
-        add("all-reduce", tp, h * 4, m * (2 * layers + 1), "norm scale gradients (SP)")
-    else:
-        add("all-reduce", tp, x, m * layers * 2, "row-parallel outputs (fwd)")
-        add("all-reduce", tp, x, m * layers * 2, "column-parallel input gradients (bwd)")
-        add("all-reduce", tp, x, m * layers * remat, "attention output recomputed (remat)")
-        add("all-reduce", tp, x, m, "vocab-parallel embedding (fwd)")
-        add("all-reduce", tp, x, m, "output layer input gradient (bwd)")
-    add("all-reduce", tp, b * s * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)")
     if c > 1:
         kv = 2 * b * s * cfg.model.num_kv_heads // cfg.mesh.tensor * cfg.model.head_dim * act  # kvb
         for kind, count, size, what in context_collectives(kv, c, cfg.parallel.context_exchange, act, remat):
             add(kind, (MeshAxis.CONTEXT,), size, m * layers * count, what)
     if cfg.model.num_experts:
-        _moe_collectives(cfg, add, group)
+        _moe_collectives(cfg, layout, add, group)
     return out
 
 
-def _moe_collectives(cfg: ConfigDict, add: Any, group: tuple[str, ...]) -> None:
-    """The MoE layers' rows of :func:`expected_collectives` (its docstring), through its ``add``."""
-    from jaxpar.analysis.traffic import moe_dispatch_arrays, moe_layer_phases, moe_tensor_arrays
-    from jaxpar.layout import ParallelLayout
-
-    layout = ParallelLayout.from_config(cfg)
+def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: tuple[str, ...]) -> None:
+    """The MoE layers' expert-axis rows of :func:`expected_collectives` (its docstring), through its
+    ``add``; their tensor-axis rows are in :func:`jaxpar.analysis.traffic.tensor_collectives`."""
     per_step = cfg.train.microbatches * cfg.model.num_layers
     phases = moe_layer_phases(layout)
-    for axis, arrays in (
-        (MeshAxis.EXPERT, moe_dispatch_arrays(cfg.model, layout)),
-        (MeshAxis.TENSOR, moe_tensor_arrays(cfg.model, layout)),
-    ):
-        for phase, times in phases.items():
-            for kind, size, what in arrays[phase]:
-                add(kind, (axis,), size, per_step * times, what)
+    arrays = moe_dispatch_arrays(cfg.model, layout)
+    for phase, times in phases.items():
+        for kind, size, what in arrays[phase]:
+            add(kind, (MeshAxis.EXPERT,), size, per_step * times, what)
     if cfg.model.moe_aux_loss_coeff or cfg.model.moe_z_loss_coeff:
         tokens = (*group, *((MeshAxis.TENSOR,) if cfg.parallel.sequence_parallel else ()))
         add("all-reduce", tokens, cfg.model.num_experts * 4, per_step, "MoE expert counts (aux loss)")

@@ -397,34 +397,54 @@ def _jaxpar_data_group(
     return all_gather_bytes(gathered, n) + m * all_gather_bytes(full * a, n), 3 * m + 1
 
 
-def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
-    """Tensor-axis (bytes, collectives) of the jaxpar model (jaxpar/models/llama.py), per microbatch:
+def tensor_collectives(model: ConfigDict, layout: ParallelLayout) -> list[tuple[str, float, int, str]]:
+    """(kind, bytes of one array, count per step, what) over ``tensor`` of the jaxpar model
+    (jaxpar/models/llama.py) without a pipeline, with A = one microbatch's b*s*h activations:
 
-    per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their input
+    per layer 2 all-reduces of A forward (attention and MLP outputs) and 2 backward (their input
     gradients); recompute repeats the attention output's (the MLP one is dead there): 5, not
     Megatron's 6. With SP each is a gather/scatter pair of the same bytes, and recompute repeats both
-    gathers and the attention scatter: 5.5 per layer. Also per microbatch the vocabulary-parallel
-    embedding (forward, first stage) and the output layer input's gradient (backward, last stage),
-    each b*s*h; the cross-entropy's 3 fp32 all-reduces of b*s (last stage); with SP the norm scales'
-    gradients (2L/p + 1 fp32 vectors of h); an MoE layer's :func:`moe_tensor_arrays`. The busiest
-    stage (the last) counts.
+    gathers and the attention scatter. Also per microbatch the vocabulary-parallel embedding
+    (forward) and the output layer input's gradient (backward), each A; the cross-entropy's 3 fp32
+    all-reduces of b*s; with SP the norm scales' gradients (2L + 1 fp32 vectors of h); an MoE
+    layer's :func:`moe_tensor_arrays` as often as :func:`moe_layer_phases` says.
     """
-    t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
+    m, layers = layout.microbatches, model.num_layers
     bs = layout.microbatch_size * layout.seq_local
-    bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    layers, remat = model.num_layers // p, layout.recompute != "none"
-    per_layer = 4 + (1.5 if sp else 1.0) * remat
-    ends = 2 if p == 1 else 1
-    moved = (per_layer * layers + ends) * all_reduce_bytes(bsh, t) + 3 * all_reduce_bytes(bs * 4, t)
-    calls = (4 + remat) * layers + ends + 3
-    if sp:
-        moved += (2 * layers + 1) * all_reduce_bytes(model.embed_dim * 4, t)
-        calls += (4 + 2 * remat) * layers + ends + 2 * layers + 1  # each pair counts 2, plus the norm scales
-    if model.get("num_experts", 0):  # the MoE layer's own (moe_tensor_arrays)
-        arrays, phases = moe_tensor_arrays(model, layout), moe_layer_phases(layout)
-        moved += layers * _moe_phase_bytes(arrays, phases, t)
-        calls += layers * sum(times * len(arrays[ph]) for ph, times in phases.items())
-    return m * moved, m * calls
+    x = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    remat = int(layout.recompute != "none")
+    if layout.sequence_parallel:
+        out = [
+            ("all-gather", x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)"),
+            ("reduce-scatter", x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)"),
+            ("reduce-scatter", x, m, "embedding output (fwd)"),
+            ("all-gather", x, m, "embedding output gradient (bwd)"),
+            ("all-gather", x, m, "final norm output (fwd)"),
+            ("reduce-scatter", x, m, "output layer input gradient (bwd)"),
+            ("all-reduce", model.embed_dim * 4, m * (2 * layers + 1), "norm scale gradients (SP)"),
+        ]
+    else:
+        out = [
+            ("all-reduce", x, m * layers * 2, "row-parallel outputs (fwd)"),
+            ("all-reduce", x, m * layers * 2, "column-parallel input gradients (bwd)"),
+            ("all-reduce", x, m * layers * remat, "attention output recomputed (remat)"),
+            ("all-reduce", x, m, "vocab-parallel embedding (fwd)"),
+            ("all-reduce", x, m, "output layer input gradient (bwd)"),
+        ]
+    out.append(("all-reduce", bs * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)"))
+    if model.get("num_experts", 0):
+        arrays = moe_tensor_arrays(model, layout)
+        for phase, times in moe_layer_phases(layout).items():
+            out += [(kind, size, m * layers * times, what) for kind, size, what in arrays[phase]]
+    return out
+
+
+def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
+    """Tensor-axis (bytes, collectives) of the jaxpar step without a pipeline: the ring bytes and
+    the count of :func:`tensor_collectives`."""
+    records = tensor_collectives(model, layout)
+    moved = sum(count * ring_bytes(kind, layout.tensor, size) for kind, size, count, _ in records)
+    return moved, sum(count for _, _, count, _ in records)
 
 
 def jaxpar_stage_traffic(
