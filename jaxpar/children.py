@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 STOP_S = 5.0  # after SIGTERM to a child's group, how long before SIGKILL
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the group to be gone
@@ -202,28 +202,37 @@ def started(start: Callable[[], T], what: str, pid: Callable[[T], int]) -> Itera
         untrack(pid(child))
 
 
-def leave_now(code: int = EXIT_TERMINATED) -> None:
-    """End the process at once (the unwinding after a SIGTERM took too long, or a second SIGTERM):
-    SIGKILL to the children, one line, ``code``."""
+def leave(word: str = "terminated", code: int = EXIT_TERMINATED) -> NoReturn:
+    """End the process at once (a second signal, or the unwinding after the first took too long):
+    SIGKILL to the children, one line (``<word>: stopped ...``), exit ``code``. The SIGTERM and the
+    Ctrl-C (:mod:`jaxpar.interrupt`) paths both leave through here."""
     kill_all()
     try:
-        os.write(2, f"terminated{summary()}\n".encode())
+        os.write(2, f"{word}{summary()}\n".encode())
     finally:
         os._exit(code)
+
+
+def stop_then_raise(grace_s: float, leave_late: Callable[[], object], error: type[BaseException]) -> NoReturn:
+    """A first stop signal: stop the tracked children, call ``leave_late`` ``grace_s`` from now should
+    the unwinding not have ended the process (an exception some code swallowed), raise ``error`` (a
+    class: an instance held here would tie the traceback's frames in a cycle, and the unwinding's
+    finalisers, multiprocessing's semaphores among them, would not run before exit)."""
+    stop_all()
+    timer = threading.Timer(grace_s, leave_late)
+    timer.daemon = True
+    timer.start()
+    raise error
 
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
     global _terminated
     if _terminated:
-        leave_now()
+        leave()
     if deferred(signum):
         return
     _terminated = True
-    stop_all()
-    timer = threading.Timer(GRACE_S, leave_now)
-    timer.daemon = True
-    timer.start()
-    raise Terminated()
+    stop_then_raise(GRACE_S, leave, Terminated)
 
 
 @contextlib.contextmanager

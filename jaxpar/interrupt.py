@@ -32,12 +32,8 @@ def interrupted() -> bool:
     return _hit
 
 
-def _leave(*_args: Any) -> None:
-    children.kill_all()  # no orphans, even now
-    try:
-        os.write(2, f"interrupted{children.summary()}\n".encode())
-    finally:
-        os._exit(EXIT_INTERRUPTED)
+def _leave(*_args: Any) -> None:  # also a signal handler (signum, frame) and a timer's callback
+    children.leave("interrupted", EXIT_INTERRUPTED)  # SIGKILL to the children: no orphans, even now
 
 
 def _on_sigint(signum: int, _frame: Any) -> None:
@@ -49,11 +45,8 @@ def _on_sigint(signum: int, _frame: Any) -> None:
     _hit = True
     if _deferred:  # while modules load: a KeyboardInterrupt inside a C extension's start can crash it
         return
-    children.stop_all()  # the processes this one started, first (jaxpar.children)
-    timer = threading.Timer(GRACE_S, _leave)  # a KeyboardInterrupt some code swallowed still ends the process
-    timer.daemon = True
-    timer.start()
-    raise KeyboardInterrupt
+    # the children first; a KeyboardInterrupt some code swallowed still ends the process GRACE_S later
+    children.stop_then_raise(GRACE_S, _leave, KeyboardInterrupt)
 
 
 def install(defer: bool = False) -> None:

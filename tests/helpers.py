@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
+from jaxpar.models import llama
+from jaxpar.models.base import Model
 from jaxpar.train.state import Setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,3 +77,42 @@ def max_rel_error(tree_a, tree_b) -> float:
         for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b), strict=True)
     ]
     return max(errs)
+
+
+def tiny_hf_llama(path: pathlib.Path, **config):
+    """A tiny transformers ``LlamaForCausalLM`` (fp32, eager attention, seed 0; ``config`` adds or
+    overrides LlamaConfig fields), its norm scales moved away from 1 so a mixed-up norm mapping
+    shows, saved at ``path``; returns the torch model. Needs torch and transformers."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    hf_config = transformers.LlamaConfig(**(fields | config), attn_implementation="eager", dtype=torch.float32)
+    model = transformers.LlamaForCausalLM(hf_config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _llama_logits(ctx, params, inputs):
+    x = llama.embed_tokens(params, inputs, ctx)
+    x = llama.run_blocks(x, params[Model.stacked], jnp.arange(inputs.shape[1]), ctx)
+    return llama.logits_local(params, x, ctx)
+
+
+def llama_logits(params, model_cfg, inputs) -> np.ndarray:
+    """Single-device logits of a llama-family model (one compile per model config: the context is hashable)."""
+    return np.asarray(_llama_logits(llama.context_for(model_cfg), params, jnp.asarray(inputs)))

@@ -99,7 +99,7 @@ def test_hlo_census_counts_ops_per_step_through_loops_and_fusions():
 
 
 def test_sweep_load_note_reads_the_load_before_the_sweep():
-    from jaxpar.analysis.sweep_report import _load_note
+    from jaxpar.analysis.sweep.report import _load_note
 
     assert _load_note({"host_cores": 2, "load_average_before": (0.3, 0.2, 0.1)}).startswith(
         "the host was otherwise idle"

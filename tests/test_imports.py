@@ -1,6 +1,6 @@
 """The package's dependencies point one way (read from the source with ``ast``, no import runs).
 
-    cli -> drill / port / analysis -> train -> metrics -> parallel / optim -> models -> ops
+    cli -> drill / port / analysis -> train -> metrics -> optim -> parallel -> models -> ops
         -> sharding -> mesh -> config -> layout -> axes
 
 Every package sits in a tier of its own. A module may import modules of its own tier or a lower one,
@@ -29,8 +29,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("sharding", "data", "data_megatron", "checkpoint", "environment"),
     ("ops",),  # shard-local kernels: attention, context exchange, dense, dropout, ZeRO-3 gathers, remat
     ("models",),  # built from ops, never from parallel
-    ("optim",),
     ("parallel",),  # ZeRO's gradient side and the pipeline: they run a Model
+    ("optim",),  # jaxpar's AdamW updates ZeRO's local shards (parallel.zero)
     ("metrics",),
     ("train",),
     ("analysis",),

@@ -186,6 +186,15 @@ def test_fields_act_or_are_refused():
     _cfg("sgd", "--config.optim.momentum=0.5", "--config.optim.nesterov=true")  # read by sgd
 
 
+def test_the_registry_and_the_field_list_name_the_same_optimizers():
+    """An optimizer's fields are listed once (jaxpar.optim.fields); the registry holds no copy."""
+    from jaxpar.optim.fields import OPTIMIZER_FIELDS
+
+    built_in = set(OPTIMIZER_FIELDS) - ({"muon"} if not registry.has_muon() else set())
+    assert set(registry.OPTIMIZERS) == built_in
+    assert {f.name for f in dataclasses.fields(registry.Optimizer)} == {"name", "build", "state", "in_shard_map"}
+
+
 def test_plan_and_compare_price_the_configured_optimizer():
     """plan / compare / plan --aot take the config's optimizer: its state, not Adam's, is in the estimate."""
     from jaxpar.analysis.clusters import get_cluster

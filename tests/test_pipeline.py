@@ -25,9 +25,9 @@ from jaxpar.config import ConfigError
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
 from jaxpar.models import llama
+from jaxpar.optim import adamw
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
-from jaxpar.train.step import init_opt_state
 from tests.helpers import TINY, make_setup, max_rel_error, tiny_config
 
 try:
@@ -100,7 +100,7 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
     host = _host_params(model)
     staged = pipeline.to_stage_form(host, p, v) if p > 1 else host
     params = jax.device_put(staged, setup.param_shardings)
-    opt = jax.device_put(init_opt_state(staged), setup.opt_shardings)
+    opt = jax.device_put(adamw.init_state(staged), setup.opt_shardings)
     rng = np.random.default_rng(0)
     history, grads = [], None
     for step in range(steps):

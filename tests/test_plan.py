@@ -284,7 +284,7 @@ def test_expert_sizes_divide_the_experts_and_the_data_devices():
 def test_compare_and_the_sweep_grid_take_moe_layouts(capsys):
     """``compare`` evaluates expert layouts of the tiny Mixtral (the batch split over data x expert), and
     the sweep's grid lists them (``e<size>`` in the name), pure data parallelism first."""
-    from jaxpar.analysis.sweep_grid import cpu_cluster, layout_name, sweep_layouts
+    from jaxpar.analysis.sweep.grid import cpu_cluster, layout_name, sweep_layouts
 
     cfg = str(CONFIGS / "tiny_mixtral.py")
     code, out, _ = _compare(capsys, "--config", cfg, "--layout=data=2,expert=4", "--layout=data=8", "--json")

@@ -5,11 +5,9 @@ HF ``config.json`` in and out, and (with torch and transformers) a tiny ``LlamaF
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +15,7 @@ from jaxpar import acts
 from jaxpar.config import ConfigError, default_config, validate
 from jaxpar.models import llama
 from jaxpar.port import weights
-from tests.helpers import tiny_config
+from tests.helpers import llama_logits, tiny_config, tiny_hf_llama
 
 # a small original context so a short sequence crosses every band: head dim 16, theta 1e4 gives
 # wavelengths 6.3 (< 32/4: kept), 19.9 (between 8 and 32: interpolated) and 62.8 up (> 32: divided by 8)
@@ -167,42 +165,13 @@ def test_weights_beside_a_llama3_config_json_need_the_scaling(tmp_path):
 # --------------------------------------------------------------------------- parity with transformers
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(ctx, params, inputs):
-    x = llama.embed_tokens(params, inputs, ctx)
-    x = llama.run_blocks(x, params["blocks"], jnp.arange(inputs.shape[1]), ctx)
-    return llama.logits_local(params, x, ctx)
-
-
-def _jax_logits(params, model_cfg, inputs) -> np.ndarray:
-    return np.asarray(_logits(llama.context_for(model_cfg), params, jnp.asarray(inputs)))
-
-
 def test_logits_match_transformers_llama3(tmp_path):
     """fp32 logits of a tiny LlamaForCausalLM with llama3 rope_scaling, imported and exported: within 1e-5
     of transformers'; the same weights with plain RoPE are far off, so the test needs the scaling."""
     torch = pytest.importorskip("torch", reason="torch not installed: pip install -e '.[torch]'")
     transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install -e '.[torch]'")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "llama3", "rope_theta": THETA, **LLAMA3},
-        attn_implementation="eager",
-        dtype=torch.float32,
-    )
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():  # norm scales away from 1 so a mixed-up norm mapping shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(tmp_path / "hf")
+    rope = {"rope_type": "llama3", "rope_theta": THETA, **LLAMA3}
+    model = tiny_hf_llama(tmp_path / "hf", head_dim=HEAD_DIM, max_position_embeddings=128, rope_parameters=rope).eval()
     model_cfg = weights.model_config_from_hf(tmp_path / "hf")
     assert (model_cfg.rope_scaling, model_cfg.rope_original_max_seq_len) == ("llama3", ORIGINAL)
     model_cfg.compute_dtype = "float32"
@@ -210,10 +179,10 @@ def test_logits_match_transformers_llama3(tmp_path):
     inputs = np.random.default_rng(0).integers(0, 256, size=(2, SEQ)).astype(np.int32)
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(inputs).long()).logits.numpy()
-    scaled = float(np.max(np.abs(_jax_logits(params, model_cfg, inputs) - ref)))
+    scaled = float(np.max(np.abs(llama_logits(params, model_cfg, inputs) - ref)))
     plain_cfg = weights.model_config_from_hf(tmp_path / "hf")
     plain_cfg.compute_dtype, plain_cfg.rope_scaling = "float32", "none"
-    plain = float(np.max(np.abs(_jax_logits(params, plain_cfg, inputs) - ref)))
+    plain = float(np.max(np.abs(llama_logits(params, plain_cfg, inputs) - ref)))
     print(
         f"\nmax |logits diff| vs transformers: scaled {scaled:.3e}, unscaled {plain:.3e} (max |logits| "
         f"{np.max(np.abs(ref)):.3e}, seq {SEQ})"

@@ -9,8 +9,9 @@ import pytest
 
 from jaxpar import host_memory
 from jaxpar.analysis import sweep as sweep_lib
-from jaxpar.analysis import sweep_report
 from jaxpar.analysis.estimate import ParallelLayout
+from jaxpar.analysis.sweep import passes
+from jaxpar.analysis.sweep import report as sweep_report
 from jaxpar.cli import main
 from jaxpar.cli.sweep import SWEEP_DEFAULTS
 from jaxpar.config import ConfigError
@@ -225,24 +226,24 @@ def test_later_passes_pool_their_times_and_must_repeat_the_losses():
     record = sweep_lib.SweepRecord("d8", {}, step_times_s=[9.0, 0.10, 0.12], losses=[5.0, 4.0])
     sweep_lib.summarize_times(record, cfg, lay, warmup=1, peak_flops=1e10)
     assert (record.step_time_median_s, record.pass_medians_s) == (pytest.approx(0.11), [pytest.approx(0.11)])
-    sweep_lib._add_pass(record, {"times": [8.0, 0.20, 0.30], "losses": [5.0, 4.0]}, 2, cfg, lay, 1, 1e10)
+    passes._add_pass(record, {"times": [8.0, 0.20, 0.30], "losses": [5.0, 4.0]}, 2, cfg, lay, 1, 1e10)
     assert record.status == "ok" and record.pass_medians_s == pytest.approx([0.11, 0.25])
     assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx(
         (0.10, 0.16, 0.30)
     )
     assert record.tokens_per_s == pytest.approx(lay.tokens_per_step / 0.16)
-    sweep_lib._add_pass(record, {"times": [7.0, 0.40], "losses": [5.0]}, 3, cfg, lay, 1, 1e10)  # a shorter pass
+    passes._add_pass(record, {"times": [7.0, 0.40], "losses": [5.0]}, 3, cfg, lay, 1, 1e10)  # a shorter pass
     assert record.status == "ok" and record.pass_medians_s == pytest.approx([0.11, 0.25, 0.40])
     assert (record.step_time_min_s, record.step_time_median_s, record.step_time_max_s) == pytest.approx(
         (0.10, 0.20, 0.40)
     )
-    sweep_lib._add_pass(record, {"times": [1.0, 1.0, 1.0], "losses": [5.0, 4.0 + 4e-7]}, 3, cfg, lay, 1, 1e10)
+    passes._add_pass(record, {"times": [1.0, 1.0, 1.0], "losses": [5.0, 4.0 + 4e-7]}, 3, cfg, lay, 1, 1e10)
     assert (
         record.status == "mismatch"
         and record.error == "pass 3 losses differ from pass 1 by 1.00e-07 relative (not deterministic)"
     )
     crashed = sweep_lib.SweepRecord("d8", {}, step_times_s=[0.1], losses=[5.0])
-    sweep_lib._add_pass(crashed, {"error": "ValueError: boom"}, 2, cfg, lay, 0, 1e10)
+    passes._add_pass(crashed, {"error": "ValueError: boom"}, 2, cfg, lay, 0, 1e10)
     assert (crashed.status, crashed.error) == ("crashed", "pass 2: ValueError: boom")
 
 

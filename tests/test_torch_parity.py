@@ -6,7 +6,6 @@ Needs torch and transformers (``pip install -e '.[torch]'``); skipped without th
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -24,31 +23,15 @@ from jaxpar.mesh import single_device_mesh  # noqa: E402
 from jaxpar.models import llama  # noqa: E402
 from jaxpar.port import weights  # noqa: E402
 from jaxpar.train.state import Setup  # noqa: E402
+from tests.helpers import llama_logits, tiny_hf_llama  # noqa: E402
 
 BATCH, SEQ, STEPS = 4, 32, 10
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-        dtype=torch.float32,
-    )
-    model = transformers.LlamaForCausalLM(config).float()
-    with torch.no_grad():  # norm scales away from 1 so a mixed-up norm mapping shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("hf") / "tiny_llama"
-    model.save_pretrained(path)
+    tiny_hf_llama(path)
     return path
 
 
@@ -63,18 +46,6 @@ def jaxpar_cfg(path):
     return model_cfg
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(ctx, params, inputs):
-    x = llama.embed_tokens(params, inputs, ctx)
-    x = llama.run_blocks(x, params["blocks"], jnp.arange(inputs.shape[1]), ctx)
-    return llama.logits_local(params, x, ctx)
-
-
-def jax_logits(params, model_cfg, inputs) -> np.ndarray:
-    """Single-device fp32 logits (one compile for the whole module: the context is hashable)."""
-    return np.asarray(_logits(llama.context_for(model_cfg), params, jnp.asarray(inputs)))
-
-
 def tokens(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(BATCH, SEQ + 1)).astype(np.int32)
 
@@ -85,7 +56,7 @@ def test_logits_loss_and_grads_match(hf_dir):
     batch = tokens(0)
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(batch[:, :-1]).long()).logits.numpy()
-    logits_diff = float(np.max(np.abs(jax_logits(params, model_cfg, batch[:, :-1]) - ref)))
+    logits_diff = float(np.max(np.abs(llama_logits(params, model_cfg, batch[:, :-1]) - ref)))
     print(f"\nmax |logits diff| = {logits_diff:.3e} (max |logits| {np.max(np.abs(ref)):.3e})")
     assert logits_diff < 1e-4
 
@@ -175,7 +146,7 @@ def test_training_matches_torch_adamw(hf_dir, tmp_path):
     batch = tokens(7)
     with torch.no_grad():
         ref = reloaded(input_ids=torch.from_numpy(batch[:, :-1]).long()).logits.numpy()
-    assert np.max(np.abs(jax_logits(final, cfg.model, batch[:, :-1]) - ref)) < 1e-4
+    assert np.max(np.abs(llama_logits(final, cfg.model, batch[:, :-1]) - ref)) < 1e-4
     reloaded.save_pretrained(tmp_path / "resaved")
     back = weights.load_hf(tmp_path / "resaved", weights.model_config_from_hf(tmp_path / "resaved"))
     for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(back)):

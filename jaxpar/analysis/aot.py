@@ -21,6 +21,7 @@ from jaxpar.analysis.estimate import (
     communication,
     estimated_argument_bytes,
     peak_terms,
+    safe_ratio,
 )
 from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.config import ConfigDict, ConfigError, default_config, validate
@@ -99,10 +100,6 @@ def ensure_aot_devices(num_devices: int) -> None:
     )
 
 
-def _ratio(measured: float | None, estimated: float | None) -> float | None:
-    return measured / estimated if measured is not None and estimated else None
-
-
 @dataclasses.dataclass(frozen=True)
 class AotComparison:
     """One layout's estimates beside its compiled train step (bytes per device; collectives per step)."""
@@ -125,11 +122,11 @@ class AotComparison:
 
     @property
     def argument_ratio(self) -> float | None:
-        return _ratio(self.argument_bytes, self.estimated_argument_bytes)
+        return safe_ratio(self.argument_bytes, self.estimated_argument_bytes)
 
     @property
     def temp_ratio(self) -> float | None:
-        return _ratio(self.temp_bytes, self.estimated_temp_bytes)
+        return safe_ratio(self.temp_bytes, self.estimated_temp_bytes)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -142,7 +139,7 @@ class AotComparison:
 
     @property
     def peak_ratio(self) -> float | None:
-        return _ratio(self.peak_bytes, self.estimated_peak_bytes)
+        return safe_ratio(self.peak_bytes, self.estimated_peak_bytes)
 
     def fits_compiled(self, budget_bytes: float) -> bool | None:
         """Whether the compiled peak is within ``budget_bytes`` (None: not compiled)."""
@@ -150,7 +147,7 @@ class AotComparison:
 
     def ratio(self, axis: str) -> float | None:
         """compiled / estimated bytes on ``axis`` (None when nothing is estimated)."""
-        return _ratio(self.compiled_bytes.get(axis), self.estimated_bytes.get(axis))
+        return safe_ratio(self.compiled_bytes.get(axis), self.estimated_bytes.get(axis))
 
     def to_dict(self) -> dict[str, Any]:
         if self.skipped:

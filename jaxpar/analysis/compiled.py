@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from jaxpar.analysis.collective_order import unordered_in
-from jaxpar.analysis.expected import expected_collectives, expected_memory, ring_bytes
+from jaxpar.analysis.estimate import safe_ratio
+from jaxpar.analysis.expected import expected_collectives, expected_memory
 from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_groups, shape_bytes: re-exported
     OP_NAME,
     Instr,
@@ -44,6 +45,7 @@ from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_group
     shape_bytes,
     source_target_pairs,
 )
+from jaxpar.analysis.traffic import ring_bytes
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict, ConfigError, validate
 from jaxpar.layout import ParallelLayout
@@ -85,7 +87,7 @@ class CollectiveRow:
 
     @property
     def ratio(self) -> float | None:
-        return _ratio(self.bytes_per_device, self.expected_bytes)
+        return safe_ratio(self.bytes_per_device, self.expected_bytes)
 
 
 @dataclasses.dataclass
@@ -109,11 +111,11 @@ class MemoryReport:
 
     @property
     def argument_ratio(self) -> float | None:
-        return _ratio(self.argument_bytes, self.expected_argument_bytes)
+        return safe_ratio(self.argument_bytes, self.expected_argument_bytes)
 
     @property
     def temp_ratio(self) -> float | None:
-        return _ratio(self.temp_bytes, self.expected_temp_bytes)
+        return safe_ratio(self.temp_bytes, self.expected_temp_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -127,11 +129,11 @@ class MemoryReport:
 
     @property
     def peak_ratio(self) -> float | None:
-        return _ratio(self.peak_bytes, self.expected_peak_bytes)
+        return safe_ratio(self.peak_bytes, self.expected_peak_bytes)
 
     @property
     def output_ratio(self) -> float | None:
-        return _ratio(self.output_bytes, self.expected_output_bytes)
+        return safe_ratio(self.output_bytes, self.expected_output_bytes)
 
     @property
     def args_plus_temps_mib(self) -> float:
@@ -219,11 +221,6 @@ def counted_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     if len(group) < 2:
         return axes
     return (*(a for a in axes if a not in GROUP_AXES), MeshAxis.DATA)
-
-
-def _ratio(measured: float, expected: float | None) -> float | None:
-    """measured / expected; None without a (non-zero) expectation."""
-    return measured / expected if expected else None
 
 
 # --------------------------------------------------------------------------- attribution

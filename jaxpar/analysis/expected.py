@@ -11,19 +11,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxpar.analysis.estimate import DTYPE_BYTES, all_gather_bytes, all_reduce_bytes
+from jaxpar.analysis.estimate import DTYPE_BYTES
+from jaxpar.analysis.traffic import (
+    context_collectives,
+    moe_dispatch_arrays,
+    moe_layer_phases,
+    ring_bytes,
+    tensor_collectives,
+)
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.layout import ParallelLayout
 from jaxpar.optim import registry
 from jaxpar.sharding import spec_axes
-
-
-def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
-    """Bytes one device sends for a collective over ``n`` devices on an array of ``size_bytes``."""
-    if kind == "collective-permute":
-        return size_bytes
-    return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
 
 
 def param_leaves(
@@ -82,7 +82,7 @@ def expected_collectives(
       reduce-scatter; each norm scale's gradient (2L+1 of h fp32) is all-reduced.
     * gradient-norm scalars (fp32) over the axes each gradient is split over.
     * ``context`` (c > 1): ``data`` reads (``data``, ``context``), n = data*c, and s reads s/c; the
-      attention exchange is :func:`context_collectives`.
+      attention exchange is :func:`jaxpar.analysis.traffic.context_collectives`.
     * ``expert`` (MoE): each parameter reduces over its placement's group (the experts' weights over
       data (x context), the rest over data x expert (x context)), b counts sequences per data x
       expert shard, and every MoE layer adds, per microbatch, the dispatch and combine over
@@ -102,7 +102,7 @@ def expected_collectives(
     group = group_axes(data_group(c, experts))  # the batch's reductions: data (x expert) (x context)
     m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
     b = cfg.train.global_batch // (m * cfg.mesh.data * experts)
-    h, layers = cfg.model.embed_dim, cfg.model.num_layers
+    layers = cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     out: dict[tuple[str, tuple[str, ...]], dict] = {}
@@ -145,73 +145,30 @@ def expected_collectives(
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")
 
-    x = b * s * h * act  # one microbatch's activations on a data shard
+    for kind, size, count, what in tensor_collectives(cfg.model, layout):
+        add(kind, (MeshAxis.TENSOR,), size, count, what)
     remat = int(cfg.model.remat != "none")
-    tp = (MeshAxis.TENSOR,)
-    if cfg.parallel.sequence_parallel:
-        add("all-gather", tp, x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)")
-        add("reduce-scatter", tp, x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)")
-        add("reduce-scatter", tp, x, m, "embedding output (fwd)")
-        add("all-gather", tp, x, m, "embedding output gradient (bwd)")
-        add("all-gather", tp, x, m, "final norm output (fwd)")
-        add("reduce-scatter", tp, x, m, "output layer input gradient (bwd)")
-        add("all-reduce", tp, h * 4, m * (2 * layers + 1), "norm scale gradients (SP)")
-    else:
-        add("all-reduce", tp, x, m * layers * 2, "row-parallel outputs (fwd)")
-        add("all-reduce", tp, x, m * layers * 2, "column-parallel input gradients (bwd)")
-        add("all-reduce", tp, x, m * layers * remat, "attention output recomputed (remat)")
-        add("all-reduce", tp, x, m, "vocab-parallel embedding (fwd)")
-        add("all-reduce", tp, x, m, "output layer input gradient (bwd)")
-    add("all-reduce", tp, b * s * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)")
     if c > 1:
         kv = 2 * b * s * cfg.model.num_kv_heads // cfg.mesh.tensor * cfg.model.head_dim * act  # kvb
         for kind, count, size, what in context_collectives(kv, c, cfg.parallel.context_exchange, act, remat):
             add(kind, (MeshAxis.CONTEXT,), size, m * layers * count, what)
     if cfg.model.num_experts:
-        _moe_collectives(cfg, add, group)
+        _moe_collectives(cfg, layout, add, group)
     return out
 
 
-def _moe_collectives(cfg: ConfigDict, add: Any, group: tuple[str, ...]) -> None:
-    """The MoE layers' rows of :func:`expected_collectives` (its docstring), through its ``add``."""
-    from jaxpar.analysis.traffic import moe_dispatch_arrays, moe_layer_phases, moe_tensor_arrays
-    from jaxpar.layout import ParallelLayout
-
-    layout = ParallelLayout.from_config(cfg)
+def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: tuple[str, ...]) -> None:
+    """The MoE layers' expert-axis rows of :func:`expected_collectives` (its docstring), through its
+    ``add``; their tensor-axis rows are in :func:`jaxpar.analysis.traffic.tensor_collectives`."""
     per_step = cfg.train.microbatches * cfg.model.num_layers
     phases = moe_layer_phases(layout)
-    for axis, arrays in (
-        (MeshAxis.EXPERT, moe_dispatch_arrays(cfg.model, layout)),
-        (MeshAxis.TENSOR, moe_tensor_arrays(cfg.model, layout)),
-    ):
-        for phase, times in phases.items():
-            for kind, size, what in arrays[phase]:
-                add(kind, (axis,), size, per_step * times, what)
+    arrays = moe_dispatch_arrays(cfg.model, layout)
+    for phase, times in phases.items():
+        for kind, size, what in arrays[phase]:
+            add(kind, (MeshAxis.EXPERT,), size, per_step * times, what)
     if cfg.model.moe_aux_loss_coeff or cfg.model.moe_z_loss_coeff:
         tokens = (*group, *((MeshAxis.TENSOR,) if cfg.parallel.sequence_parallel else ()))
         add("all-reduce", tokens, cfg.model.num_experts * 4, per_step, "MoE expert counts (aux loss)")
-
-
-def context_collectives(
-    kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
-) -> list[tuple[str, int, float, str]]:
-    """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
-    ``context`` (:mod:`jaxpar.ops.context_parallel`). ``kv_block_bytes``: one rank's keys and values,
-    2*b*s/c*kv_heads/t*head_dim*``act``, sent as two arrays of half the block; ``remat`` = 1 if the
-    layer's forward is recomputed, which repeats the all-gather but not the ring (a ``custom_vjp``
-    whose residuals remat keeps). Ring: c-1 key/value hops forward and backward, c hops of the fp32
-    gradients; all-gather: (c-1)*kvb gathered, the same reduce-scattered."""
-    half = kv_block_bytes / 2
-    if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
-        return [
-            ("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
-            ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)"),
-        ]
-    return [
-        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
-        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
-        ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)"),
-    ]
 
 
 def expected_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = None) -> dict[str, float]:

@@ -28,7 +28,6 @@ from jaxpar.models.inventory import (
     shard_elements,
     stage_tensors,
 )
-from jaxpar.ops.context_parallel import ring_bytes_per_layer
 from jaxpar.parallel.pipeline.schedule import keeps_activations, splits_backward
 
 CONVENTIONS = ("jaxpar", "paper")
@@ -45,6 +44,13 @@ def all_reduce_bytes(size_bytes: float, n: int) -> float:
 def all_gather_bytes(size_bytes: float, n: int) -> float:
     """Ring all-gather or reduce-scatter traffic per device: (n-1)/n * S (S = the full array)."""
     return (n - 1) / n * size_bytes
+
+
+def ring_bytes(kind: str, n: int, size_bytes: float) -> float:
+    """Ring bytes one device sends for a collective over ``n`` devices on an array of ``size_bytes``."""
+    if kind == "collective-permute":
+        return size_bytes
+    return all_reduce_bytes(size_bytes, n) if kind == "all-reduce" else all_gather_bytes(size_bytes, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +170,7 @@ def moe_tensor_arrays(model: ConfigDict, layout: ParallelLayout) -> dict[str, li
 
 def _moe_phase_bytes(arrays: dict[str, list[tuple[str, float, str]]], phases: dict[str, int], n: int) -> float:
     """Ring bytes over ``n`` devices of the ``phases`` (times each) of one layer's ``arrays``."""
-    return sum(
-        times * (all_reduce_bytes(size, n) if kind == "all-reduce" else all_gather_bytes(size, n))
-        for phase, times in phases.items()
-        for kind, size, _ in arrays[phase]
-    )
+    return sum(times * ring_bytes(kind, n, size) for phase, times in phases.items() for kind, size, _ in arrays[phase])
 
 
 def moe_layer_phases(layout: ParallelLayout, tick: str = "") -> dict[str, int]:
@@ -217,12 +219,9 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
 
 def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
     """Context-axis (bytes, collectives) per step and device of the attention exchange
-    (:mod:`jaxpar.ops.context_parallel`) over the busiest stage's L/p layers and m microbatches, with
-    kvb = one rank's keys and values, 2*b*s/c*kv_heads/t*head_dim*a. ``ring``: per layer
-    :func:`~jaxpar.ops.context_parallel.ring_bytes_per_layer`, keys and values as separate permutes,
-    not repeated under recompute (the ring's custom VJP keeps its residuals: tests/test_context_hlo.py).
-    ``all_gather``: per layer (c-1)*kvb gathered, again in a recomputed forward, and as much
-    reduce-scattered.
+    (:mod:`jaxpar.ops.context_parallel`) over the busiest stage's L/p layers and m microbatches: the
+    ring bytes of :func:`context_collectives` per layer, with kvb = one rank's keys and values,
+    2*b*s/c*kv_heads/t*head_dim*a.
     """
     c = layout.context
     if c == 1:
@@ -230,11 +229,32 @@ def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, i
     a = DTYPE_BYTES[model.compute_dtype]
     kvb = 2 * layout.microbatch_size * layout.seq_local * model.num_kv_heads // layout.tensor * model.head_dim * a
     layers, remat = layout.stored_layers(model.num_layers), int(layout.recompute != "none")
-    if layout.context_exchange == "all_gather":
-        per_layer, calls = (2 + remat) * (c - 1) * kvb, 2 * (2 + remat)
-    else:
-        per_layer, calls = sum(ring_bytes_per_layer(kvb, c, 4 / a)), 2 * (c - 1) * 2 + 2 * c
+    records = context_collectives(kvb, c, layout.context_exchange, a, remat)
+    per_layer = sum(count * ring_bytes(kind, c, size) for kind, count, size, _ in records)
+    calls = sum(count for _, count, _, _ in records)
     return layout.microbatches * layers * per_layer, layout.microbatches * layers * calls
+
+
+def context_collectives(
+    kv_block_bytes: float, c: int, exchange: str, act: int, remat: int
+) -> list[tuple[str, int, float, str]]:
+    """(kind, count per layer and microbatch, bytes of one array, what) of the attention exchange over
+    ``context`` (:mod:`jaxpar.ops.context_parallel`). ``kv_block_bytes``: one rank's keys and values,
+    2*b*s/c*kv_heads/t*head_dim*``act``, sent as two arrays of half the block; ``remat`` = 1 if the
+    layer's forward is recomputed, which repeats the all-gather but not the ring (a ``custom_vjp``
+    whose residuals remat keeps). Ring: c-1 key/value hops forward and backward, c hops of the fp32
+    gradients; all-gather: (c-1)*kvb gathered, the same reduce-scattered."""
+    half = kv_block_bytes / 2
+    if exchange == "all_gather":  # gathered size: c * half per array; ring bytes (c-1) * half each
+        return [
+            ("all-gather", 2 * (1 + remat), c * half, "context K/V all-gather (fwd, remat)"),
+            ("reduce-scatter", 2, c * half, "context K/V gradient reduce-scatter (bwd)"),
+        ]
+    return [
+        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (fwd)"),
+        ("collective-permute", 2 * (c - 1), half, "ring K/V hops (bwd)"),
+        ("collective-permute", 2 * c, half * 4 / act, "ring fp32 dK/dV hops (bwd)"),
+    ]
 
 
 def communication(
@@ -378,34 +398,54 @@ def _jaxpar_data_group(
     return all_gather_bytes(gathered, n) + m * all_gather_bytes(full * a, n), 3 * m + 1
 
 
-def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
-    """Tensor-axis (bytes, collectives) of the jaxpar model (jaxpar/models/llama.py), per microbatch:
+def tensor_collectives(model: ConfigDict, layout: ParallelLayout) -> list[tuple[str, float, int, str]]:
+    """(kind, bytes of one array, count per step, what) over ``tensor`` of the jaxpar model
+    (jaxpar/models/llama.py) without a pipeline, with A = one microbatch's b*s*h activations:
 
-    per layer 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their input
+    per layer 2 all-reduces of A forward (attention and MLP outputs) and 2 backward (their input
     gradients); recompute repeats the attention output's (the MLP one is dead there): 5, not
     Megatron's 6. With SP each is a gather/scatter pair of the same bytes, and recompute repeats both
-    gathers and the attention scatter: 5.5 per layer. Also per microbatch the vocabulary-parallel
-    embedding (forward, first stage) and the output layer input's gradient (backward, last stage),
-    each b*s*h; the cross-entropy's 3 fp32 all-reduces of b*s (last stage); with SP the norm scales'
-    gradients (2L/p + 1 fp32 vectors of h); an MoE layer's :func:`moe_tensor_arrays`. The busiest
-    stage (the last) counts.
+    gathers and the attention scatter. Also per microbatch the vocabulary-parallel embedding
+    (forward) and the output layer input's gradient (backward), each A; the cross-entropy's 3 fp32
+    all-reduces of b*s; with SP the norm scales' gradients (2L + 1 fp32 vectors of h); an MoE
+    layer's :func:`moe_tensor_arrays` as often as :func:`moe_layer_phases` says.
     """
-    t, p, m, sp = layout.tensor, layout.pipeline, layout.microbatches, layout.sequence_parallel
+    m, layers = layout.microbatches, model.num_layers
     bs = layout.microbatch_size * layout.seq_local
-    bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    layers, remat = layout.stored_layers(model.num_layers), layout.recompute != "none"
-    per_layer = 4 + (1.5 if sp else 1.0) * remat
-    ends = 2 if p == 1 else 1
-    moved = (per_layer * layers + ends) * all_reduce_bytes(bsh, t) + 3 * all_reduce_bytes(bs * 4, t)
-    calls = (4 + remat) * layers + ends + 3
-    if sp:
-        moved += (2 * layers + 1) * all_reduce_bytes(model.embed_dim * 4, t)
-        calls += (4 + 2 * remat) * layers + ends + 2 * layers + 1  # each pair counts 2, plus the norm scales
-    if model.get("num_experts", 0):  # the MoE layer's own (moe_tensor_arrays)
-        arrays, phases = moe_tensor_arrays(model, layout), moe_layer_phases(layout)
-        moved += layers * _moe_phase_bytes(arrays, phases, t)
-        calls += layers * sum(times * len(arrays[ph]) for ph, times in phases.items())
-    return m * moved, m * calls
+    x = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
+    remat = int(layout.recompute != "none")
+    if layout.sequence_parallel:
+        out = [
+            ("all-gather", x, m * layers * (4 + 2 * remat), "SP block input gathers (fwd, bwd, remat)"),
+            ("reduce-scatter", x, m * layers * (4 + remat), "SP block output reduce-scatters (fwd, bwd, remat)"),
+            ("reduce-scatter", x, m, "embedding output (fwd)"),
+            ("all-gather", x, m, "embedding output gradient (bwd)"),
+            ("all-gather", x, m, "final norm output (fwd)"),
+            ("reduce-scatter", x, m, "output layer input gradient (bwd)"),
+            ("all-reduce", model.embed_dim * 4, m * (2 * layers + 1), "norm scale gradients (SP)"),
+        ]
+    else:
+        out = [
+            ("all-reduce", x, m * layers * 2, "row-parallel outputs (fwd)"),
+            ("all-reduce", x, m * layers * 2, "column-parallel input gradients (bwd)"),
+            ("all-reduce", x, m * layers * remat, "attention output recomputed (remat)"),
+            ("all-reduce", x, m, "vocab-parallel embedding (fwd)"),
+            ("all-reduce", x, m, "output layer input gradient (bwd)"),
+        ]
+    out.append(("all-reduce", bs * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)"))
+    if model.get("num_experts", 0):
+        arrays = moe_tensor_arrays(model, layout)
+        for phase, times in moe_layer_phases(layout).items():
+            out += [(kind, size, m * layers * times, what) for kind, size, what in arrays[phase]]
+    return out
+
+
+def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
+    """Tensor-axis (bytes, collectives) of the jaxpar step without a pipeline: the ring bytes and
+    the count of :func:`tensor_collectives`."""
+    records = tensor_collectives(model, layout)
+    moved = sum(count * ring_bytes(kind, layout.tensor, size) for kind, size, count, _ in records)
+    return moved, sum(count for _, _, count, _ in records)
 
 
 def jaxpar_stage_traffic(

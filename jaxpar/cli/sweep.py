@@ -1,5 +1,5 @@
 """``jaxpar sweep``: arguments and printing only (the work is in :mod:`jaxpar.analysis.sweep`, the
-files in :mod:`jaxpar.analysis.sweep_report`). No JAX at import.
+files in :mod:`jaxpar.analysis.sweep.report`). No JAX at import.
 
     jaxpar sweep --config configs/tiny.py --devices 8 -o runs/sweep
 """
@@ -72,7 +72,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     """Run the sweep, write DIR/{results.csv,results.json,report.md,*.png}; exit 1 if any layout
     crashed or missed the reference loss."""
     from jaxpar.analysis import sweep as sweep_lib
-    from jaxpar.analysis import sweep_report
+    from jaxpar.analysis.sweep import report as sweep_report
 
     config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
     cfg = load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])])

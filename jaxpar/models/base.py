@@ -102,7 +102,7 @@ class HFMap:
 
     def without_dense_mlp(self) -> tuple[HFTensor, ...]:
         """Every tensor but the dense MLP's: the base an MoE family adds its experts to."""
-        return tuple(t for t in self.tensors if t.path[:2] != ("blocks", "mlp"))
+        return tuple(t for t in self.tensors if t.path[:2] != (Model.stacked, "mlp"))
 
 
 def expert_tensors(prefix: str, router: str, gate: str, up: str, down: str) -> tuple[HFTensor, ...]:
@@ -110,10 +110,10 @@ def expert_tensors(prefix: str, router: str, gate: str, up: str, down: str) -> t
     and one (gate, up, down) triple per expert under ``prefix + "experts.{e}." + name``."""
     experts = prefix + "experts.{e}."
     return (
-        HFTensor(("blocks", "moe", "router"), prefix + router, "transpose", "(num_experts, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_gate"), experts + gate, "transpose", "(mlp_dim, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_up"), experts + up, "transpose", "(mlp_dim, embed_dim)"),
-        HFTensor(("blocks", "moe", "w_down"), experts + down, "transpose", "(embed_dim, mlp_dim)"),
+        HFTensor((Model.stacked, "moe", "router"), prefix + router, "transpose", "(num_experts, embed_dim)"),
+        HFTensor((Model.stacked, "moe", "w_gate"), experts + gate, "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor((Model.stacked, "moe", "w_up"), experts + up, "transpose", "(mlp_dim, embed_dim)"),
+        HFTensor((Model.stacked, "moe", "w_down"), experts + down, "transpose", "(embed_dim, mlp_dim)"),
     )
 
 
@@ -261,7 +261,7 @@ def scan_layers(
     blocks: dict,
     positions: jax.Array,
     ctx: ShardContext,
-    stacked: str = "blocks",
+    stacked: str = Model.stacked,
     carried: Any = None,
 ) -> Any:
     """``lax.scan`` of ``block(x, layer, positions, ctx)`` over the stacked layers; with remat or

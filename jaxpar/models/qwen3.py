@@ -10,14 +10,14 @@ carry their tensor names (per layer ``self_attn.q_norm.weight`` / ``k_norm.weigh
 from __future__ import annotations
 
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.models.base import HFMap, HFTensor, expert_tensors, require_settings
+from jaxpar.models.base import HFMap, HFTensor, Model, expert_tensors, require_settings
 from jaxpar.models.llama import HF_LLAMA, LlamaModel
 
 _A = "model.layers.{i}.self_attn."
 _M = "model.layers.{i}.mlp."
 QK_NORM = (
-    HFTensor(("blocks", "attn", "q_norm", "scale"), _A + "q_norm.weight", "copy", "(head_dim,)"),
-    HFTensor(("blocks", "attn", "k_norm", "scale"), _A + "k_norm.weight", "copy", "(head_dim,)"),
+    HFTensor((Model.stacked, "attn", "q_norm", "scale"), _A + "q_norm.weight", "copy", "(head_dim,)"),
+    HFTensor((Model.stacked, "attn", "k_norm", "scale"), _A + "k_norm.weight", "copy", "(head_dim,)"),
 )
 DENSE_BLOCK = (("norm", "rmsnorm"), ("mlp_activation", "swiglu"), ("position", "rope"), ("qk_norm", True))
 MOE_BLOCK = (*DENSE_BLOCK, ("router_score", "softmax"), ("shared_expert_dim", 0))

@@ -1,6 +1,8 @@
 """Optimizers and learning-rate schedules.
 
-* :mod:`jaxpar.optim.registry`: ``optim.name`` -> optimizer (build, fields read, state formula).
+* :mod:`jaxpar.optim.registry`: ``optim.name`` -> optimizer (build, state formula).
+* :mod:`jaxpar.optim.adamw`: jaxpar's AdamW, the default, inside the step's ``shard_map``.
+* :mod:`jaxpar.optim.fields`: the ``optim`` fields each optimizer reads (no optax import).
 * :mod:`jaxpar.optim.state`: the state's shardings and its move between the pipeline's forms.
 * :mod:`jaxpar.optim.transforms`: per-tensor application (stacked layers as batch dims), decoupled decay.
 * :mod:`jaxpar.optim.lr`: the learning-rate schedules.

@@ -1,13 +1,11 @@
 """The optimizer registry: ``optim.name`` -> how to build it, which fields it reads, its state size.
 
 An optimizer is one :class:`Optimizer` in :data:`OPTIMIZERS`: ``build`` ``(optim_cfg, schedule,
-placements) -> optax.GradientTransformation``, the optim fields it reads (any other field off its
-default is a one-line :class:`ConfigError`), and ``state``, the formula of its per-parameter state
+placements) -> optax.GradientTransformation`` and ``state``, the formula of its per-parameter state
 leaves, which the planner prices (:func:`state_leaves`). Built in:
 
-* ``adamw`` (default): jaxpar's own AdamW inside the step's ``shard_map``
-  (:meth:`jaxpar.train.step.StepBuilder._adamw`; a bad step multiplies by exactly 1 and adds 0);
-  ``build`` gives ``optax.adamw``, its reference in tests/test_optim.py (relative error < 1e-6).
+* ``adamw`` (default): jaxpar's own AdamW inside the step's ``shard_map``, all of it in
+  :mod:`jaxpar.optim.adamw`; ``build`` gives ``optax.adamw``, its reference in tests/test_optim.py.
 * ``lion``: ``optax.lion`` (Chen et al. 2023, arXiv:2302.06675).
 * ``sgd``: ``optax.sgd``, ``optim.momentum`` (default 0.9), ``optim.nesterov``; decoupled weight
   decay, or L2 on the gradient (``torch.optim.SGD``) with ``decoupled_weight_decay=False``.
@@ -43,14 +41,14 @@ import optax
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.optim.fields import OPTIMIZER_FIELDS, is_custom
+from jaxpar.optim import adamw
+from jaxpar.optim.fields import is_custom
+from jaxpar.optim.state import StateLeaf, local_size, same_shape, spec_for
+from jaxpar.optim.transforms import decay_mask, decoupled_weight_decay, per_tensor
+from jaxpar.sharding import is_placement
 
 STACKED = ("layers", "stages")  # leading stacked dims: batch dims of per-tensor statistics
 ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default
-
-# A state leaf of one parameter: (shape, kept) where kept[i] is the parameter dim that leaf dim i
-# runs along (None: a dim of its own, e.g. a size-1 placeholder). Same shape: kept = all dims.
-StateLeaf = tuple[tuple[int, ...], tuple[int | None, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +57,6 @@ class Optimizer:
 
     name: str
     build: Callable[[ConfigDict, Callable, Any], optax.GradientTransformation]
-    fields: frozenset[str]  # optim fields it reads beyond COMMON_FIELDS
     state: Callable[[ConfigDict, tuple[int, ...], tuple[str, ...]], list[StateLeaf]]
     in_shard_map: bool = False  # jaxpar's own update inside the step's shard_map (adamw)
 
@@ -72,44 +69,19 @@ def batch_dims(logical: tuple[str, ...]) -> int:
     return n
 
 
-def _mask(placements: Any) -> Any:
-    from jaxpar.sharding import is_placement
-
-    return jax.tree.map(lambda lay: lay.weight_decay, placements, is_leaf=is_placement)
-
-
-def _full(shape: tuple[int, ...]) -> StateLeaf:
-    return tuple(shape), tuple(range(len(shape)))
-
-
 def _scalar_per_batch(shape: tuple[int, ...], b: int) -> StateLeaf:
     return tuple(shape[:b]), tuple(range(b))
-
-
-# --------------------------------------------------------------------------- adamw
-
-
-def _build_adamw(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    mask = _mask(placements)
-    if o.decoupled_weight_decay:
-        return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
-    adam = optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps)
-    return optax.chain(optax.add_decayed_weights(o.weight_decay, mask), adam)  # L2 (Adam)
-
-
-def _state_adamw(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    return [_full(shape), _full(shape)]  # mu, nu (fp32)
 
 
 # --------------------------------------------------------------------------- lion
 
 
 def _build_lion(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_mask(placements))
+    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask(placements))
 
 
 def _state_momentum(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    return [_full(shape)]
+    return [same_shape(shape)]
 
 
 # --------------------------------------------------------------------------- sgd
@@ -124,7 +96,7 @@ def momentum(o: ConfigDict) -> float:
 
 def _build_sgd(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     momentum_ = momentum(o) or None
-    decay = optax.add_decayed_weights(o.weight_decay, _mask(placements))
+    decay = optax.add_decayed_weights(o.weight_decay, decay_mask(placements))
     if not o.decoupled_weight_decay:  # L2: torch.optim.SGD's weight_decay
         return optax.chain(decay, optax.sgd(schedule, momentum=momentum_, nesterov=o.nesterov))
     parts = [optax.trace(decay=momentum_, nesterov=o.nesterov)] if momentum_ else []
@@ -132,16 +104,13 @@ def _build_sgd(o: ConfigDict, schedule: Callable, placements: Any) -> optax.Grad
 
 
 def _state_sgd(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    return [_full(shape)] if momentum(o) else []
+    return [same_shape(shape)] if momentum(o) else []
 
 
 # --------------------------------------------------------------------------- adafactor
 
 
 def _build_adafactor(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    from jaxpar.optim.transforms import per_tensor
-    from jaxpar.sharding import is_placement
-
     # optax.adafactor adds weight_decay_rate * p after the learning rate: a schedule makes it lr(k) * wd.
     inner = lambda wd: optax.adafactor(  # noqa: E731
         schedule,
@@ -171,10 +140,10 @@ def _state_adafactor(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, 
             out.append((tuple(shape[i] for i in kept), kept))
         out.append(one)
     else:
-        out += [one, one, _full(shape)]
+        out += [one, one, same_shape(shape)]
     out.append(_scalar_per_batch(shape, b))  # scale_by_learning_rate's count
     if momentum(o):
-        out += [_scalar_per_batch(shape, b), _full(shape)]  # ema count, ema
+        out += [_scalar_per_batch(shape, b), same_shape(shape)]  # ema count, ema
     return out
 
 
@@ -200,9 +169,6 @@ def muon_dims(logical: tuple[str, ...]) -> Any:
 def _build_muon(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     from optax.contrib import muon
 
-    from jaxpar.optim.transforms import decoupled_weight_decay
-    from jaxpar.sharding import is_placement
-
     dims = jax.tree.map(lambda lay: muon_dims(lay.logical), placements, is_leaf=is_placement)
     tx = muon(
         schedule,
@@ -215,13 +181,13 @@ def _build_muon(o: ConfigDict, schedule: Callable, placements: Any) -> optax.Gra
     )
     if not o.weight_decay:
         return tx
-    return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, _mask(placements)))
+    return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, decay_mask(placements)))
 
 
 def _state_muon(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
     if muon_dims(logical) is not None:
-        return [_full(shape)]  # momentum
-    return [_full(shape), _full(shape)]  # AdamW mu, nu
+        return [same_shape(shape)]  # momentum
+    return [same_shape(shape), same_shape(shape)]  # AdamW mu, nu
 
 
 def has_muon() -> bool:
@@ -232,15 +198,16 @@ def has_muon() -> bool:
     return True
 
 
-F = OPTIMIZER_FIELDS  # the fields each one reads: jaxpar.optim.fields (checked with the config)
+# The optim fields each one reads are listed once, in jaxpar.optim.fields.OPTIMIZER_FIELDS (checked
+# with the config, without loading optax).
 OPTIMIZERS: dict[str, Optimizer] = {
-    "adamw": Optimizer("adamw", _build_adamw, F["adamw"], _state_adamw, in_shard_map=True),
-    "lion": Optimizer("lion", _build_lion, F["lion"], _state_momentum),
-    "sgd": Optimizer("sgd", _build_sgd, F["sgd"], _state_sgd),
-    "adafactor": Optimizer("adafactor", _build_adafactor, F["adafactor"], _state_adafactor),
+    "adamw": Optimizer("adamw", adamw.build, adamw.state_leaves, in_shard_map=True),
+    "lion": Optimizer("lion", _build_lion, _state_momentum),
+    "sgd": Optimizer("sgd", _build_sgd, _state_sgd),
+    "adafactor": Optimizer("adafactor", _build_adafactor, _state_adafactor),
 }
 if has_muon():
-    OPTIMIZERS["muon"] = Optimizer("muon", _build_muon, F["muon"], _state_muon)
+    OPTIMIZERS["muon"] = Optimizer("muon", _build_muon, _state_muon)
 
 
 # --------------------------------------------------------------------------- custom factories
@@ -271,12 +238,12 @@ def _custom(spec: str) -> Optimizer:
     factory = _load_factory(spec)
 
     def build(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-        tx = factory(o, learning_rate=schedule, weight_decay_mask=_mask(placements))
+        tx = factory(o, learning_rate=schedule, weight_decay_mask=decay_mask(placements))
         if not isinstance(tx, optax.GradientTransformation):
             raise ConfigError(f"optim.name='{spec}': returned {type(tx).__name__}, not an optax.GradientTransformation")
         return tx
 
-    return Optimizer(spec, build, frozenset(), state=lambda o, shape, logical: [])
+    return Optimizer(spec, build, state=lambda o, shape, logical: [])
 
 
 # --------------------------------------------------------------------------- public
@@ -308,8 +275,6 @@ def state_elements_per_param(optim_cfg: ConfigDict, shape: tuple[int, ...], logi
 def local_state_bytes(optim_cfg: ConfigDict, shape: tuple[int, ...], layout: Any, mesh_shape: dict) -> int:
     """Bytes of one parameter's fp32 state on one device: each leaf of :func:`state_leaves` under the
     spec :mod:`jaxpar.optim.state` derives from the parameter's optimizer spec."""
-    from jaxpar.optim.state import local_size, spec_for
-
     return sum(
         local_size(s, spec_for(kept, layout.optimizer), mesh_shape) * 4
         for s, kept in state_leaves(optim_cfg, shape, layout.logical)

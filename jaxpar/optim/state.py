@@ -31,6 +31,14 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 
 Path = tuple
+# A state leaf of one parameter: (shape, kept) where kept[i] is the parameter dim that leaf dim i
+# runs along (None: a dim of its own, e.g. a size-1 placeholder). Same shape: kept = all dims.
+StateLeaf = tuple[tuple[int, ...], tuple[int | None, ...]]
+
+
+def same_shape(shape: tuple[int, ...]) -> StateLeaf:
+    """A state leaf shaped like its parameter (a moment)."""
+    return tuple(shape), tuple(range(len(shape)))
 
 
 def kept_dims(shape: tuple[int, ...], param_shape: tuple[int, ...]) -> tuple[int | None, ...] | None:
@@ -116,10 +124,12 @@ def convert_state(
     to_model: bool,
     permute: Callable[[jax.Array, int], jax.Array],
     has_ends: bool,
+    stacked: str,
 ) -> Any:
     """Move optimizer ``state`` from one form to the layout of ``target`` (an abstract state for
     ``dst_params``, the parameters in the other form). ``permute(x, dim)`` reorders the stacked
-    layer dim ``dim`` of ``x`` the way the parameters' layers move."""
+    layer dim ``dim`` of ``x`` the way the parameters' layers move; ``stacked``: the model's subtree of
+    stacked layers (:attr:`jaxpar.models.base.Model.stacked`)."""
     dst_index = _param_paths(dst_params)
     src = {tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
     out = []
@@ -142,7 +152,7 @@ def convert_state(
         else:
             x = src[path]
             kept = kept_dims(tuple(leaf.shape), tuple(pleaf.shape))
-            if name == "blocks" and kept and kept[0] == 0:
+            if name == stacked and kept and kept[0] == 0:
                 x = permute(x, 0)
             out.append(x)
     return jax.tree.unflatten(jax.tree.structure(target), out)

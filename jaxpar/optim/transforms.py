@@ -5,6 +5,7 @@
   layers as one [L, ...] array where PyTorch has a tensor per layer; per-tensor statistics
   (Adafactor's RMS clipping, parameter scale, factored moments) are then taken per layer, as in
   PyTorch, and alike in the stage and model forms of the parameters.
+* :func:`decay_mask`: which parameters take weight decay (:class:`jaxpar.sharding.ParamPlacement`).
 * :func:`decoupled_weight_decay`: ``u - lr(k) * rate * p`` on masked leaves (AdamW's decoupled,
   learning-rate-scaled decay, Loshchilov & Hutter 2019, arXiv:1711.05101) for optimizers whose optax
   alias has no masked decay of that kind.
@@ -18,6 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxpar.sharding import is_placement
+
+
+def decay_mask(placements: Any) -> Any:
+    """A tree of bools like the parameters: True where the parameter decays (not norms, biases)."""
+    return jax.tree.map(lambda lay: lay.weight_decay, placements, is_leaf=is_placement)
 
 
 def _vmapped(fn: Callable, batch_dims: int) -> Callable:

@@ -30,14 +30,14 @@ from jaxpar.config import ConfigDict, default_config, validate
 from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
 from jaxpar.ops.attention import resolve_attention
-from jaxpar.optim import registry
+from jaxpar.optim import adamw, registry
 from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_placements, specs
 from jaxpar.train import loss_scale as loss_scale_lib
 from jaxpar.train.batches import BatchFeed, batch_spec, eval_spec
-from jaxpar.train.step import StepBuilder, init_opt_state, opt_state_specs
+from jaxpar.train.step import StepBuilder
 
 
 class Setup:
@@ -174,7 +174,7 @@ class Setup:
         """The optimizer's initial state for ``params`` (stage form, or the model form): jaxpar AdamW's
         {count, mu, nu}, else {count, tx: the optax state}."""
         if self.optimizer.in_shard_map:
-            return loss_scale_lib.add_state(init_opt_state(params), self.loss_scale)
+            return loss_scale_lib.add_state(adamw.init_state(params), self.loss_scale)
         tx = self.model_tx if model_form else self.tx
         return loss_scale_lib.add_state({"count": jnp.zeros((), jnp.int32), "tx": tx.init(params)}, self.loss_scale)
 
@@ -182,7 +182,7 @@ class Setup:
         """Optimizer-state specs derived from the state's shapes (:mod:`jaxpar.optim.state`)."""
         placements = self.model_placements if model_form else self.placements
         if self.optimizer.in_shard_map:
-            return loss_scale_lib.add_specs(opt_state_specs(placements), self.loss_scale)
+            return loss_scale_lib.add_specs(adamw.state_specs(placements), self.loss_scale)
         params = self.model_abstract_params if model_form else self.abstract_params
         abstract = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), params)
         return opt_state_lib.state_specs(abstract, params, specs(placements, "optimizer"))
@@ -212,7 +212,9 @@ class Setup:
         @functools.partial(jax.jit, out_shardings=out)
         def reorder(params, opt):
             # every state leaf moves like its parameter (jaxpar.optim.state.convert_state)
-            return move(params, p, v, split), opt_state_lib.convert_state(opt, target, dst, to_model, permute, ends)
+            return move(params, p, v, split), opt_state_lib.convert_state(
+                opt, target, dst, to_model, permute, ends, self.model.stacked
+            )
 
         with persistent_cache_skipped(self.skips_cache):
             return reorder(params, opt)

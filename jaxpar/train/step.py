@@ -53,6 +53,7 @@ from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout, zero3
+from jaxpar.optim import adamw
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamPlacement, is_placement
@@ -216,8 +217,7 @@ class StepBuilder:
         grads, loss, grad_norm = self.local_grads(params, batch, guard, *((step,) if self.dropout else ()))
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
-        new_params, mu, nu = self._adamw(params, grads, opt_state, lr, ok)
-        new_state = {"count": jnp.where(ok, step + 1, step), "mu": mu, "nu": nu}
+        new_params, new_state = adamw.update(self.optim_cfg, self.placements, params, grads, opt_state, lr, ok)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
         return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
 
@@ -254,49 +254,3 @@ class StepBuilder:
 
     def param_specs(self) -> Any:
         return jax.tree.map(lambda lay: lay.storage, self.placements, is_leaf=is_placement)
-
-    def _adamw(self, params: Any, grads: Any, opt_state: Any, lr: jax.Array, ok: jax.Array):
-        """AdamW on each parameter's (local) shard; ``ok`` false keeps every value as it was."""
-        o = self.optim_cfg
-        count = opt_state["count"] + 1
-        bc1 = 1 - o.b1 ** count.astype(jnp.float32)
-        bc2 = 1 - o.b2 ** count.astype(jnp.float32)
-        # A skipped step (ok false) multiplies by exactly 1 and adds exactly 0: every value stays
-        # bitwise as it was. Scalars rather than a select over the results keep the update
-        # in place in the donated buffers (a select would hold old and new side by side).
-        b1, c1 = jnp.where(ok, o.b1, 1.0), jnp.where(ok, 1 - o.b1, 0.0)
-        b2, c2 = jnp.where(ok, o.b2, 1.0), jnp.where(ok, 1 - o.b2, 0.0)
-        step_lr = jnp.where(ok, lr, 0.0)
-
-        def one(lay: ParamPlacement, p, g, m, v):
-            local = p
-            if zero.shards_locally(lay):
-                local = zero.local_shard(p, lay)
-            decay = o.weight_decay if lay.weight_decay else 0.0
-            if not o.decoupled_weight_decay and decay:
-                g = g + decay * local
-            g = jnp.where(ok, g, 0.0)  # a skipped step may carry NaN/Inf gradients
-            m = b1 * m + c1 * g
-            v = b2 * v + c2 * g * g
-            update = (m / bc1) / (jnp.sqrt(v / bc2) + o.eps)  # optax.scale_by_adam
-            if o.decoupled_weight_decay and decay:
-                update = update + decay * local
-            new = local - step_lr * update
-            if zero.shards_locally(lay):  # ZeRO-1/2: gather the update
-                new = zero.gather_update(new, lay)
-            return new, m, v
-
-        out = zero.map_placements(one, self.placements, params, grads, opt_state["mu"], opt_state["nu"])
-        pick = [jax.tree.map(lambda t, i=i: t[i], out, is_leaf=lambda t: isinstance(t, tuple)) for i in range(3)]
-        return pick[0], pick[1], pick[2]
-
-
-def opt_state_specs(placements: Any) -> dict:
-    moments = jax.tree.map(lambda lay: lay.optimizer, placements, is_leaf=is_placement)
-    return {"count": P(), "mu": moments, "nu": moments}
-
-
-def init_opt_state(params: Any) -> dict:
-    """jaxpar AdamW's state (``optim.name='adamw'``); other optimizers: :meth:`Setup.init_opt_state`."""
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    return {"count": jnp.zeros((), jnp.int32), "mu": zeros, "nu": jax.tree.map(jnp.copy, zeros)}

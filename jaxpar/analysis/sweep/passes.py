@@ -1,12 +1,6 @@
-"""``jaxpar sweep``: run every valid layout of N devices on the same problem and measure it.
-
-The grid is :mod:`jaxpar.analysis.sweep_grid`; each layout runs and is measured in a child process
-(:mod:`jaxpar.analysis.sweep_worker`, :mod:`jaxpar.analysis.sweep_measure`); the files are written
-by :mod:`jaxpar.analysis.sweep_report`. Here: the passes over the grid, and the loss check against
-the reference layout (the first run, pure data parallelism): losses beyond the tolerance are a
-``mismatch``; a layout that raises or kills its process is ``crashed`` with its one-line error, and
-the sweep goes on.
-"""
+"""The sweep's passes over the grid, and the loss check against the reference layout (the first run,
+pure data parallelism): losses beyond the tolerance are a ``mismatch``; a layout that raises or kills
+its process is ``crashed`` with its one-line error, and the sweep goes on."""
 
 from __future__ import annotations
 
@@ -16,41 +10,10 @@ from typing import Any
 
 from jaxpar.analysis.aot import layout_config
 from jaxpar.analysis.estimate import ParallelLayout
-from jaxpar.analysis.sweep_grid import (
-    AXES,
-    cpu_cluster,
-    device_cluster,
-    layout_name,
-    measure_copy_gbps,
-    select,
-    sweep_layouts,
-)
-from jaxpar.analysis.sweep_measure import PROBE_STEPS, HostProbe, SweepRecord, run_layout, summarize_times, time_again
-from jaxpar.analysis.sweep_worker import ABORT_ENV, COLLECTIVE_TIMEOUT_FLAGS, Workers
+from jaxpar.analysis.sweep.grid import device_cluster, layout_name, select, sweep_layouts
+from jaxpar.analysis.sweep.measure import PROBE_STEPS, SweepRecord, summarize_times
+from jaxpar.analysis.sweep.worker import Workers
 from jaxpar.config import ConfigDict, ConfigError
-
-__all__ = [
-    "ABORT_ENV",
-    "AXES",
-    "COLLECTIVE_TIMEOUT_FLAGS",
-    "PASS_STEPS",
-    "STATUSES",
-    "TOLERANCE",
-    "HostProbe",
-    "SweepRecord",
-    "Workers",
-    "check_losses",
-    "cpu_cluster",
-    "device_cluster",
-    "layout_name",
-    "measure_copy_gbps",
-    "run_layout",
-    "run_sweep_layouts",
-    "select",
-    "summarize_times",
-    "sweep_layouts",
-    "time_again",
-]
 
 PASS_STEPS = 5  # steps of each later pass, unless --steps is fewer
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}  # relative loss difference from the reference
@@ -194,7 +157,7 @@ def run_sweep_layouts(
             "steps_per_layout_and_pass": PROBE_STEPS,
             "median_s": _median([p for r in records for p in r.host_probe_s]),
         },
-        "allocator": steady_malloc(apply=False),  # what each worker process set (sweep_worker._worker)
+        "allocator": steady_malloc(apply=False),  # what each worker process set (jaxpar.analysis.sweep.worker)
         "layouts": len(records),
         "counts": {s: sum(r.status == s for r in records) for s in STATUSES},
     }

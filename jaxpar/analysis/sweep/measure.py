@@ -5,7 +5,7 @@ tokens/s; MFU (:func:`jaxpar.metrics.device_peak_flops`); compiled argument, tem
 collective bytes beside the planner's estimates; every step's loss. One executable is both analysed
 (:func:`jaxpar.analysis.compiled.analyze_compiled`) and run. In every pass :class:`HostProbe` times
 the reference layout's step beside each layout's, so a re-run on a host that has sped up or slowed
-down can be compared after dividing that out (:func:`jaxpar.analysis.sweep_report.compare_runs`).
+down can be compared after dividing that out (:func:`jaxpar.analysis.sweep.report.compare_runs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jaxpar.analysis.aot import estimated_argument_bytes, layout_run
 from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.estimate import ParallelLayout
 from jaxpar.analysis.plan import PlanOptions, evaluate_layout
-from jaxpar.analysis.sweep_grid import AXES, layout_name
+from jaxpar.analysis.sweep.grid import AXES, layout_name
 from jaxpar.config import ConfigDict
 
 

@@ -18,8 +18,8 @@ from typing import Any
 from jaxpar import children
 from jaxpar.analysis.clusters import Cluster
 from jaxpar.analysis.estimate import ParallelLayout
-from jaxpar.analysis.sweep_grid import layout_name
-from jaxpar.analysis.sweep_measure import HostProbe, SweepRecord, run_layout, time_again
+from jaxpar.analysis.sweep.grid import layout_name
+from jaxpar.analysis.sweep.measure import HostProbe, SweepRecord, run_layout, time_again
 from jaxpar.config import ConfigDict
 
 COLLECTIVE_TIMEOUT_FLAGS = (

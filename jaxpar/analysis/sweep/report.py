@@ -16,7 +16,8 @@ import os
 import statistics
 from typing import Any
 
-from jaxpar.analysis.sweep import AXES, SweepRecord
+from jaxpar.analysis.sweep.grid import AXES
+from jaxpar.analysis.sweep.measure import SweepRecord
 
 MIB = 2**20
 PLOTS = {
@@ -336,7 +337,7 @@ def _load_note(meta: dict[str, Any]) -> str:
 
 def host_factor(previous: dict[str, Any], records: list[SweepRecord]) -> float | None:
     """How much slower the host ran during this sweep than during the earlier one: the ratio of the
-    medians of each run's :class:`jaxpar.analysis.sweep_measure.HostProbe` times (one per layout
+    medians of each run's :class:`jaxpar.analysis.sweep.measure.HostProbe` times (one per layout
     and pass); None when either run has none. One factor per run, not per layout: one probe varies
     by ~10%, so a per-layout ratio would add noise to every corrected time, while a median over all
     probes carries ~1% (docs/performance.md, "Sweeps"). It removes the slow drift of the host;
