@@ -13,14 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import jaxpar.parallel.pipeline.stash as stash_lib
+import jaxpar.parallel.pipeline.weight_split as weight_split
 from jaxpar.axes import MeshAxis
 from jaxpar.compat import vary, varying_axes
 from jaxpar.layout import ParallelLayout
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
-from jaxpar.parallel.pipeline import stash as stash_lib
-from jaxpar.parallel.pipeline import weight_split
 from jaxpar.parallel.pipeline.forms import ENDS, bind_stage_layers
 from jaxpar.parallel.pipeline.schedule import (
     Program,
