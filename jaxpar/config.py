@@ -156,7 +156,7 @@ def default_config() -> ConfigDict:
     c.data.val_fraction = 0.05  # share of files (stdlib) or tokens (bin) held out
 
     c.pipeline = ConfigDict()
-    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (input and weight gradients split)
+    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (zb: backward split into B and W)
     c.pipeline.virtual_stages = 1
     c.pipeline.layers_per_stage = ""  # uneven stages: layers of each stage, e.g. "1,2,1" (empty: even)
     c.pipeline.first_stage_layers = 0  # layers of the first stage, the rest split evenly (0: not set)

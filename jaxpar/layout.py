@@ -30,8 +30,9 @@ from typing import Any
 from jaxpar.axes import MESH_AXES, MeshAxis
 from jaxpar.errors import require
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)  # schedules that run the input and the weight gradient as separate ticks
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules that run the input and the weight gradient as separate ticks
+V_SHAPED = ("zb-v",)  # device d holds virtual stages d and 2p-1-d (the first and the last on device 0)
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.ops.attention)
 CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.ops.context_parallel)
@@ -54,7 +55,7 @@ class ParallelLayout:
     seq_len: int = 2048
     recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (used when pipeline > 1)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (used when pipeline > 1)
     # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
     # calls (planner, tests, experiments) keep their meaning
     context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.ops.context_parallel)
@@ -373,9 +374,14 @@ class ParallelLayout:
             "--config.pipeline.virtual_stages=2 or --config.pipeline.schedule=1f1b",
         )
         require(
-            schedule == "interleaved" or v == 1,
-            f"pipeline.virtual_stages={v} is only used by the interleaved schedule; set "
+            schedule in ("interleaved", *V_SHAPED) or v == 1,
+            f"pipeline.virtual_stages={v} is only used by the interleaved and zb-v schedules; set "
             "--config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1",
+        )
+        require(
+            schedule not in V_SHAPED or v == 2,
+            f"pipeline.virtual_stages={v}: {schedule} places two chunks per device in V order; set "
+            "--config.pipeline.virtual_stages=2",
         )
         require(
             schedule not in ("1f1b", *SPLIT_BACKWARD) or m >= p,

@@ -52,6 +52,7 @@ DEFAULT = {
     "pp2_1f1b_full": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="full", zero_stage=1),
     "pp2_interleaved": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
     "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, schedule="zb-h1"),
+    "pp2_zbv": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="zb-v"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, schedule="gpipe"),
     "pp2_interleaved_full": _lay(
         data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved", recompute="full"

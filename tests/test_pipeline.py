@@ -65,7 +65,7 @@ def small_config(*overrides: str):
 
 
 def layout(schedule: str, p: int, m: int, data: int = 1, tensor: int = 1, *extra: str) -> list[str]:
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
     return [
         f"--config.pipeline.schedule={schedule}",
         f"--config.pipeline.virtual_stages={v}",
@@ -96,9 +96,9 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
     block parameters back in model layer order."""
     setup, step_fn = compiled(*model, *overrides)
     cfg = setup.cfg
-    p, v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
+    p, v, vs = cfg.mesh.pipeline, cfg.pipeline.virtual_stages, pipeline.v_shaped(cfg.pipeline.schedule)
     host = _host_params(model)
-    staged = pipeline.to_stage_form(host, p, v) if p > 1 else host
+    staged = pipeline.to_stage_form(host, p, v, v_shape=vs) if p > 1 else host
     params = jax.device_put(staged, setup.param_shardings)
     opt = jax.device_put(adamw.init_state(staged), setup.opt_shardings)
     rng = np.random.default_rng(0)
@@ -111,7 +111,10 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
             grads = jax.tree.map(lambda mu: mu / (1 - cfg.optim.b1), jax.device_get(opt["mu"]))
     params = jax.device_get(params)
     if p > 1:
-        params, grads = pipeline.to_model_form(params, p, v), pipeline.to_model_form(grads, p, v)
+        params, grads = (
+            pipeline.to_model_form(params, p, v, v_shape=vs),
+            pipeline.to_model_form(grads, p, v, v_shape=vs),
+        )
     return history, grads, params
 
 
@@ -161,6 +164,9 @@ DEFAULT = {
     "zbh1_p2_m4": layout("zb-h1", 2, 4),
     "zbh1_p4_m8_d2_zero1": layout("zb-h1", 4, 8, 2, 1, "--config.parallel.zero_stage=1"),
     "zbh1_p2_m4_d2_t2_zero3": layout("zb-h1", 2, 4, 2, 2, "--config.parallel.zero_stage=3"),
+    # ZB-V: two chunks per device in V order (the first and the last virtual stage on device 0)
+    "zbv_p4_m8": layout("zb-v", 4, 8),
+    "zbv_p2_m4_d2_t2_zero3": layout("zb-v", 2, 4, 2, 2, "--config.parallel.zero_stage=3"),
     # ZeRO-2: each backward tick reduce-scatters its gradients over data into a sharded accumulator
     "1f1b_p2_m4_d2_zero2": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=2"),
     "interleaved_p2_m4_d2_t2_zero2_remat": layout(
@@ -179,7 +185,7 @@ GRID = {
 # 1F1B without recomputation and ZB-H1 with data=2 (and tensor=2 where 8 devices allow) under ZeRO-1 and 3
 GRID |= {
     f"{s}_p{p}_m{m}_d2_t{t}_zero{z}": layout(s, p, m, 2, t, f"--config.parallel.zero_stage={z}")
-    for s in ("1f1b", "zb-h1")
+    for s in ("1f1b", "zb-h1", "zb-v")
     for p, t in ((2, 2), (4, 1))
     for m in (p, 2 * p, 4 * p)
     for z in (1, 3)
@@ -233,7 +239,8 @@ def test_full_remat_layer_by_layer_backward_matches_single_device(name):
 
 
 @pytest.mark.parametrize(
-    "name,rows", [("interleaved_p2_t2", 4), ("1f1b_p4", 8), ("1f1b_p4_rows6", 6), ("interleaved_p4_d2", 16)]
+    "name,rows",
+    [("interleaved_p2_t2", 4), ("1f1b_p4", 8), ("1f1b_p4_rows6", 6), ("interleaved_p4_d2", 16), ("zbv_p2", 4)],
 )
 def test_eval_step_matches_single_device(name, rows):
     """Pipelined evaluation (a forward-only table, interleaved layer order, tensor=2, p=4) gives the
@@ -243,6 +250,7 @@ def test_eval_step_matches_single_device(name, rows):
         "1f1b_p4": layout("1f1b", 4, 8),
         "1f1b_p4_rows6": layout("1f1b", 4, 4),
         "interleaved_p4_d2": layout("interleaved", 4, 8, 2),
+        "zbv_p2": layout("zb-v", 2, 4),
     }[name]
     host = _host_params()
     rows = np.random.default_rng(1).integers(0, 256, size=(rows, 33))
@@ -250,13 +258,20 @@ def test_eval_step_matches_single_device(name, rows):
     for overrides in (["--config.mesh.data=1"], pipelined):
         cfg = small_config(*overrides)
         setup = make_setup(cfg)
-        staged = pipeline.to_stage_form(host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
+        staged = pipeline.to_stage_form(
+            host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages, v_shape=pipeline.v_shaped(cfg.pipeline.schedule)
+        )
         params = jax.device_put(staged, setup.param_shardings)
         losses.append(float(setup.eval_step(params, setup.feed.make_eval_batch(rows))))
     assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
     p, m = cfg.mesh.pipeline, cfg.train.microbatches
     local = len(rows) // cfg.mesh.data
-    table = pipeline.build_eval_schedule(p, pipeline.eval_microbatches(local, p, m), cfg.pipeline.virtual_stages)
+    table = pipeline.build_eval_schedule(
+        p,
+        pipeline.eval_microbatches(local, p, m),
+        cfg.pipeline.virtual_stages,
+        pipeline.v_shaped(cfg.pipeline.schedule),
+    )
     busy = max(sum(a is not None for a in tick) for tick in table.grid)
     assert busy == (3 if name == "1f1b_p4_rows6" else p)  # 6 rows: 3 microbatches of 2
 
@@ -624,3 +639,31 @@ def test_zb_h1_runs_each_matmul_once():
 def test_zb_h1_refusals(extra, match):
     with pytest.raises(ConfigError, match=match):
         make_setup(small_config(*layout("zb-h1", 4, 4), *extra))
+
+
+def test_zb_v_table_bubble_and_memory():
+    """ZB-V's table (two chunks per device in V order) under equal costs: a bubble rate at most
+    ZB-H1's (Qi et al. 2024 report it near zero once m >= 2p), at most 2p half-stage chunks in flight
+    per device (1F1B's p stages of activations), and the table's sends: the first and the last
+    virtual stage on device 0."""
+    from jaxpar.parallel.pipeline.timing import timed
+
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            table = pipeline.build_schedule("zb-v", p, m, 2)
+            _check_table(table)
+            zbv, zbh1 = timed(table), timed(pipeline.build_schedule("zb-h1", p, m))
+            assert zbv.bubble <= zbh1.bubble + 1e-12, (p, m)
+            assert max(zbv.in_flight) <= 2 * p, (p, m)
+    assert timed(pipeline.build_schedule("zb-v", 4, 8, 2)).bubble == pytest.approx(3 / 48)
+    assert pipeline.device_of("zb-v", 4, 0) == pipeline.device_of("zb-v", 4, 7) == 0
+
+
+def test_zb_v_runs_each_matmul_once():
+    base = _executed_flops("--config.train.microbatches=8", "--config.mesh.data=1")
+    assert _executed_flops(*layout("zb-v", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
+
+
+def test_zb_v_needs_two_chunks():
+    with pytest.raises(ConfigError, match="virtual_stages=2"):
+        make_setup(small_config(*layout("zb-v", 2, 4), "--config.pipeline.virtual_stages=4"))

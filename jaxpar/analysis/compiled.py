@@ -341,7 +341,7 @@ def analyze_compiled(
     )
 
 
-_SEND_SCOPE = re.compile(r"pp_send_(fwd|bwd)_(\d+)")
+_SEND_SCOPE = re.compile(r"pp_send_(fwdv|bwdv|fwd|bwd)_(\d+)")
 
 
 def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
@@ -375,6 +375,8 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
             ok &= prog.pattern[send.group(1)][: len(ticks)] == int(send.group(2))
         return float(ok.mean())
     kind, chunk = prog.per_stage["kind"][:, stage], prog.per_stage["chunk"][:, stage]
+    k = np.array([pl.virtual_stage(table.schedule, p, int(c), stage) for c in chunk])
+    is_first, is_last = k == 0, k == p * v - 1
     ok = np.ones(table.ticks, bool)
     if pl.SCOPE_FORWARD in tags:
         ok &= kind == pl.FORWARD
@@ -383,13 +385,13 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
     if pl.SCOPE_WEIGHT in tags:
         ok &= kind == pl.WEIGHT
     if pl.SCOPE_FIRST in tags:
-        ok &= (chunk == 0) & (stage == 0)
+        ok &= is_first
     if pl.SCOPE_LAST in tags:
-        ok &= (chunk == v - 1) & (stage == p - 1)
+        ok &= is_last
     if pl.SCOPE_ENDS in tags:
-        ok &= ((chunk == 0) & (stage == 0)) | ((chunk == v - 1) & (stage == p - 1))
+        ok &= is_first | is_last
     if pl.SCOPE_KEPT in tags:
-        ok &= ~((chunk == v - 1) & (stage == p - 1))
+        ok &= ~is_last
     if send:
         ok &= prog.pattern[send.group(1)] == int(send.group(2))
     return float(ok.mean())

@@ -69,10 +69,13 @@ class Setup:
                     stages=stages,
                     virtual_stages=virtual,
                     stage_layers=layout.stage_layers,
+                    v_shape=pipeline_lib.v_shaped(layout.schedule),
                 ),
                 self.model_abstract_params,
             )
-            self.logical = pipeline_lib.stage_form_logical_axes(model_logical, stages)
+            self.logical = pipeline_lib.stage_form_logical_axes(
+                model_logical, stages, pipeline_lib.v_shaped(layout.schedule)
+            )
         self.placements = param_placements(self.abstract_params, self.logical, self.strategy, layout)
         # the model form of uneven stages cannot split its [num_layers] over `pipeline`: it is kept
         # whole on every stage (it only exists while a checkpoint or HF weights are converted)
@@ -143,13 +146,13 @@ class Setup:
         program is compiled once per ``Setup``: a sweep's later passes start from it again."""
         if self._init is None:
             model, stages, virtual = self.model, self.layout.pipeline, self.layout.virtual_stages
-            split = self.layout.stage_layers
+            split, v_shape = self.layout.stage_layers, pipeline_lib.v_shaped(self.layout.schedule)
 
             @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
             def _init(key):
                 params = model.init(key)
                 if stages > 1:
-                    params = pipeline_lib.to_stage_form(params, stages, virtual, split)
+                    params = pipeline_lib.to_stage_form(params, stages, virtual, split, v_shape)
                 return params, self.init_opt_state(params)
 
             self._init = _init
@@ -190,7 +193,9 @@ class Setup:
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
         p, v, split = self.layout.pipeline, self.layout.virtual_stages, self.layout.stage_layers
-        if p <= 1 or (v <= 1 and not self.layout.uneven and not pipeline_lib.has_ends(self.cfg.model, p)):  # one form
+        v_shape = pipeline_lib.v_shaped(self.layout.schedule)
+        ends = pipeline_lib.has_ends(self.cfg.model, p, v_shape)
+        if p <= 1 or (v <= 1 and not self.layout.uneven and not ends):  # one form
             return params, opt
         move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
         out = (
@@ -201,18 +206,21 @@ class Setup:
         dst = self.model_abstract_params if to_model else self.abstract_params
         target = jax.eval_shape(functools.partial(self.init_opt_state, model_form=to_model), dst)
         n = self.cfg.model.num_layers
-        index = pipeline_lib.model_index(n, p, v, split) if to_model else pipeline_lib.stored_order(n, p, v, split)
+        index = (
+            pipeline_lib.model_index(n, p, v, split, v_shape)
+            if to_model
+            else pipeline_lib.stored_order(n, p, v, split, v_shape)
+        )
         permute = (  # a padding row (index n, uneven stages) is filled with zeros
             opt_state_lib.layer_permuter(index)
             if to_model or not self.layout.uneven
             else lambda x, dim: jnp.take(x, index, axis=dim, mode="fill", fill_value=0)
         )
-        ends = pipeline_lib.has_ends(self.cfg.model, p)
 
         @functools.partial(jax.jit, out_shardings=out)
         def reorder(params, opt):
             # every state leaf moves like its parameter (jaxpar.optim.state.convert_state)
-            return move(params, p, v, split), opt_state_lib.convert_state(
+            return move(params, p, v, split, v_shape), opt_state_lib.convert_state(
                 opt, target, dst, to_model, permute, ends, self.model.stacked
             )
 

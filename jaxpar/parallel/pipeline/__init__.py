@@ -105,10 +105,13 @@ from jaxpar.parallel.pipeline.schedule import (
     build_eval_schedule,
     build_schedule,
     compile_program,
+    device_of,
     expected_bubble_fraction,
     keeps_activations,
     render_schedule,
     splits_backward,
+    v_shaped,
+    virtual_stage,
 )
 
 __all__ = [
@@ -146,6 +149,9 @@ __all__ = [
     "model_index",
     "render_schedule",
     "splits_backward",
+    "device_of",
+    "v_shaped",
+    "virtual_stage",
     "stage_form_logical_axes",
     "stored_order",
     "to_model_form",

@@ -30,6 +30,7 @@ from jaxpar.parallel.pipeline.schedule import (
     compile_program,
     keeps_activations,
     splits_backward,
+    v_shaped,
 )
 
 AXIS = MeshAxis.PIPELINE
@@ -143,18 +144,31 @@ def _chunk(blocks: dict, chunk: jax.Array, virtual_stages: int) -> dict:
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0), blocks)
 
 
+def _virtual(chunk: jax.Array | int, stages: int, v_shape: bool = False) -> jax.Array:
+    """This device's virtual stage for ``chunk``: ``chunk * p + d``, or zb-v's V order (chunk 0 is
+    stage d, chunk 1 stage 2p-1-d; :func:`~jaxpar.parallel.pipeline.schedule.virtual_stage`)."""
+    d = jax.lax.axis_index(AXIS)
+    return jnp.where(chunk == 0, d, 2 * stages - 1 - d) if v_shape else chunk * stages + d
+
+
+def _ends(chunk: jax.Array | int, stages: int, virtual_stages: int, v_shape: bool = False) -> tuple:
+    """(first, last): whether ``chunk`` is the first / the last virtual stage on this device."""
+    k = _virtual(chunk, stages, v_shape)
+    return k == 0, k == stages * virtual_stages - 1
+
+
 def _layer0(
-    chunk: jax.Array | int, stages: int, virtual_stages: int, blocks: dict, ctx: ShardContext
+    chunk: jax.Array | int, stages: int, virtual_stages: int, blocks: dict, ctx: ShardContext, v_shape: bool = False
 ) -> jax.Array | int:
-    """Model-form index of the first layer of this device's chunk ``chunk`` (virtual stage
-    ``chunk * p + d``; :func:`~jaxpar.parallel.pipeline.forms.layer_order`): keys dropout masks
-    (0, nothing traced, without dropout)."""
+    """Model-form index of the first layer of this device's chunk ``chunk`` (its virtual stage
+    :func:`_virtual` times the chunk's layers; :func:`~jaxpar.parallel.pipeline.forms.layer_order`):
+    keys dropout masks (0, nothing traced, without dropout)."""
     if not dropout.active(ctx):
         return 0
     if ctx.first_layer is not None:  # uneven stages (virtual_stages = 1)
         return ctx.first_layer
     size = jax.tree.leaves(blocks)[0].shape[0] // virtual_stages
-    return (chunk * stages + jax.lax.axis_index(AXIS)) * size
+    return _virtual(chunk, stages, v_shape) * size
 
 
 def _stage(
@@ -491,16 +505,23 @@ def _explicit_loss_and_grads(
 
 
 def _split_parts(
-    model: Model, chunk: jax.Array, p: int, v: int, blocks: dict, tokens: jax.Array, ctx: ShardContext, scale: float
+    model: Model,
+    chunk: jax.Array,
+    p: int,
+    v: int,
+    blocks: dict,
+    tokens: jax.Array,
+    ctx: ShardContext,
+    scale: float,
+    v_shape: bool,
 ):
     """The stage of a split-backward schedule as three differentiable parts: ``embed(shared, x)``
     (the embedding on the first virtual stage, else identity), ``layer(layer, x, j)`` (the chunk's
     layer j) and ``head(shared, y)`` (the scaled loss on the last virtual stage, else 0)."""
-    d = jax.lax.axis_index(AXIS)
-    first, last = (chunk == 0) & (d == 0), (chunk == v - 1) & (d == p - 1)
+    first, last = _ends(chunk, p, v, v_shape)
     tokens, ctx = dropout.bind(tokens, ctx)
     inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
-    one, layer0 = model.layer_step(positions, ctx), _layer0(chunk, p, v, blocks, ctx)
+    one, layer0 = model.layer_step(positions, ctx), _layer0(chunk, p, v, blocks, ctx, v_shape)
 
     def embed(sh, x):
         return _cond(
@@ -544,9 +565,10 @@ def _split_loss_and_grads(
     scale: float,
     scatter: tuple[dict, Any] | None,
 ) -> tuple[jax.Array, dict]:
-    """ZB-H1: one scan over the table's ticks; F keeps each layer's residuals, B computes the input
-    gradient and keeps the frontier, W the weight gradients (embedding and head gradients in B)."""
-    p, v = table.stages, table.virtual_stages
+    """ZB-H1 / ZB-V: one scan over the table's ticks; F keeps each layer's residuals, B computes the
+    input gradient and keeps the frontier, W the weight gradients (embedding and head gradients in
+    B)."""
+    p, v, v_shape = table.stages, table.virtual_stages, v_shaped(table.schedule)
     shared, blocks = _split(params)
     act, act_axes, loss_axes = _boundary_types(model, shared, blocks, batch, ctx, v, scale)
     dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
@@ -564,7 +586,7 @@ def _split_loss_and_grads(
     box: dict[str, Any] = {}
 
     def trace(c, x, tok):
-        embed, layer, head = _split_parts(model, c, p, v, blocks, tok, ctx, scale)
+        embed, layer, head = _split_parts(model, c, p, v, blocks, tok, ctx, scale, v_shape)
         ch, j = _chunk(blocks, c, v), jnp.int32(0)
         box["embed"] = stash_lib.split(embed, (shared, x), (1,))
         box["layer"] = stash_lib.split(
@@ -604,12 +626,9 @@ def _split_loss_and_grads(
         act_buf, grad_buf, stash_bufs, front_bufs = bufs
         chunk, mb = row["chunk"], row["microbatch"]
         tokens = jax.lax.dynamic_index_in_dim(batch, mb, 0, keepdims=False)
-        embed, layer, head = _split_parts(model, chunk, p, v, blocks, tokens, ctx, scale)
+        embed, layer, head = _split_parts(model, chunk, p, v, blocks, tokens, ctx, scale, v_shape)
         ch = _chunk(blocks, chunk, v)
-        first, last = (
-            (chunk == 0) & (jax.lax.axis_index(AXIS) == 0),
-            (chunk == v - 1) & (jax.lax.axis_index(AXIS) == p - 1),
-        )
+        first, last = _ends(chunk, p, v, v_shape)
 
         def read(bufs, slot):
             return [jax.lax.dynamic_index_in_dim(b, slot, 0, False) for b in bufs]
@@ -692,6 +711,11 @@ def _split_loss_and_grads(
         send_f, send_b, kept, front, acc, loss = run(row, bufs, acc, loss)
         act_buf = _store(act_buf, _send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd"), row["act_write"])
         grad_buf = _store(grad_buf, _send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd"), row["grad_write"])
+        if v_shape:  # chunk 1's lanes, and at the V's tip the next virtual stage is on this device
+            act_buf = _store(act_buf, _send(send_f, xs["fwdv"], prog.pairs["fwdv"], "fwdv"), row["act_write_v"])
+            grad_buf = _store(grad_buf, _send(send_b, xs["bwdv"], prog.pairs["bwdv"], "bwdv"), row["grad_write_v"])
+            act_buf = _store(act_buf, vary(send_f, varying_axes(act_buf)), row["act_self"])
+            grad_buf = _store(grad_buf, vary(send_b, varying_axes(grad_buf)), row["grad_self"])
         stash_bufs = [_store(b, vary(x, varying_axes(b)), row["stash_write"]) for b, x in zip(stash_bufs, kept)]
         front_bufs = [_store(b, vary(x, varying_axes(b)), row["front_write"]) for b, x in zip(front_bufs, front)]
         return ((act_buf, grad_buf, stash_bufs, front_bufs), acc, loss), None
@@ -746,7 +770,9 @@ def _gpipe_loss_and_grads(
     return _reduce_shared(loss, grads)
 
 
-def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, prog: Program) -> jax.Array:
+def eval_loss_sum(
+    model: Model, params: dict, tokens: jax.Array, ctx: ShardContext, prog: Program, v_shape: bool = False
+) -> jax.Array:
     """Summed loss of ``tokens`` (m, b, s+1) through the pipeline, forward only, on the forward
     table ``prog`` (:func:`~jaxpar.parallel.pipeline.schedule.build_eval_schedule`): every stage
     works on its own microbatch at each tick, activations move as in training; the last virtual
@@ -761,7 +787,7 @@ def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardConte
         act_buf, loss = carry
         row = {name: column[d] for name, column in xs["per_stage"].items()}
         chunk = row["chunk"]
-        first, last = (chunk == 0) & (d == 0), (chunk == v - 1) & (d == table_p - 1)
+        first, last = _ends(chunk, table_p, v, v_shape)
         mb = jax.lax.dynamic_index_in_dim(tokens, row["microbatch"], 0, keepdims=False)
 
         def idle(loss):
@@ -769,15 +795,18 @@ def eval_loss_sum(model: Model, params: dict, tokens: jax.Array, ctx: ShardConte
 
         def forward(loss):
             x = jax.lax.dynamic_index_in_dim(act_buf, row["act_read"], 0, False)
-            layer0 = _layer0(chunk, table_p, v, blocks, ctx)
+            layer0 = _layer0(chunk, table_p, v, blocks, ctx, v_shape)
             y, stage_loss = _stage(model, shared, _chunk(blocks, chunk, v), x, mb, first, last, ctx, 1.0, layer0)
             return y, loss + stage_loss
 
         y, loss = _switch(row["kind"], [idle, _scoped(SCOPE_FORWARD, forward)], loss)
         act_buf = _store(act_buf, _send(y, xs["fwd"], prog.pairs["fwd"], "fwd"), row["act_write"])
+        if v_shape:  # chunk 1's lane, and at the V's tip the next virtual stage is on this device
+            act_buf = _store(act_buf, _send(y, xs["fwdv"], prog.pairs["fwdv"], "fwdv"), row["act_write_v"])
+            act_buf = _store(act_buf, vary(y, varying_axes(act_buf)), row["act_self"])
         return (act_buf, loss), None
 
-    xs = jax.tree.map(jnp.asarray, {"per_stage": prog.per_stage, "fwd": prog.pattern["fwd"]})
+    xs = jax.tree.map(jnp.asarray, {"per_stage": prog.per_stage, **prog.pattern})
     carry = (_zeros((prog.act_slots, *act.shape), act.dtype, act_axes), _zeros((), jnp.float32, loss_axes))
     (_, loss), _ = jax.lax.scan(tick, carry, xs)
     return jax.lax.psum(loss, AXIS)
@@ -828,5 +857,6 @@ class Pipeline:
         ctx = bind_stage_layers(ctx, self.stage_layers)
         p, v = self.table.stages, self.table.virtual_stages
         m = eval_microbatches(tokens.shape[0], p, self.table.microbatches)
-        prog = compile_program(build_eval_schedule(p, m, v))
-        return eval_loss_sum(self.model, params, tokens.reshape(m, -1, *tokens.shape[1:]), ctx, prog)
+        v_shape = v_shaped(self.table.schedule)
+        prog = compile_program(build_eval_schedule(p, m, v, v_shape))
+        return eval_loss_sum(self.model, params, tokens.reshape(m, -1, *tokens.shape[1:]), ctx, prog, v_shape)

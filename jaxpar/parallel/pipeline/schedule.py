@@ -11,10 +11,30 @@ import heapq
 
 import numpy as np
 
-from jaxpar.layout import SCHEDULES, SPLIT_BACKWARD, ParallelLayout
+from jaxpar.layout import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, ParallelLayout
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 EVAL = "forward"  # the forward-only table of pipelined evaluation (build_eval_schedule)
+EVAL_V = "forward-v"  # the same over V-placed chunks (zb-v's layers)
+
+
+def v_shaped(schedule: str) -> bool:
+    """Whether device d holds virtual stages d and 2p-1-d (zb-v) instead of d, d+p, ...."""
+    return schedule in (*V_SHAPED, EVAL_V)
+
+
+def virtual_stage(schedule: str, stages: int, chunk: int, device: int) -> int:
+    """The virtual stage of chunk ``chunk`` on ``device``: ``chunk * p + d``, or V order."""
+    if v_shaped(schedule):
+        return device if chunk == 0 else 2 * stages - 1 - device
+    return chunk * stages + device
+
+
+def device_of(schedule: str, stages: int, k: int) -> int:
+    """The device holding virtual stage ``k`` (inverse of :func:`virtual_stage`)."""
+    if v_shaped(schedule):
+        return k if k < stages else 2 * stages - 1 - k
+    return k % stages
 
 
 # --------------------------------------------------------------------------- schedule tables
@@ -23,7 +43,7 @@ EVAL = "forward"  # the forward-only table of pipelined evaluation (build_eval_s
 @dataclasses.dataclass(frozen=True)
 class Action:
     """One unit of work: forward or backward of ``microbatch`` through the stage's chunk ``chunk``
-    (virtual stage ``chunk * p + stage``)."""
+    (virtual stage ``chunk * p + stage``, or V order: :func:`virtual_stage`)."""
 
     kind: str  # "F" | "B" | "W" (with a split backward "B" is the input gradient, "W" the weights')
     microbatch: int
@@ -47,7 +67,7 @@ class ScheduleTable:
     def ticks_of(self) -> dict[tuple[str, int, int], int]:
         """(kind, microbatch, virtual stage) -> tick."""
         return {
-            (a.kind, a.microbatch, a.chunk * self.stages + d): t
+            (a.kind, a.microbatch, virtual_stage(self.schedule, self.stages, a.chunk, d)): t
             for t, row in enumerate(self.grid)
             for d, a in enumerate(row)
             if a
@@ -64,6 +84,9 @@ def _sequences(schedule: str, p: int, m: int, v: int) -> list[list[Action]]:
             fwd, bwd, warmup = [(i, 0) for i in range(m)], [(i, 0) for i in range(m)], min(p - 1 - d, m)
         elif schedule == "zb-h1":
             out.append(_zb_h1(d, p, m))
+            continue
+        elif schedule == "zb-v":
+            out.append(_zb_v(d, p, m))
             continue
         else:  # interleaved: microbatches in groups of p, chunk by chunk (backward: chunks reversed)
             fwd, bwd = [], []
@@ -98,6 +121,45 @@ def _zb_h1(d: int, p: int, m: int) -> list[Action]:
     return seq + [Action("W", j) for j in pending]
 
 
+def _zb_v(d: int, p: int, m: int) -> list[Action]:
+    """Device d of ZB-V (Qi et al. 2024, section 6): chunk 0 is virtual stage d, chunk 1 virtual
+    stage 2p-1-d, so the first and the last virtual stage share device 0. Warm-up: 2(p-d)-1
+    forwards of chunk 0, then d pairs (F chunk 1, F chunk 0), then p-d rounds of F, B, W on chunk
+    1; steady rounds of F, B, W on chunk 0 then on chunk 1; cool-down: d pairs of B (chunk 0, 1), p-d
+    rounds of B and W on chunk 0, then the W's left. Built for max(m, 2p-1) microbatches (the count
+    that fills the V), those past m dropped."""
+    n = max(m, 2 * p - 1)
+    count = {key: 0 for key in ("F0", "F1", "B0", "B1", "W0", "W1")}
+    seq: list[Action] = []
+
+    def act(kind: str, chunk: int) -> None:
+        key = f"{kind}{chunk}"
+        seq.append(Action(kind, count[key], chunk))
+        count[key] += 1
+
+    for _ in range(2 * (p - d) - 1):
+        act("F", 0)
+    for _ in range(d):
+        act("F", 1)
+        act("F", 0)
+    for _ in range(p - d):
+        act("F", 1), act("B", 1), act("W", 1)
+    while count["F1"] < count["F0"] or count["F0"] < n:
+        if count["F0"] < n:
+            act("F", 0)
+        act("B", 0), act("W", 0)
+        act("F", 1), act("B", 1), act("W", 1)
+    for _ in range(d):
+        act("B", 0), act("B", 1)
+    for _ in range(p - d):
+        act("B", 0), act("W", 0)
+    while count["W1"] < count["B1"]:
+        act("W", 1)
+    while count["W0"] < count["B0"]:
+        act("W", 0)
+    return [a for a in seq if a.microbatch < m]
+
+
 def keeps_activations(layout: ParallelLayout) -> bool:
     """Whether 1F1B / interleaved keep each in-flight microbatch's residuals for its backward
     (:mod:`~jaxpar.parallel.pipeline.stash`) instead of recomputing the stage: unless ``model.remat``
@@ -127,7 +189,9 @@ def build_schedule(schedule: str, stages: int, microbatches: int, virtual_stages
     return _simulate(schedule, _sequences(schedule, p, m, v), p, m, v)
 
 
-def build_eval_schedule(stages: int, microbatches: int, virtual_stages: int = 1) -> ScheduleTable:
+def build_eval_schedule(
+    stages: int, microbatches: int, virtual_stages: int = 1, v_shape: bool = False
+) -> ScheduleTable:
     """The forward-only table of pipelined evaluation: each stage runs its forwards in the order of
     the training schedules (with v chunks: groups of p microbatches, chunk by chunk), so microbatch
     i enters stage 0 at tick i and the stages work at once: p - 1 idle ticks per stage when m is a
@@ -136,7 +200,7 @@ def build_eval_schedule(stages: int, microbatches: int, virtual_stages: int = 1)
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"no forward schedule with stages={p} microbatches={m} virtual_stages={v}")
     order = [(i, c) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
-    return _simulate(EVAL, [[Action("F", i, c) for i, c in order] for _ in range(p)], p, m, v)
+    return _simulate(EVAL_V if v_shape else EVAL, [[Action("F", i, c) for i, c in order] for _ in range(p)], p, m, v)
 
 
 def _simulate(schedule: str, seqs: list[list[Action]], p: int, m: int, v: int) -> ScheduleTable:
@@ -149,7 +213,7 @@ def _simulate(schedule: str, seqs: list[list[Action]], p: int, m: int, v: int) -
             if pos[d] == len(seqs[d]):
                 continue
             a = seqs[d][pos[d]]
-            k = a.chunk * p + d
+            k = virtual_stage(schedule, p, a.chunk, d)
             dep = ("F", a.microbatch, k - 1) if a.kind == "F" else ("B", a.microbatch, k + 1)
             if a.kind == "B" and k == last:
                 dep = ("F", a.microbatch, k)
@@ -159,7 +223,7 @@ def _simulate(schedule: str, seqs: list[list[Action]], p: int, m: int, v: int) -
                 row[d], pos[d] = a, pos[d] + 1
         for d, a in enumerate(row):
             if a:
-                done[(a.kind, a.microbatch, a.chunk * p + d)] = t
+                done[(a.kind, a.microbatch, virtual_stage(schedule, p, a.chunk, d))] = t
         grid.append(tuple(row))
         if t > 4 * (m * v + p) + 8:  # cannot happen for the orders above: a guard against edits
             raise RuntimeError(f"schedule {schedule} p={p} m={m} v={v} deadlocked")
@@ -176,7 +240,8 @@ def expected_bubble_fraction(schedule: str, stages: int, microbatches: int, virt
     """Idle share of the table's slots: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1)
     interleaved (Narayanan et al. 2021), (p-1)/(3m+p-1) zb-h1, whose F, B and W take a slot each
     (Qi et al. 2024)."""
-    v = virtual_stages if schedule in ("interleaved", EVAL) else 3 if splits_backward(schedule) else 1
+    v = virtual_stages if schedule in ("interleaved", EVAL, EVAL_V) else 1
+    v *= 3 if splits_backward(schedule) else 1
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
@@ -223,7 +288,8 @@ class Program:
     to the backward that consumes them; the index ``act_slots`` / ``grad_slots`` (one past the last
     slot) means nothing is read or arrives (the executor keeps the buffer as is).
     ``pattern[dir]`` (ticks,) indexes ``pairs[dir]``, the distinct (src, dst) stage pairs sending
-    at a tick (``"fwd"`` activations, ``"bwd"`` gradients; pattern 0 sends nothing).
+    at a tick (``"fwd"`` activations, ``"bwd"`` gradients, and zb-v's chunk 1 in ``"fwdv"`` /
+    ``"bwdv"`` written to ``*_write_v``; pattern 0 sends nothing).
     """
 
     per_stage: dict[str, np.ndarray]
@@ -265,20 +331,24 @@ def _live_intervals(table: ScheduleTable, stash: bool = False) -> tuple[dict, di
     the split backward's frontier (after B until W)."""
     p, m, last = table.stages, table.microbatches, table.stages * table.virtual_stages - 1
     when = table.ticks_of()
+
+    def dev(k: int) -> int:
+        return device_of(table.schedule, p, k)
+
     pairs_ik = [(i, k) for i in range(m) for k in range(last + 1)]
-    if table.schedule == EVAL:  # forward only: a stage input lives until its forward, nothing else
-        return {(i, k): (k % p, when["F", i, k - 1], when["F", i, k]) for i, k in pairs_ik if k > 0}, {}, {}, {}
+    if table.schedule in (EVAL, EVAL_V):  # forward only: a stage input lives until its forward, nothing else
+        return {(i, k): (dev(k), when["F", i, k - 1], when["F", i, k]) for i, k in pairs_ik if k > 0}, {}, {}, {}
     split = splits_backward(table.schedule)
     stash = stash or split
     act = {
-        (i, k): (k % p, when["F", i, k - 1], when["F" if stash and (k < last or split) else "B", i, k])
+        (i, k): (dev(k), when["F", i, k - 1], when["F" if stash and (k < last or split) else "B", i, k])
         for i, k in pairs_ik
         if k > 0
     }
-    grad = {(i, k): (k % p, when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last}
+    grad = {(i, k): (dev(k), when["B", i, k + 1], when["B", i, k]) for i, k in pairs_ik if k < last}
     freed = "W" if split else "B"
-    kept = {(i, k): (k % p, when["F", i, k], when[freed, i, k]) for i, k in pairs_ik if stash and (k < last or split)}
-    front = {(i, k): (k % p, when["B", i, k], when["W", i, k]) for i, k in pairs_ik if split}
+    kept = {(i, k): (dev(k), when["F", i, k], when[freed, i, k]) for i, k in pairs_ik if stash and (k < last or split)}
+    front = {(i, k): (dev(k), when["B", i, k], when["W", i, k]) for i, k in pairs_ik if split}
     return act, grad, kept, front
 
 
@@ -314,18 +384,25 @@ def compile_program(table: ScheduleTable, stash: bool = False) -> Program:
     backward reads saved activations instead of recomputing the stage from its input (always with
     a split backward, whose W ticks read them too)."""
     p, ticks, last = table.stages, table.ticks, table.stages * table.virtual_stages - 1
-    split, evaluates = splits_backward(table.schedule), table.schedule == EVAL
+    split, evaluates = splits_backward(table.schedule), table.schedule in (EVAL, EVAL_V)
     stash = stash or split
     (act, n_act), (grad, n_grad), (kept, n_kept), (front, n_front) = map(_allocate, _live_intervals(table, stash))
     arr = {name: np.zeros((ticks, p), np.int32) for name in ("kind", "microbatch", "chunk")}
     for name, n in (("act", n_act), ("grad", n_grad), ("stash", n_kept), ("front", n_front)):
         arr |= {f"{name}_read": np.full((ticks, p), n, np.int32), f"{name}_write": np.full((ticks, p), n, np.int32)}
-    pairs: dict[str, list] = {"fwd": [()], "bwd": [()]}
-    pattern = {"fwd": np.zeros(ticks, np.int32), "bwd": np.zeros(ticks, np.int32)}
+    # zb-v: chunk 1's sends (the V's way back) in lanes of their own ("fwdv", "bwdv"), as a device may
+    # receive one of each chunk in a tick; at the V's tip (virtual stages p-1 and p on one device) a
+    # value is kept, not sent
+    for name, n in (("act", n_act), ("grad", n_grad)):
+        arr |= {f"{name}_self": np.full((ticks, p), n, np.int32), f"{name}_write_v": np.full((ticks, p), n, np.int32)}
+    v_lanes = v_shaped(table.schedule)
+    lanes = ("fwd", "bwd", "fwdv", "bwdv") if v_lanes else ("fwd", "bwd")
+    pairs: dict[str, list] = {lane: [()] for lane in lanes}
+    pattern = {lane: np.zeros(ticks, np.int32) for lane in lanes}
     for t, row in enumerate(table.grid):
-        sends: dict[str, list[tuple[int, int]]] = {"fwd": [], "bwd": []}
+        sends: dict[str, list[tuple[int, int]]] = {lane: [] for lane in lanes}
         for d, a in enumerate(row):
-            i, k = (a.microbatch, a.chunk * p + d) if a else (0, 0)
+            i, k = (a.microbatch, virtual_stage(table.schedule, p, a.chunk, d)) if a else (0, 0)
             if a is None or (a.kind == "F" and k == last and not (evaluates or split)):
                 continue  # without a split the last virtual stage runs its forward in its B tick
             arr["microbatch"][t, d], arr["chunk"][t, d] = i, a.chunk
@@ -335,9 +412,13 @@ def compile_program(table: ScheduleTable, stash: bool = False) -> Program:
                 arr["act_read"][t, d] = act[i, k] if k > 0 else n_act
                 if stashed:
                     arr["stash_write"][t, d] = kept[i, k]
-                if k < last:
-                    arr["act_write"][t, (k + 1) % p] = act[i, k + 1]
-                    sends["fwd"].append((d, (k + 1) % p))
+                dst = device_of(table.schedule, p, k + 1)
+                if k < last and dst == d:
+                    arr["act_self"][t, d] = act[i, k + 1]
+                elif k < last:
+                    lane = "v" if v_lanes and a.chunk == 1 else ""
+                    arr[f"act_write{'_v' if lane else ''}"][t, dst] = act[i, k + 1]
+                    sends["fwd" + lane].append((d, dst))
             elif a.kind == "B":
                 arr["kind"][t, d], arr["grad_read"][t, d] = BACKWARD, grad[i, k] if k < last else n_grad
                 arr["act_read"][t, d] = act[i, k] if k > 0 and not stashed else n_act
@@ -345,9 +426,13 @@ def compile_program(table: ScheduleTable, stash: bool = False) -> Program:
                     arr["stash_read"][t, d] = kept[i, k]
                 if split:
                     arr["front_write"][t, d] = front[i, k]
-                if k > 0:
-                    arr["grad_write"][t, (k - 1) % p] = grad[i, k - 1]
-                    sends["bwd"].append((d, (k - 1) % p))
+                dst = device_of(table.schedule, p, k - 1)
+                if k > 0 and dst == d:
+                    arr["grad_self"][t, d] = grad[i, k - 1]
+                elif k > 0:
+                    lane = "v" if v_lanes and a.chunk == 1 else ""
+                    arr[f"grad_write{'_v' if lane else ''}"][t, dst] = grad[i, k - 1]
+                    sends["bwd" + lane].append((d, dst))
             else:
                 arr["kind"][t, d] = WEIGHT
                 arr["stash_read"][t, d], arr["front_read"][t, d] = kept[i, k], front[i, k]

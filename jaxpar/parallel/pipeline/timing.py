@@ -8,7 +8,9 @@ and its input is done (communication free), as in the analysis of Qi et al. 2024
 
 * GPipe and 1F1B: (p-1)/m (Huang et al. 2019; Narayanan et al. 2021);
 * interleaved with v chunks: (p-1)/(v*m) (Narayanan et al. 2021);
-* ZB-H1: (p-1)(T_F + T_B - T_W) / (m(T_F + T_B + T_W)), (p-1)/(3m) with equal costs (Qi et al.).
+* ZB-H1: (p-1)(T_F + T_B - T_W) / (m(T_F + T_B + T_W)), (p-1)/(3m) with equal costs (Qi et al.);
+* ZB-V: close to 0 at 1F1B's activation memory when T_F = T_B = T_W (Qi et al., section 6), no formula
+  stated.
 
 Costs default to equal; :func:`timed` takes others (e.g. per-branch costs read from a compiled step).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.parallel.pipeline.schedule import EVAL, ScheduleTable, splits_backward
+from jaxpar.parallel.pipeline.schedule import EVAL, EVAL_V, ScheduleTable, splits_backward, virtual_stage
 
 EQUAL = {"F": 1.0, "B": 1.0, "W": 1.0}
 
@@ -49,7 +51,7 @@ def timed(table: ScheduleTable, costs: dict[str, float] | None = None) -> Timing
         for d in range(p):
             while pos[d] < len(order[d]):
                 a = order[d][pos[d]]
-                k = a.chunk * p + d
+                k = virtual_stage(table.schedule, p, a.chunk, d)
                 if a.kind == "F":
                     dep = ("F", a.microbatch, k - 1) if k > 0 else None
                 elif a.kind == "B":
@@ -65,7 +67,9 @@ def timed(table: ScheduleTable, costs: dict[str, float] | None = None) -> Timing
             raise RuntimeError(f"{table.schedule}: the table's orders deadlock under costs {c}")
     work = max(sum(cost[a.kind] for a in seq) for seq in order)
     makespan = max(free)
-    return Timing(makespan, work, (makespan - work) / work, _in_flight(order, split or table.schedule == EVAL))
+    return Timing(
+        makespan, work, (makespan - work) / work, _in_flight(order, split or table.schedule in (EVAL, EVAL_V))
+    )
 
 
 def _in_flight(order: list[list], split: bool) -> tuple[int, ...]:
