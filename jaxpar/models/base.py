@@ -32,7 +32,13 @@ from jaxpar.ops.remat import remat_policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Role of a top-level (non-stacked) parameter -> the pipeline stage that uses it (Megatron's placement).
-ROLE_STAGE = {"embedding": "first", "positions": "first", "final_norm": "last", "output": "last"}
+ROLE_STAGE = {
+    "embedding": "first",
+    "positions": "first",
+    "dense_layers": "first",
+    "final_norm": "last",
+    "output": "last",
+}
 
 
 @dataclasses.dataclass(frozen=True)

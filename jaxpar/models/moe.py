@@ -60,6 +60,9 @@ class MoeSettings:
     loss_scale: float = 1.0  # 1 / microbatches: the auxiliary losses are added once per microbatch
     expert_axis: str | None = None  # set when mesh.expert > 1
     token_axes: tuple[str, ...] = ()  # every axis the router's tokens are split over (for the aux statistics)
+    groups: int = 1  # group-limited routing (DeepSeek-V3 n_group): experts in this many equal groups
+    group_topk: int = 1  # only the best this many groups' experts are eligible (topk_group)
+    route_scale: float = 1.0  # the combine weights times this (DeepSeek-V3 routed_scaling_factor)
 
 
 class Experts(nnx.Module):
@@ -95,13 +98,33 @@ class Experts(nnx.Module):
             self.shared_down = param(kd, (L, shared, h), ("layers", "mlp", "embed"), out_std)
 
 
-def route(logits: jax.Array, s: MoeSettings) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits: jax.Array, s: MoeSettings, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(weights, experts, probs)`` of fp32 router ``logits`` (T, E): the ``k`` chosen experts per
-    token, their combine weights, and every expert's score (for the load-balancing loss)."""
+    token, their combine weights, and every expert's score (for the load-balancing loss).
+
+    ``bias`` (E,): added to the scores for the choice only, never to the weights (DeepSeek-V3's
+    ``e_score_correction_bias``; aux-loss-free balancing, arXiv:2412.19437 section 2.1.2). With
+    ``s.groups > 1`` the choice is group-limited: a group's score is the sum of its two best
+    (biased) scores, and only the ``s.group_topk`` best groups' experts are eligible (DeepSeek-V3;
+    HF ``DeepseekV3TopkRouter``). The weights are then times ``s.route_scale``."""
     probs = jax.nn.softmax(logits, axis=-1) if s.score == "softmax" else jax.nn.sigmoid(logits)
-    weights, experts = jax.lax.top_k(probs, s.top_k)
+    choice = probs if bias is None else probs + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if s.groups > 1:
+        t, e = choice.shape
+        grouped = choice.reshape(t, s.groups, e // s.groups)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # (T, groups)
+        best = jax.lax.top_k(group_score, s.group_topk)[1]
+        allowed = jnp.sum(jax.nn.one_hot(best, s.groups, dtype=jnp.int32), axis=1) > 0
+        choice = jnp.where(jnp.repeat(allowed, e // s.groups, axis=1), choice, -jnp.inf)
+    if bias is None and s.groups == 1:
+        weights, experts = jax.lax.top_k(probs, s.top_k)
+    else:
+        experts = jax.lax.top_k(choice, s.top_k)[1]
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if s.norm_topk:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if s.route_scale != 1.0:
+        weights = weights * s.route_scale
     return weights, experts, probs
 
 
@@ -236,7 +259,7 @@ def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gath
     """
     b, sl, hd = h_local.shape
     logits = router_logits(h_local.reshape(b * sl, hd), p["router"])
-    weights, experts, probs = route(logits, s)
+    weights, experts, probs = route(logits, s, p.get("expert_bias"))
     if s.aux_loss_coeff or s.z_loss_coeff:
         weights = add_loss_gradient(weights, aux_loss(logits, probs, experts, s), s.loss_scale)
     h = gather_seq(h_local)
