@@ -15,8 +15,9 @@ from jaxpar.config import default_config
 
 def get_config():
     c = default_config()
-    c.mesh.data, c.mesh.expert, c.mesh.pipeline = 16, 64, 16
-    c.parallel.zero_stage = 1
+    # 2048 GPUs as the paper's run, without its 16 pipeline stages (61 layers: pipeline must divide them)
+    c.mesh.data, c.mesh.expert = 32, 64
+    c.parallel.zero_stage = 3
     m = c.model
     m.name = "deepseek_v3"
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads = 129280, 7168, 61, 128
@@ -28,7 +29,7 @@ def get_config():
     m.router_bias_rate = 0.001  # the paper's bias update speed for the first 14.3T tokens
     m.first_dense_layers, m.norm_eps, m.rope_theta = 3, 1e-6, 10000.0
     m.max_seq_len, m.remat = 4096, "full"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 15360, 64
+    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 4096, 2  # the paper: 15360
     c.train.steps, c.train.workdir = 1000000, "runs/deepseek_v3_671b"
     c.optim.lr, c.optim.warmup_steps = 2.2e-4, 2000
     c.data.source, c.data.token_dtype, c.data.path = "bin", "uint32", "tokens.bin"
