@@ -21,6 +21,7 @@ def get_config():
     m = c.model
     m.name = "deepseek_v3"
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads = 129280, 7168, 61, 128
+    m.num_kv_heads, m.head_dim = 128, 192  # MLA: one key per head, of the query-key dim 128 + 64
     m.mlp_dim, m.moe_mlp_dim, m.shared_expert_dim = 18432, 2048, 2048
     m.q_lora_rank, m.kv_lora_rank = 1536, 512
     m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 128, 64, 128

@@ -16,6 +16,7 @@ def get_config():
     m = c.model
     m.name = "deepseek_v3"
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads = 256, 128, 4, 4
+    m.num_kv_heads, m.head_dim = 4, 24  # MLA: one key per head, of the query-key dim 16 + 8
     m.mlp_dim, m.moe_mlp_dim, m.shared_expert_dim = 192, 64, 64
     m.q_lora_rank, m.kv_lora_rank = 32, 32
     m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 16, 8, 16

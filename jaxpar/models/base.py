@@ -161,6 +161,11 @@ class Model(abc.ABC):
         """Shapes and dtypes of :meth:`init` (``jax.eval_shape``: nothing allocated)."""
         return jax.eval_shape(self.init, jax.random.key(0))
 
+    def layer_stacks(self) -> dict[str, int]:
+        """Every subtree whose leaves stack layers on their first dim, with the model-order index of
+        its layer 0 (HF's ``{i}``): the scanned subtree at 0 unless a family has more."""
+        return {self.stacked: 0}
+
     # ------------------------------------------------------------------ forward (shard-local)
     @abc.abstractmethod
     def context(self, **parallel: Any) -> ShardContext:

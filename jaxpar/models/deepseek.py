@@ -198,19 +198,15 @@ def _stack(name: str, tensors: tuple[HFTensor, ...]) -> tuple[HFTensor, ...]:
     return tuple(dataclasses.replace(t, path=(name, *t.path[1:])) for t in tensors)
 
 
-def _attention_tensors(q_lora: bool) -> tuple[HFTensor, ...]:
+def _attention_tensors() -> tuple[HFTensor, ...]:
+    """MLA's tensors, with both query forms (q_lora_rank > 0: q_a / q_b; 0: q_proj)."""
     q = (
-        (
-            HFTensor(("blocks", "attn", "wq_a"), _A + "q_a_proj.weight", "transpose", "(q_lora_rank, embed_dim)"),
-            HFTensor(("blocks", "attn", "q_norm", "scale"), _A + "q_a_layernorm.weight", "copy", "(q_lora_rank,)"),
-            HFTensor(
-                ("blocks", "attn", "wq_b"), _A + "q_b_proj.weight", "heads_in", "(num_heads*qk_head_dim, q_lora_rank)"
-            ),
-        )
-        if q_lora
-        else (
-            HFTensor(("blocks", "attn", "wq"), _A + "q_proj.weight", "heads_in", "(num_heads*qk_head_dim, embed_dim)"),
-        )
+        HFTensor(("blocks", "attn", "wq_a"), _A + "q_a_proj.weight", "transpose", "(q_lora_rank, embed_dim)"),
+        HFTensor(("blocks", "attn", "q_norm", "scale"), _A + "q_a_layernorm.weight", "copy", "(q_lora_rank,)"),
+        HFTensor(
+            ("blocks", "attn", "wq_b"), _A + "q_b_proj.weight", "heads_in", "(num_heads*qk_head_dim, q_lora_rank)"
+        ),
+        HFTensor(("blocks", "attn", "wq"), _A + "q_proj.weight", "heads_in", "(num_heads*qk_head_dim, embed_dim)"),
     )
     return (
         *q,
@@ -256,14 +252,14 @@ def _dense_tensors() -> tuple[HFTensor, ...]:
     )
 
 
-def hf_map(q_lora: bool) -> HFMap:
+def hf_map() -> HFMap:
     """The HF ``DeepseekV3ForCausalLM`` tensors; ``{i}`` counts the dense layers first."""
     ends = tuple(t for t in llama.HF_LLAMA.tensors if t.path[0] != "blocks")
     return HFMap(
         tensors=(
             *ends,
-            *_stack("dense_blocks", (*_attention_tensors(q_lora), *_dense_tensors())),
-            *_attention_tensors(q_lora),
+            *_stack("dense_blocks", (*_attention_tensors(), *_dense_tensors())),
+            *_attention_tensors(),
             *_moe_tensors(),
         ),
         config_fields=(
@@ -288,7 +284,7 @@ def hf_map(q_lora: bool) -> HFMap:
     )
 
 
-HF_DEEPSEEK_V3 = hf_map(True)
+HF_DEEPSEEK_V3 = hf_map()
 
 
 # --------------------------------------------------------------------------- the interface
@@ -314,11 +310,26 @@ class DeepseekModel(llama.LlamaModel):
                 f"model.num_experts={cfg.num_experts}, model.kv_lora_rank={cfg.kv_lora_rank}: model.name=deepseek_v3 "
                 "is MLA with experts; set both (DeepSeek-V3: 256 and 512), e.g. --config configs/tiny_deepseek_v3.py"
             )
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if (cfg.num_kv_heads, cfg.head_dim) != (cfg.num_heads, qk):
+            raise ConfigError(
+                f"model.num_kv_heads={cfg.num_kv_heads}, model.head_dim={cfg.head_dim}: MLA has one key per head of "
+                f"the query-key dim; set --config.model.num_kv_heads={cfg.num_heads} --config.model.head_dim={qk}"
+            )
+        if cfg.shared_expert_dim % cfg.moe_mlp_dim:
+            raise ConfigError(
+                f"model.shared_expert_dim={cfg.shared_expert_dim}: DeepSeek's shared experts are whole experts; "
+                f"use a multiple of model.moe_mlp_dim={cfg.moe_mlp_dim}"
+            )
         if not 0 <= cfg.first_dense_layers < cfg.num_layers:
             raise ConfigError(
                 f"model.first_dense_layers={cfg.first_dense_layers}: use 0 to model.num_layers-1="
                 f"{cfg.num_layers - 1} (DeepSeek-V3: 3 of 61)"
             )
+
+    def layer_stacks(self) -> dict[str, int]:
+        k = self.cfg.first_dense_layers
+        return {"dense_blocks": 0, "blocks": k} if k else {"blocks": 0}
 
     def init(self, key: jax.Array) -> dict:
         _, state = nnx.split(DeepseekV3(self.cfg, nnx.Rngs(params=key)))
