@@ -133,12 +133,17 @@ class ShardContext(llama.ShardContext):
     router_groups: int = 1
     router_group_topk: int = 1
     router_scale: float = 1.0
+    router_bias_rate: float = 0.0
 
     @property
     def moe(self) -> moe.MoeSettings:
         """LLaMA's MoE settings with group-limited routing and the route scale."""
         return dataclasses.replace(
-            super().moe, groups=self.router_groups, group_topk=self.router_group_topk, route_scale=self.router_scale
+            super().moe,
+            groups=self.router_groups,
+            group_topk=self.router_group_topk,
+            route_scale=self.router_scale,
+            bias_rate=self.router_bias_rate,
         )
 
 
@@ -360,6 +365,7 @@ class DeepseekModel(llama.LlamaModel):
             router_groups=m.router_groups,
             router_group_topk=m.router_group_topk,
             router_scale=m.router_scale,
+            router_bias_rate=m.router_bias_rate,
         )
 
     def embed(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:

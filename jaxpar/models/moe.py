@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,7 @@ class MoeSettings:
     groups: int = 1  # group-limited routing (DeepSeek-V3 n_group): experts in this many equal groups
     group_topk: int = 1  # only the best this many groups' experts are eligible (topk_group)
     route_scale: float = 1.0  # the combine weights times this (DeepSeek-V3 routed_scaling_factor)
+    bias_rate: float = 0.0  # aux-loss-free balancing: the bias's "gradient" is its load statistic
 
 
 class Experts(nnx.Module):
@@ -160,6 +162,58 @@ def _with_loss_bwd(weight, loss, g):
 
 
 _with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+@jax.custom_vjp
+def _with_load(x: jax.Array, bias: jax.Array, excess: jax.Array) -> jax.Array:
+    return x
+
+
+def _with_load_fwd(x, bias, excess):
+    return x, excess
+
+
+def _with_load_bwd(excess, g):
+    return g, excess, jnp.zeros_like(excess)
+
+
+_with_load.defvjp(_with_load_fwd, _with_load_bwd)
+
+
+def with_load_statistic(weights: jax.Array, bias: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+    """``weights`` unchanged; in the backward pass ``bias`` receives, instead of a gradient, how
+    many more of this shard's choices each expert got than the mean (``count_e - T*k/E``). Summed
+    over microbatches and the data-parallel reduction it is the step's ``load - mean load``, which
+    the train step takes out of the gradients (:func:`take_balance`), so the optimizer never sees it."""
+    counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))
+    excess = counts - experts.shape[0] * experts.shape[1] / num_experts
+    return _with_load(weights, bias, excess.astype(bias.dtype))
+
+
+BIAS_PATH = ("moe", "expert_bias")
+
+
+def take_balance(grads: dict, stacked: str) -> tuple[dict, Any]:
+    """``(grads with the expert-bias entry zeroed, that entry)``: the load statistics of
+    :func:`with_load_statistic` (None where the tree has no expert bias)."""
+    moe_grads = grads.get(stacked, {}).get(BIAS_PATH[0], {})
+    if BIAS_PATH[1] not in moe_grads:
+        return grads, None
+    excess = moe_grads[BIAS_PATH[1]]
+    zeroed = {**grads, stacked: {**grads[stacked], "moe": {**moe_grads, "expert_bias": jnp.zeros_like(excess)}}}
+    return zeroed, excess
+
+
+def apply_balance(params: dict, excess: Any, stacked: str, rate: float, ok: jax.Array) -> dict:
+    """Aux-loss-free balancing (DeepSeek-V3, arXiv:2412.19437 section 2.1.2; torchtitan's
+    ``load_balance_coeff``): ``bias += rate * sign(mean load - load)``, outside the optimizer;
+    unchanged on a skipped step."""
+    if excess is None:
+        return params
+    moe_params = params[stacked]["moe"]
+    bias = moe_params["expert_bias"]
+    new = jnp.where(ok, bias - rate * jnp.sign(excess).astype(bias.dtype), bias)
+    return {**params, stacked: {**params[stacked], "moe": {**moe_params, "expert_bias": new}}}
 
 
 def add_loss_gradient(x: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
@@ -260,6 +314,8 @@ def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gath
     b, sl, hd = h_local.shape
     logits = router_logits(h_local.reshape(b * sl, hd), p["router"])
     weights, experts, probs = route(logits, s, p.get("expert_bias"))
+    if s.bias_rate and "expert_bias" in p:
+        weights = with_load_statistic(weights, p["expert_bias"], experts, s.num_experts)
     if s.aux_loss_coeff or s.z_loss_coeff:
         weights = add_loss_gradient(weights, aux_loss(logits, probs, experts, s), s.loss_scale)
     h = gather_seq(h_local)
