@@ -474,29 +474,10 @@ def _validate_moe(mo: ConfigDict) -> None:
         )
 
 
-DEEPSEEK_FIELDS = (
-    ("q_lora_rank", 0),
-    ("kv_lora_rank", 0),
-    ("qk_nope_head_dim", 0),
-    ("qk_rope_head_dim", 0),
-    ("v_head_dim", 0),
-    ("first_dense_layers", 0),
-    ("moe_mlp_dim", 0),
-    ("router_groups", 1),
-    ("router_group_topk", 1),
-    ("router_scale", 1.0),
-    ("router_bias_rate", 0.0),
-)
-
-
 def _validate_deepseek(mo: ConfigDict) -> None:
-    """MLA and DeepSeekMoE fields: only ``deepseek_v3`` reads them; their domains there."""
+    """The domains of the MLA and DeepSeekMoE fields (set elsewhere they are refused by
+    :mod:`jaxpar.acts`: only ``deepseek_v3`` reads them)."""
     if mo.name != "deepseek_v3":
-        for field, inert in DEEPSEEK_FIELDS:
-            require(
-                mo[field] == inert,
-                f"model.{field}={mo[field]}: acts only with model.name=deepseek_v3; remove it or set it to {inert}",
-            )
         return
     for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_mlp_dim"):
         require(1 <= mo[field] <= MAX_DIM, f"model.{field}={mo[field]}: model.name=deepseek_v3 needs a width >= 1")

@@ -107,7 +107,10 @@ def test_group_limited_routing_with_bias():
         (["--config.model.v_head_dim=40"], "model.v_head_dim=40: use at most"),
         (["--config.model.router_score=softmax"], "model.name=deepseek_v3 needs model.router_score='sigmoid'"),
         (["--config.model.first_dense_layers=4"], "model.first_dense_layers=4: use 0 to"),
-        (["--config.model.name=mixtral"], "model.q_lora_rank=32: acts only with model.name=deepseek_v3"),
+        (
+            ["--config.model.name=mixtral"],
+            "model.q_lora_rank=32 has no effect here: it acts only when model.name = deepseek_v3",
+        ),
     ],
 )
 def test_bad_deepseek_config_is_one_line(overrides, message):
