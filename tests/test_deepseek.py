@@ -105,7 +105,7 @@ def test_group_limited_routing_with_bias():
     [
         (["--config.model.router_groups=3"], "model.router_groups=3: use a divisor of model.num_experts=8"),
         (["--config.model.v_head_dim=40"], "model.v_head_dim=40: use at most"),
-        (["--config.model.router_score=softmax"], "model.name=deepseek_v3 needs model.router_score='sigmoid'"),
+        (["--config.model.qk_norm=true"], "model.name=deepseek_v3 needs model.qk_norm=False"),
         (["--config.model.first_dense_layers=4"], "model.first_dense_layers=4: use 0 to"),
         (
             ["--config.model.name=mixtral"],

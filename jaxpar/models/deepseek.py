@@ -21,7 +21,8 @@ after the token embedding, so the scanned ``blocks`` stay homogeneous; under pip
 parallelism they belong to the first stage with the embedding. Their stacked dim is named
 ``dense_layers`` (not split over ``pipeline``).
 
-**Routing** (:func:`jaxpar.models.moe.route`): sigmoid scores plus ``expert_bias`` choose, the
+**Routing** (:func:`jaxpar.models.moe.route`): sigmoid (DeepSeek-V3; softmax: torchtitan's 16B
+flavor, DeepSeekMoE 16B) scores plus ``expert_bias`` choose, the
 unbiased scores weigh (renormalised when ``router_norm_topk``, times ``router_scale``). The bias
 is a parameter the loss does not differentiate; the aux-loss-free balancing of the paper (section
 2.1.2) moves it outside the optimizer (:mod:`jaxpar.models.moe`).
@@ -49,7 +50,6 @@ DEEPSEEK_BLOCK = (
     ("mlp_activation", "swiglu"),
     ("position", "rope"),
     ("qk_norm", False),
-    ("router_score", "sigmoid"),
     ("rope_scaling", "none"),
 )
 
@@ -284,7 +284,7 @@ def hf_map() -> HFMap:
             ("qk_rope_head_dim", "qk_rope_head_dim"),
             ("v_head_dim", "v_head_dim"),
         ),
-        requires=DEEPSEEK_BLOCK,
+        requires=(*DEEPSEEK_BLOCK, ("router_score", "sigmoid")),
         label="HF DeepSeek-V3",
     )
 
