@@ -42,7 +42,6 @@ from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.models import base, llama, moe
 from jaxpar.models.base import DTYPES, HFMap, HFTensor, require_settings
 from jaxpar.ops import context_parallel, dropout
-from jaxpar.ops.matmul import dense
 
 LATENT_NORM_EPS = 1e-6  # HF DeepseekV3RMSNorm's default, which q_a_layernorm / kv_a_layernorm use
 DEEPSEEK_BLOCK = (
@@ -157,11 +156,13 @@ def _attention(x: jax.Array, a: dict, positions: jax.Array, ctx: ShardContext) -
     dt = DTYPES[ctx.compute_dtype]
     nope, dv = ctx.qk_nope_head_dim, ctx.v_head_dim
     if "wq_a" in a:  # the latent is computed on this rank's tokens, then gathered (module docstring)
-        cq = llama.rms_norm(dense(x, a["wq_a"].astype(dt)), a["q_norm"]["scale"], LATENT_NORM_EPS)
+        # einsum, not ops.matmul.dense: under sequence parallelism x varies over tensor and the
+        # replicated weight's gradient must be summed over it, which JAX's own transpose does
+        cq = llama.rms_norm(jnp.einsum("bsh,hr->bsr", x, a["wq_a"].astype(dt)), a["q_norm"]["scale"], LATENT_NORM_EPS)
         q = jnp.einsum("bsr,rnd->bsnd", llama.gather_seq(cq, ctx), a["wq_b"].astype(dt))
     else:
         q = jnp.einsum("bsh,hnd->bsnd", llama.gather_seq(x, ctx), a["wq"].astype(dt))
-    ckv = dense(x, a["wkv_a"].astype(dt))
+    ckv = jnp.einsum("bsh,hr->bsr", x, a["wkv_a"].astype(dt))
     rank = a["kv_norm"]["scale"].shape[-1]
     c = llama.rms_norm(ckv[..., :rank], a["kv_norm"]["scale"], LATENT_NORM_EPS)
     ckv = llama.gather_seq(jnp.concatenate([c, ckv[..., rank:]], axis=-1), ctx)

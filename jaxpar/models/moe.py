@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.axes import group_axes
+from jaxpar.compat import vary, varying_axes
 from jaxpar.ops.matmul import dense
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -187,6 +188,10 @@ def with_load_statistic(weights: jax.Array, bias: jax.Array, experts: jax.Array,
     the train step takes out of the gradients (:func:`take_balance`), so the optimizer never sees it."""
     counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))
     excess = counts - experts.shape[0] * experts.shape[1] / num_experts
+    # under sequence parallelism each tensor rank routed its own tokens: their counts add up; the
+    # statistic then varies over the axes the bias does (the custom VJP's type rule)
+    extra = tuple(sorted(varying_axes(excess) - varying_axes(bias)))
+    excess = vary(jax.lax.psum(excess, extra) if extra else excess, varying_axes(bias))
     return _with_load(weights, bias, excess.astype(bias.dtype))
 
 
