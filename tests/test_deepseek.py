@@ -139,15 +139,16 @@ def test_load_statistic_is_the_bias_gradient_and_the_update_is_its_sign():
     assert float(jnp.abs(same["blocks"]["moe"]["expert_bias"]).max()) == 0.0
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.001])
+@pytest.mark.parametrize("rate", [pytest.param(0.0, marks=pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1")), 0.001])
 def test_bias_moves_only_by_the_rate_outside_the_optimizer(rate):
     """One device, 3 steps: with rate 0 the bias stays 0 (no gradient, no decay reaches it); else
-    every entry is a multiple of the rate, and some moved."""
+    every entry is a whole multiple of the rate (to 1e-5 of it: an Adam step of the statistic, or
+    weight decay, would be off by far more), and some moved."""
     one = ("--config.mesh.data=1", "--config.mesh.expert=1")
     params = one_device()[2] if rate else train(*one, "--config.model.router_bias_rate=0")[2]
     bias = np.asarray(params["blocks"]["moe"]["expert_bias"])
     if rate == 0:
         assert np.abs(bias).max() == 0.0
     else:
-        np.testing.assert_allclose(bias / rate, np.round(bias / rate), atol=1e-4)
+        np.testing.assert_allclose(bias / rate, np.round(bias / rate), rtol=0, atol=1e-5)
         assert np.abs(bias).max() >= rate
