@@ -230,6 +230,11 @@ class ParallelLayout:
                 f"choose a tensor size that divides {model[name]}",
             )
         require(
+            self.pipeline == 1 or not model.get("first_dense_layers", 0),
+            f"model.first_dense_layers={model.get('first_dense_layers')} with mesh.pipeline={self.pipeline}: "
+            "deepseek_v3's dense first layers are not placed on pipeline stages yet; use mesh.pipeline=1",
+        )
+        require(
             model["num_layers"] % self.stages == 0,
             f"model.num_layers={model['num_layers']} is not divisible by mesh.pipeline*pipeline.virtual_stages="
             f"{self.stages}; choose a pipeline size that divides the layers",

@@ -107,6 +107,7 @@ def test_group_limited_routing_with_bias():
         (["--config.model.v_head_dim=40"], "model.v_head_dim=40: use at most"),
         (["--config.model.qk_norm=true"], "model.name=deepseek_v3 needs model.qk_norm=False"),
         (["--config.model.first_dense_layers=4"], "model.first_dense_layers=4: use 0 to"),
+        (["--config.mesh.pipeline=2", "--config.mesh.expert=2"], "model.first_dense_layers=1 with mesh.pipeline=2"),
         (
             ["--config.model.name=mixtral"],
             "model.q_lora_rank=32 has no effect here: it acts only when model.name = deepseek_v3",

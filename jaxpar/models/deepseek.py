@@ -17,9 +17,9 @@ output projection is row-parallel, reduced over ``tensor`` like LLaMA's. The val
 after.
 
 **Dense first layers** are a second stack (``dense_blocks``), run by :meth:`DeepseekModel.embed`
-after the token embedding, so the scanned ``blocks`` stay homogeneous; under pipeline
-parallelism they belong to the first stage with the embedding. Their stacked dim is named
-``dense_layers`` (not split over ``pipeline``).
+after the token embedding, so the scanned ``blocks`` stay homogeneous (their role is the first
+stage's, but pipeline parallelism with them is refused by :mod:`jaxpar.layout` for now). Their
+stacked dim is named ``dense_layers`` (never split over ``pipeline``).
 
 **Routing** (:func:`jaxpar.models.moe.route`): sigmoid (DeepSeek-V3; softmax: torchtitan's 16B
 flavor, DeepSeekMoE 16B) scores plus ``expert_bias`` choose, the
