@@ -48,6 +48,9 @@ LAYOUTS = [
 ]
 SLOW_LAYOUTS = [
     ("e2_d2_zero3", ["--config.mesh.data=2", "--config.mesh.expert=2", "--config.parallel.zero_stage=3"]),
+    # ZeRO-1 and 2: the bias is sharded over data x expert in the optimizer, stored whole
+    ("e2_d2_zero1", ["--config.mesh.data=2", "--config.mesh.expert=2", "--config.parallel.zero_stage=1"]),
+    ("e2_d2_zero2", ["--config.mesh.data=2", "--config.mesh.expert=2", "--config.parallel.zero_stage=2"]),
     (
         "e2_t2_d2_sp",
         [

@@ -215,6 +215,9 @@ class StepBuilder:
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
         grads, balance = moe.take_balance(grads, self.model.stacked)
+        if balance is not None:  # ZeRO-1/2: the statistic is this shard's, the bias stored whole
+            lay = self.placements[self.model.stacked]["moe"]["expert_bias"]
+            balance = zero.gather_update(balance, lay) if zero.shards_locally(lay) else balance
         new_params, mu, nu = self._adamw(params, grads, opt_state, lr, ok)
         new_params = moe.apply_balance(new_params, balance, self.model.stacked, self._bias_rate, ok)
         new_state = {"count": jnp.where(ok, step + 1, step), "mu": mu, "nu": nu}
