@@ -122,6 +122,23 @@ CONDITIONS: dict[str, Condition] = {
         ("model.compute_dtype", "train.loss_scale.static", "train.loss_scale.rule"),
         lambda c: _dynamic_loss_scale(c) and c.train.loss_scale.rule == "deepspeed",
     ),
+    # MLA and DeepSeekMoE routing: read by the deepseek_v3 family only (jaxpar.models.deepseek)
+    **{
+        f"model.{name}": Condition("model.name = deepseek_v3", ("model.name",), lambda c: c.model.name == "deepseek_v3")
+        for name in (
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "first_dense_layers",
+            "moe_mlp_dim",
+            "router_groups",
+            "router_group_topk",
+            "router_scale",
+            "router_bias_rate",
+        )
+    },
     "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     **{

@@ -101,6 +101,18 @@ def default_config() -> ConfigDict:
     c.model.shared_expert_dim = 0  # width of a shared expert every token runs through; 0: none
     c.model.moe_dispatch = "grouped"  # grouped (ragged_dot over the routed tokens) | dense (every expert, every token)
     c.model.moe_capacity_factor = 0.0  # 0: dropless; else per-expert capacity per sequence (token dropping)
+    # DeepSeek-V3 (model.name=deepseek_v3 only; jaxpar.models.deepseek): MLA, DeepSeekMoE routing
+    c.model.q_lora_rank = 0  # query latent width; 0: a full-rank query projection
+    c.model.kv_lora_rank = 0  # key/value latent width (MLA); 0: no MLA
+    c.model.qk_nope_head_dim = 0  # per-head query/key dims without RoPE
+    c.model.qk_rope_head_dim = 0  # per-head query/key dims with RoPE (one shared rotary key)
+    c.model.v_head_dim = 0  # per-head value dims
+    c.model.first_dense_layers = 0  # the first layers have a dense MLP of mlp_dim (first_k_dense_replace)
+    c.model.moe_mlp_dim = 0  # expert width of deepseek_v3 (moe_intermediate_size)
+    c.model.router_groups = 1  # group-limited routing: experts in this many groups (n_group)
+    c.model.router_group_topk = 1  # only the best this many groups are eligible (topk_group)
+    c.model.router_scale = 1.0  # combine weights times this (routed_scaling_factor)
+    c.model.router_bias_rate = 0.0  # aux-loss-free balancing: bias += rate * sign(mean load - load) per step
 
     c.optim = ConfigDict()
     c.optim.name = "adamw"  # adamw | lion | sgd | adafactor | muon | path/to/file.py:fn (jaxpar.optim.registry)
@@ -447,6 +459,7 @@ def _validate_moe(mo: ConfigDict) -> None:
     """The MoE fields' domains (with ``num_experts=0`` the others have no effect: :mod:`jaxpar.acts`)."""
     require(0 <= mo.num_experts <= MAX_DIM, f"model.num_experts={mo.num_experts}: use 0 (dense) or a count >= 2")
     require(mo.num_experts != 1, "model.num_experts=1 is a dense MLP with a router; use 0 (dense) or >= 2 experts")
+    _validate_deepseek(mo)
     if not mo.num_experts:
         return
     require(
@@ -473,11 +486,48 @@ def _validate_moe(mo: ConfigDict) -> None:
         )
 
 
+def _validate_deepseek(mo: ConfigDict) -> None:
+    """The domains of the MLA and DeepSeekMoE fields (set elsewhere they are refused by
+    :mod:`jaxpar.acts`: only ``deepseek_v3`` reads them)."""
+    if mo.name != "deepseek_v3":
+        return
+    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_mlp_dim"):
+        require(1 <= mo[field] <= MAX_DIM, f"model.{field}={mo[field]}: model.name=deepseek_v3 needs a width >= 1")
+    require(0 <= mo.q_lora_rank <= MAX_DIM, f"model.q_lora_rank={mo.q_lora_rank}: use 0 (full rank) or a width")
+    require(mo.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={mo.qk_rope_head_dim}: RoPE needs an even dim")
+    qk = mo.qk_nope_head_dim + mo.qk_rope_head_dim
+    require(
+        mo.v_head_dim <= qk,
+        f"model.v_head_dim={mo.v_head_dim}: use at most qk_nope_head_dim + qk_rope_head_dim = {qk}",
+    )
+    E = max(mo.num_experts, 1)
+    require(
+        mo.router_groups >= 1 and E % mo.router_groups == 0 and (mo.router_groups == 1 or E // mo.router_groups >= 2),
+        f"model.router_groups={mo.router_groups}: use a divisor of model.num_experts={E} leaving >= 2 experts a group",
+    )
+    require(
+        1 <= mo.router_group_topk <= mo.router_groups,
+        f"model.router_group_topk={mo.router_group_topk}: use 1 to model.router_groups={mo.router_groups}",
+    )
+    require(
+        mo.router_group_topk * (E // mo.router_groups) >= mo.experts_per_token,
+        f"model.router_group_topk={mo.router_group_topk}: the eligible groups hold fewer than "
+        f"model.experts_per_token={mo.experts_per_token} experts; raise it",
+    )
+    for name in ("router_scale", "router_bias_rate"):
+        require(math.isfinite(mo[name]) and mo[name] >= 0, f"model.{name}={mo[name]}: use a finite value >= 0")
+    require(mo.router_scale > 0, f"model.router_scale={mo.router_scale}: use a value > 0 (DeepSeek-V3: 2.5)")
+    for name in ("dropout", "attention_dropout"):
+        require(
+            not mo.get(name, 0.0), f"model.{name}={mo.get(name)}: model.name=deepseek_v3 trains without dropout; set 0"
+        )
+
+
 def _rough_param_count(mo: ConfigDict) -> int:
     """Parameters of a decoder of these sizes, to within norms and biases: enough to refuse what no
     cluster could hold without importing the model (the exact count: ``jaxpar.models.inventory``)."""
     attention = mo.embed_dim * mo.head_dim * (2 * mo.num_heads + 2 * mo.num_kv_heads)
-    mlp = 3 * mo.embed_dim * (mo.mlp_dim * max(mo.num_experts, 1) + mo.shared_expert_dim)
+    mlp = 3 * mo.embed_dim * ((mo.moe_mlp_dim or mo.mlp_dim) * max(mo.num_experts, 1) + mo.shared_expert_dim)
     return mo.num_layers * (attention + mlp) + 2 * mo.vocab_size * mo.embed_dim
 
 

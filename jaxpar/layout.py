@@ -268,6 +268,11 @@ class ParallelLayout:
                 f"model.{name}={model[name]} is not divisible by mesh.tensor={self.tensor}; "
                 f"choose a tensor size that divides {model[name]}",
             )
+        require(
+            self.pipeline == 1 or not model.get("first_dense_layers", 0),
+            f"model.first_dense_layers={model.get('first_dense_layers')} with mesh.pipeline={self.pipeline}: "
+            "deepseek_v3's dense first layers are not placed on pipeline stages yet; use mesh.pipeline=1",
+        )
         self._validate_stage_layers(model["num_layers"])
         require(
             self.seq_len <= model["max_seq_len"],

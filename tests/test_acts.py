@@ -20,6 +20,13 @@ from tests.helpers import ROOT, make_setup, tiny_config
 D8 = ["--config.mesh.data=8", "--config.mesh.tensor=1"]  # no tensor, context or pipeline axis
 BLOCKWISE = ["--config.model.attention=blockwise"]
 FP16 = ["--config.model.compute_dtype=float16"]
+DEEPSEEK = [
+    "--config.model.name=deepseek_v3",
+    "--config.model.num_experts=4",
+    "--config.model.router_score=sigmoid",
+    *(f"--config.model.{f}=16" for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")),
+    "--config.model.moe_mlp_dim=32",
+]
 # field -> (a value away from the default, overrides where it cannot act, overrides where it acts)
 CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "parallel.sequence_parallel": ("True", D8, []),
@@ -73,6 +80,22 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
             ("min_scale", "2.0"),
             ("rule", "megatron"),
             ("consecutive_hysteresis", "True"),
+        )
+    },
+    **{
+        f"model.{name}": (value, [], [*DEEPSEEK, *extra])
+        for name, value, extra in (
+            ("q_lora_rank", "16", []),
+            ("kv_lora_rank", "8", []),
+            ("qk_nope_head_dim", "8", []),
+            ("qk_rope_head_dim", "8", []),
+            ("v_head_dim", "8", []),
+            ("first_dense_layers", "1", []),
+            ("moe_mlp_dim", "16", []),
+            ("router_groups", "2", []),
+            ("router_group_topk", "2", ["--config.model.router_groups=2"]),
+            ("router_scale", "2.5", []),
+            ("router_bias_rate", "0.001", []),
         )
     },
     "pipeline.schedule": (

@@ -84,10 +84,11 @@ def _toml(tmp_path, name: str, flavor: str, extra: str = "") -> str:
 def test_torchtitan_moe_family_is_refused_before_the_world_size(capsys):
     fixture = str(TT / "deepseek_v3_moe_ep8.toml")
     err = refused(capsys, "torchtitan", fixture)  # no --world-size needed to learn that it cannot port
-    assert "model.name = deepseek_v3: a mixture-of-experts model unlike jaxpar's MoE" in err
-    assert "shared experts" in err and "pass --approximate" in err
-    out = approximated(capsys, "torchtitan", fixture, "--world-size", "16", first=("model.name",))
-    assert "jaxpar's default model would be trained" in out
+    # the 16B flavor is model.name=deepseek_v3; only its document-masked attention keeps it from porting
+    assert "(attention mask) = block_causal: flavor 16B masks attention at document boundaries" in err
+    assert "pass --approximate" in err
+    out = approximated(capsys, "torchtitan", fixture, "--world-size", "16", first=("(attention mask)",))
+    assert "model.flavor = 16B -> model.*" in out
     err = refused(capsys, "torchtitan", str(TT / "llama4_moe_pp4_tp8.toml"), "--world-size", "64")
     assert "model.name = llama4" in err and "shared expert" in err  # not the toy model's heads
 

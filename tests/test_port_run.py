@@ -151,7 +151,7 @@ REFUSED = {
     "megatron/sweep_CONFIG.args": "--add-bias-linear (default) = true",
     "megatron/bloom_style_104b_slurm.args": "--position-embedding-type = alibi",
     "torchtitan/llama4_moe_pp4_tp8.toml": "model.name = llama4: a mixture-of-experts model",
-    "torchtitan/deepseek_v3_moe_ep8.toml": "model.name = deepseek_v3: a mixture-of-experts model",
+    "torchtitan/deepseek_v3_moe_ep8.toml": "(attention mask) = block_causal",
 }
 MAXTEXT_PRESETS = ("fsdp8", "fsdp4_tp2", "dp2_tp2_pp2")  # configs/maxtext_tiny.py:<preset>, beyond its default
 SPECS = [*sorted(p.name for p in (ROOT / "configs").glob("*.py")), *(f"maxtext_tiny.py:{p}" for p in MAXTEXT_PRESETS)]
@@ -203,6 +203,18 @@ def shrink(cfg) -> list[str]:
         # fp16 recipes' loss scale does nothing in float32: back to the defaults (validation refuses it set)
         **{f"train.loss_scale.{k}": v for k, v in default_config().train.loss_scale.items()},
     }
+    if cfg.model.name == "deepseek_v3":  # MLA's dims, smaller experts, one dense layer before one MoE layer
+        values |= {
+            "model.qk_nope_head_dim": 4,
+            "model.qk_rope_head_dim": 4,
+            "model.v_head_dim": 8,
+            "model.kv_lora_rank": 16,
+            "model.q_lora_rank": 16 if cfg.model.q_lora_rank else 0,
+            "model.moe_mlp_dim": 16,
+            "model.shared_expert_dim": 16 * (cfg.model.shared_expert_dim // cfg.model.moe_mlp_dim),
+            "model.num_layers": 2,
+            "model.first_dense_layers": 1 if cfg.model.first_dense_layers else 0,
+        }
     return [f"--config.{k}={v}" for k, v in values.items()]
 
 

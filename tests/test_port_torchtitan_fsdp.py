@@ -40,7 +40,7 @@ def test_every_torchtitan_recipe_ports_and_reports_every_key(path, expected):
         assert "\n" not in str(e.value)
     cfg, report = port_torchtitan(path, world_size=world)
     if world is not None:
-        assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline * cfg.mesh.context == world
+        assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline * cfg.mesh.context * cfg.mesh.expert == world
     sources = [e.source for e in report.entries]
     for section, body in raw.items():
         keys = (
@@ -125,7 +125,34 @@ def test_llama3_70b_and_405b_tensor_parallel():
     assert report.find("quantize").status == "unsupported"
 
 
-@pytest.mark.parametrize("name", ["llama4_moe_pp4_tp8.toml", "deepseek_v3_moe_ep8.toml"])
+def test_deepseek_v3_16b_ports_with_experts_over_expert_ranks():
+    """torchtitan's DeepSeek-V3 16B flavor: model.name=deepseek_v3 with the flavor's shape; its 8 expert
+    ranks come from data (16 = data 2 x expert 8); the one model change is the document mask."""
+    name = "deepseek_v3_moe_ep8.toml"
+    cfg, report = port_torchtitan(TT / name, world_size=WORLD[name])
+    m = cfg.model
+    assert (m.name, m.num_layers, m.first_dense_layers, m.embed_dim, m.num_experts, m.experts_per_token) == (
+        "deepseek_v3",
+        27,
+        1,
+        2048,
+        64,
+        6,
+    )
+    assert (m.router_score, m.router_norm_topk, m.shared_expert_dim, m.moe_mlp_dim, m.q_lora_rank) == (
+        "softmax",
+        False,
+        2816,
+        1408,
+        0,
+    )
+    assert (m.kv_lora_rank, m.head_dim, m.v_head_dim, m.router_bias_rate) == (512, 192, 128, 1e-3)
+    assert (cfg.mesh.data, cfg.mesh.expert, cfg.parallel.zero_stage) == (2, 8, 3)
+    assert report.find("parallelism.expert_parallel_degree").status == "mapped"
+    assert [e.source for e in report.model_changes] == ["(attention mask)"]
+
+
+@pytest.mark.parametrize("name", ["llama4_moe_pp4_tp8.toml"])
 def test_moe_models_are_reported_unsupported(name):
     cfg, report = port_torchtitan(TT / name, world_size=WORLD[name])
     row = report.find("model.name")

@@ -158,7 +158,7 @@ def test_meta_permutation():
     rot = (q_meta[..., 0::2] + 1j * q_meta[..., 1::2]) * np.exp(1j * angle)[None, :, None, :]
     meta_rotated = np.stack([rot.real, rot.imag], axis=-1).reshape(1, 6, heads, d)
     q_hf = jnp.asarray((x @ w_hf.T).reshape(1, 6, heads, d))
-    ours = np.asarray(llama._rope(q_hf, jnp.asarray(pos), 10000.0))
+    ours = np.asarray(llama.rope(q_hf, jnp.asarray(pos), 10000.0))
     np.testing.assert_allclose(ours, meta_rotated[..., np.arange(d).reshape(d // 2, 2).T.reshape(-1)], atol=1e-5)
 
 

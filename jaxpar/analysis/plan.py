@@ -196,10 +196,13 @@ def _meshes(
 ):
     """(data, tensor, pipeline, context, expert) with pipeline at most the layers, context from
     :func:`_context_sizes`, expert from :func:`_expert_sizes` and data x expert dividing the global batch."""
+    dense_first = model.get("first_dense_layers", 0)  # deepseek_v3: no pipeline yet (jaxpar.layout)
     for t in [fixed["tensor"]] if "tensor" in fixed else _tensor_sizes(model, cluster, num_devices):
         rest = num_devices // t if num_devices % t == 0 else 0
         pipelines = (
-            [fixed["pipeline"]] if "pipeline" in fixed else [p for p in _divisors(rest) if p <= model.num_layers]
+            [fixed["pipeline"]]
+            if "pipeline" in fixed
+            else [p for p in _divisors(rest) if p <= model.num_layers and (p == 1 or not dense_first)]
         )
         for p in pipelines:  # layers that do not divide p: the balanced split (jaxpar.layout.balanced_split)
             if not (rest and rest % p == 0 and p <= model.num_layers):

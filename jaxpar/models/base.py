@@ -33,7 +33,13 @@ from jaxpar.ops.remat import remat_policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Role of a top-level (non-stacked) parameter -> the pipeline stage that uses it (Megatron's placement).
-ROLE_STAGE = {"embedding": "first", "positions": "first", "final_norm": "last", "output": "last"}
+ROLE_STAGE = {
+    "embedding": "first",
+    "positions": "first",
+    "dense_layers": "first",
+    "final_norm": "last",
+    "output": "last",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +165,11 @@ class Model(abc.ABC):
     def abstract_params(self) -> Any:
         """Shapes and dtypes of :meth:`init` (``jax.eval_shape``: nothing allocated)."""
         return jax.eval_shape(self.init, jax.random.key(0))
+
+    def layer_stacks(self) -> dict[str, int]:
+        """Every subtree whose leaves stack layers on their first dim, with the model-order index of
+        its layer 0 (HF's ``{i}``): the scanned subtree at 0 unless a family has more."""
+        return {self.stacked: 0}
 
     # ------------------------------------------------------------------ forward (shard-local)
     @abc.abstractmethod

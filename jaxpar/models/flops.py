@@ -6,7 +6,7 @@ with recomputation (HFU) and Megatron-LM's per-iteration count, for the planner
 from __future__ import annotations
 
 from jaxpar.config import ConfigDict
-from jaxpar.models.inventory import count_params
+from jaxpar.models.inventory import count_params, stacked_layers
 
 
 def flops_params(model: ConfigDict) -> int:
@@ -19,7 +19,8 @@ def flops_params(model: ConfigDict) -> int:
     positions = model.max_seq_len * model.embed_dim if model.position == "learned" else 0
     idle = 0
     if model.num_experts:  # the experts a token does not run through
-        idle = model.num_layers * (model.num_experts - model.experts_per_token) * 3 * model.embed_dim * model.mlp_dim
+        width = model.get("moe_mlp_dim", 0) or model.mlp_dim  # deepseek_v3's experts: moe_mlp_dim
+        idle = stacked_layers(model) * (model.num_experts - model.experts_per_token) * 3 * model.embed_dim * width
     return count_params(model) - lookup - positions - idle
 
 

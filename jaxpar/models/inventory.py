@@ -89,9 +89,14 @@ def _param_tensors(items: tuple) -> tuple[ParamTensor, ...]:
     return tuple(out)
 
 
+def stacked_layers(model: ConfigDict) -> int:
+    """Layers in the scanned stack: all but ``deepseek_v3``'s dense first layers (a per-model entry)."""
+    return model.num_layers - model.get("first_dense_layers", 0)
+
+
 def count_params(model: ConfigDict) -> int:
     """Exact parameter count (the size of ``jax.eval_shape(init)``)."""
-    return sum(t.size * (model.num_layers if t.place == "layer" else 1) for t in param_tensors(model))
+    return sum(t.size * (stacked_layers(model) if t.place == "layer" else 1) for t in param_tensors(model))
 
 
 def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard: bool, expert: int = 1) -> float:
@@ -130,7 +135,8 @@ def stage_tensors(
     the shared table).
     """
     tensors, p = param_tensors(model), layout.pipeline
-    out = [(t, layout.stored_layers(model.num_layers) if t.place == "layer" else 1) for t in tensors]
+    layers = stacked_layers(model) if p == 1 else layout.stored_layers(model.num_layers)
+    out = [(t, layers if t.place == "layer" else 1) for t in tensors]
     if shared_on_every_stage:  # one ends slot of (vocab, h): counted as the embedding, no output
         # (zb-v: no ends slot, the embedding and the output layer both on every stage)
         return [(t, c) for t, c in out if p == 1 or t.name != "output" or layout.schedule == "zb-v"]

@@ -208,9 +208,10 @@ def _axis_index(axis: str | None):
     return 0 if axis is None else jax.lax.axis_index(axis)
 
 
-def _norm(x: jax.Array, p: dict, ctx: ShardContext) -> jax.Array:
+def norm(x: jax.Array, p: dict, ctx: ShardContext) -> jax.Array:
+    """``ctx.norm`` (RMSNorm or LayerNorm) of ``x`` with the scale (and bias) in ``p``."""
     if ctx.norm == "rmsnorm":
-        return _rms_norm(x, p["scale"], ctx.norm_eps)
+        return rms_norm(x, p["scale"], ctx.norm_eps)
     dtype = x.dtype
     x = x.astype(jnp.float32)
     mean = jnp.mean(x, axis=-1, keepdims=True)
@@ -218,7 +219,7 @@ def _norm(x: jax.Array, p: dict, ctx: ShardContext) -> jax.Array:
     return (x * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(dtype)
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last dim, in fp32 (Zhang & Sennrich 2019)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -255,7 +256,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return jnp.where(medium, smoothed, scaled)
 
 
-def _rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding, rotate-half convention (the HF LLaMA layout), at :func:`rope_frequencies`."""
     d = x.shape[-1]
     freq = rope_frequencies(d, theta, scaling)
@@ -267,7 +268,7 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling
     return (xf * cos + half * sin).astype(x.dtype)
 
 
-def _gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
+def gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
     """Megatron's "f": the input of a column-parallel block, made varying over ``tensor`` once.
 
     With sequence parallelism it is an all-gather of the sequence. Without, an explicit cast: one
@@ -281,7 +282,7 @@ def _gather_seq(x: jax.Array, ctx: ShardContext) -> jax.Array:
     return jax.lax.pcast(x, ctx.tensor_axis, to="varying")
 
 
-def _gather_routing(a: jax.Array, ctx: ShardContext) -> jax.Array:
+def gather_routing(a: jax.Array, ctx: ShardContext) -> jax.Array:
     """Routing decisions (b, s_local, k) made on this tensor rank's tokens, for the whole sequence
     the experts see: all-gathered over ``tensor`` under sequence parallelism, else as they are."""
     if ctx.tensor_axis is None or not ctx.sequence_parallel:
@@ -306,7 +307,7 @@ def _local_positions(positions: jax.Array, seq_local: int, ctx: ShardContext) ->
     return jax.lax.dynamic_slice_in_dim(positions, _axis_index(ctx.tensor_axis) * seq_local, seq_local)
 
 
-def _branch(y: jax.Array, positions: jax.Array, site: int, ctx: ShardContext) -> jax.Array:
+def branch(y: jax.Array, positions: jax.Array, site: int, ctx: ShardContext) -> jax.Array:
     """A residual branch's output after its row-parallel reduction, with hidden dropout (Megatron
     drops the attention and MLP outputs before each residual add; identity with dropout off)."""
     y = _reduce_tensor(y, ctx)
@@ -321,16 +322,16 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
     def w(a):
         return a.astype(dt)
 
-    h = _gather_seq(_norm(x, p["attn_norm"], ctx), ctx)
+    h = gather_seq(norm(x, p["attn_norm"], ctx), ctx)
     a = p["attn"]
     q = jnp.einsum("bsh,hnd->bsnd", h, w(a["wq"]))
     k = jnp.einsum("bsh,hnd->bsnd", h, w(a["wk"]))
     v = jnp.einsum("bsh,hnd->bsnd", h, w(a["wv"]))
     if ctx.qk_norm:  # over each head's dims, before RoPE (Qwen3)
-        q, k = _rms_norm(q, a["q_norm"]["scale"], ctx.norm_eps), _rms_norm(k, a["k_norm"]["scale"], ctx.norm_eps)
+        q, k = rms_norm(q, a["q_norm"]["scale"], ctx.norm_eps), rms_norm(k, a["k_norm"]["scale"], ctx.norm_eps)
     if ctx.position == "rope":
-        q = _rope(q, positions, ctx.rope_theta, ctx.rope_scaling)
-        k = _rope(k, positions, ctx.rope_theta, ctx.rope_scaling)
+        q = rope(q, positions, ctx.rope_theta, ctx.rope_scaling)
+        k = rope(k, positions, ctx.rope_theta, ctx.rope_scaling)
     att = context_parallel.causal_attention(
         q,
         k,
@@ -343,26 +344,35 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
         noise=dropout.for_attention(ctx, q.shape[2], ctx.tensor_axis),
     )
     o = jnp.einsum("bsnd,ndh->bsh", att, w(a["wo"]))
-    x = x + _branch(o, positions, dropout.ATTENTION_OUT, ctx)
+    x = x + branch(o, positions, dropout.ATTENTION_OUT, ctx)
+    return mlp_residual(x, p, positions, ctx)
+
+
+def mlp_residual(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
+    """``x`` plus the block's MLP branch (``p["moe"]``: experts; else ``p["mlp"]``: dense)."""
+    dt = DTYPES[ctx.compute_dtype]
+
+    def w(a):
+        return a.astype(dt)
 
     if "moe" in p:
         y = moe.moe_mlp(
-            _norm(x, p["mlp_norm"], ctx),
+            norm(x, p["mlp_norm"], ctx),
             p["moe"],
             ctx.moe,
             dt,
-            lambda a: _gather_seq(a, ctx),
-            lambda a: _gather_routing(a, ctx),
+            lambda a: gather_seq(a, ctx),
+            lambda a: gather_routing(a, ctx),
         )
-        return x + _branch(y, positions, dropout.MLP_OUT, ctx)
-    h = _gather_seq(_norm(x, p["mlp_norm"], ctx), ctx)
+        return x + branch(y, positions, dropout.MLP_OUT, ctx)
+    h = gather_seq(norm(x, p["mlp_norm"], ctx), ctx)
     m = p["mlp"]
     up = dense(h, w(m["w_up"]))
     if ctx.mlp_activation == "swiglu":
         act = jax.nn.silu(dense(h, w(m["w_gate"]))) * up
     else:
         act = jax.nn.gelu(up, approximate=True)
-    return x + _branch(dense(act, w(m["w_down"])), positions, dropout.MLP_OUT, ctx)
+    return x + branch(dense(act, w(m["w_down"])), positions, dropout.MLP_OUT, ctx)
 
 
 def run_blocks(x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
@@ -399,7 +409,7 @@ def embed_tokens(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Arra
 
 def logits_local(params: dict, x: jax.Array, ctx: ShardContext) -> jax.Array:
     """Final norm and output layer; returns this tensor rank's slice of the vocabulary, fp32."""
-    h = _gather_seq(_norm(x, params["final_norm"], ctx), ctx)
+    h = gather_seq(norm(x, params["final_norm"], ctx), ctx)
     dt = DTYPES[ctx.compute_dtype]
     if "lm_head" in params:
         logits = dense(h, params["lm_head"].astype(dt))

@@ -34,12 +34,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.axes import group_axes
+from jaxpar.compat import vary, varying_axes
 from jaxpar.ops.matmul import dense
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -60,6 +62,10 @@ class MoeSettings:
     loss_scale: float = 1.0  # 1 / microbatches: the auxiliary losses are added once per microbatch
     expert_axis: str | None = None  # set when mesh.expert > 1
     token_axes: tuple[str, ...] = ()  # every axis the router's tokens are split over (for the aux statistics)
+    groups: int = 1  # group-limited routing (DeepSeek-V3 n_group): experts in this many equal groups
+    group_topk: int = 1  # only the best this many groups' experts are eligible (topk_group)
+    route_scale: float = 1.0  # the combine weights times this (DeepSeek-V3 routed_scaling_factor)
+    bias_rate: float = 0.0  # aux-loss-free balancing: the bias's "gradient" is its load statistic
 
 
 class Experts(nnx.Module):
@@ -95,13 +101,33 @@ class Experts(nnx.Module):
             self.shared_down = param(kd, (L, shared, h), ("layers", "mlp", "embed"), out_std)
 
 
-def route(logits: jax.Array, s: MoeSettings) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits: jax.Array, s: MoeSettings, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(weights, experts, probs)`` of fp32 router ``logits`` (T, E): the ``k`` chosen experts per
-    token, their combine weights, and every expert's score (for the load-balancing loss)."""
+    token, their combine weights, and every expert's score (for the load-balancing loss).
+
+    ``bias`` (E,): added to the scores for the choice only, never to the weights (DeepSeek-V3's
+    ``e_score_correction_bias``; aux-loss-free balancing, arXiv:2412.19437 section 2.1.2). With
+    ``s.groups > 1`` the choice is group-limited: a group's score is the sum of its two best
+    (biased) scores, and only the ``s.group_topk`` best groups' experts are eligible (DeepSeek-V3;
+    HF ``DeepseekV3TopkRouter``). The weights are then times ``s.route_scale``."""
     probs = jax.nn.softmax(logits, axis=-1) if s.score == "softmax" else jax.nn.sigmoid(logits)
-    weights, experts = jax.lax.top_k(probs, s.top_k)
+    choice = probs if bias is None else probs + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if s.groups > 1:
+        t, e = choice.shape
+        grouped = choice.reshape(t, s.groups, e // s.groups)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # (T, groups)
+        best = jax.lax.top_k(group_score, s.group_topk)[1]
+        allowed = jnp.sum(jax.nn.one_hot(best, s.groups, dtype=jnp.int32), axis=1) > 0
+        choice = jnp.where(jnp.repeat(allowed, e // s.groups, axis=1), choice, -jnp.inf)
+    if bias is None and s.groups == 1:
+        weights, experts = jax.lax.top_k(probs, s.top_k)
+    else:
+        experts = jax.lax.top_k(choice, s.top_k)[1]
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if s.norm_topk:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if s.route_scale != 1.0:
+        weights = weights * s.route_scale
     return weights, experts, probs
 
 
@@ -137,6 +163,62 @@ def _with_loss_bwd(weight, loss, g):
 
 
 _with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+@jax.custom_vjp
+def _with_load(x: jax.Array, bias: jax.Array, excess: jax.Array) -> jax.Array:
+    return x
+
+
+def _with_load_fwd(x, bias, excess):
+    return x, excess
+
+
+def _with_load_bwd(excess, g):
+    return g, excess, jnp.zeros_like(excess)
+
+
+_with_load.defvjp(_with_load_fwd, _with_load_bwd)
+
+
+def with_load_statistic(weights: jax.Array, bias: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+    """``weights`` unchanged; in the backward pass ``bias`` receives, instead of a gradient, how
+    many more of this shard's choices each expert got than the mean (``count_e - T*k/E``). Summed
+    over microbatches and the data-parallel reduction it is the step's ``load - mean load``, which
+    the train step takes out of the gradients (:func:`take_balance`), so the optimizer never sees it."""
+    counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))
+    excess = counts - experts.shape[0] * experts.shape[1] / num_experts
+    # under sequence parallelism each tensor rank routed its own tokens: their counts add up; the
+    # statistic then varies over the axes the bias does (the custom VJP's type rule)
+    extra = tuple(sorted(varying_axes(excess) - varying_axes(bias)))
+    excess = vary(jax.lax.psum(excess, extra) if extra else excess, varying_axes(bias))
+    return _with_load(weights, bias, excess.astype(bias.dtype))
+
+
+BIAS_PATH = ("moe", "expert_bias")
+
+
+def take_balance(grads: dict, stacked: str) -> tuple[dict, Any]:
+    """``(grads with the expert-bias entry zeroed, that entry)``: the load statistics of
+    :func:`with_load_statistic` (None where the tree has no expert bias)."""
+    moe_grads = grads.get(stacked, {}).get(BIAS_PATH[0], {})
+    if BIAS_PATH[1] not in moe_grads:
+        return grads, None
+    excess = moe_grads[BIAS_PATH[1]]
+    zeroed = {**grads, stacked: {**grads[stacked], "moe": {**moe_grads, "expert_bias": jnp.zeros_like(excess)}}}
+    return zeroed, excess
+
+
+def apply_balance(params: dict, excess: Any, stacked: str, rate: float, ok: jax.Array) -> dict:
+    """Aux-loss-free balancing (DeepSeek-V3, arXiv:2412.19437 section 2.1.2; torchtitan's
+    ``load_balance_coeff``): ``bias += rate * sign(mean load - load)``, outside the optimizer;
+    unchanged on a skipped step."""
+    if excess is None:
+        return params
+    moe_params = params[stacked]["moe"]
+    bias = moe_params["expert_bias"]
+    new = jnp.where(ok, bias - rate * jnp.sign(excess).astype(bias.dtype), bias)
+    return {**params, stacked: {**params[stacked], "moe": {**moe_params, "expert_bias": new}}}
 
 
 def add_loss_gradient(x: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
@@ -236,7 +318,9 @@ def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gath
     """
     b, sl, hd = h_local.shape
     logits = router_logits(h_local.reshape(b * sl, hd), p["router"])
-    weights, experts, probs = route(logits, s)
+    weights, experts, probs = route(logits, s, p.get("expert_bias"))
+    if s.bias_rate and "expert_bias" in p:
+        weights = with_load_statistic(weights, p["expert_bias"], experts, s.num_experts)
     if s.aux_loss_coeff or s.z_loss_coeff:
         weights = add_loss_gradient(weights, aux_loss(logits, probs, experts, s), s.loss_scale)
     h = gather_seq(h_local)

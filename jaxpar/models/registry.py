@@ -15,6 +15,7 @@ FAMILIES: dict[str, str] = {
     "mixtral": "jaxpar.models.mixtral:MixtralModel",
     "qwen3": "jaxpar.models.qwen3:Qwen3Model",
     "qwen3_moe": "jaxpar.models.qwen3:Qwen3MoeModel",
+    "deepseek_v3": "jaxpar.models.deepseek:DeepseekModel",
 }
 _registered: dict[str, type] = {}
 

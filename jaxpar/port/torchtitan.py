@@ -84,6 +84,18 @@ QWEN3_FLAVORS = {
     "14B": (5120, 40, 40, 8, 17408, False),
     "32B": (5120, 64, 64, 8, 25600, False),
 }
+# torchtitan's DeepSeek-V3 flavors (torchtitan/models/deepseek_v3/__init__.py and model/args.py at 238fa99):
+# flavor -> (vocab, dim, inter_dim, moe_inter_dim, n_layers, n_dense_layers, n_heads, num_experts,
+# num_shared_experts, top_k, score_func, route_norm, route_scale, num_expert_groups, num_limited_groups,
+# q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head_dim). Every one: RMSNorm eps 1e-5, RoPE theta 10000
+# with YaRN (rope_factor 40) only past original_seq_len 4096, score_before_experts False, load_balance_coeff
+# 1e-3 (MoEArgs' default), attn_mask_type block_causal.
+DEEPSEEK_V3_FLAVORS = {
+    "16B": (102400, 2048, 10944, 1408, 27, 1, 16, 64, 2, 6, "softmax", False, 1.0, 1, 1, 0, 512, 128, 64, 128),
+    "671B": (129280, 7168, 18432, 2048, 61, 3, 128, 256, 1, 8, "sigmoid", True, 2.5, 8, 4, 1536, 512, 128, 64, 128),
+}
+DEEPSEEK_V3_ORIGINAL_SEQ = 4096  # original_seq_len: YaRN scales RoPE past it
+DEEPSEEK_V3_BALANCE = 1e-3  # MoEArgs.load_balance_coeff's default at 238fa99
 # torchtitan's MoE families: what keeps each from jaxpar's Mixtral-like MoE (model.num_experts); without
 # --approximate each is refused (its dense stand-in would not be the recipe's model)
 MOE_FAMILIES = {
@@ -513,6 +525,21 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
                 if ok
                 else "interleaved with 2 virtual stages per rank",
             )
+        elif key == "expert_parallel_degree" and int(value) > 1 and values.get("model.name") == "deepseek_v3":
+            ep = int(value)
+            if dp % ep:
+                raise ConfigError(
+                    f"torchtitan: parallelism.expert_parallel_degree {ep} does not divide the data-parallel "
+                    f"degree {dp}; jaxpar's expert axis takes its ranks from data: use a divisor of {dp}"
+                )
+            values.update({"mesh.data": dp // ep, "mesh.expert": ep})
+            report.mapped(
+                src,
+                value,
+                "mesh.expert, mesh.data",
+                f"experts over {ep} expert ranks taken from data: data = {dp} / {ep} = {dp // ep}; attention "
+                f"and dense layers still data-parallel over data x expert = {dp}",
+            )
         elif key in ("expert_parallel_degree", "expert_tensor_parallel_degree") and int(value) > 1:
             report.unsupported(
                 src,
@@ -532,7 +559,12 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
             report.approximated(src, value, "", _NOOP + "XLA decides this (or it is off)")
         else:
             report.unknown(src, value, [f"parallelism.{k}" for k in KNOWN["parallelism"]], "torchtitan")
-    report.mapped("(world size)", dp * cp * tp * pp, "mesh.data", f"data = replicate*shard = {dp}")
+    split = (
+        f" = data x expert ({values['mesh.data']} x {values['mesh.expert']})"
+        if values.get("mesh.expert", 1) > 1
+        else ""
+    )
+    report.mapped("(world size)", dp * cp * tp * pp, "mesh.data", f"data = replicate*shard = {dp}{split}")
     report.mapped(
         "training.local_batch_size",
         local,
@@ -618,6 +650,73 @@ def _flavors(name: str, old: bool) -> str:
     llama3 = LLAMA3_2024_FLAVORS if old else LLAMA3_FLAVORS
     table = {"llama3": llama3, "llama2": LLAMA2_FLAVORS, "llama": LLAMA2_FLAVORS, "qwen3": QWEN3_FLAVORS}
     return ", ".join(table.get(name, {})) or "none"
+
+
+def _deepseek_v3(flavor: str, seq: int, values: dict, report: Report) -> None:
+    """A DeepSeek-V3 flavor: ``model.name=deepseek_v3`` with the flavor's shape (:data:`DEEPSEEK_V3_FLAVORS`)."""
+    (vocab, dim, inter, moe_inter, layers, dense, heads, experts, shared, top_k, score, norm, scale, groups,
+     limited, q_lora, kv_lora, nope, rope, v) = DEEPSEEK_V3_FLAVORS[flavor]  # fmt: skip
+    values.update(
+        {
+            "model.name": "deepseek_v3",
+            "model.vocab_size": vocab,
+            "model.embed_dim": dim,
+            "model.mlp_dim": inter,
+            "model.moe_mlp_dim": moe_inter,
+            "model.num_layers": layers,
+            "model.first_dense_layers": dense,
+            "model.num_heads": heads,
+            "model.num_kv_heads": heads,
+            "model.head_dim": nope + rope,
+            "model.num_experts": experts,
+            "model.shared_expert_dim": shared * moe_inter,
+            "model.experts_per_token": top_k,
+            "model.router_score": score,
+            "model.router_norm_topk": norm,
+            "model.router_scale": scale,
+            "model.router_groups": groups,
+            "model.router_group_topk": limited,
+            "model.q_lora_rank": q_lora,
+            "model.kv_lora_rank": kv_lora,
+            "model.qk_nope_head_dim": nope,
+            "model.qk_rope_head_dim": rope,
+            "model.v_head_dim": v,
+            "model.norm_eps": 1e-5,
+            "model.rope_theta": 10000.0,
+            "model.router_bias_rate": DEEPSEEK_V3_BALANCE,
+        }
+    )
+    report.mapped("model.name", "deepseek_v3", "model.name", "deepseek_v3: MLA, DeepSeekMoE, dense first layers")
+    report.mapped(
+        "model.flavor",
+        flavor,
+        "model.*",
+        f"DeepSeek-V3 {flavor} (torchtitan's table at 238fa99): {layers} layers ({dense} dense), {experts} experts "
+        f"top-{top_k} {score}, {shared} shared; vocabulary {vocab}",
+    )
+    report.approximated(
+        "(load_balance_coeff)",
+        DEEPSEEK_V3_BALANCE,
+        "model.router_bias_rate",
+        "torchtitan's default aux-loss-free bias update; torchtitan also subtracts the update's mean over the "
+        "experts, jaxpar applies the paper's rate * sign(mean load - load) as it is",
+    )
+    if seq > DEEPSEEK_V3_ORIGINAL_SEQ:
+        report.model_change(
+            "training.seq_len",
+            seq,
+            f"past original_seq_len {DEEPSEEK_V3_ORIGINAL_SEQ} torchtitan's DeepSeek-V3 rotates with YaRN "
+            "(rope_factor 40, mscale), which jaxpar does not implement",
+            f"train at seq_len <= {DEEPSEEK_V3_ORIGINAL_SEQ}",
+            target="model.rope_scaling",
+        )
+    report.model_change(
+        "(attention mask)",
+        "block_causal",
+        f"flavor {flavor} masks attention at document boundaries (attn_mask_type block_causal); "
+        "jaxpar's attention is causal over the whole sequence",
+        target="model.attention",
+    )
 
 
 def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) -> None:
@@ -712,6 +811,8 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
         )
         report.mapped("model.name", name, "model.name", "qwen3: LLaMA's block with QK-norm")
         report.mapped("model.flavor", flavor, "model.*", f"Qwen3 {flavor} (torchtitan's table); vocabulary {vocab}")
+    elif name == "deepseek_v3" and flavor in DEEPSEEK_V3_FLAVORS:
+        _deepseek_v3(flavor, seq, values, report)
     elif name in MOE_FAMILIES:
         why = (
             f"a mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "

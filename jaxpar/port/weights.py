@@ -99,10 +99,10 @@ def model_config_from_hf(config: Mapping[str, Any] | PathLike, what: str = "HF c
 def _model_config(hf: dict) -> ConfigDict:
     where = "config.json"
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe"):
+    if model_type not in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise ConfigError(
-            f"{where}: model_type='{model_type}' is not supported; use a LLaMA, Mistral, Mixtral, Qwen3 or "
-            "Qwen3-MoE model"
+            f"{where}: model_type='{model_type}' is not supported; use a LLaMA, Mistral, Mixtral, Qwen3, "
+            "Qwen3-MoE or DeepSeek-V3 model"
         )
     if hf.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window=true is not supported; jaxpar attends to the whole sequence")
@@ -148,7 +148,47 @@ def _model_config(hf: dict) -> ConfigDict:
         m.name, m.qk_norm = model_type, True
     if model_type in ("mixtral", "qwen3_moe"):
         _moe_fields(hf, m, model_type, where)
+    if model_type == "deepseek_v3":
+        _deepseek_fields(hf, m, where)
     return m
+
+
+# model.* field <- DeepSeek-V3 config.json key (int fields; the routing floats and flags below)
+_DEEPSEEK_KEYS = (
+    ("kv_lora_rank", "kv_lora_rank"),
+    ("qk_nope_head_dim", "qk_nope_head_dim"),
+    ("qk_rope_head_dim", "qk_rope_head_dim"),
+    ("v_head_dim", "v_head_dim"),
+    ("moe_mlp_dim", "moe_intermediate_size"),
+    ("num_experts", "n_routed_experts"),
+    ("experts_per_token", "num_experts_per_tok"),
+    ("first_dense_layers", "first_k_dense_replace"),
+    ("router_groups", "n_group"),
+    ("router_group_topk", "topk_group"),
+)
+
+
+def _deepseek_fields(hf: dict, m: ConfigDict, where: str) -> None:
+    """MLA and DeepSeekMoE fields of a DeepSeek-V3 ``config.json`` (:mod:`jaxpar.models.deepseek`)."""
+    for field, key in _DEEPSEEK_KEYS:
+        if hf.get(key) is None:
+            raise ConfigError(f"{where}: '{key}' is missing; is this an HF deepseek_v3 config.json?")
+        m[field] = int(hf[key])
+    if not hf.get("rope_interleave", True):
+        raise ConfigError(f"{where}: rope_interleave=false is not supported; DeepSeek-V3 checkpoints interleave")
+    if int(hf.get("num_nextn_predict_layers") or 0):
+        raise ConfigError(
+            f"{where}: num_nextn_predict_layers={hf['num_nextn_predict_layers']}: the multi-token-prediction "
+            "module is not supported; set it to 0 and drop its layer's tensors"
+        )
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"{where}: topk_method / scoring_func other than noaux_tc / sigmoid is not supported")
+    m.name, m.router_score = "deepseek_v3", "sigmoid"
+    m.q_lora_rank = int(hf.get("q_lora_rank") or 0)
+    m.num_kv_heads, m.head_dim = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+    m.shared_expert_dim = int(hf.get("n_shared_experts") or 0) * m.moe_mlp_dim
+    m.router_norm_topk = bool(hf.get("norm_topk_prob", True))
+    m.router_scale = float(hf.get("routed_scaling_factor", 1.0))
 
 
 # model.* field -> key of a llama3 rope_scaling / rope_parameters dict (transformers' names)
@@ -245,9 +285,19 @@ def hf_config_from_model(model_cfg: ConfigDict) -> dict[str, Any]:
         "mixtral": ("MixtralForCausalLM", "mixtral"),
         "qwen3": ("Qwen3ForCausalLM", "qwen3"),
         "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
     }.get(m.name, ("LlamaForCausalLM", "llama"))
     experts = {}
-    if m.num_experts:
+    if m.name == "deepseek_v3":
+        experts = {hf_key: m[field] for field, hf_key in _DEEPSEEK_KEYS} | {
+            "q_lora_rank": m.q_lora_rank or None,
+            "n_shared_experts": m.shared_expert_dim // m.moe_mlp_dim,
+            "norm_topk_prob": m.router_norm_topk,
+            "routed_scaling_factor": m.router_scale,
+            "rope_interleave": True,
+            "num_nextn_predict_layers": 0,
+        }
+    elif m.num_experts:
         aux = {
             "output_router_logits": bool(m.moe_aux_loss_coeff),
             "router_aux_loss_coef": m.moe_aux_loss_coeff / m.experts_per_token,
@@ -399,6 +449,7 @@ class _Leaf:
     dtype: Any
     stacked: bool
     rope: bool
+    first: int = 0  # the HF layer index of this stack's layer 0 (deepseek_v3: the dense layers come first)
 
     @property
     def experts(self) -> bool:
@@ -417,7 +468,7 @@ class _Leaf:
         return s
 
     def name(self, layer: int | None = None, expert: int | None = None) -> str:
-        return self.hf.format(i=layer, e=expert) if self.stacked else self.hf
+        return self.hf.format(i=None if layer is None else layer + self.first, e=expert) if self.stacked else self.hf
 
     def names(self) -> list[str]:
         """Every HF name of this leaf, layer-major then expert."""
@@ -433,13 +484,17 @@ def _leaves(model_cfg: ConfigDict) -> tuple[list[_Leaf], Any]:
     model = get_model(model_cfg)
     abstract = model.abstract_params()
     table = {t.path: t for t in hf.tensors}
+    stacks = model.layer_stacks()
     leaves = []
     for keys, a in jax.tree_util.tree_leaves_with_path(abstract):
         path = tuple(k.key for k in keys)
         if path not in table:
             raise ConfigError(f"parameter {'.'.join(path)} has no {hf.label} counterpart")
         t = table[path]
-        leaves.append(_Leaf(path, t.name, t.kind, t.what, tuple(a.shape), a.dtype, path[0] == model.stacked, t.rope))
+        stacked = path[0] in stacks
+        leaves.append(
+            _Leaf(path, t.name, t.kind, t.what, tuple(a.shape), a.dtype, stacked, t.rope, stacks.get(path[0], 0))
+        )
     return leaves, jax.tree.structure(abstract)
 
 
@@ -743,10 +798,13 @@ def _hf_items(params: dict, model_cfg: ConfigDict) -> list[tuple[str, _Leaf, Cal
     items = [(leaf.hf, leaf, thunk(leaf, v)) for leaf, v in ordered if leaf.path == ("embed",)]
     for i in range(model_cfg.num_layers):
         for leaf, v in ordered:
-            if leaf.stacked and leaf.experts:
-                items += [(leaf.name(i, e), leaf, thunk(leaf, v, i, e)) for e in range(leaf.shape[1])]
-            elif leaf.stacked:
-                items += [(leaf.name(i), leaf, thunk(leaf, v, i))]
+            j = i - leaf.first  # this HF layer's index in the leaf's stack
+            if not leaf.stacked or not 0 <= j < leaf.shape[0]:
+                continue
+            if leaf.experts:
+                items += [(leaf.name(j, e), leaf, thunk(leaf, v, j, e)) for e in range(leaf.shape[1])]
+            else:
+                items += [(leaf.name(j), leaf, thunk(leaf, v, j))]
     items += [(leaf.hf, leaf, thunk(leaf, v)) for leaf, v in ordered if leaf.path[0] in ("final_norm", "lm_head")]
     return items
 

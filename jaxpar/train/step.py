@@ -50,7 +50,7 @@ from jaxpar.axes import MeshAxis, batch_axes, data_group
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
-from jaxpar.models import get_model
+from jaxpar.models import get_model, moe
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout, zero3
 from jaxpar.optim import adamw
@@ -196,7 +196,8 @@ class StepBuilder:
         grads, loss = loss_scale_lib.unscale(grads, jax.lax.psum(loss, ctx.data_axis), guard)
         loss = loss + guard[1]
 
-        grad_norm = self._grad_norm(grads)
+        # aux-loss-free balancing: the expert bias's entry is its load statistic, not a gradient
+        grad_norm = self._grad_norm(moe.take_balance(grads, self.model.stacked)[0])
         clip = self.optim_cfg.clip_norm
         if clip > 0:  # optax.clip_by_global_norm semantics
             factor = jnp.where(grad_norm < clip, 1.0, clip / grad_norm)
@@ -217,7 +218,12 @@ class StepBuilder:
         grads, loss, grad_norm = self.local_grads(params, batch, guard, *((step,) if self.dropout else ()))
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
+        grads, balance = moe.take_balance(grads, self.model.stacked)
+        if balance is not None:  # ZeRO-1/2: the statistic is this shard's, the bias stored whole
+            lay = self.placements[self.model.stacked]["moe"]["expert_bias"]
+            balance = zero.gather_update(balance, lay) if zero.shards_locally(lay) else balance
         new_params, new_state = adamw.update(self.optim_cfg, self.placements, params, grads, opt_state, lr, ok)
+        new_params = moe.apply_balance(new_params, balance, self.model.stacked, self._bias_rate, ok)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
         return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
 
@@ -243,14 +249,21 @@ class StepBuilder:
         view = jax.tree.map(
             lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)), params, grad_specs
         )
+        grads, balance = moe.take_balance(grads, self.model.stacked)
         updates, tx_state = self.tx.update(grads, opt_state["tx"], view)
-        new_params = optax.apply_updates(view, updates)
+        new_params = moe.apply_balance(
+            optax.apply_updates(view, updates), balance, self.model.stacked, self._bias_rate, ok
+        )
         if self.skip_bad_steps:
             new_params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_params, view)
             tx_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), tx_state, opt_state["tx"])
         new_state = {"count": jnp.where(ok, step + 1, step), "tx": tx_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
         return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
+
+    @property
+    def _bias_rate(self) -> float:
+        return float(self.model_cfg.get("router_bias_rate", 0.0))
 
     def param_specs(self) -> Any:
         return jax.tree.map(lambda lay: lay.storage, self.placements, is_leaf=is_placement)
