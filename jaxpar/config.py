@@ -341,6 +341,8 @@ def _coerce(value: Any, current: Any, key: str, parse: bool) -> Any:
 
 # --------------------------------------------------------------------------- validation
 
+PATH_FIELDS = ("train.workdir", "train.init_from", "data.path", "optim.name")  # fields that may hold a path
+
 
 def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     """Check every field's domain, then the layout's cross-field rules; return the layout.
@@ -355,6 +357,14 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
         require(
             not (isinstance(value, str) and "\x00" in value),
             f"config.{key}: the value holds a NUL byte, which no path or name may; retype it",
+        )
+    for key in PATH_FIELDS:  # "~" is the shell's: unexpanded, it would make a folder named "~"
+        section, field = key.split(".")
+        value = cfg[section][field]
+        require(
+            not value.startswith("~"),
+            f"config.{key}={value[:200]!r}: jaxpar does not expand '~' (only an unquoted shell word is); "
+            "give the full path",
         )
     for axis in MESH_AXES:
         require(

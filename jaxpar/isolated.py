@@ -67,6 +67,9 @@ def _child(fd: int, parent: int, module: str, function: str, args: list[Any]) ->
         children.die_with_parent(parent)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (it stops the parent's children)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        null = os.open(os.devnull, os.O_RDONLY)  # a config that reads stdin gets end-of-file, not a wait
+        os.dup2(null, 0)
+        os.close(null)
         data = _answer(module, function, args)
         while data:
             data = data[os.write(fd, data) :]
