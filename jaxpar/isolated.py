@@ -7,8 +7,8 @@ sent back as JSON (so only plain values: dicts, lists, strings, numbers, bools, 
 ends with ``os._exit``, its threads with it. A child that does not answer within the limit is killed
 (SIGKILL) and the caller gets a one-line :class:`~jaxpar.errors.ConfigError`.
 
-The child is a fork of this process where that is safe (Linux, one thread: a few milliseconds, the
-modules already loaded); otherwise, e.g. once JAX has started its threads, a fresh interpreter
+The child is a fork of this process where that is safe (Linux, one Python thread, no JAX backend
+started: about 10 ms, the modules already loaded); otherwise, e.g. once JAX runs, a fresh interpreter
 (``sys.executable``), which costs an interpreter start and the imports. Standard library only (and
 the leaf :mod:`jaxpar.children`, whose ``die_with_parent`` the child calls).
 """
@@ -22,7 +22,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from typing import Any
 
 from jaxpar import children
@@ -33,14 +35,15 @@ _HEADER = 12  # the result's length, as 12 ASCII digits, before it
 
 
 def fork_is_safe() -> bool:
-    """Whether this process may fork to run Python code: Linux and a single thread (a fork copies only
-    the calling thread; a lock another thread held stays held in the child)."""
-    if not sys.platform.startswith("linux"):
+    """Whether this process may fork to run Python code: Linux, no Python thread besides this one (a
+    fork copies only the calling thread; a lock another thread held stays held in the child) and no
+    JAX backend started (XLA's thread pools). Native worker pools that handle a fork themselves, such
+    as the OpenBLAS pool NumPy starts at import, do not count."""
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
         return False
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return False
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    started = getattr(bridge, "backends_are_initialized", None)
+    return bridge is None or (started is not None and not started())
 
 
 def _answer(module: str, function: str, args: list[Any]) -> bytes:
@@ -95,7 +98,9 @@ def _start(write_fd: int, module: str, function: str, args: list[Any]) -> int:
     if fork_is_safe():
         for stream in (sys.stdout, sys.stderr):  # else the child flushes the parent's buffered output again
             stream.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():  # Python 3.12+ warns of any thread, the native pools' included
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             _child(write_fd, parent, module, function, args)
         return pid
