@@ -84,3 +84,16 @@ def test_a_config_file_value_a_flag_replaces_is_noted():
 def test_the_built_in_config_gets_no_note():
     code, _out, err = run_cli(["plan", "--global-batch", "64", "--top", "1", "--json"])
     assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--config", LLAMA, "--global-batch", "64", "--devices", "7"],
+        ["compare", "--config", LLAMA, "--seq", "64", "--layout", "data=3"],
+    ],
+)
+def test_a_refusal_after_the_notes_stays_one_line(argv):
+    """The notes wait until the command got past its checks: a refusal is still the only line."""
+    line = cli_refused("hostile: flags and overrides", argv)
+    assert "note:" not in line

@@ -104,26 +104,30 @@ def refuse_unread_overrides(command: str, items: list[str], unread: dict[str, st
                 raise ConfigError(f"{command}: {item}: {command} does not read {key}; {instead}")
 
 
-def note_unread(command: str, cfg: ConfigDict, unread: dict[str, str], why: str) -> None:
-    """One ``note:`` line on stderr naming the fields of ``unread`` (as in :func:`refuse_unread_overrides`)
-    that the config file sets away from their defaults: ``command`` does not read them, and says so."""
+def unread_notes(command: str, cfg: ConfigDict, unread: dict[str, str], why: str) -> list[str]:
+    """A ``note:`` line naming the fields of ``unread`` (as in :func:`refuse_unread_overrides`) that the
+    config file sets away from their defaults: ``command`` does not read them, and says so."""
     default, mine = flatten(default_config().to_dict()), flatten(cfg.to_dict())
     keys = [k for k in mine if any(k == f or (f.endswith(".") and k.startswith(f)) for f in unread)]
     changed = [f"{k}={mine[k]}" for k in keys if mine[k] != default[k]]
-    if changed:
-        print(
-            f"{command}: note: not used from the config ({why}): {', '.join(changed)}",
-            file=sys.stderr,
-        )
+    return [f"{command}: note: not used from the config ({why}): {', '.join(changed)}"] if changed else []
 
 
-def note_flag_overrides(command: str, flags: dict[str, tuple[Any, str]], cfg: ConfigDict) -> None:
-    """One ``note:`` line on stderr per flag of ``flags`` (as in :func:`refuse_flag_and_override`) that
-    replaces a different value of the config file's: the flag wins, and the command says so."""
+def override_notes(command: str, flags: dict[str, tuple[Any, str]], cfg: ConfigDict) -> list[str]:
+    """A ``note:`` line per flag of ``flags`` (as in :func:`refuse_flag_and_override`) that replaces a
+    different value of the config file's: the flag wins, and the command says so."""
     mine = flatten(cfg.to_dict())
-    for flag, (value, field) in flags.items():
-        if value is not None and mine[field] != value:
-            print(f"{command}: note: {flag} {value} replaces the config's {field}={mine[field]}", file=sys.stderr)
+    return [
+        f"{command}: note: {flag} {value} replaces the config's {field}={mine[field]}"
+        for flag, (value, field) in flags.items()
+        if value is not None and mine[field] != value
+    ]
+
+
+def print_notes(notes: list[str]) -> None:
+    """The notes on stderr, once the command got past its checks (a refusal stays one line)."""
+    for line in notes:
+        print(line, file=sys.stderr)
 
 
 def config_or_default(args: argparse.Namespace) -> str:

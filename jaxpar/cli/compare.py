@@ -19,12 +19,13 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.cli.common import (
     at_least_one,
     at_most,
-    note_flag_overrides,
-    note_unread,
+    override_notes,
     overrides,
+    print_notes,
     refuse_flag_and_override,
     refuse_unread_overrides,
     share,
+    unread_notes,
 )
 from jaxpar.cli.plan import render_aot, render_table
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
@@ -131,9 +132,10 @@ def run_compare(args: argparse.Namespace) -> int:
     refuse_flag_and_override("compare", flags, overrides(args))
     refuse_unread_overrides("compare", overrides(args), COMPARE_UNREAD)
     cfg = load_config(args.config, overrides(args))
-    if args.config is not None:  # a user's file: what --layout and the flags replace in it is said
-        note_unread("compare", cfg, COMPARE_UNREAD, "each --layout gives the mesh")
-        note_flag_overrides("compare", flags, cfg)
+    notes = []  # a user's file: what --layout and the flags replace in it is said (after the checks)
+    if args.config is not None:
+        notes = unread_notes("compare", cfg, COMPARE_UNREAD, "each --layout gives the mesh")
+        notes += override_notes("compare", flags, cfg)
     model, cluster = cfg.model, get_cluster(args.cluster)
     pinned = [parse_compare_layout(text) for text in args.layouts]
     num_devices = device_count(pinned)
@@ -153,6 +155,7 @@ def run_compare(args: argparse.Namespace) -> int:
     defaults = config_choices(cfg)
     estimates = compare_layouts(model, cluster, pinned, global_batch, seq_len, options, defaults)
     sources = [choice_sources(p, e, defaults) for p, e in zip(pinned, estimates)]
+    print_notes(notes)
     aot, aot_s = [], 0.0
     if args.aot:
         from jaxpar.analysis.aot import run_aot

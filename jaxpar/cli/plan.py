@@ -23,12 +23,13 @@ from jaxpar.cli.common import (
     at_most,
     excludes,
     needs,
-    note_flag_overrides,
-    note_unread,
+    override_notes,
     overrides,
+    print_notes,
     refuse_flag_and_override,
     refuse_unread_overrides,
     share,
+    unread_notes,
 )
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
@@ -291,9 +292,10 @@ def run_plan(args: argparse.Namespace) -> int:
     refuse_unread_overrides("plan", overrides(args), PLAN_UNREAD)
     cfg = load_config(args.config, overrides(args))
     model = cfg.model  # the plan chooses the layout: the config's is named on stderr when it has one
-    if args.config is not None:  # a user's file: what the flags and the search replace in it is said
-        note_unread("plan", cfg, PLAN_UNREAD, "plan chooses the layout; flags pin parts of it, see --help")
-        note_flag_overrides("plan", plan_flag_fields(args), cfg)
+    notes = []  # a user's file: what the flags and the search replace in it is said (after the checks)
+    if args.config is not None:
+        notes = unread_notes("plan", cfg, PLAN_UNREAD, "plan chooses the layout; flags pin parts of it, see --help")
+        notes += override_notes("plan", plan_flag_fields(args), cfg)
     cluster = get_cluster(args.cluster)
     fixed = parse_layout(args.layout) if args.layout else {}
     for name, value in (
@@ -352,6 +354,7 @@ def run_plan(args: argparse.Namespace) -> int:
     pinned = bool(args.layout)
     estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=pinned)
     elapsed = time.perf_counter() - start
+    print_notes(notes)
     shown = estimates[: args.top]
     aot: list[AotComparison] = []
     aot_s = 0.0

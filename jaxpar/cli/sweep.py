@@ -15,7 +15,7 @@ import shlex
 import sys
 
 from jaxpar import children, files, write_guard
-from jaxpar.cli.common import note_unread, overrides, refuse_unread_overrides
+from jaxpar.cli.common import overrides, print_notes, refuse_unread_overrides, unread_notes
 from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
 HELP = "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots"
@@ -84,8 +84,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
     refuse_unread_overrides("sweep", overrides(args), SWEEP_UNREAD)
     cfg = load_config(config, [*SWEEP_DEFAULTS, *overrides(args)])
-    if args.config is not None:  # a user's file: its mesh is not the sweep's, and the sweep says so
-        note_unread("sweep", cfg, {"mesh.": ""}, "the sweep runs its own layouts of --devices devices")
     _check_flags(args)
     if not args.list:  # before hours of runs: -o replaces only an earlier sweep's folder, never an input
         write_guard.check_apart(args.output, "sweep -o", inputs={"--config": config, "--baseline": args.baseline})
@@ -105,6 +103,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         for lay in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
             print(layout_name(lay))
         return 0
+    if args.config is not None:  # a user's file: its mesh is not the sweep's, and the sweep says so
+        print_notes(unread_notes("sweep", cfg, {"mesh.": ""}, "the sweep runs its own layouts of --devices devices"))
     with children.supervised():  # SIGTERM: the worker process ends with this one (exit 143)
         records, meta = sweep_lib.run_sweep_layouts(
             cfg,
