@@ -261,3 +261,25 @@ def die_with_parent(parent: int) -> None:
             pass
     if os.getppid() != parent:
         os._exit(1)
+
+
+def dying_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` (Linux): the started program gets SIGKILL when the
+    thread that started it dies, even by a SIGKILL no handler sees (``PR_SET_PDEATHSIG`` survives
+    ``exec``); one whose parent is already gone exits at once. None where there is no ``prctl``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec

@@ -24,7 +24,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxpar import acts, files
+from jaxpar import acts, files, isolated
 from jaxpar.acts import flatten
 from jaxpar.axes import MESH_AXES
 from jaxpar.errors import ConfigError, require
@@ -202,7 +202,35 @@ def load_config_and_layout(
     return cfg, validate(cfg)
 
 
+CONFIG_TIMEOUT_S = 30  # default of JAXPAR_CONFIG_TIMEOUT: how long a config file may take to load
+
+
 def _load_file(spec: str) -> ConfigDict:
+    """The config file ``spec`` run in a child process (:mod:`jaxpar.isolated`): a file that loops, starts
+    a thread or ends the interpreter cannot hang or end the caller; only its values come back."""
+    path_str = spec.partition(":")[0]
+    limit = os.environ.get("JAXPAR_CONFIG_TIMEOUT", str(CONFIG_TIMEOUT_S))
+    if not (limit.isascii() and limit.isdigit() and int(limit) >= 1):
+        raise ConfigError(f"JAXPAR_CONFIG_TIMEOUT={limit!r}: use a whole number of seconds of at least 1")
+    values = isolated.call(
+        __name__,
+        "config_file_values",
+        [spec],
+        int(limit),
+        f"--config: '{path_str[:200]}'",
+        "a config file only builds its ConfigDict (no loops, threads or waiting); "
+        "raise JAXPAR_CONFIG_TIMEOUT if it needs longer",
+    )
+    return merge_into_defaults(values, source=path_str)
+
+
+def config_file_values(spec: str) -> dict[str, Any]:
+    """The flat ``{"section.field": value}`` of the config file ``spec``, run in this process (the child
+    :func:`_load_file` starts): plain values, sent back as JSON."""
+    return flatten(_run_file(spec).to_dict())
+
+
+def _run_file(spec: str) -> ConfigDict:
     path_str, _, arg = spec.partition(":")
     path = pathlib.Path(path_str)
     fix = "pass a path such as configs/tiny.py"
@@ -337,6 +365,8 @@ def _coerce(value: Any, current: Any, key: str, parse: bool) -> Any:
 
 # --------------------------------------------------------------------------- validation
 
+PATH_FIELDS = ("train.workdir", "train.init_from", "data.path", "optim.name")  # fields that may hold a path
+
 
 def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     """Check every field's domain, then the layout's cross-field rules; return the layout.
@@ -351,6 +381,14 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
         require(
             not (isinstance(value, str) and "\x00" in value),
             f"config.{key}: the value holds a NUL byte, which no path or name may; retype it",
+        )
+    for key in PATH_FIELDS:  # "~" is the shell's: unexpanded, it would make a folder named "~"
+        section, field = key.split(".")
+        value = cfg[section][field]
+        require(
+            not value.startswith("~"),
+            f"config.{key}={value[:200]!r}: jaxpar does not expand '~' (only an unquoted shell word is); "
+            "give the full path",
         )
     for axis in MESH_AXES:
         require(

@@ -97,7 +97,14 @@ def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes:
         "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", "")),
     }  # train sets each process's share
     log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(  # a session of its own (stopped as a group), and SIGKILL when the drill dies
+        cmd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=children.dying_with_parent(),  # noqa: PLW1509 - only prctl and getppid run before exec
+    )
 
 
 @contextlib.contextmanager

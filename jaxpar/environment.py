@@ -36,6 +36,7 @@ JAXPAR_VARIABLES: dict[str, Variable] = {
     "JAXPAR_NODE": Variable("text", "the node this process runs on (default: the host name)"),
     "JAXPAR_COORDINATOR_TIMEOUT": Variable("seconds", "how long to wait for the coordinator (default 120)"),
     "JAXPAR_HEARTBEAT_TIMEOUT": Variable("seconds", "how long peers wait on a silent process (default 100)"),
+    "JAXPAR_CONFIG_TIMEOUT": Variable("seconds", "how long a --config file may take to load (default 30)"),
     "JAXPAR_CACHE_DIR": Variable("path", "jaxpar's cache of prepared data (default ~/.cache/jaxpar)"),
     "JAXPAR_PORT": Variable("text", "scripts/launch_local.sh: the coordinator port (default: a free one)"),
     "JAXPAR_STOP_TIMEOUT": Variable(

@@ -200,6 +200,34 @@ def test_a_child_dies_with_a_parent_killed_by_sigkill(tmp_path):
         parent.wait()
 
 
+def test_a_program_started_dying_with_its_parent_ends_with_a_sigkill_of_it(tmp_path):
+    """The drill's training runs (any program, not only Python) get PR_SET_PDEATHSIG before exec."""
+    script = (
+        "import subprocess, time\n"
+        "from jaxpar import children\n"
+        "child = subprocess.Popen(['sleep', '300'], start_new_session=True, preexec_fn=children.dying_with_parent())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], env=child_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True
+    )
+    pid = int(parent.stdout.readline())
+    try:
+        assert _running(pid) and "sleep" in _cmdline(pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_command_names_only_the_processes_it_stopped(tmp_path, capsys, monkeypatch):
     """The record of stopped children is per command: ``jaxpar.cli.main`` starts a new one, so a later
     command in the same process (the tests run many) does not name an earlier one's children."""

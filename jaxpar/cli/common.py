@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
+from typing import Any
 
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigDict, ConfigError, default_config, flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "tiny.py")
@@ -77,6 +79,55 @@ def refuse_repeated_overrides(command: str, items: list[str]) -> None:
         if key in seen:
             raise ConfigError(f"jaxpar {command}: {key} given twice ({seen[key]}, then {item}); give {key} once")
         seen[key] = item
+
+
+def _override_key(item: str) -> str:
+    return item.partition("=")[0].removeprefix("--").removeprefix("config.")
+
+
+def refuse_flag_and_override(command: str, flags: dict[str, tuple[Any, str]], items: list[str]) -> None:
+    """A flag (``name -> (value, None when not given; the config field it sets)``) and a ``--config``
+    override of the same field in one command: a one-line ConfigError naming both."""
+    given = {_override_key(item): item for item in items}
+    for flag, (value, field) in flags.items():
+        if value is not None and field in given:
+            raise ConfigError(f"{command}: {flag} and {given[field]} both set {field}; give one of them")
+
+
+def refuse_unread_overrides(command: str, items: list[str], unread: dict[str, str]) -> None:
+    """A ``--config`` override of a field ``command`` does not read (``unread``: a field or a section,
+    ``section.``, -> what to give instead): a one-line ConfigError, never silently ignored."""
+    for item in items:
+        key = _override_key(item)
+        for field, instead in unread.items():
+            if key == field or (field.endswith(".") and key.startswith(field)):
+                raise ConfigError(f"{command}: {item}: {command} does not read {key}; {instead}")
+
+
+def unread_notes(command: str, cfg: ConfigDict, unread: dict[str, str], why: str) -> list[str]:
+    """A ``note:`` line naming the fields of ``unread`` (as in :func:`refuse_unread_overrides`) that the
+    config file sets away from their defaults: ``command`` does not read them, and says so."""
+    default, mine = flatten(default_config().to_dict()), flatten(cfg.to_dict())
+    keys = [k for k in mine if any(k == f or (f.endswith(".") and k.startswith(f)) for f in unread)]
+    changed = [f"{k}={mine[k]}" for k in keys if mine[k] != default[k]]
+    return [f"{command}: note: not used from the config ({why}): {', '.join(changed)}"] if changed else []
+
+
+def override_notes(command: str, flags: dict[str, tuple[Any, str]], cfg: ConfigDict) -> list[str]:
+    """A ``note:`` line per flag of ``flags`` (as in :func:`refuse_flag_and_override`) that replaces a
+    different value of the config file's: the flag wins, and the command says so."""
+    mine = flatten(cfg.to_dict())
+    return [
+        f"{command}: note: {flag} {value} replaces the config's {field}={mine[field]}"
+        for flag, (value, field) in flags.items()
+        if value is not None and mine[field] != value
+    ]
+
+
+def print_notes(notes: list[str]) -> None:
+    """The notes on stderr, once the command got past its checks (a refusal stays one line)."""
+    for line in notes:
+        print(line, file=sys.stderr)
 
 
 def config_or_default(args: argparse.Namespace) -> str:

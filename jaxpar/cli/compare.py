@@ -16,7 +16,17 @@ from jaxpar.analysis.compare import choice_sources, compare_layouts, config_choi
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.plan import PlanOptions, flops_convention, plan_summary
 from jaxpar.axes import MESH_AXES
-from jaxpar.cli.common import at_least_one, at_most, overrides, share
+from jaxpar.cli.common import (
+    at_least_one,
+    at_most,
+    override_notes,
+    overrides,
+    print_notes,
+    refuse_flag_and_override,
+    refuse_unread_overrides,
+    share,
+    unread_notes,
+)
 from jaxpar.cli.plan import render_aot, render_table
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
@@ -110,12 +120,22 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+COMPARE_UNREAD = {"mesh.": "each --layout gives the mesh sizes (data=2,tensor=4)"}
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """Evaluate each ``--layout`` (all on the same device count) and print them side by side."""
     at_least_one(global_batch=args.global_batch, seq=args.seq)
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq)
     share("--efficiency", args.efficiency)
+    flags = {"--global-batch": (args.global_batch, "train.global_batch"), "--seq": (args.seq, "train.seq_len")}
+    refuse_flag_and_override("compare", flags, overrides(args))
+    refuse_unread_overrides("compare", overrides(args), COMPARE_UNREAD)
     cfg = load_config(args.config, overrides(args))
+    notes = []  # a user's file: what --layout and the flags replace in it is said (after the checks)
+    if args.config is not None:
+        notes = unread_notes("compare", cfg, COMPARE_UNREAD, "each --layout gives the mesh")
+        notes += override_notes("compare", flags, cfg)
     model, cluster = cfg.model, get_cluster(args.cluster)
     pinned = [parse_compare_layout(text) for text in args.layouts]
     num_devices = device_count(pinned)
@@ -135,6 +155,7 @@ def run_compare(args: argparse.Namespace) -> int:
     defaults = config_choices(cfg)
     estimates = compare_layouts(model, cluster, pinned, global_batch, seq_len, options, defaults)
     sources = [choice_sources(p, e, defaults) for p, e in zip(pinned, estimates)]
+    print_notes(notes)
     aot, aot_s = [], 0.0
     if args.aot:
         from jaxpar.analysis.aot import run_aot

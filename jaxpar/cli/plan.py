@@ -18,7 +18,19 @@ from jaxpar.analysis.clusters import GIB, PRESETS, Cluster, get_cluster
 from jaxpar.analysis.estimate import CONVENTIONS, DTYPE_BYTES, RECOMPUTE, count_params, format_peak_terms
 from jaxpar.analysis.plan import LayoutEstimate, PlanOptions, flops_convention, plan_summary, search_layouts
 from jaxpar.axes import MESH_AXES, MeshAxis
-from jaxpar.cli.common import at_least_one, at_most, excludes, needs, overrides, share
+from jaxpar.cli.common import (
+    at_least_one,
+    at_most,
+    excludes,
+    needs,
+    override_notes,
+    overrides,
+    print_notes,
+    refuse_flag_and_override,
+    refuse_unread_overrides,
+    share,
+    unread_notes,
+)
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
 
@@ -235,6 +247,32 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aot-top", type=int, default=None, help="layouts to compile with --aot")
 
 
+# the config fields plan's flags set, and those the search picks unless a flag pins them
+def plan_flag_fields(args: argparse.Namespace) -> dict[str, tuple[object, str]]:
+    """``flag -> (its value or None, the config field it overrides)`` for ``jaxpar plan``."""
+    return {
+        "--global-batch": (args.global_batch, "train.global_batch"),
+        "--seq": (args.seq, "train.seq_len"),
+        "--microbatches": (args.microbatches, "train.microbatches"),
+        "--recompute": (args.recompute, "model.remat"),
+        "--sequence-parallel": (args.sequence_parallel, "parallel.sequence_parallel"),
+        "--zero": (args.zero, "parallel.zero_stage"),
+        "--schedule": (args.schedule, "pipeline.schedule"),
+        "--grad-reduce-dtype": (args.grad_reduce_dtype, "parallel.grad_reduce_dtype"),
+    }
+
+
+PLAN_UNREAD = {
+    "mesh.": "plan searches the mesh; pin sizes with --layout, e.g. --layout data=2,tensor=4",
+    "parallel.zero_stage": "plan searches the ZeRO stage; pin it with --zero",
+    "parallel.sequence_parallel": "plan searches it; pin it with --sequence-parallel / --no-sequence-parallel",
+    "train.microbatches": "plan searches the microbatches; pin them with --microbatches",
+    "model.remat": "plan searches the recompute policy; pin it with --recompute",
+    "pipeline.schedule": "plan searches the schedule; pin it with --schedule",
+    "pipeline.virtual_stages": "plan searches the virtual stages; pin them with --layout virtual=N",
+}
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """``jaxpar plan``: search (or evaluate the pinned) layouts and print a table or JSON. Returns 0."""
     aot_top = getattr(args, "aot_top", None)
@@ -250,8 +288,14 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     at_most(MAX_DIM, global_batch=args.global_batch, seq=args.seq, microbatches=args.microbatches)
     share("--efficiency", args.efficiency)
+    refuse_flag_and_override("plan", plan_flag_fields(args), overrides(args))
+    refuse_unread_overrides("plan", overrides(args), PLAN_UNREAD)
     cfg = load_config(args.config, overrides(args))
-    model = cfg.model  # the config's mesh is irrelevant here: the plan chooses the mesh
+    model = cfg.model  # the plan chooses the layout: the config's is named on stderr when it has one
+    notes = []  # a user's file: what the flags and the search replace in it is said (after the checks)
+    if args.config is not None:
+        notes = unread_notes("plan", cfg, PLAN_UNREAD, "plan chooses the layout; flags pin parts of it, see --help")
+        notes += override_notes("plan", plan_flag_fields(args), cfg)
     cluster = get_cluster(args.cluster)
     fixed = parse_layout(args.layout) if args.layout else {}
     for name, value in (
@@ -310,6 +354,7 @@ def run_plan(args: argparse.Namespace) -> int:
     pinned = bool(args.layout)
     estimates = search_layouts(model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=pinned)
     elapsed = time.perf_counter() - start
+    print_notes(notes)
     shown = estimates[: args.top]
     aot: list[AotComparison] = []
     aot_s = 0.0

@@ -15,6 +15,7 @@ import shlex
 import sys
 
 from jaxpar import children, files, write_guard
+from jaxpar.cli.common import overrides, print_notes, refuse_unread_overrides, unread_notes
 from jaxpar.config import MAX_DEVICES, ConfigError, load_config
 
 HELP = "run every valid layout of N devices for K steps: times, memory, bytes, losses, report + plots"
@@ -68,6 +69,12 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default="runs/sweep", help="output directory")
 
 
+SWEEP_UNREAD = {
+    "mesh.": "the sweep lays out --devices devices in every layout it runs (--only picks some)",
+    "train.steps": "give --steps",
+}
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """Run the sweep, write DIR/{results.csv,results.json,report.md,*.png}; exit 1 if any layout
     crashed or missed the reference loss."""
@@ -75,7 +82,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     from jaxpar.analysis.sweep import report as sweep_report
 
     config = args.config or ("configs/tiny.py" if os.path.exists("configs/tiny.py") else None)
-    cfg = load_config(config, [*SWEEP_DEFAULTS, *(getattr(args, "overrides", None) or [])])
+    refuse_unread_overrides("sweep", overrides(args), SWEEP_UNREAD)
+    cfg = load_config(config, [*SWEEP_DEFAULTS, *overrides(args)])
     _check_flags(args)
     if not args.list:  # before hours of runs: -o replaces only an earlier sweep's folder, never an input
         write_guard.check_apart(args.output, "sweep -o", inputs={"--config": config, "--baseline": args.baseline})
@@ -95,6 +103,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         for lay in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
             print(layout_name(lay))
         return 0
+    if args.config is not None:  # a user's file: its mesh is not the sweep's, and the sweep says so
+        print_notes(unread_notes("sweep", cfg, {"mesh.": ""}, "the sweep runs its own layouts of --devices devices"))
     with children.supervised():  # SIGTERM: the worker process ends with this one (exit 143)
         records, meta = sweep_lib.run_sweep_layouts(
             cfg,

@@ -467,7 +467,12 @@ def _split_top(text: str, seps: tuple[str, ...]) -> list[str]:
     out: list[str] = []
     start = i = depth = 0
     double = False
+    special = re.compile("[" + re.escape("\\'\"(){}[]" + "".join({s[0] for s in seps})) + "]")
     while i < len(text):
+        found = special.search(text, i)  # the next character that matters (a loop per character is slow)
+        if found is None:
+            break
+        i = found.start()
         c = text[i]
         if c == "\\":
             i += 2
@@ -601,17 +606,21 @@ def _lines(text: str, join: bool) -> list[tuple[int, str]]:
     """``(line number, line)`` with backslash-newline continuations joined (``join``), numbered
     by the line each starts on."""
     out: list[tuple[int, str]] = []
-    pending: tuple[int, str] | None = None
+    pending: list[str] = []  # the parts of a continued line so far (joined once: linear in its length)
+    start = 0
     for number, line in enumerate(text.split("\n"), 1):
-        if pending is not None:
-            number, line = pending[0], pending[1] + " " + line
-            pending = None
+        if pending:
+            number = start
         if join and line.endswith("\\"):
-            pending = (number, line[:-1])
+            start = number
+            pending.append(line[:-1])
             continue
+        if pending:
+            line = " ".join([*pending, line])
+            pending = []
         out.extend((number, part) for part in line.splitlines() or [""])
-    if pending is not None:
-        out.append(pending)
+    if pending:
+        out.append((start, " ".join(pending)))
     return out
 
 
@@ -632,6 +641,8 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
     repaired: list[tuple[int, str]] = []
     in_flags = False
     array: list[str] | None = None  # lines of a NAME=( ... ) array being read
+    depth = 0  # its "(" less its ")" so far
+    array_line = 0  # the line it starts on
     stack: list[_Frame] = []
     decided: list[str] = []  # variables decided by unknown conditions that other commands read
 
@@ -685,9 +696,9 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         stripped = line.strip()
         if array is not None:
             array.append(stripped)
-            joined = " ".join(array)
-            if joined.count("(") <= joined.count(")"):
-                name, _, value = joined.partition("=")
+            depth += stripped.count("(") - stripped.count(")")  # counted per line: linear in the array
+            if depth <= 0:
+                name, _, value = " ".join(array).partition("=")
                 set_(name, value.strip()[1:-1], True)
                 array = None
             continue
@@ -712,8 +723,9 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 continue
             assignment = None if in_flags else split_assignment(statement)
             if assignment and assignment[1].startswith("(") and not args_format:
-                array = [statement]
-                if statement.count("(") <= statement.count(")"):
+                array, array_line = [statement], number
+                depth = statement.count("(") - statement.count(")")
+                if depth <= 0:
                     set_(assignment[0], assignment[1].strip()[1:-1], True)
                     array = None
                 continue
@@ -767,6 +779,11 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         if found:
             break
     else:  # no pretrain command: one may hide in a variable an unknown condition decides ($CMD, eval)
+        if array is not None:
+            raise ConfigError(
+                f"megatron: line {array_line}: the array {array[0].partition('=')[0][:80]}=( is never closed "
+                "(bash: unexpected end of file); add its closing ')'"
+            )
         words += [mark(n) for n in decided[:1]]
     for word in words:
         for name in unresolved_names(word):

@@ -12,6 +12,7 @@ report carries a ``(model)`` model change that ``--model-config`` (an HF ``confi
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import pathlib
@@ -319,8 +320,8 @@ def _load(path_or_dict: str | pathlib.Path | dict) -> tuple[dict, str]:
     text = files.read_text(path, "recipe", "deepspeed", "pass the path of a ds_config.json")
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-        keys = [k for k, _ in pairs]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
+        counts = collections.Counter(k for k, _ in pairs)  # one pass: a list.count per key is quadratic
+        dup = sorted(k for k, n in counts.items() if n > 1)
         if dup:
             raise ConfigError(
                 f"deepspeed: {path.name} repeats key(s) {', '.join(dup)} (DeepSpeed rejects "

@@ -87,6 +87,7 @@ class Report:
     entries: list[Entry] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     ported: list[str] = dataclasses.field(default_factory=list)  # jaxpar keys the port set explicitly
+    unknowns: int = 0  # keys reported unknown so far
 
     def add(self, source: str, value: Any, status: str, target: str = "", note: str = "") -> Entry:
         if status not in STATUSES:
@@ -121,7 +122,8 @@ class Report:
 
     def unknown(self, source: str, value: Any, known: list[str] | tuple[str, ...], tool: str) -> Entry:
         """Report a key the source tool does not define, with the closest known key."""
-        close = suggest(source, known)
+        self.unknowns += 1  # a suggestion costs a scan of ``known``: only the first SUGGESTED get one
+        close = suggest(source, known) if self.unknowns <= SUGGESTED else None
         hint = f"did you mean '{close}'? " if close else ""
         return self.add(source, value, "unknown", "", f"{hint}not a {tool} setting ({tool} ignores it); left out")
 
@@ -238,6 +240,9 @@ def refuse_model_changes(report: Report, source: str, approximate: bool, final: 
         f"{fix + ', or ' if fix else ''}pass --approximate to port it anyway (the report then lists the change "
         f"first){more}"
     )
+
+
+SUGGESTED = 100  # unknown keys of a recipe that get a "did you mean" (a recipe of 100k unknown keys stays linear)
 
 
 def suggest(key: str, known: list[str] | tuple[str, ...]) -> str | None:
