@@ -30,6 +30,7 @@ SCHEDULES = [  # (label, pipeline.schedule, virtual stages, stash)
     ("1f1b", "1f1b", 1, True),
     ("interleaved", "interleaved", 2, True),
     ("zb-h1", "zb-h1", 1, True),
+    ("zb-v", "zb-v", 2, True),
 ]
 OVERRIDES = [
     "--config.mesh.data=2",
