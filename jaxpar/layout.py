@@ -390,7 +390,7 @@ class ParallelLayout:
         )
         require(
             schedule not in ("1f1b", *SPLIT_BACKWARD) or m >= p,
-            f"train.microbatches={m} < mesh.pipeline={p}: {schedule} needs at least one microbatch per stage; "
+            f"train.microbatches={m} < mesh.pipeline={p}: {schedule.upper()} needs at least one microbatch per stage; "
             f"set --config.train.microbatches={p} or more",
         )
         require(

@@ -24,9 +24,9 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
 from jaxpar.layout import ParallelLayout, balanced_split, resolve_stage_layers
 from jaxpar.mesh import make_mesh
+from jaxpar.optim.adamw import init_state as init_opt_state
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
-from jaxpar.train.step import init_opt_state
 from tests.helpers import ROOT, TINY, child_env, max_rel_error, tiny_config
 from tests.test_pipeline import NO_GUARD, SMALL
 

@@ -28,7 +28,7 @@ from jaxpar.models.inventory import (
     shard_elements,
     stage_tensors,
 )
-from jaxpar.parallel.pipeline.schedule import keeps_activations, splits_backward
+from jaxpar.parallel.pipeline.schedule import device_of, keeps_activations, splits_backward, virtual_stage
 
 CONVENTIONS = ("jaxpar", "paper")
 
@@ -180,11 +180,15 @@ def moe_layer_phases(layout: ParallelLayout, tick: str = "") -> dict[str, int]:
     interleaved ``forward`` tick gather and combine once; in a ``backward`` tick (which recomputes
     its chunk under ``jax.vjp``, :mod:`jaxpar.parallel.pipeline`) gather and combine once more,
     backward once, and the gathers again with recompute (with ``full``: the scan keeping each
-    layer's input, then the layer's recomputation). GPipe: as without a pipeline.
+    layer's input, then the layer's recomputation). A ``kept`` backward tick (from the stash,
+    :mod:`jaxpar.parallel.pipeline.stash`) runs the backward once and, with recompute, the gathers
+    the rematerialised layer repeats. GPipe: as without a pipeline.
     """
     remat = int(layout.recompute != "none")
     if tick == "forward":
         return {"gather": 1, "combine": 1, "backward": 0}
+    if tick == "kept":
+        return {"gather": remat, "combine": 0, "backward": 1}
     if tick == "backward":
         return {"gather": 1 + remat, "combine": 1, "backward": 1}
     return {"gather": 1 + remat, "combine": 1, "backward": 1}
@@ -207,14 +211,21 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
         per_layer = moved(moe_layer_phases(layout))
         layers = layout.stored_layers(model.num_layers)
         return m * layers * per_layer[0], m * layers * per_layer[1]
-    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    v = layout.virtual_stages
     c = layout.stored_layers(model.num_layers) // v
     fwd, bwd = moved(moe_layer_phases(layout, "forward")), moved(moe_layer_phases(layout, "backward"))
-    chunks_forward = v - (stage == p - 1)  # the last virtual stage's forward runs in its backward tick
-    return (
-        m * c * (chunks_forward * fwd[0] + v * bwd[0]),
-        m * c * (chunks_forward * fwd[1] + v * bwd[1]),
-    )
+    kept = moved(moe_layer_phases(layout, "kept"))
+    # the last virtual stage (on the last device; zb-v: on device 0) runs its forward in its
+    # backward tick unless the backward is split; the other chunks' backward reads the stash
+    split = splits_backward(layout.schedule)
+    holds_last = device_of(layout.schedule, p, p * v - 1) == stage
+    if not keeps_activations(layout):
+        chunks_forward = v - holds_last
+        return m * c * (chunks_forward * fwd[0] + v * bwd[0]), m * c * (chunks_forward * fwd[1] + v * bwd[1])
+    fresh = holds_last and not split
+    moved_bytes = (v - fresh) * (fwd[0] + kept[0]) + fresh * bwd[0]
+    count = (v - fresh) * (fwd[1] + kept[1]) + fresh * bwd[1]
+    return m * c * moved_bytes, m * c * count
 
 
 def context_traffic(model: ConfigDict, layout: ParallelLayout) -> tuple[float, int]:
@@ -489,10 +500,17 @@ def jaxpar_stage_traffic(
         data = _jaxpar_pipeline_zero3(model, layout, stage)
     elif layout.shards_gradients:
         data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
-    v = v if layout.schedule == "interleaved" else 1
+    v = v if layout.schedule in ("interleaved", "zb-v") else 1
     bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    send = m * ((v - (stage == p - 1)) + (v - (stage == 0)))
+    ks = [virtual_stage(layout.schedule, p, chunk, stage) for chunk in range(v)]
+    # a send per microbatch for each chunk but the last virtual stage's (forward) and the first's
+    # (backward), none where the next virtual stage is on this device (zb-v's tip)
+    send = m * sum(
+        (k < p * v - 1 and device_of(layout.schedule, p, k + 1) != stage)
+        + (k > 0 and device_of(layout.schedule, p, k - 1) != stage)
+        for k in ks
+    )
     # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
     # table), summed over pipeline, and the loss
     held = [
@@ -516,7 +534,7 @@ def jaxpar_stage_traffic(
     keep, split = keeps_activations(layout), splits_backward(layout.schedule)
     moved, calls = 0.0, 0
     for chunk in range(v):
-        first, last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        first, last = ks[chunk] == 0, ks[chunk] == p * v - 1
         kept = keep and (split or not last)  # this virtual stage's backward reads its stash
         if layout.schedule == "gpipe":
             units = (4 + recompute) * c
@@ -533,9 +551,14 @@ def jaxpar_stage_traffic(
         calls += round(units) + (3 if last else 0)
         if model.get("num_experts", 0):  # the MoE layers' own (moe_tensor_arrays), per tick
             arrays = moe_tensor_arrays(model, layout)
-            ticks = [moe_layer_phases(layout)] if layout.schedule == "gpipe" else [moe_layer_phases(layout, "backward")]
-            if layout.schedule != "gpipe" and not last:
-                ticks.append(moe_layer_phases(layout, "forward"))
+            if layout.schedule == "gpipe":
+                ticks = [moe_layer_phases(layout)]
+            elif kept:
+                ticks = [moe_layer_phases(layout, "kept"), moe_layer_phases(layout, "forward")]
+            else:
+                ticks = [moe_layer_phases(layout, "backward")] + (
+                    [moe_layer_phases(layout, "forward")] if not last else []
+                )
             for phases in ticks:
                 moved += c * _moe_phase_bytes(arrays, phases, t)
                 calls += c * sum(times * len(arrays[ph]) for ph, times in phases.items())
@@ -608,7 +631,7 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int
     per step instead (not counted).
     """
     p, m = layout.pipeline, layout.microbatches
-    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    v = layout.virtual_stages if layout.schedule in ("interleaved", "zb-v") else 1
     a = DTYPE_BYTES[model.compute_dtype]
     c = layout.stored_layers(model.num_layers) // v
     layer, first, last = (_zero_gathered(model, layout, group, a) for group in _stage_groups(model))
@@ -618,7 +641,8 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int
     keep, split = keeps_activations(layout), splits_backward(layout.schedule)
     moved, calls = 0.0, 0
     for chunk in range(v):
-        is_first, is_last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+        k = virtual_stage(layout.schedule, p, chunk, stage)
+        is_first, is_last = k == 0, k == p * v - 1
         kept = keep and (split or not is_last)
         # from the stash: the backward gathers each layer once (the split's W once more), then scatters
         back = (3 if split else 2) if kept else backward
