@@ -283,6 +283,12 @@ def _boundary_types(
     return emb, axes | varying_axes(y), varying_axes(loss)
 
 
+def _tick_typed(x: jax.Array) -> jax.Array:
+    """``x`` varying over ``pipeline`` as a value read by stage index inside a tick is: what a
+    stash's types are traced from, so that its slots have the types its ticks write."""
+    return vary(x, varying_axes(x) | {AXIS})
+
+
 def _zeros(shape: tuple, dtype: Any, axes: frozenset) -> jax.Array:
     return vary(jnp.zeros(shape, dtype), axes)
 
@@ -347,8 +353,9 @@ def _explicit_loss_and_grads(
 
     keep = prog.stash_slots > 0  # no recomputation: the backward reads the forward's residuals
     if keep:  # the kept residuals' types, traced once for the slot buffers (nothing is emitted)
-        c0 = jnp.int32(0)
-        plan = stash_lib.split(stage_fn(c0), (shared, _chunk(blocks, c0, v), zeros_act(), batch[0]), (2, 3))
+        # typed as inside a tick: the chunk and the microbatch's tokens vary over pipeline there
+        c0, tok = _tick_typed(jnp.int32(0)), _tick_typed(batch[0])
+        plan = stash_lib.split(stage_fn(c0), (shared, _chunk(blocks, c0, v), zeros_act(), tok), (2, 3))
         kept_zeros = [functools.partial(_zeros, a.shape, a.dtype, varying_axes(a)) for a in plan.kept_avals]
     else:
         kept_zeros = []
@@ -598,7 +605,7 @@ def _split_loss_and_grads(
         box["front"] = ws.frontier_avals
         return jnp.zeros(())
 
-    jax.eval_shape(trace, jnp.int32(0), zeros_act(), batch[0])
+    jax.eval_shape(trace, _tick_typed(jnp.int32(0)), zeros_act(), _tick_typed(batch[0]))
     kept_avals = (
         [("embed", a) for a in box["embed"].kept_avals]
         + [("layer", a) for a in box["layer"].kept_avals]
