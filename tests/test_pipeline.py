@@ -497,7 +497,7 @@ P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=
         ),
         (
             ["--config.pipeline.virtual_stages=2", "--config.train.microbatches=2"],
-            "pipeline.virtual_stages=2 is only used by the interleaved schedule",
+            "pipeline.virtual_stages=2 is only used by the interleaved and zb-v schedules",
         ),
         (
             [
