@@ -14,6 +14,7 @@ module needs is public.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
@@ -70,11 +71,14 @@ def _imports(path: pathlib.Path, name: str) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache
+def _graph() -> dict[str, frozenset[str]]:
+    """The package's import graph, parsed once per process (CPython 3.11's ``ast.parse`` has raised
+    "AST constructor recursion depth mismatch" when called again deep in a test worker's stack)."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in files.items():
-        graph[name] = {m for m in _imports(path, name) if m in files and m != name}
+        graph[name] = frozenset(m for m in _imports(path, name) if m in files and m != name)
     return graph
 
 

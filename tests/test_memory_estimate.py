@@ -52,13 +52,13 @@ DEFAULT = {
     "pp2_1f1b_full": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="full", zero_stage=1),
     "pp2_interleaved": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
     "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, schedule="zb-h1"),
-    "pp2_zbv": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="zb-v"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, schedule="gpipe"),
     "pp2_interleaved_full": _lay(
         data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved", recompute="full"
     ),
 }
 SLOW_GRID = {
+    "pp2_zbv": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="zb-v"),
     "dp_selective": _lay(data=8, recompute="selective"),
     "dp_full": _lay(data=8, recompute="full"),
     "zero2_none": _lay(data=8, zero_stage=2),
