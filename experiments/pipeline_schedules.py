@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {k: run[k] for k in ("flops_ratio", "temp_mib", "bubble_rate", "published", "in_flight")}
         row |= {"schedule": label, "step_s": step, "vs_1f1b": step / ref, "times": run["times"]}
         out.append(row)
+        published = "-" if row["published"] is None else f"{row['published']:.3f}"
         print(
             f"{label:<16}{step:>8.3f}{step / ref:>8.3f}{row['flops_ratio']:>9.3f}{row['temp_mib']:>10.1f}"
-            f"{row['bubble_rate']:>8.3f}{row['published']:>8.3f}  {row['in_flight']}"
+            f"{row['bubble_rate']:>8.3f}{published:>8}  {row['in_flight']}"
         )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +165,8 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
     ax1.set_title(f"p={P}, m={M}, data=2, 8 CPU devices")
     ax1.tick_params(axis="x", rotation=30)
     ax2.bar(names, [r["bubble_rate"] for r in rows], color="tab:orange", label="table, equal costs")
-    ax2.scatter(names, [r["published"] for r in rows], color="black", zorder=3, label="published formula")
+    stated = [(n, r["published"]) for n, r in zip(names, rows) if r["published"] is not None]
+    ax2.scatter([n for n, _ in stated], [b for _, b in stated], color="black", zorder=3, label="published formula")
     ax2.set_ylabel("bubble rate")
     ax2.tick_params(axis="x", rotation=30)
     ax2.legend()
