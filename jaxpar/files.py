@@ -164,15 +164,17 @@ def load_yaml(text: str, what: str) -> Any:
 
     if hasattr(yaml, "CSafeLoader"):  # libyaml: the same YAML, about 20x faster than the Python reader
         depth = 0
-        for event in yaml.parse(text, Loader=yaml.CSafeLoader):
-            if isinstance(event, yaml.AliasEvent):
-                _refuse_alias(event, what)
-            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
-            if depth > MAX_YAML_DEPTH:  # libyaml slows with the square of the depth; a config nests a few levels
-                raise ConfigError(
-                    f"{what}: the YAML nests more than {MAX_YAML_DEPTH} levels deep (line {event.start_mark.line + 1}); "
-                    "a config needs a few, write it flatter"
-                )
+        try:
+            for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+                if isinstance(event, yaml.AliasEvent):
+                    _refuse_alias(event, what)
+                depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+                if depth > MAX_YAML_DEPTH:  # libyaml slows with the square of the depth; a config nests a few
+                    raise _too_deep(what, event.start_mark)
+        except yaml.YAMLError as e:  # newer libyaml stops at 1000 levels itself, before the events reach 101
+            if "maximum nesting depth" in str(e):
+                raise _too_deep(what, e.problem_mark) from None
+            raise
         return yaml.load(text, Loader=yaml.CSafeLoader)  # noqa: S506 - the safe loader, in C
 
     class NoAliases(yaml.SafeLoader):
@@ -186,6 +188,13 @@ def load_yaml(text: str, what: str) -> Any:
         return loader.get_single_data()
     finally:
         loader.dispose()
+
+
+def _too_deep(what: str, mark: Any) -> ConfigError:
+    line = f" (line {mark.line + 1})" if mark is not None else ""
+    return ConfigError(
+        f"{what}: the YAML nests more than {MAX_YAML_DEPTH} levels deep{line}; a config needs a few, write it flatter"
+    )
 
 
 def _refuse_alias(event: Any, what: str) -> None:
