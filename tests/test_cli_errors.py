@@ -166,3 +166,31 @@ def test_the_entry_point_exits_with_the_codes():
     )
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "error: inspect: --ops applies only with --json; add --json or drop --ops\n"
+
+
+def test_a_library_made_for_another_jax_is_one_line_exit_2():
+    """flax 0.12.8 under jax 0.11.2 (a GPU machine's JAX, 2026-12-05) raised AttributeError inside
+    ``import flax.nnx``: here the same failure, made by removing the name flax reads from JAX before
+    the command imports flax, is the environment's error (exit 2, both versions named), not a bug."""
+    code = (
+        "import jax.experimental.hijax as h; del h.HiPrimitive\n"
+        "import sys; from jaxpar.cli import main\n"
+        f"sys.exit(main(['inspect', '--config', {TINY!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: flax "), done.stderr
+    assert "does not import under jax " in lines[0] and "HiPrimitive" in lines[0]
+    assert "jax 0.12 + flax 0.12.12" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_a_bug_inside_jaxpar_stays_an_internal_error():
+    """Only a dependency's own module code counts as a broken installation: an AttributeError raised
+    by jaxpar's code is still a bug (exit 1)."""
+    from jaxpar.cli import errors
+
+    try:
+        raise AttributeError("no attribute")
+    except AttributeError as e:
+        assert errors.broken_dependency(e) is None

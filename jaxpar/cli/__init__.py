@@ -133,6 +133,8 @@ def _report(error: BaseException, argv: list[str]) -> int:
         return errors.bad_input(error)
     if isinstance(error, OSError):  # a closed pipe, a full disk, a path the OS refuses; without a path: a bug
         return errors.os_error(error, argv)
+    if (mismatch := errors.broken_dependency(error)) is not None:  # a library made for another JAX
+        return errors.bad_input(mismatch)
     return errors.internal_error(error, argv)
 
 

@@ -10,6 +10,9 @@
   (``jaxpar ... | head``) ends quietly with exit 141 (128 + SIGPIPE, as shells show); a full disk is
   ``error: no space left on the device of '<path>'; ...``, exit 2 (:mod:`jaxpar.write_guard` left
   the earlier output as it was), stdout included;
+- an installed library that fails while it is being imported (:func:`broken_dependency`: flax
+  0.12.8 under jax 0.11.2 did, on a GPU machine) is the environment's: one line naming both
+  versions and the fix, exit 2;
 - Ctrl-C: ``interrupted``, exit code 130, anywhere (:mod:`jaxpar.interrupt`).
 
 A multi-process ``jaxpar train`` has one more: a failed collective exits 3 (:mod:`jaxpar.cli.train`).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import importlib.metadata
 import os
 import signal
 import sys
@@ -87,6 +91,38 @@ def internal_error(error: BaseException, argv: list[str]) -> int:
     what = f"{type(error).__name__}: {first}" if first else type(error).__name__
     print(f"jaxpar: internal error ({what}); traceback written to {path}", file=sys.stderr, flush=True)
     return EXIT_INTERNAL
+
+
+# The libraries jaxpar imports that are built against one JAX (import name: distribution name).
+DEPENDENCIES = {"flax": "flax", "optax": "optax", "orbax": "orbax-checkpoint", "chex": "chex"}
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def broken_dependency(error: BaseException) -> str | None:
+    """The one-line message for ``error`` when it was raised by a dependency's own module code while
+    Python imported it (a library made for another JAX), else None."""
+    if not isinstance(error, ImportError | AttributeError | TypeError | NameError):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or frames[-1].name != "<module>":
+        return None
+    parts = frames[-1].filename.replace(os.sep, "/").split("/")
+    package = next((p for p in reversed(parts[:-1]) if p in DEPENDENCIES), None)
+    if package is None or "site-packages" not in parts and "dist-packages" not in parts:
+        return None
+    first = (str(error).strip().splitlines() or [""])[0].strip()[:MAX_MESSAGE]
+    return (
+        f"{DEPENDENCIES[package]} {_version(DEPENDENCIES[package])} does not import under jax {_version('jax')} "
+        f"({type(error).__name__}: {first}); install releases made for each other: jaxpar is tested with "
+        "jax 0.10.2 + flax 0.12.8 (Python 3.11) and jax 0.12 + flax 0.12.12 (Python 3.12), e.g. "
+        "pip install 'jax>=0.12,<0.13' 'flax>=0.12.12'"
+    )
 
 
 class NamedStdout:
