@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port.deepspeed import no_model
+from jaxpar.port.deepspeed import OFFLOAD, no_model
 from jaxpar.port.report import FP16_AS_BF16, Report, build_config
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -65,6 +65,36 @@ FSDP_KEYS = (
 )
 
 
+# deepspeed_config (accelerate's DeepSpeedPlugin without a JSON file: accelerate/utils/dataclasses.py)
+_LAUNCHER = _NOOP + "multi-node launcher setting; jaxpar's processes come from the cluster (jaxpar.distributed)"
+DS_NOOP = {
+    "zero3_init_flag": _NOOP + "deepspeed.zero.Init builds ZeRO-3 shards at construction; jaxpar initializes "
+    "each shard directly on its device",
+    "zero3_save_16bit_model": _NOOP + "orbax saves sharded checkpoints; no 16-bit gather on save",
+    "deepspeed_multinode_launcher": _LAUNCHER,
+    "deepspeed_hostfile": _LAUNCHER,
+    "deepspeed_exclusion_filter": _LAUNCHER,
+    "deepspeed_inclusion_filter": _LAUNCHER,
+    "deepspeed_moe_layer_cls_names": _NOOP + "ZeRO-3 leaf modules; jaxpar shards expert weights by its rules",
+}
+DS_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+DS_KEYS = (
+    "zero_stage",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "offload_optimizer_device",
+    "offload_param_device",
+    "offload_optimizer_nvme_path",
+    "offload_param_nvme_path",
+    "deepspeed_config_file",
+    *DS_NOOP,
+)
+DS_FP16 = (
+    "DeepSpeed fp16 (accelerate enables fp16 with auto_cast) with DeepSpeed's dynamic loss scaler: "
+    "train.loss_scale defaults are DeepSpeed's (2**16, window 1000, hysteresis 2, minimum 1)"
+)
+
+
 def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tuple[ConfigDict, Report]:
     """Port an accelerate FSDP YAML; ``world_size`` overrides ``num_processes``."""
     try:
@@ -82,30 +112,45 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     report = Report("fsdp", str(path))
     values: dict[str, Any] = {}
     kind = str(raw.get("distributed_type", "NO"))
-    if kind == "DEEPSPEED":
-        raise ConfigError(
-            f"fsdp: {path.name} uses distributed_type DEEPSPEED; port its DeepSpeed JSON with `jaxpar port deepspeed`"
-        )
     world = world_size if world_size is not None else int(raw.get("num_processes", 1))
     machines = int(raw.get("num_machines", 1))
     fsdp = raw.get("fsdp_config", {}) or {}
-    strategy = _strategy(fsdp, kind)
+    ds = raw.get("deepspeed_config", {}) or {}
+    for name, section in (("fsdp_config", fsdp), ("deepspeed_config", ds)):
+        if not isinstance(section, dict):
+            raise ConfigError(f"fsdp: {name} is a {type(section).__name__}; write it as a mapping")
+    if kind == "DEEPSPEED":
+        stage = _deepspeed_stage(ds, path.name)
+        strategy = ""
+    else:
+        strategy = _strategy(fsdp, kind)
+        stage = ZERO_STAGE[strategy]
     if world_size is None and "num_processes" not in raw and kind != "NO":
         raise ConfigError(
             f"fsdp: {path.name} has no num_processes: accelerate then takes the process count from the launch "
             "line (accelerate launch --num_processes N); pass --world-size N"
         )
-    stage = ZERO_STAGE[strategy]
     values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
-    data = _parallelism(raw.get("parallelism_config"), world, stage, values, report)
-    if values.get("train.global_batch", 16) % data:
-        values["train.global_batch"] = data
+    parallel = raw.get("parallelism_config") or None
+    if parallel is not None and not (kind == "FSDP" and str(fsdp.get("fsdp_version", 1)) == "2"):
+        raise ConfigError(
+            f"fsdp: {path.name} sets parallelism_config with distributed_type {kind}"
+            + (f" and fsdp_version {fsdp.get('fsdp_version', 1)}" if kind == "FSDP" else "")
+            + ": accelerate launch refuses it (it needs FSDP version 2); set distributed_type FSDP and "
+            "fsdp_config.fsdp_version 2, or drop parallelism_config"
+        )
+    data = _parallelism(parallel, world, stage, values, report)
+    if kind == "DEEPSPEED":
+        _deepspeed(ds, stage, values, report)
+    per_step = data * values.get("train.microbatches", 1)
+    if values.get("train.global_batch", 16) % per_step:
+        values["train.global_batch"] = per_step
         report.approximated(
             "(batch size)",
             None,
             "train.global_batch",
-            f"not in the accelerate config; one "
-            f"sequence per device ({data}) so the jaxpar default divides the data axis",
+            f"not in the accelerate config; one sequence per device and microbatch ({per_step}) so the "
+            "batch divides the data axis and the accumulation steps",
         )
     else:
         report.approximated(
@@ -126,16 +171,18 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         values["model.compute_dtype"] = "float32"
         report.mapped("mixed_precision (default)", "no", "model.compute_dtype", "accelerate's default: fp32")
     for key, value in raw.items():
-        if key in ("fsdp_config", "parallelism_config"):
+        if key in ("fsdp_config", "parallelism_config", "deepspeed_config"):
             continue
         if key == "distributed_type":
-            ok = kind in ("FSDP", "MULTI_GPU", "NO")
+            ok = kind in ("FSDP", "MULTI_GPU", "NO", "DEEPSPEED")
             report.add(
                 key,
                 value,
                 "mapped" if ok else "unsupported",
                 "parallel.zero_stage",
-                "" if ok else "only FSDP / MULTI_GPU / NO map onto jaxpar",
+                ("DeepSpeed ZeRO over the data axis (deepspeed_config)" if kind == "DEEPSPEED" else "")
+                if ok
+                else "only FSDP / MULTI_GPU / DEEPSPEED / NO map onto jaxpar",
             )
         elif key == "num_processes":
             report.mapped(key, value, "mesh.data", "" if world_size is None else f"overridden: --world-size {world}")
@@ -143,7 +190,10 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             report.mapped(key, value, "", "nodes; jaxpar's data axis spans them all")
         elif key == "mixed_precision":
             dtype = DTYPES.get(str(value))
-            if str(value) == "fp16":  # accelerate's fp16 scales the loss (torch GradScaler)
+            if str(value) == "fp16" and kind == "DEEPSPEED":  # accelerate writes fp16.enabled, auto_cast
+                values.update({"model.compute_dtype": "float16", "train.loss_scale.rule": "deepspeed"})
+                report.mapped(key, value, "model.compute_dtype", DS_FP16)
+            elif str(value) == "fp16":  # accelerate's fp16 scales the loss (torch GradScaler)
                 values["model.compute_dtype"] = "bfloat16"
                 report.approximated(key, value, "model.compute_dtype", FP16_AS_BF16)
             elif str(value) == "fp8":
@@ -172,11 +222,23 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
                     "num_machines",
                     "mixed_precision",
                     "fsdp_config",
+                    "deepspeed_config",
                     "parallelism_config",
                 ],
                 "accelerate",
             )
-    for key, value in fsdp.items():
+    for key, value in fsdp.items() if kind != "FSDP" else ():
+        report.approximated(
+            f"fsdp_config.{key}", value, "", _NOOP + f"accelerate reads fsdp_config only with FSDP ({kind})"
+        )
+    for key, value in ds.items() if kind != "DEEPSPEED" else ():
+        report.approximated(
+            f"deepspeed_config.{key}",
+            value,
+            "",
+            _NOOP + f"accelerate reads deepspeed_config only with DEEPSPEED ({kind})",
+        )
+    for key, value in fsdp.items() if kind == "FSDP" else ():
         src = f"fsdp_config.{key}"
         if key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
             hybrid = strategy.startswith("HYBRID")
@@ -208,13 +270,24 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     return build_config(values, report), report
 
 
-PARALLELISM_KEYS = ("tp_size", "dp_replicate_size", "dp_shard_size", "cp_size")
+PARALLELISM_KEYS = ("tp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "sp_size")
+# accelerate launch's other parallelism_config_* options (commands/launch.py): how they port
+CP_COMM = {"allgather": "all_gather", "alltoall": "ring"}  # torch CP's rotate methods -> parallel.context_exchange
+PARALLELISM_OTHER = {
+    "cp_backend": "torch context parallel (the only backend)",
+    "sp_backend": "DeepSpeed ALST/Ulysses (the only backend)",
+    "sp_seq_length": _NOOP + "jaxpar's sequence length is train.seq_len (the training script's)",
+    "sp_seq_length_is_variable": _NOOP + "jaxpar trains on fixed-length sequences",
+    "sp_attn_implementation": _NOOP + "the attention kernel is model.attention (blockwise with a context axis)",
+}
 
 
 def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], report: Report) -> int:
     """accelerate's ``parallelism_config`` (ParallelismConfig: tensor x data replicate x data shard x context
-    = the processes): ``mesh.tensor``, ``mesh.context`` and ``mesh.data`` = replicate * shard, FSDP over the
-    shard ranks (HSDP when replicating too: jaxpar shards over all data ranks). Returns the data size."""
+    x sequence = the processes; all 1: every process replicates, as accelerate's ``_validate_accelerator``
+    sets): ``mesh.tensor``, ``mesh.context`` (CP or Ulysses SP) and ``mesh.data`` = replicate * shard. FSDP
+    shards over shard x context ranks as jaxpar's ZeRO does over data x context (HSDP when replicating
+    too: jaxpar shards over all data ranks). Returns the data size."""
     if section is None:
         return world
     if not isinstance(section, dict):
@@ -225,41 +298,84 @@ def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], r
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"fsdp: parallelism_config_{key}={value!r}: use an integer >= 1")
         sizes[key] = value
-    tp, rep, shard, cp = (sizes[k] for k in PARALLELISM_KEYS)
-    if tp * rep * shard * cp != world:
+    tp, rep, shard, cp, sp = (sizes[k] for k in PARALLELISM_KEYS)
+    everyone = tp * rep * shard * cp * sp == 1
+    if everyone:
+        rep = world
+    if cp > 1 and sp > 1:
         raise ConfigError(
-            f"fsdp: parallelism_config sizes tp {tp} * dp_replicate {rep} * dp_shard {shard} * cp {cp} = "
-            f"{tp * rep * shard * cp}, not the {world} processes; make them equal (or pass --world-size)"
+            f"fsdp: parallelism_config_cp_size {cp} and parallelism_config_sp_size {sp}: accelerate takes one of "
+            "context (CP) and sequence (SP) parallel; set the other to 1"
         )
-    data = rep * shard
-    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.context": cp})
-    if shard == 1:
+    if tp * rep * shard * cp * sp != world:
+        raise ConfigError(
+            f"fsdp: parallelism_config sizes tp {tp} * dp_replicate {rep} * dp_shard {shard} * cp {cp} * sp {sp} = "
+            f"{tp * rep * shard * cp * sp}, not the {world} processes; make them equal (or pass --world-size)"
+        )
+    data, context = rep * shard, cp * sp
+    values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.context": context})
+    if shard * cp == 1:  # FSDP shards over dp_shard x cp (ParallelismConfig.dp_shard_cp_dim_names)
         values["parallel.zero_stage"] = 0 if stage == 3 else stage
-    if cp > 1:
+    comm = str(section.get("parallelism_config_cp_comm_strategy", "allgather"))
+    if context > 1:
+        if comm not in CP_COMM:
+            raise ConfigError(f"fsdp: parallelism_config_cp_comm_strategy={comm!r}: use allgather or alltoall")
         values["model.attention"] = "blockwise"
+        values["parallel.context_exchange"] = CP_COMM[comm] if cp > 1 else "ring"
+    sharded = shard * cp > 1
     notes = {
         "tp_size": f"tensor parallel over {tp} ranks",
-        "dp_replicate_size": "replicas of the sharded model"
-        + (f"; HSDP: jaxpar shards over all {data} data ranks instead of {shard}" if rep > 1 and shard > 1 else ""),
-        "dp_shard_size": f"FSDP over {shard} ranks" if shard > 1 else "no sharding",
+        "dp_replicate_size": (
+            f"all sizes 1: accelerate replicates over all {world} processes" if everyone else "replicas of the model"
+        )
+        + (f"; HSDP: jaxpar shards over all {data * cp} data x context ranks" if rep > 1 and sharded else ""),
+        "dp_shard_size": f"FSDP over {shard * cp} shard x context ranks" if sharded else "no sharding",
         "cp_size": f"the sequence over {cp} context ranks (blockwise attention)" if cp > 1 else "no context parallel",
+        "sp_size": f"Ulysses (all-to-all) sequence parallel over {sp} ranks: jaxpar splits the sequence over "
+        f"{sp} context ranks and passes keys and values in a ring instead (the same attention, different messages)"
+        if sp > 1
+        else "no sequence parallel",
     }
     target = {
         "tp_size": "mesh.tensor",
         "dp_replicate_size": "mesh.data",
         "dp_shard_size": "mesh.data, parallel.zero_stage",
         "cp_size": "mesh.context",
+        "sp_size": "mesh.context",
     }
     for key, value in section.items():
         name = key.removeprefix("parallelism_config_")
         src = f"parallelism_config.{key}"
         if name in notes:
-            hsdp = name == "dp_replicate_size" and rep > 1 and shard > 1
-            report.add(src, value, "approximated" if hsdp else "mapped", target[name], notes[name])
+            approx = (name == "dp_replicate_size" and rep > 1 and sharded) or (name == "sp_size" and sp > 1)
+            report.add(src, value, "approximated" if approx else "mapped", target[name], notes[name])
+        elif name == "cp_comm_strategy":
+            exchange = CP_COMM.get(comm, "")
+            note = "no effect without cp_size > 1" if cp == 1 else f"torch CP's {comm}: jaxpar's {exchange} exchange"
+            report.mapped(src, value, "parallel.context_exchange", note)
+        elif name in PARALLELISM_OTHER:
+            only = {"cp_backend": "torch", "sp_backend": "deepspeed"}.get(name, value)
+            if value != only:
+                raise ConfigError(f"fsdp: {key}={value!r}: accelerate takes only {only!r}; use it or drop the key")
+            note = PARALLELISM_OTHER[name]
+            report.add(src, value, "approximated" if note.startswith(_NOOP) else "mapped", "", note)
         else:
             report.unknown(
-                src, value, [f"parallelism_config.parallelism_config_{k}" for k in PARALLELISM_KEYS], "accelerate"
+                src,
+                value,
+                [
+                    f"parallelism_config.parallelism_config_{k}"
+                    for k in (*PARALLELISM_KEYS, "cp_comm_strategy", *PARALLELISM_OTHER)
+                ],
+                "accelerate",
             )
+    if context > 1 and "parallelism_config_cp_comm_strategy" not in section and cp > 1:
+        report.mapped(
+            "parallelism_config.parallelism_config_cp_comm_strategy (default)",
+            "allgather",
+            "parallel.context_exchange",
+            "accelerate's default: keys and values all-gathered",
+        )
     return data
 
 
@@ -281,3 +397,66 @@ def _strategy(fsdp: dict, kind: str) -> str:
     raise ConfigError(
         f"fsdp: fsdp_config.fsdp_sharding_strategy={value!r}: use one of {', '.join(STRATEGIES)} (or 1..5)"
     )
+
+
+def _deepspeed_stage(ds: dict, name: str) -> int:
+    """The ZeRO stage of an inline ``deepspeed_config`` (accelerate's default 2); a config file is refused."""
+    file = ds.get("deepspeed_config_file")
+    if file not in (None, "none"):
+        raise ConfigError(
+            f"fsdp: {name} uses distributed_type DEEPSPEED; port its DeepSpeed JSON with `jaxpar port deepspeed "
+            f"{file}` (deepspeed_config.deepspeed_config_file: accelerate takes the whole DeepSpeed config from it)"
+        )
+    stage = ds.get("zero_stage", 2)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f"fsdp: deepspeed_config.zero_stage={stage!r}: use 0, 1, 2 or 3")
+    return stage
+
+
+def _deepspeed(ds: dict, stage: int, values: dict[str, Any], report: Report) -> None:
+    """An inline ``deepspeed_config``, key by key, as accelerate's DeepSpeedPlugin builds the DeepSpeed
+    config from it (absent keys: accelerate's defaults, reported as ``(default)`` rows)."""
+    values["parallel.zero_stage"] = stage
+    if "zero_stage" not in ds:
+        report.mapped("deepspeed_config.zero_stage (default)", 2, "parallel.zero_stage", "accelerate's default")
+    if "gradient_accumulation_steps" not in ds:
+        report.approximated(
+            "deepspeed_config.gradient_accumulation_steps (default)",
+            None,
+            "train.microbatches",
+            "not in the config: the training script's Accelerator(gradient_accumulation_steps=...) decides; "
+            "jaxpar's 1 kept",
+        )
+    if "gradient_clipping" not in ds:
+        values["optim.clip_norm"] = 1.0
+        report.mapped(
+            "deepspeed_config.gradient_clipping (default)", 1.0, "optim.clip_norm", "accelerate fills DeepSpeed's 1.0"
+        )
+    for key, value in ds.items():
+        src = f"deepspeed_config.{key}"
+        if key == "zero_stage":
+            report.mapped(src, value, "parallel.zero_stage", f"ZeRO-{stage} over the data axis")
+        elif key == "gradient_accumulation_steps":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"fsdp: {src}={value!r}: use an integer >= 1")
+            values["train.microbatches"] = value
+            report.mapped(src, value, "train.microbatches")
+        elif key == "gradient_clipping":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"fsdp: {src}={value!r}: use a number >= 0 (0: no clipping)")
+            values["optim.clip_norm"] = float(value)
+            report.mapped(src, value, "optim.clip_norm", "global-norm clipping" if value else "0: no clipping")
+        elif key in ("offload_optimizer_device", "offload_param_device"):
+            device = str(value).lower()
+            if device not in DS_OFFLOAD_DEVICES:
+                raise ConfigError(f"fsdp: {src}={value!r}: use one of {', '.join(DS_OFFLOAD_DEVICES)}")
+            if device == "none":
+                report.mapped(src, value, "", "no offload, as in jaxpar")
+            else:
+                report.unsupported(src, value, OFFLOAD + (" (already set)" if stage == 3 else ""))
+        elif key in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
+            report.approximated(src, value, "", _NOOP + "no NVMe offload in jaxpar (see the offload device row)")
+        elif key in DS_NOOP:
+            report.approximated(src, value, "", DS_NOOP[key])
+        else:
+            report.unknown(src, value, [f"deepspeed_config.{k}" for k in DS_KEYS], "accelerate DeepSpeed")
