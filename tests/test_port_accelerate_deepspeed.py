@@ -169,3 +169,31 @@ def test_parallelism_config_outside_fsdp2_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="accelerate launch refuses it .it needs FSDP version 2."):
         port_fsdp(path)
+
+
+def test_fp8_config_keys_are_fp8_settings_not_unknown():
+    """accelerate's own fp8 template: each fp8_config key is a no-op row of the fp8 -> bf16 port."""
+    cfg, report = port_fsdp(CORPUS / "tmpl_fp8.yaml")
+    assert cfg.model.compute_dtype == "bfloat16" and not report.by_status("unknown")
+    assert report.find("fp8_config.amax_history_len").note.endswith("this port computes in bf16 (mixed_precision row)")
+
+
+@pytest.mark.parametrize("kind", ["MULTI_XPU", "MULTI_CPU", "XLA"])
+def test_other_ddp_kinds_are_data_parallel(tmp_path, kind):
+    path = tmp_path / "d.yaml"
+    path.write_text(f"distributed_type: {kind}\nnum_processes: 4\nmixed_precision: bf16\n")
+    cfg, report = port_fsdp(path)
+    assert (cfg.mesh.data, cfg.parallel.zero_stage) == (4, 0)
+    assert report.find("distributed_type").status == "mapped"
+
+
+def test_megatron_lm_and_unknown_kinds_are_refused(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(
+        "distributed_type: MEGATRON_LM\nnum_processes: 8\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n"
+    )
+    with pytest.raises(ConfigError, match="port that with `jaxpar port megatron`"):
+        port_fsdp(path)
+    path.write_text("distributed_type: MULTI_TPU\nnum_processes: 8\n")
+    with pytest.raises(ConfigError, match="distributed_type 'MULTI_TPU' is not accelerate's; use one of NO, FSDP"):
+        port_fsdp(path)

@@ -1,10 +1,14 @@
-"""Import an HF accelerate FSDP config (``accelerate config`` YAML) into a jaxpar config.
+"""Import an HF accelerate config (``accelerate config`` YAML: FSDP, DDP or an inline DeepSpeed config)
+into a jaxpar config.
 
 FSDP sharding strategies map onto ZeRO stages over jaxpar's data axis (PyTorch FSDP's ShardingStrategy docs; Rajbhandari et al. 2020, ZeRO):
 FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, NO_SHARD ~ DDP (ZeRO-0), HYBRID_SHARD ~ ZeRO-3
 inside a node and replicated across nodes (approximated: jaxpar shards over the whole data
 axis). accelerate also accepts the torch enum numbers 1..5 for the strategies; a
-``parallelism_config`` (TP x data replicate x data shard x CP) is the mesh. The YAML holds no model,
+``parallelism_config`` (TP x data replicate x data shard x CP) is the mesh. ``distributed_type:
+DEEPSPEED`` with an inline ``deepspeed_config`` ports as accelerate's DeepSpeedPlugin builds the
+DeepSpeed config from it (ZeRO stage, accumulation, clipping; offload is unsupported); one that names a
+``deepspeed_config_file`` is refused naming the JSON to port; MEGATRON_LM is refused. The YAML holds no model,
 optimizer or batch: the model is a model change (``(model)``: ``jaxpar port`` refuses it unless
 ``--model-config`` or ``--approximate``), the optimizer and batch stay at jaxpar defaults and the
 report says so. ``num_processes`` absent (and ``distributed_type`` not ``NO``): the launch line gives
@@ -55,6 +59,44 @@ TOP_NOOP = (
     "use_cpu",
     "gpu_ids",
     "dynamo_config",
+    "tpu_name",
+    "tpu_zone",
+    "tpu_vm",
+    "command_file",
+    "commands",
+    "mpirun_config",
+)
+# accelerate's DistributedType values that run plain DDP over the processes (on their device kind)
+DDP_KINDS = (
+    "MULTI_GPU",
+    "MULTI_CPU",
+    "MULTI_NPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
+    "MULTI_XPU",
+    "MULTI_HPU",
+    "MULTI_NEURON",
+    "XLA",
+)
+KINDS = ("NO", "FSDP", "DEEPSPEED", "MEGATRON_LM", *DDP_KINDS)
+# fp8_config keys (accelerate launch's --fp8_* options without the prefix, and the names `accelerate config`
+# writes): settings of fp8 matmuls, which this port computes in bf16 (see mixed_precision)
+FP8_KEYS = (
+    "backend",
+    "use_autocast_during_eval",
+    "margin",
+    "interval",
+    "fp8_format",
+    "amax_history_len",
+    "amax_history_length",
+    "amax_compute_algo",
+    "amax_compute_algorithm",
+    "override_linear_precision",
+    "opt_level",
+    "optimization_level",
+    "enable_fsdp_float8_all_gather",
+    "pad_inner_dim",
 )
 FSDP_KEYS = (
     *FSDP_NOOP,
@@ -112,6 +154,14 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     report = Report("fsdp", str(path))
     values: dict[str, Any] = {}
     kind = str(raw.get("distributed_type", "NO"))
+    if kind not in KINDS:
+        raise ConfigError(f"fsdp: distributed_type {kind!r} is not accelerate's; use one of {', '.join(KINDS)}")
+    if kind == "MEGATRON_LM":
+        raise ConfigError(
+            f"fsdp: {path.name} uses distributed_type MEGATRON_LM: accelerate's Megatron-LM plugin "
+            "(megatron_lm_config) is not read by this port; write its settings as Megatron-LM flags in an .args "
+            "file and port that with `jaxpar port megatron`"
+        )
     world = world_size if world_size is not None else int(raw.get("num_processes", 1))
     machines = int(raw.get("num_machines", 1))
     fsdp = raw.get("fsdp_config", {}) or {}
@@ -174,18 +224,13 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         if key in ("fsdp_config", "parallelism_config", "deepspeed_config"):
             continue
         if key == "distributed_type":
-            ok = kind in ("FSDP", "MULTI_GPU", "NO", "DEEPSPEED")
-            report.add(
-                key,
-                value,
-                "mapped" if ok else "unsupported",
-                "parallel.zero_stage",
-                ("DeepSpeed ZeRO over the data axis (deepspeed_config)" if kind == "DEEPSPEED" else "")
-                if ok
-                else "only FSDP / MULTI_GPU / DEEPSPEED / NO map onto jaxpar",
-            )
+            note = {"DEEPSPEED": "DeepSpeed ZeRO over the data axis (deepspeed_config)", "NO": "one process"}
+            report.mapped(key, value, "parallel.zero_stage", note.get(kind, "" if kind == "FSDP" else "DDP: ZeRO-0"))
         elif key == "num_processes":
-            report.mapped(key, value, "mesh.data", "" if world_size is None else f"overridden: --world-size {world}")
+            notes = [f"overridden: --world-size {world}"] * (world_size is not None) + [
+                f"parallelism_config splits them: mesh.data {values['mesh.data']}"
+            ] * (values["mesh.data"] != world)
+            report.mapped(key, value, "mesh.data", "; ".join(notes))
         elif key == "num_machines":
             report.mapped(key, value, "", "nodes; jaxpar's data axis spans them all")
         elif key == "mixed_precision":
@@ -211,6 +256,8 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
                 report.unsupported(key, value, "jaxpar computes in float32, bfloat16 or float16; default kept")
         elif key in TOP_NOOP:
             report.approximated(key, value, "", _NOOP + "launcher/environment setting")
+        elif key in ("fp8_config", "megatron_lm_config"):
+            _fp8(key, value, str(raw.get("mixed_precision")), kind, report)
         else:
             report.unknown(
                 key,
@@ -224,6 +271,8 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
                     "fsdp_config",
                     "deepspeed_config",
                     "parallelism_config",
+                    "fp8_config",
+                    "megatron_lm_config",
                 ],
                 "accelerate",
             )
@@ -460,3 +509,26 @@ def _deepspeed(ds: dict, stage: int, values: dict[str, Any], report: Report) -> 
             report.approximated(src, value, "", DS_NOOP[key])
         else:
             report.unknown(src, value, [f"deepspeed_config.{k}" for k in DS_KEYS], "accelerate DeepSpeed")
+
+
+def _fp8(name: str, section: Any, precision: str, kind: str, report: Report) -> None:
+    """``fp8_config`` keys (no-op rows: jaxpar computes fp8's matmuls in bf16) and a ``megatron_lm_config``
+    that accelerate does not read (``distributed_type`` is not MEGATRON_LM)."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"fsdp: {name} is a {type(section).__name__}; write it as a mapping")
+    for key, value in section.items():
+        src = f"{name}.{key}"
+        if name == "megatron_lm_config":
+            report.approximated(
+                src, value, "", _NOOP + f"accelerate reads megatron_lm_config only with MEGATRON_LM ({kind})"
+            )
+        elif key.removeprefix("fp8_") not in FP8_KEYS and key not in FP8_KEYS:
+            report.unknown(src, value, [f"fp8_config.{k}" for k in FP8_KEYS], "accelerate fp8")
+        elif precision == "fp8":
+            report.approximated(
+                src, value, "", _NOOP + "an fp8 setting; this port computes in bf16 (mixed_precision row)"
+            )
+        else:
+            report.approximated(
+                src, value, "", _NOOP + f"accelerate uses fp8_config only with mixed_precision fp8 ({precision})"
+            )
