@@ -162,13 +162,27 @@ def test_sequence_parallel_is_a_context_axis_approximated(tmp_path):
     assert report.find("parallelism_config.parallelism_config_sp_size").status == "approximated"
 
 
-def test_parallelism_config_outside_fsdp2_is_refused(tmp_path):
+def test_parallelism_config_where_accelerate_stops_is_refused(tmp_path):
+    """ParallelismConfig takes FSDP version 2, DEEPSPEED or multi-device DDP; FSDP1 and CPU DDP stop."""
     path = tmp_path / "p.yaml"
-    path.write_text(
-        "distributed_type: DEEPSPEED\nnum_processes: 8\nparallelism_config:\n  parallelism_config_tp_size: 2\n"
+    for head in ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n", "distributed_type: MULTI_CPU\n"):
+        path.write_text(head + "num_processes: 8\nparallelism_config:\n  parallelism_config_tp_size: 2\n")
+        with pytest.raises(ConfigError, match="ParallelismConfig stops on it .it takes FSDP version 2, DEEPSPEED"):
+            port_fsdp(path)
+
+
+def test_deepspeed_ulysses_is_data_times_sequence():
+    """trl's ALST recipe: DeepSpeed ZeRO-3 on 4 processes with Ulysses SP 2: data 2 x context 2 (DeepSpeed forms
+    the groups, accelerate skips its size check), the SP row approximated (the ring instead of all-to-all)."""
+    cfg, report = port_fsdp(CORPUS / "trl_alst_ulysses_4gpu.yaml")
+    assert (cfg.mesh.data, cfg.mesh.context, cfg.parallel.zero_stage, cfg.parallel.context_exchange) == (
+        2,
+        2,
+        3,
+        "ring",
     )
-    with pytest.raises(ConfigError, match="accelerate launch refuses it .it needs FSDP version 2."):
-        port_fsdp(path)
+    assert report.find("parallelism_config.parallelism_config_sp_size").status == "approximated"
+    assert not report.by_status("unknown")
 
 
 def test_fp8_config_keys_are_fp8_settings_not_unknown():

@@ -80,6 +80,7 @@ DDP_KINDS = (
     "XLA",
 )
 KINDS = ("NO", "FSDP", "DEEPSPEED", "MEGATRON_LM", *DDP_KINDS)
+MULTI_DEVICE = tuple(k for k in DDP_KINDS if k not in ("MULTI_CPU", "XLA"))  # Accelerator.multi_device
 # fp8_config keys (accelerate launch's --fp8_* options without the prefix, and the names `accelerate config`
 # writes): settings of fp8 matmuls, which this port computes in bf16 (see mixed_precision)
 FP8_KEYS = (
@@ -118,6 +119,8 @@ DS_NOOP = {
     "deepspeed_exclusion_filter": _LAUNCHER,
     "deepspeed_inclusion_filter": _LAUNCHER,
     "deepspeed_moe_layer_cls_names": _NOOP + "ZeRO-3 leaf modules; jaxpar shards expert weights by its rules",
+    "seq_parallel_communication_data_type": _NOOP + "accelerate does not pass it on to DeepSpeed (not one of its "
+    "launch options); jaxpar's context exchange runs in the compute dtype",
 }
 DS_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DS_KEYS = (
@@ -182,14 +185,15 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
         )
     values.update({"mesh.data": world, "mesh.tensor": 1, "mesh.pipeline": 1, "parallel.zero_stage": stage})
     parallel = raw.get("parallelism_config") or None
-    if parallel is not None and not (kind == "FSDP" and str(fsdp.get("fsdp_version", 1)) == "2"):
+    fsdp2 = kind == "FSDP" and str(fsdp.get("fsdp_version", 1)) == "2"
+    if parallel is not None and world > 1 and not (fsdp2 or kind == "DEEPSPEED" or kind in MULTI_DEVICE):
         raise ConfigError(
             f"fsdp: {path.name} sets parallelism_config with distributed_type {kind}"
             + (f" and fsdp_version {fsdp.get('fsdp_version', 1)}" if kind == "FSDP" else "")
-            + ": accelerate launch refuses it (it needs FSDP version 2); set distributed_type FSDP and "
-            "fsdp_config.fsdp_version 2, or drop parallelism_config"
+            + ": accelerate's ParallelismConfig stops on it (it takes FSDP version 2, DEEPSPEED or multi-device "
+            "DDP); set fsdp_config.fsdp_version 2, or drop parallelism_config"
         )
-    data = _parallelism(parallel, world, stage, values, report)
+    data = _parallelism(parallel, world, stage, values, report, kind)
     if kind == "DEEPSPEED":
         _deepspeed(ds, stage, values, report)
     per_step = data * values.get("train.microbatches", 1)
@@ -331,12 +335,13 @@ PARALLELISM_OTHER = {
 }
 
 
-def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], report: Report) -> int:
+def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], report: Report, kind: str) -> int:
     """accelerate's ``parallelism_config`` (ParallelismConfig: tensor x data replicate x data shard x context
     x sequence = the processes; all 1: every process replicates, as accelerate's ``_validate_accelerator``
-    sets): ``mesh.tensor``, ``mesh.context`` (CP or Ulysses SP) and ``mesh.data`` = replicate * shard. FSDP
+    sets; DeepSpeed's Ulysses SP: data = processes / (tensor x SP), DeepSpeed forms the groups):
+    ``mesh.tensor``, ``mesh.context`` (CP or Ulysses SP) and ``mesh.data`` = replicate * shard. FSDP
     shards over shard x context ranks as jaxpar's ZeRO does over data x context (HSDP when replicating
-    too: jaxpar shards over all data ranks). Returns the data size."""
+    too: jaxpar shards over all data ranks); DeepSpeed's ZeRO stage stays. Returns the data size."""
     if section is None:
         return world
     if not isinstance(section, dict):
@@ -356,14 +361,19 @@ def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], r
             f"fsdp: parallelism_config_cp_size {cp} and parallelism_config_sp_size {sp}: accelerate takes one of "
             "context (CP) and sequence (SP) parallel; set the other to 1"
         )
-    if tp * rep * shard * cp * sp != world:
+    ds_sp = kind == "DEEPSPEED" and sp > 1  # accelerate skips the size check: DeepSpeed builds the SP groups
+    if ds_sp and world % (tp * sp):
+        raise ConfigError(
+            f"fsdp: parallelism_config_sp_size {sp} * tp_size {tp} does not divide the {world} processes; make it divide"
+        )
+    if not ds_sp and tp * rep * shard * cp * sp != world:
         raise ConfigError(
             f"fsdp: parallelism_config sizes tp {tp} * dp_replicate {rep} * dp_shard {shard} * cp {cp} * sp {sp} = "
             f"{tp * rep * shard * cp * sp}, not the {world} processes; make them equal (or pass --world-size)"
         )
-    data, context = rep * shard, cp * sp
+    data, context = (world // (tp * sp) if ds_sp else rep * shard), cp * sp
     values.update({"mesh.data": data, "mesh.tensor": tp, "mesh.context": context})
-    if shard * cp == 1:  # FSDP shards over dp_shard x cp (ParallelismConfig.dp_shard_cp_dim_names)
+    if kind == "FSDP" and shard * cp == 1:  # FSDP shards over dp_shard x cp (ParallelismConfig.dp_shard_cp_dim_names)
         values["parallel.zero_stage"] = 0 if stage == 3 else stage
     comm = str(section.get("parallelism_config_cp_comm_strategy", "allgather"))
     if context > 1:
@@ -371,14 +381,19 @@ def _parallelism(section: Any, world: int, stage: int, values: dict[str, Any], r
             raise ConfigError(f"fsdp: parallelism_config_cp_comm_strategy={comm!r}: use allgather or alltoall")
         values["model.attention"] = "blockwise"
         values["parallel.context_exchange"] = CP_COMM[comm] if cp > 1 else "ring"
-    sharded = shard * cp > 1
+    sharded = kind == "FSDP" and shard * cp > 1  # HSDP notes: FSDP only
+    shard_note = {
+        "FSDP": f"FSDP over {shard * cp} shard x context ranks" if sharded else "no sharding",
+        "DEEPSPEED": f"data ranks; DeepSpeed's ZeRO-{stage} shards over the {data} x {context} data x sequence ranks, "
+        "as jaxpar's ZeRO over data x context",
+    }.get(kind, "data ranks (DDP)")
     notes = {
         "tp_size": f"tensor parallel over {tp} ranks",
         "dp_replicate_size": (
             f"all sizes 1: accelerate replicates over all {world} processes" if everyone else "replicas of the model"
         )
         + (f"; HSDP: jaxpar shards over all {data * cp} data x context ranks" if rep > 1 and sharded else ""),
-        "dp_shard_size": f"FSDP over {shard * cp} shard x context ranks" if sharded else "no sharding",
+        "dp_shard_size": shard_note,
         "cp_size": f"the sequence over {cp} context ranks (blockwise attention)" if cp > 1 else "no context parallel",
         "sp_size": f"Ulysses (all-to-all) sequence parallel over {sp} ranks: jaxpar splits the sequence over "
         f"{sp} context ranks and passes keys and values in a ring instead (the same attention, different messages)"
