@@ -494,7 +494,10 @@ def _deepspeed(ds: dict, stage: int, values: dict[str, Any], report: Report) -> 
     if "gradient_clipping" not in ds:
         values["optim.clip_norm"] = 1.0
         report.mapped(
-            "deepspeed_config.gradient_clipping (default)", 1.0, "optim.clip_norm", "accelerate fills DeepSpeed's 1.0"
+            "deepspeed_config.gradient_clipping (default)",
+            1.0,
+            "optim.clip_norm",
+            "accelerate fills DeepSpeed's 1.0 (an HF Trainer its max_grad_norm, 1.0 by default)",
         )
     for key, value in ds.items():
         src = f"deepspeed_config.{key}"

@@ -41,6 +41,7 @@ _OTHER = (
 )
 _INFER = _NOOP + "inference / text generation only"
 _UNREAD = _NOOP + "Megatron-LM's parser accepts it but no code reads it"
+_CHECK = _NOOP + "a runtime check that stops or reports on a fault; it does not change what is trained"
 _TB = (
     "jaxpar always writes TensorBoard event files into train.workdir, every step: loss, grad norm, lr, step "
     "time, tokens/s, MFU (and validation at each evaluation)"
@@ -247,7 +248,6 @@ NOOP = {
             "--use-ring-exchange-p2p",
             "--nccl-communicator-config-path",
             "--use-tp-pp-dp-mapping",
-            "--use-cpu-initialization",
         ),
         _PERF,
     ),
@@ -266,9 +266,6 @@ NOOP = {
             "--one-logger-entity",
             "--one-logger-run-name",
             "--logging-level",
-            "--check-weight-hash-across-dp-replicas-interval",
-            "--test-mode",
-            "--no-check-for-nan-in-loss-and-grad",
         ),
         _LOG,
     ),
@@ -291,6 +288,12 @@ NOOP = {
         ),
         _CKPT,
     ),
+    **dict.fromkeys(
+        ("--check-weight-hash-across-dp-replicas-interval", "--test-mode", "--no-check-for-nan-in-loss-and-grad"),
+        _CHECK,
+    ),
+    "--use-cpu-initialization": _NOOP + "where the initial weights are computed; jaxpar initializes each shard on "
+    "its device from train.seed",
     "--weight-decay-incr-style": _NOOP + "no effect unless --start-weight-decay differs from --end-weight-decay "
     "(then unsupported: jaxpar keeps weight decay constant)",
     "--sgd-momentum": _NOOP + "read only with --optimizer sgd (this port maps Adam only: see --optimizer)",
