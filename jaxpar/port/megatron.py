@@ -363,7 +363,8 @@ MODEL_FLAGS = {
     "--reset-position-ids": "positions restart after each end-of-document token; jaxpar numbers the whole sequence",
     "--reset-attention-mask": "attention stops at each end-of-document token; jaxpar attends across documents",
     "--eod-mask-loss": "no loss on end-of-document tokens; jaxpar's loss counts every token",
-    "--spec": "a model built from a Python layer spec; jaxpar cannot read it",
+    "--spec": "a model built from the Python layer spec it names, which this port cannot read (for Megatron's "
+    "standard GPT spec, --approximate ports the model the other flags describe)",
     "--yaml-cfg": "the arguments come from a YAML file this port does not read; write them as flags",
     "--skip-train": "no training (evaluation only): there is no training run to port",
 }
