@@ -106,7 +106,7 @@ ZERO_NOOP.update(
         "log_trace_cache_warnings": _LOGGING,
     }
 )
-_OFFLOAD = (
+OFFLOAD = (
     "jaxpar keeps all training state on the accelerators; nearest: ZeRO-3 sharding over data "
     "(parallel.zero_stage=3), which divides the state by the data size instead of moving it to CPU"
 )
@@ -781,7 +781,7 @@ def _zero(ctx: _Ctx) -> None:
             if device == "none":
                 ctx.report.approximated(src, value, "", _NOOP + "device 'none' offloads nothing")
             else:
-                ctx.report.unsupported(src, value, _OFFLOAD + (" (already set)" if stage == 3 else ""))
+                ctx.report.unsupported(src, value, OFFLOAD + (" (already set)" if stage == 3 else ""))
         elif key == "cpu_offload_use_pin_memory":
             ctx.report.approximated(src, value, "", _NOOP + "no offload in jaxpar")
         elif key == "zero_quantized_gradients" and value:

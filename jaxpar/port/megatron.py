@@ -35,6 +35,13 @@ _PERF = _NOOP + "kernel/runtime detail that XLA decides"
 _LOG = _NOOP + "logging/profiling only; jaxpar logs under train.workdir"
 _DATA = _NOOP + "data loading detail"
 _CKPT = _NOOP + "checkpoint detail; orbax saves sharded checkpoints under train.workdir"
+_OTHER = (
+    _NOOP + "read only by Megatron-LM's BERT / T5 / RETRO / ICT / vision scripts (which jaxpar port refuses "
+    "by script name); pretrain_gpt.py ignores it"
+)
+_INFER = _NOOP + "inference / text generation only"
+_UNREAD = _NOOP + "Megatron-LM's parser accepts it but no code reads it"
+_CHECK = _NOOP + "a runtime check that stops or reports on a fault; it does not change what is trained"
 _TB = (
     "jaxpar always writes TensorBoard event files into train.workdir, every step: loss, grad norm, lr, step "
     "time, tokens/s, MFU (and validation at each evaluation)"
@@ -145,6 +152,153 @@ NOOP = {
         ),
         _CKPT,
     ),
+    **dict.fromkeys(
+        (
+            "--output-bert-embeddings",
+            "--bert-no-binary-head",
+            "--retro-project-dir",
+            "--retro-cyclic-train-iters",
+            "--retro-encoder-layers",
+            "--retro-encoder-hidden-dropout",
+            "--retro-encoder-attention-dropout",
+            "--retro-num-neighbors",
+            "--retro-num-retrieved-chunks",
+            "--retro-attention-gate",
+            "--retro-no-verify-neighbor-count",
+            "--decoder-num-layers",
+            "--decoder-seq-length",
+            "--pipeline-model-parallel-split-rank",
+            "--mask-prob",
+            "--short-seq-prob",
+            "--ict-head-size",
+            "--biencoder-projection-dim",
+            "--biencoder-shared-query-context-model",
+            "--ict-load",
+            "--bert-load",
+            "--titles-data-path",
+            "--query-in-block-prob",
+            "--use-one-sent-docs",
+            "--evidence-data-path",
+            "--retriever-report-topk-accuracies",
+            "--retriever-score-scaling",
+            "--retriever-seq-length",
+            "--sample-rate",
+            "--embedding-path",
+            "--indexer-batch-size",
+            "--indexer-log-interval",
+            "--num-classes",
+            "--img-h",
+            "--img-w",
+            "--num-channels",
+            "--patch-dim",
+            "--classes-fraction",
+            "--data-per-class-fraction",
+            "--head-lr-mult",
+            "--vision-pretraining",
+            "--vision-pretraining-type",
+            "--vision-backbone-type",
+            "--swin-backbone-type",
+            "--mask-type",
+            "--mask-factor",
+            "--iter-per-epoch",
+            "--dino-local-img-size",
+            "--dino-local-crops-number",
+            "--dino-head-hidden-size",
+            "--dino-bottleneck-size",
+            "--dino-freeze-last-layer",
+            "--dino-norm-last-layer",
+            "--dino-warmup-teacher-temp",
+            "--dino-teacher-temp",
+            "--dino-warmup-teacher-temp-epochs",
+        ),
+        _OTHER,
+    ),
+    **dict.fromkeys(("--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom"), _INFER),
+    **dict.fromkeys(
+        (
+            "--bert-embedder-type",
+            "--init-method-xavier-uniform",
+            "--no-scatter-gather-tensors-in-pipeline",
+            "--block-data-path",
+        ),
+        _UNREAD,
+    ),
+    **dict.fromkeys(
+        (
+            "--transformer-impl",
+            "--onnx-safe",
+            "--no-clone-scatter-output-in-embedding",
+            "--tp-comm-overlap-cfg",
+            "--disable-tp-comm-overlap-ag",
+            "--disable-tp-comm-overlap-rs",
+            "--tp-comm-overlap-rs-dgrad",
+            "--disable-tp-comm-bulk-dgrad",
+            "--disable-tp-comm-bulk-wgrad",
+            "--disable-tp-comm-split-ag",
+            "--disable-tp-comm-split-rs",
+            "--no-bias-swiglu-fusion",
+            "--no-rope-fusion",
+            "--no-persist-layer-norm",
+            "--no-manual-gc-eval",
+            "--no-overlap-p2p-communication",
+            "--no-delay-grad-reduce",
+            "--ddp-bucket-size",
+            "--ddp-average-in-collective",
+            "--delay-param-gather",
+            "--use-ring-exchange-p2p",
+            "--nccl-communicator-config-path",
+            "--use-tp-pp-dp-mapping",
+        ),
+        _PERF,
+    ),
+    **dict.fromkeys(
+        (
+            "--log-straggler",
+            "--disable-straggler-on-startup",
+            "--straggler-ctrlr-port",
+            "--straggler-minmax-count",
+            "--no-barrier-with-level-1-timing",
+            "--timing-log-option",
+            "--no-log-learnig-rate-to-tensorboard",
+            "--no-log-loss-scale-to-tensorboard",
+            "--enable-one-logger",
+            "--one-logger-project",
+            "--one-logger-entity",
+            "--one-logger-run-name",
+            "--logging-level",
+        ),
+        _LOG,
+    ),
+    **dict.fromkeys(("--local_rank", "--lazy-mpu-init", "--adlr-autoresume", "--adlr-autoresume-interval"), _LAUNCH),
+    **dict.fromkeys(("--no-mmap-bin-files", "--num-dataset-builder-threads", "--no-data-sharding"), _DATA),
+    **dict.fromkeys(
+        (
+            "--override-opt_param-scheduler",
+            "--use-checkpoint-opt_param-scheduler",
+            "--ckpt-step",
+            "--no-initialization",
+            "--exit-on-missing-checkpoint",
+            "--exit-signal-handler",
+            "--use-dist-ckpt",
+            "--auto-detect-ckpt-format",
+            "--dist-ckpt-format",
+            "--ckpt-fully-parallel-save",
+            "--ckpt-fully-parallel-load",
+            "--ckpt-assume-constant-structure",
+        ),
+        _CKPT,
+    ),
+    **dict.fromkeys(
+        ("--check-weight-hash-across-dp-replicas-interval", "--test-mode", "--no-check-for-nan-in-loss-and-grad"),
+        _CHECK,
+    ),
+    "--use-cpu-initialization": _NOOP + "where the initial weights are computed; jaxpar initializes each shard on "
+    "its device from train.seed",
+    "--weight-decay-incr-style": _NOOP + "no effect unless --start-weight-decay differs from --end-weight-decay "
+    "(then unsupported: jaxpar keeps weight decay constant)",
+    "--sgd-momentum": _NOOP + "read only with --optimizer sgd (this port maps Adam only: see --optimizer)",
+    "--rotary-interleaved": _NOOP + "interleaved and half-split rotary pairs differ by a fixed permutation of the "
+    "query/key projection columns, which training from initialization absorbs (checkpoint layouts differ)",
 }
 _MOE = "mixture-of-experts setting this port does not map (jaxpar.models.moe has no counterpart); left out"
 UNSUPPORTED = {
@@ -164,6 +318,29 @@ UNSUPPORTED = {
         ),
         "no fp8 training in jaxpar",
     ),
+    **dict.fromkeys(("--fp8-interval", "--no-fp8-wgrad"), "no fp8 training in jaxpar"),
+    **dict.fromkeys(
+        ("--train-data-path", "--valid-data-path", "--test-data-path"),
+        "no separate train/valid/test datasets; set data.path to one Megatron prefix",
+    ),
+    "--batch-size": "Megatron-LM stops on it (no longer valid); use --micro-batch-size",
+    "--warmup": "Megatron-LM stops on it (no longer valid); use --lr-warmup-fraction or --lr-warmup-iters",
+    "--model-parallel-size": "Megatron-LM stops on it (no longer valid); use --tensor-model-parallel-size",
+    "--encoder-num-layers": "Megatron-LM's other name for --num-layers (it stops when both are given); write "
+    "--num-layers",
+    "--encoder-seq-length": "Megatron-LM's other name for --seq-length (it stops when both are given); write "
+    "--seq-length",
+    "--vocab-extra-ids": "extra vocabulary tokens added by the BertWordPiece / SentencePiece tokenizers are not "
+    "counted in model.vocab_size (0 adds none); set --set model.vocab_size=N",
+    "--fp32-residual-connection": "jaxpar does not force the residual stream to float32 (a precision change)",
+    "--fp16-lm-cross-entropy": "jaxpar computes the cross entropy in float32 (a precision change)",
+    "--standalone-embedding-stage": "jaxpar keeps the embedding with the first pipeline stage's layers, no stage of "
+    "its own (a speed/memory change)",
+    "--data-parallel-random-init": "jaxpar initializes every data replica identically from train.seed",
+    "--deterministic-mode": "jaxpar does not force deterministic kernels; set "
+    "XLA_FLAGS=--xla_gpu_deterministic_ops=true",
+    "--pretrained-checkpoint": "jaxpar does not load Megatron checkpoints; convert them to Hugging Face "
+    "format, which jaxpar.port.weights loads",
 }
 # flags that make the recipe's model one jaxpar does not compute: flag -> what differs (a model change)
 MODEL_FLAGS = {
@@ -181,6 +358,15 @@ MODEL_FLAGS = {
     "(--use-rope-scaling)",
     "--quick-geglu": "a quick-GeLU gated MLP (gpt-oss); jaxpar's MLPs are SwiGLU or GeLU",
     "--enable-gpt-oss": "gpt-oss's block (attention sinks, clamped gated MLP, alternating sliding windows)",
+    "--retro-add-retriever": "a RETRO retriever (chunked cross-attention to retrieved neighbours); jaxpar's blocks "
+    "have none",
+    "--reset-position-ids": "positions restart after each end-of-document token; jaxpar numbers the whole sequence",
+    "--reset-attention-mask": "attention stops at each end-of-document token; jaxpar attends across documents",
+    "--eod-mask-loss": "no loss on end-of-document tokens; jaxpar's loss counts every token",
+    "--spec": "a model built from the Python layer spec it names, which this port cannot read (for Megatron's "
+    "standard GPT spec, --approximate ports the model the other flags describe)",
+    "--yaml-cfg": "the arguments come from a YAML file this port does not read; write them as flags",
+    "--skip-train": "no training (evaluation only): there is no training run to port",
 }
 # settings of a model change above: reported with it, not separately refused
 MODEL_PARTS = {
