@@ -20,7 +20,8 @@ from typing import Any
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port import Shell, launch_flags, megatron_log, show, unresolved_names
+from jaxpar.port import megatron_log
+from jaxpar.port.bash import Shell, launch_flags, show, unresolved_names
 from jaxpar.port.report import (
     LOSS_SCALE_NOOP,
     Report,
