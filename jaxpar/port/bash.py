@@ -69,6 +69,7 @@ class Shell:
     def __init__(self, variables: dict[str, str] | None = None) -> None:
         self.user = {k: str(v) for k, v in (variables or {}).items()}
         self.env: dict[str, str] = dict(self.user)
+        self.env["#"] = str(next(k for k in range(len(self.user) + 1) if str(k + 1) not in self.user))  # $#
         self.why: dict[str, str] = {}
         self.read: set[str] = set()  # variables whose value an expansion asked for (unused --var is refused)
         # variables an unknown `if` condition decides: name -> (what is unknown, variable to pass)
@@ -102,9 +103,9 @@ class Shell:
             self.conditions[name] = self.conditions[decided]
             return
         inner = [n for n in unresolved_names(value) if n != name]
-        if inner or unresolved_names(value):
+        if (inner or unresolved_names(value)) and not (words or re.search(r"\s", value)) or name in inner:
             self._unknown(name, "needs " + ", ".join(inner or [name]))
-        else:
+        else:  # known, or a string of several words that keeps its unknown ones marked (flags read them)
             self.env[name] = value
         self.conditions.pop(name, None)
 
@@ -564,26 +565,30 @@ def split_assignment(line: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
-_KEYWORDS = ("if", "then", "elif", "else", "fi")
+_KEYWORDS = ("if", "then", "elif", "else", "fi", "while", "until", "for", "do", "done", "case", "esac", ";;")
+_CLAUSE = re.compile(r"^\(?\s*([^()]*?)\s*\)\s*(.*)$", re.S)  # a case clause: `pattern|pattern) commands`
 _APPEND = re.compile(r"^([A-Za-z_]\w*)\+=(.*)$", re.S)
 
 
 class _Frame:
     """One open ``if`` block: the mode of its current branch (``run``, ``skip``, ``taint``)."""
 
-    def __init__(self, mode: str, unknown: _Unknown | None, fixed: bool) -> None:
-        self.mode, self.unknown, self.fixed = mode, unknown, fixed
+    def __init__(self, mode: str, unknown: _Unknown | None, fixed: bool, kind: str = "if") -> None:
+        self.mode, self.unknown, self.fixed, self.kind = mode, unknown, fixed, kind
+        self.word: str | _Unknown = ""  # a case's word (expanded), or why it is unknown
+        self.pattern = kind == "case"  # a case expects a `pattern)` next
         self.done = mode == "run"  # a branch was taken: later ones are skipped
         self.open_unknown = unknown if mode == "taint" else None  # an earlier condition was unknown
 
 
 def _statements(line: str) -> list[str]:
-    """``line`` as statements when it holds ``if``/``then``/``elif``/``else``/``fi`` (split at ``;``
-    and after ``then``/``else``/``do``), else the line itself (kept whole, as before)."""
+    """``line`` as statements when it holds a keyword of :data:`_KEYWORDS` (split at ``;``, ``;;`` kept
+    as a statement, and after ``then``/``else``/``do``), else the line itself (kept whole, as before)."""
     try:
-        parts = [p.strip() for p in _split_top(line, (";",))[::2]]
+        pieces = _split_top(line, (";;", ";"))
     except UnbalancedQuote:
         return [line]
+    parts = [p.strip() for k, p in enumerate(pieces) for p in ([p] if k % 2 == 0 else [";;"] if p == ";;" else [])]
     if not any(p.split(None, 1)[:1] and p.split(None, 1)[0] in _KEYWORDS for p in parts):
         return [line]
     out: list[str] = []
@@ -596,7 +601,7 @@ def _statements(line: str) -> list[str]:
                 continue
             out.append(part)
             break
-    return [p for p in out if p and p != "done"]
+    return [p for p in out if p]
 
 
 def _lines(text: str, join: bool) -> list[tuple[int, str]]:
@@ -621,6 +626,177 @@ def _lines(text: str, join: bool) -> list[tuple[int, str]]:
     return out
 
 
+_SPECIAL = {
+    "": re.compile(r"[\n'\"\\`#$<]"),  # the top level of a line
+    '"': re.compile(r'["\\`$]'),
+    "(": re.compile(r"[()'\"\\`$#]"),
+    "{": re.compile(r"[}'\"\\`$]"),
+    "`": re.compile(r"[`\\]"),
+}
+_HEREDOC = re.compile(r"<<(-?)[ \t]*(['\"]?)([\w.-]+)\2")
+
+
+def script_lines(text: str) -> list[tuple[int, str]]:
+    """``text`` as bash reads it into logical lines: ``(line it starts on, text)``.
+
+    A quoted string, ``$( )``, ``${ }`` or backticks may span lines (their newlines are kept in
+    the text); backslash-newline outside single quotes joins lines (both removed, as bash does);
+    a ``#`` that starts a word begins a comment to the end of its line (a ``\\`` ending a comment
+    continues nothing); here-document bodies (``<<EOF`` ... ``EOF``) are dropped. A quote never
+    closed before the end of the file is bash's syntax error: that line is kept alone (the reader
+    then repairs it). One pass, linear in the text.
+    """
+    text = text.replace("\r\n", "\n")
+    out: list[tuple[int, str]] = []
+    i, n, number = 0, len(text), 1
+    script_end: tuple[str, bool] | None = None  # the delimiter of a here-document read as a script
+    while i < n:
+        line, end, body = _logical_line(text, i)
+        if end < 0:  # unbalanced: the physical line alone
+            end = text.find("\n", i)
+            end = n if end < 0 else end + 1
+            line, body = text[i:end].rstrip("\n"), None
+        if script_end and (line.lstrip("\t") if script_end[1] else line) == script_end[0]:
+            script_end = None
+        else:
+            out.append((number, line))
+        script_end = body or script_end
+        number += text.count("\n", i, end)
+        i = end
+    return out
+
+
+def _logical_line(text: str, i: int) -> tuple[str, int, tuple[str, bool] | None]:
+    """The logical line from ``i``: its text, where the next starts (-1: a quote never closes), and
+    the delimiter of a here-document that a shell or ``sbatch`` reads as a script (its body is then
+    not skipped: the lines that follow are that script)."""
+    n = len(text)
+    buf: list[str] = []
+    stack: list[list] = []  # open contexts: [kind, depth]
+    heredocs: list[tuple[str, bool]] = []
+    seg = i
+    while True:
+        kind = stack[-1][0] if stack else ""
+        m = _SPECIAL[kind].search(text, i)
+        if m is None:
+            if stack:
+                return "", -1, None
+            buf.append(text[seg:])
+            return "".join(buf), n, None
+        pos, c = m.start(), m.group(0)
+        i = pos + 1
+        if c == "\n":  # the end of the logical line (top level only)
+            buf.append(text[seg:pos])
+            line = "".join(buf)
+            if len(heredocs) == 1 and line.split()[0].rsplit("/", 1)[-1] in ("sbatch", "bash", "sh"):
+                return line, i, heredocs[0]
+            for word, dash in heredocs:  # skip each body up to its delimiter line
+                while i < n:
+                    nl = text.find("\n", i)
+                    body = text[i : n if nl < 0 else nl]
+                    i = n if nl < 0 else nl + 1
+                    if (body.lstrip("\t") if dash else body) == word:
+                        break
+            return line, i, None
+        if c == "\\":
+            if text.startswith("\n", i) and kind != "`":
+                buf.append(text[seg:pos])
+                seg = i = pos + 2
+            else:
+                i = pos + 2
+        elif c == "'" and kind != '"':
+            j = text.find("'", i)
+            if j < 0:
+                return "", -1, None
+            i = j + 1
+        elif c == "#":
+            if pos == 0 or text[pos - 1] in " \t\n;&|()<>":
+                buf.append(text[seg:pos])
+                j = text.find("\n", pos)
+                seg = i = n if j < 0 else j
+        elif c == "$" and text.startswith(("(", "{"), i):
+            stack.append([text[i], 1])
+            i += 1
+        elif c == "<":
+            h = _HEREDOC.match(text, pos)
+            if h and not text.startswith("<<<", pos):
+                heredocs.append((h.group(3), h.group(1) == "-"))
+                i = h.end()
+        elif c == "(" and kind == "(":
+            stack[-1][1] += 1
+        elif c in ")}" and kind == {")": "(", "}": "{"}[c]:
+            stack[-1][1] -= 1
+            if not stack[-1][1]:
+                stack.pop()
+        elif c == kind:  # a closing " or `
+            stack.pop()
+        elif c in '"`':
+            stack.append([c, 1])
+
+
+_CONTROL = re.compile(r"^(\|\|?|&&|;|&)$")  # a word that ends the command (a pipe, a list)
+_REDIRECT = re.compile(r"^(\d*|&)(>>?|<)(&\d+|&-)?")  # a redirection: its word, and its target when apart
+
+
+def _string_command(text: str, shell: Shell) -> list[str]:
+    """The words of the command in ``text`` that runs a training script (``eval``, ``sh -c``: the
+    string is a script of its own), else of its last command."""
+    commands = [
+        shell.words(piece)
+        for _, line in script_lines(text)
+        for piece in _split_top(line, (";", "&&", "||"))[::2]
+        if piece.strip()
+    ]
+    return next((c for c in commands if _script_index(c) is not None), commands[-1] if commands else [])
+
+
+def _script_index(words: list[str]) -> int | None:
+    """Where the training script (``pretrain_*.py`` and the others Megatron-LM runs) is in ``words``."""
+    return next(
+        (
+            k
+            for k, w in enumerate(words)
+            if (w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py"))
+            or w.endswith("multimodal/train.py")  # Megatron-LM's vision-language trainer
+            or w.rsplit("/", 1)[-1] == "finetune_gpt.py"  # Megatron-LM's GPT fine-tuning (detxoify_lm)
+        ),
+        None,
+    )
+
+
+def _command_words(words: list[str], shell: Shell) -> list[str]:
+    """The words a command runs: ``eval STRING...`` and ``sh|bash -c STRING`` (after a launcher such
+    as ``srun``) read their string as bash does; the command ends at ``|``/``&&``/``;``, redirections
+    are dropped; ``echo``/``printf`` run nothing (an empty list)."""
+    for _ in range(8):  # nested eval / sh -c, bounded
+        if words[:1] == ["eval"]:
+            words = _string_command(" ".join(words[1:]), shell)
+            continue
+        shell_c = next((k for k, w in enumerate(words[:-2]) if w.rsplit("/", 1)[-1] in ("sh", "bash")), None)
+        options = (
+            0
+            if shell_c is None
+            else next((j for j, w in enumerate(words[shell_c + 1 :]) if not (w.startswith("-") and "c" not in w)), 0)
+        )
+        if shell_c is None or not re.fullmatch(r"-\w*c\w*", words[shell_c + 1 + options]):
+            break
+        words = _string_command(" ".join(words[shell_c + 2 + options : shell_c + 3 + options]), shell)
+    out: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        if _CONTROL.match(word):
+            break
+        redirect = _REDIRECT.match(word)
+        if redirect:
+            skip = redirect.end() == len(word) and not redirect.group(3)  # `> FILE`: the target follows
+            continue
+        out.append(word)
+    return [] if out[:1] in (["echo"], ["printf"]) else out
+
+
 def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], list[str], list[tuple[int, str]]]:
     """Run the assignments in ``text`` and return ``(flags, stray words, repaired lines)``.
 
@@ -633,13 +809,13 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
     :class:`~jaxpar.errors.ConfigError` when the command depends on a condition that is unknown.
     """
     args_format = any(line.strip() == "# flags" for line in text.splitlines())
-    numbered = _lines(text, join=not args_format)
+    numbered = _lines(text, join=False) if args_format else script_lines(text)
     words: list[str] = []
     repaired: list[tuple[int, str]] = []
     in_flags = False
     array: list[str] | None = None  # lines of a NAME=( ... ) array being read
     depth = 0  # its "(" less its ")" so far
-    array_line = 0  # the line it starts on
+    array_line, array_name = 0, ""  # the line it starts on, its name (``NAME+`` for ``+=``)
     stack: list[_Frame] = []
     decided: list[str] = []  # variables decided by unknown conditions that other commands read
 
@@ -655,8 +831,68 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         else:
             shell.assign(name, raw, words=array_)
 
+    def append_array(name: str, value: str) -> None:
+        """``NAME=( ... )`` or ``NAME+=( ... )`` (``name`` ends in ``+``), ``value`` inside the parentheses."""
+        if name.endswith("+"):
+            name = name[:-1]
+            value = f"${{{name}[@]}} " + value
+        set_(name, value, True)
+
+    def case_clause(frame: _Frame, patterns: str) -> None:
+        """A ``pattern|pattern)`` of ``frame``'s case: its commands run when it is the first to match."""
+        frame.pattern = False
+        if frame.fixed:
+            return
+        if not isinstance(frame.word, str):
+            frame.mode, frame.unknown = "taint", frame.word
+        elif frame.done:
+            frame.mode, frame.unknown = "skip", None
+        else:
+            try:
+                options = [shell.string(p.strip()) for p in _split_top(patterns, ("|",))[::2]]
+            except UnbalancedQuote:
+                options = [patterns]
+            if any(unresolved_names(p) for p in options):
+                frame.mode, frame.unknown = "taint", (f"a case pattern `{show(patterns)}` is unknown", None)
+            elif any(fnmatch.fnmatchcase(frame.word, p) for p in options):
+                frame.mode, frame.unknown, frame.done = "run", None, True
+            else:
+                frame.mode, frame.unknown = "skip", None
+
     def keyword(head: str, rest: str, number: int) -> None:
         current, unknown = mode()
+        if head in ("while", "until", "for", "case"):
+            kind = "case" if head == "case" else "loop"
+            if current != "run":
+                stack.append(_Frame(current, unknown, fixed=True, kind=kind))
+                return
+            if head == "case":
+                frame = _Frame("skip", None, fixed=False, kind=kind)
+                subject = rest[:-3] if rest.endswith(" in") else rest
+                try:
+                    word = shell.string(subject.strip())
+                except UnbalancedQuote:
+                    word = mark(subject)
+                frame.word = _Condition(shell, f"case {rest}", number).reads(word) if unresolved_names(word) else word
+                stack.append(frame)
+                return
+            value = True if head == "for" else _Condition(shell, rest, number).value()
+            value = _not(value) if head == "until" else value
+            if value is False:
+                stack.append(_Frame("skip", None, fixed=False, kind=kind))
+            else:
+                why = value if not isinstance(value, bool) else None
+                why = why or (f"line {number}: the loop `{head} {rest}` runs, and jaxpar does not run loops", None)
+                stack.append(_Frame("taint", why, fixed=False, kind=kind))
+            return
+        if head in ("done", "esac"):
+            if stack:
+                stack.pop()
+            return
+        if head == ";;":
+            if stack and stack[-1].kind == "case":
+                stack[-1].pattern = True
+            return
         if head == "if":
             if current != "run":
                 stack.append(_Frame(current, unknown, fixed=True))
@@ -672,7 +908,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         frame = stack[-1]
         if head == "fi":
             stack.pop()
-        elif frame.fixed or head == "then":
+        elif frame.fixed or head in ("then", "do"):
             return
         elif frame.done:
             frame.mode, frame.unknown = "skip", None
@@ -695,8 +931,8 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             array.append(stripped)
             depth += stripped.count("(") - stripped.count(")")  # counted per line: linear in the array
             if depth <= 0:
-                name, _, value = " ".join(array).partition("=")
-                set_(name, value.strip()[1:-1], True)
+                value = " ".join(array).partition("=")[2]
+                append_array(array_name, value.strip()[1:-1])
                 array = None
             continue
         if stripped == "# flags":
@@ -706,24 +942,31 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             continue
         found = False
         for statement in [stripped] if in_flags or args_format else _statements(stripped):
+            frame = stack[-1] if stack else None
+            if frame is not None and frame.kind == "case" and frame.pattern and statement != "esac":
+                clause = _CLAUSE.match(statement)
+                if clause is None:
+                    raise ConfigError(f"megatron: line {number}: `{statement[:80]}` is not a case pattern `PATTERN)`")
+                case_clause(frame, clause.group(1))
+                statement = clause.group(2).strip()
+                if not statement:
+                    continue
             head, _, rest = statement.partition(" ")
             if not in_flags and not args_format and head in _KEYWORDS:
                 keyword(head, rest.strip(), number)
                 continue
             appended = None if in_flags else _APPEND.match(statement)
-            if appended and not args_format:
+            if appended and not args_format and not appended.group(2).startswith("("):
                 name, raw = appended.groups()
-                if raw.startswith("(") and raw.rstrip().endswith(")"):
-                    set_(name, f"${{{name}}} " + raw.strip()[1:-1], True)
-                else:
-                    set_(name, f'"${{{name}}}"' + raw)
+                set_(name, f'"${{{name}}}"' + raw)
                 continue
-            assignment = None if in_flags else split_assignment(statement)
+            assignment = None if in_flags else split_assignment(statement) or (appended and appended.groups())
             if assignment and assignment[1].startswith("(") and not args_format:
                 array, array_line = [statement], number
                 depth = statement.count("(") - statement.count(")")
+                array_name = assignment[0] + ("+" if appended else "")
                 if depth <= 0:
-                    set_(assignment[0], assignment[1].strip()[1:-1], True)
+                    append_array(array_name, assignment[1].strip()[1:-1])
                     array = None
                 continue
             if assignment:
@@ -742,19 +985,12 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             if in_flags:
                 words += line_words
                 continue
+            line_words = _command_words(line_words, shell)
             if line_words[:1] in (["mkdir"], ["touch"]) and current == "run":
                 for path in line_words[1:]:
                     if not path.startswith("-") and not unresolved_names(path):
                         shell.exists[path.rstrip("/") or "/"] = "d" if line_words[0] == "mkdir" else "f"
-            script = next(
-                (
-                    k
-                    for k, w in enumerate(line_words)
-                    if (w.rsplit("/", 1)[-1].startswith("pretrain_") and w.endswith(".py"))
-                    or w.endswith("multimodal/train.py")  # Megatron-LM's vision-language trainer
-                ),
-                None,
-            )
+            script = _script_index(line_words)
             if script is not None and current == "taint":
                 raise ConfigError(
                     f"megatron: {unknown[0]}, and the pretrain command on line {number} runs only in one of its "
