@@ -88,8 +88,9 @@ class Shell:
         if name in self.user:
             return
         raw = raw.strip()
-        if raw.startswith("<") and raw.endswith(">"):
-            self._unknown(name, "placeholder " + raw)
+        placeholder = re.match(r"<[^<>]*>", raw)  # `<Specify path>`, `<Specify path>/vocab.json`
+        if placeholder:
+            self._unknown(name, "placeholder " + placeholder.group(0))
             return
         try:
             parts = self.words(raw) if words else self.words(raw, split_expansions=False)[:1]
@@ -108,6 +109,13 @@ class Shell:
         else:  # known, or a string of several words that keeps its unknown ones marked (flags read them)
             self.env[name] = value
         self.conditions.pop(name, None)
+
+    def append(self, name: str, raw: str) -> None:
+        """``NAME+=( raw )`` onto the known array ``name``."""
+        before = self.env[name]
+        self.assign(name, raw, words=True)
+        if self.env.get(name) != mark(name):  # else the new elements made it unknown (``why`` says how)
+            self.env[name] = " ".join(part for part in (before, self.env[name]) if part)
 
     def taint(self, name: str, unknown: tuple[str, str | None]) -> None:
         """``name`` is assigned in a branch of an unknown condition: it becomes unknown, tagged with it."""
@@ -492,7 +500,7 @@ def _split_top(text: str, seps: tuple[str, ...]) -> list[str]:
         if c in "({":
             depth += 1
         elif c in ")}":
-            depth -= 1
+            depth = max(depth - 1, 0)  # a case pattern's `)` closes nothing
         elif text.startswith("[[", i) and (i == 0 or text[i - 1].isspace() or text[i - 1] in ";!"):
             double = True
         elif text.startswith("]]", i):
@@ -643,8 +651,8 @@ def script_lines(text: str) -> list[tuple[int, str]]:
     the text); backslash-newline outside single quotes joins lines (both removed, as bash does);
     a ``#`` that starts a word begins a comment to the end of its line (a ``\\`` ending a comment
     continues nothing); here-document bodies (``<<EOF`` ... ``EOF``) are dropped. A quote never
-    closed before the end of the file is bash's syntax error: that line is kept alone (the reader
-    then repairs it). One pass, linear in the text.
+    closed before the end of the file is bash's syntax error: from that line on the text is read
+    line by line (the reader then repairs the line). Linear in the text.
     """
     text = text.replace("\r\n", "\n")
     out: list[tuple[int, str]] = []
@@ -652,10 +660,8 @@ def script_lines(text: str) -> list[tuple[int, str]]:
     script_end: tuple[str, bool] | None = None  # the delimiter of a here-document read as a script
     while i < n:
         line, end, body = _logical_line(text, i)
-        if end < 0:  # unbalanced: the physical line alone
-            end = text.find("\n", i)
-            end = n if end < 0 else end + 1
-            line, body = text[i:end].rstrip("\n"), None
+        if end < 0:  # unbalanced (bash: unexpected end of file): the rest line by line, as written
+            return out + [(number + k - 1, part) for k, part in _lines(text[i:], join=True)]
         if script_end and (line.lstrip("\t") if script_end[1] else line) == script_end[0]:
             script_end = None
         else:
@@ -835,6 +841,10 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         """``NAME=( ... )`` or ``NAME+=( ... )`` (``name`` ends in ``+``), ``value`` inside the parentheses."""
         if name.endswith("+"):
             name = name[:-1]
+            known = shell.env.get(name)
+            if mode()[0] == "run" and known is not None and name not in shell.user and not unresolved_names(known):
+                shell.append(name, value)  # only the new elements are read: linear in the appends
+                return
             value = f"${{{name}[@]}} " + value
         set_(name, value, True)
 
