@@ -142,6 +142,11 @@ def test_here_document_bodies_are_input_not_commands():
     assert [n for n, _ in script_lines(script)] == [1, 5]
 
 
+def test_arithmetic_shift_is_not_a_here_document():
+    script = "N=1\nif (( N << 2 == 4 )); then\n  L=4\nfi\npython pretrain_gpt.py --num-layers $L\n"
+    assert _flags(script) == [("--num-layers", ["4"])]
+
+
 def test_here_document_read_by_sbatch_is_the_script():
     script = 'CMD="python pretrain_gpt.py --a 1"\nsbatch <<EOF\n#!/bin/bash\nsrun bash -c "${CMD}"\nEOF\necho done\n'
     assert _flags(script) == [("--a", ["1"])]

@@ -31,7 +31,7 @@ from jaxpar.errors import ConfigError
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _MARK = re.compile(f"{_OPEN}([^{_CLOSE}]*){_CLOSE}")
 _ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
-_ARITH_OK = re.compile(r"^[\d\s+\-*/%()]*$")
+_ARITH_OK = re.compile(r"^[\d\s+\-*/%()<>]*$")
 
 
 class UnbalancedQuote(ValueError):
@@ -236,7 +236,7 @@ class Shell:
         self.read.add(name)
         if name in self.env:
             return self.env[name]
-        self.why.setdefault(name, "script argument, not given" if name.isdigit() else "not set")
+        self.why.setdefault(name, f"the script's argument ${name}, not given" if name.isdigit() else "not set")
         return mark(name)
 
     def _command(self, cmd: str) -> str:
@@ -522,11 +522,13 @@ _BINOPS = {
     ast.FloorDiv: lambda a, b: a // b,
     ast.Div: lambda a, b: int(a / b),
     ast.Mod: lambda a, b: a % b,
+    ast.LShift: lambda a, b: a << b,
+    ast.RShift: lambda a, b: a >> b,
 }
 
 
 def _evaluate(node: ast.AST) -> int:
-    """Integer arithmetic as bash's $(( )) does it: + - * / % and parentheses, nothing else."""
+    """Integer arithmetic as bash's $(( )) does it: + - * / % << >>, comparisons and parentheses."""
     if isinstance(node, ast.Constant) and isinstance(node.value, int):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -635,7 +637,7 @@ def _lines(text: str, join: bool) -> list[tuple[int, str]]:
 
 
 _SPECIAL = {
-    "": re.compile(r"[\n'\"\\`#$<]"),  # the top level of a line
+    "": re.compile(r"[\n'\"\\`#$<(]"),  # the top level of a line
     '"': re.compile(r'["\\`$]'),
     "(": re.compile(r"[()'\"\\`$#]"),
     "{": re.compile(r"[}'\"\\`$]"),
@@ -730,6 +732,9 @@ def _logical_line(text: str, i: int) -> tuple[str, int, tuple[str, bool] | None]
                 i = h.end()
         elif c == "(" and kind == "(":
             stack[-1][1] += 1
+        elif c == "(" and not kind and text.startswith("(", i):  # (( arithmetic )): its << is a shift
+            stack.append(["(", 2])
+            i += 1
         elif c in ")}" and kind == {")": "(", "}": "{"}[c]:
             stack[-1][1] -= 1
             if not stack[-1][1]:
