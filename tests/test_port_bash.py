@@ -131,6 +131,18 @@ def test_command_path_from_a_command_substitution(path):
     assert _flags(f'CMD="{path} --a 1"\necho $CMD\npython -u $CMD > out.log\n') == [("--a", ["1"])]
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "cd /src && torchrun pretrain_gpt.py --a 1 --tok '<pad>' 2>&1 | tee log",
+        "mkdir -p x; python pretrain_gpt.py --a 1 --tok '<pad>' > out.log 2> err.log &",
+        "python pretrain_gpt.py --a 1 --tok '<pad>' &>> log || exit 1",
+    ],
+)
+def test_lists_pipes_and_redirections_around_the_command(line):
+    assert _flags(line + "\n") == [("--a", ["1"]), ("--tok", ["<pad>"])]
+
+
 def test_echo_of_the_command_is_not_the_command():
     script = 'echo "python pretrain_gpt.py --a 1"\ntorchrun --nproc_per_node 2 pretrain_gpt.py --a 2\n'
     assert _flags(script) == [("--nproc_per_node", ["2"]), ("--a", ["2"])]

@@ -746,19 +746,7 @@ def _logical_line(text: str, i: int) -> tuple[str, int, tuple[str, bool] | None]
 
 
 _CONTROL = re.compile(r"^(\|\|?|&&|;|&)$")  # a word that ends the command (a pipe, a list)
-_REDIRECT = re.compile(r"^(\d*|&)(>>?|<)(&\d+|&-)?")  # a redirection: its word, and its target when apart
-
-
-def _string_command(text: str, shell: Shell) -> list[str]:
-    """The words of the command in ``text`` that runs a training script (``eval``, ``sh -c``: the
-    string is a script of its own), else of its last command."""
-    commands = [
-        shell.words(piece)
-        for _, line in script_lines(text)
-        for piece in _split_top(line, (";", "&&", "||"))[::2]
-        if piece.strip()
-    ]
-    return next((c for c in commands if _script_index(c) is not None), commands[-1] if commands else [])
+_REDIRECT = re.compile(r"^(\d*|&)>>?(&\d+|&-)?|^\d*<$")  # a redirection (`2>&1`, `>log`, `&>> log`, `<`)
 
 
 def _script_index(words: list[str]) -> int | None:
@@ -775,37 +763,54 @@ def _script_index(words: list[str]) -> int | None:
     )
 
 
-def _command_words(words: list[str], shell: Shell) -> list[str]:
-    """The words a command runs: ``eval STRING...`` and ``sh|bash -c STRING`` (after a launcher such
-    as ``srun``) read their string as bash does; the command ends at ``|``/``&&``/``;``, redirections
-    are dropped; ``echo``/``printf`` run nothing (an empty list)."""
-    for _ in range(8):  # nested eval / sh -c, bounded
-        if words[:1] == ["eval"]:
-            words = _string_command(" ".join(words[1:]), shell)
-            continue
-        shell_c = next((k for k, w in enumerate(words[:-2]) if w.rsplit("/", 1)[-1] in ("sh", "bash")), None)
-        options = (
-            0
-            if shell_c is None
-            else next((j for j, w in enumerate(words[shell_c + 1 :]) if not (w.startswith("-") and "c" not in w)), 0)
-        )
-        if shell_c is None or not re.fullmatch(r"-\w*c\w*", words[shell_c + 1 + options]):
-            break
-        words = _string_command(" ".join(words[shell_c + 2 + options : shell_c + 3 + options]), shell)
+def _command_words(words: list[str], shell: Shell, depth: int = 0) -> list[str]:
+    """The words of the command that runs the training script among the commands of ``words`` (split
+    at ``|``, ``&&``, ``||``, ``;``, ``&``), else of the first: see :func:`_simple_command`."""
+    commands: list[list[str]] = [[]]
+    for word in words:
+        if _CONTROL.match(word):
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    runs = [_simple_command(c, shell, depth) for c in commands if c]
+    return next((c for c in runs if _script_index(c) is not None), runs[0] if runs else [])
+
+
+def _simple_command(words: list[str], shell: Shell, depth: int) -> list[str]:
+    """The words one command runs: redirections dropped; ``eval STRING...`` and ``sh|bash -c STRING``
+    (after a launcher such as ``srun``) read their string as a script; ``echo``/``printf`` run nothing."""
     out: list[str] = []
     skip = False
     for word in words:
         if skip:
             skip = False
             continue
-        if _CONTROL.match(word):
-            break
         redirect = _REDIRECT.match(word)
         if redirect:
-            skip = redirect.end() == len(word) and not redirect.group(3)  # `> FILE`: the target follows
+            skip = redirect.end() == len(word) and not redirect.group(2)  # `> FILE`: the target is the next word
             continue
         out.append(word)
-    return [] if out[:1] in (["echo"], ["printf"]) else out
+    if out[:1] in (["echo"], ["printf"]):
+        return []
+    string = None
+    if out[:1] == ["eval"]:
+        string = " ".join(out[1:])
+    shell_c = next((k for k, w in enumerate(out) if w.rsplit("/", 1)[-1] in ("sh", "bash")), None)
+    if string is None and shell_c is not None:
+        options = shell_c + 1
+        while options < len(out) - 1 and out[options].startswith("-") and "c" not in out[options]:
+            options += 1
+        if re.fullmatch(r"-\w*c\w*", out[options] if options < len(out) - 1 else ""):
+            string = out[options + 1]
+    if string is None or depth >= 8:  # nested eval / sh -c: bounded
+        return out
+    runs = [
+        _command_words(shell.words(piece), shell, depth + 1)
+        for _, line in script_lines(string)
+        for piece in _split_top(line, (";", "&&", "||"))[::2]
+        if piece.strip()
+    ]
+    return next((c for c in runs if _script_index(c) is not None), runs[-1] if runs else [])
 
 
 def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], list[str], list[tuple[int, str]]]:
