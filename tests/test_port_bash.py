@@ -143,6 +143,22 @@ def test_lists_pipes_and_redirections_around_the_command(line):
     assert _flags(line + "\n") == [("--a", ["1"]), ("--tok", ["<pad>"])]
 
 
+def test_functions_run_where_they_are_called_with_their_arguments():
+    script = (
+        "TP=1\nset_tp() {\n  TP=$1\n}\nfunction launch\n{\n  torchrun pretrain_gpt.py --tp $TP --pp $PP\n}\n"
+        "PP=2\nset_tp 4\none() { PP=$1; }\none 3\nlaunch\n"
+    )
+    assert _flags(script) == [("--tp", ["4"]), ("--pp", ["3"])]
+    assert _flags("f() {\n  python pretrain_gpt.py --a 9\n}\npython pretrain_gpt.py --a 1\n") == [("--a", ["1"])]
+
+
+def test_unclosed_function_and_endless_recursion_are_one_line():
+    with pytest.raises(ConfigError, match=r"^megatron: the function f's body is never closed"):
+        launch_flags("f() {\n  A=1\npython pretrain_gpt.py --a 1\n", Shell())
+    with pytest.raises(ConfigError, match=r"^megatron: line 1: over 1000 function calls"):
+        launch_flags("f() { f; }\nf\npython pretrain_gpt.py --a 1\n", Shell())
+
+
 def test_echo_of_the_command_is_not_the_command():
     script = 'echo "python pretrain_gpt.py --a 1"\ntorchrun --nproc_per_node 2 pretrain_gpt.py --a 2\n'
     assert _flags(script) == [("--nproc_per_node", ["2"]), ("--a", ["2"])]

@@ -745,6 +745,8 @@ def _logical_line(text: str, i: int) -> tuple[str, int, tuple[str, bool] | None]
             stack.append([c, 1])
 
 
+# a function definition: `function NAME`, `function NAME()` or `NAME()`, then `{` and maybe the body
+_FUNCTION = re.compile(r"^(?:function\s+([A-Za-z_][\w:-]*)\s*(?:\(\s*\))?|([A-Za-z_][\w:-]*)\s*\(\s*\))\s*(\{)?(.*)$")
 _CONTROL = re.compile(r"^(\|\|?|&&|;|&)$")  # a word that ends the command (a pipe, a list)
 _REDIRECT = re.compile(r"^(\d*|&)>>?(&\d+|&-)?|^\d*<$")  # a redirection (`2>&1`, `>log`, `&>> log`, `<`)
 
@@ -945,8 +947,43 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             else:
                 frame.mode, frame.unknown, frame.done = "run", None, True
 
-    for number, line in numbered:
+    functions: dict[str, list[tuple[int, str]]] = {}  # NAME() { ... }: the body's lines
+    body: list[tuple[int, str]] | None = None  # the body of a definition being read
+    body_name, body_depth, calls = "", 0, 0
+    saved: list[dict[str, str | None]] = []  # the positional arguments a call replaced
+    todo: list[tuple[int, str | None]] = [*numbered[::-1]]  # lines to read, last first (a call pushes a body)
+    while todo:
+        number, line = todo.pop()
+        if line is None:  # the end of a call's body: the caller's arguments again
+            for key, value in saved.pop().items():
+                if value is None:
+                    shell.env.pop(key, None)
+                else:
+                    shell.env[key] = value
+            continue
         stripped = line.strip()
+        if body is not None:
+            if stripped == "{" and body_depth == 0:  # NAME() on a line, { on the next
+                body_depth = 1
+                continue
+            body_depth += stripped.endswith("{") - stripped.startswith("}")
+            if body_depth <= 0 and stripped.startswith("}"):
+                if mode()[0] == "run":
+                    functions[body_name] = body
+                body = None
+            else:
+                body.append((number, line))
+            continue
+        defined = None if args_format else _FUNCTION.match(stripped)
+        if defined:
+            body_name = defined.group(1) or defined.group(2)
+            inline = defined.group(4).strip()
+            if defined.group(3) and inline.endswith("}"):  # f() { A=1; }
+                if mode()[0] == "run":
+                    functions[body_name] = [(number, inline[:-1].strip().rstrip(";"))]
+                continue
+            body, body_depth = ([(number, inline)] if inline else []), 1 if defined.group(3) else 0
+            continue
         if array is not None:
             array.append(stripped)
             depth += stripped.count("(") - stripped.count(")")  # counted per line: linear in the array
@@ -997,6 +1034,18 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             current, unknown = mode()
             if current == "skip":
                 continue
+            if head in functions:  # a call: the body runs here, with the call's words as $1, $2, ...
+                calls += 1
+                if calls > 1000:
+                    raise ConfigError(f"megatron: line {number}: over 1000 function calls (recursion?); unfold them")
+                args = shell.words(rest)
+                positional = [str(k) for k in range(1, max(len(args), int(shell.env.get("#", "0") or 0)) + 1)]
+                saved.append({k: shell.env.get(k) for k in ["#", *positional]})
+                shell.env.update({"#": str(len(args)), **{str(k): a for k, a in enumerate(args, 1)}})
+                for k in positional[len(args) :]:
+                    shell.env.pop(k, None)
+                todo += [(number, None), *functions[head][::-1]]
+                break  # the rest of this line is lost only for `f; g` on one line
             try:
                 line_words = shell.words(statement)
             except UnbalancedQuote:
@@ -1032,6 +1081,11 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         if found:
             break
     else:  # no pretrain command: one may hide in a variable an unknown condition decides ($CMD, eval)
+        if body is not None:
+            raise ConfigError(
+                f"megatron: the function {body_name[:80]}'s body is never closed (bash: unexpected end of file); "
+                "add its closing '}'"
+            )
         if array is not None:
             raise ConfigError(
                 f"megatron: line {array_line}: the array {array[0].partition('=')[0][:80]}=( is never closed "
