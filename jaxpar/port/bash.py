@@ -1,7 +1,12 @@
-"""The small bash-subset reader behind the Megatron importer: it turns launch-script text
-(variable assignments, ``$VAR`` / ``${VAR:-default}`` / ``$((a*b))`` expansion, quoting
-and word splitting, ``if``/``elif``/``else``/``fi`` blocks) into words and flags
-(:func:`launch_flags`), so importers never ``eval`` user scripts.
+"""The small bash-subset reader behind the Megatron importer: it turns launch-script text into
+words and flags (:func:`launch_flags`) without running it: logical lines as bash forms them
+(:func:`script_lines`), variable and array assignments and ``+=``, ``$VAR`` / ``${VAR:-default}`` /
+``$((a*b))`` expansion, quoting and word splitting, ``if``/``elif``/``else``/``fi``, ``case``,
+``while``/``until``/``for`` (never run: one whose condition is known false is skipped, any other
+makes what it assigns unknown),
+functions (read where called), ``eval`` and ``sh``/``bash -c`` strings, lists, pipes and
+redirections around the command. A multi-word value keeps its unknown words marked (the importer
+names the flag that needs one); a one-word value with an unknown part is unknown as a whole.
 
 ``if`` conditions are evaluated as bash would when every value they read is known: ``[ ]``,
 ``[[ ]]`` and ``test`` (string ``= == !=``, ``-z``/``-n``, integer ``-eq -ne -lt -le -gt -ge``,
