@@ -106,6 +106,17 @@ def test_case_takes_the_first_matching_clause(size, layers):
     assert _flags(script, SIZE=size) == [("--num-layers", [layers])]
 
 
+def test_case_with_its_first_clause_on_its_line():
+    script = "case $S in 7B) L=32 ;; *) L=80 ;; esac\npython pretrain_gpt.py --num-layers $L\n"
+    assert _flags(script, S="7B") == [("--num-layers", ["32"])]
+    assert _flags(script, S="1B") == [("--num-layers", ["80"])]
+
+
+def test_unset_variable_is_empty():
+    script = 'A=1\nB=2\nunset A\nif [ -z "$A" ]; then B=3; fi\npython pretrain_gpt.py --b $B --a ${A:-9}\n'
+    assert _flags(script) == [("--b", ["3"]), ("--a", ["9"])]
+
+
 def test_case_of_an_unknown_word_is_refused_naming_it():
     script = "case $SIZE in\n  7B) L=32 ;;\n  *) L=80 ;;\nesac\npython pretrain_gpt.py --num-layers $L\n"
     with pytest.raises(ConfigError, match=r"line 1: the condition `case \$SIZE in` reads \$SIZE.*--var SIZE=VALUE"):

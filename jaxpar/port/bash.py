@@ -83,6 +83,7 @@ class Shell:
         self.allow_unresolved = False  # skip assignments under unknown conditions instead of refusing
         self.skipped: list[str] = []  # unknown conditions whose branches were skipped (allow_unresolved)
         self.script: str | None = None  # the pretrain_*.py the launch command runs (its file name)
+        self.cleared: set[str] = set()  # variables the script unset (known empty)
 
     def assign(self, name: str, raw: str, words: bool = False) -> None:
         """``NAME=raw`` as bash would do it (quote removal, expansion, no word splitting).
@@ -92,6 +93,7 @@ class Shell:
         """
         if name in self.user:
             return
+        self.cleared.discard(name)
         raw = raw.strip()
         placeholder = re.match(r"<[^<>]*>", raw)  # `<Specify path>`, `<Specify path>/vocab.json`
         if placeholder:
@@ -241,6 +243,8 @@ class Shell:
         self.read.add(name)
         if name in self.env:
             return self.env[name]
+        if name in self.cleared:  # `unset NAME`: empty, as bash expands it
+            return ""
         self.why.setdefault(name, f"the script's argument ${name}, not given" if name.isdigit() else "not set")
         return mark(name)
 
@@ -613,6 +617,11 @@ def _statements(line: str) -> list[str]:
             if head in ("then", "else", "do"):
                 out.append(head)
                 part = rest.strip()
+                continue
+            inline = re.match(r"(case\s.+?\sin)\s+(\S.*)$", part, re.S) if head == "case" else None
+            if inline:  # `case $X in a) ...`: the first clause on the case's line
+                out.append(inline.group(1))
+                part = inline.group(2)
                 continue
             out.append(part)
             break
@@ -1060,6 +1069,13 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 words += line_words
                 continue
             line_words = _command_words(line_words, shell)
+            if line_words[:1] == ["unset"]:
+                for name in (w for w in line_words[1:] if _NAME.fullmatch(w) and w not in shell.user):
+                    if current == "taint":
+                        shell.taint(name, unknown)
+                    else:
+                        shell.env.pop(name, None)
+                        shell.cleared.add(name)
             if line_words[:1] in (["mkdir"], ["touch"]) and current == "run":
                 for path in line_words[1:]:
                     if not path.startswith("-") and not unresolved_names(path):
