@@ -166,7 +166,7 @@ def test_functions_run_where_they_are_called_with_their_arguments():
 def test_unclosed_function_and_endless_recursion_are_one_line():
     with pytest.raises(ConfigError, match=r"^megatron: the function f's body is never closed"):
         launch_flags("f() {\n  A=1\npython pretrain_gpt.py --a 1\n", Shell())
-    with pytest.raises(ConfigError, match=r"^megatron: line 1: over 1000 function calls"):
+    with pytest.raises(ConfigError, match=r"^megatron: line 1: over 1000 function calls or 10012 lines"):
         launch_flags("f() { f; }\nf\npython pretrain_gpt.py --a 1\n", Shell())
 
 
@@ -247,6 +247,14 @@ def test_hostile_scripts_read_in_linear_time(text):
     start = time.monotonic()
     flags, _, _ = launch_flags(text, Shell())
     assert flags[:1] == [("--f7", ["7"])]
+    assert time.monotonic() - start < 10
+
+
+def test_many_calls_of_a_long_function_stop_in_linear_time():
+    text = "f() {\n" + "A=1\n" * 20_000 + "}\n" + "f\n" * 1000 + "python pretrain_gpt.py --a 1\n"
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="line 20007: over 1000 function calls or 94012 lines read through them"):
+        launch_flags(text, Shell())
     assert time.monotonic() - start < 10
 
 

@@ -963,7 +963,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
 
     functions: dict[str, list[tuple[int, str]]] = {}  # NAME() { ... }: the body's lines
     body: list[tuple[int, str]] | None = None  # the body of a definition being read
-    body_name, body_depth, calls = "", 0, 0
+    body_name, body_depth, calls, called = "", 0, 0, 0  # calls made, lines of bodies they read
     saved: list[dict[str, str | None]] = []  # the positional arguments a call replaced
     todo: list[tuple[int, str | None]] = [*numbered[::-1]]  # lines to read, last first (a call pushes a body)
     while todo:
@@ -1050,8 +1050,12 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 continue
             if head in functions:  # a call: the body runs here, with the call's words as $1, $2, ...
                 calls += 1
-                if calls > 1000:
-                    raise ConfigError(f"megatron: line {number}: over 1000 function calls (recursion?); unfold them")
+                called += len(functions[head])
+                if calls > 1000 or called > 4 * len(numbered) + 10_000:  # bounded: linear in the script
+                    raise ConfigError(
+                        f"megatron: line {number}: over 1000 function calls or {4 * len(numbered) + 10_000} lines "
+                        "read through them (recursion?); unfold them"
+                    )
                 args = shell.words(rest)
                 positional = [str(k) for k in range(1, max(len(args), int(shell.env.get("#", "0") or 0)) + 1)]
                 saved.append({k: shell.env.get(k) for k in ["#", *positional]})
