@@ -206,7 +206,7 @@ def test_placeholder_with_a_suffix_is_unknown_not_a_redirection():
 def test_script_argument_the_recipe_never_sets_is_exit_2_naming_flag_and_argument(tmp_path):
     code, err = _port(f"L=$1\ntorchrun --nproc_per_node 8 pretrain_gpt.py {MODEL} --num-layers $L\n", tmp_path)
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "L (needs 1; used by --num-layers)" in err and "pass --var NAME=VALUE" in err
+    assert "L (needs $1; used by --num-layers)" in err and "pass --var NAME=VALUE" in err
     assert (
         _port(
             f"L=$1\ntorchrun --nproc_per_node 8 pretrain_gpt.py {MODEL} --num-layers $L\n",

@@ -112,7 +112,7 @@ class Shell:
             return
         inner = [n for n in unresolved_names(value) if n != name]
         if (inner or unresolved_names(value)) and not (words or re.search(r"\s", value)) or name in inner:
-            self._unknown(name, "needs " + ", ".join(inner or [name]))
+            self._unknown(name, "needs " + ", ".join(f"${n}" if n.isdigit() else n for n in inner or [name]))
         else:  # known, or a string of several words that keeps its unknown ones marked (flags read them)
             self.env[name] = value
         self.conditions.pop(name, None)
