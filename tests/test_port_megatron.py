@@ -16,7 +16,7 @@ import pytest
 
 from jaxpar.cli.port import add_port_arguments, run_port
 from jaxpar.config import ConfigError, load_config
-from jaxpar.port import Shell, show, split_assignment
+from jaxpar.port.bash import Shell, show, split_assignment
 from jaxpar.port.megatron import port_megatron
 from jaxpar.port.report import schema_type
 from tests.port_recipes import FIXTURES, recipe_params

@@ -69,7 +69,6 @@ def test_log_ports_as_the_flags_of_its_script():
     assert (log["model.compute_dtype"], log["train.loss_scale.initial_scale_power"]) == ("float16", 32)
 
 
-@pytest.mark.xfail(strict=True, reason="the bash reader does not read the script's multi-line GPT_ARGS string yet")
 def test_log_ports_as_its_script():
     assert _flat(PAIR.with_suffix(".log")) == _flat(PAIR.with_suffix(".sh"))
 

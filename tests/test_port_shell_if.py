@@ -1,4 +1,4 @@
-"""``if``/``elif``/``else``/``fi`` in launch scripts (jaxpar.port.launch_flags): only the taken branch
+"""``if``/``elif``/``else``/``fi`` in launch scripts (jaxpar.port.bash.launch_flags): only the taken branch
 runs; a condition that cannot be known refuses the port with one line naming it, never both branches."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.port import Shell, launch_flags
+from jaxpar.port.bash import Shell, launch_flags
 from jaxpar.port.megatron import port_megatron
 from tests.helpers import ROOT
 

@@ -7,8 +7,8 @@ the config trains the recipe's model: no exit 0 here may carry a model change or
 (toy) model, and each states the recipe's shape. Where the recipe's model is not jaxpar's, ``approximate`` checks the same port
 with ``--approximate``: exit 0, the model changes listed first, and the rest of the recipe's values.
 
-Rows with ``xfail`` are known shortfalls of the importers (mostly the bash reading of launch scripts,
-another part of issue 28), strict: they fail the suite once fixed, so the mark comes off.
+Rows with ``xfail`` are known shortfalls of the importers, strict: they fail the suite once fixed, so
+the mark comes off.
 ``experiments/port_recipes.py`` counts the outcomes.
 """
 

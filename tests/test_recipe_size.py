@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar.errors import ConfigError
 from jaxpar.files import CAPS, load_yaml
-from jaxpar.port import Shell, launch_flags
+from jaxpar.port.bash import Shell, launch_flags
 from jaxpar.port.report import SUGGESTED, Report
 from tests.fuzzkit import FULL, bounded
 from tests.test_fuzz_recipes import SEEDS, SUFFIX, _port

@@ -20,7 +20,8 @@ from typing import Any
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port import Shell, launch_flags, megatron_log, show, unresolved_names
+from jaxpar.port import megatron_log
+from jaxpar.port.bash import Shell, launch_flags, show, unresolved_names
 from jaxpar.port.report import (
     LOSS_SCALE_NOOP,
     Report,
@@ -56,6 +57,10 @@ TENSORBOARD_FLAGS = (
     "--tensorboard-log-interval",
 )
 NOOP = {
+    **dict.fromkeys(
+        ("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub", "--init-model-with-meta-device"),
+        "no-op in jaxpar: Megatron-FSDP buffer / communication / initialization detail (speed and memory only)",
+    ),
     **dict.fromkeys(
         (
             "--node_rank",
@@ -405,7 +410,7 @@ OTHER_SCRIPTS = {
     "pretrain_vision_dino.py": "a vision transformer (DINO)",
     "pretrain_vision_inpaint.py": "a vision transformer (inpainting)",
 }
-LM_SCRIPTS = ("pretrain_gpt.py",)
+LM_SCRIPTS = ("pretrain_gpt.py", "finetune_gpt.py")  # finetune_gpt.py: examples/detxoify_lm, GPT fine-tuning
 KNOWN = (*NOOP, *UNSUPPORTED, *MODEL_FLAGS, *MODEL_PARTS)  # plus every flag the mapping code reads (_Args.known)
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
 
@@ -786,6 +791,16 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
     deepspeed = a.get("--deepspeed", bool, False)
     stage = 1 if a.get("--use-distributed-optimizer", bool, False) else 0
     stage = max(stage, a.get("--zero-stage", int, 0) or 0) if deepspeed else stage
+    strategy = a.get("--data-parallel-sharding-strategy", str, "no_shard")
+    if strategy not in FSDP_STAGES:
+        raise ConfigError(
+            f"megatron: --data-parallel-sharding-strategy {strategy!r} is not one of {', '.join(FSDP_STAGES)}; fix it"
+        )
+    if a.get("--use-megatron-fsdp", bool, False):
+        stage = max(stage, FSDP_STAGES[strategy])
+        a.note("--use-megatron-fsdp", "mapped", "parallel.zero_stage", "Megatron-FSDP: its sharding strategy decides")
+        a.note("--data-parallel-sharding-strategy", "mapped", "parallel.zero_stage", f"{strategy} = ZeRO-{stage}")
+    a.note("--data-parallel-sharding-strategy", "approximated", "", "no effect without --use-megatron-fsdp")
     values["parallel.zero_stage"] = stage
     a.note("--use-distributed-optimizer", "mapped", "parallel.zero_stage", "distributed optimizer = ZeRO-1")
     a.note(
@@ -814,6 +829,10 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
         ),
     ):
         a.note(name, "approximated", "train.global_batch", note)
+
+
+# Megatron-FSDP's --data-parallel-sharding-strategy: what it shards over the data ranks, as a ZeRO stage
+FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
 # --cp-comm-type -> parallel.context_exchange (jaxpar.ops.context_parallel): exact counterparts
@@ -1206,8 +1225,9 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
         )
     refusals = _moe_deepspeed(a, values, experts) if deepspeed else _moe_core(a, values, s)
     if values.get("model.mlp_activation") != "swiglu":
+        kind = "quick-GeGLU MLPs (--quick-geglu)" if a.get("--quick-geglu", bool, False) else "GeLU MLPs"
         refusals.append(
-            f"--num-experts {experts} without --swiglu: the recipe's experts are GeLU MLPs; jaxpar's experts "
+            f"--num-experts {experts} without --swiglu: the recipe's experts are {kind}; jaxpar's experts "
             "are SwiGLU (add --swiglu to port a SwiGLU MoE)"
         )
     if refusals and not approximate:
@@ -1718,7 +1738,10 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
             "" if len(prefixes) == 1 else f"first of {len(prefixes)} blended prefixes",
         )
     a.note("--data-path", "approximated", "data.path", "value unresolved: data left at the jaxpar default")
-    split = [float(x) for x in str(a.get("--split", str, "969,30,1")).replace("/", ",").split(",") if x.strip()]
-    if a.has("--split") and len(split) >= 2 and 0 < sum(split[1:]) < sum(split):
+    # read as Megatron-core's parse_and_normalize_split does: the numbers in it (quotes a script left are ignored)
+    split = [float(x) for x in re.findall(r"[.0-9]+", str(a.get("--split", str, "969,30,1")))]
+    if values.get("data.source") == "synthetic":  # jaxpar's synthetic batches are not split
+        a.note("--split", "approximated", "", "with --mock-data jaxpar's synthetic data has no validation share")
+    elif a.has("--split") and len(split) >= 2 and 0 < sum(split[1:]) < sum(split):
         values["data.val_fraction"] = sum(split[1:]) / sum(split)
     a.note("--split", "approximated", "data.val_fraction", "validation + test share of the split")
