@@ -9,6 +9,7 @@ axis name.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 
 class MeshAxis(enum.StrEnum):
@@ -29,6 +30,21 @@ MESH_AXES: tuple[MeshAxis, ...] = (
     MeshAxis.CONTEXT,
     MeshAxis.EXPERT,
 )
+
+# Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
+TENSOR_RULES: Mapping[str, str] = {
+    "vocab": MeshAxis.TENSOR,  # vocabulary-parallel embedding and logits / cross-entropy
+    "heads": MeshAxis.TENSOR,  # QKV column-parallel, attention output row-parallel
+    "kv_heads": MeshAxis.TENSOR,
+    "mlp": MeshAxis.TENSOR,  # MLP up/gate column-parallel, down row-parallel (the experts' too)
+}
+# Expert parallelism: MoE expert weights split over `expert` (jaxpar.models.moe). With
+# mesh.expert == 1 it is a no-op, like the tensor rules.
+EXPERT_RULES: Mapping[str, str] = {"experts": MeshAxis.EXPERT}
+# Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
+# With an untied output layer the embedding and output layer share one table per stage
+# (jaxpar.parallel.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
+PIPELINE_RULES: Mapping[str, str] = {"layers": MeshAxis.PIPELINE, "stages": MeshAxis.PIPELINE}
 # Order of the device array, outermost first: pipeline crosses nodes, tensor stays inside one;
 # context sits between data and tensor (torchtitan's pp, dp, cp, tp order): its ring exchanges
 # every layer, so it is kept closer than data, whose reductions come once per step. expert sits

@@ -36,7 +36,7 @@ V_SHAPED = ("zb-v",)  # device d holds virtual stages d and 2p-1-d (the first an
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (jaxpar.ops.attention)
 CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.ops.context_parallel)
-# Model dims split over `tensor` by the Megatron rules (jaxpar.sharding.TENSOR_RULES): each must divide.
+# Model dims split over `tensor` by the Megatron rules (jaxpar.axes.TENSOR_RULES): each must divide.
 TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
 
 

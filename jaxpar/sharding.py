@@ -36,24 +36,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis, data_group, group_axes
+from jaxpar.axes import EXPERT_RULES, PIPELINE_RULES, TENSOR_RULES, MeshAxis, data_group, group_axes  # noqa: F401 - re-exported
 from jaxpar.config import ConfigError
 from jaxpar.layout import ParallelLayout
 
-# Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
-TENSOR_RULES: Mapping[str, str] = {
-    "vocab": MeshAxis.TENSOR,  # vocabulary-parallel embedding and logits / cross-entropy
-    "heads": MeshAxis.TENSOR,  # QKV column-parallel, attention output row-parallel
-    "kv_heads": MeshAxis.TENSOR,
-    "mlp": MeshAxis.TENSOR,  # MLP up/gate column-parallel, down row-parallel (the experts' too)
-}
-# Expert parallelism: MoE expert weights split over `expert` (jaxpar.models.moe). With
-# mesh.expert == 1 it is a no-op, like the tensor rules.
-EXPERT_RULES: Mapping[str, str] = {"experts": MeshAxis.EXPERT}
-# Pipeline parallelism (mesh.pipeline > 1): the stacked layer dim is split into stages.
-# With an untied output layer the embedding and output layer share one table per stage
-# (jaxpar.parallel.pipeline.to_stage_form): its leading "stages" dim is split over pipeline too.
-PIPELINE_RULES: Mapping[str, str] = {"layers": MeshAxis.PIPELINE, "stages": MeshAxis.PIPELINE}
 NOT_ZERO_SHARDED = ("layers",)  # never split the scanned layer dim over data
 
 

@@ -13,9 +13,9 @@ import dataclasses
 import functools
 import math
 
+from jaxpar.axes import EXPERT_RULES, TENSOR_RULES
 from jaxpar.config import ConfigDict
 from jaxpar.layout import RECOMPUTE, ParallelLayout  # noqa: F401 - RECOMPUTE re-exported
-from jaxpar.sharding import EXPERT_RULES, TENSOR_RULES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TENSOR_DIMS = frozenset(TENSOR_RULES)  # logical dims split over `tensor` (heads, kv_heads, mlp, vocab)
