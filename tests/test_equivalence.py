@@ -1,5 +1,7 @@
 """Every layout computes the same training step as one device (fp32, relative error < 1e-5)."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,9 @@ import pytest
 from tests.helpers import max_rel_error, run_steps, tiny_config
 
 STEPS = 3
+# Run with JAXPAR_SLOW=1 only: their strategies train in the default run at other sizes (zero2_d4_m2,
+# d4_t2_zero3_sp, tp2): the default suite's 15-minute budget.
+SLOW = pytest.mark.skipif(os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: covered at other sizes")
 # (name, overrides): issue 2's layouts plus every strategy of the seed and the hybrids.
 LAYOUTS = [
     ("data4_tensor2", ["--config.mesh.data=4", "--config.mesh.tensor=2"]),
@@ -27,7 +32,7 @@ LAYOUTS = [
     ("tp2_sp", ["--config.mesh.data=1", "--config.mesh.tensor=2", "--config.parallel.sequence_parallel=true"]),
     ("d2_t2_zero1", ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1"]),
     ("d2_t2_zero3", ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"]),
-    (
+    pytest.param(
         "d4_t2_zero2_m2",
         [
             "--config.mesh.data=4",
@@ -36,6 +41,7 @@ LAYOUTS = [
             "--config.train.microbatches=2",
             "--config.parallel.sequence_parallel=true",
         ],
+        marks=SLOW,
     ),
     # aborted XLA:CPU (rendezvous mismatch) before the head's collectives were ordered after the layer scan
     (
@@ -58,7 +64,7 @@ def reference():
     return history, params
 
 
-@pytest.mark.parametrize("name, overrides", LAYOUTS, ids=[n for n, _ in LAYOUTS])
+@pytest.mark.parametrize("name, overrides", LAYOUTS, ids=[getattr(p, "values", p)[0] for p in LAYOUTS])
 def test_layout_matches_single_device(reference, name, overrides):
     ref_history, ref_params = reference
     history, params, setup = run_steps(tiny_config(*overrides), STEPS)
@@ -70,6 +76,7 @@ def test_layout_matches_single_device(reference, name, overrides):
     assert setup.train_step._cache_size() == 1
 
 
+@SLOW
 def test_tensor8_where_shapes_allow():
     wide = ["--config.model.num_heads=8", "--config.model.num_kv_heads=8", "--config.model.head_dim=16"]
     _, ref_params, _ = run_steps(tiny_config("--config.mesh.data=1", "--config.mesh.tensor=1", *wide), 1)

@@ -37,7 +37,9 @@ LAYOUTS = {
 }
 # The fast grid: every optimizer on a layout that splits its non-elementwise statistics; the full
 # optimizer x layout grid under JAXPAR_SLOW=1.
-FAST = [("lion", "zero1_d8"), ("sgd", "zero2_d8"), ("adafactor", "zero3_d4_t2"), ("adafactor", "d2_t2_p2")]
+# (adafactor on d2_t2_p2 is in the slow grid: the pipeline form's adafactor state is checked bitwise by
+# the checkpoint round trip below.)
+FAST = [("lion", "zero1_d8"), ("sgd", "zero2_d8"), ("adafactor", "zero3_d4_t2")]
 GRID = [(o, lay) for o in OPTIMIZERS for lay in LAYOUTS] if SLOW else [c for c in FAST if c[0] in OPTIMIZERS]
 
 
@@ -98,9 +100,9 @@ def test_adafactor_state_is_factored_and_sharded():
     assert (tuple(up.v_row), tuple(up.v_col), tuple(up.count)) == ((None, "data"), (None, "tensor"), (None,))
 
 
-# the skip's cost per optimizer: jaxpar's AdamW, one optax optimizer elementwise and one factored by
-# default; every optimizer under JAXPAR_SLOW=1
-SKIP_CHECKED = ["adamw", *OPTIMIZERS] if SLOW else ["adamw", "lion", "adafactor"]
+# the skip's cost per optimizer: jaxpar's AdamW (in the shard_map) and one optax optimizer, factored,
+# by default; every optimizer under JAXPAR_SLOW=1
+SKIP_CHECKED = ["adamw", *OPTIMIZERS] if SLOW else ["adamw", "adafactor"]
 
 
 @pytest.mark.parametrize("name", SKIP_CHECKED)

@@ -188,10 +188,14 @@ GRID |= {
     for z in (1, 3)
     if 16 % (2 * m) == 0
 }
-SLOW_GRID = {name: o for name, o in GRID.items() if o not in DEFAULT.values()}
+# Their schedule trains in the default run at other sizes; these three stay there as the permute and
+# memory tests' programs (compile only), and their training equivalence runs in the slow grid.
+TRAINED_SLOW = ("gpipe_p2_m8", "1f1b_p2_m8", "interleaved_p2_m4_t2")
+TRAINED = {name: o for name, o in DEFAULT.items() if name not in TRAINED_SLOW}
+SLOW_GRID = {name: o for name, o in GRID.items() if o not in TRAINED.values()}
 
 
-@pytest.mark.parametrize("name", list(DEFAULT))
+@pytest.mark.parametrize("name", list(TRAINED))
 def test_pipeline_matches_single_device(reference, name):
     assert_matches(reference, train(DEFAULT[name]), name)
 
