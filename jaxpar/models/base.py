@@ -72,6 +72,8 @@ class ShardContext:
     eos_token_id: int = -1  # model.eos_token_id: the document separator of block_causal
     # block_causal: the document ids (b, s) of the whole sequence, set by Model.loss_sum (traced)
     segments: Any = dataclasses.field(default=None, hash=False, compare=False)
+    # MoE with capacity: the train step's zero (2,) probe whose gradient counts dropped choices (traced)
+    moe_probe: Any = dataclasses.field(default=None, hash=False, compare=False)
     # the step's dropout noise (traced: key, rows, layer); None: no dropout (evaluation, rates 0)
     noise: Any = dataclasses.field(default=None, hash=False, compare=False)
     # uneven pipeline stages (traced, this stage's): rows of the stacked subtree that are layers (the
