@@ -229,8 +229,10 @@ def test_the_mask_reaches_the_model():
         model.context(attention="blockwise", attention_block=8),
         plain.context(attention="blockwise", attention_block=8),
     )
-    assert float(model.loss_sum(params, clean, ctx)) == float(plain.loss_sum(params, clean, ctx_plain))
-    assert abs(float(model.loss_sum(params, packed, ctx)) - float(plain.loss_sum(params, packed, ctx_plain))) > 1e-3
+    masked = jax.jit(lambda tokens: model.loss_sum(params, tokens, ctx))
+    causal_loss = jax.jit(lambda tokens: plain.loss_sum(params, tokens, ctx_plain))
+    assert float(masked(clean)) == float(causal_loss(clean))
+    assert abs(float(masked(packed)) - float(causal_loss(packed))) > 1e-3
 
 
 # ----------------------------------------------------------------------------------- refusals
