@@ -72,7 +72,8 @@ class ShardContext:
     eos_token_id: int = -1  # model.eos_token_id: the document separator of block_causal
     # block_causal: the document ids (b, s) of the whole sequence, set by Model.loss_sum (traced)
     segments: Any = dataclasses.field(default=None, hash=False, compare=False)
-    # MoE with capacity: the train step's zero (2,) probe whose gradient counts dropped choices (traced)
+    # MoE with capacity: the train step's zero (2,) probe, varying over the batch's axes, whose gradient
+    # counts this shard's dropped choices (traced; jaxpar.models.moe.count_drops)
     moe_probe: Any = dataclasses.field(default=None, hash=False, compare=False)
     # the step's dropout noise (traced: key, rows, layer); None: no dropout (evaluation, rates 0)
     noise: Any = dataclasses.field(default=None, hash=False, compare=False)

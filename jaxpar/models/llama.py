@@ -197,7 +197,6 @@ class ShardContext(base.ShardContext):
             loss_scale=1.0 / self.microbatches,
             expert_axis=self.expert_axis,
             token_axes=moe.token_axes(self.data_axis, self.tensor_axis, self.sequence_parallel),
-            batch_axes=moe.token_axes(self.data_axis, None, False),
             probe=self.moe_probe,
         )
 

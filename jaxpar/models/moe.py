@@ -69,7 +69,6 @@ class MoeSettings:
     group_topk: int = 1  # only the best this many groups' experts are eligible (topk_group)
     route_scale: float = 1.0  # the combine weights times this (DeepSeek-V3 routed_scaling_factor)
     bias_rate: float = 0.0  # aux-loss-free balancing: the bias's "gradient" is its load statistic
-    batch_axes: tuple[str, ...] = ()  # the axes splitting whole sequences (token_axes less SP's tensor)
     # with capacity: a zero (2,) array whose gradient becomes (dropped, routed) choices (count_drops)
     probe: Any = dataclasses.field(default=None, compare=False)
 
@@ -316,12 +315,11 @@ def within_capacity(experts: jax.Array, seq: int, num_experts: int, cap: int) ->
 
 def count_drops(weights: jax.Array, keep: jax.Array, s: MoeSettings) -> jax.Array:
     """``weights`` unchanged; in the backward pass ``s.probe`` receives ``(dropped, routed)``: the
-    (token, expert) choices of the whole step's sequences in this layer that capacity dropped, and
-    all of them. The train step adds them over layers and microbatches (the dropped-choice metric).
-    ``keep`` (T, k) covers whole sequences (under sequence parallelism every tensor rank holds the
-    same gathered ones), so it is summed over ``s.batch_axes`` only."""
+    (token, expert) choices of this shard's sequences in this layer that capacity dropped, and all of
+    them. The train step adds them over layers and microbatches and sums them once over the shards
+    (the dropped-choice metric). Under sequence parallelism every tensor rank holds the same
+    gathered choices: they are counted once (``pmax`` over ``tensor``)."""
     counts = jnp.stack([jnp.sum(~keep, dtype=jnp.float32), jnp.float32(keep.size)])
-    counts = jax.lax.psum(counts, s.batch_axes) if s.batch_axes else counts
     extra = tuple(sorted(varying_axes(counts) - varying_axes(s.probe)))
     counts = jax.lax.pmax(counts, extra) if extra else counts  # equal on those ranks (gathered routing)
     return _with_load(weights, s.probe, vary(counts, varying_axes(s.probe)))

@@ -46,7 +46,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis, batch_axes, data_group
+from jaxpar.axes import MeshAxis, batch_axes, data_group, group_axes
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
@@ -182,7 +182,8 @@ class StepBuilder:
             def loss_fn(p, probe):
                 return self.model.loss_sum(p, tokens, dataclasses.replace(ctx, moe_probe=probe)) * scale
 
-            loss, (g, drops) = jax.value_and_grad(loss_fn, argnums=(0, 1))(local_params, jnp.zeros((2,), jnp.float32))
+            probe = vary(jnp.zeros((2,), jnp.float32), frozenset(group_axes(ctx.data_axis)))
+            loss, (g, drops) = jax.value_and_grad(loss_fn, argnums=(0, 1))(local_params, probe)
             return loss, g, drops
 
         if self.pipeline is not None:  # the schedule accumulates over microbatches
@@ -219,6 +220,8 @@ class StepBuilder:
         if not layout.shards_gradients:  # one reduction per step: reduce-scatter where the optimizer is sharded
             grads = self._reduce(grads, scatter=layout.shards_optimizer)
         grads, loss = loss_scale_lib.unscale(grads, jax.lax.psum(loss, ctx.data_axis), guard)
+        if self.counts_drops:  # this shard's counts: one sum over the batch's shards per step
+            drops = jax.lax.psum(drops, ctx.data_axis)
         loss = loss + guard[1]
 
         # aux-loss-free balancing: the expert bias's entry is its load statistic, not a gradient
