@@ -69,6 +69,11 @@ CONDITIONS: dict[str, Condition] = {
         )
     },
     "model.attention_block": Condition("model.attention is blockwise or auto", ("model.attention",), _blockwise),
+    "model.eos_token_id": Condition(
+        "model.attention_mask = block_causal",
+        ("model.attention_mask",),
+        lambda c: c.model.attention_mask == "block_causal",
+    ),
     "optim.min_lr_ratio": Condition(
         "optim.schedule is not constant", ("optim.schedule",), lambda c: c.optim.schedule != "constant"
     ),

@@ -84,6 +84,8 @@ def default_config() -> ConfigDict:
     c.model.position = "rope"  # rope | learned (classic GPT)
     c.model.attention = "dot_product"  # dot_product (s x s scores) | blockwise (flash, any backend) | cudnn | auto
     c.model.attention_block = 512  # blockwise: query and key/value block length
+    c.model.attention_mask = "causal"  # causal | block_causal (also never across documents: torchtitan's)
+    c.model.eos_token_id = -1  # block_causal: the token ending each packed document (-1: unset, refused)
     c.model.remat = "none"  # none | full | selective (keep weight-matmul outputs, recompute attention core)
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
@@ -368,6 +370,9 @@ def _coerce(value: Any, current: Any, key: str, parse: bool) -> Any:
 PATH_FIELDS = ("train.workdir", "train.init_from", "data.path", "optim.name")  # fields that may hold a path
 
 
+ATTENTION_MASKS = ("causal", "block_causal")  # model.attention_mask
+
+
 def validate(cfg: ConfigDict, num_devices: int | None = None) -> ParallelLayout:
     """Check every field's domain, then the layout's cross-field rules; return the layout.
 
@@ -463,6 +468,18 @@ def _validate_model(mo: ConfigDict) -> None:
         require(
             math.isfinite(mo[name]) and 0 <= mo[name] < 1,
             f"model.{name}={mo[name]}: use a drop probability in [0, 1), e.g. 0.1 (0: no dropout)",
+        )
+    require(
+        mo.attention_mask in ATTENTION_MASKS,
+        f"model.attention_mask='{mo.attention_mask}': use causal or block_causal (attention also stops at "
+        "documents, which model.eos_token_id ends)",
+    )
+    if mo.attention_mask == "block_causal":
+        require(
+            0 <= mo.eos_token_id < mo.vocab_size,
+            f"model.eos_token_id={mo.eos_token_id}: model.attention_mask=block_causal needs the token id that "
+            f"ends each document (in [0, model.vocab_size={mo.vocab_size})); set model.eos_token_id to your "
+            "tokenizer's EOS id",
         )
     _validate_moe(mo)
     count = _rough_param_count(mo)

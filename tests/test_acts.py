@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
         )
     },
     "model.attention_block": ("16", [], BLOCKWISE),
+    "model.eos_token_id": ("5", [], ["--config.model.attention_mask=block_causal"]),
     "optim.min_lr_ratio": ("0.5", ["--config.optim.schedule=constant"], []),
     "optim.decay_steps": ("50", ["--config.optim.schedule=constant"], []),
     "optim.decay_start_step": ("5", ["--config.optim.schedule=constant"], []),
@@ -190,7 +191,8 @@ IN_THE_STEP = [
     "train.loss_scale.min_scale",
     "train.loss_scale.rule",
     "train.loss_scale.consecutive_hysteresis",
-]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare
+]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare;
+# model.eos_token_id: block_causal needs one (tests/test_documents.py shows the mask in the model's loss)
 DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
 
 

@@ -52,6 +52,8 @@ BAD: dict[str, list] = {
     "model.remat": ["sometimes"],
     "model.attention": ["flash", ""],
     "model.attention_block": [0, -16],
+    "model.attention_mask": ["document", ""],
+    "model.eos_token_id": [5, -2],  # with the default causal mask it acts nowhere
     "model.compute_dtype": ["int8"],
     "model.param_dtype": ["float64"],
     "model.init_std": [0.0, -0.02, NAN, INF],

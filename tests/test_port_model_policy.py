@@ -83,12 +83,15 @@ def _toml(tmp_path, name: str, flavor: str, extra: str = "") -> str:
 
 def test_torchtitan_moe_family_is_refused_before_the_world_size(capsys):
     fixture = str(TT / "deepseek_v3_moe_ep8.toml")
-    err = refused(capsys, "torchtitan", fixture)  # no --world-size needed to learn that it cannot port
-    # the 16B flavor is model.name=deepseek_v3; only its document-masked attention keeps it from porting
-    assert "(attention mask) = block_causal: flavor 16B masks attention at document boundaries" in err
-    assert "pass --approximate" in err
-    out = approximated(capsys, "torchtitan", fixture, "--world-size", "16", first=("(attention mask)",))
+    # the 16B flavor is model.name=deepseek_v3 with document-masked attention (model.attention_mask): it ports
+    # as it is, so the only thing missing is the world size
+    err = refused(capsys, "torchtitan", fixture)
+    assert "the world size is needed" in err
+    code, out, err = port(capsys, "torchtitan", fixture, "--world-size", "16")
+    assert code == 0 and "MODEL CHANGE" not in out, err
     assert "model.flavor = 16B -> model.*" in out
+    assert "(attention mask) = block_causal -> model.attention_mask" in out
+    assert "(document separator) = deepseek-moe-16b-base -> model.eos_token_id  (EOS id 100001" in out
     err = refused(capsys, "torchtitan", str(TT / "llama4_moe_pp4_tp8.toml"), "--world-size", "64")
     assert "model.name = llama4" in err and "shared expert" in err  # not the toy model's heads
 
@@ -151,7 +154,21 @@ def test_torchtitan_llama3_debugmodel_shapes(capsys, tmp_path):
     assert (m.rope_theta, m.rope_scaling) == (500000.0, "llama3") and not report.model_changes
     job = _toml(tmp_path, "llama3", "debugmodel_flex_attn")
     err = refused(capsys, "torchtitan", job, "--world-size", "8")
-    assert "(attention mask) = block_causal" in err and "more model change" not in err
+    # no hf_assets_path: the flavor's document separator is unknown, named with its fix
+    assert "(document separator) = (no model.hf_assets_path): flavor debugmodel_flex_attn" in err
+    assert "--set model.eos_token_id=" in err and "more model change" not in err
+    code, out, err = port(
+        capsys,
+        "torchtitan",
+        job,
+        "--world-size",
+        "8",
+        "--set",
+        "model.attention_mask=block_causal",
+        "--set",
+        "model.eos_token_id=2",
+    )
+    assert code == 0 and "MODEL CHANGE" not in out, err
     code, out, err = port(
         capsys, "torchtitan", str(CORPUS / "torchtitan" / "2024_debug_model.toml"), "--world-size", "8"
     )

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.ops import dropout, zero3
+from jaxpar.ops.attention import document_ids
 from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.ops.remat import remat_policy
 
@@ -67,12 +68,32 @@ class ShardContext:
     compute_dtype: str = "bfloat16"
     dropout: float = 0.0  # model.dropout (hidden); jaxpar.ops.dropout
     attention_dropout: float = 0.0  # model.attention_dropout
+    attention_mask: str = "causal"  # model.attention_mask: causal | block_causal (documents end at eos_token_id)
+    eos_token_id: int = -1  # model.eos_token_id: the document separator of block_causal
+    # block_causal: the document ids (b, s) of the whole sequence, set by Model.loss_sum (traced)
+    segments: Any = dataclasses.field(default=None, hash=False, compare=False)
+    # MoE with capacity: the train step's zero (2,) probe, varying over the batch's axes, whose gradient
+    # counts this shard's dropped choices (traced; jaxpar.models.moe.count_drops)
+    moe_probe: Any = dataclasses.field(default=None, hash=False, compare=False)
     # the step's dropout noise (traced: key, rows, layer); None: no dropout (evaluation, rates 0)
     noise: Any = dataclasses.field(default=None, hash=False, compare=False)
     # uneven pipeline stages (traced, this stage's): rows of the stacked subtree that are layers (the
     # rows after them are padding, skipped), and the model-form index of the first; None: all rows
     layers: Any = dataclasses.field(default=None, hash=False, compare=False)
     first_layer: Any = dataclasses.field(default=None, hash=False, compare=False)
+
+    def documents(self) -> jax.Array | None:
+        """The document ids attention masks by (``model.attention_mask=block_causal``), or None; a
+        :class:`~jaxpar.config.ConfigError` where block_causal reached a block without them (a path
+        that does not go through :meth:`Model.loss_sum`)."""
+        if self.attention_mask != "block_causal":
+            return None
+        if self.segments is None:
+            raise ConfigError(
+                "model.attention_mask=block_causal is not supported on this path (the document ids are computed "
+                "in Model.loss_sum); set model.attention_mask=causal"
+            )
+        return self.segments
 
     @property
     def zero3(self) -> bool:
@@ -226,6 +247,8 @@ class Model(abc.ABC):
         follow the loss anyway.
         """
         tokens, ctx = dropout.bind(tokens, ctx)  # strip the row column of dropout, if any
+        if ctx.attention_mask == "block_causal":  # every rank holds the whole sequence (context_parallel)
+            ctx = dataclasses.replace(ctx, segments=document_ids(tokens[:, :-1], ctx.eos_token_id))
         inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
         late = {}
         if ctx.zero3 or ctx.sequence_parallel:

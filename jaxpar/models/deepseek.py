@@ -183,6 +183,7 @@ def _attention(x: jax.Array, a: dict, positions: jax.Array, ctx: ShardContext) -
         axis=ctx.context_axis,
         exchange=ctx.context_exchange,
         noise=dropout.for_attention(ctx, q.shape[2], ctx.tensor_axis),
+        segments=ctx.documents(),
     )
     return jnp.einsum("bsnd,ndh->bsh", att[..., :dv], a["wo"].astype(dt))
 

@@ -197,6 +197,7 @@ class ShardContext(base.ShardContext):
             loss_scale=1.0 / self.microbatches,
             expert_axis=self.expert_axis,
             token_axes=moe.token_axes(self.data_axis, self.tensor_axis, self.sequence_parallel),
+            probe=self.moe_probe,
         )
 
 
@@ -342,6 +343,7 @@ def _block(x: jax.Array, p: dict, positions: jax.Array, ctx: ShardContext) -> ja
         axis=ctx.context_axis,
         exchange=ctx.context_exchange,
         noise=dropout.for_attention(ctx, q.shape[2], ctx.tensor_axis),
+        segments=ctx.documents(),
     )
     o = jnp.einsum("bsnd,ndh->bsh", att, w(a["wo"]))
     x = x + branch(o, positions, dropout.ATTENTION_OUT, ctx)
@@ -463,6 +465,8 @@ def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
         moe_dispatch=model_cfg.moe_dispatch,
         dropout=model_cfg.get("dropout", 0.0),
         attention_dropout=model_cfg.get("attention_dropout", 0.0),
+        attention_mask=model_cfg.get("attention_mask", "causal"),
+        eos_token_id=model_cfg.get("eos_token_id", -1),
         **overrides,
     )
 

@@ -21,6 +21,9 @@ dense SwiGLU MLP every token runs through, added to the routed output.
 nothing. The group is one sequence, so the same tokens drop on every layout (context parallelism,
 which splits a sequence, is refused).
 
+With a probe (``MoeSettings.probe``, set by the train step) the layer reports how many choices it
+dropped (:func:`count_drops`): the step's ``moe_dropped`` metric.
+
 **Auxiliary losses** (not in the reported loss; their gradient is in the step, as Megatron-core's
 ``MoEAuxLossAutoScaler``): Switch load balancing ``E * sum_e f_e * P_e``, ``f_e`` the share of the
 ``T*k`` choices that went to expert ``e``, ``P_e`` its mean router probability (Fedus et al. 2022,
@@ -66,6 +69,8 @@ class MoeSettings:
     group_topk: int = 1  # only the best this many groups' experts are eligible (topk_group)
     route_scale: float = 1.0  # the combine weights times this (DeepSeek-V3 routed_scaling_factor)
     bias_rate: float = 0.0  # aux-loss-free balancing: the bias's "gradient" is its load statistic
+    # with capacity: a zero (2,) array whose gradient becomes (dropped, routed) choices (count_drops)
+    probe: Any = dataclasses.field(default=None, compare=False)
 
 
 class Experts(nnx.Module):
@@ -308,6 +313,18 @@ def within_capacity(experts: jax.Array, seq: int, num_experts: int, cap: int) ->
     return (rank < cap).reshape(n, k, seq).transpose(0, 2, 1).reshape(rows, k)
 
 
+def count_drops(weights: jax.Array, keep: jax.Array, s: MoeSettings) -> jax.Array:
+    """``weights`` unchanged; in the backward pass ``s.probe`` receives ``(dropped, routed)``: the
+    (token, expert) choices of this shard's sequences in this layer that capacity dropped, and all of
+    them. The train step adds them over layers and microbatches and sums them once over the shards
+    (the dropped-choice metric). Under sequence parallelism every tensor rank holds the same
+    gathered choices: they are counted once (``pmax`` over ``tensor``)."""
+    counts = jnp.stack([jnp.sum(~keep, dtype=jnp.float32), jnp.float32(keep.size)])
+    extra = tuple(sorted(varying_axes(counts) - varying_axes(s.probe)))
+    counts = jax.lax.pmax(counts, extra) if extra else counts  # equal on those ranks (gathered routing)
+    return _with_load(weights, s.probe, vary(counts, varying_axes(s.probe)))
+
+
 def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gather_routing) -> jax.Array:
     """The MoE MLP of normed activations ``h_local`` (b, s_local, h), ``p`` one layer's weights.
 
@@ -330,6 +347,8 @@ def moe_mlp(h_local: jax.Array, p: dict, s: MoeSettings, dtype, gather_seq, gath
     weights, experts = weights.reshape(T, -1), experts.reshape(T, -1)
     if s.capacity_factor:  # a dropped choice adds nothing (the residual carries the token)
         keep = within_capacity(experts, h.shape[1], s.num_experts, capacity(h.shape[1], s))
+        if s.probe is not None:
+            weights = count_drops(weights, keep, s)
         weights, experts = jnp.where(keep, weights, 0.0), jnp.where(keep, experts, s.num_experts)
     out = expert_mlp(h.reshape(T, hd), weights, experts, p, s, dtype).reshape(h.shape)
     if "shared_up" in p:  # column / row parallel like the dense MLP: partial over tensor too

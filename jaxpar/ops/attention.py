@@ -42,7 +42,16 @@ _KV_PAD = jnp.iinfo(jnp.int32).max
 
 
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset: int = 0, kv_offset: int = 0, noise=None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    noise=None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention through the full (sq, sk) score matrix; softmax in fp32.
 
@@ -51,6 +60,8 @@ def dot_product_attention(
     causal mask keeps ``q_pos >= kv_pos`` (a row that sees no key gets the values' mean, not zeros).
     ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`, optional): attention dropout on the
     probabilities after the cast, keyed by global (row, head, query position, key position).
+    ``q_segments`` (b, sq) / ``kv_segments`` (b, sk), int (document masking,
+    ``model.attention_mask=block_causal``): a pair is kept only within one document as well.
     """
     b, sq, n, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
@@ -72,6 +83,9 @@ def dot_product_attention(
         else:
             mask = (q_offset + jnp.arange(sq))[:, None] >= (kv_offset + jnp.arange(sk))[None, :]
         scores = jnp.where(mask, scores, jnp.finfo(_F32).min)
+    if q_segments is not None:
+        same = (q_segments[:, :, None] == kv_segments[:, None, :])[:, None, None]  # (b, 1, 1, sq, sk)
+        scores = jnp.where(same, scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     if noise is not None:
         heads = jnp.arange(n, dtype=jnp.int32).reshape(kv, n // kv)
@@ -81,6 +95,15 @@ def dot_product_attention(
         )
     out = jnp.einsum("bkqt,bktd->bkqd", probs.reshape(b, kv, g * sq, sk), vh)  # (b, kv, g*sq, d)
     return out.reshape(b, kv, g, sq, d).transpose(0, 3, 1, 2, 4).reshape(b, sq, n, d)
+
+
+def document_ids(tokens: jax.Array, eos_token_id: int) -> jax.Array:
+    """(b, s) int32 document ids of packed input ``tokens`` (b, s): the number of ``eos_token_id``
+    tokens before each position, so an EOS belongs to the document it ends and the next token
+    starts a new one. torchtitan's ``get_document_mask_mod`` (torchtitan/models/attention.py at
+    238fa99) numbers the input batch the same way; attention then keeps a pair only within one id."""
+    is_eos = (tokens == eos_token_id).astype(jnp.int32)
+    return jnp.cumsum(is_eos, axis=1, dtype=jnp.int32) - is_eos
 
 
 # ----------------------------------------------------------------------------------- blockwise
@@ -129,27 +152,45 @@ def _mask(qp: jax.Array, kp: jax.Array, causal: bool) -> jax.Array:
     return jnp.broadcast_to(real, (qp.shape[0], kp.shape[0]))
 
 
-def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None):
+def _segment_blocks(segs, block_q: int, block_kv: int):
+    """Document ids (q (b, sq), kv (b, sk)) in blocks: (nq, b, bq), (nk, b, bk); None stays None."""
+    if segs is None:
+        return None, None
+    return _blocks(segs[0].astype(jnp.int32), block_q), _blocks(segs[1].astype(jnp.int32), block_kv)
+
+
+def _block_mask(qp, kp, causal: bool, qs, ks) -> jax.Array:
+    """:func:`_mask` for a (b, kv, g, bq, bk) score block; with document ids ``qs`` (b, bq) / ``ks``
+    (b, bk), only pairs of one document pass as well."""
+    mask = _mask(qp, kp, causal)
+    if qs is None:
+        return mask
+    return (mask[None] & (qs[:, :, None] == ks[:, None, :]))[:, None, None]
+
+
+def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=None, noise=None, segs=None):
     """Online-softmax forward pass: out (b, sq, n, d) in ``out_dtype`` (default q.dtype), lse (b, sq,
     n) fp32. ``noise`` (:class:`jaxpar.ops.dropout.AttentionNoise`): the running sum (hence ``lse``)
     takes the undropped probabilities, the value accumulator the dropped ones, so ``out =
     dropout(softmax) @ v`` exactly; each block's mask comes from its global (row, head, query
-    position, key position) indices, so the backward redraws it."""
+    position, key position) indices, so the backward redraws it. ``segs``: (q, kv) document ids
+    (b, sq), (b, sk), or None (:func:`_block_mask`)."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
-    vma = vma_union(q, k, v, q_pos, kv_pos, *jax.tree.leaves(noise))
+    vma = vma_union(q, k, v, q_pos, kv_pos, *jax.tree.leaves(noise), *jax.tree.leaves(segs))
     heads = jnp.arange(n, dtype=jnp.int32).reshape(kvh, g)
     qb = _blocks(q.reshape(b, sq, kvh, g, d), block_q)  # (nq, b, bq, kv, g, d)
     kb, vb = _blocks(k, block_kv), _blocks(v, block_kv)  # (nk, b, bk, kv, d)
     qp = _position_blocks(q_pos, block_q, _Q_PAD)
     kp = _position_blocks(kv_pos, block_kv, _KV_PAD)
     order, count = _schedule(_needed_blocks(qp, kp, sk, block_kv, causal))
+    qsb, ksb = _segment_blocks(segs, block_q, block_kv)
     scale = math.sqrt(d)
 
     def q_block(xs):
-        qi, qpi, order_i, count_i = xs
+        qi, qpi, order_i, count_i, qsi = xs
 
         def kv_step(t, carry):
             m, total, acc = carry
@@ -157,8 +198,9 @@ def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=N
             kj = lax.dynamic_index_in_dim(kb, j, keepdims=False)
             vj = lax.dynamic_index_in_dim(vb, j, keepdims=False)
             kpj = lax.dynamic_index_in_dim(kp, j, keepdims=False)
+            ksj = None if ksb is None else lax.dynamic_index_in_dim(ksb, j, keepdims=False)
             s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=_F32) / scale
-            s = jnp.where(_mask(qpi, kpj, causal), s, _NEG_INF)
+            s = jnp.where(_block_mask(qpi, kpj, causal, qsi, ksj), s, _NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0
             p = jnp.exp(s - m_safe[..., None])
@@ -178,11 +220,13 @@ def flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, out_dtype=N
         lse = jnp.where(seen, m + jnp.log(total_safe), _NEG_INF)
         return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1)  # (b, bq, kv, g, d), (b, bq, kv, g)
 
-    out, lse = lax.map(q_block, (qb, qp, order, count))
+    out, lse = lax.map(q_block, (qb, qp, order, count, qsb))
     return _unblock(out, sq).reshape(b, sq, n, d), _unblock(lse, sq).reshape(b, sq, n)
 
 
-def flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None, noise=None):
+def flash_backward(
+    q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_kv, causal, out_dtype=None, noise=None, segs=None
+):
     """FlashAttention-2 backward pass (Dao 2023, Algorithm 2): recompute each needed block's
     probabilities from ``lse``; the outer loop runs over key/value blocks and keeps their dK, dV in
     the carry, the inner loop over the query blocks that see them and adds into dQ.
@@ -197,7 +241,7 @@ def flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_
     b, sq, n, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = n // kvh
-    vma = vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, *jax.tree.leaves(noise))
+    vma = vma_union(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, *jax.tree.leaves(noise), *jax.tree.leaves(segs))
     heads = jnp.arange(n, dtype=jnp.int32).reshape(kvh, g)
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse  # (b, sq, n)
     lse = jnp.where(jnp.isinf(lse), 0.0, lse)  # rows without keys: every score is -inf, so p = 0
@@ -208,10 +252,11 @@ def flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_
     qp = _position_blocks(q_pos, block_q, _Q_PAD)
     kp = _position_blocks(kv_pos, block_kv, _KV_PAD)
     order, count = _schedule(_needed_blocks(qp, kp, sk, block_kv, causal).T)  # per kv block: its q blocks
+    qsb, ksb = _segment_blocks(segs, block_q, block_kv)
     scale = math.sqrt(d)
 
     def kv_block(dq, xs):
-        kj, vj, kpj, order_j, count_j = xs
+        kj, vj, kpj, order_j, count_j, ksj = xs
 
         def q_step(t, carry):
             dq, dk, dv = carry
@@ -220,8 +265,9 @@ def flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_
             doi = lax.dynamic_index_in_dim(dob, i, keepdims=False)
             rows = jnp.moveaxis(lax.dynamic_index_in_dim(rowb, i, keepdims=False), 1, 3)  # (b, kv, g, bq, 2)
             qpi = lax.dynamic_index_in_dim(qp, i, keepdims=False)
+            qsi = None if qsb is None else lax.dynamic_index_in_dim(qsb, i, keepdims=False)
             s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=_F32) / scale
-            s = jnp.where(_mask(qpi, kpj, causal), s, _NEG_INF)
+            s = jnp.where(_block_mask(qpi, kpj, causal, qsi, ksj), s, _NEG_INF)
             p = jnp.exp(s - rows[..., 0:1])
             keep = None if noise is None else noise.keep(heads, qpi, kpj)
             p_v = p if keep is None else noise.apply(keep, p)
@@ -240,23 +286,26 @@ def flash_backward(q, k, v, q_pos, kv_pos, out, lse, dout, dlse, block_q, block_
         return dq, (dk, dv)
 
     dq0 = vary(jnp.zeros(qb.shape, _F32), vma)
-    dq, (dk, dv) = lax.scan(kv_block, dq0, (kb, vb, kp, order, count))
+    dq, (dk, dv) = lax.scan(kv_block, dq0, (kb, vb, kp, order, count, ksb))
     dq = _unblock(dq, sq).reshape(b, sq, n, d).astype(out_dtype or q.dtype)
     return dq, _unblock(dk, sk).astype(out_dtype or k.dtype), _unblock(dv, sk).astype(out_dtype or v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
-    return flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
+# ``segs``: None or (q, kv) document ids (integers: no cotangent)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_pos, kv_pos, segs, block_q, block_kv, causal):
+    return flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, segs=segs)
 
 
-def _flash_fwd(q, k, v, q_pos, kv_pos, block_q, block_kv, causal):
-    out, lse = flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal)
-    return (out, lse), (q, k, v, q_pos, kv_pos, out, lse)
+def _flash_fwd(q, k, v, q_pos, kv_pos, segs, block_q, block_kv, causal):
+    out, lse = flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, segs=segs)
+    return (out, lse), (q, k, v, q_pos, kv_pos, out, lse, segs)
 
 
 def _flash_bwd(block_q, block_kv, causal, res, cts):
-    return (*flash_backward(*res, *cts, block_q, block_kv, causal), None, None)  # no cotangent for positions
+    *res, segs = res
+    grads = flash_backward(*res, *cts, block_q, block_kv, causal, segs=segs)
+    return (*grads, None, None, jax.tree.map(lambda _: None, segs))  # no cotangent for positions, documents
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -264,20 +313,20 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # With attention dropout: the same kernel, the noise (integer arrays: no cotangent) as an argument.
 # A separate custom_vjp so the path without dropout stays exactly the one above.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash_dropout(q, k, v, q_pos, kv_pos, noise, block_q, block_kv, causal):
-    return flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash_dropout(q, k, v, q_pos, kv_pos, segs, noise, block_q, block_kv, causal):
+    return flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise, segs=segs)
 
 
-def _flash_dropout_fwd(q, k, v, q_pos, kv_pos, noise, block_q, block_kv, causal):
-    out, lse = flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise)
-    return (out, lse), (q, k, v, q_pos, kv_pos, out, lse, noise)
+def _flash_dropout_fwd(q, k, v, q_pos, kv_pos, segs, noise, block_q, block_kv, causal):
+    out, lse = flash_forward(q, k, v, q_pos, kv_pos, block_q, block_kv, causal, noise=noise, segs=segs)
+    return (out, lse), (q, k, v, q_pos, kv_pos, out, lse, segs, noise)
 
 
 def _flash_dropout_bwd(block_q, block_kv, causal, res, cts):
-    *res, noise = res
-    grads = flash_backward(*res, *cts, block_q, block_kv, causal, noise=noise)
-    return (*grads, None, None, jax.tree.map(lambda _: None, noise))
+    *res, segs, noise = res
+    grads = flash_backward(*res, *cts, block_q, block_kv, causal, noise=noise, segs=segs)
+    return (*grads, None, None, jax.tree.map(lambda _: None, segs), jax.tree.map(lambda _: None, noise))
 
 
 _flash_dropout.defvjp(_flash_dropout_fwd, _flash_dropout_bwd)
@@ -294,6 +343,8 @@ def blockwise_attention_with_lse(
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
     noise=None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`blockwise_attention` that also returns the per-row log-sum-exp (b, sq, n), fp32:
     ``lse[b, i, h] = log sum_j exp(s_ij)`` over the keys row ``i`` sees (``-inf``, with a zero output
@@ -310,9 +361,14 @@ def blockwise_attention_with_lse(
     kv_pos = jnp.arange(sk, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
     if q_pos.shape != (sq,) or kv_pos.shape != (sk,):
         raise ValueError(f"positions {q_pos.shape}, {kv_pos.shape}: want ({sq},), ({sk},) (shared by the batch)")
+    segs = None
+    if q_segments is not None:
+        segs = (jnp.asarray(q_segments, jnp.int32), jnp.asarray(kv_segments, jnp.int32))
+        if segs[0].shape != (b, sq) or segs[1].shape != (b, sk):
+            raise ValueError(f"document ids {segs[0].shape}, {segs[1].shape}: want ({b}, {sq}), ({b}, {sk})")
     if noise is not None:
-        return _flash_dropout(q, k, v, q_pos, kv_pos, noise, min(block_q, sq), min(block_kv, sk), causal)
-    return _flash(q, k, v, q_pos, kv_pos, min(block_q, sq), min(block_kv, sk), causal)
+        return _flash_dropout(q, k, v, q_pos, kv_pos, segs, noise, min(block_q, sq), min(block_kv, sk), causal)
+    return _flash(q, k, v, q_pos, kv_pos, segs, min(block_q, sq), min(block_kv, sk), causal)
 
 
 def blockwise_attention(
@@ -326,6 +382,8 @@ def blockwise_attention(
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
     noise=None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> jax.Array:
     """Flash-style grouped-query attention in pure JAX: never builds an (sq, sk) buffer.
 
@@ -339,6 +397,8 @@ def blockwise_attention(
     define the causal mask ``q_pos >= kv_pos``; they need not be contiguous or sorted (a
     context-parallel rank holds chunks ``i`` and ``2c-1-i``), and
     :func:`blockwise_attention_with_lse` with :func:`merge_partials` combine partial results.
+    ``q_segments`` (b, sq) / ``kv_segments`` (b, sk): document ids per row; a pair of two documents
+    is masked too (``model.attention_mask=block_causal``).
 
     Masked blocks are skipped by trip count, not ``lax.cond``: a table of the blocks holding an
     unmasked pair is compacted per row to the needed blocks and their count, the inner
@@ -361,6 +421,8 @@ def blockwise_attention(
         q_positions=q_positions,
         kv_positions=kv_positions,
         noise=noise,
+        q_segments=q_segments,
+        kv_segments=kv_segments,
     )[0]
 
 
@@ -388,6 +450,10 @@ def merge_partials(
 DROPOUT_CUDNN = (
     "model.attention=cudnn cannot take model.attention_dropout > 0 (cuDNN draws its own mask, not "
     "jaxpar's per-index one); use model.attention=blockwise or auto, or model.attention_dropout=0"
+)
+DOCUMENTS_CUDNN = (
+    "model.attention=cudnn cannot take model.attention_mask=block_causal (jax.nn.dot_product_attention's cuDNN "
+    "path has no per-row document mask short of an s x s bias); use model.attention=blockwise or auto"
 )
 
 
@@ -436,6 +502,7 @@ def resolve_attention(
     compute_dtype: str = "bfloat16",
     compute_capability: str | None = None,
     attention_dropout: float = 0.0,
+    attention_mask: str = "causal",
 ) -> str:
     """The implementation ``model.attention=name`` runs on ``backend`` (``jax.default_backend()``).
 
@@ -444,6 +511,7 @@ def resolve_attention(
     ``compute_capability`` (e.g. "9.0") defaults to the first GPU's. With ``attention_dropout`` > 0,
     ``auto`` is ``blockwise`` and ``cudnn`` refused: cuDNN draws its mask from a seed and offset, not
     jaxpar's per-index hash, so its masks would differ between layouts (:mod:`jaxpar.ops.dropout`).
+    With ``attention_mask=block_causal`` likewise: ``auto`` is ``blockwise``, ``cudnn`` refused.
     """
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
@@ -452,6 +520,10 @@ def resolve_attention(
     if attention_dropout > 0:
         if name == "cudnn":
             raise ConfigError(DROPOUT_CUDNN)
+        return "blockwise"
+    if attention_mask == "block_causal":
+        if name == "cudnn":
+            raise ConfigError(DOCUMENTS_CUDNN)
         return "blockwise"
     on_gpu = backend in ("gpu", "cuda")
     if name == "cudnn" and not on_gpu:

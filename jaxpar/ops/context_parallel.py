@@ -25,6 +25,11 @@ Bytes per layer and device (``kvb`` = one rank's keys and values, ``2 * b * s/c 
 head_dim * dtype``): ring forward ``(c-1) * kvb``, backward ``(c-1) * kvb + c * kvb`` (gradients in
 fp32: :func:`ring_bytes_per_layer`); all-gather ``(c-1) * kvb`` forward (again if recomputed),
 ``(c-1) * kvb`` reduce-scattered backward.
+
+Document masking (``model.attention_mask=block_causal``): every rank holds the whole token batch,
+so it computes the document ids of the whole sequence (``segments`` (b, s),
+:func:`jaxpar.ops.attention.document_ids`) and takes those of its queries and of each exchanged
+key/value block by their positions; nothing more travels.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxpar.compat import vary, vma_union
+from jaxpar.errors import ConfigError
 from jaxpar.ops import attention as attn
 
 _F32 = jnp.float32
@@ -88,18 +94,26 @@ def causal_attention(
     axis: str | None = None,
     exchange: str = "ring",
     noise=None,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """A layer's causal attention as the layout runs it: ``implementation`` (resolved:
     ``dot_product`` | ``blockwise`` | ``cudnn``, :func:`jaxpar.ops.attention.resolve_attention`) on
     this rank's tokens at ``positions``; with a context ``axis``, the ``exchange`` over it
     (:func:`ring_attention` or :func:`all_gather_attention`, both blockwise). ``noise``: attention
     dropout (:class:`jaxpar.ops.dropout.AttentionNoise`; keyed by global positions, so every
-    exchange draws the mask a single device draws)."""
+    exchange draws the mask a single device draws). ``segments`` (b, s): the document ids of the
+    whole sequence (None: causal over the whole sequence)."""
     extra = {} if noise is None else {"noise": noise}
     if axis is not None:
         fn = ring_attention if exchange == "ring" else all_gather_attention
-        return fn(q, k, v, positions, axis, block_q=block, block_kv=block, **extra)
-    return attn.make_attention(implementation, block_q=block, block_kv=block, **extra)(q, k, v)
+        return fn(q, k, v, positions, axis, block_q=block, block_kv=block, segments=segments, **extra)
+    fn = attn.make_attention(implementation, block_q=block, block_kv=block, **extra)
+    if segments is None:
+        return fn(q, k, v)
+    if implementation == "cudnn":
+        raise ConfigError(attn.DOCUMENTS_CUDNN)
+    own = jnp.take(segments, positions, axis=1)
+    return fn(q, k, v, q_segments=own, kv_segments=own)
 
 
 # ----------------------------------------------------------------------------------- all-gather
@@ -115,14 +129,27 @@ def all_gather_attention(
     block_q: int,
     block_kv: int,
     noise=None,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal attention of this rank's queries over every rank's keys and values, gathered over ``axis``."""
+    """Causal attention of this rank's queries over every rank's keys and values, gathered over
+    ``axis``; ``segments`` (b, s): the whole sequence's document ids, or None."""
     c = lax.axis_size(axis)
     k_all = lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = lax.all_gather(v, axis, axis=1, tiled=True)
     kv_pos = jnp.asarray(all_positions(c, k.shape[1]))
+    docs = {}
+    if segments is not None:
+        docs = {"q_segments": jnp.take(segments, positions, axis=1), "kv_segments": jnp.take(segments, kv_pos, axis=1)}
     return attn.blockwise_attention(
-        q, k_all, v_all, block_q=block_q, block_kv=block_kv, q_positions=positions, kv_positions=kv_pos, noise=noise
+        q,
+        k_all,
+        v_all,
+        block_q=block_q,
+        block_kv=block_kv,
+        q_positions=positions,
+        kv_positions=kv_pos,
+        noise=noise,
+        **docs,
     )
 
 
@@ -137,19 +164,30 @@ def _send(xs: tuple[jax.Array, ...], axis: str, c: int) -> tuple[jax.Array, ...]
     return tuple(lax.ppermute(x, axis, _ring_perm(c)) for x in xs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, positions, axis, block_q, block_kv):
-    return _ring_fwd(q, k, v, positions, axis, block_q, block_kv)[0]
+def _hop_segments(segments, positions, kv_pos):
+    """(q, kv) document ids of one hop, from the whole sequence's ``segments`` (None: None)."""
+    if segments is None:
+        return None
+    return jnp.take(segments, positions, axis=1), jnp.take(segments, kv_pos, axis=1)
 
 
-def _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise=None):
+# ``segments``: None or the whole sequence's document ids (integers: no cotangent)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, positions, segments, axis, block_q, block_kv):
+    return _ring_fwd(q, k, v, positions, segments, axis, block_q, block_kv)[0]
+
+
+def _ring_fwd(q, k, v, positions, segments, axis, block_q, block_kv, noise=None):
     c = lax.axis_size(axis)
     me = lax.axis_index(axis)
     n_local = k.shape[1]
 
     def hop(j, kk, vv):  # partial attention over the block that started at rank (me - j) mod c
         kv_pos = chunk_positions((me - j) % c, c, n_local)
-        return attn.flash_forward(q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32, noise=noise)
+        segs = _hop_segments(segments, positions, kv_pos)
+        return attn.flash_forward(
+            q, kk, vv, positions, kv_pos, block_q, block_kv, True, out_dtype=_F32, noise=noise, segs=segs
+        )
 
     kk, vv = k, v
     out = lse = None
@@ -160,13 +198,13 @@ def _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise=None):
         out, lse = (o, l_o) if out is None else attn.merge_partials(out, lse, o, l_o)  # fp32 partials
         if j < c - 1:
             kk, vv = nk, nv
-    vma = vma_union(q, k, v, positions, out, lse, *jax.tree.leaves(noise))
+    vma = vma_union(q, k, v, positions, out, lse, *jax.tree.leaves(noise), *jax.tree.leaves(segments))
     out = vary(out.astype(q.dtype), vma)
-    return out, (q, k, v, positions, out, vary(lse, vma))
+    return out, (q, k, v, positions, segments, out, vary(lse, vma))
 
 
 def _ring_bwd(axis, block_q, block_kv, res, dout, noise=None):
-    q, k, v, positions, out, lse = res
+    q, k, v, positions, segments, out, lse = res
     c = lax.axis_size(axis)
     me = lax.axis_index(axis)
     n_local = k.shape[1]
@@ -179,13 +217,27 @@ def _ring_bwd(axis, block_q, block_kv, res, dout, noise=None):
             nk, nv = _send((kk, vv), axis, c)
         kv_pos = chunk_positions((me - j) % c, c, n_local)
         dq_j, dk_j, dv_j = attn.flash_backward(
-            q, kk, vv, positions, kv_pos, out, lse, dout, zero_lse, block_q, block_kv, True, out_dtype=_F32, noise=noise
+            q,
+            kk,
+            vv,
+            positions,
+            kv_pos,
+            out,
+            lse,
+            dout,
+            zero_lse,
+            block_q,
+            block_kv,
+            True,
+            out_dtype=_F32,
+            noise=noise,
+            segs=_hop_segments(segments, positions, kv_pos),
         )
         dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
         dk, dv = _send((dk, dv), axis, c)  # with their block: after c hops they are home
         if j < c - 1:
             kk, vv = nk, nv
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, jax.tree.map(lambda _: None, segments)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -193,20 +245,20 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # With attention dropout: the ring with the noise (integer arrays, no cotangent) as an argument; each
 # hop's kernel draws its blocks' masks from their global positions, forward and backward.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring_dropout(q, k, v, positions, noise, axis, block_q, block_kv):
-    return _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ring_dropout(q, k, v, positions, segments, noise, axis, block_q, block_kv):
+    return _ring_fwd(q, k, v, positions, segments, axis, block_q, block_kv, noise)[0]
 
 
-def _ring_dropout_fwd(q, k, v, positions, noise, axis, block_q, block_kv):
-    out, res = _ring_fwd(q, k, v, positions, axis, block_q, block_kv, noise)
+def _ring_dropout_fwd(q, k, v, positions, segments, noise, axis, block_q, block_kv):
+    out, res = _ring_fwd(q, k, v, positions, segments, axis, block_q, block_kv, noise)
     return out, (res, noise)
 
 
 def _ring_dropout_bwd(axis, block_q, block_kv, res, dout):
     res, noise = res
-    dq, dk, dv, _ = _ring_bwd(axis, block_q, block_kv, res, dout, noise)
-    return dq, dk, dv, None, jax.tree.map(lambda _: None, noise)
+    dq, dk, dv, _, segs = _ring_bwd(axis, block_q, block_kv, res, dout, noise)
+    return dq, dk, dv, None, segs, jax.tree.map(lambda _: None, noise)
 
 
 _ring_dropout.defvjp(_ring_dropout_fwd, _ring_dropout_bwd)
@@ -222,18 +274,33 @@ def ring_attention(
     block_q: int,
     block_kv: int,
     noise=None,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ring attention over ``axis``: this rank's queries ``q`` (b, n, heads, d) at
     ``positions`` (n,) (:func:`rank_positions`) against every rank's keys and values, passed around
     the ring; exact (fp32 merge of the partial results) and never holding more than two ranks'
-    keys and values. ``noise``: attention dropout (:class:`jaxpar.ops.dropout.AttentionNoise`)."""
+    keys and values. ``noise``: attention dropout (:class:`jaxpar.ops.dropout.AttentionNoise`);
+    ``segments`` (b, s): the whole sequence's document ids, or None."""
     if lax.axis_size(axis) == 1:
+        docs = {}
+        if segments is not None:
+            own = jnp.take(segments, positions, axis=1)
+            docs = {"q_segments": own, "kv_segments": own}
         return attn.blockwise_attention(
-            q, k, v, block_q=block_q, block_kv=block_kv, q_positions=positions, kv_positions=positions, noise=noise
+            q,
+            k,
+            v,
+            block_q=block_q,
+            block_kv=block_kv,
+            q_positions=positions,
+            kv_positions=positions,
+            noise=noise,
+            **docs,
         )
+    bq, bk = min(block_q, q.shape[1]), min(block_kv, k.shape[1])
     if noise is not None:
-        return _ring_dropout(q, k, v, positions, noise, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))
-    return _ring(q, k, v, positions, axis, min(block_q, q.shape[1]), min(block_kv, k.shape[1]))
+        return _ring_dropout(q, k, v, positions, segments, noise, axis, bq, bk)
+    return _ring(q, k, v, positions, segments, axis, bq, bk)
 
 
 def ring_bytes_per_layer(kv_block_bytes: float, c: int, grad_itemsize_ratio: float = 1.0) -> tuple[float, float]:

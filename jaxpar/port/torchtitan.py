@@ -36,8 +36,7 @@ LLAMA3_FLAVORS = {
     "70B": (8192, 80, 64, 8, 1.3, 4096, 128256),
     "405B": (16384, 126, 128, 8, 1.2, 4096, 128256),
 }
-# flavors with attn_mask_type="block_causal": attention stops at document boundaries; jaxpar's is causal
-# over the whole sequence
+# flavors with attn_mask_type="block_causal": attention stops at document boundaries (model.attention_mask)
 LLAMA3_BLOCK_CAUSAL = ("debugmodel_flex_attn", "debugmodel_varlen_attn", "8B_flex", "8B_varlen")
 LLAMA3_ROPE_SCALING = {
     "model.rope_scaling": "llama3",
@@ -93,6 +92,15 @@ QWEN3_FLAVORS = {
 DEEPSEEK_V3_FLAVORS = {
     "16B": (102400, 2048, 10944, 1408, 27, 1, 16, 64, 2, 6, "softmax", False, 1.0, 1, 1, 0, 512, 128, 64, 128),
     "671B": (129280, 7168, 18432, 2048, 61, 3, 128, 256, 1, 8, "sigmoid", True, 2.5, 8, 4, 1536, 512, 128, 64, 128),
+}
+# block_causal ends each document at tokenizer.eos_id (get_document_mask_mod in torchtitan/models/attention.py at
+# 238fa99), the EOS of the tokenizer under model.hf_assets_path, which jaxpar does not read: the EOS ids
+# of the tokenizers torchtitan's own TOMLs name there (each repository's config.json eos_token_id, the id
+# of its tokenizer_config.json eos_token), by the path's last component
+EOS_IDS = {
+    "deepseek-moe-16b-base": 100001,  # deepseek-ai/deepseek-moe-16b-base (deepseek_v3_16b.toml)
+    "DeepSeek-V3.1-Base": 1,  # deepseek-ai/DeepSeek-V3.1-Base (deepseek_v3_671b.toml)
+    "Llama-3.1-8B": 128001,  # meta-llama/Llama-3.1-8B (llama3_8b.toml), <|end_of_text|>
 }
 DEEPSEEK_V3_ORIGINAL_SEQ = 4096  # original_seq_len: YaRN scales RoPE past it
 DEEPSEEK_V3_BALANCE = 1e-3  # MoEArgs.load_balance_coeff's default at 238fa99
@@ -652,7 +660,41 @@ def _flavors(name: str, old: bool) -> str:
     return ", ".join(table.get(name, {})) or "none"
 
 
-def _deepseek_v3(flavor: str, seq: int, values: dict, report: Report) -> None:
+def _block_causal(flavor: str, assets: str, values: dict, report: Report) -> None:
+    """A flavor with ``attn_mask_type="block_causal"``: ``model.attention_mask=block_causal`` with
+    the EOS id of the tokenizer ``assets`` (``model.hf_assets_path``) names (:data:`EOS_IDS`); an
+    unknown tokenizer is a model change that ``--set model.eos_token_id=`` resolves."""
+    values["model.attention_mask"] = "block_causal"
+    report.mapped(
+        "(attention mask)",
+        "block_causal",
+        "model.attention_mask",
+        f"flavor {flavor}: attention also stops at document boundaries (each document ends at the tokenizer's EOS)",
+    )
+    name = assets.rstrip("/").rsplit("/", 1)[-1]
+    if name in EOS_IDS:
+        values["model.eos_token_id"] = EOS_IDS[name]
+        report.mapped(
+            "(document separator)",
+            name,
+            "model.eos_token_id",
+            f"EOS id {EOS_IDS[name]} of the {name} tokenizer (its config.json eos_token_id), which torchtitan's "
+            "tokenizer.eos_id is; jaxpar does not read the tokenizer: another one needs --set model.eos_token_id=",
+        )
+        return
+    values["model.attention_mask"] = "causal"  # until the separator is given (or --approximate keeps it so)
+    report.model_change(
+        "(document separator)",
+        assets or "(no model.hf_assets_path)",
+        f"flavor {flavor} masks attention at document boundaries (attn_mask_type block_causal), which end at the "
+        "tokenizer's EOS id; jaxpar does not read the tokenizer and does not know this one's",
+        "give --set model.attention_mask=block_causal --set model.eos_token_id=<the tokenizer's EOS id>",
+        needs=("model.attention_mask", "model.eos_token_id"),
+        target="model.eos_token_id",
+    )
+
+
+def _deepseek_v3(flavor: str, seq: int, values: dict, report: Report, assets: str = "") -> None:
     """A DeepSeek-V3 flavor: ``model.name=deepseek_v3`` with the flavor's shape (:data:`DEEPSEEK_V3_FLAVORS`)."""
     (vocab, dim, inter, moe_inter, layers, dense, heads, experts, shared, top_k, score, norm, scale, groups,
      limited, q_lora, kv_lora, nope, rope, v) = DEEPSEEK_V3_FLAVORS[flavor]  # fmt: skip
@@ -710,13 +752,7 @@ def _deepseek_v3(flavor: str, seq: int, values: dict, report: Report) -> None:
             f"train at seq_len <= {DEEPSEEK_V3_ORIGINAL_SEQ}",
             target="model.rope_scaling",
         )
-    report.model_change(
-        "(attention mask)",
-        "block_causal",
-        f"flavor {flavor} masks attention at document boundaries (attn_mask_type block_causal); "
-        "jaxpar's attention is causal over the whole sequence",
-        target="model.attention",
-    )
+    _block_causal(flavor, assets, values, report)
 
 
 def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) -> None:
@@ -780,13 +816,7 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
             "--set model.rope_scaling=none",
         )
         if flavor in LLAMA3_BLOCK_CAUSAL:
-            report.model_change(
-                "(attention mask)",
-                "block_causal",
-                f"flavor {flavor} masks attention at document boundaries (attn_mask_type block_causal); "
-                "jaxpar's attention is causal over the whole sequence",
-                target="model.attention",
-            )
+            _block_causal(flavor, str(m.get("hf_assets_path", "")), values, report)
     elif name == "qwen3" and flavor in QWEN3_FLAVORS:
         dim, layers, heads, kv, hidden, tied = QWEN3_FLAVORS[flavor]
         vocab = 2048 if flavor == "debugmodel" else 151936
@@ -812,7 +842,7 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
         report.mapped("model.name", name, "model.name", "qwen3: LLaMA's block with QK-norm")
         report.mapped("model.flavor", flavor, "model.*", f"Qwen3 {flavor} (torchtitan's table); vocabulary {vocab}")
     elif name == "deepseek_v3" and flavor in DEEPSEEK_V3_FLAVORS:
-        _deepseek_v3(flavor, seq, values, report)
+        _deepseek_v3(flavor, seq, values, report, str(m.get("hf_assets_path", "")))
     elif name in MOE_FAMILIES:
         why = (
             f"a mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
@@ -859,7 +889,10 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
             if status == "unknown":
                 report.unknown(f"model.{key}", value, [f"model.{k}" for k in KNOWN["model"]], "torchtitan")
             else:
-                report.approximated(f"model.{key}", value, "", _NOOP + "asset/tokenizer location")
+                note = _NOOP + "asset/tokenizer location"
+                if key == "hf_assets_path" and values.get("model.attention_mask") == "block_causal":
+                    note += " (its tokenizer's EOS id: see (document separator))"
+                report.approximated(f"model.{key}", value, "", note)
 
 
 def _optim(o: dict, s: dict, t: dict, values: dict, report: Report) -> None:

@@ -425,8 +425,10 @@ class Trainer:
                     if not np.isfinite(last["loss"]):
                         self.echo(f"step {last['step']}: loss is {last['loss']}")
                     if cfg.train.log_every and last["step"] % cfg.train.log_every == 0 and not self.show_progress:
+                        dropped = f", {last['moe_dropped']:.2%} of choices dropped" if "moe_dropped" in last else ""
                         self.echo(
                             f"step {last['step']}: loss {last['loss']:.4f} {LOSS_UNIT} {last['tokens_per_s']:.0f} tok/s"
+                            + dropped
                         )
                 if self._inflight is not None:
                     continue  # not a sync step: no checkpoint, evaluation or stop is due after it

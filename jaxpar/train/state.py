@@ -120,6 +120,7 @@ class Setup:
                 cfg.model.head_dim,
                 compute_dtype=cfg.model.compute_dtype,
                 attention_dropout=cfg.model.attention_dropout,
+                attention_mask=cfg.model.attention_mask,
             )
         )
         self.builder = StepBuilder(

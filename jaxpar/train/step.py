@@ -46,7 +46,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis, batch_axes, data_group
+from jaxpar.axes import MeshAxis, batch_axes, data_group, group_axes
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
@@ -96,6 +96,23 @@ class StepBuilder:
         off, the step traces no dropout at all."""
         return self.model_cfg.get("dropout", 0.0) > 0 or self.model_cfg.get("attention_dropout", 0.0) > 0
 
+    @property
+    def moe(self) -> bool:
+        """Whether the model routes tokens to experts: the step then reports ``moe_dropped``."""
+        return self.model_cfg.get("num_experts", 0) > 0
+
+    @property
+    def drops_tokens(self) -> bool:
+        """MoE with capacity dropping (``model.moe_capacity_factor > 0``)."""
+        return self.moe and self.model_cfg.get("moe_capacity_factor", 0.0) > 0
+
+    @property
+    def counts_drops(self) -> bool:
+        """Whether the step counts the choices capacity dropped (:func:`jaxpar.models.moe.count_drops`):
+        with capacity dropping, off the pipeline (whose ticks differentiate the parameters only:
+        there ``moe_dropped`` is NaN)."""
+        return self.drops_tokens and self.pipeline is None
+
     @functools.cached_property
     def model(self) -> Model:
         """The model family of ``model_cfg`` (:func:`jaxpar.models.get_model`)."""
@@ -139,9 +156,10 @@ class StepBuilder:
     # ------------------------------------------------------------------ step
     def local_grads(
         self, params: Any, batch: jax.Array, guard: jax.Array, step: jax.Array | None = None
-    ) -> tuple[Any, jax.Array, jax.Array]:
+    ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
         """This shard's reduced, clipped gradients (laid out like the optimizer state), the loss
-        (+ ``guard[1]``) and the global gradient norm (before clipping). ``step`` (the optimizer
+        (+ ``guard[1]``), the global gradient norm (before clipping) and the step's MoE choices
+        ``(dropped, routed)`` (zeros without dropping, NaN where not counted). ``step`` (the optimizer
         count; with dropout only) keys the dropout masks: each sequence's global row travels with
         the batch as one more column (:func:`jaxpar.ops.dropout.append_rows`)."""
         ctx = self.context()
@@ -156,8 +174,17 @@ class StepBuilder:
         # Differentiate with respect to the varying copy: its gradient is the local, unreduced one.
         local_params = zero.vary_replicated(self.placements, params, over_pipeline=self.pipeline is not None)
 
-        def micro_grads(tokens):
-            return jax.value_and_grad(lambda p: self.model.loss_sum(p, tokens, ctx) * scale)(local_params)
+        def micro_grads(tokens):  # (loss, grads, (dropped, routed) choices)
+            if not self.counts_drops:
+                loss, g = jax.value_and_grad(lambda p: self.model.loss_sum(p, tokens, ctx) * scale)(local_params)
+                return loss, g, jnp.zeros((2,), jnp.float32)
+
+            def loss_fn(p, probe):
+                return self.model.loss_sum(p, tokens, dataclasses.replace(ctx, moe_probe=probe)) * scale
+
+            probe = vary(jnp.zeros((2,), jnp.float32), frozenset(group_axes(ctx.data_axis)))
+            loss, (g, drops) = jax.value_and_grad(loss_fn, argnums=(0, 1))(local_params, probe)
+            return loss, g, drops
 
         if self.pipeline is not None:  # the schedule accumulates over microbatches
             scatter = None
@@ -167,10 +194,11 @@ class StepBuilder:
                 dims = zero.map_placements(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.placements)
                 scatter = (dims, self._reduce_dtype())
             loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale, scatter)
+            drops = jnp.full((2,), jnp.nan if self.drops_tokens else 0.0, jnp.float32)
             if layout.shards_gradients:
                 grads = self._reduce(grads, scatter=True, prescattered=True)
         elif self.microbatches == 1:
-            loss, grads = micro_grads(batch[0])
+            loss, grads, drops = micro_grads(batch[0])
             if layout.shards_gradients:
                 grads = self._reduce(grads, scatter=True)
         else:
@@ -179,21 +207,21 @@ class StepBuilder:
             # the second microbatch's collectives no longer depend on the first's layer scans:
             # XLA:CPU may then run them concurrently (jaxpar.analysis.collective_order).
             def reduced_grads(tokens):
-                micro_loss, g = micro_grads(tokens)
-                return micro_loss, (self._reduce(g, scatter=True) if layout.shards_gradients else g)
+                micro_loss, g, d = micro_grads(tokens)
+                return micro_loss, (self._reduce(g, scatter=True) if layout.shards_gradients else g), d
 
             def accumulate(carry, tokens):
-                acc_loss, acc = carry
-                micro_loss, g = reduced_grads(tokens)
-                return (acc_loss + micro_loss, jax.tree.map(jnp.add, acc, g)), None
+                return jax.tree.map(jnp.add, carry, reduced_grads(tokens)), None
 
             zeros = jax.tree.map(
                 lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)), jax.eval_shape(reduced_grads, batch[0])
             )
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
+            (loss, grads, drops), _ = jax.lax.scan(accumulate, zeros, batch)
         if not layout.shards_gradients:  # one reduction per step: reduce-scatter where the optimizer is sharded
             grads = self._reduce(grads, scatter=layout.shards_optimizer)
         grads, loss = loss_scale_lib.unscale(grads, jax.lax.psum(loss, ctx.data_axis), guard)
+        if self.counts_drops:  # this shard's counts: one sum over the batch's shards per step
+            drops = jax.lax.psum(drops, ctx.data_axis)
         loss = loss + guard[1]
 
         # aux-loss-free balancing: the expert bias's entry is its load statistic, not a gradient
@@ -202,7 +230,15 @@ class StepBuilder:
         if clip > 0:  # optax.clip_by_global_norm semantics
             factor = jnp.where(grad_norm < clip, 1.0, clip / grad_norm)
             grads = jax.tree.map(lambda g: g * factor, grads)
-        return grads, loss, grad_norm
+        return grads, loss, grad_norm, drops
+
+    def _drop_metrics(self, drops: jax.Array) -> dict[str, jax.Array]:
+        """MoE models: ``moe_dropped``, the share of the step's routed (token, expert) choices that
+        capacity dropped (0 dropless), and ``moe_dropped_choices``, their count over all layers and
+        microbatches; nothing for a dense model."""
+        if not self.moe:
+            return {}
+        return {"moe_dropped": jnp.where(drops[1] > 0, drops[0] / drops[1], drops[0]), "moe_dropped_choices": drops[0]}
 
     def _ok(self, loss: jax.Array, grad_norm: jax.Array, guard: jax.Array) -> jax.Array:
         if not self.skip_bad_steps:  # measuring what the skip costs (tests/test_optim.py)
@@ -215,7 +251,7 @@ class StepBuilder:
         the gradient norm is not finite or the loss exceeds max_loss; loss_offset is added to the
         reported loss (0 in training; NaN injects a bad step for fault drills)."""
         step, guard = opt_state["count"], loss_scale_lib.with_scale(guard, opt_state)
-        grads, loss, grad_norm = self.local_grads(params, batch, guard, *((step,) if self.dropout else ()))
+        grads, loss, grad_norm, drops = self.local_grads(params, batch, guard, *((step,) if self.dropout else ()))
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
         grads, balance = moe.take_balance(grads, self.model.stacked)
@@ -225,6 +261,7 @@ class StepBuilder:
         new_params, new_state = adamw.update(self.optim_cfg, self.placements, params, grads, opt_state, lr, ok)
         new_params = moe.apply_balance(new_params, balance, self.model.stacked, self._bias_rate, ok)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
+        metrics |= self._drop_metrics(drops)
         return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
 
     def global_step(self, params: Any, opt_state: Any, batch: jax.Array, guard: jax.Array) -> tuple[Any, Any, dict]:
@@ -238,11 +275,11 @@ class StepBuilder:
         grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.placements, is_leaf=is_placement)
         step, guard = opt_state["count"], loss_scale_lib.with_scale(guard, opt_state)
         keyed = (step,) if self.dropout else ()  # the step keys the dropout masks
-        grads, loss, grad_norm = jax.shard_map(
+        grads, loss, grad_norm, drops = jax.shard_map(
             self.local_grads,
             mesh=self.mesh,
             in_specs=(self.param_specs(), batch_spec(self.mesh), P(), *((P(),) * len(keyed))),
-            out_specs=(grad_specs, P(), P()),
+            out_specs=(grad_specs, P(), P(), P()),
         )(params, batch, guard, *keyed)
         lr = self.schedule(step)
         ok = self._ok(loss, grad_norm, guard)
@@ -259,6 +296,7 @@ class StepBuilder:
             tx_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), tx_state, opt_state["tx"])
         new_state = {"count": jnp.where(ok, step + 1, step), "tx": tx_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
+        metrics |= self._drop_metrics(drops)
         return new_params, *loss_scale_lib.advance(self.loss_scale, opt_state, new_state, metrics, grad_norm)
 
     @property
