@@ -669,7 +669,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     stays live. Beside the two copies, the larger of:
 
     - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
-      the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.executor._chunk`),
+      the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.ticks.chunk_layers`),
       pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the attention's
       :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays of the microbatch (buffer assignment of
       tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator copies, the layer's sliced
