@@ -105,9 +105,16 @@ def split_loss_and_grads(
         kept = [jnp.zeros(a.shape, a.dtype) for a in box["layer"].kept_avals]
         _, ws = _layer_pullback(layer, layer_of(ch, j), x, j, kept, x)
         box["front"] = ws.frontier_avals
+        reads = [r for r, k in zip(ws.weight_reads(), box["layer"].kept, strict=False) if k]
+        box["places"] = stash_lib.pack(box["front"], box["layer"].kept_avals, [not r for r in reads])
         return jnp.zeros(())
 
     jax.eval_shape(trace, ticks.tick_typed(jnp.int32(0)), zeros_act(), ticks.tick_typed(batch[0]))
+    # B writes the frontier into the layer residuals only B read (the same stash slot, kept until W):
+    # a microbatch's slot holds its F state, then its W state, and no frontier buffer beside it takes
+    # stage p-1's W delay on top of stage 0's in-flight stashes; what does not fit waits in front slots
+    places = box["places"]
+    rest = [a for a, place in zip(box["front"], places, strict=True) if place is None]
     kept_avals = (
         [("embed", a) for a in box["embed"].kept_avals]
         + [("layer", a) for a in box["layer"].kept_avals]
@@ -121,7 +128,7 @@ def split_loss_and_grads(
         return [ticks.zeros(stacked(part, a), a.dtype, varying_axes(a)) for part, a in kept_avals]
 
     def front_zeros():
-        return [ticks.zeros((n, *a.shape), a.dtype, varying_axes(a)) for a in box["front"]]
+        return [ticks.zeros((n, *a.shape), a.dtype, varying_axes(a)) for a in rest]
 
     def groups(values):  # kept values as (embed, layer, head) lists
         counts = [len(box[k].kept_avals) for k in ("embed", "layer", "head")]
@@ -183,11 +190,17 @@ def split_loss_and_grads(
                 **jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), ticks.split_params(acc)[0], d_shared),
                 "blocks": acc["blocks"],
             }
-            return zeros_act(), d_x, kept_zeros(), front, acc, loss
+            l_kept = stash_lib.put(l_kept, front, places)
+            rest = [f for f, place in zip(front, places, strict=True) if place is None]
+            return zeros_act(), d_x, [*e_kept, *l_kept, *h_kept], rest, acc, loss
 
         def weight(acc, loss):
             _, l_kept, _ = groups(read(stash_bufs, row["stash_read"]))
-            front = read(front_bufs, row["front_read"])
+            rest = iter(read(front_bufs, row["front_read"]))
+            front = [
+                next(rest) if place is None else stash_lib.take(l_kept, place, a)
+                for a, place in zip(box["front"], places, strict=True)
+            ]
             x, row0 = zeros_act(), chunk * n
 
             def body(acc_blocks, xs):
@@ -237,7 +250,7 @@ def split_loss_and_grads(
         ticks.zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
         ticks.zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
         [ticks.zeros((prog.stash_slots, *stacked(part, a)), a.dtype, varying_axes(a)) for part, a in kept_avals],
-        [ticks.zeros((prog.front_slots, n, *a.shape), a.dtype, varying_axes(a)) for a in box["front"]],
+        [ticks.zeros((prog.front_slots, n, *a.shape), a.dtype, varying_axes(a)) for a in rest],
     )
     carry = (bufs, jax.tree.map(acc_zeros, params, dims), ticks.zeros((), jnp.float32, loss_axes))
     xs = {"per_stage": prog.per_stage, **prog.pattern}

@@ -60,6 +60,12 @@ class Split:
     def frontier_avals(self) -> list[Any]:
         return [v.aval for v in self.frontier]
 
+    def weight_reads(self) -> list[bool]:
+        """For each flat argument: whether W reads it (else only B does, or nothing)."""
+        used = {id(a) for e in self.w_eqns for a in e.ins}
+        used |= {id(o) for o, b in zip(self.outputs, self.is_input_grad, strict=True) if not b}
+        return [id(v) in used for v in self.inputs]
+
 
 def _flatten(jaxpr: Any, consts: Sequence[Any], args: list[Any], eqns: list[_Eqn], bound: dict[int, Any]) -> list:
     env: dict[Any, Any] = {}
