@@ -49,12 +49,24 @@ def _split_parts(
     return embed, layer, head
 
 
-def _layer_pullback(layer_fn: Callable, lay: dict, x: jax.Array, j: jax.Array, kept: list, g: jax.Array):
-    """(flat residuals, weight-split plan, flat arguments) of one layer's pullback rebuilt from its
-    kept residuals: what B and W both run a part of (:mod:`~jaxpar.parallel.pipeline.weight_split`)."""
+def _layer_pullback(
+    layer_fn: Callable,
+    lay: dict,
+    x: jax.Array,
+    j: jax.Array,
+    kept: list,
+    g: jax.Array,
+    known: tuple[stash_lib.Split, weight_split.Split | None] | None = None,
+) -> tuple[list, weight_split.Split]:
+    """(flat residuals, weight-split plan) of one layer's pullback rebuilt from its kept residuals:
+    what B and W both run a part of (:mod:`~jaxpar.parallel.pipeline.weight_split`). ``known``: the
+    residual split and weight-split plan of the setup trace (:func:`split_loss_and_grads`); the
+    plan is reused when its constants are plain values, traced again otherwise."""
     fn = functools.partial(lambda j, lay, x: layer_fn(lay, x, j), j)
-    plan = stash_lib.split(fn, (lay, x), (1,))
+    plan = stash_lib.split(fn, (lay, x), (1,), kept=known[0].kept if known else None)
     leaves = jax.tree.leaves(stash_lib.pullback((lay, x), kept, plan))
+    if known and known[1] is not None:
+        return leaves, known[1]
     n_params = len(jax.tree.leaves(lay))
 
     def pull(leaves, g):
@@ -102,9 +114,11 @@ def split_loss_and_grads(
             functools.partial(lambda j, lay, x: layer(lay, x, j), j), (layer_of(ch, j), x), (1,)
         )
         box["head"] = stash_lib.split(head, (shared, x), (1,))
-        kept = [jnp.zeros(a.shape, a.dtype) for a in box["layer"].kept_avals]
-        _, ws = _layer_pullback(layer, layer_of(ch, j), x, j, kept, x)
+        kept = [ticks.zeros(a.shape, a.dtype, varying_axes(a)) for a in box["layer"].kept_avals]
+        _, ws = _layer_pullback(layer, layer_of(ch, j), x, j, kept, x, (box["layer"], None))
         box["front"] = ws.frontier_avals
+        # B and W run parts of this plan: traced once, unless its constants are values of this trace
+        box["ws"] = None if any(isinstance(c, jax.core.Tracer) for c in ws.bound.values()) else ws
         reads = [r for r, k in zip(ws.weight_reads(), box["layer"].kept, strict=False) if k]
         box["places"] = stash_lib.pack(box["front"], box["layer"].kept_avals, [not r for r in reads])
         return jnp.zeros(())
@@ -113,7 +127,7 @@ def split_loss_and_grads(
     # B writes the frontier into the layer residuals only B read (the same stash slot, kept until W):
     # a microbatch's slot holds its F state, then its W state, and no frontier buffer beside it takes
     # stage p-1's W delay on top of stage 0's in-flight stashes; what does not fit waits in front slots
-    places = box["places"]
+    places, known = box["places"], (box["layer"], box["ws"])
     rest = [a for a, place in zip(box["front"], places, strict=True) if place is None]
     kept_avals = (
         [("embed", a) for a in box["embed"].kept_avals]
@@ -168,20 +182,20 @@ def split_loss_and_grads(
         def backward(acc, loss):
             e_kept, l_kept, h_kept = groups(read(stash_bufs, row["stash_read"]))
             x = zeros_act()  # a placeholder of the right type: the pullbacks read only kept values
-            h_plan = stash_lib.split(head, (shared, x), (1,))
+            h_plan = stash_lib.split(head, (shared, x), (1,), kept=box["head"].kept)
             d_head, d_y = stash_lib.pullback((shared, x), h_kept, h_plan)(ticks.zeros((), jnp.float32, loss_axes) + 1)
             g_in = jax.lax.dynamic_index_in_dim(grad_buf, row["grad_read"], 0, False)
             g = vary(d_y + jnp.where(last, jnp.zeros_like(g_in), g_in), act_axes)
 
             def body(g, xs):
                 lay, j, kept = xs
-                leaves, ws = _layer_pullback(layer, lay, x, j, kept, g)
+                leaves, ws = _layer_pullback(layer, lay, x, j, kept, g, known)
                 (d_x,), front = weight_split.run_input_grad(ws, [*leaves, g])
                 return vary(d_x, act_axes), front
 
             idx = jnp.arange(n, dtype=jnp.int32)
             g, front = jax.lax.scan(body, g, (ch, idx, l_kept), reverse=True)
-            e_plan = stash_lib.split(embed, (shared, x), (1,))
+            e_plan = stash_lib.split(embed, (shared, x), (1,), kept=box["embed"].kept)
             d_embed, d_x = stash_lib.pullback((shared, x), e_kept, e_plan)(g)
             d_shared = ticks.scatter_shared(
                 jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last, ctx.data_axis
@@ -205,7 +219,7 @@ def split_loss_and_grads(
 
             def body(acc_blocks, xs):
                 lay, j, kept, fr = xs
-                leaves, ws = _layer_pullback(layer, lay, x, j, kept, x)
+                leaves, ws = _layer_pullback(layer, lay, x, j, kept, x, known)
                 d_lay = jax.tree.unflatten(jax.tree.structure(lay), weight_split.run_weight_grad(ws, leaves, fr))
 
                 def add(a, dw, dim):

@@ -46,9 +46,10 @@ class Split:
         return sum(a.size * a.dtype.itemsize for a in self.kept_avals)
 
 
-def split(fn: Callable, args: Sequence[Any], data: Sequence[int]) -> Split:
+def split(fn: Callable, args: Sequence[Any], data: Sequence[int], kept: Sequence[bool] | None = None) -> Split:
     """Trace ``jax.vjp(fn, *args)`` and split its residual leaves into those depending on the
-    arguments at positions ``data`` (kept) and the others (recomputed)."""
+    arguments at positions ``data`` (kept) and the others (recomputed). ``kept``: the split of an
+    earlier trace of the same function (the same structure), not searched again."""
     box: dict[str, Any] = {}
 
     def leaves(*a: Any) -> list[jax.Array]:
@@ -57,16 +58,14 @@ def split(fn: Callable, args: Sequence[Any], data: Sequence[int]) -> Split:
         return out
 
     closed = jax.make_jaxpr(leaves)(*args)
+    if kept is not None:
+        return Split(box["treedef"], tuple(kept), closed, dce_jaxpr(closed.jaxpr, [not k for k in kept]))
     flat_in = [len(jax.tree.leaves(a)) for a in args]
     starts = [sum(flat_in[:i]) for i in range(len(args))]
     data_vars = {id(v) for i in data for v in closed.jaxpr.invars[starts[i] : starts[i] + flat_in[i]]}
     n = len(closed.jaxpr.outvars)
-    kept = []
-    for i in range(n):
-        pruned = dce_jaxpr(closed.jaxpr, [j == i for j in range(n)])
-        kept.append(bool(_inputs_used(pruned) & data_vars))
-    recompute = dce_jaxpr(closed.jaxpr, [not k for k in kept])
-    return Split(box["treedef"], tuple(kept), closed, recompute)
+    found = [bool(_inputs_used(dce_jaxpr(closed.jaxpr, [j == i for j in range(n)])) & data_vars) for i in range(n)]
+    return Split(box["treedef"], tuple(found), closed, dce_jaxpr(closed.jaxpr, [not k for k in found]))
 
 
 def _inputs_used(jaxpr: Any) -> set[int]:

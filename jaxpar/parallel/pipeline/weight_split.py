@@ -9,8 +9,10 @@ values B computes that W reads (the *frontier*) are returned by B and handed to 
 runs exactly once across the two; an equation JAX does not open (a loop, a rematerialised call)
 that feeds the input gradient runs whole in B.
 
-The same pullback traced in the B tick and in the W tick gives the same flattened equations in the
-same order, so the frontier is matched by position.
+The zero-bubble executor (:mod:`~jaxpar.parallel.pipeline.split_executor`) traces the split once,
+typed as inside a tick, and runs its B part in the B tick and its W part in the W tick; only a
+pullback whose constants are values of that trace is traced again in each (the same flattened
+equations in the same order, so the frontier is matched by position).
 """
 
 from __future__ import annotations
