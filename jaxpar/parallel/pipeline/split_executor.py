@@ -118,8 +118,9 @@ def split_loss_and_grads(
         _, ws = _layer_pullback(layer, layer_of(ch, j), x, j, kept, x, (box["layer"], None))
         box["front"] = ws.frontier_avals
         # B and W run parts of this plan: traced once, unless its constants are values of this trace
-        box["ws"] = None if any(isinstance(c, jax.core.Tracer) for c in ws.bound.values()) else ws
-        reads = [r for r, k in zip(ws.weight_reads(), box["layer"].kept, strict=False) if k]
+        box["ws"] = None if any(isinstance(val, jax.core.Tracer) for val in ws.bound.values()) else ws
+        leaf_reads = ws.weight_reads()[: len(box["layer"].kept)]  # the residual leaves, then the cotangent
+        reads = [r for r, k in zip(leaf_reads, box["layer"].kept, strict=True) if k]
         box["places"] = stash_lib.pack(box["front"], box["layer"].kept_avals, [not r for r in reads])
         return jnp.zeros(())
 
