@@ -226,3 +226,20 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
         dropped,
     )
     assert on.expected_temp_bytes - off.expected_temp_bytes == pytest.approx(want)
+
+
+ZB_PAIRS = {"p2_m4": ("pp2_zbh1", "pp2_1f1b_none")} | ({"p4_m8": ("pp4_m8_zbh1", "pp4_m8_1f1b")} if SLOW else {})
+ZB_LAYOUTS = DEFAULT | {
+    "pp4_m8_zbh1": _lay(data=2, pipeline=4, microbatches=8, schedule="zb-h1"),
+    "pp4_m8_1f1b": _lay(data=2, pipeline=4, microbatches=8),
+}
+
+
+@pytest.mark.parametrize("pair", list(ZB_PAIRS))
+def test_zb_h1_temporaries_within_a_tenth_of_1f1b(pair):
+    """ZB-H1 at 1F1B's activation memory (Qi et al. 2024): the compiled temporaries at most 1.1x
+    1F1B's at the same p and m (B writes W's frontier into its stash slot, in place of residuals
+    only B read: was 1.197 at p=2, m=4 and 1.277 at p=4, m=8 with a frontier buffer of its own)."""
+    zb, one = (_memory(n, ZB_LAYOUTS[n]) for n in ZB_PAIRS[pair])
+    print(f"\n  {pair}: zb-h1 {zb.temp_bytes / 2**20:.2f} MiB / 1f1b {one.temp_bytes / 2**20:.2f} MiB")
+    assert zb.temp_bytes <= 1.1 * one.temp_bytes

@@ -674,3 +674,30 @@ def test_zb_v_runs_each_matmul_once():
 def test_zb_v_needs_two_chunks():
     with pytest.raises(ConfigError, match="virtual_stages=2"):
         make_setup(small_config(*layout("zb-v", 2, 4), "--config.pipeline.virtual_stages=4"))
+
+
+def test_frontier_packs_into_residuals_only_b_read():
+    """stash.pack: first fit by decreasing size into usable bins of the same dtype, with room; what
+    fits nowhere is None; put then take gives each item back and leaves the rest of its bin."""
+    from jaxpar.parallel.pipeline import stash
+
+    f32, bf16 = np.float32, jax.numpy.bfloat16
+    bins = [jax.ShapeDtypeStruct((4, 8), f32), jax.ShapeDtypeStruct((16,), f32), jax.ShapeDtypeStruct((64,), bf16)]
+    items = [
+        jax.ShapeDtypeStruct((2, 4), f32),  # 8
+        jax.ShapeDtypeStruct((20,), f32),  # 20: only the first bin has room
+        jax.ShapeDtypeStruct((4, 4), bf16),
+        jax.ShapeDtypeStruct((8,), np.int32),  # no int32 bin
+    ]
+    places = stash.pack(items, bins, [True, True, True])
+    assert places == [(0, 20), (0, 0), (2, 0), None]
+    assert stash.pack(items, bins, [False, True, False]) == [(1, 0), None, None, None]
+    rng = np.random.default_rng(0)
+    bin_values = [jax.numpy.asarray(rng.normal(size=(3, *b.shape)), b.dtype) for b in bins]  # 3 layers stacked
+    item_values = [jax.numpy.asarray(rng.normal(size=(3, *a.shape)), a.dtype) for a in items]
+    out = stash.put(bin_values, item_values, places)
+    for a, value, place in zip(items, item_values, places):
+        if place is not None:
+            np.testing.assert_array_equal(stash.take(out, place, a), value)
+    np.testing.assert_array_equal(out[1], bin_values[1])  # nothing placed there
+    np.testing.assert_array_equal(out[0].reshape(3, -1)[:, 28:], bin_values[0].reshape(3, -1)[:, 28:])

@@ -622,9 +622,14 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # one more set, the forward tick's residuals leaving its switch before they are written
         # into their slot (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B m=4)
         slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h + (prog[2] + 1) * residual * keep
-        if splits_backward(layout.schedule):  # B's frontier for W: each weight matmul's output gradient
-            # (q, k, v, W_o's and the MLP's), per layer and microbatch in flight between B and W
-            slots += (prog[3] + 1) * chunk * frontier_bytes(model, layout)
+        if splits_backward(layout.schedule):  # B's frontier for W (each weight matmul's output gradient),
+            # per layer and microbatch in flight between B and W: only what does not fit in the stash slot's
+            # residuals that B alone read (jaxpar.parallel.pipeline.split_executor; none for a llama block)
+            slots += (prog[3] + 1) * chunk * frontier_unpacked_bytes(model, layout)
+            # F runs the loss head on the last virtual stage and every stage's slot keeps the head's residuals
+            # (SPMD: one shape; buffer assignment of tiny zb-v data=2 x tensor=2 x pipeline=2 m=4: four
+            # f32[4, b, s, h]-sized stash buffers, the logits and the final norm's three)
+            slots += prog[2] * head_residual_bytes(model, layout)
         working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
         if by_layer:  # the microbatch's gradient at the chunk's output and its input gradient, assembled
             # sequence by sequence: two (b, s, h) arrays of the whole microbatch beside the one sequence's
@@ -661,6 +666,16 @@ def frontier_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     return d.e * d.b * d.s * (d.q + 2 * d.k + 4 * d.h + f)
 
 
+def frontier_unpacked_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What of :func:`frontier_bytes` needs slots of its own: B writes the frontier into the
+    compute-dtype residuals of its stash slot that W does not read
+    (:func:`jaxpar.parallel.pipeline.stash.pack`), e*b*s*(q + 2k + 5f) for SwiGLU (q and k after
+    RoPE, v, and the MLP's residuals but W_down's input; GeLU 3f), counted as one pool."""
+    d = Dims.of(model, layout)
+    b_only = d.e * d.b * d.s * (d.q + 2 * d.k + (5 if model.mlp_activation == "swiglu" else 3) * d.f)
+    return max(0.0, frontier_bytes(model, layout) - b_only)
+
+
 def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: float) -> float:
     """1F1B / interleaved (:func:`jaxpar.parallel.pipeline.executor._explicit_loss_and_grads`): the
     backward tick holds the gradient accumulator (``acc`` bytes, the scan's carry) *twice*. The
@@ -669,7 +684,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     stays live. Beside the two copies, the larger of:
 
     - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
-      the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.executor._chunk`),
+      the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.ticks.chunk_layers`),
       pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the attention's
       :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays of the microbatch (buffer assignment of
       tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator copies, the layer's sliced
@@ -707,8 +722,15 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     # h/2 rows); the embedding / head table is saved whole
     shard = layout.data * layout.context if layout.zero_stage == 3 else 1
     weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
-    head = F32 * d.b * d.s * d.v + (2 * d.e + F32) * d.b * d.s * d.h
+    head = head_residual_bytes(model, layout)
     return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
+
+
+def head_residual_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What the loss head keeps for its backward, per microbatch: the fp32 logits 4*b*s*V/t, the
+    final norm's input and output and its fp32 normalised input (2e + 4)*b*s*h."""
+    d = Dims.of(model, layout)
+    return F32 * d.b * d.s * d.v + (2 * d.e + F32) * d.b * d.s * d.h
 
 
 _PROGRAMS: dict[tuple, tuple[int, int, int, int]] = {}

@@ -60,27 +60,15 @@ forward and the same backward.
 * ``gpipe`` (:func:`_gpipe_loss_and_grads`): the forward ticks are a scan differentiated by JAX,
   whose transpose is the backward half of the table (reverse order, gradients permuted back); the
   residuals of all m microbatches stay alive, as in GPipe without recomputation.
+* ``zb-h1`` / ``zb-v`` (:mod:`~jaxpar.parallel.pipeline.split_executor`): F, B and W are separate
+  actions; the helpers every executor's ticks share are in :mod:`~jaxpar.parallel.pipeline.ticks`.
 
 **Evaluation** (:func:`eval_loss_sum`) runs a forward-only table
 (:func:`build_eval_schedule`): the rows of a data shard split into microbatches that flow
 through the stages at once, the last virtual stage adding the loss.
 """
 
-from jaxpar.parallel.pipeline.executor import (
-    AXIS,
-    SCOPE_BACKWARD,
-    SCOPE_ENDS,
-    SCOPE_FIRST,
-    SCOPE_FORWARD,
-    SCOPE_KEPT,
-    SCOPE_LAST,
-    SCOPE_SEND,
-    SCOPE_WEIGHT,
-    SCOPE_WORK,
-    Pipeline,
-    eval_loss_sum,
-    eval_microbatches,
-)
+from jaxpar.parallel.pipeline.executor import Pipeline, eval_loss_sum, eval_microbatches
 from jaxpar.parallel.pipeline.forms import (
     ENDS,
     has_ends,
@@ -112,6 +100,18 @@ from jaxpar.parallel.pipeline.schedule import (
     splits_backward,
     v_shaped,
     virtual_stage,
+)
+from jaxpar.parallel.pipeline.ticks import (
+    AXIS,
+    SCOPE_BACKWARD,
+    SCOPE_ENDS,
+    SCOPE_FIRST,
+    SCOPE_FORWARD,
+    SCOPE_KEPT,
+    SCOPE_LAST,
+    SCOPE_SEND,
+    SCOPE_WEIGHT,
+    SCOPE_WORK,
 )
 
 __all__ = [

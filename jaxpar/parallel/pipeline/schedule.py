@@ -424,8 +424,8 @@ def compile_program(table: ScheduleTable, stash: bool = False) -> Program:
                 arr["act_read"][t, d] = act[i, k] if k > 0 and not stashed else n_act
                 if stashed:
                     arr["stash_read"][t, d] = kept[i, k]
-                if split:
-                    arr["front_write"][t, d] = front[i, k]
+                if split:  # B rewrites its slot: the frontier in place of residuals only B read
+                    arr["stash_write"][t, d], arr["front_write"][t, d] = kept[i, k], front[i, k]
                 dst = device_of(table.schedule, p, k - 1)
                 if k > 0 and dst == d:
                     arr["grad_self"][t, d] = grad[i, k - 1]

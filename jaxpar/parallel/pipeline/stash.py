@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from jaxpar.compat import dce_jaxpr
+from jaxpar.compat import dce_jaxpr, varying_axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,9 +46,10 @@ class Split:
         return sum(a.size * a.dtype.itemsize for a in self.kept_avals)
 
 
-def split(fn: Callable, args: Sequence[Any], data: Sequence[int]) -> Split:
+def split(fn: Callable, args: Sequence[Any], data: Sequence[int], kept: Sequence[bool] | None = None) -> Split:
     """Trace ``jax.vjp(fn, *args)`` and split its residual leaves into those depending on the
-    arguments at positions ``data`` (kept) and the others (recomputed)."""
+    arguments at positions ``data`` (kept) and the others (recomputed). ``kept``: the split of an
+    earlier trace of the same function (the same structure), not searched again."""
     box: dict[str, Any] = {}
 
     def leaves(*a: Any) -> list[jax.Array]:
@@ -57,16 +58,14 @@ def split(fn: Callable, args: Sequence[Any], data: Sequence[int]) -> Split:
         return out
 
     closed = jax.make_jaxpr(leaves)(*args)
+    if kept is not None:
+        return Split(box["treedef"], tuple(kept), closed, dce_jaxpr(closed.jaxpr, [not k for k in kept]))
     flat_in = [len(jax.tree.leaves(a)) for a in args]
     starts = [sum(flat_in[:i]) for i in range(len(args))]
     data_vars = {id(v) for i in data for v in closed.jaxpr.invars[starts[i] : starts[i] + flat_in[i]]}
     n = len(closed.jaxpr.outvars)
-    kept = []
-    for i in range(n):
-        pruned = dce_jaxpr(closed.jaxpr, [j == i for j in range(n)])
-        kept.append(bool(_inputs_used(pruned) & data_vars))
-    recompute = dce_jaxpr(closed.jaxpr, [not k for k in kept])
-    return Split(box["treedef"], tuple(kept), closed, recompute)
+    found = [bool(_inputs_used(dce_jaxpr(closed.jaxpr, [j == i for j in range(n)])) & data_vars) for i in range(n)]
+    return Split(box["treedef"], tuple(found), closed, dce_jaxpr(closed.jaxpr, [not k for k in found]))
 
 
 def _inputs_used(jaxpr: Any) -> set[int]:
@@ -90,3 +89,37 @@ def pullback(args: Sequence[Any], kept: Sequence[jax.Array], plan: Split) -> Cal
     stored = iter(kept)
     leaves = [next(stored) if k else next(others) for k in plan.kept]
     return jax.tree.unflatten(plan.treedef, leaves)
+
+
+def pack(items: Sequence[Any], bins: Sequence[Any], usable: Sequence[bool]) -> list[tuple[int, int] | None]:
+    """Where each of ``items`` (abstract values) can wait inside a kept residual that is no longer
+    read (``bins[k]`` with ``usable[k]``): (bin, element offset), first fit by decreasing size, or
+    None. An item fits a bin of its dtype and varying mesh axes with room for its elements, so a
+    value needed later can take the place of one needed no more in the same stash slot."""
+    room = [b.size if u else 0 for b, u in zip(bins, usable, strict=True)]
+    places: list[tuple[int, int] | None] = [None] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -items[i].size):
+        a = items[i]
+        for k, b in enumerate(bins):
+            if room[k] >= a.size and b.dtype == a.dtype and varying_axes(b) == varying_axes(a):
+                places[i], room[k] = (k, b.size - room[k]), room[k] - a.size
+                break
+    return places
+
+
+def put(bins: Sequence[jax.Array], items: Sequence[jax.Array], places: Sequence[Any]) -> list[jax.Array]:
+    """``bins`` with each placed item written at its offset (all stacked over a leading dim)."""
+    out = list(bins)
+    for item, place in zip(items, places, strict=True):
+        if place is not None:
+            k, off = place
+            flat = out[k].reshape(out[k].shape[0], -1).at[:, off : off + item[0].size].set(item.reshape(len(item), -1))
+            out[k] = flat.reshape(out[k].shape)
+    return out
+
+
+def take(bins: Sequence[jax.Array], place: tuple[int, int], aval: Any) -> jax.Array:
+    """The item of shape ``aval.shape`` (per leading index) placed at ``place`` by :func:`put`."""
+    k, off = place
+    flat = bins[k].reshape(bins[k].shape[0], -1)
+    return flat[:, off : off + aval.size].reshape(bins[k].shape[0], *aval.shape)

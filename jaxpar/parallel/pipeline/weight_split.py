@@ -9,8 +9,10 @@ values B computes that W reads (the *frontier*) are returned by B and handed to 
 runs exactly once across the two; an equation JAX does not open (a loop, a rematerialised call)
 that feeds the input gradient runs whole in B.
 
-The same pullback traced in the B tick and in the W tick gives the same flattened equations in the
-same order, so the frontier is matched by position.
+The zero-bubble executor (:mod:`~jaxpar.parallel.pipeline.split_executor`) traces the split once,
+typed as inside a tick, and runs its B part in the B tick and its W part in the W tick; only a
+pullback whose constants are values of that trace is traced again in each (the same flattened
+equations in the same order, so the frontier is matched by position).
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ class Split:
     @property
     def frontier_avals(self) -> list[Any]:
         return [v.aval for v in self.frontier]
+
+    def weight_reads(self) -> list[bool]:
+        """For each flat argument: whether W reads it (else only B does, or nothing)."""
+        used = {id(a) for e in self.w_eqns for a in e.ins}
+        used |= {id(o) for o, b in zip(self.outputs, self.is_input_grad, strict=True) if not b}
+        return [id(v) in used for v in self.inputs]
 
 
 def _flatten(jaxpr: Any, consts: Sequence[Any], args: list[Any], eqns: list[_Eqn], bound: dict[int, Any]) -> list:
