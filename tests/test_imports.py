@@ -206,3 +206,16 @@ def test_no_module_uses_another_modules_private_name():
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     uses = [use for name, path in sorted(files.items()) for use in _private_uses(path, name, set(files))]
     assert not uses, "private names used outside their module (make them public or move them):\n" + "\n".join(uses)
+
+
+def test_the_command_line_does_not_import_jax_at_load():
+    """``jaxpar port`` and the parsers never need JAX, and the simulated device count is set before JAX
+    starts: importing the command line loads neither JAX nor optax (the executors, the optimizer
+    registry and the sharding rules that use them are imported where they run)."""
+    import subprocess
+    import sys
+
+    code = "import sys, jaxpar.cli; print(sorted(m for m in ('jax', 'optax', 'flax') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

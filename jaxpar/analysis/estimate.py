@@ -46,7 +46,6 @@ from jaxpar.models.inventory import (  # noqa: F401 - re-exported: the estimates
 from jaxpar.models.inventory import (
     held_elements as _held_elements,
 )
-from jaxpar.optim import registry
 
 LOGITS_BYTES = 8  # per logit on the last stage: bf16 logits + fp32 log-softmax kept + bf16 gradient
 
@@ -112,7 +111,12 @@ def model_states(
     zero = _held_elements(model, layout, stage, True, every_stage=True)
     pb = DTYPE_BYTES[model.param_dtype]
     # optimizer state per parameter: jaxpar.optim.registry's formula (None: AdamW's mu + nu)
-    per_param = 2.0 if optim is None else registry.state_elements_ratio(optim, model)
+    if optim is None:
+        per_param = 2.0
+    else:  # the optimizer registry builds optax transforms: imported here, not with the planner
+        from jaxpar.optim import registry
+
+        per_param = registry.state_elements_ratio(optim, model)
     return ModelStates(
         pb * (zero if layout.shards_parameters else full),
         pb * (zero if layout.shards_gradients else full),

@@ -68,17 +68,8 @@ forward and the same backward.
 through the stages at once, the last virtual stage adding the loss.
 """
 
-from jaxpar.parallel.pipeline.executor import Pipeline, eval_loss_sum, eval_microbatches
-from jaxpar.parallel.pipeline.forms import (
-    ENDS,
-    has_ends,
-    layer_order,
-    model_index,
-    stage_form_logical_axes,
-    stored_order,
-    to_model_form,
-    to_stage_form,
-)
+import importlib
+
 from jaxpar.parallel.pipeline.schedule import (
     BACKWARD,
     FORWARD,
@@ -101,18 +92,51 @@ from jaxpar.parallel.pipeline.schedule import (
     v_shaped,
     virtual_stage,
 )
-from jaxpar.parallel.pipeline.ticks import (
-    AXIS,
-    SCOPE_BACKWARD,
-    SCOPE_ENDS,
-    SCOPE_FIRST,
-    SCOPE_FORWARD,
-    SCOPE_KEPT,
-    SCOPE_LAST,
-    SCOPE_SEND,
-    SCOPE_WEIGHT,
-    SCOPE_WORK,
-)
+
+# The executors, stage forms and tick helpers run JAX: imported on first use, so that the planner and
+# the command line, which read only the schedule tables above, do not start by importing JAX.
+_LAZY = {
+    "Pipeline": "executor",
+    "eval_loss_sum": "executor",
+    "eval_microbatches": "executor",
+    **dict.fromkeys(
+        (
+            "ENDS",
+            "has_ends",
+            "layer_order",
+            "model_index",
+            "stage_form_logical_axes",
+            "stored_order",
+            "to_model_form",
+            "to_stage_form",
+        ),
+        "forms",
+    ),
+    **dict.fromkeys(
+        (
+            "AXIS",
+            "SCOPE_BACKWARD",
+            "SCOPE_ENDS",
+            "SCOPE_FIRST",
+            "SCOPE_FORWARD",
+            "SCOPE_KEPT",
+            "SCOPE_LAST",
+            "SCOPE_SEND",
+            "SCOPE_WEIGHT",
+            "SCOPE_WORK",
+        ),
+        "ticks",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AXIS",
