@@ -351,7 +351,8 @@ UNSUPPORTED = {
 MODEL_FLAGS = {
     "--embed-layernorm": "a layer norm after the embedding (BLOOM); jaxpar's models have none",
     "--squared-relu": "a squared-ReLU MLP; jaxpar's MLPs are SwiGLU or GeLU",
-    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's llama and gpt blocks have none",
+    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's is an RMSNorm in the dense "
+    "qwen3 block only (--normalization RMSNorm, --swiglu, RoPE, no --num-experts)",
     "--add-qkv-bias": "biases on the query/key/value projections; jaxpar's linear layers have none",
     "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA: low-rank compressed queries, keys "
     "and values); jaxpar's attention is multi-head / grouped-query",
@@ -411,6 +412,11 @@ OTHER_SCRIPTS = {
     "pretrain_vision_inpaint.py": "a vision transformer (inpainting)",
 }
 LM_SCRIPTS = ("pretrain_gpt.py", "finetune_gpt.py")  # finetune_gpt.py: examples/detxoify_lm, GPT fine-tuning
+# Pai-Megatron-Patch's examples/qwen3/pretrain_qwen.py (alibaba/Pai-Megatron-Patch at 7a91081): Megatron's GPTModel
+# from core_transformer_config_from_args, as pretrain_gpt.py; with --dataset MMAP and --train-mode pretrain
+# (megatron_patch/data, template/helper.py) its batches come from Megatron's GPTDataset and its loss is the
+# next-token cross entropy averaged over the loss mask's tokens, as pretrain_gpt.py's. Flags its parser adds:
+PAI_SCRIPTS = {"pretrain_qwen.py": ("Qwen3Tokenizer", "MMAP", "pretrain")}
 KNOWN = (*NOOP, *UNSUPPORTED, *MODEL_FLAGS, *MODEL_PARTS)  # plus every flag the mapping code reads (_Args.known)
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
 
@@ -429,6 +435,7 @@ class _Args:
         self.reported: set[str] = set()
         self.known: set[str] = set()  # flags the mapping code reads or reports
         self.unresolved: dict[str, list[str]] = {}
+        self.pai = False  # Pai-Megatron-Patch's pretrain_qwen.py, ported as pretrain_gpt.py (_pai_script)
 
     def has(self, name: str) -> bool:
         return name in self.flags
@@ -524,8 +531,9 @@ def port_megatron(
     a = _Args(flags, shell, report)
     values: dict[str, Any] = {}
     script = shell.script or ""
-    if script and script not in LM_SCRIPTS:
-        what = OTHER_SCRIPTS.get(script, "a model other than a decoder-only language model")
+    pai = _pai_script(a, script) if script in PAI_SCRIPTS else None
+    if script and script not in LM_SCRIPTS and pai != "":
+        what = pai or OTHER_SCRIPTS.get(script, "a model other than a decoder-only language model")
         report.model_change(
             "(training script)",
             script,
@@ -545,13 +553,9 @@ def port_megatron(
     _optim(a, values, sizes)
     _misc(a, values)
     _observability(a, values)
-    if a.unresolved and not allow_unresolved:
-        names = ", ".join(
-            f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
-            for v, fs in a.unresolved.items()
-        )
-        raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
+    _check_resolved(a, shell, allow_unresolved)
     _layout(a, values, sizes, layers)
+    _check_resolved(a, shell, allow_unresolved)  # a flag of the layout followed by an unset variable's marker
     a.finish()
     unused = [n for n in (variables or {}) if n not in shell.read and n not in SIZE_VARIABLES]
     if unused:
@@ -561,6 +565,33 @@ def port_megatron(
     return build_config(values, report), report
 
 
+def _check_resolved(a: _Args, shell: Shell, allow_unresolved: bool) -> None:
+    if a.unresolved and not allow_unresolved:
+        names = ", ".join(
+            f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
+            for v, fs in a.unresolved.items()
+        )
+        raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
+
+
+def _pai_script(a: _Args, script: str) -> str:
+    """The empty string where Pai-Megatron-Patch's ``script`` ports as ``pretrain_gpt.py`` (:data:`PAI_SCRIPTS`), else
+    what it trains instead."""
+    want = PAI_SCRIPTS[script]
+    got = tuple(a.get(n, str, d, soft=True) for n, d in zip(PAI_FLAGS, (None, None, "pretrain")))
+    if got != want:
+        shown = " ".join(f"{n} {v}" for n, v in zip(PAI_FLAGS, want))
+        given = ", ".join(f"{n} {g}" for n, g in zip(PAI_FLAGS, got))
+        return f"Pai-Megatron-Patch's model, ported as Megatron's GPT only with {shown} (given: {given})"
+    a.pai = True
+    a.note("--patch-tokenizer-type", "mapped", "model.vocab_size", "Pai's Qwen3 tokenizer (see --padded-vocab-size)")
+    a.note("--dataset", "mapped", "data.path", "Megatron's GPTDataset over --data-path, as pretrain_gpt.py")
+    a.note("--train-mode", "mapped", "", "next-token loss averaged over the loss mask's tokens, as pretrain_gpt.py")
+    a.note("--max-padding-length", "approximated", "", _NOOP + "read only by Pai's JSON-SFT dataset, not by MMAP")
+    return ""
+
+
+PAI_FLAGS = ("--patch-tokenizer-type", "--dataset", "--train-mode")
 # variables the world size is read from even when no expansion names them (see _sizes)
 SIZE_VARIABLES = ("WORLD_SIZE", "NNODES", "NUM_NODES", "N_NODES", "GPUS_PER_NODE")
 
@@ -1055,6 +1086,11 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
             "Megatron adds a bias to every linear layer unless --disable-bias-linear; jaxpar's linear layers have none",
         )
     a.note("--apply-layernorm-1p", "approximated", "model.norm", "same function class: jaxpar stores the scale itself")
+    qk = a.has("--qk-layernorm") and not _off("--qk-layernorm", show(" ".join(a.flags["--qk-layernorm"])).strip())
+    block = (values["model.norm"], values["model.mlp_activation"], values["model.position"])
+    if qk and block == ("rmsnorm", "swiglu", "rope") and not a.get("--num-experts", int, 0, soft=True):
+        values.update({"model.qk_norm": True, "model.name": "qwen3"})  # Megatron: TENorm of kv-channels, before RoPE
+        a.note("--qk-layernorm", "mapped", "model.qk_norm, model.name", "RMSNorm of each query and key head: qwen3")
     _vocab(a, values)
     return layers
 
@@ -1063,6 +1099,11 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
     tp = a.get("--tensor-model-parallel-size", int, 1) or 1
     multiple = a.get("--make-vocab-size-divisible-by", int, 128) * tp
     tokenizer = a.get("--tokenizer-type", str, soft=True)
+    if a.pai and a.get("--padded-vocab-size", int):  # Pai's Qwen3Tokenizer reports it as its size, unpadded
+        values["model.vocab_size"] = a.get("--padded-vocab-size", int)
+        a.note("--padded-vocab-size", "mapped", "model.vocab_size", "Pai's Qwen3Tokenizer: its vocabulary size")
+        a.note("--extra-vocab-size", "approximated", "", _NOOP + "Qwen3Tokenizer ignores it given --padded-vocab-size")
+        return
     if a.get("--pad-vocab-size-to", int):
         values["model.vocab_size"] = a.get("--pad-vocab-size-to", int)
         a.note("--pad-vocab-size-to", "mapped", "model.vocab_size")
