@@ -112,11 +112,32 @@ QWEN_BLOCK = (
 )
 
 
-def test_qk_layernorm_in_the_qwen3_block_maps_and_elsewhere_is_a_model_change():
+def test_qk_layernorm_in_the_qwen3_blocks_maps_and_elsewhere_is_a_model_change():
     cfg, report = port_megatron(QWEN_BLOCK + "\n", approximate=False)
     assert (cfg.model.name, cfg.model.qk_norm) == ("qwen3", True) and not report.model_changes
-    with pytest.raises(ConfigError, match="--qk-layernorm = true: .*dense qwen3 block only"):
+    moe = QWEN_BLOCK + " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+    cfg, report = port_megatron(moe + "\n", approximate=False)
+    assert (cfg.model.name, cfg.model.qk_norm, cfg.model.num_experts) == ("qwen3_moe", True, 4)
+    with pytest.raises(ConfigError, match="--qk-layernorm = true: .*qwen3 and qwen3_moe blocks only"):
         port_megatron(QWEN_BLOCK.replace("--normalization RMSNorm", "") + "\n", approximate=False)
-    moe = QWEN_BLOCK + " --num-experts 4 --moe-router-topk 2\n"
-    with pytest.raises(ConfigError, match="--qk-layernorm = true: .*no --num-experts"):
-        port_megatron(moe, approximate=False)
+    shared = moe + " --moe-shared-expert-intermediate-size 64\n"
+    with pytest.raises(ConfigError, match="--qk-layernorm = true: .*no shared expert"):
+        port_megatron(shared, approximate=False)
+
+
+def test_pai_qwen3_moe_a3b_ports_with_its_first_stage_split(tmp_path):
+    """MODEL_SIZE=A3B (Qwen3-30B-A3B: 48 layers, 128 experts of 768, top 8, aux loss 0.001) with
+    MP_PP0_LAYERS=9: (48 - 9) % 3 = 0, so 9 layers on the first stage and 13 on each other."""
+    args = _with(_with(ROW["args"], "2", "A3B"), "MP_PP0_LAYERS", "9")
+    out = tmp_path / "a3b.py"
+    code, _, err = _port("megatron", str(CORPUS / FILE), *args, "-o", str(out))
+    assert code == 0, err
+    cfg = load_config(str(out))
+    assert (cfg.model.name, cfg.model.qk_norm, cfg.model.num_experts, cfg.model.experts_per_token) == (
+        "qwen3_moe",
+        True,
+        128,
+        8,
+    )
+    assert (cfg.model.mlp_dim, cfg.model.num_kv_heads, cfg.model.moe_aux_loss_coeff) == (768, 4, 0.001)
+    assert ParallelLayout.from_config(cfg).stage_layer_counts(48) == (9, 13, 13, 13)

@@ -351,8 +351,8 @@ UNSUPPORTED = {
 MODEL_FLAGS = {
     "--embed-layernorm": "a layer norm after the embedding (BLOOM); jaxpar's models have none",
     "--squared-relu": "a squared-ReLU MLP; jaxpar's MLPs are SwiGLU or GeLU",
-    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's is an RMSNorm in the dense "
-    "qwen3 block only (--normalization RMSNorm, --swiglu, RoPE, no --num-experts)",
+    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's is an RMSNorm in the qwen3 "
+    "and qwen3_moe blocks only (--normalization RMSNorm, --swiglu, RoPE; experts: softmax router, no shared expert)",
     "--add-qkv-bias": "biases on the query/key/value projections; jaxpar's linear layers have none",
     "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA: low-rank compressed queries, keys "
     "and values); jaxpar's attention is multi-head / grouped-query",
@@ -1088,9 +1088,13 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
     a.note("--apply-layernorm-1p", "approximated", "model.norm", "same function class: jaxpar stores the scale itself")
     qk = a.has("--qk-layernorm") and not _off("--qk-layernorm", show(" ".join(a.flags["--qk-layernorm"])).strip())
     block = (values["model.norm"], values["model.mlp_activation"], values["model.position"])
-    if qk and block == ("rmsnorm", "swiglu", "rope") and not a.get("--num-experts", int, 0, soft=True):
-        values.update({"model.qk_norm": True, "model.name": "qwen3"})  # Megatron: TENorm of kv-channels, before RoPE
-        a.note("--qk-layernorm", "mapped", "model.qk_norm, model.name", "RMSNorm of each query and key head: qwen3")
+    experts = a.get("--num-experts", str, "0", soft=True) not in ("0", "None")  # "8 16": _moe refuses it
+    router = a.get("--moe-router-score-function", str, "softmax", soft=True) == "softmax"
+    qwen3_moe = router and not a.get("--moe-shared-expert-intermediate-size", int, 0, soft=True)
+    if qk and block == ("rmsnorm", "swiglu", "rope") and (not experts or qwen3_moe):
+        name = "qwen3_moe" if experts else "qwen3"  # Megatron: TENorm over kv-channels, before RoPE
+        values.update({"model.qk_norm": True, "model.name": name})
+        a.note("--qk-layernorm", "mapped", "model.qk_norm, model.name", f"RMSNorm of each query and key head: {name}")
     _vocab(a, values)
     return layers
 
@@ -1283,7 +1287,9 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
         a.report.model_change(flag, show(" ".join(a.flags.get(flag, []))) or True, refusal)
     values["model.num_experts"] = experts
     values["model.name"] = (
-        "mixtral"
+        "qwen3_moe"  # _model checked the router (softmax, no shared expert)
+        if values.get("model.qk_norm")
+        else "mixtral"
         if values.get("model.router_score", "softmax") == "softmax"
         and values.get("model.router_norm_topk", True)
         and (values["model.norm"], values["model.position"]) == ("rmsnorm", "rope")
