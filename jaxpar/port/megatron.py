@@ -415,7 +415,9 @@ LM_SCRIPTS = ("pretrain_gpt.py", "finetune_gpt.py")  # finetune_gpt.py: examples
 # Pai-Megatron-Patch's examples/qwen3/pretrain_qwen.py (alibaba/Pai-Megatron-Patch at 7a91081): Megatron's GPTModel
 # from core_transformer_config_from_args, as pretrain_gpt.py; with --dataset MMAP and --train-mode pretrain
 # (megatron_patch/data, template/helper.py) its batches come from Megatron's GPTDataset and its loss is the
-# next-token cross entropy averaged over the loss mask's tokens, as pretrain_gpt.py's. Flags its parser adds:
+# next-token cross entropy averaged over the loss mask's tokens, as pretrain_gpt.py's. Script -> the values of
+# PAI_FLAGS (flags megatron_patch/arguments.py adds) that make it so.
+PAI_FLAGS = ("--patch-tokenizer-type", "--dataset", "--train-mode")
 PAI_SCRIPTS = {"pretrain_qwen.py": ("Qwen3Tokenizer", "MMAP", "pretrain")}
 KNOWN = (*NOOP, *UNSUPPORTED, *MODEL_FLAGS, *MODEL_PARTS)  # plus every flag the mapping code reads (_Args.known)
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
@@ -591,7 +593,6 @@ def _pai_script(a: _Args, script: str) -> str:
     return ""
 
 
-PAI_FLAGS = ("--patch-tokenizer-type", "--dataset", "--train-mode")
 # variables the world size is read from even when no expansion names them (see _sizes)
 SIZE_VARIABLES = ("WORLD_SIZE", "NNODES", "NUM_NODES", "N_NODES", "GPUS_PER_NODE")
 
@@ -1103,7 +1104,9 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
     tp = a.get("--tensor-model-parallel-size", int, 1) or 1
     multiple = a.get("--make-vocab-size-divisible-by", int, 128) * tp
     tokenizer = a.get("--tokenizer-type", str, soft=True)
-    if a.pai and a.get("--padded-vocab-size", int):  # Pai's Qwen3Tokenizer reports it as its size, unpadded
+    # Pai's Qwen3Tokenizer reports --padded-vocab-size as its size, and Megatron-LM (6a6cd47, Pai's 250624
+    # backend: build_tokenizer) pads only when it is not given
+    if a.pai and a.get("--padded-vocab-size", int):
         values["model.vocab_size"] = a.get("--padded-vocab-size", int)
         a.note("--padded-vocab-size", "mapped", "model.vocab_size", "Pai's Qwen3Tokenizer: its vocabulary size")
         a.note("--extra-vocab-size", "approximated", "", _NOOP + "Qwen3Tokenizer ignores it given --padded-vocab-size")
