@@ -351,7 +351,8 @@ UNSUPPORTED = {
 MODEL_FLAGS = {
     "--embed-layernorm": "a layer norm after the embedding (BLOOM); jaxpar's models have none",
     "--squared-relu": "a squared-ReLU MLP; jaxpar's MLPs are SwiGLU or GeLU",
-    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's llama and gpt blocks have none",
+    "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's is an RMSNorm in the qwen3 "
+    "and qwen3_moe blocks only (--normalization RMSNorm, --swiglu, RoPE; experts: softmax router, no shared expert)",
     "--add-qkv-bias": "biases on the query/key/value projections; jaxpar's linear layers have none",
     "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA: low-rank compressed queries, keys "
     "and values); jaxpar's attention is multi-head / grouped-query",
@@ -411,6 +412,13 @@ OTHER_SCRIPTS = {
     "pretrain_vision_inpaint.py": "a vision transformer (inpainting)",
 }
 LM_SCRIPTS = ("pretrain_gpt.py", "finetune_gpt.py")  # finetune_gpt.py: examples/detxoify_lm, GPT fine-tuning
+# Pai-Megatron-Patch's examples/qwen3/pretrain_qwen.py (alibaba/Pai-Megatron-Patch at 7a91081): Megatron's GPTModel
+# from core_transformer_config_from_args, as pretrain_gpt.py; with --dataset MMAP and --train-mode pretrain
+# (megatron_patch/data, template/helper.py) its batches come from Megatron's GPTDataset and its loss is the
+# next-token cross entropy averaged over the loss mask's tokens, as pretrain_gpt.py's. Script -> the values of
+# PAI_FLAGS (flags megatron_patch/arguments.py adds) that make it so.
+PAI_FLAGS = ("--patch-tokenizer-type", "--dataset", "--train-mode")
+PAI_SCRIPTS = {"pretrain_qwen.py": ("Qwen3Tokenizer", "MMAP", "pretrain")}
 KNOWN = (*NOOP, *UNSUPPORTED, *MODEL_FLAGS, *MODEL_PARTS)  # plus every flag the mapping code reads (_Args.known)
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
 
@@ -429,6 +437,7 @@ class _Args:
         self.reported: set[str] = set()
         self.known: set[str] = set()  # flags the mapping code reads or reports
         self.unresolved: dict[str, list[str]] = {}
+        self.pai = False  # Pai-Megatron-Patch's pretrain_qwen.py, ported as pretrain_gpt.py (_pai_script)
 
     def has(self, name: str) -> bool:
         return name in self.flags
@@ -524,8 +533,9 @@ def port_megatron(
     a = _Args(flags, shell, report)
     values: dict[str, Any] = {}
     script = shell.script or ""
-    if script and script not in LM_SCRIPTS:
-        what = OTHER_SCRIPTS.get(script, "a model other than a decoder-only language model")
+    pai = _pai_script(a, script) if script in PAI_SCRIPTS else None
+    if script and script not in LM_SCRIPTS and pai != "":
+        what = pai or OTHER_SCRIPTS.get(script, "a model other than a decoder-only language model")
         report.model_change(
             "(training script)",
             script,
@@ -545,13 +555,9 @@ def port_megatron(
     _optim(a, values, sizes)
     _misc(a, values)
     _observability(a, values)
-    if a.unresolved and not allow_unresolved:
-        names = ", ".join(
-            f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
-            for v, fs in a.unresolved.items()
-        )
-        raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
+    _check_resolved(a, shell, allow_unresolved)
     _layout(a, values, sizes, layers)
+    _check_resolved(a, shell, allow_unresolved)  # a flag of the layout followed by an unset variable's marker
     a.finish()
     unused = [n for n in (variables or {}) if n not in shell.read and n not in SIZE_VARIABLES]
     if unused:
@@ -559,6 +565,32 @@ def port_megatron(
             f"megatron: --var {unused[0]}: the recipe never uses ${unused[0]}; check the name (case matters) or drop it"
         )
     return build_config(values, report), report
+
+
+def _check_resolved(a: _Args, shell: Shell, allow_unresolved: bool) -> None:
+    if a.unresolved and not allow_unresolved:
+        names = ", ".join(
+            f"{v} ({shell.why.get(v, 'not set')}; used by {', '.join(dict.fromkeys(fs))})"
+            for v, fs in a.unresolved.items()
+        )
+        raise ConfigError(f"megatron: unresolved shell variables: {names}; pass --var NAME=VALUE for each")
+
+
+def _pai_script(a: _Args, script: str) -> str:
+    """The empty string where Pai-Megatron-Patch's ``script`` ports as ``pretrain_gpt.py`` (:data:`PAI_SCRIPTS`), else
+    what it trains instead."""
+    want = PAI_SCRIPTS[script]
+    got = tuple(a.get(n, str, d, soft=True) for n, d in zip(PAI_FLAGS, (None, None, "pretrain")))
+    if got != want:
+        shown = " ".join(f"{n} {v}" for n, v in zip(PAI_FLAGS, want))
+        given = ", ".join(f"{n} {g}" for n, g in zip(PAI_FLAGS, got))
+        return f"Pai-Megatron-Patch's model, ported as Megatron's GPT only with {shown} (given: {given})"
+    a.pai = True
+    a.note("--patch-tokenizer-type", "mapped", "model.vocab_size", "Pai's Qwen3 tokenizer (see --padded-vocab-size)")
+    a.note("--dataset", "mapped", "data.path", "Megatron's GPTDataset over --data-path, as pretrain_gpt.py")
+    a.note("--train-mode", "mapped", "", "next-token loss averaged over the loss mask's tokens, as pretrain_gpt.py")
+    a.note("--max-padding-length", "approximated", "", _NOOP + "read only by Pai's JSON-SFT dataset, not by MMAP")
+    return ""
 
 
 # variables the world size is read from even when no expansion names them (see _sizes)
@@ -1055,6 +1087,15 @@ def _model(a: _Args, values: dict[str, Any]) -> int:
             "Megatron adds a bias to every linear layer unless --disable-bias-linear; jaxpar's linear layers have none",
         )
     a.note("--apply-layernorm-1p", "approximated", "model.norm", "same function class: jaxpar stores the scale itself")
+    qk = a.has("--qk-layernorm") and not _off("--qk-layernorm", show(" ".join(a.flags["--qk-layernorm"])).strip())
+    block = (values["model.norm"], values["model.mlp_activation"], values["model.position"])
+    experts = a.get("--num-experts", str, "0", soft=True) not in ("0", "None")  # "8 16": _moe refuses it
+    router = a.get("--moe-router-score-function", str, "softmax", soft=True) == "softmax"
+    qwen3_moe = router and not a.get("--moe-shared-expert-intermediate-size", int, 0, soft=True)
+    if qk and block == ("rmsnorm", "swiglu", "rope") and (not experts or qwen3_moe):
+        name = "qwen3_moe" if experts else "qwen3"  # Megatron: TENorm over kv-channels, before RoPE
+        values.update({"model.qk_norm": True, "model.name": name})
+        a.note("--qk-layernorm", "mapped", "model.qk_norm, model.name", f"RMSNorm of each query and key head: {name}")
     _vocab(a, values)
     return layers
 
@@ -1063,6 +1104,13 @@ def _vocab(a: _Args, values: dict[str, Any]) -> None:
     tp = a.get("--tensor-model-parallel-size", int, 1) or 1
     multiple = a.get("--make-vocab-size-divisible-by", int, 128) * tp
     tokenizer = a.get("--tokenizer-type", str, soft=True)
+    # Pai's Qwen3Tokenizer reports --padded-vocab-size as its size, and Megatron-LM (6a6cd47, Pai's 250624
+    # backend: build_tokenizer) pads only when it is not given
+    if a.pai and a.get("--padded-vocab-size", int):
+        values["model.vocab_size"] = a.get("--padded-vocab-size", int)
+        a.note("--padded-vocab-size", "mapped", "model.vocab_size", "Pai's Qwen3Tokenizer: its vocabulary size")
+        a.note("--extra-vocab-size", "approximated", "", _NOOP + "Qwen3Tokenizer ignores it given --padded-vocab-size")
+        return
     if a.get("--pad-vocab-size-to", int):
         values["model.vocab_size"] = a.get("--pad-vocab-size-to", int)
         a.note("--pad-vocab-size-to", "mapped", "model.vocab_size")
@@ -1242,7 +1290,9 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
         a.report.model_change(flag, show(" ".join(a.flags.get(flag, []))) or True, refusal)
     values["model.num_experts"] = experts
     values["model.name"] = (
-        "mixtral"
+        "qwen3_moe"  # _model checked the router (softmax, no shared expert)
+        if values.get("model.qk_norm")
+        else "mixtral"
         if values.get("model.router_score", "softmax") == "softmax"
         and values.get("model.router_norm_topk", True)
         and (values["model.norm"], values["model.position"]) == ("rmsnorm", "rope")
