@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpar.cli import main
 from jaxpar.config import ConfigError, validate
 from jaxpar.port.megatron import port_megatron
 from tests.helpers import ROOT
@@ -138,3 +139,11 @@ def test_deepseek_v3_recipe_ports_with_the_671b_shape():
         "--moe-router-force-load-balancing",
         "--moe-router-load-balancing-type",
     ]
+
+
+def test_qwen3_moe_flavor_is_refused_for_its_routing_bias(capsys):
+    toml = ROOT / "tests" / "fixtures" / "recipes" / "corpus" / "torchtitan" / "qwen3_moe_debug.toml"
+    assert main(["port", "torchtitan", str(toml)]) == 2
+    err = capsys.readouterr().err
+    assert "per-expert routing bias (MoEArgs' load_balance_coeff 1e-3 at 238fa99, aux-loss-free), which " in err
+    assert "jaxpar's qwen3_moe lacks (jaxpar has that bias in deepseek_v3 only)" in err
