@@ -117,6 +117,12 @@ def test_dropout_is_a_model_change_of_deepseek_v3():
     assert cfg.model.dropout == 0.0
 
 
+def test_dense_mla_is_refused_for_its_dense_mlps():
+    _, report = port_megatron(BASE.replace("--num-experts 8 ", "") + "\n", approximate=True)
+    notes = {e.source: e.note for e in report.model_changes}
+    assert "jaxpar's MLA is in its deepseek_v3 family, whose MLPs are experts" in notes["--multi-latent-attention"]
+
+
 def test_mla_dims_must_be_given():
     with pytest.raises(ConfigError, match=r"--multi-latent-attention without --kv-lora-rank; give it"):
         port_megatron(BASE.replace("--kv-lora-rank 64 ", "") + "\n")
@@ -131,6 +137,8 @@ def test_deepseek_v3_recipe_ports_with_the_671b_shape():
     assert (m.q_lora_rank, m.kv_lora_rank, m.head_dim, m.v_head_dim) == (1536, 512, 192, 128)
     assert (m.num_experts, m.experts_per_token, m.router_groups, m.router_group_topk) == (256, 8, 8, 4)
     assert (m.router_scale, m.router_bias_rate) == (2.5, 1e-3)
+    cfg.model.vocab_size = 129280  # the tokenizer's, which the recipe leaves to the user
+    validate(cfg, num_devices=256)
     changes = [e.source for e in report.model_changes]
     assert changes == [
         "(vocabulary)",

@@ -354,8 +354,9 @@ MODEL_FLAGS = {
     "--squared-relu": "a squared-ReLU MLP; jaxpar's MLPs are SwiGLU or GeLU",
     "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's llama and gpt blocks have none",
     "--add-qkv-bias": "biases on the query/key/value projections; jaxpar's linear layers have none",
-    "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA: low-rank compressed queries, keys "
-    "and values); jaxpar's attention is multi-head / grouped-query",
+    "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA) in a dense model; jaxpar's MLA is "
+    "in its deepseek_v3 family, whose MLPs are experts (--num-experts > 1), and its dense families' attention is "
+    "multi-head / grouped-query",
     "--mtp-num-layers": "multi-token prediction (extra MTP layers and their loss); jaxpar predicts the next token",
     "--window-size": "sliding-window attention; jaxpar's attention sees the whole causal context",
     "--apply-residual-connection-post-layernorm": "residuals taken after the layer norm; jaxpar's blocks are pre-norm",
@@ -1580,7 +1581,8 @@ def _router(a: _Args, values: dict[str, Any], deepseek: bool, topk: int, score: 
     if scale not in (None, 1.0) and not deepseek:
         refusals.append(f"--moe-router-topk-scaling-factor {scale:g}: a route scale; {_ONLY_DEEPSEEK}")
     elif scale is not None:
-        values["model.router_scale"] = scale
+        if deepseek:
+            values["model.router_scale"] = scale
         a.note("--moe-router-topk-scaling-factor", "mapped", "model.router_scale", "the combine weights times it")
     groups = a.get("--moe-router-num-groups", int, None)
     group_topk = a.get("--moe-router-group-topk", int, None)
