@@ -1497,7 +1497,7 @@ def _layer_freq(a: _Args, values: dict[str, Any], deepseek: bool) -> list[str]:
         raise ConfigError(
             f"megatron: --moe-layer-freq {freq}: not an int or a list expression of 0/1 ([0]*3+[1]*58); fix it"
         )
-    if layers and len(pattern) != layers:
+    if layers and len(pattern) != layers and not freq.isdigit():
         raise ConfigError(
             f"megatron: --moe-layer-freq {freq} lists {len(pattern)} layers, --num-layers is {layers}; Megatron "
             "needs one entry per layer"
@@ -1529,7 +1529,8 @@ def _freq_pattern(freq: str, layers: int) -> list[int] | None:
     """The 0/1 per layer of a ``--moe-layer-freq`` value (None: not one Megatron reads)."""
     if freq.isdigit():
         n = int(freq)
-        return [int(i % n == 0) for i in range(layers)] if n else None
+        # an unresolved --num-layers: enough layers to tell all-MoE (1) from every n-th
+        return [int(i % n == 0) for i in range(layers or max(n, 2))] if n else None
     try:
         tree = ast.parse(freq, mode="eval").body
     except SyntaxError:
