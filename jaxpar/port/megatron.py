@@ -13,6 +13,7 @@ sample-based settings become fractional steps ``samples / GBS``.
 
 from __future__ import annotations
 
+import ast
 import math
 import pathlib
 import re
@@ -354,8 +355,9 @@ MODEL_FLAGS = {
     "--qk-layernorm": "queries and keys normalized per head (QK layer norm); jaxpar's is an RMSNorm in the qwen3 "
     "and qwen3_moe blocks only (--normalization RMSNorm, --swiglu, RoPE; experts: softmax router, no shared expert)",
     "--add-qkv-bias": "biases on the query/key/value projections; jaxpar's linear layers have none",
-    "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA: low-rank compressed queries, keys "
-    "and values); jaxpar's attention is multi-head / grouped-query",
+    "--multi-latent-attention": "multi-head latent attention (DeepSeek's MLA) in a dense model; jaxpar's MLA is "
+    "in its deepseek_v3 family, whose MLPs are experts (--num-experts > 1), and its dense families' attention is "
+    "multi-head / grouped-query",
     "--mtp-num-layers": "multi-token prediction (extra MTP layers and their loss); jaxpar predicts the next token",
     "--window-size": "sliding-window attention; jaxpar's attention sees the whole causal context",
     "--apply-residual-connection-post-layernorm": "residuals taken after the layer norm; jaxpar's blocks are pre-norm",
@@ -547,7 +549,12 @@ def port_megatron(
         if a.has("--encoder-num-layers") and not a.has("--num-layers"):
             a.flags["--num-layers"] = a.flags["--encoder-num-layers"]
     sizes = _sizes(a, shell, world_size)
+    mla = a.get("--multi-latent-attention", bool, False) and bool(_experts(a))
+    if mla:
+        a.note("--kv-channels", "approximated", "", _NOOP + "MLA's head dims are --qk-head-dim, --v-head-dim")
     layers = _model(a, values)
+    if mla:
+        _mla(a, values)
     _model_changes(a)
     sizes["ep"] = _moe(a, values, sizes, approximate is True)
     if approximate is False:
@@ -1166,10 +1173,8 @@ _DROPLESS = "jaxpar's MoE is dropless: every token reaches all of its k experts,
 MOE_REFUSED = {
     "--moe-expert-capacity-factor": "a capacity factor drops tokens over each expert's capacity; " + _DROPLESS,
     "--moe-pad-expert-input-to-capacity": "pads expert inputs to a token-dropping capacity; " + _DROPLESS,
-    "--moe-router-enable-expert-bias": "expert bias (aux-loss-free balancing) is not in jaxpar's router",
-    "--moe-router-topk-scaling-factor": "jaxpar's router does not scale the top-k weights",
-    "--moe-router-num-groups": "group-limited routing is not in jaxpar's router",
-    "--moe-router-group-topk": "group-limited routing is not in jaxpar's router",
+    "--moe-router-force-load-balancing": "random router logits (Megatron's load-balanced benchmarking mode: the "
+    "learned router is not used to route); jaxpar routes by the learned logits",
     "--moe-router-topk-limited-devices": "device-limited routing is not in jaxpar's router",
 }
 # Megatron-core MoE flags that only change how the same function is computed: flag -> what jaxpar does
@@ -1184,6 +1189,8 @@ MOE_PERF = {
     "--moe-shared-expert-overlap": _PERF,
     "--overlap-moe-expert-parallel-comm": "XLA schedules the expert all-gather and reduce-scatter",
     "--moe-use-grouped-tensor": _PERF,
+    "--moe-flex-dispatcher-backend": "the flex dispatcher's kernels (DeepEP / HybridEP): the same function, "
+    "different messages; jaxpar's dispatch is its own (--moe-token-dispatcher-type)",
 }
 BALANCING_TYPES = ("aux_loss", "none")
 
@@ -1239,6 +1246,93 @@ def _model_changes(a: _Args) -> None:
         )
 
 
+# Megatron-LM at 00611e6 (megatron/core/transformer/multi_latent_attention.py, moe/moe_utils.py, moe/router.py):
+# the MLA and DeepSeek-V3 router flags and the deepseek_v3 fields they are
+MLA_DIMS = (
+    ("--kv-lora-rank", "model.kv_lora_rank"),
+    ("--qk-head-dim", "model.qk_nope_head_dim"),
+    ("--qk-pos-emb-head-dim", "model.qk_rope_head_dim"),
+    ("--v-head-dim", "model.v_head_dim"),
+)
+_ONLY_DEEPSEEK = "jaxpar has it in its deepseek_v3 family only, whose attention is MLA (add --multi-latent-attention)"
+
+
+def _experts(a: _Args) -> int:
+    """The routed-expert count of ``--num-experts`` (0: none or unresolved)."""
+    counts = [int(x) for x in str(a.get("--num-experts", str, "", soft=True) or "").split() if x.isdigit()]
+    return max(counts, default=0) if len(set(counts)) == 1 and counts[0] > 1 else 0
+
+
+def _mla(a: _Args, values: dict[str, Any]) -> None:
+    """Multi-head latent attention (``--multi-latent-attention`` with MoE) -> ``model.name=deepseek_v3``.
+
+    Megatron's MLA: ``--q-lora-rank`` absent is a full-rank query projection (jaxpar's 0), the latent
+    norms are the ``--qk-layernorm`` norms (on the compressed query and key/value, eps
+    ``--norm-epsilon``), every head has its own key of ``qk_head_dim + qk_pos_emb_head_dim``."""
+    for name, target in MLA_DIMS:
+        if not a.has(name):
+            raise ConfigError(f"megatron: --multi-latent-attention without {name}; give it ({target})")
+        values[target] = a.get(name, int)
+        a.note(name, "mapped", target)
+    q_rank = a.get("--q-lora-rank", int, 0) or 0
+    values["model.q_lora_rank"] = q_rank
+    if a.has("--q-lora-rank"):
+        a.note("--q-lora-rank", "mapped", "model.q_lora_rank")
+    else:
+        a.report.mapped("--q-lora-rank (default)", 0, "model.q_lora_rank", "Megatron default None: full-rank queries")
+    nope, rope = values["model.qk_nope_head_dim"], values["model.qk_rope_head_dim"]
+    values.update(
+        {
+            "model.name": "deepseek_v3",
+            "model.num_kv_heads": values["model.num_heads"],
+            "model.head_dim": nope + rope,
+        }
+    )
+    a.note(
+        "--multi-latent-attention",
+        "mapped",
+        "model.name, model.num_kv_heads, model.head_dim",
+        f"deepseek_v3's MLA: one key per head of {nope} + {rope} (RoPE) dims",
+    )
+    for name, target in (("--attention-dropout", "model.attention_dropout"), ("--hidden-dropout", "model.dropout")):
+        if values.get(target):
+            a.report.model_change(
+                f"({name.removeprefix('--')})",
+                values[target],
+                f"{name} {values[target]:g}" + ("" if a.has(name) else " (Megatron's default)") + ": jaxpar's "
+                f"deepseek_v3 trains without dropout ({target}=0)",
+                target=target,
+            )
+            values[target] = 0.0
+    factor = a.get("--rotary-scaling-factor", float, 1.0) or 1.0
+    if factor > 1:
+        all_dim = a.get("--mscale-all-dim", float, None)
+        scale = "" if all_dim is None else f" = {(0.1 * all_dim * math.log(factor) + 1) ** 2:.4g}"
+        a.model_change(
+            "--rotary-scaling-factor",
+            f"with --multi-latent-attention Megatron's RoPE is YaRN (MLATransformerConfig's rope_type, unless "
+            f"--rope-type rope): the low RoPE frequencies interpolated by {factor:g} at every sequence length, and "
+            f"the attention scores times mscale^2{scale} (--mscale-all-dim); jaxpar's deepseek_v3 rotates with "
+            f"plain RoPE and scales by 1/sqrt({nope + rope})",
+        )
+    if a.get("--qk-layernorm", bool, False):
+        eps = values["model.norm_eps"]
+        a.note(
+            "--qk-layernorm",
+            "mapped" if eps == 1e-6 else "approximated",
+            "",
+            "with MLA: RMSNorm of the query and key/value latents, as deepseek_v3's"
+            + ("" if eps == 1e-6 else f" (eps 1e-6, Megatron's --norm-epsilon {eps:g}: a precision-level change)"),
+        )
+    else:
+        a.report.model_change(
+            "(--qk-layernorm)",
+            False,
+            "without --qk-layernorm Megatron's MLA has no latent norms; jaxpar's deepseek_v3 RMSNorms the query "
+            "and key/value latents",
+        )
+
+
 def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool = False) -> int:
     """Mixture of experts -> ``model.num_experts`` and the router fields; returns the expert-parallel size.
 
@@ -1279,10 +1373,13 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
             "are SwiGLU (add --swiglu to port a SwiGLU MoE)"
         )
     if refusals and not approximate:
+        stated = set(a.report.ported)
+        others = [e.source for e in a.report.model_changes if not (e.needs and set(e.needs) <= stated)]
         raise ConfigError(
             "megatron: "
             + "; also ".join(refusals)
             + "; jaxpar would not train the recipe's model: pass --approximate to port it anyway"
+            + (f" (and {len(others)} more model change(s): {', '.join(others)})" if others else "")
         )
     for refusal in refusals:  # --approximate: each one is a model change of the report
         flag = refusal.split(" ", 1)[0].rstrip(":")
@@ -1290,7 +1387,9 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
         a.report.model_change(flag, show(" ".join(a.flags.get(flag, []))) or True, refusal)
     values["model.num_experts"] = experts
     values["model.name"] = (
-        "qwen3_moe"  # _model checked the router (softmax, no shared expert)
+        "deepseek_v3"
+        if values.get("model.name") == "deepseek_v3"
+        else "qwen3_moe"  # _model checked the router (softmax, no shared expert)
         if values.get("model.qk_norm")
         else "mixtral"
         if values.get("model.router_score", "softmax") == "softmax"
@@ -1303,7 +1402,11 @@ def _moe(a: _Args, values: dict[str, Any], s: dict[str, Any], approximate: bool 
         "--num-experts",
         "mapped",
         "model.num_experts, model.name",
-        f"every layer's MLP is {experts} SwiGLU experts of model.mlp_dim; model.name={values['model.name']}"
+        (
+            f"{experts} SwiGLU experts of model.moe_mlp_dim in each MoE layer; model.name=deepseek_v3"
+            if values["model.name"] == "deepseek_v3"
+            else f"every layer's MLP is {experts} SwiGLU experts of model.mlp_dim; model.name={values['model.name']}"
+        )
         + (" (Mixtral: softmax top-k renormalised)" if values["model.name"] == "mixtral" else ""),
     )
     ep = a.get("--moe-expert-parallel-size" if deepspeed else "--expert-model-parallel-size", int, 1) or 1
@@ -1323,16 +1426,8 @@ def _moe_core(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> list[str]:
         value = show(" ".join(a.flags.get(name, ["None"])))
         if value not in ("None", "false", "False"):
             refusals.append(f"{name} {value}".rstrip() + f": {why}")
-    freq = str(a.get("--moe-layer-freq", str, "1")).replace(" ", "")
-    # 1, or a pattern list ("([1]*3+[0]*1)*3") whose every listed layer flag is 1 (repeat counts follow '*')
-    elements = re.findall(r"\[([\d,]*)\]", freq)
-    all_moe = freq == "1" or (bool(elements) and all(x == "1" for e in elements for x in e.split(",") if x))
-    if not all_moe:
-        refusals.append(
-            f"--moe-layer-freq {freq}: dense layers between the MoE layers; jaxpar's MoE replaces every "
-            "layer's MLP (only --moe-layer-freq 1 ports)"
-        )
-    a.note("--moe-layer-freq", "mapped", "model.num_experts", "every layer is a MoE layer")
+    deepseek = values.get("model.name") == "deepseek_v3"
+    refusals += _layer_freq(a, values, deepseek)
     tp = s["tp"]
     etp = a.get("--expert-tensor-parallel-size", int, tp)
     if etp != tp:
@@ -1360,7 +1455,12 @@ def _moe_core(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> list[str]:
             f"--moe-router-load-balancing-type {' '.join(kinds)} with --moe-aux-loss-coeff {' '.join(coeffs)}: "
             "jaxpar has one load-balancing loss (Switch, aux_loss)"
         )
-    elif kinds[0] not in BALANCING_TYPES:
+    elif kinds[0] == "seq_aux_loss" and float(coeffs[0]):
+        refusals.append(
+            "--moe-router-load-balancing-type seq_aux_loss: the balance loss per sequence (DeepSeek-V3's "
+            "sequence-wise auxiliary loss); jaxpar's is the Switch loss over each microbatch's tokens (aux_loss)"
+        )
+    elif kinds[0] not in (*BALANCING_TYPES, "seq_aux_loss"):
         refusals.append(
             f"--moe-router-load-balancing-type {kinds[0]}: jaxpar's only balancing is the Switch loss "
             "(aux_loss), or none"
@@ -1414,9 +1514,14 @@ def _moe_core(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> list[str]:
     )
     a.note("--moe-aux-loss-coeff", "mapped", "model.moe_aux_loss_coeff", "its weight, per layer, as Megatron adds it")
     a.note("--moe-z-loss-coeff", "mapped", "model.moe_z_loss_coeff", "router z-loss mean_t logsumexp(logits_t)^2")
-    a.note("--moe-ffn-hidden-size", "mapped", "model.mlp_dim", "every layer is MoE: the experts' width is mlp_dim")
-    if a.get("--moe-ffn-hidden-size", int):
-        values["model.mlp_dim"] = a.get("--moe-ffn-hidden-size", int)
+    if deepseek:  # Megatron's default expert width is --ffn-hidden-size
+        values["model.moe_mlp_dim"] = a.get("--moe-ffn-hidden-size", int) or values["model.mlp_dim"]
+        a.note("--moe-ffn-hidden-size", "mapped", "model.moe_mlp_dim", "the routed and shared experts' width")
+    else:
+        a.note("--moe-ffn-hidden-size", "mapped", "model.mlp_dim", "every layer is MoE: the experts' width is mlp_dim")
+        if a.get("--moe-ffn-hidden-size", int):
+            values["model.mlp_dim"] = a.get("--moe-ffn-hidden-size", int)
+    refusals += _router(a, values, deepseek, topk, score)
     dispatcher = a.get("--moe-token-dispatcher-type", str, "allgather")
     a.note(
         "--moe-token-dispatcher-type",
@@ -1428,6 +1533,126 @@ def _moe_core(a: _Args, values: dict[str, Any], s: dict[str, Any]) -> list[str]:
     )
     for name, why in MOE_PERF.items():
         a.note(name, "approximated", "", why)
+    return refusals
+
+
+def _layer_freq(a: _Args, values: dict[str, Any], deepseek: bool) -> list[str]:
+    """``--moe-layer-freq`` (an int N: every N-th layer from the first, or a Python list expression
+    such as ``[0]*3+[1]*58``, Megatron's ``moe_freq_type``) -> every layer MoE, or for deepseek_v3
+    ``model.first_dense_layers``; returns the refusals."""
+    freq = str(a.get("--moe-layer-freq", str, "1")).replace(" ", "")
+    layers = values.get("model.num_layers", 0)
+    pattern = _freq_pattern(freq, layers)
+    if pattern is None:
+        raise ConfigError(
+            f"megatron: --moe-layer-freq {freq}: not an int or a list expression of 0/1 ([0]*3+[1]*58); fix it"
+        )
+    if layers and len(pattern) != layers and not freq.isdigit():
+        raise ConfigError(
+            f"megatron: --moe-layer-freq {freq} lists {len(pattern)} layers, --num-layers is {layers}; Megatron "
+            "needs one entry per layer"
+        )
+    dense = pattern.index(1) if 1 in pattern else len(pattern)
+    if all(pattern[dense:]) and dense < len(pattern) and (dense == 0 or deepseek):
+        if dense:
+            values["model.first_dense_layers"] = dense
+        a.note(
+            "--moe-layer-freq",
+            "mapped",
+            "model.first_dense_layers" if dense else "model.num_experts",
+            f"the first {dense} layers dense (--ffn-hidden-size), the rest MoE" if dense else "every layer is MoE",
+        )
+        return []
+    a.known.add("--moe-layer-freq")
+    where = (
+        "a dense prefix then MoE layers: only in jaxpar's deepseek_v3 (MLA)"
+        if all(pattern[dense:])
+        else (
+            "dense layers between or after the MoE layers; jaxpar's MoE layers are every layer, or (deepseek_v3) "
+            "all but a dense prefix"
+        )
+    )
+    return [f"--moe-layer-freq {freq}: {where}"]
+
+
+def _freq_pattern(freq: str, layers: int) -> list[int] | None:
+    """The 0/1 per layer of a ``--moe-layer-freq`` value (None: not one Megatron reads)."""
+    if freq.isdigit():
+        n = int(freq)
+        # an unresolved --num-layers: enough layers to tell all-MoE (1) from every n-th
+        return [int(i % n == 0) for i in range(layers or max(n, 2))] if n else None
+    try:
+        tree = ast.parse(freq, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            return items if all(x in (0, 1) for x in items) else None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+                return left * right if len(left) * right <= 100_000 else None
+        return None
+
+    pattern = value(tree)
+    return pattern if isinstance(pattern, list) and pattern else None
+
+
+def _router(a: _Args, values: dict[str, Any], deepseek: bool, topk: int, score: str) -> list[str]:
+    """DeepSeek-V3's router flags -> ``model.router_*``; returns the refusals. Megatron (moe_utils.py
+    at 00611e6): sigmoid scores plus the expert bias choose, the unbiased scores weigh, renormalised
+    (k > 1) then times ``--moe-router-topk-scaling-factor``; group-limited routing scores a group by its
+    top ``topk // group_topk`` scores; the bias moves once per step by ``rate * sign(mean load - load)``
+    over the global batch (``get_updated_expert_bias``): jaxpar's rules."""
+    refusals = []
+    bias = a.get("--moe-router-enable-expert-bias", bool, False)
+    rate = a.get("--moe-router-bias-update-rate", float, 1e-3)
+    if bias and score != "sigmoid":
+        refusals.append(
+            f"--moe-router-enable-expert-bias: Megatron adds the bias to sigmoid scores only (here {score}); "
+            "jaxpar's biased routing is sigmoid's"
+        )
+    elif bias and not deepseek:
+        refusals.append(f"--moe-router-enable-expert-bias: aux-loss-free balancing; {_ONLY_DEEPSEEK}")
+    elif bias:
+        values["model.router_bias_rate"] = rate
+        a.note("--moe-router-enable-expert-bias", "mapped", "model.router_bias_rate", "selection-only expert bias")
+        a.note("--moe-router-bias-update-rate", "mapped", "model.router_bias_rate", "bias += rate*sign(mean-load)")
+        if not a.has("--moe-router-bias-update-rate"):
+            a.report.mapped("--moe-router-bias-update-rate (default)", rate, "model.router_bias_rate", "Megatron")
+    if not bias:
+        a.note("--moe-router-bias-update-rate", "approximated", "", _NOOP + "no expert bias")
+    scale = a.get("--moe-router-topk-scaling-factor", float, None)
+    if scale not in (None, 1.0) and not deepseek:
+        refusals.append(f"--moe-router-topk-scaling-factor {scale:g}: a route scale; {_ONLY_DEEPSEEK}")
+    elif scale is not None:
+        if deepseek:
+            values["model.router_scale"] = scale
+        a.note("--moe-router-topk-scaling-factor", "mapped", "model.router_scale", "the combine weights times it")
+    groups = a.get("--moe-router-num-groups", int, None)
+    group_topk = a.get("--moe-router-group-topk", int, None)
+    if group_topk:
+        if not groups:
+            raise ConfigError("megatron: --moe-router-group-topk without --moe-router-num-groups; give both")
+        if not deepseek:
+            refusals.append(f"--moe-router-group-topk {group_topk}: group-limited routing; {_ONLY_DEEPSEEK}")
+        elif topk // group_topk != 2:
+            refusals.append(
+                f"--moe-router-group-topk {group_topk}: Megatron scores a group by the sum of its top "
+                f"topk // group_topk = {topk // group_topk} scores; jaxpar's group score is its top 2"
+            )
+        else:
+            values["model.router_groups"], values["model.router_group_topk"] = groups, group_topk
+            for name in ("--moe-router-num-groups", "--moe-router-group-topk"):
+                a.note(name, "mapped", "model.router_groups, model.router_group_topk", "group score: top-2 sum")
+    else:
+        a.note("--moe-router-num-groups", "approximated", "", _NOOP + "without --moe-router-group-topk")
     return refusals
 
 

@@ -109,8 +109,9 @@ DEEPSEEK_V3_BALANCE = 1e-3  # MoEArgs.load_balance_coeff's default at 238fa99
 MOE_FAMILIES = {
     "deepseek_v3": "shared experts, dense first layers, multi-head latent attention",
     "llama4": "a shared expert in every MoE layer, layers without positions (iRoPE)",
-    "qwen3": "its MoE flavors balance experts with a bias (load_balance_coeff, aux-loss-free), which jaxpar's "
-    "router lacks; the dense flavors port (model.name=qwen3)",
+    "qwen3": "its MoE flavors balance experts with a per-expert routing bias (MoEArgs' load_balance_coeff 1e-3 at "
+    "238fa99, aux-loss-free), which jaxpar's qwen3_moe lacks (jaxpar has that bias in deepseek_v3 only); the dense flavors "
+    "port (model.name=qwen3)",
     "gpt_oss": "attention sinks and biased experts",
 }
 _NOOP = "no-op in jaxpar: "
@@ -845,9 +846,9 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
         _deepseek_v3(flavor, seq, values, report, str(m.get("hf_assets_path", "")))
     elif name in MOE_FAMILIES:
         why = (
-            f"a mixture-of-experts model unlike jaxpar's MoE ({MOE_FAMILIES[name]}; jaxpar's MoE is Mixtral-like: "
-            "routed SwiGLU experts in every layer, nothing shared); no jaxpar model computes it, jaxpar's default "
-            "model would be trained"
+            f"a mixture-of-experts model unlike jaxpar's MoE families ({MOE_FAMILIES[name]}; jaxpar's are mixtral "
+            "and qwen3_moe: softmax-routed SwiGLU experts in every layer, and deepseek_v3); no jaxpar model computes "
+            "it, jaxpar's default model would be trained"
         )
         report.model_change("model.name", name, why, target="model.*")
         report.unsupported("model.flavor", flavor, f"a {name} flavor: see model.name")
