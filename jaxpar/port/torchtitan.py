@@ -108,7 +108,9 @@ DEEPSEEK_V3_BALANCE = 1e-3  # MoEArgs.load_balance_coeff's default at 238fa99
 # --approximate each is refused (its dense stand-in would not be the recipe's model)
 MOE_FAMILIES = {
     "deepseek_v3": "shared experts, dense first layers, multi-head latent attention",
-    "llama4": "a shared expert in every MoE layer, layers without positions (iRoPE)",
+    "llama4": "the router's sigmoid score multiplies each expert's input, not its output (MoEArgs'"
+    " score_before_experts, True by default), and a shared expert with an aux-loss-free routing bias in a"
+    " grouped-query-attention model (jaxpar has those two only in deepseek_v3, with MLA)",
     "qwen3": "its MoE flavors balance experts with a per-expert routing bias (MoEArgs' load_balance_coeff 1e-3 at "
     "238fa99, aux-loss-free), which jaxpar's qwen3_moe lacks (jaxpar has that bias in deepseek_v3 only); the dense flavors "
     "port (model.name=qwen3)",
@@ -845,8 +847,11 @@ def _model(m: dict, t: dict, values: dict, report: Report, old: bool = False) ->
     elif name == "deepseek_v3" and flavor in DEEPSEEK_V3_FLAVORS:
         _deepseek_v3(flavor, seq, values, report, str(m.get("hf_assets_path", "")))
     elif name in MOE_FAMILIES:
+        unlike = MOE_FAMILIES[name]
+        if name == "llama4" and flavor.endswith("_irope"):  # every_n_layers_nope=4 in these flavors only
+            unlike += ", and every 4th layer without positions beside chunked attention in the others (iRoPE)"
         why = (
-            f"a mixture-of-experts model unlike jaxpar's MoE families ({MOE_FAMILIES[name]}; jaxpar's are mixtral "
+            f"a mixture-of-experts model unlike jaxpar's MoE families ({unlike}; jaxpar's are mixtral "
             "and qwen3_moe: softmax-routed SwiGLU experts in every layer, and deepseek_v3); no jaxpar model computes "
             "it, jaxpar's default model would be trained"
         )
