@@ -107,7 +107,9 @@ DEEPSEEK_V3_BALANCE = 1e-3  # MoEArgs.load_balance_coeff's default at 238fa99
 # torchtitan's MoE families: what keeps each from jaxpar's Mixtral-like MoE (model.num_experts); without
 # --approximate each is refused (its dense stand-in would not be the recipe's model)
 MOE_FAMILIES = {
-    "deepseek_v3": "shared experts, dense first layers, multi-head latent attention",
+    # reached only by a flavor without a row in DEEPSEEK_V3_FLAVORS (the family itself maps to deepseek_v3)
+    "deepseek_v3": "a DeepSeek-V3 flavor whose shapes jaxpar has no table for (it knows 16B and 671B): "
+    "port it with --approximate and set the model.* shapes",
     "llama4": "the router's sigmoid score multiplies each expert's input, not its output (MoEArgs'"
     " score_before_experts, True by default), and a shared expert with an aux-loss-free routing bias in a"
     " grouped-query-attention model (jaxpar has those two only in deepseek_v3, with MLA)",
