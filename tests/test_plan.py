@@ -316,6 +316,7 @@ def test_zero_bubble_ranks_above_1f1b_by_the_bubble_difference():
     found = P.search_layouts(model("llama2_7b"), H100, 64, 8, 4096, fixed=fixed)
     ranked = [e.layout.schedule for e in found]
     assert ranked.index("zb-h1") < ranked.index("1f1b") and ranked[0] == "zb-h1"
+    assert "(22.6% bubble at m=8, zb-h1)" in found[0].why  # 7/31
     one, zb = _at_mesh(found, "1f1b"), _at_mesh(found, "zb-h1")
     p, m = 8, 8
     assert one.bubble_fraction == pytest.approx((p - 1) / (m + p - 1)) and zb.bubble_fraction == pytest.approx(

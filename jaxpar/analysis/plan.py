@@ -405,7 +405,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
         v = f", {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else ""
         parts.append(
             f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
-            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v})"
+            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v}, {lay.schedule})"
         )
     if lay.context > 1:
         where = "inside the node" if est.communication[MeshAxis.CONTEXT].link == "intra" else "across nodes"
