@@ -297,3 +297,96 @@ def test_compare_and_the_sweep_grid_take_moe_layouts(capsys):
     names = [layout_name(lay) for lay in layouts]
     assert names[0] == "d8t1p1-z0-m1" and "d2t1p1e4-z0-m1" in names and "d1t1p1e8-z3-m1" in names
     assert all(lay.global_batch == tiny.train.global_batch for lay in layouts)
+
+
+# --------------------------------------------------------------------------- zero-bubble schedules, uneven splits
+
+
+def _at_mesh(found, schedule: str):
+    (est,) = [e for e in found if e.layout.schedule == schedule]
+    return est
+
+
+def test_zero_bubble_ranks_above_1f1b_by_the_bubble_difference():
+    """llama2_7b on 8 stages with m = 8: the bubble dominates. ZB-H1 runs the forward once, like 1F1B
+    without recompute, so the busy time is the same and the step differs only by the bubble's factor:
+    step = busy x (1 + (p-1)/m) for 1F1B, busy x (1 + (p-1)/(3m)) for ZB-H1 (Qi et al. 2024)."""
+    fixed = {"data": 1, "tensor": 8, "pipeline": 8, "context": 1, "recompute": "none", "zero_stage": 0,
+             "microbatches": 8, "sequence_parallel": False}  # fmt: skip
+    found = P.search_layouts(model("llama2_7b"), H100, 64, 8, 4096, fixed=fixed)
+    ranked = [e.layout.schedule for e in found]
+    assert ranked.index("zb-h1") < ranked.index("1f1b") and ranked[0] == "zb-h1"
+    assert "(22.6% bubble at m=8, zb-h1)" in found[0].why  # 7/31
+    one, zb = _at_mesh(found, "1f1b"), _at_mesh(found, "zb-h1")
+    p, m = 8, 8
+    assert one.bubble_fraction == pytest.approx((p - 1) / (m + p - 1)) and zb.bubble_fraction == pytest.approx(
+        (p - 1) / (3 * m + p - 1)
+    )
+    busy = one.time.compute_s + one.time.tensor_s + one.time.pipeline_s
+    assert busy == zb.time.compute_s + zb.time.tensor_s + zb.time.pipeline_s  # no recomputed forward, no extra W
+    assert one.time.data_exposed_s == zb.time.data_exposed_s == 0
+    assert one.step_time_s == pytest.approx(busy * (1 + (p - 1) / m))
+    assert zb.step_time_s == pytest.approx(busy * (1 + (p - 1) / (3 * m)))
+    assert one.step_time_s - zb.step_time_s == pytest.approx(busy * ((p - 1) / m - (p - 1) / (3 * m)))
+    zbv = _at_mesh(found, "zb-v")
+    assert zbv.layout.virtual_stages == 2 and zbv.bubble_fraction == zb.bubble_fraction
+
+
+def test_zero_bubble_layouts_only_where_the_step_runs_them():
+    """The search offers ZB-H1 and ZB-V on every pipeline and keeps what ParallelLayout.validate
+    accepts: recompute none only, ZB-V with v = 2, no MoE model, no uneven split."""
+    found = P.search_layouts(model("tiny"), H100, 8, 16, 256, keep_unfit=True)
+    zero_bubble = [e.layout for e in found if e.layout.schedule in ("zb-h1", "zb-v")]
+    assert {lay.schedule for lay in zero_bubble} == {"zb-h1", "zb-v"}
+    assert {lay.recompute for lay in zero_bubble} == {"none"}
+    assert {lay.virtual_stages for lay in zero_bubble if lay.schedule == "zb-v"} == {2}
+    by_schedule = {s: {lay.pipeline for lay in zero_bubble if lay.schedule == s} for s in ("zb-h1", "zb-v")}
+    assert by_schedule == {"zb-h1": {2, 4}, "zb-v": {2}}  # 4 layers: ZB-V's 2p chunks need p = 2
+    assert {e.layout.recompute for e in found if e.layout.schedule == "1f1b" and e.layout.pipeline > 1} == {
+        "none",
+        "selective",
+        "full",
+    }
+    moe = P.search_layouts(model("tiny_mixtral"), H100, 8, 16, 256, fixed={"pipeline": 2}, keep_unfit=True)
+    assert moe and {e.layout.schedule for e in moe} == {"1f1b", "interleaved"}
+    uneven = P.search_layouts(_tiny_layers(5), H100, 2, 4, 256, keep_unfit=True)
+    assert {e.layout.schedule for e in uneven if e.layout.pipeline == 2} == {"1f1b"}
+    with pytest.raises(ConfigError, match="pipeline.schedule=zb-h1 with model.remat=full"):
+        P.search_layouts(model("tiny"), H100, 8, 16, 256, fixed={"schedule": "zb-h1", "recompute": "full"})
+    pinned = P.search_layouts(model("tiny"), H100, 8, 16, 256, fixed={"schedule": "zb-v"}, keep_unfit=True)
+    assert {(e.layout.schedule, e.layout.pipeline, e.layout.virtual_stages) for e in pinned} == {("zb-v", 2, 2)}
+
+
+def _tiny_layers(n: int):
+    return load_config(str(CONFIGS / "tiny.py"), [f"--config.model.num_layers={n}"]).model
+
+
+def test_uneven_split_is_priced_by_its_heaviest_stage():
+    """5 layers on p = 2: the balanced split 2/3; its compute is the 3-layer stage's, the same as a
+    6-layer model's even 3/3 split (not the 2.5-layer average)."""
+    from jaxpar.analysis.estimate import hardware_flops_per_token
+
+    m5 = _tiny_layers(5)
+    found = P.search_layouts(m5, H100, 2, 4, 256, fixed={"pipeline": 2}, keep_unfit=True)
+    assert found and {e.layout.stage_layers for e in found} == {(2, 3)}
+    assert "layers=2/3" in P.describe(found[0].layout)
+    five = next(e for e in found if e.layout.schedule == "1f1b" and e.layout.recompute == "none")
+    lay = five.layout
+    six = P.evaluate_layout(_tiny_layers(6), H100, dataclasses.replace(lay, stage_layers=(), stage_split=""))
+    assert five.time.compute_s == pytest.approx(six.time.compute_s, rel=1e-3)
+    out_layer = 6 * m5.vocab_size * m5.embed_dim  # on the last stage
+    per_token = (hardware_flops_per_token(m5, 256, "none") - out_layer) * 3 / 5 + out_layer
+    rate = H100.peak_flops * P.PlanOptions().efficiency
+    assert five.time.compute_s == pytest.approx(per_token * lay.tokens_per_step / (lay.data * lay.tensor) / rate)
+
+
+def test_plan_output_names_the_zero_bubble_schedules(capsys):
+    base = ("--config", str(CONFIGS / "tiny.py"), "--devices", "8", "--layout", "data=2,tensor=2,pipeline=2",
+            "--recompute", "none", "--zero", "1", "--no-sequence-parallel")  # fmt: skip
+    for schedule, v in (("zb-h1", 1), ("zb-v", 2)):
+        assert plan_cli.run_plan(plan_args(*base, "--schedule", schedule, "--json")) == 0
+        rows = json.loads(capsys.readouterr().out)["layouts"]
+        assert rows and {(r["schedule"], r["virtual_stages"]) for r in rows} == {(schedule, v)}
+    assert plan_cli.run_plan(plan_args(*base, "--top", "20")) == 0
+    out = capsys.readouterr().out
+    assert "zb-h1" in out and "zb-v" in out and "1f1b" in out

@@ -358,3 +358,22 @@ def test_inspect_prints_the_largest_peak_terms(capsys):
     assert run_inspect(argparse.Namespace(config=str(CONFIGS["tiny"]), overrides=small, json=True, ops=False)) == 0
     terms = json.loads(capsys.readouterr().out)["peak_terms"]
     assert len(terms) == 3 and terms[0]["bytes"] >= terms[1]["bytes"] >= terms[2]["bytes"] > 0
+
+
+def test_plan_aot_compiles_a_zero_bubble_row(capsys):
+    """The planner's best ZB-H1 layout of the tiny model (p = 2, data = tensor = 2) compiles, and its
+    estimated arguments and collective bytes per axis are within the bounds the grid above holds."""
+    parser = argparse.ArgumentParser()
+    plan_cli.add_plan_arguments(parser)
+    ns = parser.parse_args(["--config", str(CONFIGS["tiny"]), "--devices", "8", "--top", "1", "--aot", "--aot-top", "1",
+                          "--layout", "data=2,tensor=2,pipeline=2", "--schedule", "zb-h1", "--recompute", "none",
+                          "--zero", "1", "--no-sequence-parallel", "--json"])  # fmt: skip
+    ns.overrides = ["--config.model.compute_dtype=float32"]
+    assert plan_cli.run_plan(ns) == 0
+    (row,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert (row["schedule"], row["pipeline"], row["recompute"]) == ("zb-h1", 2, "none")
+    assert row["bubble_fraction"] == pytest.approx(1 / (3 * row["microbatches"] + 1))
+    aot = row["aot"]
+    assert aot["argument_ratio"] == pytest.approx(1, rel=MEMORY_TOLERANCE)
+    for axis in ("data", "tensor", "pipeline"):
+        assert aot["collectives"][axis]["ratio"] == pytest.approx(1, rel=COMM_TOLERANCE), axis

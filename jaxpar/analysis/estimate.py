@@ -350,16 +350,19 @@ def step_time(
 ) -> StepTime:
     """step = (compute + TP + PP p2p + EP) / (1 - bubble) + exposed data-axis time.
 
-    compute: executed FLOPs of the slowest stage (the last also runs the output layer) at
+    compute: executed FLOPs of the slowest stage (the one with the most layers, which sets every
+    tick; the last also runs the output layer, ZB-V's first: it holds the last chunk) at
     ``efficiency`` x peak (default 55%, a typical achieved MFU for large dense training: PaLM 46%,
     Megatron 52%), the tokens split over data x expert x tensor (an MoE layer's experts see, on
     average, k routed copies of the rank's own tokens: the active-parameter FLOPs, balanced). TP, PP
     and the MoE dispatch and combine over ``expert`` (EP) are exposed. The data-axis reduction overlaps with backward
     compute except ``dp_exposed_fraction``: DP/ZeRO-1 reduce once, after the last microbatch, whose
     backward alone can hide it; ZeRO-2 overlaps every backward, ZeRO-3 (prefetched gathers) the
-    forward too. ``jaxpar`` convention: a 1F1B / interleaved backward tick recomputes its stage's
-    forward (:mod:`jaxpar.parallel.pipeline`), so those layouts execute full-recompute FLOPs
-    whatever ``recompute`` says; ``paper``: as given.
+    forward too. Executed FLOPs follow ``recompute`` on every schedule: a pipeline's backward ticks
+    read the forward's stashed residuals unless ``model.remat=full``
+    (:func:`jaxpar.parallel.pipeline.schedule.keeps_activations`), so at ``none`` the forward runs
+    once, and ZB-H1 / ZB-V's B and W ticks together cost the backward's FLOPs; their gain is the
+    bubble (:func:`bubble_fraction`).
     """
     comm = comm if comm is not None else communication(model, layout, cluster, grad_reduce_bytes, link_efficiency)
     p, m, tokens = layout.pipeline, layout.microbatches, layout.tokens_per_step
@@ -367,7 +370,8 @@ def step_time(
     hw = hardware_flops_per_token(model, layout.seq_len, layout.recompute, causal, model_fpt)
     out_layer = 6 * model.vocab_size * model.embed_dim if p > 1 else 0.0  # runs on the last stage only
     shards = layout.data * layout.tensor * layout.expert
-    compute = ((hw - out_layer) / p + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)
+    share = layout.stored_layers(model.num_layers) / model.num_layers if p > 1 else 1.0  # uneven: the heaviest
+    compute = ((hw - out_layer) * share + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)
     bwd = compute * (1 - model_fpt / 3 / hw)  # all but the forward (2N + 4Lqs)
     window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]
     data = comm[MeshAxis.DATA].time_s

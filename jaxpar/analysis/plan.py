@@ -2,11 +2,13 @@
 
 ``jaxpar plan`` answers "how should I lay out this model on that cluster?" from the closed-form
 estimates of :mod:`jaxpar.analysis.estimate` alone, in seconds for any cluster size. It enumerates
-tensor sizes (:func:`_tensor_sizes`), pipeline sizes dividing the layers, context sizes
+tensor sizes (:func:`_tensor_sizes`), pipeline sizes up to the layers, context sizes
 (:func:`_context_sizes`), expert sizes for MoE models (:func:`_expert_sizes`), data = devices /
-(tensor * pipeline * context * expert), ZeRO 0-3, microbatch
-sizes (ascending until memory runs out), recompute none/selective/full, sequence parallelism on or
-off, 1F1B or interleaved; layouts over device memory x (1 - headroom) are dropped, the rest ranked.
+(tensor * pipeline * context * expert), ZeRO 0-3, microbatch sizes (ascending until memory runs
+out), recompute none/selective/full, sequence parallelism on or off, 1F1B, interleaved, ZB-H1 or
+ZB-V (Qi et al. 2024) where the step runs them; a pipeline size that does not divide the layers
+takes the balanced split ``jaxpar train`` takes. Layouts over device memory x (1 - headroom) are
+dropped, the rest ranked.
 
 ``jaxpar plan --aot`` then compiles the real train step of the top ``--aot-top`` layouts ahead of
 time on simulated CPU devices (nothing allocated or run; JAX imported only then) and compares the
@@ -36,7 +38,7 @@ from jaxpar.analysis.estimate import (
 )
 from jaxpar.axes import MeshAxis
 from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError
-from jaxpar.layout import balanced_split
+from jaxpar.layout import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, balanced_split
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_VIRTUAL_STAGES = 8
@@ -232,16 +234,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def _schedules(model: ConfigDict, pipeline: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
-    """(schedule, virtual stages): 1F1B and interleaved with v dividing L/p (GPipe only when pinned)."""
+    """(schedule, virtual stages): 1F1B, ZB-H1, and interleaved and ZB-V with each v dividing L/p
+    (GPipe only when pinned). The search keeps those :meth:`ParallelLayout.validate` accepts, so the
+    zero-bubble schedules appear only where ``jaxpar train`` runs them (ZB-V: v = 2)."""
     keep = fixed.get("schedule")
     if pipeline == 1:  # no pipeline: the schedule is moot; keep a pinned gpipe/1f1b label
-        return [] if keep == "interleaved" else [(keep or "1f1b", 1)]
+        return [] if keep in ("interleaved", *SPLIT_BACKWARD) else [(keep or "1f1b", 1)]
     per_rank = model.num_layers // pipeline if model.num_layers % pipeline == 0 else 1  # uneven: no interleaving
-    out = [("1f1b", 1), ("gpipe", 1)] + [
-        ("interleaved", v) for v in range(2, min(per_rank, MAX_VIRTUAL_STAGES) + 1) if per_rank % v == 0
-    ]
+    chunks = [v for v in range(2, min(per_rank, MAX_VIRTUAL_STAGES) + 1) if per_rank % v == 0]
     if "virtual_stages" in fixed and fixed["virtual_stages"] > MAX_VIRTUAL_STAGES:
-        out.append(("interleaved", fixed["virtual_stages"]))
+        chunks.append(fixed["virtual_stages"])
+    out = [(s, 1) for s in SCHEDULES if s != "interleaved" and s not in V_SHAPED]
+    out += [(s, v) for s in ("interleaved", *V_SHAPED) for v in chunks]
     return [(s, v) for s, v in out if (s == keep if keep else s != "gpipe") and fixed.get("virtual_stages", v) == v]
 
 
@@ -293,9 +297,15 @@ def search_layouts(
         "seq_len": seq_len,
         "microbatches": fixed.get("pipeline", 1),
     } | fixed  # unpinned choices: ones every mesh can take
+    if probe["schedule"] in SPLIT_BACKWARD:  # searched on pipelines only: probe the smallest even one
+        chunks = 2 if probe["schedule"] in V_SHAPED else 1  # a V holds two chunks per device
+        p = fixed.get("pipeline") or next(
+            (p for p in range(2, model.num_layers + 1) if model.num_layers % (p * chunks) == 0), 2
+        )
+        probe |= {"pipeline": p, "microbatches": p, "virtual_stages": chunks if p > 1 else 1} | fixed
     if probe.get("context", 1) > 1 and "attention" not in fixed:
         probe["attention"] = "blockwise"
-    probe |= {} if fixed.get("virtual_stages", 1) > 1 else _uneven(model.num_layers, probe.get("pipeline", 1))
+    probe |= {} if probe.get("virtual_stages", 1) > 1 else _uneven(model.num_layers, probe.get("pipeline", 1))
     ParallelLayout(**probe).validate(model)  # a pinned field the model cannot take fails here, with its reason
     results = SearchResult()
     smallest: LayoutEstimate | None = None
@@ -395,7 +405,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
         v = f", {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else ""
         parts.append(
             f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
-            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v})"
+            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v}, {lay.schedule})"
         )
     if lay.context > 1:
         where = "inside the node" if est.communication[MeshAxis.CONTEXT].link == "intra" else "across nodes"

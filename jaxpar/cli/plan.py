@@ -33,6 +33,7 @@ from jaxpar.cli.common import (
 )
 from jaxpar.config import MAX_DEVICES, MAX_DIM, ConfigError, load_config
 from jaxpar.console import wide_console
+from jaxpar.layout import SCHEDULES
 
 HELP = "estimate and rank layouts for a cluster before renting it"
 LAYOUT_KEYS = {**{axis.value: axis.value for axis in MESH_AXES}, "virtual": "virtual_stages"}
@@ -235,7 +236,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=RECOMPUTE, default=None, help="pin the recompute policy")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
-    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "gpipe"), default=None)
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="pin the pipeline schedule (searched: 1f1b, interleaved, zb-h1, zb-v; zb-v holds virtual=2 chunks)",
+    )
     parser.add_argument("--convention", choices=CONVENTIONS, default="jaxpar", help="byte convention of the estimates")
     parser.add_argument("--efficiency", type=float, default=0.55, help="achieved share of peak FLOP/s")
     parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default=None)
