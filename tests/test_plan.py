@@ -390,3 +390,17 @@ def test_plan_output_names_the_zero_bubble_schedules(capsys):
     assert plan_cli.run_plan(plan_args(*base, "--top", "20")) == 0
     out = capsys.readouterr().out
     assert "zb-h1" in out and "zb-v" in out and "1f1b" in out
+
+
+def test_zero_bubble_v_bubble_formula_is_its_table_from_m_2p():
+    """ZB-V's priced bubble equals its table's from m = 2p on ((p-1)/(6m+p-1): p=4, m=8 is 3/51) and
+    never falls below the table between p and 2p (ZB-H1's value there, an upper bound)."""
+    from jaxpar.parallel import pipeline as P
+
+    for p, m in ((2, 4), (4, 8), (4, 16), (8, 16), (4, 4), (4, 6), (2, 2)):
+        table = P.bubble_fraction(P.build_schedule("zb-v", p, m, 2))
+        priced = P.expected_bubble_fraction("zb-v", p, m, 2)
+        if m >= 2 * p:
+            assert priced == pytest.approx(table, abs=1e-12) == pytest.approx((p - 1) / (6 * m + p - 1))
+        else:
+            assert priced >= table - 1e-12 and priced == P.expected_bubble_fraction("zb-h1", p, m)

@@ -239,8 +239,12 @@ def bubble_fraction(table: ScheduleTable) -> float:
 def expected_bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Idle share of the table's slots: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1)
     interleaved (Narayanan et al. 2021), (p-1)/(3m+p-1) zb-h1, whose F, B and W take a slot each
-    (Qi et al. 2024)."""
+    (Qi et al. 2024); zb-v, whose two half-stage chunks per device split each of those slots,
+    (p-1)/(6m+p-1) once m >= 2p (its table's value there) and zb-h1's below, an upper bound: its
+    table lies between the two for p <= m < 2p and equals zb-h1's at m = p."""
     v = virtual_stages if schedule in ("interleaved", EVAL, EVAL_V) else 1
+    if schedule == "zb-v" and microbatches >= 2 * stages:
+        v = virtual_stages
     v *= 3 if splits_backward(schedule) else 1
     return (stages - 1) / (v * microbatches + stages - 1)
 
