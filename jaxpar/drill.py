@@ -96,7 +96,9 @@ def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes:
         "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", "")),
     }  # train sets each process's share
     log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(  # a session of its own (stopped as a group), and SIGKILL when the drill dies
+    # a session of its own (stopped as a group), and SIGKILL when the drill dies (launch_local.sh passes
+    # that on: its processes get SIGKILL when it dies; tests/test_drill_children.py)
+    return subprocess.Popen(
         cmd,
         env=env,
         stdout=log,
