@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from jaxpar import children, write_guard
+from jaxpar import children, files, write_guard
 from jaxpar.config import ConfigDict, ConfigError, load_config
 from jaxpar.distributed import without_device_count
 from jaxpar.metrics import read_metrics
@@ -62,9 +62,8 @@ def _raise_run_failure(what: str, workdir: pathlib.Path, code: int) -> None:
     """A run of the drill failed: its own one-line refusal (exit code 2) is the drill's, as a ConfigError;
     anything else is a RuntimeError pointing at the run's log."""
     log = workdir.parent / f"{workdir.name}.log"
-    errors = (
-        [x for x in log.read_text(errors="replace").splitlines() if x.startswith("error: ")] if log.exists() else []
-    )
+    text = files.read_bytes(log, "metrics log", "drill", "give another --workdir") if log.exists() else b""
+    errors = [x for x in text.decode(errors="replace").splitlines() if x.startswith("error: ")]
     if code == 2 and errors:
         raise ConfigError(f"{what} refused its input ({errors[-1][len('error: ') :]}); see {log}")
     raise RuntimeError(f"{what} failed with exit code {code}; see {log}")
@@ -97,7 +96,9 @@ def _launch(config: str, overrides: list[str], workdir: pathlib.Path, processes:
         "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", "")),
     }  # train sets each process's share
     log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(  # a session of its own (stopped as a group), and SIGKILL when the drill dies
+    # a session of its own (stopped as a group), and SIGKILL when the drill dies (launch_local.sh passes
+    # that on: its processes get SIGKILL when it dies; tests/test_drill_children.py)
+    return subprocess.Popen(
         cmd,
         env=env,
         stdout=log,

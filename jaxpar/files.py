@@ -34,7 +34,7 @@ CAPS: dict[str, int | None] = {
     "weights": None,  # safetensors / torch files: read slice by slice
     "checkpoint arrays": None,  # the array files of a checkpoint, read by orbax shard by shard
     "token data": None,  # memory-mapped
-    "metrics log": None,  # read line by line
+    "metrics log": None,  # what jaxpar itself wrote: metrics.jsonl, TensorBoard events, the drill's run logs
 }
 _KINDS = {
     stat.S_IFIFO: "a FIFO (named pipe)",

@@ -194,10 +194,11 @@ def read_event_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     from tensorboardX.proto.event_pb2 import Event
 
     out: dict[str, list[tuple[int, float]]] = {}
-    files = sorted(f for f in os.listdir(logdir) if f.startswith("events.out.tfevents"))
-    for name in files:
-        with open(os.path.join(logdir, name), "rb") as f:
-            data = f.read()
+    names = sorted(f for f in os.listdir(logdir) if f.startswith("events.out.tfevents"))
+    for name in names:
+        data = files.read_bytes(
+            os.path.join(logdir, name), "metrics log", "metrics", "point at a run's tensorboard folder"
+        )
         pos = 0
         while pos + 12 <= len(data):
             (length,) = struct.unpack("<Q", data[pos : pos + 8])
@@ -228,11 +229,10 @@ def _end_partial_line(path: str) -> None:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl, skipping a line cut short by a crash."""
     rows = []
-    files.check(path, "metrics log", "metrics", "point train.workdir at a run's folder")  # never a FIFO's hang
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    text = files.read_bytes(path, "metrics log", "metrics", "point train.workdir at a run's folder")  # no FIFO's hang
+    for line in text.decode("utf-8", errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return rows

@@ -17,9 +17,20 @@ if [ "$n" -lt 1 ]; then
 fi
 port=${JAXPAR_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 export JAXPAR_COORDINATOR="127.0.0.1:${port}" JAXPAR_NUM_PROCESSES="$n" JAX_PLATFORMS=cpu
+# Each process gets SIGKILL from the kernel when this script dies, even by a SIGKILL no trap sees
+# (Linux PR_SET_PDEATHSIG, kept across exec); one whose launcher is already gone exits at once.
+# Elsewhere (no prctl) the command runs as is.
+die_with_launcher='import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])'
 pids=()
 for ((i = 0; i < n; i++)); do
-  JAXPAR_PROCESS_ID=$i "$@" &
+  JAXPAR_PROCESS_ID=$i python3 -c "$die_with_launcher" $$ "$@" &
   pids+=($!)
 done
 # SIGTERM or SIGINT of this script reaches every process as SIGTERM (each checkpoints cooperatively
