@@ -13,10 +13,12 @@ Ctrl-C stops at the next step with a checkpoint.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from jaxpar import children
@@ -66,6 +68,20 @@ def install(defer: bool = False) -> None:
         previous(unraisable)
 
     sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def deferring() -> Iterator[None]:
+    """Inside the block a Ctrl-C is only noted (JAX's C extension loads there: a KeyboardInterrupt
+    inside its start can crash the process), then raised as KeyboardInterrupt when the block ends."""
+    global _deferred
+    before, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = before
+    if _hit and not before:
+        raise KeyboardInterrupt
 
 
 def exit_now(code: int = EXIT_INTERRUPTED) -> None:
