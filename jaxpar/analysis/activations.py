@@ -339,7 +339,9 @@ def _layer_working_phases(
     if model.get("num_experts", 0):  # the MoE layer's backward in the MLP's place
         mlp = moe_activations.moe_backward_bytes(model, layout, b)
     else:
-        mlp = BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f
+        # a ``selective`` tick: :data:`BACKWARD_MLP_WIDE` of ``full`` (buffer assignment of tiny data=2 x
+        # tensor=2 x pipeline=2 interleaved SP selective, b=4, s=256: seven f32[4, 256, 192] arrays at the peak)
+        mlp = BACKWARD_MLP_WIDE["full" if tick and rec == "selective" else rec] * d.e * d.b * d.s * d.f
     backward = (
         mlp
         + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
@@ -359,7 +361,8 @@ def _layer_working_phases(
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
-    if not unstacked and not tick:
+    if not unstacked and (not tick or rec == "selective"):  # a selective tick recomputes the attention
+        # (same layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
@@ -573,7 +576,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     m + p - 1 ticks is differentiated as a whole, so every tick's :func:`gpipe_tick_bytes` (bubbles
     included, the stage's weights among them) stay live; the backward tick slices one tick's
     residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`; without recompute and with
-    more than one layer per stage, the layer residuals a second time, in the layer scan's layout) and
+    more than one layer per stage and b = 1, the layer residuals a second time, in the layer scan's layout) and
     works on one layer (:func:`layer_working_bytes`).
     """
     p, pb = layout.pipeline, DTYPE_BYTES[model.param_dtype]
@@ -632,10 +635,12 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         residual = (layout.microbatches + p - 1) * per_tick
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
         working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
-        if layout.recompute == "none" and chunk > 1:  # the chunk's layer scan reads the sliced residuals in a
-            # second layout, a second copy of the tick's layer residuals (buffer assignment of tiny data=4 x
-            # pipeline=2 GPipe ZeRO-3 m=4, s=256, attention dropout: the tick's f32[2, 1, 2, 512, 256] scores,
-            # its six f32[2, 1, 256, 384] MLP residuals and its pred masks twice each, {..,2,1,0} and {..,2,0,1})
+        if layout.recompute == "none" and chunk > 1 and layout.microbatch_size == 1:
+            # one sequence per microbatch: XLA lays the sliced residuals out with the size-1 batch dim moved
+            # ({..,2,0,1}) and copies them into the chunk's layer scan's layout, a second copy of the tick's
+            # layer residuals (buffer assignment of tiny data=4 x pipeline=2 GPipe ZeRO-3 m=4, s=256, b=1,
+            # attention dropout: the tick's f32[2, 1, 2, 512, 256] scores, six f32[2, 1, 256, 384] MLP
+            # residuals and pred masks twice each; the same layout with b=4, s=128 slices them once)
             working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
