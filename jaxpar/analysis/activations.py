@@ -335,13 +335,15 @@ def _layer_working_phases(
         )
     weights = d.e * layer_params(model, layout)
     dot = _attention(layout) == "dot_product"
+    one_layer_selective_tick = tick and rec == "selective" and layers <= 1
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
     if model.get("num_experts", 0):  # the MoE layer's backward in the MLP's place
         mlp = moe_activations.moe_backward_bytes(model, layout, b)
     else:
-        # a ``selective`` tick: :data:`BACKWARD_MLP_WIDE` of ``full`` (buffer assignment of tiny data=2 x
-        # tensor=2 x pipeline=2 interleaved SP selective, b=4, s=256: seven f32[4, 256, 192] arrays at the peak)
-        mlp = BACKWARD_MLP_WIDE["full" if tick and rec == "selective" else rec] * d.e * d.b * d.s * d.f
+        # a ``selective`` tick of a one-layer chunk: :data:`BACKWARD_MLP_WIDE` of ``full`` (buffer assignment of
+        # tiny data=2 x tensor=2 x pipeline=2 interleaved SP selective, b=4, s=256: seven f32[4, 256, 192]
+        # arrays at the peak; a chunk of two layers, 1F1B, b=4, s=128, is within 4% of the count without it)
+        mlp = BACKWARD_MLP_WIDE["full" if one_layer_selective_tick else rec] * d.e * d.b * d.s * d.f
     backward = (
         mlp
         + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
@@ -361,8 +363,8 @@ def _layer_working_phases(
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
-    if not unstacked and (not tick or rec == "selective"):  # a selective tick recomputes the attention
-        # (same layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
+    if not unstacked and (not tick or one_layer_selective_tick):  # it recomputes the attention (the same
+        # layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
