@@ -268,6 +268,21 @@ def zero3_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int | N
     return d.e * shared_tables(model, layout) + F32 * d.b * d.s * d.v
 
 
+def zero3_weight_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """ZeRO-3 without a pipeline: what the layer's backward holds of its weights beyond the gathered layer
+    (counted in :func:`layer_working_bytes`): a weight's fp32 gradient as its matmul writes it, before
+    the reduce-scatter over ``data`` x ``context`` shards it, and one gathered weight copied into the
+    other layout for the transposed matmul, (e + pb) times the largest layer weight. Buffer assignment
+    of ~1B (2 layers) tensor=4 x context=2 ZeRO-3, s=256, ``none``: at the peak, beside the three
+    gathered f32[2048,2048] MLP weights, a dot's f32[2048,2048] output (a weight gradient) and a copy of
+    one gathered weight ({0,1} -> {1,0} layout). ZeRO 0-2 write the gradient into the stacked buffer
+    and slice the weight in the layout the matmul reads."""
+    if layout.zero_stage != 3 or layout.pipeline > 1:
+        return 0.0
+    e, pb = DTYPE_BYTES[model.compute_dtype], DTYPE_BYTES[model.param_dtype]
+    return (e + pb) * largest_param(model, layout) / layout.stored_layers(model.num_layers)
+
+
 def layer_working_bytes(
     model: ConfigDict, layout: ParallelLayout, b: int | None = None, layers: int = 2, tick: bool = False
 ) -> float:
@@ -320,11 +335,15 @@ def _layer_working_phases(
         )
     weights = d.e * layer_params(model, layout)
     dot = _attention(layout) == "dot_product"
+    one_layer_selective_tick = tick and rec == "selective" and layers <= 1
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
     if model.get("num_experts", 0):  # the MoE layer's backward in the MLP's place
         mlp = moe_activations.moe_backward_bytes(model, layout, b)
     else:
-        mlp = BACKWARD_MLP_WIDE[rec] * d.e * d.b * d.s * d.f
+        # a ``selective`` tick of a one-layer chunk: :data:`BACKWARD_MLP_WIDE` of ``full`` (buffer assignment of
+        # tiny data=2 x tensor=2 x pipeline=2 interleaved SP selective, b=4, s=256: seven f32[4, 256, 192]
+        # arrays at the peak; a chunk of two layers, 1F1B, b=4, s=128, is within 4% of the count without it)
+        mlp = BACKWARD_MLP_WIDE["full" if one_layer_selective_tick else rec] * d.e * d.b * d.s * d.f
     backward = (
         mlp
         + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
@@ -332,7 +351,9 @@ def _layer_working_phases(
         + kv
         + weights
     )
+    zero3 = zero3_weight_gradient_bytes(model, layout)
     if not dot:
+        backward += zero3
         if layout.context > 1 and rec != "none":  # see RING_RECOMPUTED_BLOCKS
             block = min(layout.attention_block, d.s)
             backward += layout.context * RING_RECOMPUTED_BLOCKS[rec] * F32 * d.b * d.n * block * block
@@ -341,10 +362,15 @@ def _layer_working_phases(
     unstacked = rec == "none" and layers <= 1
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
-    if not unstacked and not tick:
+    base = backward
+    if not unstacked and (not tick or one_layer_selective_tick):  # it recomputes the attention (the same
+        # layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
+    # ZeRO-3's weight gradient and relaid weight: a phase of its own beside the score arrays (~1B, 4 layers,
+    # data=8 ZeRO-3 full, s=1024: counting both puts the estimate 15% over the compiled temporaries)
+    backward = max(backward, base + zero3)
     if model.get("attention_dropout", 0.0) > 0 and (layout.pipeline == 1 or (tick and rec != "none")):
         # the forward attention's keep mask (1 byte) and dropped fp32 probabilities; in a 1F1B tick too (tiny
         # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak).
@@ -538,7 +564,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     accumulator, into which the scatter-add of the embedding and the output layer's gradient are
     added in place: buffer assignment of ~1B, 2 layers, data=8 ZeRO-1 m=2, f32[2048,32000] and
     f32[32000,2048] once, the stacked layer gradients twice). ZeRO-3 gathers each layer's weights where ZeRO 0-2 slice them out of the
-    stacked parameters: the same shapes, counted once in :func:`layer_working_bytes`. The update
+    stacked parameters: the same shapes, counted once in :func:`layer_working_bytes`, which adds
+    ZeRO-3's unsharded weight gradient and relaid weight (:func:`zero3_weight_gradient_bytes`). The update
     phase (:func:`update_bytes`) sets the peak when it is the larger.
 
     1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
@@ -550,8 +577,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     (:func:`pipeline_accumulator_bytes`) is a phase of its own. GPipe: the forward scan over
     m + p - 1 ticks is differentiated as a whole, so every tick's :func:`gpipe_tick_bytes` (bubbles
     included, the stage's weights among them) stay live; the backward tick slices one tick's
-    residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`) and works on one layer
-    (:func:`layer_working_bytes`).
+    residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`; without recompute and with
+    more than one layer per stage and b = 1, the layer residuals a second time, in the layer scan's layout) and
+    works on one layer (:func:`layer_working_bytes`).
     """
     p, pb = layout.pipeline, DTYPE_BYTES[model.param_dtype]
     d = Dims.of(model, layout)
@@ -609,6 +637,13 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         residual = (layout.microbatches + p - 1) * per_tick
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
         working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
+        if layout.recompute == "none" and chunk > 1 and layout.microbatch_size == 1:
+            # one sequence per microbatch: XLA lays the sliced residuals out with the size-1 batch dim moved
+            # ({..,2,0,1}) and copies them into the chunk's layer scan's layout, a second copy of the tick's
+            # layer residuals (buffer assignment of tiny data=4 x pipeline=2 GPipe ZeRO-3 m=4, s=256, b=1,
+            # attention dropout: the tick's f32[2, 1, 2, 512, 256] scores, six f32[2, 1, 256, 384] MLP
+            # residuals and pred masks twice each; the same layout with b=4, s=128 slices them once)
+            working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
     else:
