@@ -14,12 +14,15 @@ them into exit code 2 without a traceback.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import hashlib
 import importlib.util
 import inspect
 import math
 import os
 import pathlib
+import stat
 from typing import Any
 
 import ml_collections
@@ -207,13 +210,45 @@ def load_config_and_layout(
 CONFIG_TIMEOUT_S = 30  # default of JAXPAR_CONFIG_TIMEOUT: how long a config file may take to load
 
 
+# The values of config files this process ran, by (real path, argument, SHA-256 of the file's bytes):
+# a file is run once per process for the same bytes (a fresh interpreter per run costs ~0.1-0.3 s once
+# JAX has started). Only what the file itself holds is in the key: a module it imports is not.
+_VALUES: dict[tuple[str, str, str], dict[str, Any]] = {}
+_CACHED_BYTES = 1 << 20  # files larger than this are run every time (the child's reader refuses them anyway)
+
+
+def _cache_key(spec: str) -> tuple[str, str, str] | None:
+    """The file's key in :data:`_VALUES`, or None where only the child should look at it (not a
+    regular file, too large, unreadable): opened without blocking, so a FIFO cannot hang the caller."""
+    path_str, _, arg = spec.partition(":")
+    try:
+        fd = os.open(path_str, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _CACHED_BYTES:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(_CACHED_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return os.path.realpath(path_str), arg, hashlib.sha256(data).hexdigest()
+
+
 def _load_file(spec: str) -> ConfigDict:
     """The config file ``spec`` run in a child process (:mod:`jaxpar.isolated`): a file that loops, starts
-    a thread or ends the interpreter cannot hang or end the caller; only its values come back."""
+    a thread or ends the interpreter cannot hang or end the caller; only its values come back (and are
+    kept for the same bytes: :data:`_VALUES`)."""
     path_str = spec.partition(":")[0]
     limit = os.environ.get("JAXPAR_CONFIG_TIMEOUT", str(CONFIG_TIMEOUT_S))
     if not (limit.isascii() and limit.isdigit() and int(limit) >= 1):
         raise ConfigError(f"JAXPAR_CONFIG_TIMEOUT={limit!r}: use a whole number of seconds of at least 1")
+    key = _cache_key(spec)
+    if key is not None and key in _VALUES:
+        return merge_into_defaults(copy.deepcopy(_VALUES[key]), source=path_str)
     values = isolated.call(
         __name__,
         "config_file_values",
@@ -223,6 +258,8 @@ def _load_file(spec: str) -> ConfigDict:
         "a config file only builds its ConfigDict (no loops, threads or waiting); "
         "raise JAXPAR_CONFIG_TIMEOUT if it needs longer",
     )
+    if key is not None:
+        _VALUES[key] = copy.deepcopy(values)
     return merge_into_defaults(values, source=path_str)
 
 

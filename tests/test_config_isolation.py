@@ -63,6 +63,7 @@ def test_a_thread_the_config_starts_does_not_keep_jaxpar_alive(tmp_path):
 def test_the_values_come_back_exactly(fork, monkeypatch):
     """Each shipped config through the child equals the same file run in this process, type for type."""
     monkeypatch.setattr(isolated, "fork_is_safe", lambda: fork)
+    monkeypatch.setattr(config, "_VALUES", {})  # every file through the child here, none from earlier loads
     for path in CONFIGS[:3] if not fork else CONFIGS:
         here = config.merge_into_defaults(config.config_file_values(str(path)), source=str(path)).to_dict()
         there = config.load_config(str(path)).to_dict()
@@ -85,3 +86,20 @@ def test_a_bad_time_limit_is_refused(value, monkeypatch, tmp_path):
     monkeypatch.setenv("JAXPAR_CONFIG_TIMEOUT", value)
     with pytest.raises(ConfigError, match=f"JAXPAR_CONFIG_TIMEOUT='{value}': use a whole number of seconds"):
         config.load_config(_file(tmp_path, "def get_config():\n    return default_config()\n"))
+
+
+def test_a_config_file_runs_once_per_process_for_the_same_bytes(tmp_path, monkeypatch):
+    """The child runs a file once for the same bytes and argument; new bytes run it again (the values
+    are kept by content, not by name or time: a rewrite within one clock tick is seen)."""
+    runs = []
+    real = isolated.call
+    monkeypatch.setattr(isolated, "call", lambda *a, **k: runs.append(a[2]) or real(*a, **k))
+    path = tmp_path / "c.py"
+    body = "from jaxpar.config import default_config\ndef get_config():\n    c = default_config()\n"
+    path.write_text(body + "    c.train.steps = 11\n    return c\n")
+    assert config.load_config(str(path)).train.steps == 11
+    first = config.load_config(str(path))
+    first.train.steps = 99  # the caller's copy: the kept values stay the file's
+    assert config.load_config(str(path)).train.steps == 11 and len(runs) == 1
+    path.write_text(body + "    c.train.steps = 12\n    return c\n")
+    assert config.load_config(str(path)).train.steps == 12 and len(runs) == 2

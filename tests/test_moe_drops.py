@@ -80,6 +80,9 @@ CAPACITY = ("--config.model.moe_capacity_factor=0.5",)
 ONE = ("--config.mesh.data=1", "--config.mesh.expert=1")
 
 
+@pytest.mark.skipif(
+    not SLOW, reason="JAXPAR_SLOW=1: a training step's compile (the layer's count is checked by default)"
+)
 def test_step_reports_the_share_of_routed_choices_dropped():
     one = _first_step(*CAPACITY, *ONE)
     routed = 2 * 8 * 32 * 2  # layers x sequences x tokens x top-k

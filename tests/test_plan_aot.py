@@ -360,6 +360,7 @@ def test_inspect_prints_the_largest_peak_terms(capsys):
     assert len(terms) == 3 and terms[0]["bytes"] >= terms[1]["bytes"] >= terms[2]["bytes"] > 0
 
 
+@slow
 def test_plan_aot_compiles_a_zero_bubble_row(capsys):
     """The planner's best ZB-H1 layout of the tiny model (p = 2, data = tensor = 2) compiles, and its
     estimated arguments and collective bytes per axis are within the bounds the grid above holds."""
