@@ -168,16 +168,18 @@ def test_the_entry_point_exits_with_the_codes():
     assert done.stderr == "error: inspect: --ops applies only with --json; add --json or drop --ops\n"
 
 
-def test_a_library_made_for_another_jax_is_one_line_exit_2():
+def test_a_library_made_for_another_jax_is_one_line_exit_2(tmp_path):
     """flax 0.12.8 under jax 0.11.2 (a GPU machine's JAX, 2026-12-05) raised AttributeError inside
-    ``import flax.nnx``: here the same failure, made by removing the name flax reads from JAX before
-    the command imports flax, is the environment's error (exit 2, both versions named), not a bug."""
-    code = (
-        "import jax.experimental.hijax as h; del h.HiPrimitive\n"
-        "import sys; from jaxpar.cli import main\n"
-        f"sys.exit(main(['inspect', '--config', {TINY!r}]))"
+    ``import flax.nnx``. Here a flax whose module code raises the same error, first on the path in a
+    ``site-packages`` folder, stands for it: the environment's error (exit 2, versions named), not a bug."""
+    fake = tmp_path / "site-packages" / "flax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "raise AttributeError(\"module 'jax.experimental.hijax' has no attribute 'HiPrimitive'\")\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+    argv = [sys.executable, "-m", "jaxpar", "inspect", "--config", TINY]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: flax "), done.stderr
