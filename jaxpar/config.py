@@ -85,7 +85,9 @@ def default_config() -> ConfigDict:
     c.model.mlp_activation = "swiglu"  # swiglu | gelu (classic GPT)
     c.model.norm = "rmsnorm"  # rmsnorm | layernorm (classic GPT)
     c.model.position = "rope"  # rope | learned (classic GPT)
-    c.model.attention = "dot_product"  # dot_product (s x s scores) | blockwise (flash, any backend) | cudnn | auto
+    # auto: cudnn on an NVIDIA GPU whose kernel takes the shapes, else blockwise (and always with
+    # mesh.context > 1) | dot_product (s x s scores, the reference) | blockwise (flash, any backend) | cudnn
+    c.model.attention = "auto"
     c.model.attention_block = 512  # blockwise: query and key/value block length
     c.model.attention_mask = "causal"  # causal | block_causal (also never across documents: torchtitan's)
     c.model.eos_token_id = -1  # block_causal: the token ending each packed document (-1: unset, refused)

@@ -59,7 +59,7 @@ class ParallelLayout:
     # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
     # calls (planner, tests, experiments) keep their meaning
     context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.ops.context_parallel)
-    attention: str = "dot_product"  # auto | dot_product | blockwise | cudnn (model.attention)
+    attention: str = "auto"  # auto | dot_product | blockwise | cudnn (model.attention)
     attention_block: int = 512  # blockwise: query and key/value block length (model.attention_block)
     context_exchange: str = "ring"  # ring | all_gather (used when context > 1)
     expert: int = 1  # expert parallelism: MoE experts split over `expert`; the batch over data x expert

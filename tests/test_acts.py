@@ -48,7 +48,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
             ("rope_original_max_seq_len", "4096"),
         )
     },
-    "model.attention_block": ("16", [], BLOCKWISE),
+    "model.attention_block": ("16", ["--config.model.attention=dot_product"], BLOCKWISE),
     "model.eos_token_id": ("5", [], ["--config.model.attention_mask=block_causal"]),
     "optim.min_lr_ratio": ("0.5", ["--config.optim.schedule=constant"], []),
     "optim.decay_steps": ("50", ["--config.optim.schedule=constant"], []),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigError
 from jaxpar.ops import attention as A
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 RTOL = 1e-5  # normwise: max |got - want| / max |want|
 
@@ -211,3 +214,15 @@ def test_make_attention():
     assert A.make_attention("blockwise", block_q=64).keywords == {"block_q": 64, "block_kv": 512}
     with pytest.raises(ConfigError, match="resolved first"):
         A.make_attention("auto")
+
+
+def test_the_default_is_auto_and_a_context_axis_takes_it_without_asking():
+    from jaxpar.config import default_config, load_config
+
+    assert default_config().model.attention == "auto"
+    cfg = load_config(
+        str(ROOT / "configs" / "tiny.py"), ["--config.mesh.data=4", "--config.mesh.tensor=1", "--config.mesh.context=2"]
+    )
+    assert cfg.model.attention == "auto"
+    # the configs compared with MaxText's numbers keep the kernel they were measured with
+    assert load_config(str(ROOT / "configs" / "maxtext_tiny.py")).model.attention == "dot_product"

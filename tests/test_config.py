@@ -39,7 +39,10 @@ def _run(capsys, *argv):
             ],
             "train.seq_len=60 is not divisible by 2*mesh.context=8",
         ),
-        (["--config.mesh.data=2", "--config.mesh.context=2"], "model.attention=dot_product with mesh.context=2"),
+        (
+            ["--config.mesh.data=2", "--config.mesh.context=2", "--config.model.attention=dot_product"],
+            "model.attention=dot_product with mesh.context=2",
+        ),
         (
             [
                 "--config.mesh.data=1",

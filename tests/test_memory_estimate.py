@@ -185,13 +185,14 @@ def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:
     return total
 
 
+@pytest.mark.parametrize("attention", ["dot_product", "blockwise"])
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_residual_count_matches_jax(policy):
+def test_residual_count_matches_jax(policy, attention):
     """The closed-form residuals of a block (no tensor parallelism) are what JAX saves under the
     step's remat policies (``none`` saves duplicates that XLA merges: checked by the compiled grid)."""
     cfg = load_config(str(ROOT / "configs" / "tiny.py"))
     cfg.model.compute_dtype = "float32"
-    lay = ParallelLayout(seq_len=64, microbatch_size=2, recompute=policy)
+    lay = ParallelLayout(seq_len=64, microbatch_size=2, recompute=policy, attention=attention, attention_block=16)
     assert A.layer_residual_bytes(cfg.model, lay) == pytest.approx(_saved(cfg.model, lay, policy))
 
 
