@@ -4,7 +4,7 @@ A field whose effect depends on another's value (``pipeline.schedule`` does noth
 pipeline stages) is declared here with that condition; :func:`check` refuses it set away from its
 default where the condition is false, naming both fields, so no accepted value is silently inert.
 Undeclared fields act whenever set; the optimizer fields follow
-:data:`jaxpar.optim.fields.OPTIMIZER_FIELDS`, listed here too so :func:`table` covers the schema.
+:func:`jaxpar.optim.fields.optimizer_fields`, listed here too so :func:`table` covers the schema.
 ``docs/config_fields.md`` is :func:`markdown` written out. Configs derived from a valid one go
 through :func:`reset_inert`.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.optim.fields import COMMON_FIELDS, OPTIMIZER_FIELDS
+from jaxpar.optim.fields import COMMON_FIELDS, optimizer_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +216,7 @@ def table(defaults: Any) -> list[tuple[str, str, str]]:
         if field in CONDITIONS:
             when = CONDITIONS[field].when
         elif section == "optim" and leaf not in COMMON_FIELDS:
-            names = sorted(name for name, fields in OPTIMIZER_FIELDS.items() if leaf in fields)
+            names = sorted(name for name, fields in optimizer_fields().items() if leaf in fields)
             when = f"optim.name is {' or '.join(names)} (or a custom factory, which reads what it likes)"
         else:
             when = "always"

@@ -211,11 +211,23 @@ def test_no_module_uses_another_modules_private_name():
 def test_the_command_line_does_not_import_jax_at_load():
     """``jaxpar port`` and the parsers never need JAX, and the simulated device count is set before JAX
     starts: importing the command line loads neither JAX nor optax (the executors, the optimizer
-    registry and the sharding rules that use them are imported where they run)."""
+    registry and the sharding rules that use them are imported where they run); nor does validating a
+    config, the optimizer's fields included (a field lion does not read is refused)."""
     import subprocess
     import sys
 
-    code = "import sys, jaxpar.cli; print(sorted(m for m in ('jax', 'optax', 'flax') if m in sys.modules))"
+    code = (
+        "import sys, jaxpar.cli\n"
+        "from jaxpar.config import ConfigError, load_config\n"
+        "load_config(None, ['--config.optim.name=sgd', '--config.optim.momentum=0.5'])\n"
+        "try:\n"
+        "    load_config(None, ['--config.optim.name=lion', '--config.optim.momentum=0.5'])\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+        "print(sorted(m for m in ('jax', 'optax', 'flax') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    refused, loaded = done.stdout.strip().splitlines()
+    assert refused.startswith("optim.momentum=0.5 has no effect with optim.name='lion'"), refused
+    assert loaded == "[]"

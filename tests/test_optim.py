@@ -3,8 +3,10 @@ laid out and priced as the formula says, a skipped step leaves it bitwise and co
 parameter-sized temporary, checkpoints move it between pipeline forms; jaxpar's AdamW equals optax's."""
 
 import dataclasses
+import importlib
 import os
 import pathlib
+import sys
 
 import jax
 import numpy as np
@@ -16,12 +18,14 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layout import ParallelLayout
 from jaxpar.optim import registry
+from jaxpar.optim.fields import optimizer_fields
+from jaxpar.optim.optimizers import muon
 from tests.helpers import ROOT, make_setup, max_rel_error, tiny_config
 
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
 STEPS = 3
 SMALL = ["--config.model.num_layers=2"]  # fast compiles; adafactor still factors (dims 128, 256, 384)
-OPTIMIZERS = [n for n in ("lion", "sgd", "adafactor", "muon") if n in registry.OPTIMIZERS]
+OPTIMIZERS = [n for n in ("lion", "sgd", "adafactor", "muon") if n in registry.optimizers()]
 LAYOUTS = {
     "zero1_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=1"],
     "zero2_d8": ["--config.mesh.data=8", "--config.parallel.zero_stage=2"],
@@ -177,7 +181,7 @@ def test_jaxpar_adamw_equals_optax_adamw(tmp_path):
 
 
 def test_fields_act_or_are_refused():
-    with pytest.raises(ConfigError, match="optim.name='rmsprop': use one of adamw, lion, sgd, adafactor"):
+    with pytest.raises(ConfigError, match="optim.name='rmsprop': use one of adafactor, adamw, lion, muon, sgd or"):
         _cfg("rmsprop")
     with pytest.raises(ConfigError, match="optim.b2=0.9 has no effect with optim.name='sgd'"):
         _cfg("sgd", "--config.optim.b2=0.9")
@@ -189,12 +193,85 @@ def test_fields_act_or_are_refused():
 
 
 def test_the_registry_and_the_field_list_name_the_same_optimizers():
-    """An optimizer's fields are listed once (jaxpar.optim.fields); the registry holds no copy."""
-    from jaxpar.optim.fields import OPTIMIZER_FIELDS
-
-    built_in = set(OPTIMIZER_FIELDS) - ({"muon"} if not registry.has_muon() else set())
-    assert set(registry.OPTIMIZERS) == built_in
+    """One module per optimizer: the field check and the registry find the same ones (muon only where
+    optax has it)."""
+    built_in = {"adamw", "lion", "sgd", "adafactor", "muon"}
+    assert set(optimizer_fields()) == built_in
+    assert set(registry.optimizers()) == built_in - ({"muon"} if not muon.available() else set())
+    assert registry.optimizers()["adamw"].in_shard_map and not registry.optimizers()["sgd"].in_shard_map
     assert {f.name for f in dataclasses.fields(registry.Optimizer)} == {"name", "build", "state", "in_shard_map"}
+
+
+# Heavy-ball SGD as the one file a new optimizer is: the built-in sgd's transformations at its defaults.
+ONE_FILE = '''"""Heavy-ball SGD: momentum 0.9, decoupled weight decay."""
+import optax
+
+from jaxpar.optim.state import same_shape
+from jaxpar.optim.transforms import decay_mask
+
+FIELDS = {"weight_decay"}
+
+
+def build(o, schedule, placements):
+    decay = optax.add_decayed_weights(o.weight_decay, decay_mask(placements))
+    return optax.chain(optax.trace(decay=0.9), decay, optax.scale_by_learning_rate(schedule))
+
+
+def state(o, shape, logical):
+    return [same_shape(shape)]
+'''
+
+
+@pytest.fixture
+def one_file(tmp_path, monkeypatch):
+    """``heavyball``, an optimizer added as one file: a folder holding it on the optimizers package's
+    ``__path__`` (the hook jaxpar.optim.optimizers documents)."""
+    package = importlib.import_module("jaxpar.optim.optimizers")
+    (tmp_path / "heavyball.py").write_text(ONE_FILE)
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    yield "heavyball"
+    sys.modules.pop("jaxpar.optim.optimizers.heavyball", None)
+
+
+def test_an_optimizer_is_one_file(one_file, tmp_path, monkeypatch):
+    """The file alone makes ``optim.name=heavyball``: the config takes the field it reads and refuses
+    one it does not, the registry builds it, and the planner prices its state (one moment, as lion)."""
+    assert optimizer_fields()[one_file] == {"weight_decay"}
+    assert registry.get(one_file).state is sys.modules["jaxpar.optim.optimizers.heavyball"].state
+    assert _cfg(one_file, "--config.optim.weight_decay=0.05").optim.weight_decay == 0.05
+    with pytest.raises(
+        ConfigError, match=r"optim.b2=0.9 has no effect with optim.name='heavyball' \(it reads weight_decay\)"
+    ):
+        _cfg(one_file, "--config.optim.b2=0.9")
+
+    from jaxpar.analysis.clusters import get_cluster
+    from jaxpar.analysis.plan import PlanOptions, evaluate_layout
+
+    layout = ParallelLayout(data=8, zero_stage=1, seq_len=4096)
+    states = {}
+    for name in ("heavyball", "lion"):
+        cfg = load_config(str(ROOT / "configs" / "llama2_7b.py"), [f"--config.optim.name={name}"])
+        est = evaluate_layout(cfg.model, get_cluster("h100-80g"), layout, PlanOptions(optim=cfg.optim))
+        states[name] = est.memory.optimizer_bytes
+    assert states["heavyball"] == states["lion"] > 0
+
+    bad = tmp_path / "bad"  # FIELDS not a literal: refused, naming the file
+    bad.mkdir()
+    (bad / "badfields.py").write_text("FIELDS = sorted({'b1'})\n")
+    package = sys.modules["jaxpar.optim.optimizers"]
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(bad)])
+    with pytest.raises(TypeError, match="badfields.py: declare FIELDS"):
+        optimizer_fields()
+
+
+@pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: a one-file optimizer trains (one more compile)")
+def test_a_one_file_optimizer_trains_like_the_built_in(one_file):
+    """heavyball on ZeRO-1 d8 takes the steps the built-in sgd takes on one device."""
+    ref_losses, ref_params, ref_opt, _ = _reference("sgd")
+    losses, params, opt, _ = _run(_cfg(one_file, *LAYOUTS["zero1_d8"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_rel_error(params, ref_params) < 1e-5
+    assert max_rel_error(jax.tree.map(np.float64, opt), jax.tree.map(np.float64, ref_opt)) < 1e-5
 
 
 def test_plan_and_compare_price_the_configured_optimizer():

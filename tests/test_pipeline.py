@@ -25,7 +25,7 @@ from jaxpar.config import ConfigError
 from jaxpar.layout import ParallelLayout
 from jaxpar.mesh import make_mesh
 from jaxpar.models import llama
-from jaxpar.optim import adamw
+from jaxpar.optim.optimizers import adamw
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
 from tests.helpers import TINY, make_setup, max_rel_error, tiny_config

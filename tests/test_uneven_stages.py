@@ -24,7 +24,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
 from jaxpar.layout import ParallelLayout, balanced_split, resolve_stage_layers
 from jaxpar.mesh import make_mesh
-from jaxpar.optim.adamw import init_state as init_opt_state
+from jaxpar.optim.optimizers.adamw import init_state as init_opt_state
 from jaxpar.parallel import pipeline
 from jaxpar.train.state import Setup
 from tests.helpers import ROOT, TINY, child_env, max_rel_error, tiny_config

@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules.
 
-* :mod:`jaxpar.optim.registry`: ``optim.name`` -> optimizer (build, state formula).
-* :mod:`jaxpar.optim.adamw`: jaxpar's AdamW, the default, inside the step's ``shard_map``.
-* :mod:`jaxpar.optim.fields`: the ``optim`` fields each optimizer reads (no optax import).
+* :mod:`jaxpar.optim.optimizers`: one module per built-in optimizer (fields read, build, state
+  formula); ``optimizers/adamw.py``: jaxpar's AdamW, the default, inside the step's ``shard_map``.
+* :mod:`jaxpar.optim.registry`: ``optim.name`` -> optimizer (those modules, or a custom factory).
+* :mod:`jaxpar.optim.fields`: the ``optim`` fields each optimizer reads (read with ``ast``, no optax import).
 * :mod:`jaxpar.optim.state`: the state's shardings and its move between the pipeline's forms.
 * :mod:`jaxpar.optim.transforms`: per-tensor application (stacked layers as batch dims), decoupled decay.
 * :mod:`jaxpar.optim.lr`: the learning-rate schedules.

@@ -1,11 +1,16 @@
-"""Which ``optim`` fields each optimizer reads: plain data, no optax import, so the config schema
-(:func:`jaxpar.config.validate`) refuses a field the chosen optimizer would ignore without loading
-JAX. The optimizers themselves: :mod:`jaxpar.optim.registry`."""
+"""Which ``optim`` fields each optimizer reads, so the config schema (:func:`jaxpar.config.validate`)
+refuses a field the chosen optimizer would ignore without loading JAX or optax: each module of
+:mod:`jaxpar.optim.optimizers` declares its ``FIELDS``, read here with ``ast`` (nothing imported).
+The optimizers themselves: :mod:`jaxpar.optim.registry`."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+import pathlib
+import pkgutil
+import sys
 from typing import Any
 
 from jaxpar import files
@@ -27,15 +32,45 @@ COMMON_FIELDS = frozenset(
         "clip_norm",
     }
 )
-ADAM_FIELDS = frozenset({"b1", "b2", "eps", "weight_decay", "decoupled_weight_decay"})
-# optim.name -> the fields it reads beyond COMMON_FIELDS
-OPTIMIZER_FIELDS: dict[str, frozenset[str]] = {
-    "adamw": ADAM_FIELDS,
-    "lion": frozenset({"b1", "b2", "weight_decay"}),
-    "sgd": frozenset({"momentum", "nesterov", "weight_decay", "decoupled_weight_decay"}),
-    "adafactor": frozenset({"momentum", "weight_decay"}),
-    "muon": frozenset({"momentum", "nesterov", "b1", "b2", "eps", "weight_decay"}),  # when optax has it
-}
+PACKAGE = "jaxpar.optim.optimizers"  # one module per built-in optimizer, named like it
+
+
+def optimizer_fields() -> dict[str, frozenset[str]]:
+    """``optim.name`` -> the fields it reads beyond :data:`COMMON_FIELDS`: the ``FIELDS`` of every
+    module of :data:`PACKAGE` (found on its ``__path__``, read with ``ast``, not imported)."""
+    package = sys.modules.get(PACKAGE)  # once imported, its __path__ is where imports look
+    folders = package.__path__ if package else importlib.util.find_spec(PACKAGE).submodule_search_locations
+    return _declared(tuple(folders))
+
+
+@functools.cache
+def _declared(folders: tuple[str, ...]) -> dict[str, frozenset[str]]:
+    out = {}
+    for info in pkgutil.iter_modules(list(folders)):
+        if not info.name.startswith("_") and not info.ispkg:
+            out[info.name] = _fields_of(pathlib.Path(info.module_finder.find_spec(info.name).origin))
+    return out
+
+
+def _fields_of(path: pathlib.Path) -> frozenset[str]:
+    for node in ast.parse(path.read_bytes(), str(path)).body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "FIELDS" for t in targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except (ValueError, TypeError):  # not a literal
+                value = None
+            if isinstance(value, (set, frozenset, tuple, list)) and all(isinstance(f, str) for f in value):
+                return frozenset(value)
+            break
+    raise TypeError(f"{path}: declare FIELDS = {{...}}, a literal set of the optim field names it reads")
+
+
+def momentum(o: Any, default: float) -> float:
+    """``optim.momentum``, -1 standing for the optimizer's ``default``."""
+    return default if o.momentum < 0 else o.momentum
 
 
 def is_custom(name: str) -> bool:
@@ -49,12 +84,16 @@ def check_fields(o: Any, defaults: Any) -> None:
     if is_custom(o.name):
         _check_factory(o.name)  # it reads whichever fields it likes; it runs when the step is built
         return
-    if o.name not in OPTIMIZER_FIELDS:
+    declared = optimizer_fields()
+    if o.name not in declared:
         raise ConfigError(
-            f"optim.name='{o.name}': use one of {', '.join(OPTIMIZER_FIELDS)} or path/to/file.py:"
+            f"optim.name='{o.name}': use one of {', '.join(declared)} or path/to/file.py:"
             "function returning an optax.GradientTransformation"
         )
-    fields = OPTIMIZER_FIELDS[o.name]
+    fields = declared[o.name]
+    unknown = sorted(fields - set(defaults.keys()))
+    if unknown:  # a module's mistake, not the config's
+        raise TypeError(f"{PACKAGE}.{o.name}: FIELDS names {unknown}, not optim fields; fix its FIELDS")
     for key in sorted(defaults.keys()):
         if key in COMMON_FIELDS or key in fields or o[key] == defaults[key]:
             continue
@@ -63,9 +102,7 @@ def check_fields(o: Any, defaults: Any) -> None:
             f"optim.{key}={o[key]!r} has no effect with optim.name='{o.name}' (it reads {used}); "
             f"remove it or keep the default {defaults[key]!r}"
         )
-    if o.name in ("lion", "adafactor") and o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay}: must be >= 0")
-    if o.name in ("sgd", "adafactor", "muon") and not (o.momentum == -1 or 0 <= o.momentum < 1):
+    if "momentum" in fields and not (o.momentum == -1 or 0 <= o.momentum < 1):
         raise ConfigError(f"optim.momentum={o.momentum}: use a value in [0, 1) or -1 (the optimizer's default)")
 
 

@@ -1,22 +1,11 @@
-"""The optimizer registry: ``optim.name`` -> how to build it, which fields it reads, its state size.
+"""The optimizer registry: ``optim.name`` -> how to build it and its state size.
 
-An optimizer is one :class:`Optimizer` in :data:`OPTIMIZERS`: ``build`` ``(optim_cfg, schedule,
-placements) -> optax.GradientTransformation`` and ``state``, the formula of its per-parameter state
-leaves, which the planner prices (:func:`state_leaves`). Built in:
-
-* ``adamw`` (default): jaxpar's own AdamW inside the step's ``shard_map``, all of it in
-  :mod:`jaxpar.optim.adamw`; ``build`` gives ``optax.adamw``, its reference in tests/test_optim.py.
-* ``lion``: ``optax.lion`` (Chen et al. 2023, arXiv:2302.06675).
-* ``sgd``: ``optax.sgd``, ``optim.momentum`` (default 0.9), ``optim.nesterov``; decoupled weight
-  decay, or L2 on the gradient (``torch.optim.SGD``) with ``decoupled_weight_decay=False``.
-* ``adafactor``: ``optax.adafactor`` (Shazeer & Stern 2018, arXiv:1804.04235) per tensor
-  (:func:`jaxpar.optim.transforms.per_tensor`), optax's defaults (factored when the second-largest
-  dim is >= 128, update clipping 1.0, parameter scale); ``optim.momentum`` > 0 adds momentum;
-  decoupled weight decay ``lr(k) * weight_decay * p``.
-* ``muon``: ``optax.contrib.muon`` (Jordan et al. 2024; Liu et al. 2025, arXiv:2502.16982) where
-  optax has it: Newton-Schulz orthogonalised momentum (``optim.momentum``, default 0.95,
-  ``optim.nesterov``) for the block weight matrices (:func:`muon_dims`), AdamW (``b1``, ``b2``,
-  ``eps``) for the rest; decoupled weight decay where the ParamPlacement decays.
+A built-in optimizer is one module of :mod:`jaxpar.optim.optimizers` (its contract there), found by
+``pkgutil.iter_modules`` and imported here when first asked for (:func:`optimizers`): ``build``
+``(optim_cfg, schedule, placements) -> optax.GradientTransformation`` and ``state``, the formula of
+its per-parameter state leaves, which the planner prices (:func:`state_leaves`). Built in:
+``adamw`` (default; jaxpar's own, inside the step's ``shard_map``), ``lion``, ``sgd``,
+``adafactor``, ``muon`` (where optax has it).
 
 Any other optax transformation: ``optim.name = "path/to/file.py:fn"`` (or ``"package.module:fn"``),
 ``fn(optim_cfg, learning_rate, weight_decay_mask) -> optax.GradientTransformation`` with the
@@ -28,6 +17,7 @@ the stored tree (stacked layers as one tensor), may read any field, and its stat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import math
@@ -35,20 +25,13 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
 import optax
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.optim import adamw
-from jaxpar.optim.fields import is_custom
-from jaxpar.optim.state import StateLeaf, local_size, same_shape, spec_for
-from jaxpar.optim.transforms import decay_mask, decoupled_weight_decay, per_tensor
-from jaxpar.sharding import is_placement
-
-STACKED = ("layers", "stages")  # leading stacked dims: batch dims of per-tensor statistics
-ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default
+from jaxpar.optim.fields import PACKAGE, is_custom, optimizer_fields
+from jaxpar.optim.state import StateLeaf, local_size, spec_for
+from jaxpar.optim.transforms import decay_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,153 +44,19 @@ class Optimizer:
     in_shard_map: bool = False  # jaxpar's own update inside the step's shard_map (adamw)
 
 
-def batch_dims(logical: tuple[str, ...]) -> int:
-    """Number of leading stacked dims (``layers``, ``stages``)."""
-    n = 0
-    while n < len(logical) and logical[n] in STACKED:
-        n += 1
-    return n
+def optimizers() -> dict[str, Optimizer]:
+    """Every built-in optimizer the installed optax offers, by ``optim.name``."""
+    return _imported(tuple(optimizer_fields()))
 
 
-def _scalar_per_batch(shape: tuple[int, ...], b: int) -> StateLeaf:
-    return tuple(shape[:b]), tuple(range(b))
-
-
-# --------------------------------------------------------------------------- lion
-
-
-def _build_lion(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask(placements))
-
-
-def _state_momentum(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    return [same_shape(shape)]
-
-
-# --------------------------------------------------------------------------- sgd
-
-
-DEFAULT_MOMENTUM = {"sgd": 0.9, "muon": 0.95, "adafactor": 0.0}  # optim.momentum = -1 picks these
-
-
-def momentum(o: ConfigDict) -> float:
-    return DEFAULT_MOMENTUM[o.name] if o.momentum < 0 else o.momentum
-
-
-def _build_sgd(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    momentum_ = momentum(o) or None
-    decay = optax.add_decayed_weights(o.weight_decay, decay_mask(placements))
-    if not o.decoupled_weight_decay:  # L2: torch.optim.SGD's weight_decay
-        return optax.chain(decay, optax.sgd(schedule, momentum=momentum_, nesterov=o.nesterov))
-    parts = [optax.trace(decay=momentum_, nesterov=o.nesterov)] if momentum_ else []
-    return optax.chain(*parts, decay, optax.scale_by_learning_rate(schedule))
-
-
-def _state_sgd(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    return [same_shape(shape)] if momentum(o) else []
-
-
-# --------------------------------------------------------------------------- adafactor
-
-
-def _build_adafactor(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    # optax.adafactor adds weight_decay_rate * p after the learning rate: a schedule makes it lr(k) * wd.
-    inner = lambda wd: optax.adafactor(  # noqa: E731
-        schedule,
-        momentum=momentum(o) or None,
-        weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd else None,
-    )
-    dims = jax.tree.map(lambda lay: batch_dims(lay.logical), placements, is_leaf=is_placement)
-    labels = jax.tree.map(
-        lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", placements, is_leaf=is_placement
-    )
-    return per_tensor({"decay": inner(True), "plain": inner(False)}, labels, dims)
-
-
-def _state_adafactor(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    """optax.scale_by_factored_rms per layer: factored over the two largest dims d1 (second) and d0
-    (largest) of the per-layer tensor when d1 >= 128: v_row drops d0, v_col drops d1; else a full v."""
-    b = batch_dims(logical)
-    inner = shape[b:]
-    batch = tuple(range(b))
-    one = (tuple(shape[:b]) + (1,), batch + (None,))  # optax's (1,) placeholder, per layer
-    out = [_scalar_per_batch(shape, b)]  # factored-rms count
-    order = np.argsort(inner) if len(inner) >= 2 else None
-    if order is not None and inner[order[-2]] >= ADAFACTOR_MIN_DIM_TO_FACTOR:
-        d1, d0 = b + int(order[-2]), b + int(order[-1])
-        for drop in (d0, d1):
-            kept = tuple(i for i in range(len(shape)) if i != drop)
-            out.append((tuple(shape[i] for i in kept), kept))
-        out.append(one)
-    else:
-        out += [one, one, same_shape(shape)]
-    out.append(_scalar_per_batch(shape, b))  # scale_by_learning_rate's count
-    if momentum(o):
-        out += [_scalar_per_batch(shape, b), same_shape(shape)]  # ema count, ema
+@functools.cache
+def _imported(names: tuple[str, ...]) -> dict[str, Optimizer]:
+    out = {}
+    for name in names:
+        module = importlib.import_module(f"{PACKAGE}.{name}")
+        if getattr(module, "available", lambda: True)():  # muon: only where optax has it
+            out[name] = Optimizer(name, module.build, module.state, getattr(module, "IN_SHARD_MAP", False))
     return out
-
-
-# --------------------------------------------------------------------------- muon
-
-
-def muon_dims(logical: tuple[str, ...]) -> Any:
-    """optax.contrib.muon's dimension numbers for one parameter, None where AdamW applies: weight
-    matrices of the blocks (>= 2 dims besides the stacked ones, which are batch dims; no vocabulary
-    dim). Input dims: ``embed``, or all but the last; output dims: the rest."""
-    from optax.contrib import MuonDimensionNumbers
-
-    b = batch_dims(logical)
-    rest = logical[b:]
-    if len(rest) < 2 or "vocab" in rest:
-        return None
-    n = len(logical)
-    if rest[0] == "embed":  # input features first: x @ W
-        return MuonDimensionNumbers(reduction_axis=(b,), output_axis=tuple(range(b + 1, n)))
-    return MuonDimensionNumbers(reduction_axis=tuple(range(b, n - 1)), output_axis=(n - 1,))
-
-
-def _build_muon(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
-    from optax.contrib import muon
-
-    dims = jax.tree.map(lambda lay: muon_dims(lay.logical), placements, is_leaf=is_placement)
-    tx = muon(
-        schedule,
-        beta=momentum(o),
-        eps=o.eps,
-        nesterov=o.nesterov,
-        adam_b1=o.b1,
-        adam_b2=o.b2,
-        muon_weight_dimension_numbers=dims,
-    )
-    if not o.weight_decay:
-        return tx
-    return optax.chain(tx, decoupled_weight_decay(schedule, o.weight_decay, decay_mask(placements)))
-
-
-def _state_muon(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
-    if muon_dims(logical) is not None:
-        return [same_shape(shape)]  # momentum
-    return [same_shape(shape), same_shape(shape)]  # AdamW mu, nu
-
-
-def has_muon() -> bool:
-    try:
-        from optax.contrib import muon  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# The optim fields each one reads are listed once, in jaxpar.optim.fields.OPTIMIZER_FIELDS (checked
-# with the config, without loading optax).
-OPTIMIZERS: dict[str, Optimizer] = {
-    "adamw": Optimizer("adamw", adamw.build, adamw.state_leaves, in_shard_map=True),
-    "lion": Optimizer("lion", _build_lion, _state_momentum),
-    "sgd": Optimizer("sgd", _build_sgd, _state_sgd),
-    "adafactor": Optimizer("adafactor", _build_adafactor, _state_adafactor),
-}
-if has_muon():
-    OPTIMIZERS["muon"] = Optimizer("muon", _build_muon, _state_muon)
 
 
 # --------------------------------------------------------------------------- custom factories
@@ -253,12 +102,13 @@ def get(name: str) -> Optimizer:
     """The registry entry (or a custom factory's) for ``optim.name``; unknown -> ConfigError."""
     if is_custom(name):
         return _custom(name)
-    if name not in OPTIMIZERS:  # muon without optax.contrib.muon, or an unknown name
+    offered = optimizers()
+    if name not in offered:  # muon without optax.contrib.muon, or an unknown name
         raise ConfigError(
-            f"optim.name='{name}': this optax offers {', '.join(OPTIMIZERS)}; use one of them or {', '.join(OPTIMIZERS)} or path/to/file.py:function "
-            "returning an optax.GradientTransformation"
+            f"optim.name='{name}': this optax offers {', '.join(offered)}; use one of them or "
+            "path/to/file.py:function returning an optax.GradientTransformation"
         )
-    return OPTIMIZERS[name]
+    return offered[name]
 
 
 def state_leaves(optim_cfg: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:

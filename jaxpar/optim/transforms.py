@@ -5,6 +5,7 @@
   layers as one [L, ...] array where PyTorch has a tensor per layer; per-tensor statistics
   (Adafactor's RMS clipping, parameter scale, factored moments) are then taken per layer, as in
   PyTorch, and alike in the stage and model forms of the parameters.
+* :func:`batch_dims`: how many leading dims of a parameter are stacked layers (``layers``, ``stages``).
 * :func:`decay_mask`: which parameters take weight decay (:class:`jaxpar.sharding.ParamPlacement`).
 * :func:`decoupled_weight_decay`: ``u - lr(k) * rate * p`` on masked leaves (AdamW's decoupled,
   learning-rate-scaled decay, Loshchilov & Hutter 2019, arXiv:1711.05101) for optimizers whose optax
@@ -21,6 +22,16 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.sharding import is_placement
+
+STACKED = ("layers", "stages")  # leading stacked dims: batch dims of per-tensor statistics
+
+
+def batch_dims(logical: tuple[str, ...]) -> int:
+    """Number of leading stacked dims (``layers``, ``stages``) of a parameter's logical dims."""
+    n = 0
+    while n < len(logical) and logical[n] in STACKED:
+        n += 1
+    return n
 
 
 def decay_mask(placements: Any) -> Any:

@@ -30,9 +30,10 @@ from jaxpar.config import ConfigDict, default_config, validate
 from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
 from jaxpar.ops.attention import resolve_attention
-from jaxpar.optim import adamw, registry
+from jaxpar.optim import registry
 from jaxpar.optim import state as opt_state_lib
 from jaxpar.optim.lr import make_schedule
+from jaxpar.optim.optimizers import adamw
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import Strategy, check_sufficiently_sharded, named, param_placements, specs
 from jaxpar.train import loss_scale as loss_scale_lib

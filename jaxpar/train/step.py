@@ -53,7 +53,7 @@ from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model, moe
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout, zero3
-from jaxpar.optim import adamw
+from jaxpar.optim.optimizers import adamw
 from jaxpar.parallel import zero
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import ParamPlacement, is_placement

@@ -25,6 +25,9 @@ from jaxpar.optim.transforms import decay_mask
 from jaxpar.parallel import zero
 from jaxpar.sharding import ParamPlacement, is_placement
 
+FIELDS = {"b1", "b2", "eps", "weight_decay", "decoupled_weight_decay"}
+IN_SHARD_MAP = True  # the step calls update() on each device's shard; build() is the reference
+
 
 def build(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     """``optax.adamw`` with the same fields: the reference :func:`update` is tested against."""
@@ -35,7 +38,7 @@ def build(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientT
     return optax.chain(optax.add_decayed_weights(o.weight_decay, mask), adam)  # L2 (Adam)
 
 
-def state_leaves(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
+def state(o: ConfigDict, shape: tuple[int, ...], logical: tuple[str, ...]) -> list[StateLeaf]:
     return [same_shape(shape), same_shape(shape)]  # mu, nu (fp32)
 
 
