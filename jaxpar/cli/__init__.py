@@ -115,8 +115,9 @@ def _run(argv: list[str]) -> int:
         args.overrides = overrides
         # the environment, before JAX starts: XLA_FLAGS and JAX_PLATFORMS only where JAX runs
         check_environment(jax_runs=args.command != "port")
-        with interrupt.deferring():  # JAX's extension loads here (every subcommand imports it): Ctrl-C waits
-            import jax  # noqa: F401 - imported, not started: the device count is still set later
+        if args.command != "port":  # port reads recipes and writes a config: it never loads JAX
+            with interrupt.deferring():  # JAX's extension loads here (the other subcommands import it): Ctrl-C waits
+                import jax  # noqa: F401 - imported, not started: the device count is still set later
         return int(args.run(args) or 0)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error takes one of the paths below
         return _report(e, argv)

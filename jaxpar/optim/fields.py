@@ -16,6 +16,9 @@ from typing import Any
 from jaxpar import files
 from jaxpar.errors import ConfigError
 
+# schedule fields a config written before them may lack, with the value that keeps its old curve
+# (jaxpar.optim.lr reads them; the port report names them without loading JAX)
+OPTIONAL_FIELDS: dict[str, Any] = {"decay_start_step": -1, "schedule_offset": 0}
 # fields every optimizer reads: the learning-rate schedule (jaxpar.optim.lr) and clipping
 COMMON_FIELDS = frozenset(
     {

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.config import ConfigError
+from jaxpar.optim.fields import OPTIONAL_FIELDS
 
 WARMUP_TYPES = ("linear", "log")
 DECAY_TYPES = ("cosine", "linear", "constant", "inverse_sqrt", "sqrt")
-OPTIONAL_FIELDS: dict[str, Any] = {"decay_start_step": -1, "schedule_offset": 0}
 
 
 @dataclasses.dataclass(frozen=True)

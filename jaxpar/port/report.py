@@ -38,7 +38,7 @@ from jaxpar.config import (
     merge_into_defaults,
     validate,
 )
-from jaxpar.optim.lr import OPTIONAL_FIELDS
+from jaxpar.optim.fields import OPTIONAL_FIELDS
 
 STATUSES = ("mapped", "approximated", "unsupported", "unknown")
 # the fields that fix a model's shape: a port that sets none of them for a field trains jaxpar's
