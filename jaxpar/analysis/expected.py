@@ -99,7 +99,7 @@ def expected_collectives(
         raise ConfigError("expected_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
     mesh_shape = dict(cfg.mesh)
     c, experts = cfg.mesh.context, cfg.mesh.expert
-    group = group_axes(data_group(c, experts))  # the batch's reductions: data (x expert) (x context)
+    group = group_axes(data_group(mesh_shape))  # the batch's reductions: data (x expert) (x context)
     m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
     b = cfg.train.global_batch // (m * cfg.mesh.data * experts)
     layers = cfg.model.num_layers
