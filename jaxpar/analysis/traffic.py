@@ -367,14 +367,20 @@ class HeldParam:
     place: str  # layer (the scanned stack) | first | last (jaxpar.models.inventory.ParamTensor.place)
 
 
+def _tensor_group(layout: ParallelLayout, x: ParamTensor) -> tuple[str, ...]:
+    """The axes ``x`` is reduced and ZeRO-sharded over: :func:`jaxpar.axes.data_group` less the axes
+    the rules split it over (an expert weight's leaves out ``expert``)."""
+    rules = axis_rules(layout.mesh)
+    return group_axes(data_group(layout.mesh, {rules[d] for d, _ in x.dims if d in rules}))
+
+
 def held_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> list[HeldParam]:
     """The parameters one device of ``stage`` holds (:func:`jaxpar.models.inventory.stage_tensors`,
     jaxpar's pipeline form), each with its group (:func:`jaxpar.axes.data_group`, less the axes the
     rules split it over) and whether ZeRO's rule (:func:`jaxpar.sharding.zero_dim`) finds it a dim."""
-    rules = axis_rules(layout.mesh)
     out = []
     for x, copies in stage_tensors(model, layout, stage, shared_on_every_stage=True):
-        group = group_axes(data_group(layout.mesh, {rules[d] for d, _ in x.dims if d in rules}))
+        group = _tensor_group(layout, x)
         n = math.prod(layout.size(a) for a in group)
         elements = copies * shard_elements(x, layout.tensor, 1, False, layout.expert)
         out.append(HeldParam(elements, group, n > 1 and any(size % n == 0 for size in x.zero_candidates), x.place))
@@ -609,11 +615,11 @@ def jaxpar_stage_traffic(
 
 def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:
     """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors
-    (each over its group: :func:`_reduce_groups`)."""
+    (each over its group: :func:`_tensor_group`)."""
     t, e = layout.tensor, layout.expert
 
     def group(x: ParamTensor) -> int:
-        return reduce_group(layout) * (1 if x.expert_split else e)
+        return math.prod(layout.size(a) for a in _tensor_group(layout, x))
 
     return sum(
         all_gather_bytes(shard_elements(x, t, 1, False, e) * nbytes, group(x))
