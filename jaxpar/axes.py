@@ -8,8 +8,9 @@ axis name.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 
 class MeshAxis(enum.StrEnum):
@@ -31,7 +32,7 @@ MESH_AXES: tuple[MeshAxis, ...] = (
     MeshAxis.EXPERT,
 )
 
-# Megatron tensor parallelism: the only rules table. With mesh.tensor == 1 it is a no-op.
+# Megatron tensor parallelism. With mesh.tensor == 1 it is a no-op.
 TENSOR_RULES: Mapping[str, str] = {
     "vocab": MeshAxis.TENSOR,  # vocabulary-parallel embedding and logits / cross-entropy
     "heads": MeshAxis.TENSOR,  # QKV column-parallel, attention output row-parallel
@@ -59,21 +60,100 @@ DEVICE_ORDER: tuple[MeshAxis, ...] = (
 )
 
 
-def batch_axes(expert: int = 1) -> MeshAxis | tuple[MeshAxis, ...]:
-    """The axes that split the batch's sequences: ``data``, or ``(data, expert)``: ``expert`` takes
-    its devices from data parallelism (the layers other than the experts see ``data x expert`` as
-    their data-parallel group, as in Megatron-core's MoE parallel folding and MaxText)."""
-    return MeshAxis.DATA if expert == 1 else (MeshAxis.DATA, MeshAxis.EXPERT)
+@dataclasses.dataclass(frozen=True)
+class AxisRole:
+    """What the training step does with one mesh axis: the per-axis facts that the sharding rules
+    (:mod:`jaxpar.sharding`), the batch split (:mod:`jaxpar.train.batches`), ZeRO's reduction and
+    gather groups (:mod:`jaxpar.sharding`, :mod:`jaxpar.ops.zero3`) and the model's
+    ``ShardContext`` (:mod:`jaxpar.train.step`) read from :data:`AXIS_ROLES`, so that none of them
+    names an axis.
+
+    A group is written in :data:`MESH_AXES` order, the batch axes first; an axis joins it only when
+    its size exceeds 1, except with ``at_size_one`` (``data``: a group is never empty)."""
+
+    # the batch's sequences are split over it: its ranks see other sequences, so every parameter
+    # not split over it has partial gradients there (the batch group, then the gradient group)
+    splits_batch: bool = False
+    # its ranks see other tokens of the same sequences (context parallelism): partial gradients, so
+    # it joins the gradient (and ZeRO) group after the batch axes, as in torchtitan's FSDP over dp x cp
+    splits_sequence: bool = False
+    at_size_one: bool = False  # joins its groups at size 1 too
+    # the model's ShardContext field that names it (None: not bound by itself), and whether it is
+    # bound at size 1 too (expert: the experts' weights are split over it whatever its size)
+    context_field: str | None = None
+    bound_at_size_one: bool = False
+    rules: Mapping[str, str] = dataclasses.field(default_factory=dict)  # logical dims split over it
+    rules_at_size_one: bool = True  # False: its rules only apply when it is split (pipeline's stage form)
 
 
-def data_group(context: int, expert: int = 1) -> MeshAxis | tuple[MeshAxis, ...]:
-    """The axes over which ZeRO shards and gradients are reduced, for every parameter but the
-    experts': the batch axes (:func:`batch_axes`), and ``context`` with context parallelism (every
-    context rank's gradients are partial sums, as in torchtitan's FSDP over dp_shard x cp). The
-    experts' group leaves ``expert`` out (their weights are split over it). A single name when
-    ``context == expert == 1``."""
-    axes = (*group_axes(batch_axes(expert)), *((MeshAxis.CONTEXT,) if context > 1 else ()))
+# The per-axis table (every MeshAxis has a row; tests/test_axes.py checks the step, the sharding,
+# the batch split and ZeRO-3 derive their groups from it). ``expert`` takes its devices from data
+# parallelism: the layers other than the experts see data x expert as their data-parallel group,
+# as in Megatron-core's MoE parallel folding and MaxText.
+AXIS_ROLES: Mapping[MeshAxis, AxisRole] = {
+    MeshAxis.DATA: AxisRole(splits_batch=True, at_size_one=True),
+    MeshAxis.TENSOR: AxisRole(context_field="tensor_axis", bound_at_size_one=True, rules=TENSOR_RULES),
+    MeshAxis.PIPELINE: AxisRole(rules=PIPELINE_RULES, rules_at_size_one=False),
+    MeshAxis.CONTEXT: AxisRole(splits_sequence=True, context_field="context_axis"),
+    MeshAxis.EXPERT: AxisRole(
+        splits_batch=True, context_field="expert_axis", bound_at_size_one=True, rules=EXPERT_RULES
+    ),
+}
+
+Group = MeshAxis | tuple[MeshAxis, ...]  # a collective's axis argument: one name, or a tuple of them
+
+
+def _group(axes: tuple[MeshAxis, ...]) -> Group:
     return axes[0] if len(axes) == 1 else axes
+
+
+def _joins(axis: MeshAxis, sizes: Mapping[str, int]) -> bool:
+    return AXIS_ROLES[axis].at_size_one or sizes.get(axis, 1) > 1
+
+
+def batch_axes(sizes: Mapping[str, int]) -> Group:
+    """The axes that split the batch's sequences on a mesh of ``sizes`` (axis -> size): those whose
+    :attr:`AxisRole.splits_batch`, i.e. ``data``, or ``(data, expert)`` with ``expert > 1``."""
+    return _group(tuple(a for a in MESH_AXES if AXIS_ROLES[a].splits_batch and _joins(a, sizes)))
+
+
+def data_group(sizes: Mapping[str, int], split: Collection[str] = ()) -> Group:
+    """The axes over which ZeRO shards and gradients are reduced, on a mesh of ``sizes``, for a
+    parameter split over the axes ``split``: the batch axes (:func:`batch_axes`), then the axes that
+    split the sequence (``context``: every context rank's gradients are partial sums, as in
+    torchtitan's FSDP over dp_shard x cp), less those the parameter is split over (the experts'
+    weights leave ``expert`` out). A single name when only ``data`` remains."""
+    return _group(tuple(a for a in gradient_axes() if _joins(a, sizes) and a not in split))
+
+
+def gradient_axes() -> tuple[MeshAxis, ...]:
+    """Every axis that can join a gradient group (:func:`data_group`), in its order: the batch
+    axes, then the sequence axes."""
+    batch = [a for a in MESH_AXES if AXIS_ROLES[a].splits_batch]
+    return (*batch, *(a for a in MESH_AXES if AXIS_ROLES[a].splits_sequence))
+
+
+def axis_rules(sizes: Mapping[str, int] | None = None) -> dict[str, str]:
+    """The logical dim -> mesh axis rules on a mesh of ``sizes`` (None: the rules that hold at every
+    size, those of :attr:`AxisRole.rules_at_size_one`)."""
+    sizes = sizes or {}
+    return {
+        dim: axis
+        for a, role in AXIS_ROLES.items()
+        if role.rules_at_size_one or sizes.get(a, 1) > 1
+        for dim, axis in role.rules.items()
+    }
+
+
+def context_axes(sizes: Mapping[str, int]) -> dict[str, Group | None]:
+    """The mesh axes the model's ``ShardContext`` is bound to on a mesh of ``sizes``: ``data_axis``,
+    the gradient group (:func:`data_group`), and each :attr:`AxisRole.context_field`: its axis where
+    it is split (or :attr:`AxisRole.bound_at_size_one`), else None."""
+    out: dict[str, Group | None] = {"data_axis": data_group(sizes)}
+    for axis, role in AXIS_ROLES.items():
+        if role.context_field is not None:
+            out[role.context_field] = axis if role.bound_at_size_one or sizes.get(axis, 1) > 1 else None
+    return out
 
 
 def group_axes(group: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from jaxpar.axes import MESH_AXES, MeshAxis
+from jaxpar.axes import MESH_AXES, MeshAxis, batch_axes, group_axes
 from jaxpar.errors import require
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -110,8 +110,9 @@ class ParallelLayout:
 
     @property
     def batch_shards(self) -> int:
-        """How many shards the batch's sequences are split into: ``data x expert``."""
-        return self.data * self.expert
+        """How many shards the batch's sequences are split into: the product of the batch axes'
+        sizes (:func:`jaxpar.axes.batch_axes`: ``data x expert``)."""
+        return math.prod(self.size(a) for a in group_axes(batch_axes(self.mesh)))
 
     @property
     def global_batch(self) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import EXPERT_RULES, PIPELINE_RULES, TENSOR_RULES, MeshAxis, data_group, group_axes  # noqa: F401 - re-exported
+from jaxpar.axes import EXPERT_RULES, PIPELINE_RULES, TENSOR_RULES, MeshAxis, axis_rules, data_group, group_axes  # noqa: F401 - re-exported
 from jaxpar.config import ConfigError
 from jaxpar.layout import ParallelLayout
 
@@ -48,12 +48,13 @@ class Strategy:
     """The rules: which mesh axis each logical dim is split over. Everything else a layout decides
     (the ZeRO stage, sequence parallelism, the mesh sizes) is the layout's."""
 
-    rules: Mapping[str, str] = dataclasses.field(default_factory=lambda: {**TENSOR_RULES, **EXPERT_RULES})
+    rules: Mapping[str, str] = dataclasses.field(default_factory=axis_rules)
 
     @classmethod
     def for_layout(cls, layout: ParallelLayout) -> Strategy:
-        """The rules of ``layout``: with more than one pipeline stage the layers are split over ``pipeline``."""
-        return cls(rules={**TENSOR_RULES, **EXPERT_RULES, **(PIPELINE_RULES if layout.pipeline > 1 else {})})
+        """The rules of ``layout`` (:func:`jaxpar.axes.axis_rules`): with more than one pipeline
+        stage the layers are split over ``pipeline`` too."""
+        return cls(rules=axis_rules(layout.mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +121,8 @@ def param_placement(
                 f"choose mesh.{axis} that divides {size}"
             )
         compute.append(axis)
-    # the experts' weights are split over `expert`: their group leaves it out (jaxpar.axes.data_group)
-    split_over_expert = MeshAxis.EXPERT in compute
-    expert = 1 if split_over_expert else mesh_shape.get(MeshAxis.EXPERT, 1)
-    group = data_group(mesh_shape.get(MeshAxis.CONTEXT, 1), expert)
+    # the group leaves out the axes the parameter is split over (the experts' weights: `expert`)
+    group = data_group(mesh_shape, split={a for a in compute if a is not None})
     zdim = zero_dim(shape, logical, strategy.rules, math.prod(mesh_shape[a] for a in group_axes(group)))
     return ParamPlacement(
         logical=logical,

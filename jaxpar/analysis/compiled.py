@@ -46,7 +46,7 @@ from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_group
     source_target_pairs,
 )
 from jaxpar.analysis.traffic import ring_bytes
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MeshAxis, gradient_axes
 from jaxpar.config import ConfigDict, ConfigError, validate
 from jaxpar.layout import ParallelLayout
 
@@ -209,7 +209,7 @@ class CompiledReport:
 
 # The axes a gradient reduction group is made of (jaxpar.axes.data_group): a row over several of them is
 # the reduction of a ZeRO group, counted under `data` in per-axis totals (the estimates' data entry).
-GROUP_AXES = (MeshAxis.DATA, MeshAxis.EXPERT, MeshAxis.CONTEXT)
+GROUP_AXES = gradient_axes()
 
 
 def counted_axes(axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -13,11 +13,13 @@ from typing import Any
 
 from jaxpar.analysis.estimate import DTYPE_BYTES
 from jaxpar.analysis.traffic import (
+    HeldParam,
     context_collectives,
     moe_dispatch_arrays,
     moe_layer_phases,
     ring_bytes,
     tensor_collectives,
+    zero_collectives,
 )
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
@@ -53,6 +55,24 @@ def param_leaves(
     ]
 
 
+def _held(cfg: ConfigDict, leaves: list, mesh_shape: dict[str, int]) -> list[HeldParam]:
+    """Each parameter of ``leaves`` (:func:`param_leaves`) as :func:`jaxpar.analysis.traffic.zero_collectives`
+    reads it: its elements under the compute spec, its placement's group, whether ZeRO found it a
+    dim, and its place in the model (the inventory's, in the same leaf order: a leaf of the scanned
+    stack is a ``layer`` tensor)."""
+    from jaxpar.models.inventory import param_tensors
+
+    tensors = param_tensors(cfg.model)
+    if len(tensors) != len(leaves):
+        raise ValueError(f"the inventory lists {len(tensors)} parameters, the placements {len(leaves)}")
+    return [
+        HeldParam(
+            local_elements(shape, lay.compute, mesh_shape), group_axes(lay.zero_axes), lay.zero_dim is not None, x.place
+        )
+        for (_, shape, lay), x in zip(leaves, tensors)
+    ]
+
+
 def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
     """Elements of one device's shard of an array of ``shape`` laid out by PartitionSpec ``spec``."""
     return math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
@@ -67,13 +87,12 @@ def expected_collectives(
     tokens per data shard; E a parameter's elements per device under its *compute* spec; g = bytes
     of ``parallel.grad_reduce_dtype``; a = bytes of ``model.compute_dtype``; n = the axis size.
 
-    * ``data``: stage 0 all-reduces every gradient once, 2(n-1)/n*E*g. Stage 1 reduce-scatters it
-      once, (n-1)/n*E*g, and all-gathers the updated fp32 parameter, (n-1)/n*E*4. Stage 2
-      reduce-scatters every microbatch. Stage 3 all-gathers each block parameter (in g) twice per
-      microbatch (forward, and again in the backward: remat never keeps it), the embedding / final
-      norm / output layer once per microbatch (XLA may hoist them to once per step), and
-      reduce-scatters every gradient per microbatch. A parameter no dim of which n divides is
-      all-reduced instead (per step at stages 0-1, per microbatch at 2-3). Plus the fp32 loss.
+    * ``data``: the gradient reductions and ZeRO gathers of every parameter over its placement's
+      group, as :func:`jaxpar.analysis.traffic.zero_collectives` derives them for the planner too
+      (stage 0 all-reduces every gradient once, 2(n-1)/n*E*g; ZeRO-1/2 reduce-scatter it and
+      all-gather the updated parameter; ZeRO-3 gathers the layers twice per microbatch, counted in
+      g: the program XLA:CPU compiles moves them in fp32 with bf16 compute).
+      Plus the fp32 loss.
     * ``tensor`` (Megatron), per layer and microbatch, each b*s*h*a: 2 all-reduces forward
       (attention and MLP outputs), 2 backward, and the attention output's again with remat. Per
       microbatch: the vocabulary-parallel embedding, the output layer input's gradient, and the
@@ -99,12 +118,11 @@ def expected_collectives(
         raise ConfigError("expected_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
     mesh_shape = dict(cfg.mesh)
     c, experts = cfg.mesh.context, cfg.mesh.expert
-    group = group_axes(data_group(c, experts))  # the batch's reductions: data (x expert) (x context)
+    group = group_axes(data_group(mesh_shape))  # the batch's reductions: data (x expert) (x context)
     m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
     b = cfg.train.global_batch // (m * cfg.mesh.data * experts)
     layers = cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
-    pb = DTYPE_BYTES[cfg.model.param_dtype]
     out: dict[tuple[str, tuple[str, ...]], dict] = {}
 
     def add(kind: str, axes: tuple[str, ...], size: float, count: int, what: str) -> None:
@@ -124,23 +142,11 @@ def expected_collectives(
         else:
             row["terms"].append({"what": what, "count": count, "bytes_per_device": moved})
 
-    from jaxpar.models import model_class
-
-    per_reduce = m if layout.shards_gradients else 1
-    stacked = model_class(cfg.model.name).stacked  # the scanned layers: gathered again in the backward
-    for path, shape, lay in param_leaves(cfg, layout, placements):
-        e = local_elements(shape, lay.compute, mesh_shape)
-        zero = group_axes(lay.zero_axes)  # its ZeRO and reduction group
-        if lay.sharded_storage:  # ZeRO-3
-            gathers = 2 if path.startswith(f"['{stacked}']") else 1
-            add("all-gather", zero, e * g, gathers * m, "ZeRO-3 parameter gathers (fwd, bwd for blocks)")
-            add("reduce-scatter", zero, e * g, m, "ZeRO-3 gradient reduce-scatter per microbatch")
-        elif lay.sharded_optimizer:  # ZeRO-1/2
-            add("reduce-scatter", zero, e * g, per_reduce, "gradient reduce-scatter")
-            add("all-gather", zero, e * pb, 1, "updated parameter all-gather")
-        else:
-            add("all-reduce", zero, e * g, per_reduce, "gradient all-reduce")
-        norm_axes = (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR, MeshAxis.EXPERT)
+    leaves = param_leaves(cfg, layout, placements)
+    norm_axes = (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR, MeshAxis.EXPERT)
+    for (_, _, lay), held in zip(leaves, _held(cfg, leaves, mesh_shape)):
+        for kind, axes, size, count, what in zero_collectives(cfg.model, layout, [held], g, zero3_bytes=g):
+            add(kind, axes, size, count, what)
         split = tuple(a for a in norm_axes if a in spec_axes(lay.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")

@@ -14,10 +14,11 @@ data*c, the rest over data*expert*c) and the ``expert`` entry is the MoE dispatc
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxpar.analysis.clusters import Cluster
-from jaxpar.axes import MeshAxis
+from jaxpar.axes import MeshAxis, axis_rules, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.models.inventory import (
     DTYPE_BYTES,
@@ -354,59 +355,99 @@ def _reduce_groups(layout: ParallelLayout) -> list[tuple[bool | None, int]]:
     return [(None, n)] if layout.expert == 1 else [(True, n), (False, n * layout.expert)]
 
 
-def _held_by_place(model: ConfigDict, layout: ParallelLayout, experts: bool | None = None) -> tuple[float, float]:
-    """(layer, other) parameter elements per device after the tensor (and expert) split, unsharded
-    over data, on the stage holding the most parameters (jaxpar's pipeline: every stage holds the
-    non-layer ones); ``experts``: only the experts' weights (True) or only the rest (False)."""
-    best = (0.0, 0.0)
-    for stage in ("first", "last"):
-        held = stage_tensors(model, layout, stage, shared_on_every_stage=True)
-        if experts is not None:
-            held = [(t, c) for t, c in held if t.expert_split == experts]
-        e = layout.expert
-        layer = sum(c * shard_elements(t, layout.tensor, 1, False, e) for t, c in held if t.place == "layer")
-        other = sum(c * shard_elements(t, layout.tensor, 1, False, e) for t, c in held if t.place != "layer")
-        best = max(best, (layer, other), key=sum)
-    return best
+@dataclasses.dataclass(frozen=True)
+class HeldParam:
+    """One parameter tensor as the step's gradient reductions and ZeRO gathers see it
+    (:func:`zero_collectives`), from the real placements (:mod:`jaxpar.analysis.expected`) or the
+    inventory (:func:`held_params`)."""
+
+    elements: float  # per device under its compute spec (the tensor / expert split), all its layers
+    group: tuple[str, ...]  # the axes it is reduced and ZeRO-sharded over (jaxpar.axes.data_group)
+    divisible: bool  # a dim its group divides: ZeRO shards it; else it is all-reduced at every stage
+    place: str  # layer (the scanned stack) | first | last (jaxpar.models.inventory.ParamTensor.place)
+
+
+def _tensor_group(layout: ParallelLayout, x: ParamTensor) -> tuple[str, ...]:
+    """The axes ``x`` is reduced and ZeRO-sharded over: :func:`jaxpar.axes.data_group` less the axes
+    the rules split it over (an expert weight's leaves out ``expert``)."""
+    rules = axis_rules(layout.mesh)
+    return group_axes(data_group(layout.mesh, {rules[d] for d, _ in x.dims if d in rules}))
+
+
+def held_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> list[HeldParam]:
+    """The parameters one device of ``stage`` holds (:func:`jaxpar.models.inventory.stage_tensors`,
+    jaxpar's pipeline form), each with its group (:func:`jaxpar.axes.data_group`, less the axes the
+    rules split it over) and whether ZeRO's rule (:func:`jaxpar.sharding.zero_dim`) finds it a dim."""
+    out = []
+    for x, copies in stage_tensors(model, layout, stage, shared_on_every_stage=True):
+        group = _tensor_group(layout, x)
+        n = math.prod(layout.size(a) for a in group)
+        elements = copies * shard_elements(x, layout.tensor, 1, False, layout.expert)
+        out.append(HeldParam(elements, group, n > 1 and any(size % n == 0 for size in x.zero_candidates), x.place))
+    return out
+
+
+def zero_collectives(
+    model: ConfigDict,
+    layout: ParallelLayout,
+    params: list[HeldParam],
+    grad_reduce_bytes: int,
+    zero3_bytes: int | None = None,
+) -> list[tuple[str, tuple[str, ...], float, int, str]]:
+    """(kind, axes, bytes of one array, count per step, what) of the jaxpar step's gradient
+    reductions and ZeRO gathers (jaxpar/train/step.py, :mod:`jaxpar.parallel.zero`,
+    :mod:`jaxpar.ops.zero3`), one derivation for the planner (:func:`communication`) and for the
+    collectives ``inspect`` expects (:func:`jaxpar.analysis.expected.expected_collectives`).
+
+    Per parameter of E elements over its group, with g = ``grad_reduce_bytes``, pb the param dtype
+    and a the compute dtype bytes (or ``zero3_bytes``), m microbatches (Rajbhandari et al. 2020): stage
+    0 all-reduces E*g once per step. Stage 1 reduce-scatters E*g once and all-gathers the updated
+    parameter (E*pb); stage 2 reduce-scatters every microbatch. Stage 3, in a (the gather casts
+    first, its transpose reduce-scatters in a too): each layer parameter gathered twice per
+    microbatch (forward, and again in the backward: remat never keeps it), the final norm and
+    output layer once per microbatch, the embedding and positions once per step (read by the
+    forward alone, their gather is loop-invariant and XLA hoists it out of the microbatch loop),
+    and every gradient reduce-scattered per microbatch. A parameter no dim of which its group
+    divides is all-reduced instead (per step at stages 0-1, per microbatch at 2-3).
+
+    ``zero3_bytes``: what one element of a ZeRO-3 gather moves, where it is not the compute
+    dtype's: ``inspect`` compares with the program XLA:CPU compiles, whose gathers move fp32 bytes
+    with bf16 compute (it passes ``grad_reduce_bytes``)."""
+    m, g = layout.microbatches, grad_reduce_bytes
+    pb, a = DTYPE_BYTES[model.param_dtype], zero3_bytes or DTYPE_BYTES[model.compute_dtype]
+    per_reduce = m if layout.shards_gradients else 1
+    out = []
+    for x in params:
+        e, group = x.elements, x.group
+        if not (layout.shards_optimizer and x.divisible):
+            out.append(("all-reduce", group, e * g, per_reduce, "gradient all-reduce"))
+        elif layout.shards_parameters:
+            gathers = 2 * m if x.place == "layer" else 1 if x.place == "first" else m
+            out.append(("all-gather", group, e * a, gathers, "ZeRO-3 parameter gathers (fwd, bwd for blocks)"))
+            out.append(("reduce-scatter", group, e * a, m, "ZeRO-3 gradient reduce-scatter per microbatch"))
+        else:
+            out.append(("reduce-scatter", group, e * g, per_reduce, "gradient reduce-scatter"))
+            out.append(("all-gather", group, e * pb, 1, "updated parameter all-gather"))
+    return out
 
 
 def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: int) -> tuple[float, int]:
-    """Data-axis (bytes, collectives) of the jaxpar step: :func:`_jaxpar_data_group` of each
-    gradient reduction group (:func:`_reduce_groups`: one for a dense model; an MoE model's experts'
-    weights reduce over data x context, the rest over data x expert x context)."""
-    moved, calls = 0.0, 0
-    for experts, n in _reduce_groups(layout):
-        group = _jaxpar_data_group(model, layout, grad_reduce_bytes, n, *_held_by_place(model, layout, experts))
-        moved, calls = moved + group[0], max(calls, group[1])
-    return moved, calls
-
-
-def _jaxpar_data_group(
-    model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: int, n: int, layer: float, other: float
-) -> tuple[float, int]:
-    """Data-axis (bytes, collectives) of one reduction group of ``n`` devices in the jaxpar step
-    (jaxpar/train/step.py), E = ``layer`` + ``other`` its parameter elements per device after the
-    tensor split, g = ``grad_reduce_bytes``, pb the param dtype bytes:
-
-    stage 0: all-reduce E*g once per step. Stage 1: reduce-scatter E*g once and all-gather the
-    updated parameters (E*pb). Stage 2: the reduce-scatter every microbatch, the all-gather once.
-    Stage 3, in the compute dtype a: block parameters gathered twice per microbatch (forward, and
-    again in the backward: remat never keeps the gathered copy), the embedding, final norm and output
-    layer once per step (XLA hoists the loop-invariant gather out of the accumulation loop), every
-    gradient reduce-scattered per microbatch. Parameters no ZeRO dim divides are all-reduced
-    instead, and not counted here (nor are the loss and gradient-norm scalars).
-    """
+    """Data-axis (bytes, collectives) of the jaxpar step: the ring bytes of :func:`zero_collectives`
+    on the stage holding the most (each parameter over its own group: an MoE model's experts'
+    weights over data x context, the rest over data x expert x context), and the collectives per
+    step: 1 at stage 0, the reductions + 1 gather at 1-2, 3m + 1 at 3. The loss and gradient-norm
+    scalars are not counted."""
+    moved = 0.0
+    for stage in ("first", "last"):
+        records = zero_collectives(model, layout, held_params(model, layout, stage), grad_reduce_bytes)
+        sizes = [math.prod(layout.size(a) for a in axes) for _, axes, _, _, _ in records]
+        moved = max(moved, sum(c * ring_bytes(k, n, b) for (k, _, b, c, _), n in zip(records, sizes)))
     m = layout.microbatches
-    full, pb = layer + other, DTYPE_BYTES[model.param_dtype]
     if not layout.shards_optimizer:
-        return all_reduce_bytes(full * grad_reduce_bytes, n), 1
+        return moved, 1
     if not layout.shards_parameters:
-        reductions = m if layout.shards_gradients else 1
-        moved = reductions * all_gather_bytes(full * grad_reduce_bytes, n) + all_gather_bytes(full * pb, n)
-        return moved, reductions + 1
-    a = DTYPE_BYTES[model.compute_dtype]
-    gathered = (2 * m * layer + other) * a
-    return all_gather_bytes(gathered, n) + m * all_gather_bytes(full * a, n), 3 * m + 1
+        return moved, (m if layout.shards_gradients else 1) + 1
+    return moved, 3 * m + 1
 
 
 def tensor_collectives(model: ConfigDict, layout: ParallelLayout) -> list[tuple[str, float, int, str]]:
@@ -574,11 +615,11 @@ def jaxpar_stage_traffic(
 
 def _zero_gathered(model: ConfigDict, layout: ParallelLayout, tensors: list[ParamTensor], nbytes: int) -> float:
     """Ring bytes of one all-gather (or reduce-scatter) over ``data`` of the ZeRO-shardable tensors
-    (each over its group: :func:`_reduce_groups`)."""
+    (each over its group: :func:`_tensor_group`)."""
     t, e = layout.tensor, layout.expert
 
     def group(x: ParamTensor) -> int:
-        return reduce_group(layout) * (1 if x.expert_split else e)
+        return math.prod(layout.size(a) for a in _tensor_group(layout, x))
 
     return sum(
         all_gather_bytes(shard_elements(x, t, 1, False, e) * nbytes, group(x))

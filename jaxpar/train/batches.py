@@ -15,14 +15,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis, batch_axes, group_axes
+from jaxpar.axes import batch_axes, group_axes
 from jaxpar.config import ConfigError
 from jaxpar.layout import ParallelLayout
 
 
 def batch_spec(mesh: Mesh) -> P:
-    """A training batch's spec: (microbatches, sequences, seq_len + 1), sequences split over
-    ``data`` (x ``expert``: :func:`jaxpar.axes.batch_axes`)."""
+    """A training batch's spec: (microbatches, sequences, seq_len + 1), sequences split over the
+    batch axes of the axes table (``data``, x ``expert`` where it is split: :func:`jaxpar.axes.batch_axes`)."""
     return P(None, _rows(mesh), None)
 
 
@@ -32,7 +32,7 @@ def eval_spec(mesh: Mesh) -> P:
 
 
 def _rows(mesh: Mesh):
-    return batch_axes(dict(mesh.shape).get(MeshAxis.EXPERT, 1))
+    return batch_axes(dict(mesh.shape))
 
 
 class BatchFeed:
@@ -60,7 +60,7 @@ class BatchFeed:
         sizes = {len(share) for share in shares}
         data = int(np.prod(sizes_of))
         if len(sizes) != 1 or sum(sizes) * len(shares) != data:
-            what = "mesh.data" if len(axes) == 1 else "mesh.data*mesh.expert"
+            what = "*".join(f"mesh.{a}" for a in group_axes(_rows(self.mesh)))
             raise ConfigError(
                 f"{what}={data} does not split evenly over the {len(groups)} "
                 "processes; choose a mesh whose data shards divide among the hosts"

@@ -41,7 +41,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from jaxpar import data as data_lib
 from jaxpar import workdir as workdir_lib
 from jaxpar import write_guard
-from jaxpar.axes import MeshAxis
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.errors import JaxparError
@@ -138,7 +137,7 @@ class Trainer:
             process_index=pidx,
             process_count=pcount,
         )
-        unit_rows = math.lcm(self.mesh.shape[MeshAxis.DATA], pcount)  # eval rows must split over both
+        unit_rows = math.lcm(layout.batch_shards, pcount)  # eval rows must split over both
         eval_rows = unit_rows * max(1, layout.microbatch_sequences // unit_rows)
         self.eval_data = (
             data_lib.eval_batches(

@@ -46,7 +46,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MeshAxis, batch_axes, data_group, group_axes
+from jaxpar.axes import MESH_AXES, batch_axes, context_axes, group_axes
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
@@ -119,13 +119,10 @@ class StepBuilder:
         return get_model(self.model_cfg)
 
     def context(self) -> ShardContext:
-        """The model's shard context: mesh axes, sequence parallelism and ZeRO-3's tree of split dims."""
-        c, e = self.layout.context, self.layout.expert
+        """The model's shard context: the mesh axes it binds (:func:`jaxpar.axes.context_axes`, from
+        the axes table), sequence parallelism and ZeRO-3's tree of split dims."""
         return self.model.context(
-            tensor_axis=MeshAxis.TENSOR,
-            data_axis=data_group(c, e),
-            context_axis=MeshAxis.CONTEXT if c > 1 else None,
-            expert_axis=MeshAxis.EXPERT,  # bound at size 1 too: the experts' weights are split over it
+            **context_axes(self.layout.mesh),
             microbatches=self.microbatches,
             zero3_groups=zero3.zero3_groups(self.placements),
             context_exchange=self.layout.context_exchange,
@@ -143,11 +140,7 @@ class StepBuilder:
 
     def _grad_norm(self, grads: Any) -> jax.Array:
         def sq(lay: ParamPlacement, g):
-            axes = tuple(
-                a
-                for a in (MeshAxis.TENSOR, MeshAxis.DATA, MeshAxis.PIPELINE, MeshAxis.CONTEXT, MeshAxis.EXPERT)
-                if zero.is_split_over(lay, a)
-            )
+            axes = tuple(a for a in MESH_AXES if zero.is_split_over(lay, a))
             s = jnp.sum(jnp.square(g))
             return jax.lax.psum(s, axes) if axes else s
 
@@ -165,7 +158,7 @@ class StepBuilder:
         ctx = self.context()
         if self.dropout:
             ctx = dataclasses.replace(ctx, noise=dropout.Noise(dropout.step_key(self.seed, step)))
-            rows = batch_axes(self.layout.expert)
+            rows = batch_axes(self.layout.mesh)
             global_batch = batch.shape[0] * batch.shape[1] * jax.lax.axis_size(rows)
             batch = dropout.append_rows(batch, global_batch, rows)
         layout = self.layout
