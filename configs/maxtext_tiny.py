@@ -54,10 +54,11 @@ def get_config(layout: str = "dp8"):
     m.vocab_size, m.embed_dim, m.num_layers = 1024, 256, 4
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 4, 4, 64, 1024
     m.max_seq_len, m.tie_embeddings = 256, False
-    m.compute_dtype, m.param_dtype, m.remat = "float32", "float32", "full"
+    m.compute_dtype, m.param_dtype = "float32", "float32"
+    c.parallel.recompute = "full"
     c.train.seq_len = 256
     c.train.global_batch = 8  # one sequence per device, as MaxText's per_device_batch_size=1
-    c.train.microbatches = 2 if c.mesh.pipeline > 1 else 1  # one microbatch per pipeline stage
+    c.parallel.microbatches = 2 if c.mesh.pipeline > 1 else 1  # one microbatch per pipeline stage
     c.train.steps, c.train.workdir = 100, f"runs/maxtext_tiny_{layout}"
     c.data.source = "synthetic"
     return c

@@ -113,7 +113,7 @@ def check(paths: list[str], show: int) -> int:
         rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
         out = []
         for r in rows:
-            layout = ParallelLayout(**r["layout"])
+            layout = ParallelLayout.from_dict(r["layout"])  # older files name pipeline_schedule schedule
             cfg = _config(r["model_name"], r["model"], layout)
             est = A.expected_temp_bytes(cfg.model, layout)
             args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
