@@ -128,9 +128,8 @@ def test_the_moved_keys_are_the_layouts_fields():
 def test_an_old_key_override_is_the_documented_line(capsys):
     code, err = _run(capsys, "train", "--config", TINY, "--config.model.remat=full")  # rename_keys: keep
     assert code == 2
-    assert (
-        err == "error: model.remat moved to parallel.recompute: use --config.parallel.recompute=full"
-    )  # rename_keys: keep
+    want = "error: model.remat moved to parallel.recompute: use --config.parallel.recompute=full"  # rename_keys: keep
+    assert err == want
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_KEYS))
@@ -171,6 +170,17 @@ def test_an_old_key_in_a_config_file_is_one_line_exit_2(capsys, tmp_path):
             "(or --config.parallel.recompute=selective)"
         )
     )
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_an_old_key_given_to_port_names_the_new_key(capsys, old):
+    new = MOVED_KEYS[old]
+    value = MOVED_VALUES[new]
+    recipe = "tests/fixtures/recipes/deepspeed/smoke_bf16_zero0.json"
+    code, err = _run(capsys, "port", "deepspeed", recipe, "--world-size", "8", "--set", f"{old}={value}")
+    assert code == 2 and err == f"error: port: --set {old}: {old} moved to {new}: use --set {new}={value}"
+    code, err = _run(capsys, "port", "deepspeed", recipe, "--world-size", "8", f"--config.{old}={value}")
+    assert code == 2 and err.endswith(f"port does not take --config overrides; use --set {new}=VALUE")
 
 
 def test_the_pipeline_section_is_gone():

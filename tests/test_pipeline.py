@@ -528,7 +528,7 @@ P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=
                 "--config.parallel.virtual_stages=4",
                 "--config.parallel.microbatches=2",
             ],
-            "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual",
+            "model.num_layers=4 is not divisible by mesh.pipeline*parallel.virtual",
         ),
         (
             [
