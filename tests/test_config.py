@@ -125,6 +125,13 @@ def test_the_moved_keys_are_the_layouts_fields():
     assert "pipeline" not in schema and "remat" not in schema.model and "microbatches" not in schema.train
 
 
+def test_a_layout_read_back_from_older_json_keeps_its_schedule():
+    """Rows written before the field was named ``pipeline_schedule`` (memory-grid .jsonl) read as it."""
+    lay = ParallelLayout(pipeline=2, microbatches=4, pipeline_schedule="gpipe")
+    old = {("schedule" if k == "pipeline_schedule" else k): v for k, v in lay.to_dict().items()}
+    assert ParallelLayout.from_dict(old) == lay == ParallelLayout.from_dict(lay.to_dict())
+
+
 def test_an_old_key_override_is_the_documented_line(capsys):
     code, err = _run(capsys, "train", "--config", TINY, "--config.model.remat=full")  # rename_keys: keep
     assert code == 2
