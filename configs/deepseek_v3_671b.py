@@ -29,8 +29,9 @@ def get_config():
     m.router_groups, m.router_group_topk, m.router_scale = 8, 4, 2.5
     m.router_bias_rate = 0.001  # the paper's bias update speed for the first 14.3T tokens
     m.first_dense_layers, m.norm_eps, m.rope_theta = 3, 1e-6, 10000.0
-    m.max_seq_len, m.remat = 4096, "full"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 4096, 2  # the paper: 15360
+    m.max_seq_len = 4096
+    c.parallel.recompute = "full"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 4096, 4096, 2  # the paper: 15360
     c.train.steps, c.train.workdir = 1000000, "runs/deepseek_v3_671b"
     c.optim.lr, c.optim.warmup_steps = 2.2e-4, 2000
     c.data.source, c.data.token_dtype, c.data.path = "bin", "uint32", "tokens.bin"

@@ -25,12 +25,13 @@ def get_config():
     m.vocab_size, m.embed_dim, m.num_layers = 51200, 12288, 96
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 96, 96, 128, 49152
     m.mlp_activation, m.norm, m.position = "gelu", "layernorm", "learned"
-    m.tie_embeddings, m.max_seq_len, m.remat = True, 2048, "full"
+    m.tie_embeddings, m.max_seq_len = True, 2048
+    c.parallel.recompute = "full"
     m.init_std = 0.006  # as in Megatron-LM's GPT-3 175B example script (~sqrt(2 / (5h)))
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 2048, 1536, 96  # microbatch size 1 per data shard
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 2048, 1536, 96  # microbatch size 1 per data shard
     c.train.steps, c.train.workdir = 95367, "runs/gpt3_175b"  # 300B tokens / (1536 * 2048)
     c.optim.lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 6e-5, 119, 0.1  # GPT-3: 375M warmup tokens
     c.optim.b1, c.optim.b2, c.optim.weight_decay = 0.9, 0.95, 0.1
-    c.pipeline.schedule, c.pipeline.virtual_stages = "1f1b", 1
+    c.parallel.pipeline_schedule, c.parallel.virtual_stages = "1f1b", 1
     c.data.source, c.data.path = "bin", "tokens.bin"
     return c

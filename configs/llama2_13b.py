@@ -16,8 +16,9 @@ def get_config():
     m = c.model
     m.vocab_size, m.embed_dim, m.num_layers = 32000, 5120, 40
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 40, 40, 128, 13824
-    m.max_seq_len, m.remat = 4096, "selective"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 1024, 16
+    m.max_seq_len = 4096
+    c.parallel.recompute = "selective"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 4096, 1024, 16
     c.train.steps, c.train.workdir = 500000, "runs/llama2_13b"
     c.optim.lr, c.optim.warmup_steps = 3e-4, 2000
     c.data.source, c.data.path = "bin", "tokens.bin"

@@ -16,8 +16,9 @@ def get_config():
     m = c.model
     m.vocab_size, m.embed_dim, m.num_layers = 32000, 8192, 80
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 64, 8, 128, 28672
-    m.max_seq_len, m.remat = 4096, "selective"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 1024, 64
+    m.max_seq_len = 4096
+    c.parallel.recompute = "selective"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 4096, 1024, 64
     c.train.steps, c.train.workdir = 500000, "runs/llama2_70b"
     c.optim.lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 1.5e-4, 2000, 0.1
     c.data.source, c.data.path = "bin", "tokens.bin"

@@ -19,8 +19,8 @@ def get_config():
     m.vocab_size, m.embed_dim, m.num_layers = 32000, 4096, 32
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 32, 128, 11008
     m.max_seq_len, m.rope_theta, m.norm_eps = 4096, 10000.0, 1e-5
-    m.remat = "full"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 1024, 16
+    c.parallel.recompute = "full"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 4096, 1024, 16
     c.train.steps, c.train.workdir = 500000, "runs/llama2_7b"
     c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.optim.min_lr_ratio = 3e-4, 2000, 0.1, 0.1
     c.data.source, c.data.token_dtype = "bin", "uint16"

@@ -17,8 +17,9 @@ def get_config():
     m = c.model
     m.vocab_size, m.embed_dim, m.num_layers = 128256, 4096, 32
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 8, 128, 14336
-    m.max_seq_len, m.rope_theta, m.remat = 8192, 500000.0, "full"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 8192, 512, 8
+    m.max_seq_len, m.rope_theta = 8192, 500000.0
+    c.parallel.recompute = "full"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 8192, 512, 8
     c.train.steps, c.train.workdir = 500000, "runs/llama3_8b"
     c.optim.lr, c.optim.warmup_steps = 3e-4, 2000
     c.data.source, c.data.token_dtype, c.data.path = "bin", "uint32", "tokens.bin"

@@ -29,8 +29,9 @@ def get_config():
     m.vocab_size, m.embed_dim, m.num_layers = 32000, 2048, 16
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 8, 64, 8192
     m.max_seq_len, m.rope_theta, m.norm_eps = 2048, 10000.0, 1e-5
-    m.tie_embeddings, m.compute_dtype, m.remat = False, "bfloat16", "selective"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 2048, 64, 2
+    m.tie_embeddings, m.compute_dtype = False, "bfloat16"
+    c.parallel.recompute = "selective"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 2048, 64, 2
     c.train.steps, c.train.workdir = 20000, "runs/llama_1b"
     c.optim.lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 3e-4, 1000, 0.1
     c.data.source = "synthetic"

@@ -56,10 +56,11 @@ def get_config(layout: str = "dp8"):
     m.max_seq_len, m.tie_embeddings = 256, False
     # the s x s kernel the comparison above was measured with, whatever the default kernel is
     m.attention = "dot_product"
-    m.compute_dtype, m.param_dtype, m.remat = "float32", "float32", "full"
+    m.compute_dtype, m.param_dtype = "float32", "float32"
+    c.parallel.recompute = "full"
     c.train.seq_len = 256
     c.train.global_batch = 8  # one sequence per device, as MaxText's per_device_batch_size=1
-    c.train.microbatches = 2 if c.mesh.pipeline > 1 else 1  # one microbatch per pipeline stage
+    c.parallel.microbatches = 2 if c.mesh.pipeline > 1 else 1  # one microbatch per pipeline stage
     c.train.steps, c.train.workdir = 100, f"runs/maxtext_tiny_{layout}"
     c.data.source = "synthetic"
     return c

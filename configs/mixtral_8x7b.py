@@ -20,8 +20,9 @@ def get_config():
     m.vocab_size, m.embed_dim, m.num_layers = 32000, 4096, 32
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 8, 128, 14336
     m.num_experts, m.experts_per_token = 8, 2
-    m.max_seq_len, m.rope_theta, m.remat = 32768, 1e6, "full"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 256, 4
+    m.max_seq_len, m.rope_theta = 32768, 1e6
+    c.parallel.recompute = "full"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 4096, 256, 4
     c.train.steps, c.train.workdir = 250000, "runs/mixtral_8x7b"
     c.optim.lr, c.optim.warmup_steps = 3e-4, 2000
     c.data.source, c.data.token_dtype, c.data.path = "bin", "uint16", "tokens.bin"

@@ -21,8 +21,9 @@ def get_config():
     m.vocab_size, m.embed_dim, m.num_layers = 151936, 2048, 48
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 4, 128, 768
     m.qk_norm, m.num_experts, m.experts_per_token, m.router_norm_topk = True, 128, 8, True
-    m.max_seq_len, m.rope_theta, m.norm_eps, m.remat = 40960, 1e6, 1e-6, "full"
-    c.train.seq_len, c.train.global_batch, c.train.microbatches = 4096, 256, 4
+    m.max_seq_len, m.rope_theta, m.norm_eps = 40960, 1e6, 1e-6
+    c.parallel.recompute = "full"
+    c.train.seq_len, c.train.global_batch, c.parallel.microbatches = 4096, 256, 4
     c.train.steps, c.train.workdir = 250000, "runs/qwen3_30b_a3b"
     c.optim.lr, c.optim.warmup_steps = 3e-4, 2000
     c.data.source, c.data.token_dtype, c.data.path = "bin", "uint32", "tokens.bin"

@@ -8,7 +8,7 @@ compilation): median step time, tokens/s, TFLOP/s per device and MFU against the
 bf16 peak. ``--quick`` runs a tiny shape on 8 simulated CPU devices (a smoke check of the script).
 
     python experiments/bench_train.py                       # GPU: llama_1b, 30 steps
-    python experiments/bench_train.py --batch 16 --steps 50 --config.model.remat=none
+    python experiments/bench_train.py --batch 16 --steps 50 --config.parallel.recompute=none
     python experiments/bench_train.py --quick               # CPU smoke run
 
 The last line is one JSON object (``--json`` prints only that).
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         "--config.mesh.pipeline=1",
         f"--config.parallel.zero_stage={3 if n > 1 else 0}",
         f"--config.train.global_batch={args.batch * n}",
-        "--config.train.microbatches=1",
+        "--config.parallel.microbatches=1",
     ]
     run = [
         f"--config.train.steps={args.steps}",
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
         "devices": n,
         "params": count_params(cfg.model),
         "compute_dtype": cfg.model.compute_dtype,
-        "remat": cfg.model.remat,
+        "remat": cfg.parallel.recompute,
         "zero_stage": cfg.parallel.zero_stage,
         "seq_len": cfg.train.seq_len,
         "global_batch": cfg.train.global_batch,

@@ -23,4 +23,4 @@ part bench_cudnn 130 python3 experiments/bench_train.py --steps 30 --json --conf
 part bench_moe 150 python3 experiments/bench_train.py --steps 30 --json --config configs/mixtral_8x7b.py \
   --config.mesh.expert=1 --config.model.num_layers=4 --config.model.embed_dim=2048 \
   --config.model.num_heads=16 --config.model.num_kv_heads=8 --config.model.head_dim=128 \
-  --config.model.mlp_dim=7168 --config.model.remat=selective --config.train.seq_len=2048 --config.data.path=
+  --config.model.mlp_dim=7168 --config.parallel.recompute=selective --config.train.seq_len=2048 --config.data.path=

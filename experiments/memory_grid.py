@@ -113,13 +113,13 @@ def check(paths: list[str], show: int) -> int:
         rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
         out = []
         for r in rows:
-            layout = ParallelLayout(**r["layout"])
+            layout = ParallelLayout.from_dict(r["layout"])  # older files name pipeline_schedule schedule
             cfg = _config(r["model_name"], r["model"], layout)
             est = A.expected_temp_bytes(cfg.model, layout)
             args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
             temp = r["temp_bytes"] / est
             peak = (r["argument_bytes"] + r["temp_bytes"]) / (args + est)
-            out.append((temp, peak, r))
+            out.append((temp, peak, r | {"layout": layout}))
         bad = [o for o in out if abs(o[0] - 1) > 0.15 or abs(o[1] - 1) > 0.10]
         bad_total, rows_total = bad_total + len(bad), rows_total + len(out)
         print(
@@ -127,7 +127,7 @@ def check(paths: list[str], show: int) -> int:
             f"peak {min(o[1] for o in out):.3f}-{max(o[1] for o in out):.3f}; outside the bounds: {len(bad)}"
         )
         for temp, peak, r in sorted(bad, key=lambda o: o[0])[:show]:
-            lay = {k: v for k, v in r["layout"].items() if v != getattr(ParallelLayout, k, None)}
+            lay = {k: v for k, v in vars(r["layout"]).items() if v != getattr(ParallelLayout, k, None)}
             print(f"    temp {temp:.3f} peak {peak:.3f} {r['label']}: {r['model_name']} {r['model']} {lay}")
     print(f"all: {rows_total - bad_total} of {rows_total} within the bounds")
     return bad_total

@@ -7,8 +7,8 @@ all pipeline ranks summed, over the unpipelined step's), compiled temporaries, a
 rate under equal F, B, W costs beside the published formula (:mod:`jaxpar.parallel.pipeline.timing`).
 
 ``1f1b-recompute`` is the 1F1B executor as it ran before the stash: its backward recomputes the
-stage forward with ``model.remat=none`` (selected here by building the program without a stash,
-which the executor still runs for ``model.remat=full``).
+stage forward with ``parallel.recompute=none`` (selected here by building the program without a stash,
+which the executor still runs for ``parallel.recompute=full``).
 
     python experiments/pipeline_schedules.py -o experiments/results/<date>-pipeline-schedules
 """
@@ -24,7 +24,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 P, M = 4, 8
-SCHEDULES = [  # (label, pipeline.schedule, virtual stages, stash)
+SCHEDULES = [  # (label, parallel.pipeline_schedule, virtual stages, stash)
     ("gpipe", "gpipe", 1, True),
     ("1f1b-recompute", "1f1b", 1, False),
     ("1f1b", "1f1b", 1, True),
@@ -54,9 +54,9 @@ def _setup(schedule: str, v: int, p: int, stash: bool):
     from jaxpar.parallel.pipeline import executor
     from jaxpar.train.state import Setup
 
-    extra = [f"--config.mesh.pipeline={p}", f"--config.train.microbatches={M}"]
+    extra = [f"--config.mesh.pipeline={p}", f"--config.parallel.microbatches={M}"]
     if p > 1:
-        extra += [f"--config.pipeline.schedule={schedule}", f"--config.pipeline.virtual_stages={v}"]
+        extra += [f"--config.parallel.pipeline_schedule={schedule}", f"--config.parallel.virtual_stages={v}"]
     cfg, layout = load_config_and_layout(str(ROOT / "configs" / "tiny.py"), [*OVERRIDES, *extra])
     keeps = executor.keeps_activations
     if not stash:  # the executor before the stash: the backward recomputes the stage forward

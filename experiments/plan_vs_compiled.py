@@ -49,7 +49,7 @@ def _lay(
         seq_len=seq,
         recompute=recompute,
         sequence_parallel=sp,
-        schedule=schedule,
+        pipeline_schedule=schedule,
     )
 
 

@@ -1,6 +1,6 @@
 """When each config field acts: one declaration per conditional field, checked by the config schema.
 
-A field whose effect depends on another's value (``pipeline.schedule`` does nothing without
+A field whose effect depends on another's value (``parallel.pipeline_schedule`` does nothing without
 pipeline stages) is declared here with that condition; :func:`check` refuses it set away from its
 default where the condition is false, naming both fields, so no accepted value is silently inert.
 Undeclared fields act whenever set; the optimizer fields follow
@@ -144,10 +144,10 @@ CONDITIONS: dict[str, Condition] = {
             "router_bias_rate",
         )
     },
-    "pipeline.schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
-    "pipeline.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
+    "parallel.pipeline_schedule": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
+    "parallel.virtual_stages": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1),
     **{
-        f"pipeline.{name}": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1)
+        f"parallel.{name}": Condition("mesh.pipeline > 1", ("mesh.pipeline",), lambda c: c.mesh.pipeline > 1)
         for name in ("layers_per_stage", "first_stage_layers", "last_stage_layers")
     },
 }

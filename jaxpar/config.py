@@ -6,7 +6,9 @@ once; the rules that tie fields together and the batch arithmetic live in
 rest of the code can trust a validated config. :func:`validate` is where a config becomes its
 :class:`~jaxpar.layout.ParallelLayout`, once per run; the code below is handed that layout. Configs are ml_collections ``ConfigDict`` objects made of small
 sub-configs (``mesh``, ``parallel``, ``model``, ``optim``, ``train``, ``data``,
-``pipeline``, ``checkpoint``); code receives the sub-config it needs, never the whole tree.
+``checkpoint``); code receives the sub-config it needs, never the whole tree. The layout's fields
+are ``mesh.*`` and ``parallel.*``, named as :class:`~jaxpar.layout.ParallelLayout` names them; a key
+from before they moved there (:data:`MOVED_KEYS`) is a one-line error naming the new key.
 
 Errors are :class:`ConfigError`: one line that names the field and the fix. The CLI turns
 them into exit code 2 without a traceback.
@@ -47,19 +49,63 @@ MAX_DIM = 1 << 24  # one model dimension (vocabulary, width, heads, layers, sequ
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 
 
+# Keys that moved into the `parallel` group (the layout's own names); setting one is an error naming the new key.
+MOVED_KEYS = {  # rename_keys: keep
+    "model.remat": "parallel.recompute",  # rename_keys: keep
+    "train.microbatches": "parallel.microbatches",  # rename_keys: keep
+    "pipeline.schedule": "parallel.pipeline_schedule",  # rename_keys: keep
+    "pipeline.virtual_stages": "parallel.virtual_stages",  # rename_keys: keep
+    "pipeline.layers_per_stage": "parallel.layers_per_stage",  # rename_keys: keep
+    "pipeline.first_stage_layers": "parallel.first_stage_layers",  # rename_keys: keep
+    "pipeline.last_stage_layers": "parallel.last_stage_layers",  # rename_keys: keep
+}
+REMOVED_SECTIONS = ("pipeline",)  # sections whose fields all moved (to `parallel`)
+
+
+def moved_key_error(key: str, value: Any, origin: str) -> str | None:
+    """The one-line error for an old ``key`` (:data:`MOVED_KEYS`, or a field of a removed section) set
+    to ``value`` from ``origin`` (a config file, or ``--config.<key>``); None for a current key."""
+    section = key.partition(".")[0]
+    new = MOVED_KEYS.get(key)
+    if new is None and section not in REMOVED_SECTIONS:
+        return None
+    if new is None:
+        return (
+            f"{origin}: the {section} section is gone (its fields moved to parallel: "
+            f"{', '.join(v for k, v in MOVED_KEYS.items() if k.startswith(section + '.'))}); "
+            f"'{key}' is not one of them: see jaxpar/config.py for the fields"
+        )
+    if origin.startswith("--config."):
+        return f"{key} moved to {new}: use --config.{new}={value}"
+    return f"{origin}: {key} moved to {new}: set c.{new} = {value!r} (or --config.{new}={value})"
+
+
 def default_config() -> ConfigDict:
     """The full schema with defaults. Every config file starts from this."""
     c = ConfigDict()
 
     c.mesh = ConfigDict({axis.value: 1 for axis in MESH_AXES})  # jaxpar.axes.MeshAxis: one size per axis
 
+    # The layout (jaxpar.layout.ParallelLayout): the mesh axis sizes above and these fields, under the
+    # layout's own names. The layout also carries, from other sections, train.seq_len and
+    # train.global_batch (the training problem; the layout derives microbatch_size = global_batch /
+    # (microbatches * data * expert)) and model.attention / model.attention_block (a kernel choice of
+    # the model, which the layout carries to price it).
     c.parallel = ConfigDict()
     c.parallel.zero_stage = 0  # 0 = DP, 1 = optimizer, 2 = + grads, 3 = + params, over `data`
     c.parallel.sequence_parallel = False  # shard norms/residuals over seq on `tensor`
+    c.parallel.recompute = "none"  # none | full | selective (keep weight-matmul outputs, recompute attention core)
+    c.parallel.microbatches = 1  # gradient accumulation (or pipeline) microbatches per optimizer step
+    # gpipe | 1f1b | interleaved | zb-h1 | zb-v (zb: backward split into B and W); acts when mesh.pipeline > 1
+    c.parallel.pipeline_schedule = "1f1b"
+    c.parallel.virtual_stages = 1  # model chunks per pipeline rank (interleaved: >= 2, zb-v: 2)
+    c.parallel.layers_per_stage = ""  # uneven stages: layers of each stage, e.g. "1,2,1" (empty: even)
+    c.parallel.first_stage_layers = 0  # layers of the first stage, the rest split evenly (0: not set)
+    c.parallel.last_stage_layers = 0  # layers of the last stage (0: not set)
+    c.parallel.context_exchange = "ring"  # mesh.context > 1: ring (ppermute K/V) | all_gather (gather K/V)
     c.parallel.grad_reduce_dtype = "float32"  # gradient reduction over `data` (ZeRO 0-2); ZeRO-3
     # gathers parameters and reduce-scatters their gradients in model.compute_dtype (FSDP-style)
     c.parallel.max_replicated_fraction = 0.05  # ZeRO-3 guard: share of param bytes replicated
-    c.parallel.context_exchange = "ring"  # mesh.context > 1: ring (ppermute K/V) | all_gather (gather K/V)
     c.parallel.cross_node_tensor = False  # allow tensor x context groups that span nodes (slow links)
 
     c.model = ConfigDict()
@@ -91,7 +137,6 @@ def default_config() -> ConfigDict:
     c.model.attention_block = 512  # blockwise: query and key/value block length
     c.model.attention_mask = "causal"  # causal | block_causal (also never across documents: torchtitan's)
     c.model.eos_token_id = -1  # block_causal: the token ending each packed document (-1: unset, refused)
-    c.model.remat = "none"  # none | full | selective (keep weight-matmul outputs, recompute attention core)
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"  # master parameters
     c.model.init_std = 0.02
@@ -144,7 +189,6 @@ def default_config() -> ConfigDict:
     c.train = ConfigDict()
     c.train.steps = 300
     c.train.global_batch = 16  # sequences per optimizer step
-    c.train.microbatches = 1  # gradient accumulation (or pipeline) microbatches
     c.train.seq_len = 256
     c.train.seed = 0
     c.train.workdir = "runs/default"
@@ -173,13 +217,6 @@ def default_config() -> ConfigDict:
     c.data.path = ""  # .bin token file or Megatron prefix (without .bin/.idx)
     c.data.token_dtype = "uint16"  # for source=bin
     c.data.val_fraction = 0.05  # share of files (stdlib) or tokens (bin) held out
-
-    c.pipeline = ConfigDict()
-    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (zb: backward split into B and W)
-    c.pipeline.virtual_stages = 1
-    c.pipeline.layers_per_stage = ""  # uneven stages: layers of each stage, e.g. "1,2,1" (empty: even)
-    c.pipeline.first_stage_layers = 0  # layers of the first stage, the rest split evenly (0: not set)
-    c.pipeline.last_stage_layers = 0  # layers of the last stage (0: not set)
 
     c.checkpoint = ConfigDict()
     c.checkpoint.every = 0  # 0: never
@@ -337,6 +374,12 @@ def merge_into_defaults(cfg: ConfigDict | dict, source: str = "config") -> Confi
         raise ConfigError(f"{source}: the config nests too deeply; use section.field keys") from None
     for key, value in flat.items():
         _set(base, key, value, origin=source)
+    for section in REMOVED_SECTIONS:  # an empty section flattens to no key
+        if section in cfg:
+            raise ConfigError(
+                f"{source}: the {section} section is gone (its fields moved to parallel); drop c.{section} and set "
+                "the parallel.* fields: see jaxpar/config.py"
+            )
     return base
 
 
@@ -355,6 +398,9 @@ def _known_keys() -> list[str]:
 
 
 def _set(cfg: ConfigDict, key: str, value: Any, origin: str, parse: bool = False) -> None:
+    moved = moved_key_error(key, value, origin)
+    if moved is not None:
+        raise ConfigError(moved)
     parts = key.split(".")
     node = cfg
     for part in parts[:-1]:

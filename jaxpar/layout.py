@@ -43,7 +43,18 @@ TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """Mesh sizes (one field per :class:`MeshAxis`, read as a mapping with :attr:`mesh`) plus the
-    choices that change memory and time. Hashable: it keys caches and jit static arguments."""
+    choices that change memory and time. Hashable: it keys caches and jit static arguments.
+
+    A config sets these fields under the same names: the mesh sizes as ``mesh.<axis>``, the choices
+    as ``parallel.<field>`` (``parallel.recompute``, ``parallel.microbatches``,
+    ``parallel.pipeline_schedule``, ``parallel.virtual_stages``, ...). Three kinds of field come from
+    other sections, because they are not choices of how to split the work: ``seq_len`` is
+    ``train.seq_len`` and ``microbatch_size`` is derived from ``train.global_batch`` (the training
+    problem: ``global_batch / (microbatches * data * expert)``), and ``attention`` /
+    ``attention_block`` are ``model.attention`` / ``model.attention_block`` (a kernel choice of the
+    model, carried here so the planner can price it). ``stage_layers`` and ``stage_split`` are
+    resolved from ``parallel.layers_per_stage`` / ``first_stage_layers`` / ``last_stage_layers``
+    (:func:`resolve_stage_layers`)."""
 
     data: int = 1
     tensor: int = 1
@@ -55,7 +66,7 @@ class ParallelLayout:
     seq_len: int = 2048
     recompute: str = "none"  # none | selective (attention core) | full (keep layer inputs)
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (used when pipeline > 1)
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (used when pipeline > 1)
     # after the fields above so that positional ParallelLayout(data, tensor, pipeline, virtual, zero, m, b, ...)
     # calls (planner, tests, experiments) keep their meaning
     context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.ops.context_parallel)
@@ -75,22 +86,22 @@ class ParallelLayout:
         """The layout a train config (a ``ConfigDict``) runs: global_batch / (microbatches * data)
         sequences per shard and microbatch. Unvalidated: :func:`jaxpar.config.validate` calls it and
         returns the validated layout, which a run builds once and passes down."""
-        mesh, train = cfg.mesh, cfg.train
-        per_step = train.microbatches * mesh.data * mesh.expert
-        split, source = resolve_stage_layers(cfg.model.num_layers, mesh.pipeline, cfg.pipeline)
+        mesh, par, train = cfg.mesh, cfg.parallel, cfg.train
+        per_step = par.microbatches * mesh.data * mesh.expert
+        split, source = resolve_stage_layers(cfg.model.num_layers, mesh.pipeline, par)
         return cls(
             **{axis.value: mesh[axis.value] for axis in MESH_AXES},
-            virtual_stages=cfg.pipeline.virtual_stages,
-            zero_stage=cfg.parallel.zero_stage,
-            microbatches=train.microbatches,
+            virtual_stages=par.virtual_stages,
+            zero_stage=par.zero_stage,
+            microbatches=par.microbatches,
             microbatch_size=train.global_batch // per_step if per_step > 0 else 0,
             seq_len=train.seq_len,
-            recompute=cfg.model.remat,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            schedule=cfg.pipeline.schedule,
+            recompute=par.recompute,
+            sequence_parallel=par.sequence_parallel,
+            pipeline_schedule=par.pipeline_schedule,
             attention=cfg.model.attention,
             attention_block=cfg.model.attention_block,
-            context_exchange=cfg.parallel.context_exchange,
+            context_exchange=par.context_exchange,
             stage_layers=split,
             stage_split=source,
         )
@@ -175,7 +186,7 @@ class ParallelLayout:
         counts, n = ",".join(map(str, self.stage_layers)), sum(self.stage_layers)
         why = (
             f"model.num_layers={n} does not divide mesh.pipeline={self.pipeline}: a balanced split, the extra "
-            "layers on the middle stages first; set pipeline.layers_per_stage to choose"
+            "layers on the middle stages first; set parallel.layers_per_stage to choose"
             if self.stage_split == "balanced"
             else self.stage_split
         )
@@ -188,6 +199,16 @@ class ParallelLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"devices": self.devices, "global_batch": self.global_batch}
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> ParallelLayout:
+        """The layout of a :meth:`to_dict` (or ``dataclasses.asdict``) read back from JSON: the derived
+        ``devices`` and ``global_batch`` are dropped, and ``schedule``, this field's name in files written
+        before it became ``pipeline_schedule``, is read as that field."""
+        out = {k: v for k, v in fields.items() if k not in ("devices", "global_batch")}
+        if "schedule" in out and "pipeline_schedule" not in out:
+            out["pipeline_schedule"] = out.pop("schedule")
+        return cls(**out)
 
     # ------------------------------------------------------------------ rules
     def validate(
@@ -211,10 +232,15 @@ class ParallelLayout:
                 f"--config.mesh.data (or another mesh size) so the product is {num_devices}",
             )
         require(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={self.zero_stage}: use 0, 1, 2 or 3")
-        require(self.recompute in RECOMPUTE, f"model.remat='{self.recompute}': use one of {', '.join(RECOMPUTE)}")
-        require(self.schedule in SCHEDULES, f"pipeline.schedule='{self.schedule}': use one of {', '.join(SCHEDULES)}")
-        require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages}: must be >= 1")
-        require(self.microbatches >= 1, f"train.microbatches={self.microbatches}: must be >= 1")
+        require(
+            self.recompute in RECOMPUTE, f"parallel.recompute='{self.recompute}': use one of {', '.join(RECOMPUTE)}"
+        )
+        require(
+            self.pipeline_schedule in SCHEDULES,
+            f"parallel.pipeline_schedule='{self.pipeline_schedule}': use one of {', '.join(SCHEDULES)}",
+        )
+        require(self.virtual_stages >= 1, f"parallel.virtual_stages={self.virtual_stages}: must be >= 1")
+        require(self.microbatches >= 1, f"parallel.microbatches={self.microbatches}: must be >= 1")
         require(self.seq_len >= 2, f"train.seq_len={self.seq_len}: must be >= 2")
         require(self.attention in ATTENTION, f"model.attention='{self.attention}': use one of {', '.join(ATTENTION)}")
         require(self.attention_block >= 1, f"model.attention_block={self.attention_block}: must be >= 1, e.g. 512")
@@ -294,11 +320,11 @@ class ParallelLayout:
             )
 
     def _validate_stage_layers(self, num_layers: int) -> None:
-        counts, field = self.stage_layers, self.stage_split or "pipeline.layers_per_stage"
+        counts, field = self.stage_layers, self.stage_split or "parallel.layers_per_stage"
         if not counts:
             require(
                 num_layers % self.stages == 0,
-                f"model.num_layers={num_layers} is not divisible by mesh.pipeline*pipeline.virtual_stages="
+                f"model.num_layers={num_layers} is not divisible by mesh.pipeline*parallel.virtual_stages="
                 f"{self.stages}; choose a pipeline size that divides the layers",
             )
             return
@@ -319,14 +345,14 @@ class ParallelLayout:
         )
         require(
             self.virtual_stages == 1 or not self.uneven,
-            f"{field}: uneven stages ({shown}) with pipeline.virtual_stages={self.virtual_stages} are not supported "
-            "(each rank's chunks are cut as equal slices of its stored layers); use --config.pipeline.virtual_stages=1 "
-            "and a schedule other than interleaved, or layers that divide mesh.pipeline*pipeline.virtual_stages",
+            f"{field}: uneven stages ({shown}) with parallel.virtual_stages={self.virtual_stages} are not supported "
+            "(each rank's chunks are cut as equal slices of its stored layers); use --config.parallel.virtual_stages=1 "
+            "and a schedule other than interleaved, or layers that divide mesh.pipeline*parallel.virtual_stages",
         )
         require(
-            self.schedule not in SPLIT_BACKWARD or not self.uneven,
-            f"{field}: uneven stages ({shown}) with pipeline.schedule={self.schedule} are not supported yet (the "
-            "split backward runs every stored layer row, padding included); use --config.pipeline.schedule=1f1b, "
+            self.pipeline_schedule not in SPLIT_BACKWARD or not self.uneven,
+            f"{field}: uneven stages ({shown}) with parallel.pipeline_schedule={self.pipeline_schedule} are not supported yet (the "
+            "split backward runs every stored layer row, padding included); use --config.parallel.pipeline_schedule=1f1b, "
             "or layers that divide mesh.pipeline",
         )
 
@@ -357,7 +383,7 @@ class ParallelLayout:
 
     def _validate_batch(self, global_batch: int | None) -> None:
         per_step = self.microbatches * self.batch_shards
-        names = "train.microbatches*mesh.data" + ("*mesh.expert" if self.expert > 1 else "")
+        names = "parallel.microbatches*mesh.data" + ("*mesh.expert" if self.expert > 1 else "")
         sizes = f"{self.microbatches}*{self.data}" + (f"*{self.expert}" if self.expert > 1 else "")
         if global_batch is not None:
             require(global_batch >= 1, f"train.global_batch={global_batch}: must be >= 1")
@@ -373,53 +399,53 @@ class ParallelLayout:
         )
 
     def _validate_pipeline(self, model: Mapping[str, Any]) -> None:
-        p, m, v, schedule = self.pipeline, self.microbatches, self.virtual_stages, self.schedule
+        p, m, v, schedule = self.pipeline, self.microbatches, self.virtual_stages, self.pipeline_schedule
         if p == 1:
             require(
-                v == 1, f"pipeline.virtual_stages={v} needs mesh.pipeline > 1; set --config.pipeline.virtual_stages=1"
+                v == 1, f"parallel.virtual_stages={v} needs mesh.pipeline > 1; set --config.parallel.virtual_stages=1"
             )
             return
         require(
             schedule != "interleaved" or v >= 2,
-            f"pipeline.virtual_stages={v}: the interleaved schedule needs at least 2 chunks per stage; set "
-            "--config.pipeline.virtual_stages=2 or --config.pipeline.schedule=1f1b",
+            f"parallel.virtual_stages={v}: the interleaved schedule needs at least 2 chunks per stage; set "
+            "--config.parallel.virtual_stages=2 or --config.parallel.pipeline_schedule=1f1b",
         )
         require(
             schedule in ("interleaved", *V_SHAPED) or v == 1,
-            f"pipeline.virtual_stages={v} is only used by the interleaved and zb-v schedules; set "
-            "--config.pipeline.schedule=interleaved or --config.pipeline.virtual_stages=1",
+            f"parallel.virtual_stages={v} is only used by the interleaved and zb-v schedules; set "
+            "--config.parallel.pipeline_schedule=interleaved or --config.parallel.virtual_stages=1",
         )
         require(
             schedule not in V_SHAPED or v == 2,
-            f"pipeline.virtual_stages={v}: {schedule} places two chunks per device in V order; set "
-            "--config.pipeline.virtual_stages=2",
+            f"parallel.virtual_stages={v}: {schedule} places two chunks per device in V order; set "
+            "--config.parallel.virtual_stages=2",
         )
         require(
             schedule not in ("1f1b", *SPLIT_BACKWARD) or m >= p,
-            f"train.microbatches={m} < mesh.pipeline={p}: {schedule.upper()} needs at least one microbatch per stage; "
-            f"set --config.train.microbatches={p} or more",
+            f"parallel.microbatches={m} < mesh.pipeline={p}: {schedule.upper()} needs at least one microbatch per stage; "
+            f"set --config.parallel.microbatches={p} or more",
         )
         require(
             schedule not in SPLIT_BACKWARD or self.recompute == "none",
-            f"pipeline.schedule={schedule} with model.remat={self.recompute}: the split backward computes the "
+            f"parallel.pipeline_schedule={schedule} with parallel.recompute={self.recompute}: the split backward computes the "
             "weight gradients from the forward's stashed residuals, which recomputation does not keep; set "
-            "--config.model.remat=none or --config.pipeline.schedule=1f1b",
+            "--config.parallel.recompute=none or --config.parallel.pipeline_schedule=1f1b",
         )
         require(
             schedule not in SPLIT_BACKWARD or not model.get("num_experts", 0),
-            f"pipeline.schedule={schedule} with an MoE model (model.num_experts={model.get('num_experts', 0)}) is "
-            "not supported yet; set --config.pipeline.schedule=1f1b",
+            f"parallel.pipeline_schedule={schedule} with an MoE model (model.num_experts={model.get('num_experts', 0)}) is "
+            "not supported yet; set --config.parallel.pipeline_schedule=1f1b",
         )
         require(
             schedule != "interleaved" or m % p == 0,
-            f"train.microbatches={m} is not a multiple of mesh.pipeline={p} (interleaved runs microbatches "
-            f"in groups of p); set --config.train.microbatches={p * -(-m // p)}",
+            f"parallel.microbatches={m} is not a multiple of mesh.pipeline={p} (interleaved runs microbatches "
+            f"in groups of p); set --config.parallel.microbatches={p * -(-m // p)}",
         )
         require(
             # ZeRO-2 (ZeRO-3's gathers reduce-scatter in their transposes, inside the scan)
             not (self.shards_gradients and not self.shards_parameters) or schedule != "gpipe",
-            "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported (GPipe's gradient is the "
-            "transpose of its whole forward scan, accumulated full size); use --config.pipeline.schedule=1f1b, "
+            "parallel.zero_stage=2 with parallel.pipeline_schedule=gpipe is not supported (GPipe's gradient is the "
+            "transpose of its whole forward scan, accumulated full size); use --config.parallel.pipeline_schedule=1f1b, "
             "or --config.parallel.zero_stage=1 or 3",
         )
 
@@ -435,7 +461,7 @@ def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
 
 
 def resolve_stage_layers(num_layers: int, pipeline: int, cfg: Any) -> tuple[tuple[int, ...], str]:
-    """(layers per stage, the field they came from) for the ``pipeline`` sub-config: explicit counts
+    """(layers per stage, the field they came from) for the ``parallel`` sub-config: explicit counts
     (``layers_per_stage``, e.g. "1,2,1"), a first / last stage count with the rest split evenly over
     the stages between (Megatron's ``--decoder-first/last-pipeline-num-layers``), or, when nothing is
     set and the layers do not divide the stages, :func:`balanced_split` (field "balanced"). ``()``:
@@ -445,19 +471,19 @@ def resolve_stage_layers(num_layers: int, pipeline: int, cfg: Any) -> tuple[tupl
     if text:
         require(
             not (first or last),
-            f"pipeline.layers_per_stage='{text}' with pipeline.first_stage_layers={first} / last_stage_layers={last}: "
+            f"parallel.layers_per_stage='{text}' with parallel.first_stage_layers={first} / last_stage_layers={last}: "
             "give either the counts of every stage or the first / last stage counts, not both",
         )
         parts = [x.strip() for x in text.split(",")]
         require(
             all(x.isascii() and x.isdigit() for x in parts),
-            f"pipeline.layers_per_stage='{text}': give one layer count per stage, comma-separated, e.g. 1,2,1",
+            f"parallel.layers_per_stage='{text}': give one layer count per stage, comma-separated, e.g. 1,2,1",
         )
-        return tuple(int(x) for x in parts), "pipeline.layers_per_stage"
+        return tuple(int(x) for x in parts), "parallel.layers_per_stage"
     for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
-        require(value >= 0, f"pipeline.{name}={value}: must be >= 0 (0: not set)")
+        require(value >= 0, f"parallel.{name}={value}: must be >= 0 (0: not set)")
     if first or last:
-        fields = "pipeline." + "/".join(n for n, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v)
+        fields = "parallel." + "/".join(n for n, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v)
         ends = (1 if first else 0) + (1 if last else 0)
         rest, between = num_layers - first - last, pipeline - ends
         require(

@@ -99,27 +99,27 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
             ("router_bias_rate", "0.001", []),
         )
     },
-    "pipeline.schedule": (
+    "parallel.pipeline_schedule": (
         "gpipe",
         [],
-        ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.train.microbatches=2"],
+        ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.parallel.microbatches=2"],
     ),
     **{
-        f"pipeline.{name}": (
+        f"parallel.{name}": (
             value,
             [],
-            ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.train.microbatches=2"],
+            ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.parallel.microbatches=2"],
         )
         for name, value in (("layers_per_stage", "1,3"), ("first_stage_layers", "1"), ("last_stage_layers", "3"))
     },
-    "pipeline.virtual_stages": (
+    "parallel.virtual_stages": (
         "2",
         [],
         [
             "--config.mesh.pipeline=2",
             "--config.mesh.data=2",
-            "--config.pipeline.schedule=interleaved",
-            "--config.train.microbatches=2",
+            "--config.parallel.pipeline_schedule=interleaved",
+            "--config.parallel.microbatches=2",
         ],
     ),
 }
@@ -173,10 +173,10 @@ IN_THE_STEP = [
     "optim.decay_steps",
     "optim.decay_start_step",
     "optim.warmup_init_lr",
-    "pipeline.schedule",
-    "pipeline.layers_per_stage",
-    "pipeline.first_stage_layers",
-    "pipeline.last_stage_layers",
+    "parallel.pipeline_schedule",
+    "parallel.layers_per_stage",
+    "parallel.first_stage_layers",
+    "parallel.last_stage_layers",
     "model.experts_per_token",
     "model.router_score",
     "model.router_norm_topk",
@@ -191,7 +191,7 @@ IN_THE_STEP = [
     "train.loss_scale.min_scale",
     "train.loss_scale.rule",
     "train.loss_scale.consecutive_hysteresis",
-]  # pipeline.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare;
+]  # parallel.virtual_stages: the interleaved schedule needs it >= 2, so it has no step without it to compare;
 # model.eos_token_id: block_causal needs one (tests/test_documents.py shows the mask in the model's loss)
 DEFAULT_STEP = {"parallel.sequence_parallel", "optim.min_lr_ratio", "model.attention_block"}
 
@@ -269,8 +269,8 @@ def test_derived_configs_drop_what_becomes_inert():
         "--config.mesh.pipeline=2",
         "--config.mesh.context=2",
         *BLOCKWISE,
-        "--config.train.microbatches=2",
-        "--config.pipeline.schedule=gpipe",
+        "--config.parallel.microbatches=2",
+        "--config.parallel.pipeline_schedule=gpipe",
         "--config.parallel.sequence_parallel=True",
         "--config.parallel.context_exchange=all_gather",
         "--config.parallel.zero_stage=0",
@@ -281,6 +281,6 @@ def test_derived_configs_drop_what_becomes_inert():
     # a planned layout without the source's tensor axis or ZeRO-3 (plan --aot, compare --aot, sweep)
     src = tiny_config(*D8, "--config.parallel.zero_stage=3", "--config.parallel.max_replicated_fraction=0.5")
     validate(src)
-    out = layout_config(src, ParallelLayout(8, 1, zero_stage=1, seq_len=src.train.seq_len, schedule="gpipe"))
+    out = layout_config(src, ParallelLayout(8, 1, zero_stage=1, seq_len=src.train.seq_len, pipeline_schedule="gpipe"))
     assert out.parallel.max_replicated_fraction == default_config().parallel.max_replicated_fraction
-    assert out.pipeline.schedule == default_config().pipeline.schedule
+    assert out.parallel.pipeline_schedule == default_config().parallel.pipeline_schedule

@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
 MAXTEXT = str(ROOT / "configs" / "maxtext_tiny.py")
 N8 = ["--config.mesh.data=8", "--config.mesh.tensor=1"]
-M4 = ["--config.train.microbatches=4", "--config.train.global_batch=32", "--config.model.remat=full"]
+M4 = ["--config.parallel.microbatches=4", "--config.train.global_batch=32", "--config.parallel.recompute=full"]
 TINY_LAYOUTS = {  # tiny model, fp32 compute, seq 256
     "dp": [*N8, *M4, "--config.parallel.zero_stage=0"],
     "zero1": [*N8, *M4, "--config.parallel.zero_stage=1"],
@@ -44,12 +44,12 @@ TINY_LAYOUTS = {  # tiny model, fp32 compute, seq 256
     "d2_t2": ["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.train.global_batch=8"],
     # data=3 divides no dim ZeRO may split (embed 128, head_dim 32): every gradient falls back to all-reduce.
     "zero2_fallback_data3": ["--config.mesh.data=3", "--config.mesh.tensor=1", "--config.train.global_batch=6",
-                             "--config.train.microbatches=2", "--config.parallel.zero_stage=2"],
+                             "--config.parallel.microbatches=2", "--config.parallel.zero_stage=2"],
     "d4_t2_zero2": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.train.global_batch=16",
-                    "--config.train.microbatches=2", "--config.parallel.zero_stage=2"],
+                    "--config.parallel.microbatches=2", "--config.parallel.zero_stage=2"],
     # aborted on XLA:CPU before the head's collectives were ordered after the layer scan (issue 12)
     "d4_t2_zero3_sp": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.train.global_batch=16",
-                       "--config.train.microbatches=2", "--config.parallel.zero_stage=3",
+                       "--config.parallel.microbatches=2", "--config.parallel.zero_stage=3",
                        "--config.parallel.sequence_parallel=true"],
 }  # fmt: skip
 # MaxText 0.2.5 on the same model (configs/maxtext_tiny.py): ring MB per device per step, args+temps MiB.
@@ -102,7 +102,7 @@ def _ops(r: ca.CompiledReport, kind: str, axes: tuple[str, ...]) -> list[ca.Coll
 
 def _activation_bytes(cfg) -> int:
     """b*s*h*bytes: one microbatch's activations on a data shard (fp32 here)."""
-    b = cfg.train.global_batch // (cfg.train.microbatches * cfg.mesh.data)
+    b = cfg.train.global_batch // (cfg.parallel.microbatches * cfg.mesh.data)
     return b * cfg.train.seq_len * cfg.model.embed_dim * 4
 
 
@@ -271,7 +271,7 @@ def test_zero1_zero2_reduce_scatter_then_all_gather(layout, name, reductions):
 
 def test_unsplittable_parameters_fall_back_to_all_reduce_every_microbatch(layout):
     cfg, r = layout("zero2_fallback_data3")
-    n, m, params = cfg.mesh.data, cfg.train.microbatches, count_params(cfg.model)
+    n, m, params = cfg.mesh.data, cfg.parallel.microbatches, count_params(cfg.model)
     assert r.count("reduce-scatter", "data") == 0 and r.count("all-gather", "data") == 0
     assert r.bytes("all-reduce", "data") == pytest.approx(m * 2 * (n - 1) / n * params * 4, rel=0.10)
     assert r.memory.argument_bytes == ca.expected_memory(cfg, validate(cfg))["argument_bytes"]  # nothing sharded
@@ -279,7 +279,7 @@ def test_unsplittable_parameters_fall_back_to_all_reduce_every_microbatch(layout
 
 def test_zero3_gathers_parameters_forward_and_backward(layout):
     cfg, r = layout("zero3")  # remat full, 4 microbatches
-    n, m, layers = cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers
+    n, m, layers = cfg.mesh.data, cfg.parallel.microbatches, cfg.model.num_layers
     params = count_params(cfg.model)
     top = 2 * cfg.model.vocab_size * cfg.model.embed_dim + cfg.model.embed_dim
     gathers = _ops(r, "all-gather", ("data",))
@@ -327,7 +327,7 @@ def test_tp_all_reduce_bytes_match_megatron(layout, name):
     cast per block input, so QKV share one backward all-reduce and so do up/gate), plus the
     embedding's forward and the output layer's backward one, plus the small cross-entropy sums."""
     cfg, r = layout(name)
-    m, layers, x = cfg.train.microbatches, cfg.model.num_layers, _activation_bytes(cfg)
+    m, layers, x = cfg.parallel.microbatches, cfg.model.num_layers, _activation_bytes(cfg)
     ring = 2 * (cfg.mesh.tensor - 1) / cfg.mesh.tensor
     megatron = m * ring * x * (4 * layers + 2)  # 4 per layer, + embedding fwd, output-layer input bwd
     cross_entropy = m * 3 * ring * x / cfg.model.embed_dim
@@ -514,7 +514,7 @@ def test_inspect_prints_the_pipeline_schedule(capsys):
         "--config.mesh.data=2",
         "--config.mesh.tensor=2",
         "--config.mesh.pipeline=2",
-        "--config.train.microbatches=4",
+        "--config.parallel.microbatches=4",
         "--config.model.compute_dtype=float32",
     ]
     assert run_inspect(argparse.Namespace(config=TINY, overrides=overrides, json=True, ops=False)) == 0

@@ -45,7 +45,7 @@ LAYOUTS = [
     ("c2_d2_t2_ring_z3_sp", _layout(2, 2, 2, "ring", 3, "--config.parallel.sequence_parallel=true")),
     (
         "c2_d2_p2_allgather_1f1b",
-        _layout(2, 2, 1, "all_gather", 1, "--config.mesh.pipeline=2", "--config.train.microbatches=2"),
+        _layout(2, 2, 1, "all_gather", 1, "--config.mesh.pipeline=2", "--config.parallel.microbatches=2"),
     ),
 ]
 SLOW_LAYOUTS = [
@@ -54,7 +54,7 @@ SLOW_LAYOUTS = [
     ("c2_d4_allgather_z3", _layout(2, 4, 1, "all_gather", 3)),
     ("c4_d2_ring_z1", _layout(4, 2, 1, "ring", 1)),
     ("c8_allgather_z1", _layout(8, 1, 1, "all_gather", 1)),
-    ("c4_ring_d2_z3_full_remat", _layout(4, 2, 1, "ring", 3, "--config.model.remat=full")),
+    ("c4_ring_d2_z3_full_remat", _layout(4, 2, 1, "ring", 3, "--config.parallel.recompute=full")),
     ("c2_d2_t2_ring_z1", _layout(2, 2, 2, "ring", 1)),
     ("c2_d2_t2_allgather_z3", _layout(2, 2, 2, "all_gather", 3)),
     (

@@ -29,9 +29,9 @@ LAYOUTS = {
     "ring_c2_d2_t2": ["--config.mesh.data=2", "--config.mesh.context=2", "--config.mesh.tensor=2"],
     # full remat: the ring (a custom VJP whose residuals remat keeps) is not re-run in the backward
     "ring_c4_d2_full_z1": ["--config.mesh.data=2", "--config.mesh.context=4", "--config.mesh.tensor=1",
-                           "--config.model.remat=full", "--config.parallel.zero_stage=1"],
+                           "--config.parallel.recompute=full", "--config.parallel.zero_stage=1"],
     "gather_c4_t2_m2": ["--config.mesh.data=1", "--config.mesh.context=4", "--config.mesh.tensor=2",
-                        "--config.parallel.context_exchange=all_gather", "--config.train.microbatches=2"],
+                        "--config.parallel.context_exchange=all_gather", "--config.parallel.microbatches=2"],
 }  # fmt: skip
 CONTEXT = ("context",)
 
@@ -51,7 +51,7 @@ def compiled():
 
 def _kv_block_bytes(cfg) -> float:
     """One context rank's keys and values of one microbatch (fp32): 2 * b * s/c * kv_heads/t * head_dim * 4."""
-    b = cfg.train.global_batch // (cfg.train.microbatches * cfg.mesh.data)
+    b = cfg.train.global_batch // (cfg.parallel.microbatches * cfg.mesh.data)
     heads = cfg.model.num_kv_heads // cfg.mesh.tensor
     return 2 * b * cfg.train.seq_len // cfg.mesh.context * heads * cfg.model.head_dim * 4
 
@@ -59,7 +59,7 @@ def _kv_block_bytes(cfg) -> float:
 def _per_layer(report: ca.CompiledReport, cfg, kind: str) -> tuple[float, float]:
     """(forward, backward) bytes per device per layer and microbatch of ``kind`` over ``context``; the
     backward ops are those under JAX's ``transpose(...)`` in their source op_name."""
-    runs = cfg.model.num_layers * cfg.train.microbatches
+    runs = cfg.model.num_layers * cfg.parallel.microbatches
     ops = [op for op in report.ops if op.kind == kind and op.axes == CONTEXT]
     fwd = sum(op.bytes_per_device for op in ops if "transpose(" not in op.op_name)
     bwd = sum(op.bytes_per_device for op in ops if "transpose(" in op.op_name)

@@ -59,20 +59,20 @@ LAYOUTS = [
             "--config.parallel.zero_stage=3",
         ],
     ),
-    ("pp2_1f1b_d2_m4", ["--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.train.microbatches=4"]),
+    ("pp2_1f1b_d2_m4", ["--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.parallel.microbatches=4"]),
 ]
 SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite for its budget (its blockwise compile)
     (
         "c2_d2_ring_accumulate4",
-        [*BLOCKWISE, "--config.mesh.data=2", "--config.mesh.context=2", "--config.train.microbatches=4"],
+        [*BLOCKWISE, "--config.mesh.data=2", "--config.mesh.context=2", "--config.parallel.microbatches=4"],
     ),
     ("zero3_d8", ["--config.mesh.data=8", "--config.parallel.zero_stage=3"]),
     ("d4_t2_sp", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.sequence_parallel=true"]),
-    ("d2_accumulate4", ["--config.mesh.data=2", "--config.train.microbatches=4"]),
+    ("d2_accumulate4", ["--config.mesh.data=2", "--config.parallel.microbatches=4"]),
     ("c2_ring", [*BLOCKWISE, "--config.mesh.context=2"]),
     ("blockwise_one_device", [*BLOCKWISE, "--config.mesh.data=1"]),
     ("d4_t2_no_sp_zero1", ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1"]),
-    ("zero2_d4_m2", ["--config.mesh.data=4", "--config.parallel.zero_stage=2", "--config.train.microbatches=2"]),
+    ("zero2_d4_m2", ["--config.mesh.data=4", "--config.parallel.zero_stage=2", "--config.parallel.microbatches=2"]),
     (
         "d2_t2_zero3_sp_m2",
         [
@@ -80,7 +80,7 @@ SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite fo
             "--config.mesh.tensor=2",
             "--config.parallel.zero_stage=3",
             "--config.parallel.sequence_parallel=true",
-            "--config.train.microbatches=2",
+            "--config.parallel.microbatches=2",
         ],
     ),
     (
@@ -89,8 +89,8 @@ SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite fo
             "--config.mesh.data=2",
             "--config.mesh.tensor=2",
             "--config.mesh.pipeline=2",
-            "--config.pipeline.schedule=gpipe",
-            "--config.train.microbatches=2",
+            "--config.parallel.pipeline_schedule=gpipe",
+            "--config.parallel.microbatches=2",
         ],
     ),
     (
@@ -98,9 +98,9 @@ SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite fo
         [
             "--config.mesh.data=2",
             "--config.mesh.pipeline=2",
-            "--config.train.microbatches=4",
-            "--config.pipeline.schedule=interleaved",
-            "--config.pipeline.virtual_stages=2",
+            "--config.parallel.microbatches=4",
+            "--config.parallel.pipeline_schedule=interleaved",
+            "--config.parallel.virtual_stages=2",
         ],
     ),
     (
@@ -108,8 +108,8 @@ SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite fo
         [
             "--config.mesh.data=2",
             "--config.mesh.pipeline=2",
-            "--config.train.microbatches=2",
-            "--config.model.remat=full",
+            "--config.parallel.microbatches=2",
+            "--config.parallel.recompute=full",
         ],
     ),
     (
@@ -117,11 +117,11 @@ SLOW_LAYOUTS = [  # the context ring with accumulation left the default suite fo
         [
             "--config.mesh.data=2",
             "--config.mesh.pipeline=2",
-            "--config.train.microbatches=4",
+            "--config.parallel.microbatches=4",
             "--config.parallel.zero_stage=2",
         ],
     ),
-    ("selective_remat_d8", ["--config.mesh.data=8", "--config.model.remat=selective"]),
+    ("selective_remat_d8", ["--config.mesh.data=8", "--config.parallel.recompute=selective"]),
     (
         "c2_t2_sp_ring_z3",
         [
@@ -156,7 +156,7 @@ def _matches(reference, name, overrides):
     history, params, setup = run_steps(_cfg(*overrides), STEPS)
     cfg = setup.cfg
     if cfg.mesh.pipeline > 1:  # stage form -> model form (layers in model order, embedding and head apart)
-        params = pipeline.to_model_form(params, cfg.mesh.pipeline, cfg.pipeline.virtual_stages)
+        params = pipeline.to_model_form(params, cfg.mesh.pipeline, cfg.parallel.virtual_stages)
     for got, want in zip(history, ref_history, strict=True):
         assert abs(got["loss"] - want["loss"]) / want["loss"] < 1e-5, (name, got, want)
         assert abs(got["grad_norm"] - want["grad_norm"]) / want["grad_norm"] < 1e-5, (name, got, want)

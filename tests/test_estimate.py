@@ -250,8 +250,8 @@ def test_pipeline_schedules_hold_the_right_microbatches():
     per_layer = E.layer_activation_bytes(m, base)
     assert E.inflight_microbatches(base) == 8  # 1F1B: p microbatches of L/p layers = L layers' worth
     assert E.inflight_microbatches(base, "last") == 1
-    assert E.inflight_microbatches(dataclasses.replace(base, schedule="gpipe")) == 64
-    inter = dataclasses.replace(base, schedule="interleaved", virtual_stages=5)
+    assert E.inflight_microbatches(dataclasses.replace(base, pipeline_schedule="gpipe")) == 64
+    inter = dataclasses.replace(base, pipeline_schedule="interleaved", virtual_stages=5)
     assert E.inflight_microbatches(inter) == pytest.approx(8 * (1 + 7 / 40))
     assert E.inflight_microbatches(dataclasses.replace(base, pipeline=1)) == 1  # plain accumulation
     mem = E.memory_estimate(m, base, "paper")  # Megatron's 1F1B: p microbatches of L/p layers in flight
@@ -295,7 +295,7 @@ def test_tensor_and_pipeline_bytes():
     pp = E.communication(m, E.ParallelLayout(pipeline=4, microbatch_size=b, microbatches=mb, seq_len=s))["pipeline"]
     assert pp.bytes == 2 * b * s * h * 2 * mb
     inter = E.ParallelLayout(
-        pipeline=4, virtual_stages=2, schedule="interleaved", microbatch_size=b, microbatches=mb, seq_len=s
+        pipeline=4, virtual_stages=2, pipeline_schedule="interleaved", microbatch_size=b, microbatches=mb, seq_len=s
     )
     assert E.communication(m, inter)["pipeline"].bytes == 2 * pp.bytes
 
@@ -383,7 +383,7 @@ def test_megatron_gpt3_layout_step_time_is_plausible():
         seq_len=2048,
         recompute="full",
         sequence_parallel=False,
-        schedule="1f1b",
+        pipeline_schedule="1f1b",
     )
     st = E.step_time(gpt, lay, a100)
     hardware = E.hardware_flops_per_token(gpt, 2048, "full") * lay.tokens_per_step

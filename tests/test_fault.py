@@ -108,7 +108,7 @@ def test_sigkill_resume_two_processes_pipeline_across_them(tmp_path):
         "--config.mesh.data=2",
         "--config.mesh.tensor=2",
         "--config.mesh.pipeline=2",
-        "--config.train.microbatches=2",
+        "--config.parallel.microbatches=2",
         "--config.parallel.zero_stage=3",
         "--config.checkpoint.every=2",
     ]

@@ -18,7 +18,10 @@ REFUSED = [
     ),
     (["plan", "--seq", "64", "--config.train.seq_len=32"], "plan: --seq and --config.train.seq_len=32 both set"),
     (["plan", "--zero", "1", "--config.parallel.zero_stage=2"], "plan: --zero and --config.parallel.zero_stage=2"),
-    (["plan", "--recompute", "full", "--config.model.remat=none"], "plan: --recompute and --config.model.remat=none"),
+    (
+        ["plan", "--recompute", "full", "--config.parallel.recompute=none"],
+        "plan: --recompute and --config.parallel.recompute=none",
+    ),
     (
         ["plan", "--no-sequence-parallel", "--config.parallel.sequence_parallel=true"],
         "plan: --sequence-parallel and --config.parallel.sequence_parallel=true both set",
@@ -37,12 +40,12 @@ REFUSED = [
         "plan: --config.parallel.zero_stage=3: plan does not read parallel.zero_stage; plan searches the ZeRO stage",
     ),
     (
-        ["plan", "--config.train.microbatches=4"],
-        "plan: --config.train.microbatches=4: plan does not read train.microbatches;",
+        ["plan", "--config.parallel.microbatches=4"],
+        "plan: --config.parallel.microbatches=4: plan does not read parallel.microbatches;",
     ),
     (
-        ["plan", "--config.pipeline.schedule=gpipe"],
-        "plan: --config.pipeline.schedule=gpipe: plan does not read pipeline.schedule;",
+        ["plan", "--config.parallel.pipeline_schedule=gpipe"],
+        "plan: --config.parallel.pipeline_schedule=gpipe: plan does not read parallel.pipeline_schedule;",
     ),
     (
         ["compare", "--layout", "data=8", "--global-batch", "64", "--config.train.global_batch=32"],
@@ -76,7 +79,7 @@ def test_a_config_file_value_a_flag_replaces_is_noted():
     assert code == 0 and out.lstrip().startswith("{")
     assert err.splitlines() == [
         "plan: note: not used from the config (plan chooses the layout; flags pin parts of it, see --help): "
-        "mesh.data=8, model.remat=full, parallel.zero_stage=3, train.microbatches=16",
+        "mesh.data=8, parallel.microbatches=16, parallel.recompute=full, parallel.zero_stage=3",
         "plan: note: --global-batch 64 replaces the config's train.global_batch=1024",
     ]  # --seq 4096 is the config's own value: nothing replaced
 

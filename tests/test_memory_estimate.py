@@ -50,15 +50,23 @@ DEFAULT = {
     "context2_blockwise": _lay(data=4, context=2, attention="blockwise", attention_block=32),
     "pp2_1f1b_none": _lay(data=2, tensor=2, pipeline=2, microbatches=4),
     "pp2_1f1b_full": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="full", zero_stage=1),
-    "pp2_interleaved": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
-    "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, schedule="zb-h1"),
-    "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, schedule="gpipe"),
+    "pp2_interleaved": _lay(
+        data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, pipeline_schedule="interleaved"
+    ),
+    "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, pipeline_schedule="zb-h1"),
+    "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, pipeline_schedule="gpipe"),
     "pp2_interleaved_full": _lay(
-        data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="interleaved", recompute="full"
+        data=2,
+        tensor=2,
+        pipeline=2,
+        virtual_stages=2,
+        microbatches=4,
+        pipeline_schedule="interleaved",
+        recompute="full",
     ),
 }
 SLOW_GRID = {
-    "pp2_zbv": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, schedule="zb-v"),
+    "pp2_zbv": _lay(data=2, tensor=2, pipeline=2, virtual_stages=2, microbatches=4, pipeline_schedule="zb-v"),
     "dp_selective": _lay(data=8, recompute="selective"),
     "dp_full": _lay(data=8, recompute="full"),
     "zero2_none": _lay(data=8, zero_stage=2),
@@ -68,8 +76,10 @@ SLOW_GRID = {
     "pp2_1f1b_selective": _lay(data=2, tensor=2, pipeline=2, microbatches=4, recompute="selective"),
     "pp2_1f1b_zero2": _lay(data=2, tensor=2, pipeline=2, microbatches=4, zero_stage=2),
     "pp4_1f1b": _lay(data=2, pipeline=4, microbatches=4),
-    "pp2_gpipe_selective": _lay(data=2, tensor=2, pipeline=2, microbatches=4, schedule="gpipe", recompute="selective"),
-    "pp4_gpipe_full_m8": _lay(data=2, pipeline=4, microbatches=8, schedule="gpipe", recompute="full"),
+    "pp2_gpipe_selective": _lay(
+        data=2, tensor=2, pipeline=2, microbatches=4, pipeline_schedule="gpipe", recompute="selective"
+    ),
+    "pp4_gpipe_full_m8": _lay(data=2, pipeline=4, microbatches=8, pipeline_schedule="gpipe", recompute="full"),
     # m = 2: one microbatch's residual stack, as for any m (was temp 0.673 with a stale m = 2 doubling rule)
     "dp_m2_zero1": _lay(data=8, zero_stage=1, microbatches=2, microbatch_size=1),
     "1b_zero3_none": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512),
@@ -86,7 +96,7 @@ SLOW_GRID = {
         microbatches=4,
         microbatch_size=1,
         seq_len=256,
-        schedule="interleaved",
+        pipeline_schedule="interleaved",
         recompute="full",
     ),
     "1b_pp2_interleaved_selective": _lay(
@@ -97,7 +107,7 @@ SLOW_GRID = {
         microbatches=4,
         microbatch_size=1,
         seq_len=256,
-        schedule="interleaved",
+        pipeline_schedule="interleaved",
         recompute="selective",
     ),
 }
@@ -231,7 +241,7 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
 
 ZB_PAIRS = {"p2_m4": ("pp2_zbh1", "pp2_1f1b_none")} | ({"p4_m8": ("pp4_m8_zbh1", "pp4_m8_1f1b")} if SLOW else {})
 ZB_LAYOUTS = DEFAULT | {
-    "pp4_m8_zbh1": _lay(data=2, pipeline=4, microbatches=8, schedule="zb-h1"),
+    "pp4_m8_zbh1": _lay(data=2, pipeline=4, microbatches=8, pipeline_schedule="zb-h1"),
     "pp4_m8_1f1b": _lay(data=2, pipeline=4, microbatches=8),
 }
 

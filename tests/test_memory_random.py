@@ -76,7 +76,7 @@ def _draw(rng: random.Random) -> tuple[str, dict, ParallelLayout]:
         pipeline=pipeline,
         context=context,
         virtual_stages=virtual,
-        schedule=schedule,
+        pipeline_schedule=schedule,
         zero_stage=rng.choice((0, 1, 2, 3)),
         microbatches=microbatches,
         microbatch_size=b,

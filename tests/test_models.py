@@ -162,7 +162,7 @@ class ToyMlp(Model):
         }
 
     def context(self, **parallel):
-        return ShardContext(remat=self.cfg.remat, compute_dtype=self.cfg.compute_dtype, **parallel)
+        return ShardContext(compute_dtype=self.cfg.compute_dtype, **parallel)
 
     def embed(self, params, tokens, ctx):
         x = jnp.take(params["embed"], tokens, axis=0).astype(ctx.compute_dtype)
@@ -202,7 +202,7 @@ def toy_replicated(toy):
     "layout",
     [
         ("--config.parallel.zero_stage=3",),
-        ("--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.train.microbatches=2"),
+        ("--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.parallel.microbatches=2"),
     ],
     ids=["zero3_d2", "pipeline_p2_m2"],
 )

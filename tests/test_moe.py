@@ -54,7 +54,7 @@ def train(*overrides: str):
 
 
 def one_device(microbatches: int):
-    return train("--config.mesh.data=1", "--config.mesh.expert=1", f"--config.train.microbatches={microbatches}")
+    return train("--config.mesh.data=1", "--config.mesh.expert=1", f"--config.parallel.microbatches={microbatches}")
 
 
 def assert_matches(got, want, name, params_tol: float | None = TOL):
@@ -80,7 +80,7 @@ LAYOUTS = [
             "--config.mesh.data=2",
             "--config.mesh.expert=2",
             "--config.mesh.pipeline=2",
-            "--config.train.microbatches=2",
+            "--config.parallel.microbatches=2",
         ],
         2,
     ),
@@ -113,7 +113,7 @@ SLOW_LAYOUTS = [
             "--config.mesh.data=2",
             "--config.mesh.expert=2",
             "--config.parallel.zero_stage=2",
-            "--config.train.microbatches=2",
+            "--config.parallel.microbatches=2",
         ],
         2,
     ),
@@ -273,7 +273,7 @@ def test_routing_and_switch_loss():
                 "--config.mesh.pipeline=2",
                 "--config.mesh.data=1",
                 "--config.parallel.zero_stage=2",
-                "--config.train.microbatches=2",
+                "--config.parallel.microbatches=2",
             ],
             "parallel.zero_stage=2 with mesh.expert=4 and mesh.pipeline=2",
         ),

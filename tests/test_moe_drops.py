@@ -95,5 +95,7 @@ def test_step_reports_the_share_of_routed_choices_dropped():
 @pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1: a second layout's compile (~15 s)")
 def test_sharded_step_counts_the_same_choices():
     """data=2 x expert=2 with 2 microbatches: the same routing, counted over shards and microbatches."""
-    sharded = _first_step(*CAPACITY, "--config.mesh.data=2", "--config.mesh.expert=2", "--config.train.microbatches=2")
+    sharded = _first_step(
+        *CAPACITY, "--config.mesh.data=2", "--config.mesh.expert=2", "--config.parallel.microbatches=2"
+    )
     assert sharded["moe_dropped_choices"] == _first_step(*CAPACITY, *ONE)["moe_dropped_choices"]

@@ -36,7 +36,7 @@ LAYOUTS = {
         "--config.mesh.tensor=2",
         "--config.mesh.pipeline=2",
         "--config.parallel.zero_stage=1",
-        "--config.train.microbatches=2",
+        "--config.parallel.microbatches=2",
     ],
 }
 # The fast grid: every optimizer on a layout that splits its non-elementwise statistics; the full

@@ -67,12 +67,12 @@ def small_config(*overrides: str):
 def layout(schedule: str, p: int, m: int, data: int = 1, tensor: int = 1, *extra: str) -> list[str]:
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     return [
-        f"--config.pipeline.schedule={schedule}",
-        f"--config.pipeline.virtual_stages={v}",
+        f"--config.parallel.pipeline_schedule={schedule}",
+        f"--config.parallel.virtual_stages={v}",
         f"--config.mesh.pipeline={p}",
         f"--config.mesh.data={data}",
         f"--config.mesh.tensor={tensor}",
-        f"--config.train.microbatches={m}",
+        f"--config.parallel.microbatches={m}",
         *extra,
     ]
 
@@ -96,7 +96,7 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
     block parameters back in model layer order."""
     setup, step_fn = compiled(*model, *overrides)
     cfg = setup.cfg
-    p, v, vs = cfg.mesh.pipeline, cfg.pipeline.virtual_stages, pipeline.v_shaped(cfg.pipeline.schedule)
+    p, v, vs = cfg.mesh.pipeline, cfg.parallel.virtual_stages, pipeline.v_shaped(cfg.parallel.pipeline_schedule)
     host = _host_params(model)
     staged = pipeline.to_stage_form(host, p, v, v_shape=vs) if p > 1 else host
     params = jax.device_put(staged, setup.param_shardings)
@@ -125,7 +125,7 @@ def NO_GUARD(setup):  # noqa: N802 - the step's guard argument: never skip, no l
 @functools.cache
 def reference_run(model: tuple[str, ...] = ()):
     """The single-device, single-microbatch run of the same model and batches."""
-    return train(["--config.mesh.data=1", "--config.train.microbatches=1"], model)
+    return train(["--config.mesh.data=1", "--config.parallel.microbatches=1"], model)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ DEFAULT = {
     # ends slot) over data inside the ticks; the gathers' transposes reduce-scatter the gradients
     "1f1b_p2_m4_d2_zero3": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=3"),
     "interleaved_p2_m4_d2_t2_zero3_remat": layout(
-        "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3", "--config.model.remat=full"
+        "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=3", "--config.parallel.recompute=full"
     ),
     "gpipe_p2_m4_d4_zero3": layout("gpipe", 2, 4, 4, 1, "--config.parallel.zero_stage=3"),
     # ZB-H1: the input gradient (B) and the weight gradient (W) as separate ticks (more in the slow grid)
@@ -167,7 +167,7 @@ DEFAULT = {
     # ZeRO-2: each backward tick reduce-scatters its gradients over data into a sharded accumulator
     "1f1b_p2_m4_d2_zero2": layout("1f1b", 2, 4, 2, 1, "--config.parallel.zero_stage=2"),
     "interleaved_p2_m4_d2_t2_zero2_remat": layout(
-        "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=2", "--config.model.remat=full"
+        "interleaved", 2, 4, 2, 2, "--config.parallel.zero_stage=2", "--config.parallel.recompute=full"
     ),
 }
 AXES = {"plain": (1, 1), "d2": (2, 1), "t2": (1, 2)}
@@ -213,11 +213,11 @@ MODEL_VARIANTS = {
         ("--config.model.position=learned", "--config.model.mlp_activation=gelu", "--config.model.norm=layernorm"),
         layout("interleaved", 2, 4, 1, 2, "--config.parallel.sequence_parallel=true"),
     ),
-    "remat_gpipe_p2_m4_d2": (("--config.model.remat=full",), layout("gpipe", 2, 4, 2)),
+    "remat_gpipe_p2_m4_d2": (("--config.parallel.recompute=full",), layout("gpipe", 2, 4, 2)),
 }
 # Full remat: the 1F1B / interleaved backward runs one sequence at a time, layer by layer, adding each
 # layer's weight gradient into the accumulator in place (jaxpar.parallel.pipeline.executor._stage_backward_by_layer).
-REMAT = ("--config.model.remat=full",)
+REMAT = ("--config.parallel.recompute=full",)
 REMAT_LAYOUTS = {
     "remat_1f1b_p2_m4_d2_t2": layout("1f1b", 2, 4, 2, 2),
     "remat_interleaved_p2_m4_t2_sp": layout("interleaved", 2, 4, 1, 2, "--config.parallel.sequence_parallel=true"),
@@ -266,18 +266,21 @@ def test_eval_step_matches_single_device(name, rows):
         cfg = small_config(*overrides)
         setup = make_setup(cfg)
         staged = pipeline.to_stage_form(
-            host, cfg.mesh.pipeline, cfg.pipeline.virtual_stages, v_shape=pipeline.v_shaped(cfg.pipeline.schedule)
+            host,
+            cfg.mesh.pipeline,
+            cfg.parallel.virtual_stages,
+            v_shape=pipeline.v_shaped(cfg.parallel.pipeline_schedule),
         )
         params = jax.device_put(staged, setup.param_shardings)
         losses.append(float(setup.eval_step(params, setup.feed.make_eval_batch(rows))))
     assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
-    p, m = cfg.mesh.pipeline, cfg.train.microbatches
+    p, m = cfg.mesh.pipeline, cfg.parallel.microbatches
     local = len(rows) // cfg.mesh.data
     table = pipeline.build_eval_schedule(
         p,
         pipeline.eval_microbatches(local, p, m),
-        cfg.pipeline.virtual_stages,
-        pipeline.v_shaped(cfg.pipeline.schedule),
+        cfg.parallel.virtual_stages,
+        pipeline.v_shaped(cfg.parallel.pipeline_schedule),
     )
     busy = max(sum(a is not None for a in tick) for tick in table.grid)
     assert busy == (3 if name == "1f1b_p4_rows6" else p)  # 6 rows: 3 microbatches of 2
@@ -403,7 +406,7 @@ def test_permutes_carry_bsh_per_microbatch_per_boundary(name):
     ``lax.switch``, so a link carries v*b*s*h bytes per microbatch each way (Narayanan et al. 2021, arXiv:2104.04473)."""
     setup, comp = compiled(*DEFAULT[name])
     cfg = setup.cfg
-    schedule, p, m = cfg.pipeline.schedule, cfg.mesh.pipeline, cfg.train.microbatches
+    schedule, p, m = cfg.parallel.pipeline_schedule, cfg.mesh.pipeline, cfg.parallel.microbatches
     b, s, h = cfg.train.global_batch // (m * cfg.mesh.data), cfg.train.seq_len, cfg.model.embed_dim
     formula = b * s * h * 4  # fp32 activations
     permutes = pipeline_permutes(comp.as_text(), setup)
@@ -414,7 +417,7 @@ def test_permutes_carry_bsh_per_microbatch_per_boundary(name):
     prog = setup.pipeline.program
     patterns = {frozenset(pairs) for pairs in prog.pairs["fwd"][1:] + prog.pairs["bwd"][1:]}
     assert {pairs for _, pairs in permutes} == patterns
-    v = cfg.pipeline.virtual_stages
+    v = cfg.parallel.virtual_stages
     for direction in ("fwd", "bwd"):
         link_sends = {}
         for t in prog.pattern[direction]:
@@ -497,36 +500,43 @@ P2 = ["--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.tensor=
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["--config.train.microbatches=1"], "train.microbatches=1 < mesh.pipeline=2: 1F1B needs"),
+        (["--config.parallel.microbatches=1"], "parallel.microbatches=1 < mesh.pipeline=2: 1F1B needs"),
         (
-            ["--config.pipeline.schedule=interleaved", "--config.train.microbatches=2"],
-            "pipeline.virtual_stages=1: the interleaved schedule needs at least 2",
+            ["--config.parallel.pipeline_schedule=interleaved", "--config.parallel.microbatches=2"],
+            "parallel.virtual_stages=1: the interleaved schedule needs at least 2",
         ),
         (
-            ["--config.pipeline.virtual_stages=2", "--config.train.microbatches=2"],
-            "pipeline.virtual_stages=2 is only used by the interleaved and zb-v schedules",
+            ["--config.parallel.virtual_stages=2", "--config.parallel.microbatches=2"],
+            "parallel.virtual_stages=2 is only used by the interleaved and zb-v schedules",
         ),
         (
             [
-                "--config.pipeline.schedule=interleaved",
-                "--config.pipeline.virtual_stages=2",
-                "--config.train.microbatches=3",
+                "--config.parallel.pipeline_schedule=interleaved",
+                "--config.parallel.virtual_stages=2",
+                "--config.parallel.microbatches=3",
                 "--config.train.global_batch=24",
             ],
-            "train.microbatches=3 is not a multiple of mesh.pipeline=2",
+            "parallel.microbatches=3 is not a multiple of mesh.pipeline=2",
         ),
-        (["--config.train.microbatches=3"], "train.global_batch=16 is not divisible by train.microbatches*mesh.data"),
+        (
+            ["--config.parallel.microbatches=3"],
+            "train.global_batch=16 is not divisible by parallel.microbatches*mesh.data",
+        ),
         (
             [
-                "--config.pipeline.schedule=interleaved",
-                "--config.pipeline.virtual_stages=4",
-                "--config.train.microbatches=2",
+                "--config.parallel.pipeline_schedule=interleaved",
+                "--config.parallel.virtual_stages=4",
+                "--config.parallel.microbatches=2",
             ],
-            "model.num_layers=4 is not divisible by mesh.pipeline*pipeline.virtual",
+            "model.num_layers=4 is not divisible by mesh.pipeline*parallel.virtual",
         ),
         (
-            ["--config.parallel.zero_stage=2", "--config.train.microbatches=2", "--config.pipeline.schedule=gpipe"],
-            "parallel.zero_stage=2 with pipeline.schedule=gpipe is not supported",
+            [
+                "--config.parallel.zero_stage=2",
+                "--config.parallel.microbatches=2",
+                "--config.parallel.pipeline_schedule=gpipe",
+            ],
+            "parallel.zero_stage=2 with parallel.pipeline_schedule=gpipe is not supported",
         ),
     ],
 )
@@ -603,12 +613,12 @@ def _executed_flops(*overrides: str) -> float:
 
 def test_pipeline_runs_each_forward_once():
     """Dot FLOPs the compiled step executes (loop trip counts and the schedule's branch shares, all
-    pipeline ranks summed), p=4 m=8: 1F1B with ``model.remat=none`` runs exactly the unpipelined
+    pipeline ranks summed), p=4 m=8: 1F1B with ``parallel.recompute=none`` runs exactly the unpipelined
     step's matmuls (the backward reads the stashed residuals); with ``full`` it recomputes forwards,
     as asked (its layer-by-layer backward runs each layer's forward twice more)."""
-    base = _executed_flops("--config.train.microbatches=8", "--config.mesh.data=1")
+    base = _executed_flops("--config.parallel.microbatches=8", "--config.mesh.data=1")
     assert _executed_flops(*layout("1f1b", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
-    recomputed = _executed_flops(*layout("1f1b", 4, 8), "--config.model.remat=full") / base
+    recomputed = _executed_flops(*layout("1f1b", 4, 8), "--config.parallel.recompute=full") / base
     assert recomputed > 1.5
 
 
@@ -631,16 +641,16 @@ def test_zb_h1_table_bubble_and_memory():
 
 def test_zb_h1_runs_each_matmul_once():
     """The split backward runs every dot once: B's equations and W's partition the pullback."""
-    base = _executed_flops("--config.train.microbatches=8", "--config.mesh.data=1")
+    base = _executed_flops("--config.parallel.microbatches=8", "--config.mesh.data=1")
     assert _executed_flops(*layout("zb-h1", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
 
 
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["--config.model.remat=full"], "model.remat=none"),
-        (["--config.model.remat=selective"], "model.remat=none"),
-        (["--config.train.microbatches=2"], "at least one microbatch per stage"),
+        (["--config.parallel.recompute=full"], "parallel.recompute=none"),
+        (["--config.parallel.recompute=selective"], "parallel.recompute=none"),
+        (["--config.parallel.microbatches=2"], "at least one microbatch per stage"),
     ],
 )
 def test_zb_h1_refusals(extra, match):
@@ -667,13 +677,13 @@ def test_zb_v_table_bubble_and_memory():
 
 
 def test_zb_v_runs_each_matmul_once():
-    base = _executed_flops("--config.train.microbatches=8", "--config.mesh.data=1")
+    base = _executed_flops("--config.parallel.microbatches=8", "--config.mesh.data=1")
     assert _executed_flops(*layout("zb-v", 4, 8)) / base == pytest.approx(1.0, abs=1e-9)
 
 
 def test_zb_v_needs_two_chunks():
     with pytest.raises(ConfigError, match="virtual_stages=2"):
-        make_setup(small_config(*layout("zb-v", 2, 4), "--config.pipeline.virtual_stages=4"))
+        make_setup(small_config(*layout("zb-v", 2, 4), "--config.parallel.virtual_stages=4"))
 
 
 def test_frontier_packs_into_residuals_only_b_read():

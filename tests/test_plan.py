@@ -103,7 +103,7 @@ def test_evaluate_layout_and_pins():
         seq_len=4096,
         recompute="selective",
         sequence_parallel=True,
-        schedule="1f1b",
+        pipeline_schedule="1f1b",
     )
     est = P.evaluate_layout(m, H100, lay)
     assert est.layout == lay and est.bubble_fraction == pytest.approx(7 / 71)
@@ -141,7 +141,7 @@ def test_parse_layout():
         "tensor": 8,
         "pipeline": 8,
         "virtual_stages": 3,
-        "schedule": "interleaved",
+        "pipeline_schedule": "interleaved",
         "context": 1,  # the three classic axes pin the mesh: no context unless given
     }
     assert plan_cli.parse_layout("data=1,tensor=4,context=2") == {"data": 1, "tensor": 4, "context": 2}
@@ -158,7 +158,7 @@ def test_run_plan_json(capsys):
     assert len(doc["layouts"]) == 3
     row = doc["layouts"][0]
     for key in ("data", "tensor", "pipeline", "virtual_stages", "zero_stage", "microbatches", "microbatch_size",
-                "recompute", "sequence_parallel", "schedule", "step_time_s", "mfu", "bubble_fraction"):  # fmt: skip
+                "recompute", "sequence_parallel", "pipeline_schedule", "step_time_s", "mfu", "bubble_fraction"):  # fmt: skip
         assert key in row, key
     assert {"model_states_bytes", "activation_bytes", "total_bytes"} <= set(row["memory"])
     assert set(row["communication"]) == {"data", "tensor", "pipeline", "context", "expert"}
@@ -174,7 +174,7 @@ def test_run_plan_pinned_layout_and_overrides(capsys):
     assert plan_cli.run_plan(args) == 0
     (row,) = json.loads(capsys.readouterr().out)["layouts"]
     assert (row["tensor"], row["pipeline"], row["virtual_stages"], row["microbatches"]) == (8, 8, 3, 64)
-    assert row["schedule"] == "interleaved" and row["sequence_parallel"] and row["zero_stage"] == 1
+    assert row["pipeline_schedule"] == "interleaved" and row["sequence_parallel"] and row["zero_stage"] == 1
     args = plan_args("--config", str(CONFIGS / "llama2_7b.py"), "--config.model.num_layers=8", "--json", "--top", "1")
     assert plan_cli.run_plan(args) == 0
     assert json.loads(capsys.readouterr().out)["model"]["params"] < 3e9
@@ -247,7 +247,11 @@ def test_compare_keeps_the_config_choices_and_says_so(capsys):
     """An open choice keeps the config's value when the layout can take it, and the row says where
     each value came from (given, config, chosen)."""
     code, out, _ = _compare(
-        capsys, "--layout=data=4,tensor=2", "--config.parallel.zero_stage=2", "--config.model.remat=selective", "--json"
+        capsys,
+        "--layout=data=4,tensor=2",
+        "--config.parallel.zero_stage=2",
+        "--config.parallel.recompute=selective",
+        "--json",
     )
     assert code == 0
     row = json.loads(out)["layouts"][0]
@@ -303,7 +307,7 @@ def test_compare_and_the_sweep_grid_take_moe_layouts(capsys):
 
 
 def _at_mesh(found, schedule: str):
-    (est,) = [e for e in found if e.layout.schedule == schedule]
+    (est,) = [e for e in found if e.layout.pipeline_schedule == schedule]
     return est
 
 
@@ -314,7 +318,7 @@ def test_zero_bubble_ranks_above_1f1b_by_the_bubble_difference():
     fixed = {"data": 1, "tensor": 8, "pipeline": 8, "context": 1, "recompute": "none", "zero_stage": 0,
              "microbatches": 8, "sequence_parallel": False}  # fmt: skip
     found = P.search_layouts(model("llama2_7b"), H100, 64, 8, 4096, fixed=fixed)
-    ranked = [e.layout.schedule for e in found]
+    ranked = [e.layout.pipeline_schedule for e in found]
     assert ranked.index("zb-h1") < ranked.index("1f1b") and ranked[0] == "zb-h1"
     assert "(22.6% bubble at m=8, zb-h1)" in found[0].why  # 7/31
     one, zb = _at_mesh(found, "1f1b"), _at_mesh(found, "zb-h1")
@@ -336,25 +340,27 @@ def test_zero_bubble_layouts_only_where_the_step_runs_them():
     """The search offers ZB-H1 and ZB-V on every pipeline and keeps what ParallelLayout.validate
     accepts: recompute none only, ZB-V with v = 2, no MoE model, no uneven split."""
     found = P.search_layouts(model("tiny"), H100, 8, 16, 256, keep_unfit=True)
-    zero_bubble = [e.layout for e in found if e.layout.schedule in ("zb-h1", "zb-v")]
-    assert {lay.schedule for lay in zero_bubble} == {"zb-h1", "zb-v"}
+    zero_bubble = [e.layout for e in found if e.layout.pipeline_schedule in ("zb-h1", "zb-v")]
+    assert {lay.pipeline_schedule for lay in zero_bubble} == {"zb-h1", "zb-v"}
     assert {lay.recompute for lay in zero_bubble} == {"none"}
-    assert {lay.virtual_stages for lay in zero_bubble if lay.schedule == "zb-v"} == {2}
-    by_schedule = {s: {lay.pipeline for lay in zero_bubble if lay.schedule == s} for s in ("zb-h1", "zb-v")}
+    assert {lay.virtual_stages for lay in zero_bubble if lay.pipeline_schedule == "zb-v"} == {2}
+    by_schedule = {s: {lay.pipeline for lay in zero_bubble if lay.pipeline_schedule == s} for s in ("zb-h1", "zb-v")}
     assert by_schedule == {"zb-h1": {2, 4}, "zb-v": {2}}  # 4 layers: ZB-V's 2p chunks need p = 2
-    assert {e.layout.recompute for e in found if e.layout.schedule == "1f1b" and e.layout.pipeline > 1} == {
+    assert {e.layout.recompute for e in found if e.layout.pipeline_schedule == "1f1b" and e.layout.pipeline > 1} == {
         "none",
         "selective",
         "full",
     }
     moe = P.search_layouts(model("tiny_mixtral"), H100, 8, 16, 256, fixed={"pipeline": 2}, keep_unfit=True)
-    assert moe and {e.layout.schedule for e in moe} == {"1f1b", "interleaved"}
+    assert moe and {e.layout.pipeline_schedule for e in moe} == {"1f1b", "interleaved"}
     uneven = P.search_layouts(_tiny_layers(5), H100, 2, 4, 256, keep_unfit=True)
-    assert {e.layout.schedule for e in uneven if e.layout.pipeline == 2} == {"1f1b"}
-    with pytest.raises(ConfigError, match="pipeline.schedule=zb-h1 with model.remat=full"):
-        P.search_layouts(model("tiny"), H100, 8, 16, 256, fixed={"schedule": "zb-h1", "recompute": "full"})
-    pinned = P.search_layouts(model("tiny"), H100, 8, 16, 256, fixed={"schedule": "zb-v"}, keep_unfit=True)
-    assert {(e.layout.schedule, e.layout.pipeline, e.layout.virtual_stages) for e in pinned} == {("zb-v", 2, 2)}
+    assert {e.layout.pipeline_schedule for e in uneven if e.layout.pipeline == 2} == {"1f1b"}
+    with pytest.raises(ConfigError, match="parallel.pipeline_schedule=zb-h1 with parallel.recompute=full"):
+        P.search_layouts(model("tiny"), H100, 8, 16, 256, fixed={"pipeline_schedule": "zb-h1", "recompute": "full"})
+    pinned = P.search_layouts(model("tiny"), H100, 8, 16, 256, fixed={"pipeline_schedule": "zb-v"}, keep_unfit=True)
+    assert {(e.layout.pipeline_schedule, e.layout.pipeline, e.layout.virtual_stages) for e in pinned} == {
+        ("zb-v", 2, 2)
+    }
 
 
 def _tiny_layers(n: int):
@@ -370,7 +376,7 @@ def test_uneven_split_is_priced_by_its_heaviest_stage():
     found = P.search_layouts(m5, H100, 2, 4, 256, fixed={"pipeline": 2}, keep_unfit=True)
     assert found and {e.layout.stage_layers for e in found} == {(2, 3)}
     assert "layers=2/3" in P.describe(found[0].layout)
-    five = next(e for e in found if e.layout.schedule == "1f1b" and e.layout.recompute == "none")
+    five = next(e for e in found if e.layout.pipeline_schedule == "1f1b" and e.layout.recompute == "none")
     lay = five.layout
     six = P.evaluate_layout(_tiny_layers(6), H100, dataclasses.replace(lay, stage_layers=(), stage_split=""))
     assert five.time.compute_s == pytest.approx(six.time.compute_s, rel=1e-3)
@@ -386,7 +392,7 @@ def test_plan_output_names_the_zero_bubble_schedules(capsys):
     for schedule, v in (("zb-h1", 1), ("zb-v", 2)):
         assert plan_cli.run_plan(plan_args(*base, "--schedule", schedule, "--json")) == 0
         rows = json.loads(capsys.readouterr().out)["layouts"]
-        assert rows and {(r["schedule"], r["virtual_stages"]) for r in rows} == {(schedule, v)}
+        assert rows and {(r["pipeline_schedule"], r["virtual_stages"]) for r in rows} == {(schedule, v)}
     assert plan_cli.run_plan(plan_args(*base, "--top", "20")) == 0
     out = capsys.readouterr().out
     assert "zb-h1" in out and "zb-v" in out and "1f1b" in out

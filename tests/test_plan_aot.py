@@ -67,7 +67,7 @@ def _lay(
         seq_len=seq,
         recompute=recompute,
         sequence_parallel=sp,
-        schedule=schedule,
+        pipeline_schedule=schedule,
     )
 
 
@@ -230,8 +230,8 @@ def test_layout_config_carries_the_layout():
     assert (out.mesh.data, out.mesh.tensor, out.mesh.pipeline) == (4, 2, 1)
     parallel = out.parallel
     assert (parallel.zero_stage, parallel.sequence_parallel, parallel.grad_reduce_dtype) == (1, True, "bfloat16")
-    assert (out.train.microbatches, out.train.global_batch, out.train.seq_len) == (4, 32, 4096)
-    assert out.model.remat == "full" and out.model.max_seq_len == 4096  # RoPE: raised to the sequence
+    assert (out.parallel.microbatches, out.train.global_batch, out.train.seq_len) == (4, 32, 4096)
+    assert out.parallel.recompute == "full" and out.model.max_seq_len == 4096  # RoPE: raised to the sequence
     assert cfg.mesh.data == 8 and cfg.train.seq_len == 2048  # the loaded config is untouched
     zero3 = A.layout_config(cfg, ParallelLayout(8, 1, zero_stage=3, seq_len=256), "float32")
     assert zero3.parallel.grad_reduce_dtype == zero3.model.compute_dtype == "bfloat16"
@@ -372,7 +372,7 @@ def test_plan_aot_compiles_a_zero_bubble_row(capsys):
     ns.overrides = ["--config.model.compute_dtype=float32"]
     assert plan_cli.run_plan(ns) == 0
     (row,) = json.loads(capsys.readouterr().out)["layouts"]
-    assert (row["schedule"], row["pipeline"], row["recompute"]) == ("zb-h1", 2, "none")
+    assert (row["pipeline_schedule"], row["pipeline"], row["recompute"]) == ("zb-h1", 2, "none")
     assert row["bubble_fraction"] == pytest.approx(1 / (3 * row["microbatches"] + 1))
     aot = row["aot"]
     assert aot["argument_ratio"] == pytest.approx(1, rel=MEMORY_TOLERANCE)

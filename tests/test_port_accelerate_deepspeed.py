@@ -45,9 +45,9 @@ def test_zero_stage_out_of_range_is_one_line(tmp_path):
 
 def test_gradient_accumulation_steps_are_microbatches(tmp_path):
     cfg, report = _port(tmp_path, "  zero_stage: 1\n  gradient_accumulation_steps: 4\n")
-    assert cfg.train.microbatches == 4
+    assert cfg.parallel.microbatches == 4
     assert cfg.train.global_batch == 32  # jaxpar's 16 does not divide 8 ranks x 4 steps: one sequence each
-    assert report.find("deepspeed_config.gradient_accumulation_steps").target == "train.microbatches"
+    assert report.find("deepspeed_config.gradient_accumulation_steps").target == "parallel.microbatches"
     assert "gradient_accumulation_steps=0: use an integer >= 1" in _error(
         tmp_path, "  gradient_accumulation_steps: 0\n"
     )
@@ -113,7 +113,7 @@ def test_the_other_sections_key_is_no_effect(tmp_path):
     cfg, report = _port(
         tmp_path, "  zero_stage: 1\n", "num_processes: 8\nfsdp_config:\n  fsdp_activation_checkpointing: true\n"
     )
-    assert cfg.model.remat == "none" and cfg.parallel.zero_stage == 1
+    assert cfg.parallel.recompute == "none" and cfg.parallel.zero_stage == 1
     assert report.find("fsdp_config.fsdp_activation_checkpointing").note.startswith("no-op in jaxpar")
 
 
@@ -138,7 +138,11 @@ def test_context_parallel_shards_over_the_context_ranks():
     over data x context; torch CP's default allgather is jaxpar's all_gather exchange."""
     cfg, report = port_fsdp(CORPUS / "torch_native_cp.yaml")
     assert (cfg.mesh.data, cfg.mesh.context, cfg.parallel.zero_stage) == (1, 8, 3)
-    assert (cfg.parallel.context_exchange, cfg.model.attention, cfg.model.remat) == ("all_gather", "blockwise", "full")
+    assert (cfg.parallel.context_exchange, cfg.model.attention, cfg.parallel.recompute) == (
+        "all_gather",
+        "blockwise",
+        "full",
+    )
     assert report.find("parallelism_config.parallelism_config_cp_comm_strategy (default)").value == "allgather"
 
 

@@ -266,5 +266,5 @@ def test_bloom_176b_split_70_layers_on_12_stages():
         port_megatron(BLOOM, variables={"SLURM_NNODES": "24"}, approximate=False)
     cfg, report = port_megatron(BLOOM, variables={"SLURM_NNODES": "24"}, approximate=True)
     assert (cfg.model.num_layers, cfg.mesh.pipeline, cfg.mesh.tensor, cfg.mesh.data) == (70, 12, 4, 4)
-    assert (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers) == (5, 5)
-    assert report.find("--pp-partition-method").target == "pipeline.first_stage_layers, pipeline.last_stage_layers"
+    assert (cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers) == (5, 5)
+    assert report.find("--pp-partition-method").target == "parallel.first_stage_layers, parallel.last_stage_layers"

@@ -91,9 +91,9 @@ def test_every_fixture_has_an_expectation():
 def test_megatron_deepspeed_batch_arithmetic_uses_data_parallel_size():
     cfg, report = port_deepspeed(DS / "megatron_ds_bf16_zero1.json", world_size=256, tensor=4, pipeline=8)
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline) == (8, 4, 8)  # DP = 256 / (4 * 8)
-    assert (cfg.train.global_batch, cfg.train.microbatches) == (1024, 128)  # 1024 = 1 * 128 * 8
+    assert (cfg.train.global_batch, cfg.parallel.microbatches) == (1024, 128)  # 1024 = 1 * 128 * 8
     assert cfg.model.compute_dtype == "bfloat16" and cfg.optim.clip_norm == 1.0 and cfg.parallel.zero_stage == 1
-    assert cfg.parallel.grad_reduce_dtype == "float32" and cfg.model.remat == "full"  # fp32 comm; checkpointing
+    assert cfg.parallel.grad_reduce_dtype == "float32" and cfg.parallel.recompute == "full"  # fp32 comm; checkpointing
     assert report.find("activation_checkpointing.partition_activations").status == "approximated"  # false: no-op
     assert report.find("zero_optimization.allgather_bucket_size").status == "approximated"
     with pytest.raises(ConfigError, match="world size 250 is not divisible by tensor\\*pipeline = 4\\*8 = 32"):
@@ -104,8 +104,8 @@ def test_typo_key_is_reported_unknown_with_suggestion():
     cfg, report = port_deepspeed(DS / "pipe_module_typo.json", world_size=2)
     entry = report.find("gradient_accumulation_step")
     assert entry.status == "unknown" and "did you mean 'gradient_accumulation_steps'" in entry.note
-    assert cfg.train.microbatches == 1 and cfg.train.global_batch == 8  # DeepSpeed ignores the typo (2) too
-    assert cfg.model.remat == "full"  # pipeline.activation_checkpoint_interval = 1
+    assert cfg.parallel.microbatches == 1 and cfg.train.global_batch == 8  # DeepSpeed ignores the typo (2) too
+    assert cfg.parallel.recompute == "full"  # pipeline.activation_checkpoint_interval = 1
     assert cfg.optim.decoupled_weight_decay and cfg.optim.b2 == 0.999  # "Adam" is AdamW by default
 
 
@@ -128,7 +128,7 @@ def test_auto_values_are_listed_as_unresolved():
 def test_auto_values_filled_from_side_inputs_and_offload_reported():
     cfg, report = port_deepspeed(DS / "hf_zero3_offload_fp16.json", side_inputs=HF_SIDE)
     assert cfg.optim.lr == 3e-4 and cfg.optim.weight_decay == 0.1 and cfg.optim.clip_norm == 1.0
-    assert (cfg.mesh.data, cfg.train.global_batch, cfg.train.microbatches) == (8, 16, 1)  # its gas is 1, not "auto"
+    assert (cfg.mesh.data, cfg.train.global_batch, cfg.parallel.microbatches) == (8, 16, 1)  # its gas is 1, not "auto"
     # fp16 with DeepSpeed's dynamic loss scaling, field by field
     assert cfg.parallel.zero_stage == 3 and cfg.model.compute_dtype == "float16"
     fp16 = report.find("fp16.enabled")
@@ -183,21 +183,21 @@ def test_fp16_and_unknown_keys_in_vision_config():
     cfg, report = port_deepspeed(DS / "vision_fp16_zero1.json", world_size=8)
     assert cfg.model.compute_dtype == "float16" and cfg.parallel.zero_stage == 1 and cfg.optim.clip_norm == 0.0
     assert report.find("fp16.enabled").status == "mapped" and "float16" in report.find("fp16.enabled").note
-    assert (cfg.train.global_batch, cfg.train.microbatches, cfg.optim.b1) == (128, 1, 0.85)
+    assert (cfg.train.global_batch, cfg.parallel.microbatches, cfg.optim.b1) == (128, 1, 0.85)
     assert report.find("local_rank").status == "unknown"
     assert report.find("fp16.auto_cast").status == "approximated"
 
 
 def test_pipeline_section_and_stages_from_the_command_line():
     cfg, report = port_deepspeed(DS / "pipeline_parallel_micro.json", world_size=8, pipeline=2)
-    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.train.global_batch, cfg.train.microbatches) == (4, 2, 64, 4)
-    assert report.find("pipeline.stages").status == "approximated" and cfg.model.remat == "none"  # interval 0
+    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.train.global_batch, cfg.parallel.microbatches) == (4, 2, 64, 4)
+    assert report.find("pipeline.stages").status == "approximated" and cfg.parallel.recompute == "none"  # interval 0
     assert report.find("(scheduler)").status == "approximated" and cfg.optim.schedule == "constant"
 
 
 def test_warmup_cosine_adam_l2_and_torch_autocast_from_a_file():
     cfg, report = port_deepspeed(DS / "adam_l2_cosine_autocast.json", world_size=8)
-    assert (cfg.mesh.data, cfg.train.global_batch, cfg.train.microbatches) == (8, 64, 2)  # 4 * 2 * 8
+    assert (cfg.mesh.data, cfg.train.global_batch, cfg.parallel.microbatches) == (8, 64, 2)  # 4 * 2 * 8
     assert not cfg.optim.decoupled_weight_decay and cfg.optim.schedule == "cosine" and cfg.train.steps == 2000
     assert cfg.optim.min_lr_ratio == 0.01 and cfg.optim.warmup_init_lr == pytest.approx(1e-5)  # 0.1 * lr
     assert cfg.model.compute_dtype == "bfloat16" and cfg.parallel.zero_stage == 2 and cfg.optim.clip_norm == 0.5
@@ -226,7 +226,7 @@ def test_all_three_batch_settings_determine_the_data_size():
     cfg, _ = port_deepspeed(
         {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, tensor=2
     )
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.train.microbatches) == (8, 2, 4)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.microbatches) == (8, 2, 4)
 
 
 def test_adam_without_w_mode_is_l2_and_cosine_scheduler_maps():
@@ -279,7 +279,7 @@ def test_cli_writes_a_config_that_loads_and_validates(tmp_path, capsys):
     argv.append("--approximate")  # ports with jaxpar's default shape (48 layers), the report says so first
     assert _run(argv) == 0
     cfg = load_config(str(out))
-    assert (cfg.mesh.data, cfg.train.microbatches, cfg.model.num_layers) == (8, 128, 48)
+    assert (cfg.mesh.data, cfg.parallel.microbatches, cfg.model.num_layers) == (8, 128, 48)
     text = out.read_text()
     assert "megatron_ds_bf16_zero1.json" in text and "jaxpar train --config" in text
     printed = capsys.readouterr().out

@@ -69,10 +69,10 @@ def test_every_fixture_has_an_expectation():
 def test_bloom_style_layout_on_256_gpus():
     cfg, report = port_megatron(MEG / BLOOM, variables={"SLURM_NNODES": "32"})
     assert (cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.data) == (4, 8, 8)  # 256 / (4 * 8)
-    assert (cfg.train.global_batch, cfg.train.microbatches) == (1024, 128)  # 1024 / (1 * 8)
+    assert (cfg.train.global_batch, cfg.parallel.microbatches) == (1024, 128)  # 1024 / (1 * 8)
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.head_dim, m.vocab_size) == (66, 11600, 80, 145, 250880)
-    assert (m.mlp_dim, m.mlp_activation, m.norm, m.tie_embeddings, m.remat) == (
+    assert (m.mlp_dim, m.mlp_activation, m.norm, m.tie_embeddings, cfg.parallel.recompute) == (
         46400,
         "gelu",
         "layernorm",
@@ -88,12 +88,12 @@ def test_bloom_style_layout_on_256_gpus():
     # names (66 layers over 8 stages would be the next)
     assert any("model.head_dim=145: RoPE needs an even head dim" in p for p in report.problems)
     cfg, report = port_megatron(MEG / BLOOM, world_size=256)  # an explicit world size makes NNODES unnecessary
-    assert (cfg.mesh.data, cfg.train.microbatches) == (8, 128) and "overridden" in report.find("--nnodes").note
+    assert (cfg.mesh.data, cfg.parallel.microbatches) == (8, 128) and "overridden" in report.find("--nnodes").note
 
 
 def test_gpt3_13b_shape_and_schedule():
     cfg, report = port_megatron(MEG / GPT13, variables={"NUM_NODES": "4"})
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 4, 4, 256)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.parallel.microbatches) == (2, 4, 4, 256)
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (40, 5120, 40, 40, 128)
     assert (m.mlp_dim, m.mlp_activation, m.norm, m.position, m.tie_embeddings) == (
@@ -146,7 +146,7 @@ def test_llama3_8b_fp8_shape_and_sample_based_schedule():
         5e5,
         False,
     )
-    assert (cfg.mesh.data, cfg.train.microbatches, cfg.parallel.zero_stage) == (8, 4, 1)  # 64 / (2 * 8)
+    assert (cfg.mesh.data, cfg.parallel.microbatches, cfg.parallel.zero_stage) == (8, 4, 1)  # 64 / (2 * 8)
     assert not cfg.parallel.sequence_parallel and report.find("--sequence-parallel").status == "approximated"
     assert cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 6400000 // 64
     assert cfg.data.source == "synthetic"  # --mock-data
@@ -165,7 +165,7 @@ def test_llama3_8b_fp8_shape_and_sample_based_schedule():
 def test_mixtral_moe_flags_map_on_four_nodes():
     cfg, report = port_megatron(MEG / MIXTRAL, variables={"SLURM_NNODES": "4"})
     assert (cfg.model.num_experts, cfg.model.experts_per_token) == (8, 2)
-    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.pipeline, cfg.train.microbatches) == (1, 8, 4, 16)
+    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.pipeline, cfg.parallel.microbatches) == (1, 8, 4, 16)
     for flag in ("--num-experts", "--moe-router-topk", "--expert-model-parallel-size"):
         assert report.find(flag).status == "mapped", (flag, report.find(flag))
     assert report.find("--moe-grouped-gemm").status == "approximated"
@@ -174,7 +174,7 @@ def test_mixtral_moe_flags_map_on_four_nodes():
 
 def test_megatron_deepspeed_llama2():
     cfg, report = port_megatron(MEG / LLAMA2)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 2, 2, 4)  # 16/(2*2)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.parallel.microbatches) == (2, 2, 2, 4)  # 16/(2*2)
     assert (cfg.model.num_kv_heads, cfg.model.mlp_dim, cfg.model.norm) == (4, 5632, "rmsnorm")
     assert (cfg.data.source, cfg.data.path) == ("megatron", "./work/data/wiki_text_document")  # "1 PREFIX" blend
     assert cfg.data.val_fraction == pytest.approx(0.02)  # --split 98,1,1
@@ -193,7 +193,7 @@ def test_sweep_template_ports_once_its_variables_are_given():
         "WORLD_SIZE": "16",
     }
     cfg, report = port_megatron(MEG / SWEEP, variables=variables)
-    assert (cfg.mesh.data, cfg.train.microbatches, cfg.optim.schedule) == (4, 16, "cosine")  # 16/(2*2); 64/(1*4)
+    assert (cfg.mesh.data, cfg.parallel.microbatches, cfg.optim.schedule) == (4, 16, "cosine")  # 16/(2*2); 64/(1*4)
     assert cfg.model.compute_dtype == "float16" and cfg.train.loss_scale.static == 4096.0  # a fixed scale
     assert report.find("--loss-scale").status == "mapped" and report.find("--fp16").status == "mapped"
     lines = (MEG / SWEEP).read_text().splitlines()
@@ -203,9 +203,9 @@ def test_sweep_template_ports_once_its_variables_are_given():
 
 def test_interleaved_pipeline_with_sequence_parallel_and_selective_recompute():
     cfg, report = port_megatron(MEG / INTERLEAVED)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.train.microbatches) == (2, 2, 2, 32)
-    assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved", 4)  # 24 / (2 * 3)
-    assert cfg.parallel.sequence_parallel and cfg.model.remat == "selective"
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.parallel.microbatches) == (2, 2, 2, 32)
+    assert (cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages) == ("interleaved", 4)  # 24 / (2 * 3)
+    assert cfg.parallel.sequence_parallel and cfg.parallel.recompute == "selective"
     assert cfg.model.vocab_size == 50304  # NullTokenizer: 50257 + 1, padded to a multiple of 64 * TP 2
     assert (cfg.data.path, cfg.train.seed) == ("/data/pile/pile_text_document", 1234)
     assert not report.problems
@@ -284,9 +284,9 @@ def test_virtual_pipeline_sequence_and_context_parallel():
             world=16,
         )
     )
-    assert (cfg.pipeline.virtual_stages, cfg.pipeline.schedule) == (4, "interleaved")  # 32 / (2 * 4)
+    assert (cfg.parallel.virtual_stages, cfg.parallel.pipeline_schedule) == (4, "interleaved")  # 32 / (2 * 4)
     assert cfg.parallel.sequence_parallel and cfg.mesh.tensor == 2
-    assert (cfg.mesh.data, cfg.mesh.context) == (2, 2) and cfg.train.microbatches == 32  # DP = 16 / (2*2*2)
+    assert (cfg.mesh.data, cfg.mesh.context) == (2, 2) and cfg.parallel.microbatches == 32  # DP = 16 / (2*2*2)
     assert report.find("--context-parallel-size").status == "mapped" and cfg.model.attention == "blockwise"
     # p2p is the ring, which jaxpar runs only outside pipeline stages: all-gathered here, said in the report
     assert cfg.parallel.context_exchange == "all_gather" and not report.problems
@@ -345,7 +345,7 @@ torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES pretrain_gpt.py \\
     --seq-length "$((512*2))" --tensor-model-parallel-size 2 --save '/ckpt dir'
 """
     cfg, report = port_megatron(script)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.train.microbatches) == (8, 2, 16)  # 16 / 2; 256 / (2 * 8)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.microbatches) == (8, 2, 16)  # 16 / 2; 256 / (2 * 8)
     assert (cfg.model.num_layers, cfg.model.embed_dim, cfg.train.seq_len) == (24, 1024, 1024)
     assert (cfg.optim.schedule, cfg.optim.warmup_steps, cfg.train.workdir) == ("linear", 10, "/ckpt dir")
     with pytest.raises(ConfigError, match="no '# flags' section"):
@@ -387,7 +387,7 @@ def test_cli_megatron_output_loads(tmp_path):
     )
     assert run_port(args) == 0
     cfg = load_config(str(out))
-    assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.train.microbatches == 4
+    assert cfg.model.vocab_size == 128256 and cfg.model.mlp_dim == 14336 and cfg.parallel.microbatches == 4
     bloom = ["port", "megatron", str(MEG / BLOOM), "--var", "SLURM_NNODES=32", "-o", str(tmp_path / "bloom.py")]
     with pytest.raises(ConfigError, match=r"--position-embedding-type = alibi: alibi positions") as e:
         run_port(parser.parse_args(bloom))  # BLOOM's ALiBi, biases and embedding norm: not jaxpar's model

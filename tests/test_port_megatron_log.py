@@ -65,7 +65,7 @@ def _flat(source) -> dict:
 def test_log_ports_as_the_flags_of_its_script():
     log = _flat(PAIR.with_suffix(".log"))
     assert log == _flat(SCRIPT_FLAGS)
-    assert (log["mesh.tensor"], log["mesh.pipeline"], log["mesh.data"], log["train.microbatches"]) == (2, 2, 1, 4)
+    assert (log["mesh.tensor"], log["mesh.pipeline"], log["mesh.data"], log["parallel.microbatches"]) == (2, 2, 1, 4)
     assert (log["model.compute_dtype"], log["train.loss_scale.initial_scale_power"]) == ("float16", 32)
 
 

@@ -38,7 +38,7 @@ def test_mixtral_8x7b_example_ports_to_mixtral(tmp_path, capsys):
     assert (m.name, m.num_experts, m.experts_per_token, m.mlp_dim) == ("mixtral", 8, 2, 14336)
     assert (m.router_score, m.router_norm_topk, m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == ("softmax", True, 1e-2, 0)
     assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.pipeline, cfg.mesh.tensor) == (1, 8, 4, 1)
-    assert cfg.train.microbatches == 256 // (1 * 8)  # GBS / (MBS * DP), DP = data * expert
+    assert cfg.parallel.microbatches == 256 // (1 * 8)  # GBS / (MBS * DP), DP = data * expert
     assert report.valid, report.problems
     rows = {e.source: e for e in report.entries}
     for flag in ("--num-experts", "--moe-router-topk", "--moe-aux-loss-coeff", "--expert-model-parallel-size"):

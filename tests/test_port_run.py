@@ -129,7 +129,7 @@ RECIPES = {
         "--set",
         "model.num_kv_heads=8",
         "--set",
-        "train.microbatches=4",
+        "parallel.microbatches=4",
         "--set",
         "train.global_batch=8",
         "--approximate",
@@ -172,11 +172,11 @@ def shrunk_mesh(sizes: tuple[int, ...], limit: int = DEVICES) -> tuple[int, ...]
 def shrink(cfg) -> list[str]:
     """``--config.`` overrides turning ``cfg`` (a full-size, validated config) into the tiny stand-in."""
     data, tensor, pipeline, expert = shrunk_mesh((cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.expert))
-    virtual = cfg.pipeline.virtual_stages if pipeline > 1 else 1
+    virtual = cfg.parallel.virtual_stages if pipeline > 1 else 1
     if pipeline > 1:
         micro = pipeline
     else:
-        micro = 2 if cfg.train.microbatches > 1 else 1
+        micro = 2 if cfg.parallel.microbatches > 1 else 1
     heads = 2 * tensor
     kv = heads if cfg.model.num_kv_heads == cfg.model.num_heads else tensor
     values = {
@@ -184,8 +184,8 @@ def shrink(cfg) -> list[str]:
         "mesh.tensor": tensor,
         "mesh.pipeline": pipeline,
         "mesh.expert": expert,
-        "pipeline.virtual_stages": virtual,
-        "train.microbatches": micro,
+        "parallel.virtual_stages": virtual,
+        "parallel.microbatches": micro,
         "train.global_batch": micro * data * expert,
         "train.seq_len": 16,
         "model.embed_dim": 32,
@@ -229,10 +229,10 @@ def layout_key(cfg) -> tuple:
         cfg.mesh.expert,
         cfg.parallel.zero_stage,
         cfg.parallel.sequence_parallel,
-        cfg.pipeline.schedule if cfg.mesh.pipeline > 1 else "-",
-        cfg.pipeline.virtual_stages,
-        cfg.train.microbatches,
-        m.remat,
+        cfg.parallel.pipeline_schedule if cfg.mesh.pipeline > 1 else "-",
+        cfg.parallel.virtual_stages,
+        cfg.parallel.microbatches,
+        cfg.parallel.recompute,
         m.mlp_activation,
         m.norm,
         m.position,
@@ -327,9 +327,9 @@ def test_ported_recipe_file_loads_and_trains_one_step(recipe, plan, tmp_path):
     kept = (
         "parallel.zero_stage",
         "parallel.sequence_parallel",
-        "pipeline.schedule",
-        "pipeline.virtual_stages",
-        "model.remat",
+        "parallel.pipeline_schedule",
+        "parallel.virtual_stages",
+        "parallel.recompute",
         "model.mlp_activation",
         "model.norm",
         "model.position",

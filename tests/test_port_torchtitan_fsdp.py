@@ -93,7 +93,12 @@ def test_llama3_8b_on_32_gpus():
     )
     assert (cfg.model.rope_low_freq_factor, cfg.model.rope_high_freq_factor) == (1.0, 4.0)
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.parallel.zero_stage) == (32, 1, 3)  # FSDP over all 32 ranks
-    assert (cfg.train.global_batch, cfg.train.microbatches, cfg.train.seq_len, cfg.train.steps) == (64, 1, 4096, 2000)
+    assert (cfg.train.global_batch, cfg.parallel.microbatches, cfg.train.seq_len, cfg.train.steps) == (
+        64,
+        1,
+        4096,
+        2000,
+    )
     m = cfg.model
     assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size) == (
         32,
@@ -103,7 +108,7 @@ def test_llama3_8b_on_32_gpus():
         14336,
         128256,
     )
-    assert m.rope_theta == 500000.0 and m.remat == "selective" and m.compute_dtype == "bfloat16"
+    assert m.rope_theta == 500000.0 and cfg.parallel.recompute == "selective" and m.compute_dtype == "bfloat16"
     o = cfg.optim
     assert (o.lr, o.eps, o.b2, o.weight_decay, o.schedule, o.min_lr_ratio) == (2e-4, 1e-8, 0.95, 0.1, "linear", 0.0)
     assert (o.warmup_steps, o.warmup_init_lr) == (99, pytest.approx(2e-4 / 100))  # (k + 1) / 100 over 99 steps
@@ -115,7 +120,7 @@ def test_llama3_8b_on_32_gpus():
 def test_llama3_70b_and_405b_tensor_parallel():
     cfg, report = port_torchtitan(TT / "llama3_70b_tp8_64gpu.toml", world_size=64)
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.model.mlp_dim, cfg.model.num_layers) == (8, 8, 28672, 80)
-    assert cfg.train.global_batch == 32 and cfg.model.remat == "full" and cfg.optim.weight_decay == 0.05
+    assert cfg.train.global_batch == 32 and cfg.parallel.recompute == "full" and cfg.optim.weight_decay == 0.05
     o = cfg.optim  # warmup 300, then stable, then cosine decay over the last half (decay_ratio 0.5) to 0.1 * lr
     assert (o.schedule, o.decay_start_step, o.decay_steps, o.min_lr_ratio) == ("cosine", 1500, 3000, 0.1)
     assert (cfg.train.eval_every, cfg.train.eval_batches) == (250, 50)
@@ -172,9 +177,9 @@ def test_pipeline_interleaved_with_accumulation():
     cfg, report = port_torchtitan(path)  # explicit degrees: no world size needed
     assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline, cfg.parallel.zero_stage) == (4, 2, 2, 3)
     # 64 = 4 per rank * 4 ranks * 4 accumulation steps; each step's 4 sequences run as 4 pipeline microbatches
-    assert (cfg.train.global_batch, cfg.train.microbatches) == (64, 16)
-    assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved", 2)
-    assert (cfg.train.seed, cfg.model.remat, cfg.parallel.grad_reduce_dtype) == (7, "none", "float32")
+    assert (cfg.train.global_batch, cfg.parallel.microbatches) == (64, 16)
+    assert (cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages) == ("interleaved", 2)
+    assert (cfg.train.seed, cfg.parallel.recompute, cfg.parallel.grad_reduce_dtype) == (7, "none", "float32")
     assert report.find("parallelism.pipeline_parallel_schedule").status == "approximated"
     with pytest.raises(ConfigError, match="multiply to 16 but the world size is 8"):
         port_torchtitan(path, world_size=8)
@@ -189,7 +194,7 @@ def test_torchtitan_degrees_must_multiply_to_the_world_size(tmp_path):
     with pytest.raises(ConfigError, match="multiply to 8 but the world size is 16"):
         port_torchtitan(path, world_size=16)
     cfg, report = port_torchtitan(path)
-    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.train.global_batch, cfg.train.microbatches) == (4, 2, 32, 4)
+    assert (cfg.mesh.data, cfg.mesh.tensor, cfg.train.global_batch, cfg.parallel.microbatches) == (4, 2, 32, 4)
     path.write_text("[parallelism]\ndata_parallel_shard_degree = 3\n[trainig]\nsteps = 10\n")
     cfg, report = port_torchtitan(path)
     assert report.find("trainig").status == "unknown" and "'training'" in report.find("trainig").note
@@ -221,7 +226,7 @@ def test_torchtitan_context_parallel(tmp_path, rotate, exchange, status):
 
 def test_fsdp_full_shard():
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp_full_shard.yaml")
-    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.parallel.recompute) == (
         4,
         3,
         "bfloat16",
@@ -241,7 +246,7 @@ def test_fsdp_full_shard():
 
 def test_fsdp_hybrid_across_nodes_and_fsdp2_reshard_flag():
     cfg, report = port_fsdp(FSDP / "accelerate_fsdp_hybrid_2nodes.yaml")
-    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.model.remat) == (
+    assert (cfg.mesh.data, cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.parallel.recompute) == (
         16,
         3,
         "bfloat16",  # accelerate's fp16 runs torch's GradScaler, not a rule jaxpar has: bf16, said by the row
@@ -279,7 +284,7 @@ def test_fsdp_strategies(tmp_path, strategy, stage, status):
         f"  fsdp_activation_checkpointing: true\n  fsdp_bogus: 1\n"
     )
     cfg, report = port_fsdp(path)
-    assert cfg.parallel.zero_stage == stage and cfg.mesh.data == 16 and cfg.model.remat == "full"
+    assert cfg.parallel.zero_stage == stage and cfg.mesh.data == 16 and cfg.parallel.recompute == "full"
     entry = report.find("fsdp_config.fsdp_sharding_strategy")
     assert entry.status == status and (status == "mapped" or "replicated across 2 node(s)" in entry.note)
     assert report.find("fsdp_config.fsdp_offload_params").status == "unsupported"

@@ -43,14 +43,14 @@ def test_pai_qwen3_first_stage_split_arrives(tmp_path):
     out = tmp_path / "qwen3.py"
     code, printed, err = _port("megatron", str(CORPUS / FILE), *ROW["args"], "-o", str(out))
     assert code == 0, err
-    assert "--decoder-first-pipeline-num-layers = 6 -> pipeline.first_stage_layers" in printed
+    assert "--decoder-first-pipeline-num-layers = 6 -> parallel.first_stage_layers" in printed
     assert "--qk-layernorm = true -> model.qk_norm, model.name" in printed
     assert "(training script)" not in printed and " unknown " not in printed
     cfg = load_config(str(out))  # loads and validates at full size
-    assert (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers) == (6, 0)
+    assert (cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers) == (6, 0)
     assert ParallelLayout.from_config(cfg).stage_layer_counts(cfg.model.num_layers) == (6, 10, 10, 10)
     assert (cfg.model.name, cfg.model.qk_norm, cfg.model.vocab_size) == ("qwen3", True, 151936)
-    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.parallel.zero_stage, cfg.train.microbatches) == (2, 4, 1, 16)
+    assert (cfg.mesh.data, cfg.mesh.pipeline, cfg.parallel.zero_stage, cfg.parallel.microbatches) == (2, 4, 1, 16)
 
 
 @pytest.mark.skipif(
@@ -64,8 +64,8 @@ def test_pai_qwen3_uneven_split_trains_one_step_shrunk(tmp_path):
     assert _port("megatron", str(CORPUS / FILE), *ROW["args"], "-o", str(out))[0] == 0
     tiny = {
         "model.num_layers": 5,
-        "pipeline.first_stage_layers": 2,
-        "train.microbatches": 4,
+        "parallel.first_stage_layers": 2,
+        "parallel.microbatches": 4,
         "train.global_batch": 8,
         "train.seq_len": 16,
         "model.embed_dim": 32,

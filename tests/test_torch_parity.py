@@ -90,7 +90,7 @@ def test_training_matches_torch_adamw(hf_dir, tmp_path):
     cfg = default_config()
     cfg.model = model_cfg
     cfg.mesh.data = cfg.mesh.tensor = cfg.mesh.pipeline = 1
-    cfg.train.global_batch, cfg.train.seq_len, cfg.train.steps, cfg.train.microbatches = BATCH, SEQ, STEPS, 1
+    cfg.train.global_batch, cfg.train.seq_len, cfg.train.steps, cfg.parallel.microbatches = BATCH, SEQ, STEPS, 1
     o = cfg.optim
     o.lr, o.warmup_steps, o.schedule, o.min_lr_ratio, o.decay_steps, o.warmup_init_lr = 1e-2, 3, "cosine", 0.1, -1, 0.0
     o.b1, o.b2, o.eps, o.weight_decay, o.clip_norm = 0.9, 0.95, 1e-8, 0.1, 0.5

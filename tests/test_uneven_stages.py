@@ -1,4 +1,4 @@
-"""Uneven pipeline stages (``pipeline.layers_per_stage``, ``first_stage_layers`` / ``last_stage_layers``,
+"""Uneven pipeline stages (``parallel.layers_per_stage``, ``first_stage_layers`` / ``last_stage_layers``,
 the balanced split): the resolved split, one-line errors, fp32 equivalence with one device (padding
 rows stay exactly zero, their gradient too), and checkpoints uneven -> even -> uneven.
 
@@ -32,7 +32,7 @@ from tests.test_pipeline import NO_GUARD, SMALL
 
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
 TOL = 1e-5
-P3 = ("--config.mesh.pipeline=3", "--config.pipeline.layers_per_stage=1,2,1", "--config.model.num_layers=4")
+P3 = ("--config.mesh.pipeline=3", "--config.parallel.layers_per_stage=1,2,1", "--config.model.num_layers=4")
 P2 = ("--config.mesh.pipeline=2", "--config.model.num_layers=5")
 
 
@@ -46,12 +46,12 @@ def _cfg(*overrides: str):
 @pytest.mark.parametrize(
     "overrides, want, source",
     [
-        (P3, (1, 2, 1), "pipeline.layers_per_stage"),
+        (P3, (1, 2, 1), "parallel.layers_per_stage"),
         (P2, (2, 3), "balanced"),
         (("--config.mesh.pipeline=4", "--config.model.num_layers=6"), (1, 2, 2, 1), "balanced"),
         (("--config.mesh.pipeline=2", "--config.model.num_layers=8"), (), ""),  # even: nothing stored
         (
-            ("--config.mesh.pipeline=4", "--config.model.num_layers=8", "--config.pipeline.first_stage_layers=1"),
+            ("--config.mesh.pipeline=4", "--config.model.num_layers=8", "--config.parallel.first_stage_layers=1"),
             None,  # 7 over 3: refused below
             None,
         ),
@@ -59,25 +59,25 @@ def _cfg(*overrides: str):
             (
                 "--config.mesh.pipeline=4",
                 "--config.model.num_layers=9",
-                "--config.pipeline.first_stage_layers=1",
-                "--config.pipeline.last_stage_layers=2",
+                "--config.parallel.first_stage_layers=1",
+                "--config.parallel.last_stage_layers=2",
             ),
             (1, 3, 3, 2),
-            "pipeline.first_stage_layers/last_stage_layers",
+            "parallel.first_stage_layers/last_stage_layers",
         ),
         (
-            ("--config.mesh.pipeline=3", "--config.model.num_layers=7", "--config.pipeline.last_stage_layers=1"),
+            ("--config.mesh.pipeline=3", "--config.model.num_layers=7", "--config.parallel.last_stage_layers=1"),
             (3, 3, 1),
-            "pipeline.last_stage_layers",
+            "parallel.last_stage_layers",
         ),
     ],
 )
 def test_the_resolved_split(overrides, want, source):
     if want is None:
-        with pytest.raises(ConfigError, match=r"^pipeline.first_stage_layers: the remaining 7 of model.num_layers=8"):
-            _cfg("--config.mesh.data=1", "--config.train.microbatches=4", *overrides)
+        with pytest.raises(ConfigError, match=r"^parallel.first_stage_layers: the remaining 7 of model.num_layers=8"):
+            _cfg("--config.mesh.data=1", "--config.parallel.microbatches=4", *overrides)
         return
-    cfg = _cfg("--config.mesh.data=1", "--config.train.microbatches=4", *overrides)
+    cfg = _cfg("--config.mesh.data=1", "--config.parallel.microbatches=4", *overrides)
     layout = validate(cfg)
     assert (layout.stage_layers, layout.stage_split) == (want, source)
     assert layout.stage_layer_counts(cfg.model.num_layers) == (want or (4, 4))
@@ -95,82 +95,82 @@ def test_balanced_split_puts_the_extra_layers_on_the_middle_stages_first():
     "overrides, message",
     [
         (
-            ("--config.pipeline.layers_per_stage=1,2", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
-            "pipeline.layers_per_stage: 2 stage counts (1,2) for mesh.pipeline=3; give one count per stage",
+            ("--config.parallel.layers_per_stage=1,2", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "parallel.layers_per_stage: 2 stage counts (1,2) for mesh.pipeline=3; give one count per stage",
         ),
         (
-            ("--config.pipeline.layers_per_stage=1,2,2", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
-            "pipeline.layers_per_stage: the split 1,2,2 sums to 5, not model.num_layers=4; make the counts add up to 4",
+            ("--config.parallel.layers_per_stage=1,2,2", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "parallel.layers_per_stage: the split 1,2,2 sums to 5, not model.num_layers=4; make the counts add up to 4",
         ),
         (
-            ("--config.pipeline.layers_per_stage=0,3,1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
-            "pipeline.layers_per_stage: the split 0,3,1 leaves a stage without layers",
+            ("--config.parallel.layers_per_stage=0,3,1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "parallel.layers_per_stage: the split 0,3,1 leaves a stage without layers",
         ),
         (
-            ("--config.pipeline.layers_per_stage=1;2;1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
-            "pipeline.layers_per_stage='1;2;1': give one layer count per stage, comma-separated, e.g. 1,2,1",
+            ("--config.parallel.layers_per_stage=1;2;1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "parallel.layers_per_stage='1;2;1': give one layer count per stage, comma-separated, e.g. 1,2,1",
         ),
         (
             (
-                "--config.pipeline.layers_per_stage=1,2,1",
-                "--config.pipeline.first_stage_layers=1",
+                "--config.parallel.layers_per_stage=1,2,1",
+                "--config.parallel.first_stage_layers=1",
                 "--config.mesh.pipeline=3",
                 "--config.model.num_layers=4",
             ),
-            "pipeline.layers_per_stage='1,2,1' with pipeline.first_stage_layers=1",
+            "parallel.layers_per_stage='1,2,1' with parallel.first_stage_layers=1",
         ),
         (
-            ("--config.pipeline.first_stage_layers=-1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
-            "pipeline.first_stage_layers=-1: must be >= 0 (0: not set)",
+            ("--config.parallel.first_stage_layers=-1", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "parallel.first_stage_layers=-1: must be >= 0 (0: not set)",
         ),
         (
-            ("--config.pipeline.first_stage_layers=3", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
-            "pipeline.first_stage_layers: the remaining 1 of model.num_layers=4 do not split evenly over the 2",
+            ("--config.parallel.first_stage_layers=3", "--config.mesh.pipeline=3", "--config.model.num_layers=4"),
+            "parallel.first_stage_layers: the remaining 1 of model.num_layers=4 do not split evenly over the 2",
         ),
         (
             ("--config.mesh.pipeline=3", "--config.model.num_layers=2"),
-            "model.num_layers=2 is not divisible by mesh.pipeline*pipeline.virtual_stages=3",
+            "model.num_layers=2 is not divisible by mesh.pipeline*parallel.virtual_stages=3",
         ),
         (
             (
-                "--config.pipeline.layers_per_stage=1,3",
+                "--config.parallel.layers_per_stage=1,3",
                 "--config.mesh.pipeline=2",
                 "--config.model.num_layers=4",
-                "--config.pipeline.schedule=interleaved",
-                "--config.pipeline.virtual_stages=2",
+                "--config.parallel.pipeline_schedule=interleaved",
+                "--config.parallel.virtual_stages=2",
             ),
-            "pipeline.layers_per_stage: uneven stages (1,3) with pipeline.virtual_stages=2 are not supported",
+            "parallel.layers_per_stage: uneven stages (1,3) with parallel.virtual_stages=2 are not supported",
         ),
         (
             (
                 "--config.mesh.pipeline=2",
                 "--config.model.num_layers=5",
-                "--config.pipeline.schedule=interleaved",
-                "--config.pipeline.virtual_stages=2",
+                "--config.parallel.pipeline_schedule=interleaved",
+                "--config.parallel.virtual_stages=2",
             ),
-            "model.num_layers=5 is not divisible by mesh.pipeline*pipeline.virtual_stages=4",
+            "model.num_layers=5 is not divisible by mesh.pipeline*parallel.virtual_stages=4",
         ),
         (
-            ("--config.mesh.pipeline=1", "--config.pipeline.layers_per_stage=2,2"),
-            "pipeline.layers_per_stage='2,2' has no effect here: it acts only when mesh.pipeline > 1",
+            ("--config.mesh.pipeline=1", "--config.parallel.layers_per_stage=2,2"),
+            "parallel.layers_per_stage='2,2' has no effect here: it acts only when mesh.pipeline > 1",
         ),
     ],
 )
 def test_bad_splits_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
-        validate(_cfg("--config.mesh.data=1", "--config.train.microbatches=4", *overrides))
+        validate(_cfg("--config.mesh.data=1", "--config.parallel.microbatches=4", *overrides))
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 
 def test_the_cli_exits_2_naming_the_field():
     proc = subprocess.run(
         [sys.executable, "-m", "jaxpar", "inspect", "--config", TINY, "--config.mesh.pipeline=2",
-         "--config.pipeline.layers_per_stage=1,1"],
+         "--config.parallel.layers_per_stage=1,1"],
         capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pipeline.layers_per_stage: the split 1,1 sums to 2" in lines[0], proc.stderr
+    assert len(lines) == 1 and "parallel.layers_per_stage: the split 1,1 sums to 2" in lines[0], proc.stderr
 
 
 def test_layout_validate_checks_a_split_given_directly():
@@ -181,7 +181,7 @@ def test_layout_validate_checks_a_split_given_directly():
     )
     assert back.stage_layers == (1, 2, 1) and hash(back) == hash(ParallelLayout(pipeline=3, stage_layers=(1, 2, 1)))
     model = {**dict(_cfg().model), "num_layers": 4}
-    with pytest.raises(ConfigError, match=r"^pipeline.layers_per_stage: the split 1,1,1 sums to 3"):
+    with pytest.raises(ConfigError, match=r"^parallel.layers_per_stage: the split 1,1,1 sums to 3"):
         ParallelLayout(pipeline=3, microbatches=3, stage_layers=(1, 1, 1)).validate(model)
 
 
@@ -249,34 +249,34 @@ def _train(overrides: tuple[str, ...], steps: int = 2):
 @functools.cache
 def _reference(num_layers: int, *model: str):
     return _train(
-        (f"--config.model.num_layers={num_layers}", "--config.mesh.data=1", "--config.train.microbatches=1", *model)
+        (f"--config.model.num_layers={num_layers}", "--config.mesh.data=1", "--config.parallel.microbatches=1", *model)
     )
 
 
 CASES = [
-    pytest.param((*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2", "--config.parallel.zero_stage=1"),
+    pytest.param((*P3, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.data=2", "--config.parallel.zero_stage=1"),
                  id="p3_1-2-1_1f1b_data2_zero1"),
     *[
         pytest.param(case, id=name, marks=pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1"))
         for name, case in {
-            "p2_5layers_gpipe_tensor2_zero3": (*P2, "--config.pipeline.schedule=gpipe", "--config.mesh.tensor=2",
+            "p2_5layers_gpipe_tensor2_zero3": (*P2, "--config.parallel.pipeline_schedule=gpipe", "--config.mesh.tensor=2",
                                                "--config.parallel.zero_stage=3", "--config.mesh.data=2"),
-            "p3_1-2-1_gpipe_data2_zero3": (*P3, "--config.pipeline.schedule=gpipe", "--config.mesh.data=2",
+            "p3_1-2-1_gpipe_data2_zero3": (*P3, "--config.parallel.pipeline_schedule=gpipe", "--config.mesh.data=2",
                                            "--config.parallel.zero_stage=3"),
-            "p3_1-2-1_1f1b_tensor2": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.tensor=2",
+            "p3_1-2-1_1f1b_tensor2": (*P3, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.tensor=2",
                                       "--config.mesh.data=1"),
-            "p3_1-2-1_1f1b_data2_zero2": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
+            "p3_1-2-1_1f1b_data2_zero2": (*P3, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.data=2",
                                           "--config.parallel.zero_stage=2"),
-            "p2_5layers_1f1b_tensor2_zero1": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.tensor=2",
+            "p2_5layers_1f1b_tensor2_zero1": (*P2, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.tensor=2",
                                               "--config.parallel.zero_stage=1", "--config.mesh.data=2"),
-            "p2_5layers_1f1b_data2_zero3_full_remat": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
-                                                       "--config.parallel.zero_stage=3", "--config.model.remat=full"),
-            "p2_5layers_1f1b_context2": (*P2, "--config.pipeline.schedule=1f1b", "--config.mesh.context=2",
+            "p2_5layers_1f1b_data2_zero3_full_remat": (*P2, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.data=2",
+                                                       "--config.parallel.zero_stage=3", "--config.parallel.recompute=full"),
+            "p2_5layers_1f1b_context2": (*P2, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.context=2",
                                          "--config.parallel.context_exchange=all_gather",
                                          "--config.model.attention=blockwise", "--config.model.attention_block=8",
                                          "--config.mesh.data=1"),
-            "p3_1-2-1_1f1b_data2_full_remat": (*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2",
-                                               "--config.model.remat=full"),
+            "p3_1-2-1_1f1b_data2_full_remat": (*P3, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.data=2",
+                                               "--config.parallel.recompute=full"),
         }.items()
     ],
 ]  # fmt: skip
@@ -285,7 +285,7 @@ CASES = [
 @pytest.mark.parametrize("overrides", CASES)
 def test_uneven_stages_match_one_device(overrides):
     num_layers = int(next(o for o in overrides if "num_layers" in o).split("=")[1])
-    got = _train((*overrides, "--config.train.microbatches=4"))
+    got = _train((*overrides, "--config.parallel.microbatches=4"))
     ref_history, ref_grads, ref_params, _ = _reference(num_layers)
     history, grads, params, padding = got
     for mine, want in zip(history, ref_history, strict=True):
@@ -299,7 +299,7 @@ def test_uneven_stages_match_one_device(overrides):
 @pytest.mark.skipif(not SLOW, reason="JAXPAR_SLOW=1")
 def test_uneven_stages_with_dropout_draw_one_devices_masks():
     drop = ("--config.model.dropout=0.1", "--config.model.attention_dropout=0.1")
-    got = _train((*P3, "--config.pipeline.schedule=1f1b", "--config.mesh.data=2", "--config.train.microbatches=4",
+    got = _train((*P3, "--config.parallel.pipeline_schedule=1f1b", "--config.mesh.data=2", "--config.parallel.microbatches=4",
                   *drop))  # fmt: skip
     ref_history, ref_grads, ref_params, _ = _reference(4, *drop)
     assert max_rel_error(got[1], ref_grads) < TOL
@@ -322,9 +322,9 @@ def test_checkpoint_uneven_to_even_and_back(tmp_path):
         "--config.model.num_layers=4",
         "--config.mesh.data=2",
         "--config.mesh.tensor=1",
-        "--config.train.microbatches=4",
+        "--config.parallel.microbatches=4",
     )
-    uneven = _setup(*common, "--config.mesh.pipeline=3", "--config.pipeline.layers_per_stage=1,2,1")
+    uneven = _setup(*common, "--config.mesh.pipeline=3", "--config.parallel.layers_per_stage=1,2,1")
     even = _setup(*common, "--config.mesh.pipeline=2")
     params, opt = uneven.init(5)
     opt = jax.tree.map(lambda a: a + 1 if a.ndim else a, opt)  # moments away from zero
@@ -356,7 +356,7 @@ def test_checkpoint_uneven_to_even_and_back(tmp_path):
 
 
 def _split(cfg) -> tuple[int, ...]:
-    return resolve_stage_layers(cfg.model.num_layers, cfg.mesh.pipeline, cfg.pipeline)[0]
+    return resolve_stage_layers(cfg.model.num_layers, cfg.mesh.pipeline, cfg.parallel)[0]
 
 
 def _megatron(*flags: str, world: int = 8) -> str:
@@ -376,7 +376,7 @@ def test_megatron_first_and_last_stage_layers():
             "--decoder-last-pipeline-num-layers 6",
         )
     )
-    assert (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers) == (6, 6)
+    assert (cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers) == (6, 6)
     assert _split(cfg) == (6, 10, 10, 6)  # Megatron: the other 20 evenly over the 2 middle stages
     assert report.find("--decoder-first-pipeline-num-layers").status == "mapped"
     cfg, _ = port_megatron(
@@ -386,7 +386,7 @@ def test_megatron_first_and_last_stage_layers():
             "--decoder-last-pipeline-num-layers 6",
         )
     )
-    with pytest.raises(ConfigError, match=r"^pipeline.first_stage_layers/last_stage_layers: the remaining 21"):
+    with pytest.raises(ConfigError, match=r"^parallel.first_stage_layers/last_stage_layers: the remaining 21"):
         _split(cfg)
 
 
@@ -407,7 +407,7 @@ def test_megatron_pipeline_layout_strings(layout, want):
     cfg, report = port_megatron(
         _megatron("--pipeline-model-parallel-size 4", f"--pipeline-model-parallel-layout {layout}")
     )
-    assert cfg.pipeline.layers_per_stage == ",".join(map(str, want))
+    assert cfg.parallel.layers_per_stage == ",".join(map(str, want))
     assert _split(cfg) == want
     assert report.find("--pipeline-model-parallel-layout").status == "mapped"
 
@@ -454,7 +454,7 @@ def test_torchtitan_stage_split_maps_to_layers_per_stage(tmp_path, extra, want, 
     path = tmp_path / "pp4.toml"
     path.write_text(text)
     cfg, report = port_torchtitan(path, world_size=8)
-    assert cfg.mesh.pipeline == 4 and cfg.pipeline.layers_per_stage == want
+    assert cfg.mesh.pipeline == 4 and cfg.parallel.layers_per_stage == want
     assert _split(cfg) == (tuple(int(x) for x in want.split(",")) if want else ())
     if status == "default":
         row = report.find("parallelism.pipeline_parallel_first_stage_less_layers (default)")
@@ -500,13 +500,13 @@ def test_the_planner_prices_a_balanced_split_by_its_largest_stage():
     model = _cfg("--config.model.num_layers=70").model
     found = plan.search_layouts(model, get_cluster("h100-80g"), 12, 12, 32, fixed={"pipeline": 12}, keep_unfit=True)
     assert found and all(e.layout.stage_layers == (5, *[6] * 10, 5) for e in found)
-    assert all(e.layout.schedule in ("1f1b", "gpipe") and e.layout.virtual_stages == 1 for e in found)
+    assert all(e.layout.pipeline_schedule in ("1f1b", "gpipe") and e.layout.virtual_stages == 1 for e in found)
     assert "layers=5/6/6/6/6/6/6/6/6/6/6/5" in plan.describe(found[0].layout)
     even = _cfg("--config.model.num_layers=72").model
     lay = found[0].layout
     same = plan.evaluate_layout(even, get_cluster("h100-80g"), ParallelLayout(**{
         **{f: getattr(lay, f) for f in ("data", "tensor", "pipeline", "zero_stage", "microbatches", "microbatch_size",
-                                        "seq_len", "recompute", "schedule")}}))  # fmt: skip
+                                        "seq_len", "recompute", "pipeline_schedule")}}))  # fmt: skip
     assert found[0].memory.total_bytes == same.memory.total_bytes
 
 
@@ -537,38 +537,38 @@ def test_train_states_the_split_once_at_the_start(monkeypatch, capsys):
     monkeypatch.setattr(loop, "Trainer", Idle)
     args = argparse.Namespace(
         config=TINY, overrides=["--config.mesh.pipeline=2", "--config.model.num_layers=5", "--config.mesh.data=2",
-                                "--config.train.microbatches=2"], no_progress=True,
+                                "--config.parallel.microbatches=2"], no_progress=True,
     )  # fmt: skip
     assert train_cli.run_train(args) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "pipeline stages hold 2,3 layers (model.num_layers=5 does not divide mesh.pipeline=2: a balanced split, the "
-        "extra layers on the middle stages first; set pipeline.layers_per_stage to choose)"
+        "extra layers on the middle stages first; set parallel.layers_per_stage to choose)"
     ]
 
 
 def test_inspect_reports_the_split():
     from jaxpar.cli.inspect import pipeline_schedule
 
-    layout = validate(_cfg(*P3, "--config.mesh.data=1", "--config.train.microbatches=4"))
+    layout = validate(_cfg(*P3, "--config.mesh.data=1", "--config.parallel.microbatches=4"))
     pipe = pipeline_schedule(layout)
     assert pipe["layers_per_stage"] == [1, 2, 1]
-    assert pipe["stage_split"] == "pipeline stages hold 1,2,1 layers (pipeline.layers_per_stage)"
+    assert pipe["stage_split"] == "pipeline stages hold 1,2,1 layers (parallel.layers_per_stage)"
     even = pipeline_schedule(validate(_cfg("--config.mesh.pipeline=2", "--config.mesh.data=1",
-                                           "--config.train.microbatches=2")))  # fmt: skip
+                                           "--config.parallel.microbatches=2")))  # fmt: skip
     assert (even["layers_per_stage"], even["stage_split"]) == ([], "")
 
 
 def test_a_planned_layout_carries_its_split_into_the_config_it_compiles():
     from jaxpar.analysis.aot import layout_run
 
-    cfg = _cfg(*P3, "--config.mesh.data=1", "--config.train.microbatches=4")  # asks for 1,2,1 on 3 stages
+    cfg = _cfg(*P3, "--config.mesh.data=1", "--config.parallel.microbatches=4")  # asks for 1,2,1 on 3 stages
     even = ParallelLayout(pipeline=2, microbatches=4, microbatch_size=2, seq_len=32)
     out, layout = layout_run(cfg, even)
-    assert (out.pipeline.layers_per_stage, layout.stage_layers) == ("", ())
+    assert (out.parallel.layers_per_stage, layout.stage_layers) == ("", ())
     uneven = dataclasses.replace(even, pipeline=3, stage_layers=(2, 1, 1), stage_split="x")
     out, layout = layout_run(cfg, uneven)
-    assert (out.pipeline.layers_per_stage, layout.stage_layers) == ("2,1,1", (2, 1, 1))
+    assert (out.parallel.layers_per_stage, layout.stage_layers) == ("2,1,1", (2, 1, 1))
 
 
 def test_pp_partition_method_that_does_not_divide_is_approximated():
@@ -579,7 +579,7 @@ def test_pp_partition_method_that_does_not_divide_is_approximated():
     cfg, report = port_megatron(ROOT / "tests/fixtures/recipes/megatron/bloom_style_104b_slurm.args",
                                 variables={"SLURM_NNODES": "32"})  # fmt: skip
     assert report.find("--pp-partition-method").status == "approximated"
-    assert (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers, cfg.pipeline.layers_per_stage) == (
+    assert (cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers, cfg.parallel.layers_per_stage) == (
         0,
         0,
         "",

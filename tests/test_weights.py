@@ -270,7 +270,7 @@ def test_bad_torch_file_is_a_config_error(tmp_path, model_cfg):
             "--config.mesh.data=2",
             "--config.mesh.tensor=2",
             "--config.mesh.pipeline=2",
-            "--config.train.microbatches=2",
+            "--config.parallel.microbatches=2",
             "--config.parallel.zero_stage=1",
         ),
     ],
@@ -351,9 +351,9 @@ def test_export_writes_the_checkpoint_as_hf(tmp_path, capsys):
         "--config.mesh.data=2",
         "--config.mesh.tensor=2",
         "--config.mesh.pipeline=2",
-        "--config.train.microbatches=2",
-        "--config.pipeline.schedule=interleaved",
-        "--config.pipeline.virtual_stages=2",
+        "--config.parallel.microbatches=2",
+        "--config.parallel.pipeline_schedule=interleaved",
+        "--config.parallel.virtual_stages=2",
     ]
     cfg = tiny_config(*overrides)
     trainer = Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False)

@@ -586,7 +586,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     layer_el, shared_el = _grad_elements(model, layout, stage)
     full_grads = pb * (layer_el + shared_el)
     zero3 = layout.zero_stage == 3
-    ticks = p > 1 and layout.schedule != "gpipe"  # GPipe's tick stacks hold the gathered weights already
+    ticks = p > 1 and layout.pipeline_schedule != "gpipe"  # GPipe's tick stacks hold the gathered weights already
     gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 and ticks else 0.0
     if p == 1:
         layers = model.num_layers
@@ -632,7 +632,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
 
     chunk = layout.layers_per_stage(model.num_layers)
     last = stage == p - 1
-    if layout.schedule == "gpipe":
+    if layout.pipeline_schedule == "gpipe":
         per_tick = gpipe_tick_bytes(model, layout)
         residual = (layout.microbatches + p - 1) * per_tick
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
@@ -648,7 +648,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         chunk_grads = full_grads
     else:
         keep = keeps_activations(layout)
-        prog = _program(layout.schedule, p, layout.microbatches, layout.virtual_stages, keep)
+        prog = _program(layout.pipeline_schedule, p, layout.microbatches, layout.virtual_stages, keep)
         by_layer = layout.recompute == "full" and layout.zero_stage < 2
         rows = 1 if by_layer else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
@@ -657,7 +657,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # one more set, the forward tick's residuals leaving its switch before they are written
         # into their slot (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B m=4)
         slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h + (prog[2] + 1) * residual * keep
-        if splits_backward(layout.schedule):  # B's frontier for W (each weight matmul's output gradient),
+        if splits_backward(layout.pipeline_schedule):  # B's frontier for W (each weight matmul's output gradient),
             # per layer and microbatch in flight between B and W: only what does not fit in the stash slot's
             # residuals that B alone read (jaxpar.parallel.pipeline.split_executor; none for a llama block)
             slots += (prog[3] + 1) * chunk * frontier_unpacked_bytes(model, layout)
@@ -684,7 +684,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
     backward = residual + working + grads + gather + slots
-    accumulator = 0.0 if layout.schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
+    accumulator = 0.0 if layout.pipeline_schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
     phase = max((backward, "backward"), (update, "update"), (accumulator, "accumulator"))[1]
     return TempEstimate(stage, residual, working, grads, gather, slots, update, phase, accumulator, term)
 

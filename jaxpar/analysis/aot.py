@@ -52,17 +52,17 @@ def layout_run(
     out.parallel.grad_reduce_dtype = grad_reduce_dtype or cfg.parallel.grad_reduce_dtype
     if layout.shards_parameters:
         out.parallel.grad_reduce_dtype = out.model.compute_dtype
-    out.model.remat = layout.recompute  # none | selective | full: the same names
+    out.parallel.recompute = layout.recompute  # none | selective | full: the same names
     out.model.attention, out.model.attention_block = layout.attention, layout.attention_block
     out.parallel.context_exchange = layout.context_exchange
     if out.model.position == "rope":
         out.model.max_seq_len = max(out.model.max_seq_len, layout.seq_len)
-    out.train.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
+    out.parallel.microbatches, out.train.global_batch = layout.microbatches, layout.global_batch
     out.train.seq_len = layout.seq_len
-    out.pipeline.schedule, out.pipeline.virtual_stages = layout.schedule, layout.virtual_stages
+    out.parallel.pipeline_schedule, out.parallel.virtual_stages = layout.pipeline_schedule, layout.virtual_stages
     # the layout's split, whatever the config asked for another pipeline size ("": the even split)
-    out.pipeline.layers_per_stage = ",".join(map(str, layout.stage_layers)) if layout.uneven else ""
-    out.pipeline.first_stage_layers = out.pipeline.last_stage_layers = 0
+    out.parallel.layers_per_stage = ",".join(map(str, layout.stage_layers)) if layout.uneven else ""
+    out.parallel.first_stage_layers = out.parallel.last_stage_layers = 0
     # a field that acted in ``cfg`` (or a label the layout carries, e.g. a pinned gpipe on one stage)
     # can be inert on this layout: at its default it trains the same, and validate accepts it
     acts.reset_inert(out, default_config())

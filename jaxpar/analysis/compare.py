@@ -36,7 +36,7 @@ def device_count(pinned: list[dict[str, Any]]) -> int:
     return sizes.pop()
 
 
-CHOICES = ("zero_stage", "recompute", "sequence_parallel", "microbatches", "schedule", "virtual_stages")
+CHOICES = ("zero_stage", "recompute", "sequence_parallel", "microbatches", "pipeline_schedule", "virtual_stages")
 
 
 def config_choices(cfg: ConfigDict) -> dict[str, Any]:
@@ -44,11 +44,11 @@ def config_choices(cfg: ConfigDict) -> dict[str, Any]:
     ``--layout`` leaves them open)."""
     return {
         "zero_stage": cfg.parallel.zero_stage,
-        "recompute": cfg.model.remat,
+        "recompute": cfg.parallel.recompute,
         "sequence_parallel": cfg.parallel.sequence_parallel,
-        "microbatches": cfg.train.microbatches,
-        "schedule": cfg.pipeline.schedule,
-        "virtual_stages": cfg.pipeline.virtual_stages,
+        "microbatches": cfg.parallel.microbatches,
+        "pipeline_schedule": cfg.parallel.pipeline_schedule,
+        "virtual_stages": cfg.parallel.virtual_stages,
     }
 
 
@@ -63,7 +63,7 @@ def _applicable(fixed: dict[str, Any], defaults: dict[str, Any]) -> dict[str, An
             continue
         if name == "sequence_parallel" and fixed.get("tensor", 1) == 1 and value:
             continue
-        if name in ("schedule", "virtual_stages") and fixed.get("pipeline", 1) == 1:
+        if name in ("pipeline_schedule", "virtual_stages") and fixed.get("pipeline", 1) == 1:
             continue
         keep[name] = value
     return keep
@@ -91,7 +91,14 @@ def compare_layouts(
         taken = _applicable(given, defaults or {})
         order = [
             k
-            for k in ("microbatches", "virtual_stages", "schedule", "sequence_parallel", "recompute", "zero_stage")
+            for k in (
+                "microbatches",
+                "virtual_stages",
+                "pipeline_schedule",
+                "sequence_parallel",
+                "recompute",
+                "zero_stage",
+            )
             if k in taken
         ]
         while True:

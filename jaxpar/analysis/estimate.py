@@ -183,11 +183,11 @@ def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float
     sec. 4.2): 1 at p = 1 (accumulation runs them one after another); GPipe m; 1F1B min(p, m) on the
     first stage, 1 on the last; interleaved p * (1 + (p-1)/(p*v)) on the first."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
-    if p == 1 or (stage == "last" and layout.schedule != "gpipe"):
+    if p == 1 or (stage == "last" and layout.pipeline_schedule != "gpipe"):
         return 1.0
-    if layout.schedule == "gpipe":
+    if layout.pipeline_schedule == "gpipe":
         return float(m)
-    return min(float(m), p * (1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else float(p))
+    return min(float(m), p * (1 + (p - 1) / (p * v)) if layout.pipeline_schedule == "interleaved" else float(p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +359,7 @@ def step_time(
     compute except ``dp_exposed_fraction``: DP/ZeRO-1 reduce once, after the last microbatch, whose
     backward alone can hide it; ZeRO-2 overlaps every backward, ZeRO-3 (prefetched gathers) the
     forward too. Executed FLOPs follow ``recompute`` on every schedule: a pipeline's backward ticks
-    read the forward's stashed residuals unless ``model.remat=full``
+    read the forward's stashed residuals unless ``parallel.recompute=full``
     (:func:`jaxpar.parallel.pipeline.schedule.keeps_activations`), so at ``none`` the forward runs
     once, and ZB-H1 / ZB-V's B and W ticks together cost the backward's FLOPs; their gain is the
     bubble (:func:`bubble_fraction`).
@@ -376,7 +376,7 @@ def step_time(
     window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]
     data = comm[MeshAxis.DATA].time_s
     data_exposed = max(dp_exposed_fraction * data, data - window)
-    bubble = bubble_fraction(p, m, layout.virtual_stages, layout.schedule)
+    bubble = bubble_fraction(p, m, layout.virtual_stages, layout.pipeline_schedule)
     tp, pp = comm[MeshAxis.TENSOR].time_s, comm[MeshAxis.PIPELINE].time_s
     ep = comm[MeshAxis.EXPERT].time_s if MeshAxis.EXPERT in comm else 0.0
     busy = compute + tp + pp

@@ -119,7 +119,7 @@ def expected_collectives(
     mesh_shape = dict(cfg.mesh)
     c, experts = cfg.mesh.context, cfg.mesh.expert
     group = group_axes(data_group(mesh_shape))  # the batch's reductions: data (x expert) (x context)
-    m, s = cfg.train.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
+    m, s = cfg.parallel.microbatches, cfg.train.seq_len // c  # s: the tokens of a sequence one device holds
     b = cfg.train.global_batch // (m * cfg.mesh.data * experts)
     layers = cfg.model.num_layers
     act, g = DTYPE_BYTES[cfg.model.compute_dtype], DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
@@ -153,7 +153,7 @@ def expected_collectives(
 
     for kind, size, count, what in tensor_collectives(cfg.model, layout):
         add(kind, (MeshAxis.TENSOR,), size, count, what)
-    remat = int(cfg.model.remat != "none")
+    remat = int(cfg.parallel.recompute != "none")
     if c > 1:
         kv = 2 * b * s * cfg.model.num_kv_heads // cfg.mesh.tensor * cfg.model.head_dim * act  # kvb
         for kind, count, size, what in context_collectives(kv, c, cfg.parallel.context_exchange, act, remat):
@@ -166,7 +166,7 @@ def expected_collectives(
 def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: tuple[str, ...]) -> None:
     """The MoE layers' expert-axis rows of :func:`expected_collectives` (its docstring), through its
     ``add``; their tensor-axis rows are in :func:`jaxpar.analysis.traffic.tensor_collectives`."""
-    per_step = cfg.train.microbatches * cfg.model.num_layers
+    per_step = cfg.parallel.microbatches * cfg.model.num_layers
     phases = moe_layer_phases(layout)
     arrays = moe_dispatch_arrays(cfg.model, layout)
     for phase, times in phases.items():

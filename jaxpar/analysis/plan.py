@@ -237,7 +237,7 @@ def _schedules(model: ConfigDict, pipeline: int, fixed: dict[str, Any]) -> list[
     """(schedule, virtual stages): 1F1B, ZB-H1, and interleaved and ZB-V with each v dividing L/p
     (GPipe only when pinned). The search keeps those :meth:`ParallelLayout.validate` accepts, so the
     zero-bubble schedules appear only where ``jaxpar train`` runs them (ZB-V: v = 2)."""
-    keep = fixed.get("schedule")
+    keep = fixed.get("pipeline_schedule")
     if pipeline == 1:  # no pipeline: the schedule is moot; keep a pinned gpipe/1f1b label
         return [] if keep in ("interleaved", *SPLIT_BACKWARD) else [(keep or "1f1b", 1)]
     per_rank = model.num_layers // pipeline if model.num_layers % pipeline == 0 else 1  # uneven: no interleaving
@@ -293,12 +293,12 @@ def search_layouts(
     if unknown:
         raise ConfigError(f"plan: unknown layout field(s) {', '.join(sorted(unknown))}")
     probe = {
-        "schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b",
+        "pipeline_schedule": "interleaved" if fixed.get("virtual_stages", 1) > 1 else "1f1b",
         "seq_len": seq_len,
         "microbatches": fixed.get("pipeline", 1),
     } | fixed  # unpinned choices: ones every mesh can take
-    if probe["schedule"] in SPLIT_BACKWARD:  # searched on pipelines only: probe the smallest even one
-        chunks = 2 if probe["schedule"] in V_SHAPED else 1  # a V holds two chunks per device
+    if probe["pipeline_schedule"] in SPLIT_BACKWARD:  # searched on pipelines only: probe the smallest even one
+        chunks = 2 if probe["pipeline_schedule"] in V_SHAPED else 1  # a V holds two chunks per device
         p = fixed.get("pipeline") or next(
             (p for p in range(2, model.num_layers + 1) if model.num_layers % (p * chunks) == 0), 2
         )
@@ -335,7 +335,7 @@ def search_layouts(
                     seq_len=seq_len,
                     recompute=recompute,
                     sequence_parallel=sp,
-                    schedule=schedule,
+                    pipeline_schedule=schedule,
                     context=c,
                     expert=e,
                     **attention,
@@ -383,7 +383,7 @@ def describe(layout: ParallelLayout) -> str:
     sp = " +SP" if layout.sequence_parallel else ""
     return (
         f"data={layout.data},tensor={layout.tensor},pipeline={layout.pipeline}{v} ZeRO-{layout.zero_stage} "
-        f"m={layout.microbatches} b={layout.microbatch_size} recompute={layout.recompute}{sp} {layout.schedule}"
+        f"m={layout.microbatches} b={layout.microbatch_size} recompute={layout.recompute}{sp} {layout.pipeline_schedule}"
     )
 
 
@@ -405,7 +405,7 @@ def explain(est: LayoutEstimate, cluster: Cluster) -> str:
         v = f", {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else ""
         parts.append(
             f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
-            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v}, {lay.schedule})"
+            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v}, {lay.pipeline_schedule})"
         )
     if lay.context > 1:
         where = "inside the node" if est.communication[MeshAxis.CONTEXT].link == "intra" else "across nodes"

@@ -208,7 +208,7 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
         return _moe_phase_bytes(arrays, phases, n), sum(times * len(arrays[ph]) for ph, times in phases.items())
 
     p, m = layout.pipeline, layout.microbatches
-    if p == 1 or layout.schedule == "gpipe":
+    if p == 1 or layout.pipeline_schedule == "gpipe":
         per_layer = moved(moe_layer_phases(layout))
         layers = layout.stored_layers(model.num_layers)
         return m * layers * per_layer[0], m * layers * per_layer[1]
@@ -218,8 +218,8 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
     kept = moved(moe_layer_phases(layout, "kept"))
     # the last virtual stage (on the last device; zb-v: on device 0) runs its forward in its
     # backward tick unless the backward is split; the other chunks' backward reads the stash
-    split = splits_backward(layout.schedule)
-    holds_last = device_of(layout.schedule, p, p * v - 1) == stage
+    split = splits_backward(layout.pipeline_schedule)
+    holds_last = device_of(layout.pipeline_schedule, p, p * v - 1) == stage
     if not keeps_activations(layout):
         chunks_forward = v - holds_last
         return m * c * (chunks_forward * fwd[0] + v * bwd[0]), m * c * (chunks_forward * fwd[1] + v * bwd[1])
@@ -541,15 +541,15 @@ def jaxpar_stage_traffic(
         data = _jaxpar_pipeline_zero3(model, layout, stage)
     elif layout.shards_gradients:
         data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
-    v = v if layout.schedule in ("interleaved", "zb-v") else 1
+    v = v if layout.pipeline_schedule in ("interleaved", "zb-v") else 1
     bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    ks = [virtual_stage(layout.schedule, p, chunk, stage) for chunk in range(v)]
+    ks = [virtual_stage(layout.pipeline_schedule, p, chunk, stage) for chunk in range(v)]
     # a send per microbatch for each chunk but the last virtual stage's (forward) and the first's
     # (backward), none where the next virtual stage is on this device (zb-v's tip)
     send = m * sum(
-        (k < p * v - 1 and device_of(layout.schedule, p, k + 1) != stage)
-        + (k > 0 and device_of(layout.schedule, p, k - 1) != stage)
+        (k < p * v - 1 and device_of(layout.pipeline_schedule, p, k + 1) != stage)
+        + (k > 0 and device_of(layout.pipeline_schedule, p, k - 1) != stage)
         for k in ks
     )
     # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
@@ -567,17 +567,17 @@ def jaxpar_stage_traffic(
         return {MeshAxis.TENSOR: (0.0, 0), MeshAxis.PIPELINE: pipeline, **({MeshAxis.DATA: data} if data else {})}
     a, c = all_reduce_bytes(bsh, t), layout.stored_layers(model.num_layers) // v
     remat = layout.recompute != "none"
-    full = layout.recompute == "full" and layout.schedule != "gpipe"
+    full = layout.recompute == "full" and layout.pipeline_schedule != "gpipe"
     per_seq = layout.microbatch_size if full else 1  # the full-remat backward runs sequence by sequence
     recompute = kept_recompute = (1.5 if sp else 1.0) * remat
-    if c == 1 and not full and layout.schedule != "gpipe":  # XLA merges the recomputed forward (see above)
+    if c == 1 and not full and layout.pipeline_schedule != "gpipe":  # XLA merges the recomputed forward (see above)
         recompute = 1.0 if sp and remat else 0.0
-    keep, split = keeps_activations(layout), splits_backward(layout.schedule)
+    keep, split = keeps_activations(layout), splits_backward(layout.pipeline_schedule)
     moved, calls = 0.0, 0
     for chunk in range(v):
         first, last = ks[chunk] == 0, ks[chunk] == p * v - 1
         kept = keep and (split or not last)  # this virtual stage's backward reads its stash
-        if layout.schedule == "gpipe":
+        if layout.pipeline_schedule == "gpipe":
             units = (4 + recompute) * c
         elif kept:  # the forward once, the backward from the stash (selective: its recomputed part)
             units = 2 * c + (2 + kept_recompute) * c
@@ -586,13 +586,13 @@ def jaxpar_stage_traffic(
             backward = (5.5 if sp else 5) * c if full else (4 + recompute) * c
             units = forward + backward
         # the embedding: forward, and again in a recomputing backward (SP: a scatter, then a pair)
-        embed = 1 if layout.schedule == "gpipe" or kept else 1.5 if sp else 2
+        embed = 1 if layout.pipeline_schedule == "gpipe" or kept else 1.5 if sp else 2
         units += embed * first + (1 if last else 0)
         moved += units * a + (3 * all_reduce_bytes(bs * 4, t) if last else 0.0)
         calls += round(units) + (3 if last else 0)
         if model.get("num_experts", 0):  # the MoE layers' own (moe_tensor_arrays), per tick
             arrays = moe_tensor_arrays(model, layout)
-            if layout.schedule == "gpipe":
+            if layout.pipeline_schedule == "gpipe":
                 ticks = [moe_layer_phases(layout)]
             elif kept:
                 ticks = [moe_layer_phases(layout, "kept"), moe_layer_phases(layout, "forward")]
@@ -672,22 +672,22 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int
     per step instead (not counted).
     """
     p, m = layout.pipeline, layout.microbatches
-    v = layout.virtual_stages if layout.schedule in ("interleaved", "zb-v") else 1
+    v = layout.virtual_stages if layout.pipeline_schedule in ("interleaved", "zb-v") else 1
     a = DTYPE_BYTES[model.compute_dtype]
     c = layout.stored_layers(model.num_layers) // v
     layer, first, last = (_zero_gathered(model, layout, group, a) for group in _stage_groups(model))
     # one layer per chunk without full remat: the backward's regather merges with the vjp forward's
-    explicit = layout.schedule != "gpipe"
+    explicit = layout.pipeline_schedule != "gpipe"
     backward = 2 if c == 1 and explicit and layout.recompute != "full" else 3
-    keep, split = keeps_activations(layout), splits_backward(layout.schedule)
+    keep, split = keeps_activations(layout), splits_backward(layout.pipeline_schedule)
     moved, calls = 0.0, 0
     for chunk in range(v):
-        k = virtual_stage(layout.schedule, p, chunk, stage)
+        k = virtual_stage(layout.pipeline_schedule, p, chunk, stage)
         is_first, is_last = k == 0, k == p * v - 1
         kept = keep and (split or not is_last)
         # from the stash: the backward gathers each layer once (the split's W once more), then scatters
         back = (3 if split else 2) if kept else backward
-        forward = 0 if layout.schedule == "gpipe" or (is_last and not split) else c * layer + is_first * first
+        forward = 0 if layout.pipeline_schedule == "gpipe" or (is_last and not split) else c * layer + is_first * first
         moved += forward + back * c * layer + (1 if kept else 2) * is_first * first + 2 * is_last * last
         calls += back * c
     return m * moved, m * calls

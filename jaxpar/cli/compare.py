@@ -39,7 +39,7 @@ KEYS = {  # key -> (ParallelLayout field, parser)
     "microbatches": ("microbatches", int),
     "recompute": ("recompute", str),
     "sp": ("sequence_parallel", str),
-    "schedule": ("schedule", str),
+    "schedule": ("pipeline_schedule", str),
     "exchange": ("context_exchange", str),  # with context > 1: ring | all_gather
 }
 
@@ -74,7 +74,7 @@ def parse_compare_layout(text: str) -> dict[str, Any]:
     if not out:
         raise ConfigError(f"--layout '{text}': empty; e.g. --layout data=8,zero=3")
     if out.get("virtual_stages", 1) > 1:
-        out.setdefault("schedule", "interleaved")
+        out.setdefault("pipeline_schedule", "interleaved")
     return out
 
 
@@ -88,12 +88,17 @@ def _compiled_fit(aot: list, index: int, budget_bytes: float) -> str:
 def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
     """``from the config: zero=1, recompute=none; chosen: microbatches=4`` for one layout."""
     lay, parts = estimate.layout, []
-    short = {"zero_stage": "zero", "sequence_parallel": "sp", "virtual_stages": "virtual"}
+    short = {
+        "zero_stage": "zero",
+        "sequence_parallel": "sp",
+        "virtual_stages": "virtual",
+        "pipeline_schedule": "schedule",
+    }
     for kind, label in (("config", "from the config"), ("chosen", "chosen by the search")):
         names = [
             n
             for n, src in sources.items()
-            if src == kind and (lay.pipeline > 1 or n not in ("schedule", "virtual_stages"))
+            if src == kind and (lay.pipeline > 1 or n not in ("pipeline_schedule", "virtual_stages"))
         ]
         if names:
             parts.append(f"{label}: " + ", ".join(f"{short.get(n, n)}={getattr(lay, n)}" for n in names))

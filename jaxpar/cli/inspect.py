@@ -88,15 +88,15 @@ def pipeline_schedule(layout: ParallelLayout) -> dict[str, Any] | None:
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
     from jaxpar.parallel.pipeline.timing import published_bubble, timed
 
-    table = pipeline.build_schedule(layout.schedule, p, m, v)
+    table = pipeline.build_schedule(layout.pipeline_schedule, p, m, v)
     forward, backward = pipeline.boundary_sends(table)
     timing = timed(table)
-    published = published_bubble(layout.schedule, p, m, v)
+    published = published_bubble(layout.pipeline_schedule, p, m, v)
     return {
-        "schedule": layout.schedule,
+        "schedule": layout.pipeline_schedule,
         "ticks": table.ticks,
         "bubble_fraction": pipeline.bubble_fraction(table),
-        "expected_bubble_fraction": pipeline.expected_bubble_fraction(layout.schedule, p, m, v),
+        "expected_bubble_fraction": pipeline.expected_bubble_fraction(layout.pipeline_schedule, p, m, v),
         "bubble_rate": timing.bubble,
         "published_bubble_rate": published,
         "in_flight": list(timing.in_flight),

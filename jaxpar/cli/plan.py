@@ -62,7 +62,7 @@ def parse_layout(text: str) -> dict[str, int]:
     if not out:
         raise ConfigError(f"--layout '{text}': empty; e.g. --layout data=1,tensor=8,pipeline=8")
     if out.get("virtual_stages", 1) > 1:
-        out["schedule"] = "interleaved"
+        out["pipeline_schedule"] = "interleaved"
     if {MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE} <= set(out):
         out.setdefault(MeshAxis.CONTEXT.value, 1)  # the three classic axes pin the mesh, as before context existed
     return out
@@ -117,7 +117,7 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
         table.add_row(
             str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), *ctx, str(lay.virtual_stages),
             str(lay.zero_stage), str(lay.microbatches), str(lay.microbatch_size), lay.recompute,
-            "y" if lay.sequence_parallel else "", lay.schedule, gib(mem.model_states_bytes),
+            "y" if lay.sequence_parallel else "", lay.pipeline_schedule, gib(mem.model_states_bytes),
             gib(mem.activation_bytes + mem.transient_bytes), gib(mem.total_bytes),
             f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}", f"{t.tensor_s:.2f}",
             f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()),
@@ -259,11 +259,11 @@ def plan_flag_fields(args: argparse.Namespace) -> dict[str, tuple[object, str]]:
     return {
         "--global-batch": (args.global_batch, "train.global_batch"),
         "--seq": (args.seq, "train.seq_len"),
-        "--microbatches": (args.microbatches, "train.microbatches"),
-        "--recompute": (args.recompute, "model.remat"),
+        "--microbatches": (args.microbatches, "parallel.microbatches"),
+        "--recompute": (args.recompute, "parallel.recompute"),
         "--sequence-parallel": (args.sequence_parallel, "parallel.sequence_parallel"),
         "--zero": (args.zero, "parallel.zero_stage"),
-        "--schedule": (args.schedule, "pipeline.schedule"),
+        "--schedule": (args.schedule, "parallel.pipeline_schedule"),
         "--grad-reduce-dtype": (args.grad_reduce_dtype, "parallel.grad_reduce_dtype"),
     }
 
@@ -272,10 +272,10 @@ PLAN_UNREAD = {
     "mesh.": "plan searches the mesh; pin sizes with --layout, e.g. --layout data=2,tensor=4",
     "parallel.zero_stage": "plan searches the ZeRO stage; pin it with --zero",
     "parallel.sequence_parallel": "plan searches it; pin it with --sequence-parallel / --no-sequence-parallel",
-    "train.microbatches": "plan searches the microbatches; pin them with --microbatches",
-    "model.remat": "plan searches the recompute policy; pin it with --recompute",
-    "pipeline.schedule": "plan searches the schedule; pin it with --schedule",
-    "pipeline.virtual_stages": "plan searches the virtual stages; pin them with --layout virtual=N",
+    "parallel.microbatches": "plan searches the microbatches; pin them with --microbatches",
+    "parallel.recompute": "plan searches the recompute policy; pin it with --recompute",
+    "parallel.pipeline_schedule": "plan searches the schedule; pin it with --schedule",
+    "parallel.virtual_stages": "plan searches the virtual stages; pin them with --layout virtual=N",
 }
 
 
@@ -309,7 +309,7 @@ def run_plan(args: argparse.Namespace) -> int:
         ("recompute", args.recompute),
         ("sequence_parallel", args.sequence_parallel),
         ("zero_stage", args.zero),
-        ("schedule", args.schedule),
+        ("pipeline_schedule", args.schedule),
     ):
         if value is not None:
             fixed[name] = value

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxpar import write_guard
 from jaxpar.cli.common import at_least_one, overrides
-from jaxpar.config import MAX_DEVICES, ConfigDict, ConfigError, default_config, flatten
+from jaxpar.config import MAX_DEVICES, MOVED_KEYS, ConfigDict, ConfigError, default_config, flatten
 from jaxpar.port.recipe import SOURCES, config_source, port_recipe, ported_by_jaxpar, write_atomic
 
 if TYPE_CHECKING:
@@ -98,12 +98,18 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
     given = overrides(args)
     if given:
         key = given[0].split("=", 1)[0][len("--config.") :]
+        key = MOVED_KEYS.get(key, key)
         raise ConfigError(f"port: {given[0]}: port does not take --config overrides; use --set {key}=VALUE")
     at_least_one(world_size=args.world_size, tensor=args.tensor, pipeline=args.pipeline)
     for flag, value in (("--world-size", args.world_size), ("--tensor", args.tensor), ("--pipeline", args.pipeline)):
         if value is not None and value > MAX_DEVICES:
             raise ConfigError(f"{flag} {value}: more GPUs than any cluster has; use at most {MAX_DEVICES}")
     sets = _pairs(args.sets, "--set")
+    for key, value in sets.items():  # a key from before the layout's fields moved to parallel.*
+        if key in MOVED_KEYS:
+            raise ConfigError(
+                f"port: --set {key}: {key} moved to {MOVED_KEYS[key]}: use --set {MOVED_KEYS[key]}={value}"
+            )
     fields = {k: v for k, v in sets.items() if schema_has(k)}
     side = {k: parse_side_value(v) for k, v in sets.items() if k not in fields}
     variables = _pairs(args.var, "--var")

@@ -139,7 +139,7 @@ def stage_tensors(
     out = [(t, layers if t.place == "layer" else 1) for t in tensors]
     if shared_on_every_stage:  # one ends slot of (vocab, h): counted as the embedding, no output
         # (zb-v: no ends slot, the embedding and the output layer both on every stage)
-        return [(t, c) for t, c in out if p == 1 or t.name != "output" or layout.schedule == "zb-v"]
+        return [(t, c) for t, c in out if p == 1 or t.name != "output" or layout.pipeline_schedule == "zb-v"]
     out = [(t, c) for t, c in out if t.place == "layer" or p == 1 or t.place == stage]
     if stage == "last" and p > 1 and model.tie_embeddings:
         out += [(t, 1) for t in tensors if t.name == "embedding"]

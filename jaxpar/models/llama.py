@@ -444,9 +444,9 @@ def loss_sum(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
 
 
 def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
-    """A :class:`ShardContext` with the model's static settings."""
+    """A :class:`ShardContext` with the model's static settings (the layout's, such as ``remat`` from
+    ``parallel.recompute``, come as ``overrides``)."""
     return ShardContext(
-        remat=model_cfg.remat,
         compute_dtype=model_cfg.compute_dtype,
         mlp_activation=model_cfg.mlp_activation,
         norm=model_cfg.norm,

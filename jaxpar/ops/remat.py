@@ -1,4 +1,4 @@
-"""The ``jax.checkpoint`` policy of ``model.remat``: which residuals the backward pass keeps.
+"""The ``jax.checkpoint`` policy of ``parallel.recompute``: which residuals the backward pass keeps.
 
 Its keys are the names the kernels give their outputs: :data:`jaxpar.ops.matmul.DENSE_NAME` (a
 weight matmul's output, kept by ``selective``) and :data:`jaxpar.ops.zero3.ZERO3_NAME` (a gathered
@@ -33,7 +33,7 @@ def _save_all_but_zero3_gathers(prim: Any, *_: Any, **params: Any) -> bool:
 
 
 def remat_policy(remat: str) -> Any:
-    """The ``jax.checkpoint`` policy of ``model.remat`` (``none`` with ZeRO-3: keep all but the gathers)."""
+    """The ``jax.checkpoint`` policy of ``parallel.recompute`` (``none`` with ZeRO-3: keep all but the gathers)."""
     policies = jax.checkpoint_policies
     if remat == "full":
         return policies.nothing_saveable

@@ -139,7 +139,7 @@ SECTION_KEYS = {  # key -> (status, jaxpar target, note)
         ),
     },
     "pipeline": {
-        "activation_checkpoint_interval": ("mapped", "model.remat", "0: none, 1: every layer (full)"),
+        "activation_checkpoint_interval": ("mapped", "parallel.recompute", "0: none, 1: every layer (full)"),
         **dict.fromkeys(
             ("stages", "partition"),
             ("approximated", "mesh.pipeline", "stages come from --pipeline; jaxpar splits layers evenly over stages"),
@@ -395,8 +395,8 @@ def _batch(ctx: _Ctx, world: int | None, tensor: int, pipeline: int) -> None:
     given = {"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas}
     if tb is None and mb is None:
         if gas is not None:
-            ctx.values["train.microbatches"] = gas
-            ctx.report.mapped("gradient_accumulation_steps", gas, "train.microbatches")
+            ctx.values["parallel.microbatches"] = gas
+            ctx.report.mapped("gradient_accumulation_steps", gas, "parallel.microbatches")
         ctx.report.approximated(
             "(batch size)",
             None,
@@ -441,14 +441,14 @@ def _batch(ctx: _Ctx, world: int | None, tensor: int, pipeline: int) -> None:
             "mesh.tensor": tensor,
             "mesh.pipeline": pipeline,
             "train.global_batch": tb,
-            "train.microbatches": gas,
+            "parallel.microbatches": gas,
         }
     )
     ctx.report.mapped("(world size)", dp * mp, "mesh.data", f"DP = world / (tensor*pipeline) = {dp}")
     for key, target, value in (
         ("train_batch_size", "train.global_batch", tb),
         ("train_micro_batch_size_per_gpu", "train.global_batch/(microbatches*data)", mb),
-        ("gradient_accumulation_steps", "train.microbatches", gas),
+        ("gradient_accumulation_steps", "parallel.microbatches", gas),
     ):
         note = "" if given[key] is not None else "derived as DeepSpeed does"
         ctx.report.mapped(key if key in ctx.raw else f"{key} (derived)", value, target, note)
@@ -839,16 +839,16 @@ def _misc(ctx: _Ctx) -> None:
         ctx.report.mapped("gradient_clipping (default)", 0.0, "optim.clip_norm", "DeepSpeed default: no clipping")
     ac = ctx.raw.get("activation_checkpointing")
     if isinstance(ac, dict):
-        ctx.values["model.remat"] = "full"
+        ctx.values["parallel.recompute"] = "full"
         ctx.report.approximated(
             "activation_checkpointing",
             "{...}",
-            "model.remat",
+            "parallel.recompute",
             "the section configures the checkpointing the model code calls; jaxpar rematerializes every layer (full)",
         )
     remat = "full" if int((ctx.raw.get("pipeline") or {}).get("activation_checkpoint_interval", 0) or 0) > 0 else None
     if remat:
-        ctx.values["model.remat"] = remat
+        ctx.values["parallel.recompute"] = remat
     for section in ("activation_checkpointing", "pipeline"):
         block = ctx.raw.get(section)
         for key, value in block.items() if isinstance(block, dict) else []:

@@ -196,7 +196,7 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
     data = _parallelism(parallel, world, stage, values, report, kind)
     if kind == "DEEPSPEED":
         _deepspeed(ds, stage, values, report)
-    per_step = data * values.get("train.microbatches", 1)
+    per_step = data * values.get("parallel.microbatches", 1)
     if values.get("train.global_batch", 16) % per_step:
         values["train.global_batch"] = per_step
         report.approximated(
@@ -314,8 +314,8 @@ def port_fsdp(path: str | pathlib.Path, *, world_size: int | None = None) -> tup
             else:
                 report.mapped(src, value, "", "no offload, as in jaxpar")
         elif key == "fsdp_activation_checkpointing":
-            values["model.remat"] = "full" if value else "none"
-            report.mapped(src, value, "model.remat")
+            values["parallel.recompute"] = "full" if value else "none"
+            report.mapped(src, value, "parallel.recompute")
         elif key in FSDP_NOOP:
             report.approximated(src, value, "", FSDP_NOOP[key])
         else:
@@ -487,7 +487,7 @@ def _deepspeed(ds: dict, stage: int, values: dict[str, Any], report: Report) -> 
         report.approximated(
             "deepspeed_config.gradient_accumulation_steps (default)",
             None,
-            "train.microbatches",
+            "parallel.microbatches",
             "not in the config: the training script's Accelerator(gradient_accumulation_steps=...) decides; "
             "jaxpar's 1 kept",
         )
@@ -506,8 +506,8 @@ def _deepspeed(ds: dict, stage: int, values: dict[str, Any], report: Report) -> 
         elif key == "gradient_accumulation_steps":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"fsdp: {src}={value!r}: use an integer >= 1")
-            values["train.microbatches"] = value
-            report.mapped(src, value, "train.microbatches")
+            values["parallel.microbatches"] = value
+            report.mapped(src, value, "parallel.microbatches")
         elif key == "gradient_clipping":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ConfigError(f"fsdp: {src}={value!r}: use a number >= 0 (0: no clipping)")

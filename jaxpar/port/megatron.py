@@ -704,11 +704,11 @@ def _uneven_stages(a: _Args, values: dict[str, Any], pp: int, layers: int) -> No
     units = layers + 2  # type:transformer|embedding: the (tied) embedding at each end counts as a layer
     if method == "type:transformer|embedding" and pp > 1 and units % pp == 0:
         ends = units // pp - 1
-        values.update({"pipeline.first_stage_layers": ends, "pipeline.last_stage_layers": ends})
+        values.update({"parallel.first_stage_layers": ends, "parallel.last_stage_layers": ends})
         a.note(
             "--pp-partition-method",
             "mapped",
-            "pipeline.first_stage_layers, pipeline.last_stage_layers",
+            "parallel.first_stage_layers, parallel.last_stage_layers",
             f"the embedding counts as a layer on the first and the last stage: {ends} layers there, "
             f"{units // pp} on the others",
         )
@@ -728,17 +728,17 @@ def _uneven_stages(a: _Args, values: dict[str, Any], pp: int, layers: int) -> No
         first = units // pp - 1 if embedding else None
         last = units // pp - 1 if loss else None
     for name in ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
-        a.note(name, "mapped", "pipeline.first_stage_layers, pipeline.last_stage_layers", "counted as one layer")
+        a.note(name, "mapped", "parallel.first_stage_layers, parallel.last_stage_layers", "counted as one layer")
     if first:
-        values["pipeline.first_stage_layers"] = first
+        values["parallel.first_stage_layers"] = first
     if last:
-        values["pipeline.last_stage_layers"] = last
-    a.note("--decoder-first-pipeline-num-layers", "mapped", "pipeline.first_stage_layers")
-    a.note("--decoder-last-pipeline-num-layers", "mapped", "pipeline.last_stage_layers")
+        values["parallel.last_stage_layers"] = last
+    a.note("--decoder-first-pipeline-num-layers", "mapped", "parallel.first_stage_layers")
+    a.note("--decoder-last-pipeline-num-layers", "mapped", "parallel.last_stage_layers")
     if layout:
         counts = pipeline_layout_counts(layout, pp)
-        values["pipeline.layers_per_stage"] = ",".join(map(str, counts))
-        a.note("--pipeline-model-parallel-layout", "mapped", "pipeline.layers_per_stage", f"{len(counts)} stages")
+        values["parallel.layers_per_stage"] = ",".join(map(str, counts))
+        a.note("--pipeline-model-parallel-layout", "mapped", "parallel.layers_per_stage", f"{len(counts)} stages")
 
 
 def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) -> None:
@@ -790,11 +790,11 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
             "mesh.pipeline": pp,
             "mesh.context": cp,
             "train.global_batch": gbs,
-            "train.microbatches": micro,
+            "parallel.microbatches": micro,
         }
     )
     a.note("--tensor-model-parallel-size", "mapped", "mesh.tensor")
-    a.note("--micro-batch-size", "mapped", "train.microbatches", f"microbatches = GBS / (MBS * DP) = {micro}")
+    a.note("--micro-batch-size", "mapped", "parallel.microbatches", f"microbatches = GBS / (MBS * DP) = {micro}")
     a.note("--global-batch-size", "mapped", "train.global_batch", f"DP = {world} / (TP*PP*CP) = {dp}")
     _context(a, values, cp)
     virtual = a.get("--virtual-pipeline-model-parallel-size", int, 1)
@@ -807,15 +807,20 @@ def _layout(a: _Args, values: dict[str, Any], s: dict[str, Any], layers: int) ->
             )
         virtual = layers // (pp * per_stage)
     if virtual > 1:
-        values.update({"pipeline.virtual_stages": virtual, "pipeline.schedule": "interleaved"})
+        values.update({"parallel.virtual_stages": virtual, "parallel.pipeline_schedule": "interleaved"})
     elif pp > 1:
-        values["pipeline.schedule"] = "1f1b"
+        values["parallel.pipeline_schedule"] = "1f1b"
     for name in ("--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size"):
-        a.note(name, "mapped", "pipeline.virtual_stages, pipeline.schedule", f"{virtual} virtual stages, interleaved")
+        a.note(
+            name,
+            "mapped",
+            "parallel.virtual_stages, parallel.pipeline_schedule",
+            f"{virtual} virtual stages, interleaved",
+        )
     a.note(
         "--pipeline-model-parallel-size",
         "mapped",
-        "mesh.pipeline, pipeline.schedule",
+        "mesh.pipeline, parallel.pipeline_schedule",
         "Megatron's 1F1B" if pp > 1 and virtual == 1 else "",
     )
     _uneven_stages(a, values, pp, layers)
@@ -1184,7 +1189,7 @@ MOE_PERF = {
     "--moe-router-dtype": "jaxpar's router logits, scores and top-k run in fp32 always; expert outputs are "
     "weighted in the compute dtype",
     "--moe-router-fusion": "XLA decides what fuses in the router",
-    "--moe-layer-recompute": "jaxpar recomputes per model.remat (whole layers), not the MoE layer alone",
+    "--moe-layer-recompute": "jaxpar recomputes per parallel.recompute (whole layers), not the MoE layer alone",
     "--moe-per-layer-logging": _LOG,
     "--moe-shared-expert-overlap": _PERF,
     "--overlap-moe-expert-parallel-comm": "XLA schedules the expert all-gather and reduce-scatter",
@@ -1965,9 +1970,9 @@ def _misc(a: _Args, values: dict[str, Any]) -> None:
     if a.get("--recompute-activations", bool, False):
         granularity = granularity or "selective"
     if granularity:
-        values["model.remat"] = granularity if granularity in ("full", "selective") else "full"
+        values["parallel.recompute"] = granularity if granularity in ("full", "selective") else "full"
     for name in ("--recompute-granularity", "--recompute-activations", "--checkpoint-activations"):
-        a.note(name, "mapped", "model.remat")
+        a.note(name, "mapped", "parallel.recompute")
     for name, note in (
         ("--recompute-method", "jaxpar rematerializes every layer"),
         ("--recompute-num-layers", "jaxpar rematerializes every layer"),

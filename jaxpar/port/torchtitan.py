@@ -262,7 +262,7 @@ def torchtitan_stage_layers(num_layers: int, stages: int, first_less: int = 1, l
 
 
 def _stage_split(p: dict, values: dict, report: Report, pp: int, schedule: str) -> None:
-    """torchtitan's stage split (:func:`torchtitan_stage_layers`) onto ``pipeline.layers_per_stage``."""
+    """torchtitan's stage split (:func:`torchtitan_stage_layers`) onto ``parallel.layers_per_stage``."""
     first = _count(p, "parallelism.pipeline_parallel_first_stage_less_layers", 1, zero=True)
     last = _count(p, "parallelism.pipeline_parallel_last_stage_less_layers", 1, zero=True)
     layers, single = values.get("model.num_layers"), schedule in ("1F1B", "GPipe")
@@ -286,13 +286,13 @@ def _stage_split(p: dict, values: dict, report: Report, pp: int, schedule: str) 
     shown = ",".join(map(str, counts))
     if single:
         if len(set(counts)) > 1:
-            values["pipeline.layers_per_stage"] = shown
-        target, status, note = "pipeline.layers_per_stage", "mapped", f"torchtitan's split: {shown} layers per stage"
+            values["parallel.layers_per_stage"] = shown
+        target, status, note = "parallel.layers_per_stage", "mapped", f"torchtitan's split: {shown} layers per stage"
     else:
         virtual = stages // pp
-        values["pipeline.virtual_stages"] = virtual
+        values["parallel.virtual_stages"] = virtual
         even = len(set(counts)) == 1
-        target, status = "pipeline.virtual_stages", "mapped" if even else "approximated"
+        target, status = "parallel.virtual_stages", "mapped" if even else "approximated"
         note = f"{virtual} virtual stages per rank" + (
             "" if even else f"; torchtitan cuts {shown}, jaxpar equal chunks of num_layers / {stages}"
         )
@@ -480,7 +480,7 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
             "mesh.pipeline": pp,
             "mesh.context": cp,
             "train.global_batch": global_batch,
-            "train.microbatches": micro,
+            "parallel.microbatches": micro,
             "parallel.zero_stage": 3 if shard > 1 else 0,
         }
     )
@@ -506,13 +506,13 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
         "pipeline_parallel_degree": "mesh.pipeline",
         "context_parallel_degree": "mesh.context, model.attention",
         "context_parallel_rotate_method": "parallel.context_exchange",
-        "pipeline_parallel_microbatch_size": "train.microbatches",
+        "pipeline_parallel_microbatch_size": "parallel.microbatches",
     }
     schedule = str(p.get("pipeline_parallel_schedule", "1F1B"))
     if pp > 1 and schedule in SCHEDULES:
-        values["pipeline.schedule"] = SCHEDULES[schedule]
+        values["parallel.pipeline_schedule"] = SCHEDULES[schedule]
         if schedule == "Interleaved1F1B":
-            values["pipeline.virtual_stages"] = 2
+            values["parallel.virtual_stages"] = 2
     split = pp <= 1 or schedule in SCHEDULES  # else the schedule is approximated and so is its split
     if split:
         _stage_split(p, values, report, pp, schedule)
@@ -531,7 +531,7 @@ def _parallel(p: dict, t: dict, world: int | None, allow: bool, values: dict, re
                 src,
                 value,
                 "mapped" if ok else "approximated",
-                "pipeline.schedule",
+                "parallel.pipeline_schedule",
                 ""
                 if pp > 1
                 else "no-op: pipeline_parallel_degree = 1"
@@ -1025,14 +1025,14 @@ def _rest(raw: dict, sec: dict, values: dict, report: Report) -> None:
                 report.unknown(src, value, [f"training.{k}" for k in KNOWN["training"]], "torchtitan")
     ac = sec["activation_checkpoint"]
     mode = str(ac.get("mode", "selective"))
-    values["model.remat"] = mode if mode in ("none", "full", "selective") else "full"
-    report.mapped("activation_checkpoint.mode" + ("" if "mode" in ac else " (default)"), mode, "model.remat")
+    values["parallel.recompute"] = mode if mode in ("none", "full", "selective") else "full"
+    report.mapped("activation_checkpoint.mode" + ("" if "mode" in ac else " (default)"), mode, "parallel.recompute")
     for key, value in ac.items():
         if key != "mode":
             report.approximated(
                 f"activation_checkpoint.{key}",
                 value,
-                "model.remat",
+                "parallel.recompute",
                 "jaxpar's selective policy keeps matmul outputs and recomputes the rest, on every layer",
             )
     ck, job, metrics, val = sec["checkpoint"], sec["job"], sec["metrics"], sec["validation"]

@@ -70,12 +70,12 @@ class Setup:
                     stages=stages,
                     virtual_stages=virtual,
                     stage_layers=layout.stage_layers,
-                    v_shape=pipeline_lib.v_shaped(layout.schedule),
+                    v_shape=pipeline_lib.v_shaped(layout.pipeline_schedule),
                 ),
                 self.model_abstract_params,
             )
             self.logical = pipeline_lib.stage_form_logical_axes(
-                model_logical, stages, pipeline_lib.v_shaped(layout.schedule)
+                model_logical, stages, pipeline_lib.v_shaped(layout.pipeline_schedule)
             )
         self.placements = param_placements(self.abstract_params, self.logical, self.strategy, layout)
         # the model form of uneven stages cannot split its [num_layers] over `pipeline`: it is kept
@@ -148,7 +148,7 @@ class Setup:
         program is compiled once per ``Setup``: a sweep's later passes start from it again."""
         if self._init is None:
             model, stages, virtual = self.model, self.layout.pipeline, self.layout.virtual_stages
-            split, v_shape = self.layout.stage_layers, pipeline_lib.v_shaped(self.layout.schedule)
+            split, v_shape = self.layout.stage_layers, pipeline_lib.v_shaped(self.layout.pipeline_schedule)
 
             @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
             def _init(key):
@@ -195,7 +195,7 @@ class Setup:
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
         p, v, split = self.layout.pipeline, self.layout.virtual_stages, self.layout.stage_layers
-        v_shape = pipeline_lib.v_shaped(self.layout.schedule)
+        v_shape = pipeline_lib.v_shaped(self.layout.pipeline_schedule)
         ends = pipeline_lib.has_ends(self.cfg.model, p, v_shape)
         if p <= 1 or (v <= 1 and not self.layout.uneven and not ends):  # one form
             return params, opt
@@ -301,9 +301,10 @@ def one_device_checkpoint_state(cfg: ConfigDict) -> tuple[Any, Any]:
     for axis in MESH_AXES:  # every axis, so a new one cannot be forgotten here
         one.mesh[axis.value] = 1
     one.parallel.zero_stage = 0
-    one.train.microbatches = 1
-    one.pipeline.virtual_stages = 1
-    acts.reset_inert(one, default_config())  # e.g. pipeline.schedule, parallel.sequence_parallel: inert on one device
+    one.parallel.microbatches = 1
+    one.parallel.virtual_stages = 1
+    # e.g. parallel.pipeline_schedule, parallel.sequence_parallel: inert on one device
+    acts.reset_inert(one, default_config())
     params, opt, _ = Setup(one, validate(one, 1), single_device_mesh()).abstract_state(model_form=True)
     return params, opt
 

@@ -16,11 +16,17 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 SIX = {
-    "tiny_d8_z0_none": ("tiny.py", ["mesh.data=8", "mesh.tensor=1", "parallel.zero_stage=0", "model.remat=none"]),
-    "tiny_d8_z3_full": ("tiny.py", ["mesh.data=8", "mesh.tensor=1", "parallel.zero_stage=3", "model.remat=full"]),
+    "tiny_d8_z0_none": (
+        "tiny.py",
+        ["mesh.data=8", "mesh.tensor=1", "parallel.zero_stage=0", "parallel.recompute=none"],
+    ),
+    "tiny_d8_z3_full": (
+        "tiny.py",
+        ["mesh.data=8", "mesh.tensor=1", "parallel.zero_stage=3", "parallel.recompute=full"],
+    ),
     "tiny_d4t2_z1_selective": (
         "tiny.py",
-        ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=1", "model.remat=selective"],
+        ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=1", "parallel.recompute=selective"],
     ),
     "tiny_d2t2p2_z0_full_m4": (
         "tiny.py",
@@ -29,8 +35,8 @@ SIX = {
             "mesh.tensor=2",
             "mesh.pipeline=2",
             "parallel.zero_stage=0",
-            "model.remat=full",
-            "train.microbatches=4",
+            "parallel.recompute=full",
+            "parallel.microbatches=4",
         ],
     ),
     "tiny_d4p2_z2_none_m4": (
@@ -40,13 +46,13 @@ SIX = {
             "mesh.tensor=1",
             "mesh.pipeline=2",
             "parallel.zero_stage=2",
-            "model.remat=none",
-            "train.microbatches=4",
+            "parallel.recompute=none",
+            "parallel.microbatches=4",
         ],
     ),
     "1b_d4t2_z3_selective": (
         "llama_1b.py",
-        ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=3", "model.remat=selective"],
+        ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=3", "parallel.recompute=selective"],
     ),
 }
 

@@ -36,7 +36,7 @@ def layout_name(layout: ParallelLayout) -> str:
         name += f"e{layout.expert}"
     name += f"-z{layout.zero_stage}" + ("-sp" if layout.sequence_parallel else "")
     if layout.pipeline > 1:
-        name += f"-{layout.schedule}"
+        name += f"-{layout.pipeline_schedule}"
     return name + f"-m{layout.microbatches}"
 
 
@@ -59,7 +59,7 @@ def sweep_layouts(
     options = PlanOptions(headroom=0.0)
     found: dict[str, ParallelLayout] = {}
     for schedule in ("1f1b", "gpipe", "interleaved"):
-        fixed = {"recompute": "none", "schedule": schedule}
+        fixed = {"recompute": "none", "pipeline_schedule": schedule}
         try:
             estimates = search_layouts(
                 model, cluster, num_devices, global_batch, seq_len, options, fixed, keep_unfit=True
@@ -71,7 +71,7 @@ def sweep_layouts(
             if schedule != "1f1b" and lay.pipeline == 1:
                 continue  # the schedule is moot without a pipeline: counted once, under 1f1b
             m = _microbatches(lay)
-            if lay.schedule == "interleaved" and m % lay.pipeline:
+            if lay.pipeline_schedule == "interleaved" and m % lay.pipeline:
                 continue
             lay = dataclasses.replace(lay, microbatches=m, microbatch_size=global_batch // (lay.batch_shards * m))
             found.setdefault(layout_name(lay), lay)
@@ -83,7 +83,7 @@ def sweep_layouts(
             x.tensor,
             x.expert,
             x.virtual_stages,
-            order[x.schedule],
+            order[x.pipeline_schedule],
             x.zero_stage,
             x.sequence_parallel,
         ),

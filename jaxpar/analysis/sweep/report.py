@@ -35,7 +35,7 @@ CSV_FIELDS = (
     "virtual_stages",
     "zero_stage",
     "sequence_parallel",
-    "schedule",
+    "pipeline_schedule",
     "microbatches",
     "compile_s",
     "step_time_median_s",

@@ -44,7 +44,7 @@ forward and the same backward.
   virtual stage runs its forward and backward in one tick. Stage inputs, arriving gradients and
   stashes live in slot buffers whose size is the table's largest number of live values (p stashes
   on stage 0 for 1F1B), not m (the program's "nothing arrives" index keeps a buffer as is: no
-  trash slot). ``model.remat=full`` asks for recomputation instead: the backward tick recomputes
+  trash slot). ``parallel.recompute=full`` asks for recomputation instead: the backward tick recomputes
   the stage from its stored input, one sequence at a time and layer by layer (:func:`_stage_backward_by_layer`): the same flops, but the working set of one
   sequence through one layer, and each layer's weight gradient is added into the fp32 accumulator
   (the scan's carry) in place, with no stacked gradient of the stage's layers beside it.

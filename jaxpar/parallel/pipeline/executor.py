@@ -434,7 +434,7 @@ class Pipeline:
     def from_layout(cls, layout: ParallelLayout, model: Model) -> Pipeline:
         """The pipeline of a validated layout (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)
         running ``model``'s stages."""
-        table = build_schedule(layout.schedule, layout.pipeline, layout.microbatches, layout.virtual_stages)
+        table = build_schedule(layout.pipeline_schedule, layout.pipeline, layout.microbatches, layout.virtual_stages)
         return cls(table, compile_program(table, stash=keeps_activations(layout)), model, layout.stage_layers)
 
     def loss_and_grads(

@@ -162,10 +162,10 @@ def _zb_v(d: int, p: int, m: int) -> list[Action]:
 
 def keeps_activations(layout: ParallelLayout) -> bool:
     """Whether 1F1B / interleaved keep each in-flight microbatch's residuals for its backward
-    (:mod:`~jaxpar.parallel.pipeline.stash`) instead of recomputing the stage: unless ``model.remat``
+    (:mod:`~jaxpar.parallel.pipeline.stash`) instead of recomputing the stage: unless ``parallel.recompute``
     is ``full``, which asks for the recomputation (GPipe's backward is JAX's transpose of its forward
     scan, which keeps the residuals of its own)."""
-    return layout.schedule != "gpipe" and layout.recompute != "full"
+    return layout.pipeline_schedule != "gpipe" and layout.recompute != "full"
 
 
 def splits_backward(schedule: str) -> bool:
