@@ -237,6 +237,21 @@ BLOCKWISE_BACKWARD_BLOCKS = 4
 # data=4 x context=2 full: two f32[4,2,128,256] q k^T blocks at the MLP phase's peak; selective, SP and
 # ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies).
 RING_RECOMPUTED_BLOCKS = {"selective": 2, "full": 1}
+# Key-side (b, s, kv_heads*head_dim/t) arrays of the attention phase: K alone without a ring. The ring's backward
+# (:func:`jaxpar.ops.context_parallel._ring_bwd`) unrolls its c hops, each a flash backward with its own
+# zero-initialised fp32 dK and dV accumulators, which XLA hoists ahead of the first hop (2c), beside each hop's
+# K and V in the kernel's transposed layout (2c: f32[b, kv/t, head_dim, 2s] concatenations) and the hop at
+# work's K^T and V^T (2): 4c + 2. Counted in the buffer assignment of tiny data=4 x context=2 ZeRO-2 ``full``
+# with attention dropout, s = 512, block 256: ten f32[2, 256, 2, 32]-sized arrays at the peak (four hoisted
+# zero copies, two f32[2, 2, 32, 256] transposes, two f32[2, 2, 32, 512]). Measured at c = 2 only: whether
+# the f32[.., 512] pair grows with c (all hops) or not (K and V of one hop side by side) is not pinned down.
+
+
+def ring_backward_kv_arrays(context: int) -> int:
+    """Key-side (b, s, k) arrays of the blockwise attention phase (see the count above)."""
+    return 1 if context == 1 else 4 * context + 2
+
+
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3 inside a 1F1B / interleaved tick: gathered layers (compute dtype) beyond the one the working set
 # counts. The tick's ``jax.vjp`` of its chunk gathers each layer for the recomputed forward and again for the
@@ -383,7 +398,10 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     """The attention phase of one layer's backward under ``blockwise`` attention (and context parallelism,
     whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (+1 with attention dropout)
     fp32 (b, n/t, bq, bk) arrays of the inner step, bq = bk = min(``attention_block``, s) (the kernel
-    clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + s*k)."""
+    clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + r*s*k), r = 1 without a
+    ring and :func:`ring_backward_kv_arrays` with one; under ``full`` the recomputed forward's q, k and v
+    projection weights too, e*h*(q + 2k) (their sliced copies: f32[128, 128] and two f32[64, 128] in the
+    ring measurement of :func:`ring_backward_kv_arrays`)."""
     d = Dims.of(model, layout, b)
     block = min(layout.attention_block, d.s)
     copies = BLOCKWISE_BACKWARD_BLOCKS + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
@@ -391,8 +409,11 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     # another hop's P, dP and dS beside this one's (buffer assignment of tiny data=4 x context=2, block =
     # s/c = 256, full: seven f32[2, n, 256, 256]-sized blocks at the peak)
     copies += (layout.context - 1) * (BLOCKWISE_BACKWARD_BLOCKS - 1)
-    operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + d.s * d.k)
-    return copies * F32 * d.b * d.n * block * block + operands
+    kv = ring_backward_kv_arrays(layout.context)
+    operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + kv * d.s * d.k)
+    # the recomputed forward's q, k, v projection weights, sliced out of the stacked parameters (copies): h x (q + 2k)
+    weights = d.e * d.h * (d.q + 2 * d.k) if layout.recompute == "full" else 0.0
+    return copies * F32 * d.b * d.n * block * block + operands + weights
 
 
 def layer_working_term(
@@ -571,7 +592,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
     L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
     ZeRO < 2 one sequence at a time, layer by layer), plus :func:`layer_working_bytes` (``tick``), the chunk's
-    gradient before it is added to the fp32 accumulator of the stage, and the act/grad slot buffers
+    gradient before it is added to the fp32 accumulator of the stage (ZeRO-3: sharded, each layer's
+    gradient reduce-scattered as it leaves the chunk's layer scan), and the act/grad slot buffers
     of the schedule (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for
     1F1B); the last stage runs the head inside the same backward; the accumulator held twice
     (:func:`pipeline_accumulator_bytes`) is a phase of its own. GPipe: the forward scan over
@@ -680,6 +702,12 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             if head > working:
                 working, term = head, "backward tick: the loss head's backward"
         chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
+        if zero3:  # each layer is gathered inside the chunk's layer scan (Model.layer_step), so its gradient
+            # leaves the scan through the gather's transpose, a reduce-scatter: the chunk's stack is sharded
+            # (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 full, s=256: the
+            # accumulator's f32[2, 64, 192] shards at the peak, no f32[2, 128, 192] chunk gradient)
+            layer_bytes = pb * layer_el
+            chunk_grads *= zero_sharded_bytes(model, layout, layer_bytes) / layer_bytes
     acc = zero_sharded_bytes(model, layout, full_grads) if layout.zero_stage >= 2 else full_grads
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
