@@ -237,7 +237,11 @@ BLOCKWISE_BACKWARD_BLOCKS = 4
 # XLA keeps them from the recomputation to the attention's backward, through the MLP's backward: per hop,
 # fp32 (b, n/t, bq, bk) blocks, 1 with ``full`` (q k^T) and 2 with ``selective`` (measured: tiny
 # data=4 x context=2 full: two f32[4,2,128,256] q k^T blocks at the MLP phase's peak; selective, SP and
-# ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies).
+# ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies). Without a ring the same holds
+# where the kernel runs one block (``attention_block`` >= s): its recomputed q k^T is the backward's (tiny
+# data=8 ZeRO-3 ``full`` blockwise, s=256, block 512: one f32[2, 2, 256, 512] array at the MLP phase's peak;
+# with several blocks, or in a pipeline tick, not counted: tiny data=2 x tensor=2 x pipeline=2 1F1B ``full``
+# blockwise, one block, is 0.987 of the compiled temporaries without it, 0.910 with it).
 RING_RECOMPUTED_BLOCKS = {"selective": 2, "full": 1}
 # Key-side (b, s, kv_heads*head_dim/t) arrays of the attention phase: K alone without a ring. The ring's backward
 # (:func:`jaxpar.ops.context_parallel._ring_bwd`) unrolls its c hops, each a flash backward with its own
@@ -318,8 +322,8 @@ def layer_working_bytes(
 
     The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its attention
     phase (:func:`blockwise_attention_backward_bytes`: the inner step's block arrays and its operands)
-    is a third candidate, and with a context axis under recompute the MLP phase also holds the ring's
-    recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
+    is a third candidate, and under recompute with a context axis (or a kernel of one block) the MLP phase
+    also holds the recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
     (4 + 1)*b*n*s^2 (not counted in pipeline ticks). A stage of one layer without recompute writes
@@ -371,7 +375,8 @@ def _layer_working_phases(
     zero3 = zero3_weight_gradient_bytes(model, layout)
     if not dot:
         backward += zero3
-        if layout.context > 1 and rec != "none":  # see RING_RECOMPUTED_BLOCKS
+        one_block = layout.attention_block >= d.s and not tick  # a tick keeps no recomputed scores (as above)
+        if (layout.context > 1 or one_block) and rec != "none":  # RING_RECOMPUTED_BLOCKS
             block = min(layout.attention_block, d.s)
             backward += layout.context * RING_RECOMPUTED_BLOCKS[rec] * F32 * d.b * d.n * block * block
         return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
@@ -774,8 +779,8 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     - the stage's layer residuals, L/p x :func:`layer_residual_bytes`, and the head's, on every
       stage (SPMD): the fp32 logits 4*b*s*V/t, the final norm's input and output and its fp32
       normalised input (2e + 4)*b*s*h;
-    - with jax 0.10 (:func:`cond_stacks_weights`) the stage's *parameters*, once per tick, in the compute dtype (the matmul operands):
-      e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
+    - with jax 0.10 (:func:`cond_stacks_weights`) the stage's *parameters*, once per tick, in the
+      compute dtype (the matmul operands): e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
       evaluation of the tick's ``cond`` (work / skip) returns the branch's residuals as outputs of
       the cond, the weights among them; the scan then stacks them like any per-tick value instead
       of forwarding them as loop constants.
