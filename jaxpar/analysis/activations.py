@@ -374,7 +374,14 @@ def _layer_working_phases(
     )
     zero3 = zero3_weight_gradient_bytes(model, layout)
     if not dot:
-        backward += zero3
+        if zero3 and rec == "full" and not model.get("num_experts", 0):
+            # the weight gradients are written once the recomputed gate, up, silu and product are consumed: that
+            # moment holds the three MLP gradients of ``none`` beside ZeRO-3's gradient and relaid weight, not the
+            # seven arrays of ``full`` (buffer assignment of ~1B, 2 layers, data=4 x context=2 ZeRO-3 full,
+            # s=1024, block 64: seven f32[1024, 8192] arrays at the peak and no f32[2048, 8192] gradient)
+            backward = max(backward, backward - mlp + BACKWARD_MLP_WIDE["none"] * d.e * d.b * d.s * d.f + zero3)
+        else:
+            backward += zero3
         one_block = layout.attention_block >= d.s and not tick  # a tick keeps no recomputed scores (as above)
         if (layout.context > 1 or one_block) and rec != "none":  # RING_RECOMPUTED_BLOCKS
             block = min(layout.attention_block, d.s)
