@@ -392,8 +392,14 @@ def _layer_working_phases(
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
-    if not unstacked and (not tick or one_layer_selective_tick):  # it recomputes the attention (the same
-        # layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
+    # a ``full`` tick with ZeRO 0-1 recomputes its chunk layer by layer, one sequence at a time, inside the
+    # backward's layer loop (jaxpar.parallel.pipeline.executor): its recomputed attention waits for the
+    # attention's backward as without a pipeline (buffer assignment of tiny data=2 x tensor=2 x pipeline=2
+    # 1F1B ZeRO-1 full, s=512, b=2: f32[1, 1, 2, 512, 512] and f32[1024, 512] score arrays of one sequence
+    # beside the seven f32[512, 192] MLP arrays at the peak)
+    by_layer_tick = tick and rec == "full" and layout.zero_stage < 2
+    if not unstacked and (not tick or one_layer_selective_tick or by_layer_tick):  # it recomputes the attention
+        # (the same layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
