@@ -21,12 +21,15 @@ import json
 import os
 import pathlib
 import random
+import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 MIB = 2**20
+# what the compiled step is built from: a row compiled before one of these changed may hold another program
+STEP_CODE = ("jaxpar/train", "jaxpar/parallel", "jaxpar/models", "jaxpar/ops", "jaxpar/layout.py", "jaxpar/config.py")
 
 
 def _config(name: str, model: dict, layout):
@@ -68,10 +71,21 @@ def _grid():
         yield label, iter([("1b" if label.startswith("1b_") else "tiny", {}, layout)])
 
 
+def _commit() -> str:
+    """The worktree's commit (``+`` when the step's code differs from it): what compiled the row."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", *STEP_CODE]).returncode != 0
+    return head + ("+" if dirty else "")
+
+
 def compile_all(items, out: pathlib.Path) -> None:
+    import jax
+
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
     from jaxpar.config import ConfigError
 
+    stamp = {"commit": _commit(), "jax": jax.__version__}
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
         for label, candidates in items:
@@ -93,6 +107,7 @@ def compile_all(items, out: pathlib.Path) -> None:
                 "layout": dataclasses.asdict(layout),
                 "temp_bytes": mem.temp_bytes,
                 "argument_bytes": mem.argument_bytes,
+                **stamp,
             }
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -103,18 +118,47 @@ def compile_all(items, out: pathlib.Path) -> None:
             )
 
 
-def check(paths: list[str], show: int) -> int:
+def _stale(row: dict, jax_version: str, cache: dict[str, bool]) -> str:
+    """Why ``row``'s compiled bytes may not be the current step's ("" when they are): compiled by another jax,
+    or at a commit whose step code (:data:`STEP_CODE`) differs from this worktree's, or unstamped."""
+    commit = row.get("commit", "")
+    if not commit:
+        return "no commit recorded"
+    if row.get("jax") != jax_version:
+        return f"compiled by jax {row.get('jax')}"
+    if commit.endswith("+"):
+        return "compiled from uncommitted step code"
+    if commit not in cache:
+        diff = ["git", "-C", str(ROOT), "diff", "--quiet", commit, "--", *STEP_CODE]
+        cache[commit] = subprocess.run(diff, capture_output=True).returncode != 0
+    return f"the step's code changed since {commit[:7]}" if cache[commit] else ""
+
+
+def check(paths: list[str], show: int, stale_ok: bool = False) -> int:
+    """Hold the estimate against every kept row; a row whose program may have changed since it was compiled
+    (:func:`_stale`) is counted apart, not held against the estimate (``stale_ok``: held anyway)."""
+    import jax
+
     from jaxpar.analysis import activations as A
     from jaxpar.analysis.estimate import estimated_argument_bytes
+    from jaxpar.config import validate
     from jaxpar.layout import ParallelLayout
 
-    bad_total = rows_total = 0
+    bad_total = rows_total = stale_total = 0
+    commits: dict[str, bool] = {}
     for path in paths:
         rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
-        out = []
+        out, stale = [], {}
         for r in rows:
-            layout = ParallelLayout.from_dict(r["layout"])  # older files name pipeline_schedule schedule
-            cfg = _config(r["model_name"], r["model"], layout)
+            why = _stale(r, jax.__version__, commits)
+            if why and not stale_ok:
+                stale[why] = stale.get(why, 0) + 1
+                continue
+            # the layout the compile ran: the config's validated one, as analyze_layout holds it (the stage
+            # split, fields inert on this layout reset), not the row's draw; from_dict reads older rows, which
+            # name pipeline_schedule schedule
+            cfg = _config(r["model_name"], r["model"], ParallelLayout.from_dict(r["layout"]))
+            layout = validate(cfg)
             est = A.expected_temp_bytes(cfg.model, layout)
             args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
             temp = r["temp_bytes"] / est
@@ -122,14 +166,23 @@ def check(paths: list[str], show: int) -> int:
             out.append((temp, peak, r | {"layout": layout}))
         bad = [o for o in out if abs(o[0] - 1) > 0.15 or abs(o[1] - 1) > 0.10]
         bad_total, rows_total = bad_total + len(bad), rows_total + len(out)
-        print(
-            f"{path}: {len(out)} layouts, compiled/est temp {min(o[0] for o in out):.3f}-{max(o[0] for o in out):.3f}, "
-            f"peak {min(o[1] for o in out):.3f}-{max(o[1] for o in out):.3f}; outside the bounds: {len(bad)}"
+        stale_total += sum(stale.values())
+        span = (
+            f"compiled/est temp {min(o[0] for o in out):.3f}-{max(o[0] for o in out):.3f}, "
+            f"peak {min(o[1] for o in out):.3f}-{max(o[1] for o in out):.3f}; "
+            if out
+            else ""
         )
+        print(f"{path}: {len(out)} layouts, {span}outside the bounds: {len(bad)}")
+        for why, n in stale.items():
+            print(f"    {n} rows not held ({why}): compile them again, or --stale to hold them anyway")
         for temp, peak, r in sorted(bad, key=lambda o: o[0])[:show]:
             lay = {k: v for k, v in vars(r["layout"]).items() if v != getattr(ParallelLayout, k, None)}
             print(f"    temp {temp:.3f} peak {peak:.3f} {r['label']}: {r['model_name']} {r['model']} {lay}")
-    print(f"all: {rows_total - bad_total} of {rows_total} within the bounds")
+    print(
+        f"all: {rows_total - bad_total} of {rows_total} within the bounds"
+        + (f"; {stale_total} stale rows not held" if stale_total else "")
+    )
     return bad_total
 
 
@@ -145,6 +198,7 @@ def main() -> None:
     k = sub.add_parser("check")
     k.add_argument("paths", nargs="+")
     k.add_argument("--show", type=int, default=50)
+    k.add_argument("--stale", action="store_true", help="hold rows compiled from other step code too")
     a = ap.parse_args()
     if a.cmd == "compile":
         from jaxpar.distributed import ensure_host_devices
@@ -153,7 +207,7 @@ def main() -> None:
         items = _grid() if a.grid else _draws(a.seed, a.cases, a.case)
         compile_all(items, pathlib.Path(a.out))
     else:
-        check(a.paths, a.show)
+        check(a.paths, a.show, a.stale)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ The working-set counts were read from XLA:CPU's buffer assignment (the AOT path,
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 from typing import Any
 
 from jaxpar.analysis import moe_activations
@@ -235,8 +237,27 @@ BLOCKWISE_BACKWARD_BLOCKS = 4
 # XLA keeps them from the recomputation to the attention's backward, through the MLP's backward: per hop,
 # fp32 (b, n/t, bq, bk) blocks, 1 with ``full`` (q k^T) and 2 with ``selective`` (measured: tiny
 # data=4 x context=2 full: two f32[4,2,128,256] q k^T blocks at the MLP phase's peak; selective, SP and
-# ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies).
+# ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies). Without a ring the same holds
+# where the kernel runs one block (``attention_block`` >= s): its recomputed q k^T is the backward's (tiny
+# data=8 ZeRO-3 ``full`` blockwise, s=256, block 512: one f32[2, 2, 256, 512] array at the MLP phase's peak;
+# with several blocks, or in a pipeline tick, not counted: tiny data=2 x tensor=2 x pipeline=2 1F1B ``full``
+# blockwise, one block, is 0.987 of the compiled temporaries without it, 0.910 with it).
 RING_RECOMPUTED_BLOCKS = {"selective": 2, "full": 1}
+# Key-side (b, s, kv_heads*head_dim/t) arrays of the attention phase: K alone without a ring. The ring's backward
+# (:func:`jaxpar.ops.context_parallel._ring_bwd`) unrolls its c hops, each a flash backward with its own
+# zero-initialised fp32 dK and dV accumulators, which XLA hoists ahead of the first hop (2c), beside each hop's
+# K and V in the kernel's transposed layout (2c: f32[b, kv/t, head_dim, 2s] concatenations) and the hop at
+# work's K^T and V^T (2): 4c + 2. Counted in the buffer assignment of tiny data=4 x context=2 ZeRO-2 ``full``
+# with attention dropout, s = 512, block 256: ten f32[2, 256, 2, 32]-sized arrays at the peak (four hoisted
+# zero copies, two f32[2, 2, 32, 256] transposes, two f32[2, 2, 32, 512]). Measured at c = 2 only: whether
+# the f32[.., 512] pair grows with c (all hops) or not (K and V of one hop side by side) is not pinned down.
+
+
+def ring_backward_kv_arrays(context: int) -> int:
+    """Key-side (b, s, k) arrays of the blockwise attention phase (see the count above)."""
+    return 1 if context == 1 else 4 * context + 2
+
+
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
 # ZeRO-3 inside a 1F1B / interleaved tick: gathered layers (compute dtype) beyond the one the working set
 # counts. The tick's ``jax.vjp`` of its chunk gathers each layer for the recomputed forward and again for the
@@ -301,8 +322,8 @@ def layer_working_bytes(
 
     The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its attention
     phase (:func:`blockwise_attention_backward_bytes`: the inner step's block arrays and its operands)
-    is a third candidate, and with a context axis under recompute the MLP phase also holds the ring's
-    recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
+    is a third candidate, and under recompute with a context axis (or a kernel of one block) the MLP phase
+    also holds the recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
     (4 + 1)*b*n*s^2 (not counted in pipeline ticks). A stage of one layer without recompute writes
@@ -353,8 +374,16 @@ def _layer_working_phases(
     )
     zero3 = zero3_weight_gradient_bytes(model, layout)
     if not dot:
-        backward += zero3
-        if layout.context > 1 and rec != "none":  # see RING_RECOMPUTED_BLOCKS
+        if zero3 and rec == "full" and not model.get("num_experts", 0):
+            # the weight gradients are written once the recomputed gate, up, silu and product are consumed: that
+            # moment holds the three MLP gradients of ``none`` beside ZeRO-3's gradient and relaid weight, not the
+            # seven arrays of ``full`` (buffer assignment of ~1B, 2 layers, data=4 x context=2 ZeRO-3 full,
+            # s=1024, block 64: seven f32[1024, 8192] arrays at the peak and no f32[2048, 8192] gradient)
+            backward = max(backward, backward - mlp + BACKWARD_MLP_WIDE["none"] * d.e * d.b * d.s * d.f + zero3)
+        else:
+            backward += zero3
+        one_block = layout.attention_block >= d.s and not tick  # a tick keeps no recomputed scores (as above)
+        if (layout.context > 1 or one_block) and rec != "none":  # RING_RECOMPUTED_BLOCKS
             block = min(layout.attention_block, d.s)
             backward += layout.context * RING_RECOMPUTED_BLOCKS[rec] * F32 * d.b * d.n * block * block
         return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
@@ -363,8 +392,14 @@ def _layer_working_phases(
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
-    if not unstacked and (not tick or one_layer_selective_tick):  # it recomputes the attention (the same
-        # layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
+    # a ``full`` tick with ZeRO 0-1 recomputes its chunk layer by layer, one sequence at a time, inside the
+    # backward's layer loop (jaxpar.parallel.pipeline.executor): its recomputed attention waits for the
+    # attention's backward as without a pipeline (buffer assignment of tiny data=2 x tensor=2 x pipeline=2
+    # 1F1B ZeRO-1 full, s=512, b=2: f32[1, 1, 2, 512, 512] and f32[1024, 512] score arrays of one sequence
+    # beside the seven f32[512, 192] MLP arrays at the peak)
+    by_layer_tick = tick and rec == "full" and layout.zero_stage < 2
+    if not unstacked and (not tick or one_layer_selective_tick or by_layer_tick):  # it recomputes the attention
+        # (the same layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
@@ -383,7 +418,10 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     """The attention phase of one layer's backward under ``blockwise`` attention (and context parallelism,
     whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (+1 with attention dropout)
     fp32 (b, n/t, bq, bk) arrays of the inner step, bq = bk = min(``attention_block``, s) (the kernel
-    clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + s*k)."""
+    clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + r*s*k), r = 1 without a
+    ring and :func:`ring_backward_kv_arrays` with one; under ``full`` the recomputed forward's q, k and v
+    projection weights too, e*h*(q + 2k) (their sliced copies: f32[128, 128] and two f32[64, 128] in the
+    ring measurement of :func:`ring_backward_kv_arrays`)."""
     d = Dims.of(model, layout, b)
     block = min(layout.attention_block, d.s)
     copies = BLOCKWISE_BACKWARD_BLOCKS + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
@@ -391,8 +429,11 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     # another hop's P, dP and dS beside this one's (buffer assignment of tiny data=4 x context=2, block =
     # s/c = 256, full: seven f32[2, n, 256, 256]-sized blocks at the peak)
     copies += (layout.context - 1) * (BLOCKWISE_BACKWARD_BLOCKS - 1)
-    operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + d.s * d.k)
-    return copies * F32 * d.b * d.n * block * block + operands
+    kv = ring_backward_kv_arrays(layout.context)
+    operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + kv * d.s * d.k)
+    # the recomputed forward's q, k, v projection weights, sliced out of the stacked parameters (copies): h x (q + 2k)
+    weights = d.e * d.h * (d.q + 2 * d.k) if layout.recompute == "full" else 0.0
+    return copies * F32 * d.b * d.n * block * block + operands + weights
 
 
 def layer_working_term(
@@ -571,7 +612,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
     L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
     ZeRO < 2 one sequence at a time, layer by layer), plus :func:`layer_working_bytes` (``tick``), the chunk's
-    gradient before it is added to the fp32 accumulator of the stage, and the act/grad slot buffers
+    gradient before it is added to the fp32 accumulator of the stage (ZeRO-3: sharded, each layer's
+    gradient reduce-scattered as it leaves the chunk's layer scan), and the act/grad slot buffers
     of the schedule (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for
     1F1B); the last stage runs the head inside the same backward; the accumulator held twice
     (:func:`pipeline_accumulator_bytes`) is a phase of its own. GPipe: the forward scan over
@@ -680,6 +722,12 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             if head > working:
                 working, term = head, "backward tick: the loss head's backward"
         chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
+        if zero3:  # each layer is gathered inside the chunk's layer scan (Model.layer_step), so its gradient
+            # leaves the scan through the gather's transpose, a reduce-scatter: the chunk's stack is sharded
+            # (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 full, s=256: the
+            # accumulator's f32[2, 64, 192] shards at the peak, no f32[2, 128, 192] chunk gradient)
+            layer_bytes = pb * layer_el
+            chunk_grads *= zero_sharded_bytes(model, layout, layer_bytes) / layer_bytes
     acc = zero_sharded_bytes(model, layout, full_grads) if layout.zero_stage >= 2 else full_grads
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
@@ -744,8 +792,8 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     - the stage's layer residuals, L/p x :func:`layer_residual_bytes`, and the head's, on every
       stage (SPMD): the fp32 logits 4*b*s*V/t, the final norm's input and output and its fp32
       normalised input (2e + 4)*b*s*h;
-    - the stage's *parameters*, once per tick, in the compute dtype (the matmul operands):
-      e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
+    - with jax 0.10 (:func:`cond_stacks_weights`) the stage's *parameters*, once per tick, in the
+      compute dtype (the matmul operands): e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
       evaluation of the tick's ``cond`` (work / skip) returns the branch's residuals as outputs of
       the cond, the weights among them; the scan then stacks them like any per-tick value instead
       of forwarding them as loop constants.
@@ -757,8 +805,26 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     # h/2 rows); the embedding / head table is saved whole
     shard = layout.data * layout.context if layout.zero_stage == 3 else 1
     weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
+    if not cond_stacks_weights():
+        weights = 0.0
     head = head_residual_bytes(model, layout)
     return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
+
+
+@functools.cache
+def cond_stacks_weights() -> bool:
+    """Whether the installed jax's partial evaluation of ``lax.cond`` returns the branch's weights among its
+    residuals, so that GPipe's tick scan stacks them (:func:`gpipe_tick_bytes`): jax 0.10 does, jax 0.12 forwards
+    them as the loop's constants. Buffer assignment of tiny data=2 x pipeline=4 GPipe m=4, s=128 (b=2,
+    ``none``): f32[7, 1, 128, 384]-shaped weight stacks (7 = m + p - 1 ticks) in the backward's loop state on
+    jax 0.10.2, 51.87 MiB of temporaries; none on jax 0.12.0.1, 45.87 MiB, the 6.13 MiB the weights term
+    counts. jax 0.11 is taken with 0.12 (not compiled). Read from the installed distribution's metadata, so
+    the planner does not import JAX."""
+    try:
+        version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(v) for v in version.split(".")[:2] if v.isdigit()) < (0, 11)
 
 
 def head_residual_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
