@@ -34,3 +34,9 @@ def test_docstrings_are_at_most_15_percent_of_the_package():
         f"docstrings are {share:.1%} of jaxpar's {total} lines (at most {MAX_DOCSTRING_SHARE:.0%}); "
         "the most docstring lines: " + ", ".join(f"{name} ({lines})" for name, lines in largest)
     )
+
+
+def test_the_readme_is_at_most_200_lines():
+    """Issue 26: what jaxpar is, the two commands, concepts, the code map and links; the guides are in docs/."""
+    lines = len((PACKAGE.parent / "README.md").read_text().splitlines())
+    assert lines <= 200, f"README.md has {lines} lines; move detail to docs/"
