@@ -151,7 +151,7 @@ def is_placement(x: Any) -> bool:
 
 def specs(placements: Any, field: str) -> Any:
     """Pull one spec field (``compute``, ``storage``, ``optimizer``) out of a placement tree."""
-    return jax.tree.map(lambda lay: getattr(lay, field), placements, is_leaf=is_placement)
+    return jax.tree.map(lambda place: getattr(place, field), placements, is_leaf=is_placement)
 
 
 def named(mesh: Mesh, spec_tree: Any) -> Any:
@@ -169,10 +169,10 @@ def check_sufficiently_sharded(
     worst: list[tuple[int, str]] = []
     flat_p = jax.tree_util.tree_leaves_with_path(abstract_params)
     flat_l = jax.tree.leaves(placements, is_leaf=is_placement)
-    for (path, a), lay in zip(flat_p, flat_l):
+    for (path, a), place in zip(flat_p, flat_l):
         nbytes = int(np.prod(a.shape)) * a.dtype.itemsize
         total += nbytes
-        if not lay.sharded_storage:
+        if not place.sharded_storage:
             replicated += nbytes
             worst.append((nbytes, jax.tree_util.keystr(path)))
     fraction = replicated / max(total, 1)

@@ -58,7 +58,7 @@ def test_every_axis_has_a_row_and_the_real_table():
 
 def _groups_built(setup):
     """What sharding, zero3, batches and step build for ``setup``'s layout."""
-    placements = setup.placements
+    placements = setup.train_form.placements
     by_param = {
         jax.tree_util.keystr(path): group_axes(lay.zero_axes)
         for path, lay in jax.tree_util.tree_leaves_with_path(placements, is_leaf=is_placement)
@@ -75,7 +75,7 @@ def test_modules_take_their_groups_from_the_table(setup, monkeypatch):
     by_param, gathered, spec, split, bound = _groups_built(setup)
     compute = {
         jax.tree_util.keystr(path): {a for a in lay.compute if a is not None}
-        for path, lay in jax.tree_util.tree_leaves_with_path(setup.placements, is_leaf=is_placement)
+        for path, lay in jax.tree_util.tree_leaves_with_path(setup.train_form.placements, is_leaf=is_placement)
     }
     # sharding: each parameter's group is the table's group less the axes it is split over
     assert by_param == {k: _table_group(sizes, compute[k]) for k in by_param}

@@ -106,7 +106,7 @@ def test_restore_onto_other_layouts(tmp_path):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
         wq = state["params"]["blocks"]["attn"]["wq"]
-        assert wq.sharding.spec == target.param_specs["blocks"]["attn"]["wq"]  # landed in the new layout
+        assert wq.sharding.spec == target.train_form.param_specs["blocks"]["attn"]["wq"]  # landed in the new layout
 
 
 def test_damaged_checkpoint_falls_back_then_fails(tmp_path):

@@ -104,12 +104,12 @@ def test_zero3_dims_tree_matches_the_layouts():
 
     cfg = tiny_config("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3")
     setup = make_setup(cfg)
-    dims = zero3.zero3_dims(setup.placements)
-    assert jax.tree.structure(dims) == jax.tree.structure(setup.abstract_params)
+    dims = zero3.zero3_dims(setup.train_form.placements)
+    assert jax.tree.structure(dims) == jax.tree.structure(setup.train_form.abstract)
     assert dims["blocks"]["attn"]["wq"] == 1 and dims["embed"] == 1  # embed dim (tensor splits heads / vocab)
     assert zero3.layer_dims(dims["blocks"])["attn"]["wq"] == 0
     assert setup.builder.context().zero3
-    assert zero3.zero3_dims(make_setup(tiny_config()).placements) is None
+    assert zero3.zero3_dims(make_setup(tiny_config()).train_form.placements) is None
 
 
 def test_no_module_outside_models_imports_a_family():

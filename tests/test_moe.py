@@ -219,8 +219,8 @@ def test_experts_are_split_over_the_expert_axis():
     assert {s.data.shape for s in up.addressable_shards} == {(2, 1, 128, 192)}
     assert {s.data.shape for s in params["blocks"]["attn"]["wq"].addressable_shards} == {(2, 128, 4, 32)}
     # the experts' gradients are reduced over data only, the rest over data x expert
-    assert setup.placements["blocks"]["moe"]["w_up"].zero_axes == "data"
-    assert tuple(setup.placements["blocks"]["attn"]["wq"].zero_axes) == ("data", "expert")
+    assert setup.train_form.placements["blocks"]["moe"]["w_up"].zero_axes == "data"
+    assert tuple(setup.train_form.placements["blocks"]["attn"]["wq"].zero_axes) == ("data", "expert")
 
 
 def test_aux_loss_gradient_is_the_weighted_loss_gradient():

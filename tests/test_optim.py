@@ -99,8 +99,10 @@ def test_layout_matches_single_device(name, layout):
 def test_adafactor_state_is_factored_and_sharded():
     cfg = _cfg("adafactor", *LAYOUTS["zero3_d4_t2"])
     setup = make_setup(cfg)
-    up = setup.opt_specs["tx"]["blocks"]["mlp"]["w_up"][0]  # [L, embed, mlp]: embed over data, mlp over tensor
-    shapes = jax.eval_shape(setup.init_opt_state, setup.abstract_params)["tx"]["blocks"]["mlp"]["w_up"][0]
+    up = setup.train_form.opt_specs["tx"]["blocks"]["mlp"]["w_up"][
+        0
+    ]  # [L, embed, mlp]: embed over data, mlp over tensor
+    shapes = jax.eval_shape(setup.init_opt_state, setup.train_form.abstract)["tx"]["blocks"]["mlp"]["w_up"][0]
     assert shapes.v_row.shape == (2, 128) and shapes.v_col.shape == (2, 384)  # per layer: mlp, embed averaged away
     assert (tuple(up.v_row), tuple(up.v_col), tuple(up.count)) == ((None, "data"), (None, "tensor"), (None,))
 
@@ -118,7 +120,7 @@ def test_state_memory_and_skipped_step(name):
     cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1")
     setup = make_setup(cfg)
     compiled = setup.lower_train_step().compile()
-    expected = expected_memory(cfg, setup.layout, setup.placements)
+    expected = expected_memory(cfg, setup.layout, setup.train_form.placements)
     got = compiled.memory_analysis().argument_size_in_bytes
     assert got == pytest.approx(expected["argument_bytes"], rel=0.01), (got, expected)
 

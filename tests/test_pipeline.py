@@ -99,8 +99,8 @@ def train(overrides: list[str], model: tuple[str, ...] = (), steps: int = STEPS)
     p, v, vs = cfg.mesh.pipeline, cfg.parallel.virtual_stages, pipeline.v_shaped(cfg.parallel.pipeline_schedule)
     host = _host_params(model)
     staged = pipeline.to_stage_form(host, p, v, v_shape=vs) if p > 1 else host
-    params = jax.device_put(staged, setup.param_shardings)
-    opt = jax.device_put(adamw.init_state(staged), setup.opt_shardings)
+    params = jax.device_put(staged, setup.train_form.param_shardings)
+    opt = jax.device_put(adamw.init_state(staged), setup.train_form.opt_shardings)
     rng = np.random.default_rng(0)
     history, grads = [], None
     for step in range(steps):
@@ -271,7 +271,7 @@ def test_eval_step_matches_single_device(name, rows):
             cfg.parallel.virtual_stages,
             v_shape=pipeline.v_shaped(cfg.parallel.pipeline_schedule),
         )
-        params = jax.device_put(staged, setup.param_shardings)
+        params = jax.device_put(staged, setup.train_form.param_shardings)
         losses.append(float(setup.eval_step(params, setup.feed.make_eval_batch(rows))))
     assert abs(losses[1] - losses[0]) / losses[0] < TOL, losses
     p, m = cfg.mesh.pipeline, cfg.parallel.microbatches
@@ -711,3 +711,18 @@ def test_frontier_packs_into_residuals_only_b_read():
             np.testing.assert_array_equal(stash.take(out, place, a), value)
     np.testing.assert_array_equal(out[1], bin_values[1])  # nothing placed there
     np.testing.assert_array_equal(out[0].reshape(3, -1)[:, 28:], bin_values[0].reshape(3, -1)[:, 28:])
+
+
+def test_the_pipeline_splits_the_models_stacked_subtree_and_refuses_another():
+    """The stage forms and the executors name the stacked layers through ``Model.stacked``; a family
+    whose layers stack elsewhere (or in two subtrees) is refused in one line, not mis-split."""
+    layout = ParallelLayout(data=1, pipeline=2, microbatches=2)
+    model = llama.LlamaModel(tiny_config("--config.mesh.data=1", "--config.mesh.tensor=1").model)
+    assert pipeline.forms.STACKED == model.stacked
+    pipeline.Pipeline.from_layout(layout, model)
+
+    class Elsewhere(llama.LlamaModel):
+        stacked = "layers"
+
+    with pytest.raises(ConfigError, match=r"layers stack in \['layers'\].*mesh.pipeline=1"):
+        pipeline.Pipeline.from_layout(layout, Elsewhere(model.cfg))

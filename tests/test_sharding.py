@@ -18,7 +18,7 @@ def _setup(n, *overrides):
 
 def test_megatron_rules_and_zero_dims():
     s = _setup(8, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3")
-    lay = s.placements
+    lay = s.train_form.placements
     assert lay["blocks"]["attn"]["wq"].compute == P(None, None, "tensor", None)  # column-parallel QKV
     assert lay["blocks"]["attn"]["wo"].compute == P(None, "tensor", None, None)  # row-parallel output
     assert lay["blocks"]["mlp"]["w_down"].compute == P(None, "tensor", None)

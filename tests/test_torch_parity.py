@@ -95,9 +95,11 @@ def test_training_matches_torch_adamw(hf_dir, tmp_path):
     o.lr, o.warmup_steps, o.schedule, o.min_lr_ratio, o.decay_steps, o.warmup_init_lr = 1e-2, 3, "cosine", 0.1, -1, 0.0
     o.b1, o.b2, o.eps, o.weight_decay, o.clip_norm = 0.9, 0.95, 1e-8, 0.1, 0.5
     setup = Setup(cfg, validate(cfg, 1), single_device_mesh())
-    params = weights.load_hf(hf_dir, cfg.model, setup.param_shardings)
-    zeros = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), setup.abstract_params)
-    opt_state = jax.device_put({"count": np.zeros((), np.int32), "mu": zeros, "nu": zeros}, setup.opt_shardings)
+    params = weights.load_hf(hf_dir, cfg.model, setup.train_form.param_shardings)
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), setup.train_form.abstract)
+    opt_state = jax.device_put(
+        {"count": np.zeros((), np.int32), "mu": zeros, "nu": zeros}, setup.train_form.opt_shardings
+    )
 
     no_decay = [p for n, p in model.named_parameters() if "norm" in n]
     decay = [p for n, p in model.named_parameters() if "norm" not in n]

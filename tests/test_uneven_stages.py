@@ -226,8 +226,8 @@ def _train(overrides: tuple[str, ...], steps: int = 2):
     p = lay.pipeline
     host = _host_params(f"--config.model.num_layers={cfg.model.num_layers}")
     staged = pipeline.to_stage_form(host, p, 1, lay.stage_layers) if p > 1 else host
-    params = jax.device_put(staged, setup.param_shardings)
-    opt = jax.device_put(init_opt_state(staged), setup.opt_shardings)
+    params = jax.device_put(staged, setup.train_form.param_shardings)
+    opt = jax.device_put(init_opt_state(staged), setup.train_form.opt_shardings)
     rng = np.random.default_rng(0)
     history, grads = [], None
     for step in range(steps):

@@ -98,8 +98,10 @@ def test_zero3_load_reads_only_slices(saved, model_cfg):
     setup = make_setup(cfg)
     params, path = saved
     reads: list[tuple[str, tuple[int, ...]]] = []
-    loaded = weights.load_hf(path, cfg.model, setup.param_shardings, on_read=lambda n, s: reads.append((n, s)))
-    flat_s = jax.tree.leaves(setup.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    loaded = weights.load_hf(
+        path, cfg.model, setup.train_form.param_shardings, on_read=lambda n, s: reads.append((n, s))
+    )
+    flat_s = jax.tree.leaves(setup.train_form.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     for arr, host, sharding in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), flat_s):
         assert arr.sharding == sharding
         np.testing.assert_array_equal(np.asarray(arr), host)
@@ -107,7 +109,7 @@ def test_zero3_load_reads_only_slices(saved, model_cfg):
             np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
     q_full = model_cfg.num_heads * model_cfg.head_dim * model_cfg.embed_dim
     q_reads = [int(np.prod(s)) for n, s in reads if n == Q]
-    assert setup.param_specs["blocks"]["attn"]["wq"] == P(None, "data", "tensor", None)
+    assert setup.train_form.param_specs["blocks"]["attn"]["wq"] == P(None, "data", "tensor", None)
     assert max(q_reads) == q_full // 8  # heads split over tensor, embed over data: 1/8 per read
     assert all(int(np.prod(s)) < 128 * 256 for n, s in reads if n == "model.embed_tokens.weight")
     # and back: sharded arrays are exported one layer's tensor at a time
@@ -282,9 +284,11 @@ def test_init_from_hf_lands_in_the_layout(saved, layout):
     params, path = saved
     cfg = tiny_config(*layout, f"--config.train.init_from={path}")
     setup = make_setup(cfg)
-    got, opt = setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_param_shardings))
-    assert jax.tree.structure(got) == jax.tree.structure(setup.abstract_params)
-    for arr, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(setup.param_shardings)):
+    got, opt = setup.init_from_hf(
+        weights.load_checked(cfg.train.init_from, cfg.model, setup.model_form.param_shardings)
+    )
+    assert jax.tree.structure(got) == jax.tree.structure(setup.train_form.abstract)
+    for arr, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(setup.train_form.param_shardings)):
         assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
     model_form, _ = setup.to_model_order(got, opt)
     assert_bitwise(params, jax.device_get(model_form))
@@ -296,7 +300,7 @@ def test_init_from_hf_rejects_another_model(saved):
     cfg = tiny_config("--config.model.num_layers=2", f"--config.train.init_from={path}")
     setup = make_setup(cfg)
     with pytest.raises(ConfigError, match=r"num_hidden_layers.*set --config.model.num_layers=4$") as e:
-        setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_param_shardings))
+        setup.init_from_hf(weights.load_checked(cfg.train.init_from, cfg.model, setup.model_form.param_shardings))
     assert "\n" not in str(e.value)
 
 

@@ -298,7 +298,7 @@ def zero3_weight_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> fl
     gathered f32[2048,2048] MLP weights, a dot's f32[2048,2048] output (a weight gradient) and a copy of
     one gathered weight ({0,1} -> {1,0} layout). ZeRO 0-2 write the gradient into the stacked buffer
     and slice the weight in the layout the matmul reads."""
-    if layout.zero_stage != 3 or layout.pipeline > 1:
+    if not layout.shards_parameters or layout.pipeline > 1:
         return 0.0
     e, pb = DTYPE_BYTES[model.compute_dtype], DTYPE_BYTES[model.param_dtype]
     return (e + pb) * largest_param(model, layout) / layout.stored_layers(model.num_layers)
@@ -397,7 +397,7 @@ def _layer_working_phases(
     # attention's backward as without a pipeline (buffer assignment of tiny data=2 x tensor=2 x pipeline=2
     # 1F1B ZeRO-1 full, s=512, b=2: f32[1, 1, 2, 512, 512] and f32[1024, 512] score arrays of one sequence
     # beside the seven f32[512, 192] MLP arrays at the peak)
-    by_layer_tick = tick and rec == "full" and layout.zero_stage < 2
+    by_layer_tick = tick and rec == "full" and not layout.shards_gradients
     if not unstacked and (not tick or one_layer_selective_tick or by_layer_tick):  # it recomputes the attention
         # (the same layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
         backward += BACKWARD_SCORE_COPIES * F32 * scores
@@ -559,9 +559,9 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     those buffers, 749 MiB, and nothing of their size besides).
     """
     pb = DTYPE_BYTES[model.param_dtype]
-    if layout.zero_stage == 0:
+    if not layout.shards_optimizer:
         return 2 * grads - pb * shared_tables(model, layout)
-    if layout.zero_stage in (1, 2):
+    if not layout.shards_parameters:  # ZeRO-1/2
         return grads + pb * largest_param(model, layout)
     return zero_sharded_bytes(model, layout, grads) + zero3_embedding_gradient_bytes(model, layout)
 
@@ -627,7 +627,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     d = Dims.of(model, layout)
     layer_el, shared_el = _grad_elements(model, layout, stage)
     full_grads = pb * (layer_el + shared_el)
-    zero3 = layout.zero_stage == 3
+    zero3 = layout.shards_parameters
     ticks = p > 1 and layout.pipeline_schedule != "gpipe"  # GPipe's tick stacks hold the gathered weights already
     gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 and ticks else 0.0
     if p == 1:
@@ -648,13 +648,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         term, working = max(candidates, key=lambda c: c[1])
         early = (
             early_scattered_head_bytes(model, layout)
-            if layout.zero_stage in (1, 2) and layout.microbatches == 1 and not layout.sequence_parallel
+            if layout.shards_optimizer
+            and not layout.shards_parameters
+            and layout.microbatches == 1
+            and not layout.sequence_parallel
             else 0
         )
         grads -= early
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
             # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
-            grads += zero_sharded_bytes(model, layout, full_grads) if layout.zero_stage >= 2 else pb * layer_el
+            grads += zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else pb * layer_el
             if zero3:  # the zero table the embedding's scatter-add starts from, hoisted out of the microbatch
                 # loop, and each microbatch's copy of it (buffer assignment of ~1B ZeRO-3 m=2 and m=4:
                 # two f32[V/t, h] tables beside the sharded gradients)
@@ -691,7 +694,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     else:
         keep = keeps_activations(layout)
         prog = _program(layout.pipeline_schedule, p, layout.microbatches, layout.virtual_stages, keep)
-        by_layer = layout.recompute == "full" and layout.zero_stage < 2
+        by_layer = layout.recompute == "full" and not layout.shards_gradients
         rows = 1 if by_layer else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
         # stage inputs and arriving gradients, and (no recomputation) each in-flight microbatch's
@@ -728,7 +731,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # accumulator's f32[2, 64, 192] shards at the peak, no f32[2, 128, 192] chunk gradient)
             layer_bytes = pb * layer_el
             chunk_grads *= zero_sharded_bytes(model, layout, layer_bytes) / layer_bytes
-    acc = zero_sharded_bytes(model, layout, full_grads) if layout.zero_stage >= 2 else full_grads
+    acc = zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else full_grads
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
     backward = residual + working + grads + gather + slots
@@ -803,7 +806,7 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     # ZeRO-3: the tick saves the layers' shards (each layer is gathered inside the layer scan, again in the
     # backward), 1/N of them (tiny data=2 x tensor=2 x pipeline=2 GPipe ZeRO-3: f32[5,2,64,192] stacks of
     # h/2 rows); the embedding / head table is saved whole
-    shard = layout.data * layout.context if layout.zero_stage == 3 else 1
+    shard = layout.data * layout.context if layout.shards_parameters else 1
     weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
     if not cond_stacks_weights():
         weights = 0.0

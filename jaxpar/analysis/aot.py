@@ -277,4 +277,4 @@ def run_aot(
     if not layouts:
         return []
     ensure_aot_devices(layouts[0].devices)
-    return [aot_compare(cfg, lay, convention, grad_reduce_dtype) for lay in layouts]
+    return [aot_compare(cfg, layout, convention, grad_reduce_dtype) for layout in layouts]

@@ -121,11 +121,11 @@ def choice_sources(
     """For each open choice of a layout: ``given`` (in ``--layout``), ``config`` (the config's value,
     kept) or ``chosen`` (searched: the config's value did not apply or is not known)."""
     out = {}
-    lay = estimate.layout
+    layout = estimate.layout
     for name in CHOICES:
         if name in pinned:
             out[name] = "given"
-        elif defaults is not None and defaults.get(name) == getattr(lay, name):
+        elif defaults is not None and defaults.get(name) == getattr(layout, name):
             out[name] = "config"
         else:
             out[name] = "chosen"

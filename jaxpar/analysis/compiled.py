@@ -518,8 +518,8 @@ def analyze_layout(
         report = analyze_compiled(
             compiled,
             setup.mesh,
-            expected=expected_collectives(cfg, layout, setup.placements),
-            expected_memory=expected_memory(cfg, layout, setup.placements),
+            expected=expected_collectives(cfg, layout, setup.train_form.placements),
+            expected_memory=expected_memory(cfg, layout, setup.train_form.placements),
         )
     report.layout = report_fields(cfg, layout)
     if report.memory is not None:

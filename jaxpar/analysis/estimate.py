@@ -373,7 +373,9 @@ def step_time(
     share = layout.stored_layers(model.num_layers) / model.num_layers if p > 1 else 1.0  # uneven: the heaviest
     compute = ((hw - out_layer) * share + out_layer) * tokens / shards / (cluster.peak_flops * efficiency)
     bwd = compute * (1 - model_fpt / 3 / hw)  # all but the forward (2N + 4Lqs)
-    window = {0: bwd / m, 1: bwd / m, 2: bwd, 3: compute}[layout.zero_stage]
+    # the compute a data-axis collective can hide behind: ZeRO-3's gathers the whole step, ZeRO-2's
+    # per-microbatch reduce-scatters every backward, a once-per-step all-reduce the last backward
+    window = compute if layout.shards_parameters else bwd if layout.shards_gradients else bwd / m
     data = comm[MeshAxis.DATA].time_s
     data_exposed = max(dp_exposed_fraction * data, data - window)
     bubble = bubble_fraction(p, m, layout.virtual_stages, layout.pipeline_schedule)

@@ -50,8 +50,8 @@ def param_leaves(
         )
     flat = jax.tree.leaves(placements, is_leaf=is_placement)
     return [
-        (jax.tree_util.keystr(path), tuple(a.shape), lay)
-        for (path, a), lay in zip(jax.tree_util.tree_leaves_with_path(abstract), flat)
+        (jax.tree_util.keystr(path), tuple(a.shape), place)
+        for (path, a), place in zip(jax.tree_util.tree_leaves_with_path(abstract), flat)
     ]
 
 
@@ -67,9 +67,12 @@ def _held(cfg: ConfigDict, leaves: list, mesh_shape: dict[str, int]) -> list[Hel
         raise ValueError(f"the inventory lists {len(tensors)} parameters, the placements {len(leaves)}")
     return [
         HeldParam(
-            local_elements(shape, lay.compute, mesh_shape), group_axes(lay.zero_axes), lay.zero_dim is not None, x.place
+            local_elements(shape, place.compute, mesh_shape),
+            group_axes(place.zero_axes),
+            place.zero_dim is not None,
+            x.place,
         )
-        for (_, shape, lay), x in zip(leaves, tensors)
+        for (_, shape, place), x in zip(leaves, tensors)
     ]
 
 
@@ -144,10 +147,10 @@ def expected_collectives(
 
     leaves = param_leaves(cfg, layout, placements)
     norm_axes = (MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR, MeshAxis.EXPERT)
-    for (_, _, lay), held in zip(leaves, _held(cfg, leaves, mesh_shape)):
+    for (_, _, place), held in zip(leaves, _held(cfg, leaves, mesh_shape)):
         for kind, axes, size, count, what in zero_collectives(cfg.model, layout, [held], g, zero3_bytes=g):
             add(kind, axes, size, count, what)
-        split = tuple(a for a in norm_axes if a in spec_axes(lay.optimizer))
+        split = tuple(a for a in norm_axes if a in spec_axes(place.optimizer))
         add("all-reduce", split, 4, 1, "gradient-norm scalars")
     add("all-reduce", group, 4, 1, "loss")
 
@@ -190,10 +193,10 @@ def expected_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = N
     mesh_shape = dict(cfg.mesh)
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     params = opt = grads = 0
-    for _, shape, lay in param_leaves(cfg, layout, placements):
-        params += local_elements(shape, lay.storage, mesh_shape) * pb
-        opt += registry.local_state_bytes(cfg.optim, shape, lay, mesh_shape)  # AdamW: mu + nu, 8 bytes
-        grads += local_elements(shape, lay.optimizer if layout.shards_gradients else lay.compute, mesh_shape) * 4
+    for _, shape, place in param_leaves(cfg, layout, placements):
+        params += local_elements(shape, place.storage, mesh_shape) * pb
+        opt += registry.local_state_bytes(cfg.optim, shape, place, mesh_shape)  # AdamW: mu + nu, 8 bytes
+        grads += local_elements(shape, place.optimizer if layout.shards_gradients else place.compute, mesh_shape) * 4
     t = cfg.train
     batch = t.global_batch // (cfg.mesh.data * cfg.mesh.expert) * (t.seq_len + 1) * 4  # rows over data x expert
     return {

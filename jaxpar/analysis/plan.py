@@ -390,49 +390,51 @@ def describe(layout: ParallelLayout) -> str:
 def explain(est: LayoutEstimate, cluster: Cluster) -> str:
     """Why the winner wins, in the usual terms (Narayanan et al. 2021, section 3.3): TP inside a node, PP
     across nodes, DP/ZeRO outermost."""
-    lay, parts = est.layout, []
+    layout, parts = est.layout, []
     node = f"one {cluster.devices_per_node}-device node ({cluster.intra_node_gbps:g} GB/s links)"
-    if lay.tensor > 1:
+    if layout.tensor > 1:
         if est.memory.convention == "jaxpar":  # the recomputed forward repeats only the attention all-reduce
-            per_layer = 4 if lay.recompute == "none" else 5
+            per_layer = 4 if layout.recompute == "none" else 5
         else:
-            per_layer = 6 if lay.recompute == "full" else 4
-        parts.append(f"tensor={lay.tensor} keeps its {per_layer} collectives per layer per microbatch inside {node}")
+            per_layer = 6 if layout.recompute == "full" else 4
+        parts.append(f"tensor={layout.tensor} keeps its {per_layer} collectives per layer per microbatch inside {node}")
     else:
         parts.append("no tensor parallelism is needed: the model states and activations fit without splitting layers")
-    if lay.pipeline > 1:
+    if layout.pipeline > 1:
         where = "across nodes" if est.communication[MeshAxis.PIPELINE].link == "inter" else "inside the node"
-        v = f", {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else ""
+        v = f", {layout.virtual_stages} virtual stages" if layout.virtual_stages > 1 else ""
         parts.append(
-            f"pipeline={lay.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
-            f"({est.bubble_fraction:.1%} bubble at m={lay.microbatches}{v}, {lay.pipeline_schedule})"
+            f"pipeline={layout.pipeline} runs {where}, sending only 2*b*s*h per microbatch per boundary "
+            f"({est.bubble_fraction:.1%} bubble at m={layout.microbatches}{v}, {layout.pipeline_schedule})"
         )
-    if lay.context > 1:
+    if layout.context > 1:
         where = "inside the node" if est.communication[MeshAxis.CONTEXT].link == "intra" else "across nodes"
         how = (
-            "passes keys and values around a ring" if lay.context_exchange == "ring" else "all-gathers keys and values"
+            "passes keys and values around a ring"
+            if layout.context_exchange == "ring"
+            else "all-gathers keys and values"
         )
         parts.append(
-            f"context={lay.context} splits each sequence into {2 * lay.context} chunks and {how} {where} every layer "
+            f"context={layout.context} splits each sequence into {2 * layout.context} chunks and {how} {where} every layer "
             f"({est.context_s / est.step_time_s:.1%} of the step exposed)"
         )
-    if lay.expert > 1:
+    if layout.expert > 1:
         where = "inside the node" if est.communication[MeshAxis.EXPERT].link == "intra" else "across nodes"
         parts.append(
-            f"expert={lay.expert} splits the experts and all-gathers each MoE layer's tokens (and reduce-scatters "
+            f"expert={layout.expert} splits the experts and all-gathers each MoE layer's tokens (and reduce-scatters "
             f"its output) {where} ({est.time.expert_s / est.step_time_s:.1%} of the step exposed)"
         )
-    if lay.data > 1:
-        zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "plain DP"
+    if layout.data > 1:
+        zero = f"ZeRO-{layout.zero_stage}" if layout.zero_stage else "plain DP"
         exposed = est.time.data_exposed_s / est.step_time_s
         hidden = "mostly hidden" if exposed < 0.1 else "only partly hidden"
         parts.append(
-            f"data={lay.data} with {zero} is outermost, its gradient reduction {hidden} behind the backward "
+            f"data={layout.data} with {zero} is outermost, its gradient reduction {hidden} behind the backward "
             f"({exposed:.1%} of the step exposed)"
         )
     parts.append(
         f"it needs {est.memory.total_bytes / GIB:.1f} of {est.budget_bytes / GIB:.1f} GiB per device "
-        f"(recompute={lay.recompute}) and reaches {est.mfu:.1%} MFU"
+        f"(recompute={layout.recompute}) and reaches {est.mfu:.1%} MFU"
     )
     return "; ".join(parts) + "."
 

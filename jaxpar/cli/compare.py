@@ -87,7 +87,7 @@ def _compiled_fit(aot: list, index: int, budget_bytes: float) -> str:
 
 def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
     """``from the config: zero=1, recompute=none; chosen: microbatches=4`` for one layout."""
-    lay, parts = estimate.layout, []
+    layout, parts = estimate.layout, []
     short = {
         "zero_stage": "zero",
         "sequence_parallel": "sp",
@@ -98,10 +98,10 @@ def _choices_text(estimate: Any, sources: dict[str, str]) -> str:
         names = [
             n
             for n, src in sources.items()
-            if src == kind and (lay.pipeline > 1 or n not in ("pipeline_schedule", "virtual_stages"))
+            if src == kind and (layout.pipeline > 1 or n not in ("pipeline_schedule", "virtual_stages"))
         ]
         if names:
-            parts.append(f"{label}: " + ", ".join(f"{short.get(n, n)}={getattr(lay, n)}" for n in names))
+            parts.append(f"{label}: " + ", ".join(f"{short.get(n, n)}={getattr(layout, n)}" for n in names))
     return "; ".join(parts) or "all choices given"
 
 

@@ -110,14 +110,14 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
     ):
         table.add_column(col, justify="right")
     for i, e in enumerate(estimates, 1):
-        lay, mem, t = e.layout, e.memory, e.time
+        layout, mem, t = e.layout, e.memory, e.time
         style = None if e.fits else "red"
-        ctx = (f"{lay.context}{'ag' if lay.context_exchange == 'all_gather' else ''}",) if context else ()
-        ctx += (str(lay.expert),) if expert else ()
+        ctx = (f"{layout.context}{'ag' if layout.context_exchange == 'all_gather' else ''}",) if context else ()
+        ctx += (str(layout.expert),) if expert else ()
         table.add_row(
-            str(i), str(lay.data), str(lay.tensor), str(lay.pipeline), *ctx, str(lay.virtual_stages),
-            str(lay.zero_stage), str(lay.microbatches), str(lay.microbatch_size), lay.recompute,
-            "y" if lay.sequence_parallel else "", lay.pipeline_schedule, gib(mem.model_states_bytes),
+            str(i), str(layout.data), str(layout.tensor), str(layout.pipeline), *ctx, str(layout.virtual_stages),
+            str(layout.zero_stage), str(layout.microbatches), str(layout.microbatch_size), layout.recompute,
+            "y" if layout.sequence_parallel else "", layout.pipeline_schedule, gib(mem.model_states_bytes),
             gib(mem.activation_bytes + mem.transient_bytes), gib(mem.total_bytes),
             f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}", f"{t.tensor_s:.2f}",
             f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()),

@@ -100,8 +100,8 @@ def run_sweep(args: argparse.Namespace) -> int:
 
         cluster = cpu_cluster(args.devices, 1e9, 1.0)  # layouts do not depend on the cluster's speeds
         t = cfg.train
-        for lay in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
-            print(layout_name(lay))
+        for layout in select(sweep_layouts(cfg.model, args.devices, t.global_batch, t.seq_len, cluster), args.only):
+            print(layout_name(layout))
         return 0
     if args.config is not None:  # a user's file: its mesh is not the sweep's, and the sweep says so
         print_notes(unread_notes("sweep", cfg, {"mesh.": ""}, "the sweep runs its own layouts of --devices devices"))

@@ -28,7 +28,7 @@ def zero3_dims(placements: Any) -> Any | None:
     those stored whole), from a tree of :class:`~jaxpar.sharding.ParamPlacement`; ``None`` when no
     parameter is stored sharded (ZeRO 0-2)."""
     dims = jax.tree.map(
-        lambda lay: lay.zero_dim if lay.sharded_storage else NOT_GATHERED, placements, is_leaf=is_placement
+        lambda place: place.zero_dim if place.sharded_storage else NOT_GATHERED, placements, is_leaf=is_placement
     )
     return dims if any(d != NOT_GATHERED for d in jax.tree.leaves(dims)) else None
 
@@ -37,7 +37,7 @@ def zero3_groups(placements: Any) -> Any | None:
     """Tree of the axes each parameter's ZeRO-3 shards are gathered over (its
     :attr:`~jaxpar.sharding.ParamPlacement.zero_axes`), or ``None`` when every parameter uses the
     same group (no ``expert`` axis): then the context's ``data_axis`` is the group."""
-    groups = jax.tree.map(lambda lay: lay.zero_axes, placements, is_leaf=is_placement)
+    groups = jax.tree.map(lambda place: place.zero_axes, placements, is_leaf=is_placement)
     return groups if len({group_axes(g) for g in jax.tree.leaves(groups, is_leaf=is_group)}) > 1 else None
 
 

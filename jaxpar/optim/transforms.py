@@ -36,7 +36,7 @@ def batch_dims(logical: tuple[str, ...]) -> int:
 
 def decay_mask(placements: Any) -> Any:
     """A tree of bools like the parameters: True where the parameter decays (not norms, biases)."""
-    return jax.tree.map(lambda lay: lay.weight_decay, placements, is_leaf=is_placement)
+    return jax.tree.map(lambda place: place.weight_decay, placements, is_leaf=is_placement)
 
 
 def _vmapped(fn: Callable, batch_dims: int) -> Callable:

@@ -29,12 +29,12 @@ from jaxpar.sharding import ParamPlacement, is_placement
 
 def map_placements(fn: Callable, placements: Any, *trees: Any) -> Any:
     """``fn(layout, *leaves)`` over a tree of :class:`ParamPlacement` and trees of the same structure."""
-    return jax.tree.map(lambda lay, *xs: fn(lay, *xs), placements, *trees, is_leaf=is_placement)
+    return jax.tree.map(lambda place, *xs: fn(place, *xs), placements, *trees, is_leaf=is_placement)
 
 
-def is_split_over(lay: ParamPlacement, axis: MeshAxis) -> bool:
+def is_split_over(place: ParamPlacement, axis: MeshAxis) -> bool:
     """Whether the gradient (laid out like the optimizer state) is split over ``axis``."""
-    return axis in jax.tree.leaves(tuple(lay.optimizer))
+    return axis in jax.tree.leaves(tuple(place.optimizer))
 
 
 def vary_replicated(placements: Any, params: Any, over_pipeline: bool) -> Any:
@@ -44,9 +44,9 @@ def vary_replicated(placements: Any, params: Any, over_pipeline: bool) -> Any:
     (the gradient with respect to the replicated value would carry the cast's transpose, an
     all-reduce)."""
 
-    def one(lay: ParamPlacement, p):
-        axes = () if lay.sharded_storage else group_axes(lay.zero_axes)
-        if over_pipeline and not is_split_over(lay, MeshAxis.PIPELINE):
+    def one(place: ParamPlacement, p):
+        axes = () if place.sharded_storage else group_axes(place.zero_axes)
+        if over_pipeline and not is_split_over(place, MeshAxis.PIPELINE):
             axes += (MeshAxis.PIPELINE,)
         return jax.lax.pcast(p, axes, to="varying") if axes else p
 
@@ -59,31 +59,31 @@ def reduce_grads(placements: Any, grads: Any, scatter: bool, reduce_dtype: Any, 
     otherwise. Stage-3 gradients arrive reduce-scattered (the gather's transpose), and so do the
     optimizer-sharded ones when ``prescattered`` (the pipeline's ZeRO-2 ticks). Returns fp32."""
 
-    def one(lay: ParamPlacement, g):
-        if lay.sharded_storage or (prescattered and lay.sharded_optimizer):
+    def one(place: ParamPlacement, g):
+        if place.sharded_storage or (prescattered and place.sharded_optimizer):
             return g.astype(jnp.float32)
         g = g.astype(reduce_dtype)
-        if scatter and lay.sharded_optimizer:
-            g = jax.lax.psum_scatter(g, lay.zero_axes, scatter_dimension=lay.zero_dim, tiled=True)
+        if scatter and place.sharded_optimizer:
+            g = jax.lax.psum_scatter(g, place.zero_axes, scatter_dimension=place.zero_dim, tiled=True)
         else:
-            g = jax.lax.psum(g, lay.zero_axes)
+            g = jax.lax.psum(g, place.zero_axes)
         return g.astype(jnp.float32)
 
     return map_placements(one, placements, grads)
 
 
-def local_shard(x: jax.Array, lay: ParamPlacement) -> jax.Array:
+def local_shard(x: jax.Array, place: ParamPlacement) -> jax.Array:
     """This data rank's ZeRO shard of a parameter replicated over ``data`` (stages 1 and 2)."""
-    size = x.shape[lay.zero_dim] // jax.lax.axis_size(lay.zero_axes)
-    start = jax.lax.axis_index(lay.zero_axes) * size
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=lay.zero_dim)
+    size = x.shape[place.zero_dim] // jax.lax.axis_size(place.zero_axes)
+    start = jax.lax.axis_index(place.zero_axes) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=place.zero_dim)
 
 
-def gather_update(new_shard: jax.Array, lay: ParamPlacement) -> jax.Array:
+def gather_update(new_shard: jax.Array, place: ParamPlacement) -> jax.Array:
     """Stages 1 and 2: the updated shards all-gathered into the replicated parameter."""
-    return all_gather_invariant(new_shard, lay.zero_axes, axis=lay.zero_dim)
+    return all_gather_invariant(new_shard, place.zero_axes, axis=place.zero_dim)
 
 
-def shards_locally(lay: ParamPlacement) -> bool:
+def shards_locally(place: ParamPlacement) -> bool:
     """The optimizer updates a shard of a parameter stored whole (stages 1 and 2)."""
-    return lay.sharded_optimizer and not lay.sharded_storage
+    return place.sharded_optimizer and not place.sharded_storage

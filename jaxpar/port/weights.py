@@ -749,7 +749,7 @@ def load_hf(
 
     ``path``: a checkpoint directory, a ``.safetensors`` file, a ``*.index.json`` or a torch
     state-dict file (``torch.load(weights_only=True)``; needs PyTorch). ``shardings``: a tree of
-    ``jax.sharding.Sharding`` like the model-form parameters (``Setup.model_param_shardings``);
+    ``jax.sharding.Sharding`` like the model-form parameters (``Setup.model_form.param_shardings``);
     each device's shard is read straight from the file. ``None``: full host numpy arrays. ``meta_interleaved``: q/k rows are
     in Meta's interleaved-RoPE layout (see the module docstring). ``on_read(name, shape)`` is called
     for every block read from the file. Missing, unexpected or wrongly shaped tensors raise

@@ -196,7 +196,9 @@ class Trainer:
                         "`jaxpar train`, or pass Trainer(weights_loader=jaxpar.port.weights.load_checked)"
                     )
 
-                hf = self.weights_loader(self.cfg.train.init_from, self.cfg.model, self.setup.model_param_shardings)
+                hf = self.weights_loader(
+                    self.cfg.train.init_from, self.cfg.model, self.setup.model_form.param_shardings
+                )
                 self.params, self.opt_state = self.setup.init_from_hf(hf)
                 self.echo(f"initialised from HF weights in {self.cfg.train.init_from}")
             else:
@@ -355,18 +357,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
-        cfg, unit, lay = self.cfg, bits_unit(self.cfg.model), self.layout
+        cfg, unit, layout = self.cfg, bits_unit(self.cfg.model), self.layout
         self.echo(
-            f"jaxpar train: {lay.devices} devices ({jax.devices()[0].platform}), mesh data={lay.data} "
-            f"tensor={lay.tensor} pipeline={lay.pipeline}"
-            + (f" context={lay.context} ({lay.context_exchange})" if lay.context > 1 else "")
-            + (f" expert={lay.expert}" if lay.expert > 1 else "")
-            + f", zero_stage={lay.zero_stage}, "
-            f"sequence_parallel={lay.sequence_parallel}, {cfg.train.steps} steps of "
-            f"{lay.tokens_per_step} tokens"
+            f"jaxpar train: {layout.devices} devices ({jax.devices()[0].platform}), mesh data={layout.data} "
+            f"tensor={layout.tensor} pipeline={layout.pipeline}"
+            + (f" context={layout.context} ({layout.context_exchange})" if layout.context > 1 else "")
+            + (f" expert={layout.expert}" if layout.expert > 1 else "")
+            + f", zero_stage={layout.zero_stage}, "
+            f"sequence_parallel={layout.sequence_parallel}, {cfg.train.steps} steps of "
+            f"{layout.tokens_per_step} tokens"
         )
         p = cfg.parallel
-        if lay.shards_parameters and p.grad_reduce_dtype != cfg.model.compute_dtype:
+        if layout.shards_parameters and p.grad_reduce_dtype != cfg.model.compute_dtype:
             self.echo(
                 f"note: ZeRO-3 gathers parameters and reduce-scatters their gradients in {cfg.model.compute_dtype} "
                 f"(model.compute_dtype); parallel.grad_reduce_dtype={p.grad_reduce_dtype} applies to the "

@@ -10,10 +10,13 @@ form* (``pipeline.to_stage_form``): block parameters in the stored layer order (
 unless virtual stages are used) and, with an untied output layer, embedding and output layer packed
 into ``ends`` split over ``pipeline``. ``init`` builds that form; checkpoints hold the *model form*
 (:meth:`Setup.to_model_order` / :meth:`Setup.from_model_order`), so they restore onto any layout.
+Each form's facts are one :class:`ParamForm` record: :attr:`Setup.train_form`, :attr:`Setup.model_form`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -41,6 +44,22 @@ from jaxpar.train.batches import BatchFeed, batch_spec, eval_spec
 from jaxpar.train.step import StepBuilder
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamForm:
+    """One form of the parameters and what follows from it: the *train* form the step runs (the
+    pipeline's stage form when ``mesh.pipeline > 1``, else the family's own tree) or the *model* form
+    (the family's tree, layers in model order: checkpoints and HF weights). One record per form, so
+    no code pairs a field of one form with a field of the other."""
+
+    abstract: Any  # shapes and dtypes of the parameters (jax.ShapeDtypeStruct leaves)
+    placements: Any  # a ParamPlacement per leaf (jaxpar.sharding)
+    tx: Any  # the optax transformation of this tree; None for jaxpar's AdamW (inside the shard_map)
+    param_specs: Any  # storage PartitionSpecs of the parameters
+    opt_specs: Any  # PartitionSpecs of the optimizer state, from its shapes (jaxpar.optim.state)
+    param_shardings: Any
+    opt_shardings: Any
+
+
 class Setup:
     """Everything one layout needs to train, built from (config, layout, mesh) without allocating."""
 
@@ -60,11 +79,11 @@ class Setup:
         )
         self.strategy = Strategy.for_layout(layout)
         stages, virtual = layout.pipeline, layout.virtual_stages
-        self.model_abstract_params = self.model.abstract_params()
+        model_abstract = self.model.abstract_params()
         model_logical = self.model.logical_axes()
-        self.abstract_params, self.logical = self.model_abstract_params, model_logical
+        train_abstract, train_logical = model_abstract, model_logical
         if stages > 1:  # the stage form (see the module docstring)
-            self.abstract_params = jax.eval_shape(
+            train_abstract = jax.eval_shape(
                 functools.partial(
                     pipeline_lib.to_stage_form,
                     stages=stages,
@@ -72,12 +91,12 @@ class Setup:
                     stage_layers=layout.stage_layers,
                     v_shape=pipeline_lib.v_shaped(layout.pipeline_schedule),
                 ),
-                self.model_abstract_params,
+                model_abstract,
             )
-            self.logical = pipeline_lib.stage_form_logical_axes(
+            train_logical = pipeline_lib.stage_form_logical_axes(
                 model_logical, stages, pipeline_lib.v_shaped(layout.pipeline_schedule)
             )
-        self.placements = param_placements(self.abstract_params, self.logical, self.strategy, layout)
+        train_placements = param_placements(train_abstract, train_logical, self.strategy, layout)
         # the model form of uneven stages cannot split its [num_layers] over `pipeline`: it is kept
         # whole on every stage (it only exists while a checkpoint or HF weights are converted)
         model_strategy = (
@@ -85,30 +104,18 @@ class Setup:
             if layout.uneven
             else self.strategy
         )
-        model_placements = (
-            self.placements
-            if stages == 1
-            else param_placements(self.model_abstract_params, model_logical, model_strategy, layout)
-        )
-        self.model_placements = model_placements
         self.schedule = make_schedule(cfg.optim, cfg.train.steps)
         self.optimizer = registry.get(cfg.optim.name)
         self.loss_scale = loss_scale_lib.from_config(cfg.model, cfg.train)  # fp16 only; its state is in opt_state
-        # optax path (every optimizer but adamw): one transformation per parameter form (the weight-decay
-        # mask and the per-tensor batch dims follow the form's tree)
-        self.tx = self.model_tx = None
-        if not self.optimizer.in_shard_map:
-            self.tx = self.optimizer.build(cfg.optim, self.schedule, self.placements)
-            self.model_tx = self.tx if stages == 1 else self.optimizer.build(cfg.optim, self.schedule, model_placements)
-        self.model_param_shardings = named(mesh, specs(model_placements, "storage"))
-        self.model_opt_shardings = named(mesh, self._opt_specs(model_form=True))
-        self.replicated_fraction = check_sufficiently_sharded(
-            self.abstract_params, self.placements, layout, cfg.parallel.max_replicated_fraction
+        self.train_form = self._form(train_abstract, train_placements)
+        self.model_form = (
+            self.train_form
+            if stages == 1
+            else self._form(model_abstract, param_placements(model_abstract, model_logical, model_strategy, layout))
         )
-        self.param_specs = specs(self.placements, "storage")
-        self.opt_specs = self._opt_specs()
-        self.param_shardings = named(mesh, self.param_specs)
-        self.opt_shardings = named(mesh, self.opt_specs)
+        self.replicated_fraction = check_sufficiently_sharded(
+            train_abstract, train_placements, layout, cfg.parallel.max_replicated_fraction
+        )
         self.feed = BatchFeed(mesh, layout)  # batch shapes, shardings, which rows this process feeds
         # model.attention resolved on this backend (auto: cuDNN on NVIDIA GPUs where it takes the shapes,
         # blockwise elsewhere and always with context parallelism, which merges blockwise partials)
@@ -129,12 +136,12 @@ class Setup:
             attention=self.attention,
             model_cfg=cfg.model,
             optim_cfg=cfg.optim,
-            placements=self.placements,
+            placements=train_placements,
             mesh=mesh,
             schedule=self.schedule,
             grad_reduce_dtype=cfg.parallel.grad_reduce_dtype,
             pipeline=self.pipeline,
-            tx=self.tx,
+            tx=self.train_form.tx,
             seed=cfg.train.seed,
             loss_scale=self.loss_scale,
         )
@@ -150,7 +157,9 @@ class Setup:
             model, stages, virtual = self.model, self.layout.pipeline, self.layout.virtual_stages
             split, v_shape = self.layout.stage_layers, pipeline_lib.v_shaped(self.layout.pipeline_schedule)
 
-            @functools.partial(jax.jit, out_shardings=(self.param_shardings, self.opt_shardings))
+            form = self.train_form
+
+            @functools.partial(jax.jit, out_shardings=(form.param_shardings, form.opt_shardings))
             def _init(key):
                 params = model.init(key)
                 if stages > 1:
@@ -159,7 +168,7 @@ class Setup:
 
             self._init = _init
         with (
-            jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else _null(),
+            jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else contextlib.nullcontext(),
             persistent_cache_skipped(self.skips_cache),
         ):
             return self._init(jax.random.key(seed))
@@ -170,27 +179,35 @@ class Setup:
         them with ``jaxpar.port.weights.load_checked``, each device reading only its shard)."""
         with persistent_cache_skipped(self.skips_cache):
             opt = jax.jit(
-                functools.partial(self.init_opt_state, model_form=True), out_shardings=self.model_opt_shardings
+                functools.partial(self.init_opt_state, model_form=True), out_shardings=self.model_form.opt_shardings
             )(source)
         return self.from_model_order(source, opt)
 
     # ------------------------------------------------------------------ optimizer state
     def init_opt_state(self, params: Any, model_form: bool = False) -> Any:
-        """The optimizer's initial state for ``params`` (stage form, or the model form): jaxpar AdamW's
-        {count, mu, nu}, else {count, tx: the optax state}."""
+        """The optimizer's initial state for ``params`` (the train form, or the model form): jaxpar
+        AdamW's {count, mu, nu}, else {count, tx: the optax state}."""
+        return self._init_opt_state((self.model_form if model_form else self.train_form).tx, params)
+
+    def _init_opt_state(self, tx: Any, params: Any) -> Any:
         if self.optimizer.in_shard_map:
             return loss_scale_lib.add_state(adamw.init_state(params), self.loss_scale)
-        tx = self.model_tx if model_form else self.tx
         return loss_scale_lib.add_state({"count": jnp.zeros((), jnp.int32), "tx": tx.init(params)}, self.loss_scale)
 
-    def _opt_specs(self, model_form: bool = False) -> Any:
-        """Optimizer-state specs derived from the state's shapes (:mod:`jaxpar.optim.state`)."""
-        placements = self.model_placements if model_form else self.placements
+    def _form(self, abstract: Any, placements: Any) -> ParamForm:
+        """A parameter form's record. The optax path (every optimizer but jaxpar's AdamW) builds one
+        transformation per form: the weight-decay mask and the per-tensor batch dims follow its tree;
+        the optimizer-state specs come from the state's shapes (:mod:`jaxpar.optim.state`)."""
         if self.optimizer.in_shard_map:
-            return loss_scale_lib.add_specs(adamw.state_specs(placements), self.loss_scale)
-        params = self.model_abstract_params if model_form else self.abstract_params
-        abstract = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), params)
-        return opt_state_lib.state_specs(abstract, params, specs(placements, "optimizer"))
+            tx, opt_specs = None, loss_scale_lib.add_specs(adamw.state_specs(placements), self.loss_scale)
+        else:
+            tx = self.optimizer.build(self.cfg.optim, self.schedule, placements)
+            opt = jax.eval_shape(functools.partial(self._init_opt_state, tx), abstract)
+            opt_specs = opt_state_lib.state_specs(opt, abstract, specs(placements, "optimizer"))
+        param_specs = specs(placements, "storage")
+        return ParamForm(
+            abstract, placements, tx, param_specs, opt_specs, named(self.mesh, param_specs), named(self.mesh, opt_specs)
+        )
 
     # ------------------------------------------------------------------ checkpoint order
     def _reorder(self, params: Any, opt: Any, to_model: bool) -> tuple[Any, Any]:
@@ -200,13 +217,9 @@ class Setup:
         if p <= 1 or (v <= 1 and not self.layout.uneven and not ends):  # one form
             return params, opt
         move = pipeline_lib.to_model_form if to_model else pipeline_lib.to_stage_form
-        out = (
-            (self.model_param_shardings, self.model_opt_shardings)
-            if to_model
-            else (self.param_shardings, self.opt_shardings)
-        )
-        dst = self.model_abstract_params if to_model else self.abstract_params
-        target = jax.eval_shape(functools.partial(self.init_opt_state, model_form=to_model), dst)
+        form = self.model_form if to_model else self.train_form
+        out, dst = (form.param_shardings, form.opt_shardings), form.abstract
+        target = jax.eval_shape(functools.partial(self._init_opt_state, form.tx), dst)
         n = self.cfg.model.num_layers
         index = (
             pipeline_lib.model_index(n, p, v, split, v_shape)
@@ -241,21 +254,21 @@ class Setup:
     # ------------------------------------------------------------------ steps
     def _make_train_step(self, builder: StepBuilder | None = None) -> TrainStep:
         """``builder``: another StepBuilder for this layout (tests compile without the bad-step skip)."""
-        builder = builder or self.builder
+        builder, form = builder or self.builder, self.train_form
         if self.optimizer.in_shard_map:  # jaxpar AdamW: the whole step in one shard_map
             step = jax.shard_map(
                 builder.local_step,
                 mesh=self.mesh,
-                in_specs=(self.param_specs, self.opt_specs, batch_spec(self.mesh), P()),
-                out_specs=(self.param_specs, self.opt_specs, P()),
+                in_specs=(form.param_specs, form.opt_specs, batch_spec(self.mesh), P()),
+                out_specs=(form.param_specs, form.opt_specs, P()),
             )
         else:  # gradients in a shard_map, the optax update under GSPMD (StepBuilder.global_step)
             step = builder.global_step
         replicated = NamedSharding(self.mesh, P())
         jitted = jax.jit(
             step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.feed.batch_sharding, replicated),
-            out_shardings=(self.param_shardings, self.opt_shardings, replicated),
+            in_shardings=(form.param_shardings, form.opt_shardings, self.feed.batch_sharding, replicated),
+            out_shardings=(form.param_shardings, form.opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
         return TrainStep(Uncached(jitted) if self.skips_cache else jitted, replicated)
@@ -268,22 +281,22 @@ class Setup:
                 return jax.lax.psum(self.pipeline.eval_loss_sum(params, tokens, ctx), ctx.data_axis)
             return jax.lax.psum(self.model.loss_sum(params, tokens, ctx), ctx.data_axis)
 
-        fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(self.param_specs, eval_spec(self.mesh)), out_specs=P())
-        jitted = jax.jit(fn, in_shardings=(self.param_shardings, self.feed.eval_sharding))
+        form = self.train_form
+        fn = jax.shard_map(local_eval, mesh=self.mesh, in_specs=(form.param_specs, eval_spec(self.mesh)), out_specs=P())
+        jitted = jax.jit(fn, in_shardings=(form.param_shardings, self.feed.eval_sharding))
         return Uncached(jitted) if self.skips_cache else jitted
 
     # ------------------------------------------------------------------ analysis
     def abstract_state(self, model_form: bool = False) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
         """Abstract (params, opt_state, batch) carrying their shardings: the stage form for AOT
         lowering, the model form (``model_form``) for restoring a checkpoint."""
-        tree, p_sh, o_sh = (
-            (self.model_abstract_params, self.model_param_shardings, self.model_opt_shardings)
-            if (model_form)
-            else (self.abstract_params, self.param_shardings, self.opt_shardings)
+        form = self.model_form if model_form else self.train_form
+        tree = form.abstract
+        params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, form.param_shardings
         )
-        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, p_sh)
-        opt = jax.eval_shape(functools.partial(self.init_opt_state, model_form=model_form), tree)
-        opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, o_sh)
+        opt = jax.eval_shape(functools.partial(self._init_opt_state, form.tx), tree)
+        opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, form.opt_shardings)
         batch = jax.ShapeDtypeStruct(self.feed.batch_shape(), jnp.int32, sharding=self.feed.batch_sharding)
         return params, opt, batch
 
@@ -340,11 +353,3 @@ class TrainStep:
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -140,8 +140,8 @@ class StepBuilder:
         return zero.reduce_grads(self.placements, grads, scatter, self._reduce_dtype(), prescattered)
 
     def _grad_norm(self, grads: Any) -> jax.Array:
-        def sq(lay: ParamPlacement, g):
-            axes = tuple(a for a in MESH_AXES if zero.is_split_over(lay, a))
+        def sq(place: ParamPlacement, g):
+            axes = tuple(a for a in MESH_AXES if zero.is_split_over(place, a))
             s = jnp.sum(jnp.square(g))
             return jax.lax.psum(s, axes) if axes else s
 
@@ -185,7 +185,9 @@ class StepBuilder:
             # ZeRO-2: reduce-scattered in every backward tick, accumulated sharded (ZeRO-3: the
             # parameter gathers' transposes reduce-scatter inside the ticks)
             if layout.shards_gradients and not layout.shards_parameters:
-                dims = zero.map_placements(lambda lay: lay.zero_dim if lay.sharded_optimizer else -1, self.placements)
+                dims = zero.map_placements(
+                    lambda place: place.zero_dim if place.sharded_optimizer else -1, self.placements
+                )
                 scatter = (dims, self._reduce_dtype())
             loss, grads = self.pipeline.loss_and_grads(local_params, batch, ctx, scale, scatter)
             drops = jnp.full((2,), jnp.nan if self.drops_tokens else 0.0, jnp.float32)
@@ -250,8 +252,8 @@ class StepBuilder:
         ok = self._ok(loss, grad_norm, guard)
         grads, balance = moe.take_balance(grads, self.model.stacked)
         if balance is not None:  # ZeRO-1/2: the statistic is this shard's, the bias stored whole
-            lay = self.placements[self.model.stacked]["moe"]["expert_bias"]
-            balance = zero.gather_update(balance, lay) if zero.shards_locally(lay) else balance
+            place = self.placements[self.model.stacked]["moe"]["expert_bias"]
+            balance = zero.gather_update(balance, place) if zero.shards_locally(place) else balance
         new_params, new_state = adamw.update(self.optim_cfg, self.placements, params, grads, opt_state, lr, ok)
         new_params = moe.apply_balance(new_params, balance, self.model.stacked, self._bias_rate, ok)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": 1 - ok.astype(jnp.int32)}
@@ -266,7 +268,7 @@ class StepBuilder:
         on, so every optimizer computes exactly what it computes on one device. Parameters are read
         under their optimizer spec (ZeRO-1/2: this device's shard; no data moves) and written back
         under their storage spec (ZeRO-1/2: the all-gather). A bad step selects the old values."""
-        grad_specs = jax.tree.map(lambda lay: lay.optimizer, self.placements, is_leaf=is_placement)
+        grad_specs = jax.tree.map(lambda place: place.optimizer, self.placements, is_leaf=is_placement)
         step, guard = opt_state["count"], loss_scale_lib.with_scale(guard, opt_state)
         keyed = (step,) if self.dropout else ()  # the step keys the dropout masks
         grads, loss, grad_norm, drops = jax.shard_map(
@@ -298,4 +300,4 @@ class StepBuilder:
         return float(self.model_cfg.get("router_bias_rate", 0.0))
 
     def param_specs(self) -> Any:
-        return jax.tree.map(lambda lay: lay.storage, self.placements, is_leaf=is_placement)
+        return jax.tree.map(lambda place: place.storage, self.placements, is_leaf=is_placement)

@@ -67,14 +67,16 @@ def sweep_layouts(
         except ConfigError:
             continue  # e.g. no layout of this schedule
         for est in estimates:
-            lay = est.layout
-            if schedule != "1f1b" and lay.pipeline == 1:
+            layout = est.layout
+            if schedule != "1f1b" and layout.pipeline == 1:
                 continue  # the schedule is moot without a pipeline: counted once, under 1f1b
-            m = _microbatches(lay)
-            if lay.pipeline_schedule == "interleaved" and m % lay.pipeline:
+            m = _microbatches(layout)
+            if layout.pipeline_schedule == "interleaved" and m % layout.pipeline:
                 continue
-            lay = dataclasses.replace(lay, microbatches=m, microbatch_size=global_batch // (lay.batch_shards * m))
-            found.setdefault(layout_name(lay), lay)
+            layout = dataclasses.replace(
+                layout, microbatches=m, microbatch_size=global_batch // (layout.batch_shards * m)
+            )
+            found.setdefault(layout_name(layout), layout)
     order = {"1f1b": 0, "gpipe": 1, "interleaved": 2}
     return sorted(
         found.values(),
@@ -98,9 +100,9 @@ def select(layouts: list[ParallelLayout], only: Iterable[str] = ()) -> list[Para
             patterns.append(re.compile(text))
         except re.error as e:
             raise ConfigError(f"--only '{text}': not a regular expression ({e}); e.g. --only 'z3|p4'") from None
-    chosen = [lay for lay in layouts if not patterns or any(p.search(layout_name(lay)) for p in patterns)]
+    chosen = [layout for layout in layouts if not patterns or any(p.search(layout_name(layout)) for p in patterns)]
     if not chosen:
-        names = ", ".join(layout_name(lay) for lay in layouts[:6])
+        names = ", ".join(layout_name(layout) for layout in layouts[:6])
         raise ConfigError(f"--only {' '.join(only)}: matches none of the {len(layouts)} layouts (e.g. {names})")
     return chosen
 

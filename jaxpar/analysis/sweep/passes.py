@@ -104,23 +104,23 @@ def run_sweep_layouts(
         ):
             over = bar.add_task("layouts", total=len(layouts) * repeats, name="", loss=float("nan"))
             inner = bar.add_task("steps", total=steps, name="", loss=float("nan"))
-            for lay in layouts:
-                name = layout_name(lay)
+            for layout in layouts:
+                name = layout_name(layout)
                 bar.reset(inner, total=steps, name=name, loss=float("nan"))
                 bar.update(over, name=name)
-                record = workers.run(lay, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
+                record = workers.run(layout, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss))
                 records.append(record)
                 if record.status == "crashed":
                     bar.console.print(f"[red]{name} crashed:[/] {record.error}")
                 bar.update(over, advance=1, loss=record.final_loss)
             for number in range(2, repeats + 1):
-                for lay, record in zip(layouts, records):
+                for layout, record in zip(layouts, records):
                     bar.reset(inner, total=pass_steps, name=f"{record.name} (pass {number})", loss=float("nan"))
                     if record.status != "crashed":
                         out = workers.again(
-                            lay, pass_steps, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss)
+                            layout, pass_steps, on_step=lambda k, loss: bar.update(inner, completed=k, loss=loss)
                         )
-                        _add_pass(record, out, number, cfg, lay, warmup, peak)
+                        _add_pass(record, out, number, cfg, layout, warmup, peak)
                         if record.status == "crashed":
                             bar.console.print(f"[red]{record.name} crashed in pass {number}:[/] {record.error}")
                     bar.update(over, advance=1)

@@ -31,9 +31,9 @@ def build(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientT
         momentum=momentum(o, DEFAULT_MOMENTUM) or None,
         weight_decay_rate=(lambda k: schedule(k) * o.weight_decay) if wd else None,
     )
-    dims = jax.tree.map(lambda lay: batch_dims(lay.logical), placements, is_leaf=is_placement)
+    dims = jax.tree.map(lambda place: batch_dims(place.logical), placements, is_leaf=is_placement)
     labels = jax.tree.map(
-        lambda lay: "decay" if lay.weight_decay and o.weight_decay else "plain", placements, is_leaf=is_placement
+        lambda place: "decay" if place.weight_decay and o.weight_decay else "plain", placements, is_leaf=is_placement
     )
     return per_tensor({"decay": inner(True), "plain": inner(False)}, labels, dims)
 

@@ -48,7 +48,7 @@ def init_state(params: Any) -> dict:
 
 
 def state_specs(placements: Any) -> dict:
-    moments = jax.tree.map(lambda lay: lay.optimizer, placements, is_leaf=is_placement)
+    moments = jax.tree.map(lambda place: place.optimizer, placements, is_leaf=is_placement)
     return {"count": P(), "mu": moments, "nu": moments}
 
 
@@ -68,11 +68,11 @@ def update(
     b2, c2 = jnp.where(ok, o.b2, 1.0), jnp.where(ok, 1 - o.b2, 0.0)
     step_lr = jnp.where(ok, lr, 0.0)
 
-    def one(lay: ParamPlacement, p, g, m, v):
+    def one(place: ParamPlacement, p, g, m, v):
         local = p
-        if zero.shards_locally(lay):
-            local = zero.local_shard(p, lay)
-        decay = o.weight_decay if lay.weight_decay else 0.0
+        if zero.shards_locally(place):
+            local = zero.local_shard(p, place)
+        decay = o.weight_decay if place.weight_decay else 0.0
         if not o.decoupled_weight_decay and decay:
             g = g + decay * local
         g = jnp.where(ok, g, 0.0)  # a skipped step may carry NaN/Inf gradients
@@ -82,8 +82,8 @@ def update(
         if o.decoupled_weight_decay and decay:
             update = update + decay * local
         new = local - step_lr * update
-        if zero.shards_locally(lay):  # ZeRO-1/2: gather the update
-            new = zero.gather_update(new, lay)
+        if zero.shards_locally(place):  # ZeRO-1/2: gather the update
+            new = zero.gather_update(new, place)
         return new, m, v
 
     out = zero.map_placements(one, placements, params, grads, opt_state["mu"], opt_state["nu"])

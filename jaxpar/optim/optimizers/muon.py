@@ -49,7 +49,7 @@ def muon_dims(logical: tuple[str, ...]) -> Any:
 def build(o: ConfigDict, schedule: Callable, placements: Any) -> optax.GradientTransformation:
     from optax.contrib import muon
 
-    dims = jax.tree.map(lambda lay: muon_dims(lay.logical), placements, is_leaf=is_placement)
+    dims = jax.tree.map(lambda place: muon_dims(place.logical), placements, is_leaf=is_placement)
     tx = muon(
         schedule,
         beta=momentum(o, DEFAULT_MOMENTUM),

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import jaxpar.parallel.pipeline.stash as stash_lib
 import jaxpar.parallel.pipeline.ticks as ticks
 from jaxpar.compat import vary, varying_axes
+from jaxpar.errors import ConfigError
 from jaxpar.layout import ParallelLayout
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
-from jaxpar.parallel.pipeline.forms import bind_stage_layers
+from jaxpar.parallel.pipeline.forms import STACKED, bind_stage_layers
 from jaxpar.parallel.pipeline.schedule import (
     Program,
     ScheduleTable,
@@ -52,7 +53,7 @@ def _stage_backward_by_layer(
 ) -> tuple[jax.Array, jax.Array, dict]:
     """The backward of :func:`~jaxpar.parallel.pipeline.ticks.run_stage` layer by layer, for full
     rematerialisation: a forward scan keeps each layer's input, then a reverse scan recomputes one
-    layer under ``jax.vjp`` and adds its weight gradient into rows ``row + l`` of ``acc["blocks"]`` in place, so no stacked gradient of
+    layer under ``jax.vjp`` and adds its weight gradient into rows ``row + l`` of ``acc[STACKED]`` in place, so no stacked gradient of
     the stage's layers exists beside the accumulator (ZeRO-2: each reduce-scattered first, ``dims``).
     Returns (scaled loss, input gradient, acc). ``layer0``: as in
     :func:`~jaxpar.parallel.pipeline.ticks.run_stage`."""
@@ -96,7 +97,7 @@ def _stage_backward_by_layer(
         jax.tree.map(jnp.add, d_head, d_embed), dims_shared, dtype, first | last, ctx.data_axis
     )
     acc_shared = jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), acc_shared, d_shared)
-    return loss, d_x, {**acc_shared, "blocks": acc_blocks}
+    return loss, d_x, {**acc_shared, STACKED: acc_blocks}
 
 
 # --------------------------------------------------------------------------- executors
@@ -266,7 +267,7 @@ def _explicit_loss_and_grads(
                     d_shared = ticks.scatter_shared(d_shared, dims_shared, dtype, first | last, ctx.data_axis)
                     acc = {
                         **jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), acc_shared, d_shared),
-                        "blocks": jax.tree.map(add, acc_blocks, d_chunk, dims_blocks),
+                        STACKED: jax.tree.map(add, acc_blocks, d_chunk, dims_blocks),
                     }
                 d_in = jax.lax.dynamic_update_slice_in_dim(d_in, vary(d_x, varying_axes(d_in)), j * rows, 0)
                 out = (acc, loss + stage_loss, d_in)
@@ -433,7 +434,12 @@ class Pipeline:
     @classmethod
     def from_layout(cls, layout: ParallelLayout, model: Model) -> Pipeline:
         """The pipeline of a validated layout (the rules: :meth:`jaxpar.layout.ParallelLayout.validate`)
-        running ``model``'s stages."""
+        running ``model``'s stages, whose layers stack in :data:`STACKED` (the subtree the stages split)."""
+        if model.layer_stacks() != {STACKED: 0}:
+            raise ConfigError(
+                f"model.name={model.cfg.name}: its layers stack in {sorted(model.layer_stacks())}, and the pipeline "
+                f"splits one stacked subtree, {STACKED!r}; use --config.mesh.pipeline=1"
+            )
         table = build_schedule(layout.pipeline_schedule, layout.pipeline, layout.microbatches, layout.virtual_stages)
         return cls(table, compile_program(table, stash=keeps_activations(layout)), model, layout.stage_layers)
 

@@ -13,9 +13,11 @@ import numpy as np
 
 from jaxpar.axes import MeshAxis
 from jaxpar.config import ConfigDict
-from jaxpar.models.base import ShardContext
+from jaxpar.models.base import Model, ShardContext
 
 ENDS = "ends"  # stage-form parameter: embedding on the first stage, output layer on the last
+# the stacked layer subtree the stages split (Pipeline.from_layout refuses a family that names another)
+STACKED = Model.stacked
 
 
 # --------------------------------------------------------------------------- layer order
@@ -62,7 +64,7 @@ def _permute_blocks(params: dict, index: np.ndarray) -> dict:
     def take(a):  # a row index past the end: a padding row, filled with zeros
         return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
 
-    return {**params, "blocks": jax.tree.map(take, params["blocks"])}
+    return {**params, STACKED: jax.tree.map(take, params[STACKED])}
 
 
 def model_index(
@@ -103,7 +105,7 @@ def to_stage_form(
     between zeros (they stay zero: their gradient is zero). Each device then holds one V x h table
     instead of two, as Megatron keeps the embedding on the first stage and the head on the last.
     Uneven ``stage_layers``: each stage's rows padded with zeros (:func:`stored_order`)."""
-    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    n = jax.tree.leaves(params[STACKED])[0].shape[0]
     out = _permute_blocks(params, stored_order(n, stages, virtual_stages, stage_layers, v_shape))
     if stages > 1 and "lm_head" in out and not v_shape:
         embed, head = out["embed"], out["lm_head"]
@@ -117,7 +119,7 @@ def to_model_form(
     params: dict, stages: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = (), v_shape: bool = False
 ) -> dict:
     """Stage form -> model form; inverse of :func:`to_stage_form` (padding rows dropped)."""
-    n = sum(stage_layers) if uneven(stage_layers) else jax.tree.leaves(params["blocks"])[0].shape[0]
+    n = sum(stage_layers) if uneven(stage_layers) else jax.tree.leaves(params[STACKED])[0].shape[0]
     out = _permute_blocks(params, model_index(n, stages, virtual_stages, stage_layers, v_shape))
     if ENDS in out:
         ends = out[ENDS]

@@ -20,6 +20,7 @@ from jaxpar.compat import vary, varying_axes
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
+from jaxpar.parallel.pipeline.forms import STACKED
 from jaxpar.parallel.pipeline.schedule import Program, ScheduleTable, v_shaped
 
 
@@ -43,15 +44,15 @@ def _split_parts(
     one, layer0 = model.layer_step(positions, ctx), ticks.layer0_of(chunk, p, v, blocks, ctx, v_shape)
     embed, head = ticks.stage_ends(model, ctx, inputs, targets, first, last, scale)
 
-    def layer(lay, x, j):
-        return one(x, lay, layer0 + j) if dropout.active(ctx) else one(x, lay)
+    def layer(layer_params, x, j):
+        return one(x, layer_params, layer0 + j) if dropout.active(ctx) else one(x, layer_params)
 
     return embed, layer, head
 
 
 def _layer_pullback(
     layer_fn: Callable,
-    lay: dict,
+    layer_params: dict,
     x: jax.Array,
     j: jax.Array,
     kept: list,
@@ -62,12 +63,12 @@ def _layer_pullback(
     what B and W both run a part of (:mod:`~jaxpar.parallel.pipeline.weight_split`). ``known``: the
     residual split and weight-split plan of the setup trace (:func:`split_loss_and_grads`); the
     plan is reused when its constants are plain values, traced again otherwise."""
-    fn = functools.partial(lambda j, lay, x: layer_fn(lay, x, j), j)
-    plan = stash_lib.split(fn, (lay, x), (1,), kept=known[0].kept if known else None)
-    leaves = jax.tree.leaves(stash_lib.pullback((lay, x), kept, plan))
+    fn = functools.partial(lambda j, layer_params, x: layer_fn(layer_params, x, j), j)
+    plan = stash_lib.split(fn, (layer_params, x), (1,), kept=known[0].kept if known else None)
+    leaves = jax.tree.leaves(stash_lib.pullback((layer_params, x), kept, plan))
     if known and known[1] is not None:
         return leaves, known[1]
-    n_params = len(jax.tree.leaves(lay))
+    n_params = len(jax.tree.leaves(layer_params))
 
     def pull(leaves, g):
         return jax.tree.leaves(jax.tree.unflatten(plan.treedef, leaves)(g))
@@ -111,7 +112,7 @@ def split_loss_and_grads(
         ch, j = ticks.chunk_layers(blocks, c, v), jnp.int32(0)
         box["embed"] = stash_lib.split(embed, (shared, x), (1,))
         box["layer"] = stash_lib.split(
-            functools.partial(lambda j, lay, x: layer(lay, x, j), j), (layer_of(ch, j), x), (1,)
+            functools.partial(lambda j, layer_params, x: layer(layer_params, x, j), j), (layer_of(ch, j), x), (1,)
         )
         box["head"] = stash_lib.split(head, (shared, x), (1,))
         kept = [ticks.zeros(a.shape, a.dtype, varying_axes(a)) for a in box["layer"].kept_avals]
@@ -172,9 +173,9 @@ def split_loss_and_grads(
             x0, e_kept = stash_lib.forward(embed, (shared, x_in), box["embed"])
 
             def body(x, lj):
-                lay, j = lj
-                fn = functools.partial(lambda j, lay, x: layer(lay, x, j), j)
-                return stash_lib.forward(fn, (lay, x), box["layer"])
+                layer_params, j = lj
+                fn = functools.partial(lambda j, layer_params, x: layer(layer_params, x, j), j)
+                return stash_lib.forward(fn, (layer_params, x), box["layer"])
 
             y, l_kept = jax.lax.scan(body, x0, (ch, jnp.arange(n, dtype=jnp.int32)))
             stage_loss, h_kept = stash_lib.forward(head, (shared, y), box["head"])
@@ -189,8 +190,8 @@ def split_loss_and_grads(
             g = vary(d_y + jnp.where(last, jnp.zeros_like(g_in), g_in), act_axes)
 
             def body(g, xs):
-                lay, j, kept = xs
-                leaves, ws = _layer_pullback(layer, lay, x, j, kept, g, known)
+                layer_params, j, kept = xs
+                leaves, ws = _layer_pullback(layer, layer_params, x, j, kept, g, known)
                 (d_x,), front = weight_split.run_input_grad(ws, [*leaves, g])
                 return vary(d_x, act_axes), front
 
@@ -203,7 +204,7 @@ def split_loss_and_grads(
             )
             acc = {
                 **jax.tree.map(lambda a, g: a + vary(g, varying_axes(a)), ticks.split_params(acc)[0], d_shared),
-                "blocks": acc["blocks"],
+                STACKED: acc[STACKED],
             }
             l_kept = stash_lib.put(l_kept, front, places)
             rest = [f for f, place in zip(front, places, strict=True) if place is None]
@@ -219,9 +220,11 @@ def split_loss_and_grads(
             x, row0 = zeros_act(), chunk * n
 
             def body(acc_blocks, xs):
-                lay, j, kept, fr = xs
-                leaves, ws = _layer_pullback(layer, lay, x, j, kept, x, known)
-                d_lay = jax.tree.unflatten(jax.tree.structure(lay), weight_split.run_weight_grad(ws, leaves, fr))
+                layer_params, j, kept, fr = xs
+                leaves, ws = _layer_pullback(layer, layer_params, x, j, kept, x, known)
+                d_lay = jax.tree.unflatten(
+                    jax.tree.structure(layer_params), weight_split.run_weight_grad(ws, leaves, fr)
+                )
 
                 def add(a, dw, dim):
                     dw = ticks.scatter_grad(dw, dim - 1 if dim >= 0 else -1, dtype, ctx.data_axis)
@@ -230,8 +233,8 @@ def split_loss_and_grads(
                 return jax.tree.map(add, acc_blocks, d_lay, dims_blocks), None
 
             idx = jnp.arange(n, dtype=jnp.int32)
-            acc_blocks, _ = jax.lax.scan(body, acc["blocks"], (ch, idx, l_kept, front))
-            return zeros_act(), zeros_act(), kept_zeros(), front_zeros(), {**acc, "blocks": acc_blocks}, loss
+            acc_blocks, _ = jax.lax.scan(body, acc[STACKED], (ch, idx, l_kept, front))
+            return zeros_act(), zeros_act(), kept_zeros(), front_zeros(), {**acc, STACKED: acc_blocks}, loss
 
         branches = [
             idle,

@@ -18,7 +18,7 @@ from jaxpar.compat import vary, varying_axes
 from jaxpar.models.base import Model, ShardContext
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
-from jaxpar.parallel.pipeline.forms import ENDS
+from jaxpar.parallel.pipeline.forms import ENDS, STACKED
 
 AXIS = MeshAxis.PIPELINE
 
@@ -78,7 +78,7 @@ def send(x: jax.Array, pattern: jax.Array, pairs: tuple, direction: str) -> jax.
 
 def split_params(params: dict) -> tuple[dict, dict]:
     """(embedding / final norm / head parameters, stacked block parameters)."""
-    return {k: val for k, val in params.items() if k != "blocks"}, params["blocks"]
+    return {k: val for k, val in params.items() if k != STACKED}, params[STACKED]
 
 
 def scatter_grad(g: jax.Array, dim: int, dtype: Any, group: str | tuple[str, ...]) -> jax.Array:
@@ -250,7 +250,7 @@ def reduce_shared(loss: jax.Array, grads: dict) -> tuple[jax.Array, dict]:
     positions, a tied embedding) over stages; ``ends`` slots are each their own stage's."""
     shared, blocks = split_params(grads)
     summed = {k: g if k == ENDS else jax.lax.psum(g, AXIS) for k, g in shared.items()}
-    return jax.lax.psum(loss, AXIS), {**summed, "blocks": blocks}
+    return jax.lax.psum(loss, AXIS), {**summed, STACKED: blocks}
 
 
 def store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
