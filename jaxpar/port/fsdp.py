@@ -22,7 +22,8 @@ from typing import Any
 
 from jaxpar import files
 from jaxpar.config import ConfigDict, ConfigError
-from jaxpar.port.deepspeed import OFFLOAD, no_model
+from jaxpar.port.deepspeed import no_model
+from jaxpar.port.deepspeed_keys import OFFLOAD
 from jaxpar.port.report import FP16_AS_BF16, Report, build_config
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
