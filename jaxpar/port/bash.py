@@ -27,736 +27,29 @@ refuses the port (the script would stop there).
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import re
 
 from jaxpar.errors import ConfigError
-
-_OPEN, _CLOSE = "\ue000", "\ue001"
-_MARK = re.compile(f"{_OPEN}([^{_CLOSE}]*){_CLOSE}")
-_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
-_ARITH_OK = re.compile(r"^[\d\s+\-*/%()<>]*$")
-
-
-class UnbalancedQuote(ValueError):
-    """A quote opened on a line is never closed there."""
-
-
-def mark(name: str) -> str:
-    """The in-band marker for an unresolved variable ``name`` inside expanded text (no spaces)."""
-    return f"{_OPEN}{_label(name)}{_CLOSE}"
-
-
-def _label(text: str) -> str:
-    return re.sub(r"\s+", "", text)
-
-
-def unresolved_names(text: str) -> list[str]:
-    """Names of unresolved variables marked in ``text``, in order, without repeats."""
-    return list(dict.fromkeys(_MARK.findall(text)))
-
-
-def show(text: str) -> str:
-    """``text`` with unresolved markers written back as ``$NAME``."""
-    return _MARK.sub(lambda m: f"${m.group(1)}", text)
-
-
-class Shell:
-    """Variables and expansion for the bash subset found in launch scripts.
-
-    Unknown values never become empty strings (as bash would make them): they stay marked, so
-    the importer can name exactly which variable a setting needs. ``why`` says, per variable,
-    what it is missing (``"not set"``, ``"needs SLURM_NNODES"``, ``"command substitution"``).
-    User-given variables win over the script's own assignments.
-    """
-
-    def __init__(self, variables: dict[str, str] | None = None) -> None:
-        self.user = {k: str(v) for k, v in (variables or {}).items()}
-        self.env: dict[str, str] = dict(self.user)
-        self.env["#"] = str(next(k for k in range(len(self.user) + 1) if str(k + 1) not in self.user))  # $#
-        self.why: dict[str, str] = {}
-        self.read: set[str] = set()  # variables whose value an expansion asked for (unused --var is refused)
-        # variables an unknown `if` condition decides: name -> (what is unknown, variable to pass)
-        self.conditions: dict[str, tuple[str, str | None]] = {}
-        self.exists: dict[str, str] = {}  # paths the script made: "d" (mkdir) or "f" (touch)
-        self.allow_unresolved = False  # skip assignments under unknown conditions instead of refusing
-        self.skipped: list[str] = []  # unknown conditions whose branches were skipped (allow_unresolved)
-        self.script: str | None = None  # the pretrain_*.py the launch command runs (its file name)
-        self.cleared: set[str] = set()  # variables the script unset (known empty)
-
-    def assign(self, name: str, raw: str, words: bool = False) -> None:
-        """``NAME=raw`` as bash would do it (quote removal, expansion, no word splitting).
-
-        ``words=True`` assigns an array's elements (``NAME=( ... )``), kept as one
-        space-separated string that ``${NAME[@]}`` splits again.
-        """
-        if name in self.user:
-            return
-        self.cleared.discard(name)
-        raw = raw.strip()
-        placeholder = re.match(r"<[^<>]*>", raw)  # `<Specify path>`, `<Specify path>/vocab.json`
-        if placeholder:
-            self._unknown(name, "placeholder " + placeholder.group(0))
-            return
-        try:
-            parts = self.words(raw) if words else self.words(raw, split_expansions=False)[:1]
-        except UnbalancedQuote:
-            self._unknown(name, "its multi-line value was cut off")
-            return
-        value = " ".join(parts)
-        decided = next((n for n in unresolved_names(value) if n in self.conditions), None)
-        if decided is not None:
-            self._unknown(name, self.why.get(decided, "set under an unknown condition"))
-            self.conditions[name] = self.conditions[decided]
-            return
-        inner = [n for n in unresolved_names(value) if n != name]
-        if (inner or unresolved_names(value)) and not (words or re.search(r"\s", value)) or name in inner:
-            self._unknown(name, "needs " + ", ".join(f"${n}" if n.isdigit() else n for n in inner or [name]))
-        else:  # known, or a string of several words that keeps its unknown ones marked (flags read them)
-            self.env[name] = value
-        self.conditions.pop(name, None)
-
-    def append(self, name: str, raw: str) -> None:
-        """``NAME+=( raw )`` onto the known array ``name``."""
-        before = self.env[name]
-        self.assign(name, raw, words=True)
-        if self.env.get(name) != mark(name):  # else the new elements made it unknown (``why`` says how)
-            self.env[name] = " ".join(part for part in (before, self.env[name]) if part)
-
-    def taint(self, name: str, unknown: tuple[str, str | None]) -> None:
-        """``name`` is assigned in a branch of an unknown condition: it becomes unknown, tagged with it."""
-        if name in self.user:
-            return
-        if self.allow_unresolved:
-            if unknown[0] not in self.skipped:
-                self.skipped.append(unknown[0])
-            return
-        self._unknown(name, unknown[0])
-        self.conditions[name] = unknown
-
-    def _unknown(self, name: str, why: str) -> None:
-        self.env[name] = mark(name)
-        self.why[name] = why
-
-    def words(self, text: str, split: bool = True, split_expansions: bool = True) -> list[str]:
-        """Expand ``text`` into words (one string when ``split`` is False).
-
-        ``split_expansions=False`` keeps each expansion inside its word, as in assignments.
-        """
-        out: list[str] = []
-        cur: list[str] = []
-        started = False
-        i, n = 0, len(text)
-
-        def flush() -> None:
-            nonlocal cur, started
-            if started:
-                out.append("".join(cur))
-            cur, started = [], False
-
-        while i < n:
-            c = text[i]
-            if c.isspace() and split:
-                flush()
-                i += 1
-            elif c == "#" and split and not started:
-                break
-            elif c == "'":
-                j = text.find("'", i + 1)
-                if j < 0:
-                    raise UnbalancedQuote(text)
-                cur.append(text[i + 1 : j])
-                started, i = True, j + 1
-            elif c == '"':
-                piece, i = self._dquote(text, i + 1)
-                cur.append(piece)
-                started = True
-            elif c == "\\" and i + 1 < n:
-                cur.append(text[i + 1])
-                started, i = True, i + 2
-            elif c in "$`":
-                piece, i = self._dollar(text, i)
-                if not (split and split_expansions):
-                    cur.append(piece)
-                    started = True
-                    continue
-                parts = piece.split()
-                if piece[:1].isspace():
-                    flush()
-                for k, part in enumerate(parts):
-                    if k:
-                        flush()
-                    cur.append(part)
-                    started = True
-                if piece[-1:].isspace():
-                    flush()
-            else:
-                cur.append(c)
-                started, i = True, i + 1
-        flush()
-        return out if split else ["".join(out)]
-
-    def string(self, text: str) -> str:
-        return self.words(text, split=False)[0]
-
-    def _dquote(self, text: str, i: int) -> tuple[str, int]:
-        out: list[str] = []
-        while i < len(text):
-            c = text[i]
-            if c == '"':
-                return "".join(out), i + 1
-            if c == "\\" and i + 1 < len(text) and text[i + 1] in '"\\$`':
-                out.append(text[i + 1])
-                i += 2
-            elif c in "$`":
-                piece, i = self._dollar(text, i)
-                out.append(piece)
-            else:
-                out.append(c)
-                i += 1
-        raise UnbalancedQuote(text)
-
-    def _dollar(self, text: str, i: int) -> tuple[str, int]:
-        if text[i] == "`":
-            j = text.find("`", i + 1)
-            if j < 0:
-                raise UnbalancedQuote(text)
-            return self._command(text[i + 1 : j]), j + 1
-        nxt = text[i + 1 : i + 2]
-        if text.startswith("$((", i):
-            close = _match(text, i + 1, "(", ")")
-            return self._arith(text[i + 3 : close - 1]), close + 1
-        if nxt == "(":
-            close = _match(text, i + 1, "(", ")")
-            return self._command(text[i + 2 : close]), close + 1
-        if nxt == "{":
-            close = _match(text, i + 1, "{", "}")
-            return self._param(text[i + 2 : close]), close + 1
-        m = re.match(r"[A-Za-z_]\w*|\d|[@*#?$!-]", text[i + 1 :])
-        if not m:
-            return "$", i + 1
-        return self.var(m.group(0)), i + 1 + len(m.group(0))
-
-    def var(self, name: str) -> str:
-        """The value of ``name``, or its marker when it is not known."""
-        self.read.add(name)
-        if name in self.env:
-            return self.env[name]
-        if name in self.cleared:  # `unset NAME`: empty, as bash expands it
-            return ""
-        self.why.setdefault(name, f"the script's argument ${name}, not given" if name.isdigit() else "not set")
-        return mark(name)
-
-    def _command(self, cmd: str) -> str:
-        label = _label("$(" + cmd.strip().split(" ")[0] + "...)")
-        self.why[label] = "command substitution"
-        return mark(label)
-
-    def _param(self, inner: str) -> str:
-        m = re.match(r"(#?)([A-Za-z_]\w*|\d+|[@*])(\[[@*]\])?(:?[-=+?])?(.*)$", inner, re.S)
-        if not m or (m.group(5) and not m.group(4)):
-            label = _label("${" + inner + "}")
-            self.why[label] = "unsupported expansion"
-            return mark(label)
-        length, name, _, op, word = m.groups()
-        self.read.add(name)
-        value = self.env.get(name)
-        if op:
-            empty = value is None or (op.startswith(":") and value == "")
-            if op.endswith("+"):
-                return "" if empty else self.string(word)
-            if empty:
-                value = self.string(word)
-                if op.endswith("="):
-                    self.env[name] = value
-                return value
-        text = value if value is not None else self.var(name)
-        return str(len(text)) if length and value is not None else text
-
-    def _arith(self, expr: str) -> str:
-        expanded = self.string(expr)
-        if unresolved_names(expanded):
-            return "".join(mark(n) for n in unresolved_names(expanded))
-        expanded = re.sub(r"[A-Za-z_]\w*", lambda m: self.var(m.group(0)), expanded)
-        if unresolved_names(expanded) or not _ARITH_OK.match(expanded):
-            return "".join(mark(n) for n in unresolved_names(expanded)) or mark("$((" + expr + "))")
-        try:
-            return str(_evaluate(ast.parse(expanded.strip(), mode="eval").body))
-        except (SyntaxError, ZeroDivisionError, ValueError):
-            return mark("$((" + expr + "))")
-
-
-_Unknown = tuple  # (what is unknown, the variable to pass with --var or None): a condition's third value
-_STRING_OPS = ("=", "==", "!=", "<", ">")
-_INT_OPS = {
-    "-eq": lambda a, b: a == b,
-    "-ne": lambda a, b: a != b,
-    "-lt": lambda a, b: a < b,
-    "-le": lambda a, b: a <= b,
-    "-gt": lambda a, b: a > b,
-    "-ge": lambda a, b: a >= b,
-}
-_FILE_OPS = ("-f", "-d", "-e", "-a", "-r", "-w", "-x", "-s", "-L", "-h", "-p", "-S", "-b", "-c")
-_NAME = re.compile(r"[A-Za-z_]\w*|\d+")
-
-
-class _Condition:
-    """One ``if``/``elif`` condition of line ``number``: True, False or an unknown (``_Unknown``)."""
-
-    def __init__(self, shell: Shell, text: str, number: int) -> None:
-        self.shell, self.text, self.number = shell, text, number
-
-    def value(self) -> bool | _Unknown:
-        try:
-            pieces = _split_top(self.text, ("&&", "||"))
-        except UnbalancedQuote:
-            return self.form()
-        result = self.command(pieces[0])
-        for op, piece in zip(pieces[1::2], pieces[2::2], strict=True):
-            result = _and(result, self.command(piece)) if op == "&&" else _or(result, self.command(piece))
-        return result
-
-    def form(self) -> _Unknown:
-        return (
-            f"line {self.number}: the condition `{self.text}` is not a form jaxpar evaluates "
-            "([ ], [[ ]], test, (( )), true, false)",
-            None,
-        )
-
-    def reads(self, word: str) -> _Unknown:
-        name = unresolved_names(word)[0]
-        why = self.shell.why.get(name, "not set")
-        var = name if _NAME.fullmatch(name) else None
-        return (f"line {self.number}: the condition `{self.text}` reads ${name}, which is unknown ({why})", var)
-
-    def command(self, piece: str) -> bool | _Unknown:
-        piece = piece.strip()
-        if piece.startswith("!") and piece[1:2].isspace():
-            return _not(self.command(piece[1:]))
-        if piece in ("true", ":"):
-            return True
-        if piece == "false":
-            return False
-        try:
-            if piece.startswith("((") and piece.endswith("))"):
-                return self.arith(piece[2:-2])
-            if piece.startswith("[[") and piece.endswith("]]") and piece[2:3].isspace():
-                return self.test(self.shell.words(piece[2:-2], split_expansions=False), "&&", "||")
-            if piece.startswith("[") and piece.endswith("]") and piece[1:2].isspace():
-                return self.test(self.shell.words(piece[1:-1]), "-a", "-o")
-            if piece.startswith("test") and piece[4:5].isspace():
-                return self.test(self.shell.words(piece[4:]), "-a", "-o")
-        except UnbalancedQuote:
-            pass
-        return self.form()
-
-    def arith(self, expr: str) -> bool | _Unknown:
-        expanded = self.shell.string(expr)
-        expanded = re.sub(r"[A-Za-z_]\w*", lambda m: self.shell.var(m.group(0)), expanded)
-        if unresolved_names(expanded):
-            return self.reads(expanded)
-        py = expanded.replace("&&", " and ").replace("||", " or ")
-        py = re.sub(r"!(?!=)", " not ", py)
-        if not re.fullmatch(r"[\d\s+\-*/%()<>=!a-z]*", py):
-            return self.form()
-        try:
-            return _evaluate(ast.parse(py.strip(), mode="eval").body) != 0
-        except (SyntaxError, ZeroDivisionError, ValueError):
-            return self.form()
-
-    def test(self, words: list[str], and_: str, or_: str) -> bool | _Unknown:
-        """``test`` / ``[[ ]]`` expression over expanded ``words`` (three-valued, so an unknown
-        side that cannot change the result does not make the whole unknown)."""
-        double = and_ == "&&"
-        pos = 0
-
-        def peek(k: int = 0) -> str | None:
-            return words[pos + k] if pos + k < len(words) else None
-
-        def disjunction() -> bool | _Unknown:
-            nonlocal pos
-            value = conjunction()
-            while peek() == or_:
-                pos += 1
-                value = _or(value, conjunction())
-            return value
-
-        def conjunction() -> bool | _Unknown:
-            nonlocal pos
-            value = negation()
-            while peek() == and_:
-                pos += 1
-                value = _and(value, negation())
-            return value
-
-        def negation() -> bool | _Unknown:
-            nonlocal pos
-            if peek() == "!" and peek(1) is not None:
-                pos += 1
-                return _not(negation())
-            if peek() == "(":
-                pos += 1
-                value = disjunction()
-                if peek() != ")":
-                    raise ValueError
-                pos += 1
-                return value
-            return primary()
-
-        def primary() -> bool | _Unknown:
-            nonlocal pos
-            word = peek()
-            if word is None:
-                raise ValueError
-            op, right = peek(1), peek(2)
-            if op is not None and right is not None and (op in _STRING_OPS or op in _INT_OPS):
-                pos += 3
-                for side in (word, right):
-                    if unresolved_names(side):
-                        return self.reads(side)
-                return compare(word, op, right)
-            if word in ("-z", "-n") and op is not None and op not in (and_, or_, ")"):
-                pos += 2
-                if unresolved_names(op):
-                    return self.reads(op)
-                return (op == "") == (word == "-z")
-            if word in _FILE_OPS and op is not None and op not in (and_, or_, ")"):
-                pos += 2
-                if unresolved_names(op):
-                    return self.reads(op)
-                kind = self.shell.exists.get(op.rstrip("/") or "/")
-                if kind and (word in ("-e", "-a") or (word == "-d") == (kind == "d") and word in ("-d", "-f")):
-                    return True
-                return (
-                    f"line {self.number}: the condition `{self.text}` tests the file system ({word} {op}), "
-                    "which a port does not read",
-                    None,
-                )
-            if word.startswith("-") and len(word) == 2 and op is not None and op not in (and_, or_, ")"):
-                raise ValueError  # another unary test (-v, -t, ...): not evaluated
-            pos += 1
-            if unresolved_names(word):
-                return self.reads(word)
-            return word != ""
-
-        def compare(left: str, op: str, right: str) -> bool | _Unknown:
-            if op in _INT_OPS:
-                try:
-                    return _INT_OPS[op](int(left.strip()), int(right.strip()))
-                except ValueError:
-                    return self.form()
-            if op in ("<", ">"):
-                return left < right if op == "<" else left > right
-            same = fnmatch.fnmatchcase(left, right) if double else left == right
-            return same if op in ("=", "==") else not same
-
-        try:
-            value = disjunction()
-            if pos != len(words):
-                raise ValueError
-        except ValueError:
-            return self.form()
-        return value
-
-
-def _not(v: bool | _Unknown) -> bool | _Unknown:
-    return (not v) if isinstance(v, bool) else v
-
-
-def _and(a: bool | _Unknown, b: bool | _Unknown) -> bool | _Unknown:
-    if a is False or b is False:
-        return False
-    return a if not isinstance(a, bool) else b
-
-
-def _or(a: bool | _Unknown, b: bool | _Unknown) -> bool | _Unknown:
-    if a is True or b is True:
-        return True
-    return a if not isinstance(a, bool) else b
-
-
-def _split_top(text: str, seps: tuple[str, ...]) -> list[str]:
-    """``text`` split at ``seps`` outside quotes, ``$( )``/``${ }``/``(( ))`` and ``[[ ]]``:
-    ``[piece, sep, piece, ...]``."""
-    out: list[str] = []
-    start = i = depth = 0
-    double = False
-    special = re.compile("[" + re.escape("\\'\"(){}[]" + "".join({s[0] for s in seps})) + "]")
-    while i < len(text):
-        found = special.search(text, i)  # the next character that matters (a loop per character is slow)
-        if found is None:
-            break
-        i = found.start()
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "'":
-            j = text.find("'", i + 1)
-            if j < 0:
-                raise UnbalancedQuote(text)
-            i = j + 1
-            continue
-        if c == '"':
-            j = i + 1
-            while j < len(text) and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            if j >= len(text):
-                raise UnbalancedQuote(text)
-            i = j + 1
-            continue
-        if c in "({":
-            depth += 1
-        elif c in ")}":
-            depth = max(depth - 1, 0)  # a case pattern's `)` closes nothing
-        elif text.startswith("[[", i) and (i == 0 or text[i - 1].isspace() or text[i - 1] in ";!"):
-            double = True
-        elif text.startswith("]]", i):
-            double = False
-        elif depth == 0 and not double:
-            sep = next((s for s in seps if text.startswith(s, i)), None)
-            if sep is not None and not (sep == ";" and text.startswith(";;", i)):
-                out += [text[start:i], sep]
-                i = start = i + len(sep)
-                continue
-        i += 1
-    return [*out, text[start:]]
-
-
-_BINOPS = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.FloorDiv: lambda a, b: a // b,
-    ast.Div: lambda a, b: int(a / b),
-    ast.Mod: lambda a, b: a % b,
-    ast.LShift: lambda a, b: a << b,
-    ast.RShift: lambda a, b: a >> b,
-}
-
-
-def _evaluate(node: ast.AST) -> int:
-    """Integer arithmetic as bash's $(( )) does it: + - * / % << >>, comparisons and parentheses."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _evaluate(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
-        return int(_COMPARE[type(node.ops[0])](_evaluate(node.left), _evaluate(node.comparators[0])))
-    if isinstance(node, ast.BoolOp):
-        values = [_evaluate(v) != 0 for v in node.values]
-        return int(all(values) if isinstance(node.op, ast.And) else any(values))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return int(_evaluate(node.operand) == 0)
-    raise ValueError("not integer arithmetic")
-
-
-_COMPARE = {
-    ast.Eq: lambda a, b: a == b,
-    ast.NotEq: lambda a, b: a != b,
-    ast.Lt: lambda a, b: a < b,
-    ast.LtE: lambda a, b: a <= b,
-    ast.Gt: lambda a, b: a > b,
-    ast.GtE: lambda a, b: a >= b,
-}
-
-
-def _match(text: str, start: int, open_: str, close: str) -> int:
-    """Index of the bracket closing the one at ``start``."""
-    depth = 0
-    for k in range(start, len(text)):
-        if text[k] == open_:
-            depth += 1
-        elif text[k] == close:
-            depth -= 1
-            if depth == 0:
-                return k
-    raise UnbalancedQuote(text)
-
-
-def split_assignment(line: str) -> tuple[str, str] | None:
-    """``(name, raw value)`` when ``line`` is a shell variable assignment, else None."""
-    m = _ASSIGN.match(line.strip())
-    return (m.group(1), m.group(2)) if m else None
-
-
-_KEYWORDS = ("if", "then", "elif", "else", "fi", "while", "until", "for", "do", "done", "case", "esac", ";;")
-_CLAUSE = re.compile(r"^\(?\s*([^()]*?)\s*\)\s*(.*)$", re.S)  # a case clause: `pattern|pattern) commands`
-_APPEND = re.compile(r"^([A-Za-z_]\w*)\+=(.*)$", re.S)
+from jaxpar.port.bash_condition import NAME, Condition, Unknown, not_
+from jaxpar.port.bash_lines import APPEND, CLAUSE, KEYWORDS, numbered_lines, split_top, statements
+from jaxpar.port.bash_lines import script_lines as script_lines
+from jaxpar.port.bash_lines import split_assignment as split_assignment
+from jaxpar.port.bash_words import Shell as Shell
+from jaxpar.port.bash_words import UnbalancedQuote, mark
+from jaxpar.port.bash_words import show as show
+from jaxpar.port.bash_words import unresolved_names as unresolved_names
 
 
 class _Frame:
     """One open ``if`` block: the mode of its current branch (``run``, ``skip``, ``taint``)."""
 
-    def __init__(self, mode: str, unknown: _Unknown | None, fixed: bool, kind: str = "if") -> None:
+    def __init__(self, mode: str, unknown: Unknown | None, fixed: bool, kind: str = "if") -> None:
         self.mode, self.unknown, self.fixed, self.kind = mode, unknown, fixed, kind
-        self.word: str | _Unknown = ""  # a case's word (expanded), or why it is unknown
+        self.word: str | Unknown = ""  # a case's word (expanded), or why it is unknown
         self.pattern = kind == "case"  # a case expects a `pattern)` next
         self.done = mode == "run"  # a branch was taken: later ones are skipped
         self.open_unknown = unknown if mode == "taint" else None  # an earlier condition was unknown
-
-
-def _statements(line: str) -> list[str]:
-    """``line`` as statements when it holds a keyword of :data:`_KEYWORDS` (split at ``;``, ``;;`` kept
-    as a statement, and after ``then``/``else``/``do``), else the line itself (kept whole, as before)."""
-    try:
-        pieces = _split_top(line, (";;", ";"))
-    except UnbalancedQuote:
-        return [line]
-    parts = [p.strip() for k, p in enumerate(pieces) for p in ([p] if k % 2 == 0 else [";;"] if p == ";;" else [])]
-    if not any(p.split(None, 1)[:1] and p.split(None, 1)[0] in _KEYWORDS for p in parts):
-        return [line]
-    out: list[str] = []
-    for part in parts:
-        while part:
-            head, _, rest = part.partition(" ")
-            if head in ("then", "else", "do"):
-                out.append(head)
-                part = rest.strip()
-                continue
-            inline = re.match(r"(case\s.+?\sin)\s+(\S.*)$", part, re.S) if head == "case" else None
-            if inline:  # `case $X in a) ...`: the first clause on the case's line
-                out.append(inline.group(1))
-                part = inline.group(2)
-                continue
-            out.append(part)
-            break
-    return [p for p in out if p]
-
-
-def _lines(text: str, join: bool) -> list[tuple[int, str]]:
-    """``(line number, line)`` with backslash-newline continuations joined (``join``), numbered
-    by the line each starts on."""
-    out: list[tuple[int, str]] = []
-    pending: list[str] = []  # the parts of a continued line so far (joined once: linear in its length)
-    start = 0
-    for number, line in enumerate(text.split("\n"), 1):
-        if pending:
-            number = start
-        if join and line.endswith("\\"):
-            start = number
-            pending.append(line[:-1])
-            continue
-        if pending:
-            line = " ".join([*pending, line])
-            pending = []
-        out.extend((number, part) for part in line.splitlines() or [""])
-    if pending:
-        out.append((start, " ".join(pending)))
-    return out
-
-
-_SPECIAL = {
-    "": re.compile(r"[\n'\"\\`#$<(]"),  # the top level of a line
-    '"': re.compile(r'["\\`$]'),
-    "(": re.compile(r"[()'\"\\`$#]"),
-    "{": re.compile(r"[}'\"\\`$]"),
-    "`": re.compile(r"[`\\]"),
-}
-_HEREDOC = re.compile(r"<<(-?)[ \t]*(['\"]?)([\w.-]+)\2")
-
-
-def script_lines(text: str) -> list[tuple[int, str]]:
-    """``text`` as bash reads it into logical lines: ``(line it starts on, text)``.
-
-    A quoted string, ``$( )``, ``${ }`` or backticks may span lines (their newlines are kept in
-    the text); backslash-newline outside single quotes joins lines (both removed, as bash does);
-    a ``#`` that starts a word begins a comment to the end of its line (a ``\\`` ending a comment
-    continues nothing); here-document bodies (``<<EOF`` ... ``EOF``) are dropped. A quote never
-    closed before the end of the file is bash's syntax error: from that line on the text is read
-    line by line (the reader then repairs the line). Linear in the text.
-    """
-    text = text.replace("\r\n", "\n")
-    out: list[tuple[int, str]] = []
-    i, n, number = 0, len(text), 1
-    script_end: tuple[str, bool] | None = None  # the delimiter of a here-document read as a script
-    while i < n:
-        line, end, body = _logical_line(text, i)
-        if end < 0:  # unbalanced (bash: unexpected end of file): the rest line by line, as written
-            return out + [(number + k - 1, part) for k, part in _lines(text[i:], join=True)]
-        if script_end and (line.lstrip("\t") if script_end[1] else line) == script_end[0]:
-            script_end = None
-        else:
-            out.append((number, line))
-        script_end = body or script_end
-        number += text.count("\n", i, end)
-        i = end
-    return out
-
-
-def _logical_line(text: str, i: int) -> tuple[str, int, tuple[str, bool] | None]:
-    """The logical line from ``i``: its text, where the next starts (-1: a quote never closes), and
-    the delimiter of a here-document that a shell or ``sbatch`` reads as a script (its body is then
-    not skipped: the lines that follow are that script)."""
-    n = len(text)
-    buf: list[str] = []
-    stack: list[list] = []  # open contexts: [kind, depth]
-    heredocs: list[tuple[str, bool]] = []
-    seg = i
-    while True:
-        kind = stack[-1][0] if stack else ""
-        m = _SPECIAL[kind].search(text, i)
-        if m is None:
-            if stack:
-                return "", -1, None
-            buf.append(text[seg:])
-            return "".join(buf), n, None
-        pos, c = m.start(), m.group(0)
-        i = pos + 1
-        if c == "\n":  # the end of the logical line (top level only)
-            buf.append(text[seg:pos])
-            line = "".join(buf)
-            if len(heredocs) == 1 and line.split()[0].rsplit("/", 1)[-1] in ("sbatch", "bash", "sh"):
-                return line, i, heredocs[0]
-            for word, dash in heredocs:  # skip each body up to its delimiter line
-                while i < n:
-                    nl = text.find("\n", i)
-                    body = text[i : n if nl < 0 else nl]
-                    i = n if nl < 0 else nl + 1
-                    if (body.lstrip("\t") if dash else body) == word:
-                        break
-            return line, i, None
-        if c == "\\":
-            if text.startswith("\n", i) and kind != "`":
-                buf.append(text[seg:pos])
-                seg = i = pos + 2
-            else:
-                i = pos + 2
-        elif c == "'" and kind != '"':
-            j = text.find("'", i)
-            if j < 0:
-                return "", -1, None
-            i = j + 1
-        elif c == "#":
-            if pos == 0 or text[pos - 1] in " \t\n;&|()<>":
-                buf.append(text[seg:pos])
-                j = text.find("\n", pos)
-                seg = i = n if j < 0 else j
-        elif c == "$" and text.startswith(("(", "{"), i):
-            stack.append([text[i], 1])
-            i += 1
-        elif c == "<":
-            h = _HEREDOC.match(text, pos)
-            if h and not text.startswith("<<<", pos):
-                heredocs.append((h.group(3), h.group(1) == "-"))
-                i = h.end()
-        elif c == "(" and kind == "(":
-            stack[-1][1] += 1
-        elif c == "(" and not kind and text.startswith("(", i):  # (( arithmetic )): its << is a shift
-            stack.append(["(", 2])
-            i += 1
-        elif c in ")}" and kind == {")": "(", "}": "{"}[c]:
-            stack[-1][1] -= 1
-            if not stack[-1][1]:
-                stack.pop()
-        elif c == kind:  # a closing " or `
-            stack.pop()
-        elif c in '"`':
-            stack.append([c, 1])
 
 
 # a function definition: `function NAME`, `function NAME()` or `NAME()`, then `{` and maybe the body
@@ -823,7 +116,7 @@ def _simple_command(words: list[str], shell: Shell, depth: int) -> list[str]:
     runs = [
         _command_words(shell.words(piece), shell, depth + 1)
         for _, line in script_lines(string)
-        for piece in _split_top(line, (";", "&&", "||"))[::2]
+        for piece in split_top(line, (";", "&&", "||"))[::2]
         if piece.strip()
     ]
     return next((c for c in runs if _script_index(c) is not None), runs[-1] if runs else [])
@@ -841,7 +134,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
     :class:`~jaxpar.errors.ConfigError` when the command depends on a condition that is unknown.
     """
     args_format = any(line.strip() == "# flags" for line in text.splitlines())
-    numbered = _lines(text, join=False) if args_format else script_lines(text)
+    numbered = numbered_lines(text, join=False) if args_format else script_lines(text)
     words: list[str] = []
     repaired: list[tuple[int, str]] = []
     in_flags = False
@@ -851,7 +144,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
     stack: list[_Frame] = []
     decided: list[str] = []  # variables decided by unknown conditions that other commands read
 
-    def mode() -> tuple[str, _Unknown | None]:
+    def mode() -> tuple[str, Unknown | None]:
         return (stack[-1].mode, stack[-1].unknown) if stack else ("run", None)
 
     def set_(name: str, raw: str, array_: bool = False) -> None:
@@ -885,7 +178,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             frame.mode, frame.unknown = "skip", None
         else:
             try:
-                options = [shell.string(p.strip()) for p in _split_top(patterns, ("|",))[::2]]
+                options = [shell.string(p.strip()) for p in split_top(patterns, ("|",))[::2]]
             except UnbalancedQuote:
                 options = [patterns]
             if any(unresolved_names(p) for p in options):
@@ -909,11 +202,11 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                     word = shell.string(subject.strip())
                 except UnbalancedQuote:
                     word = mark(subject)
-                frame.word = _Condition(shell, f"case {rest}", number).reads(word) if unresolved_names(word) else word
+                frame.word = Condition(shell, f"case {rest}", number).reads(word) if unresolved_names(word) else word
                 stack.append(frame)
                 return
-            value = True if head == "for" else _Condition(shell, rest, number).value()
-            value = _not(value) if head == "until" else value
+            value = True if head == "for" else Condition(shell, rest, number).value()
+            value = not_(value) if head == "until" else value
             if value is False:
                 stack.append(_Frame("skip", None, fixed=False, kind=kind))
             else:
@@ -933,7 +226,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             if current != "run":
                 stack.append(_Frame(current, unknown, fixed=True))
                 return
-            value = _Condition(shell, rest, number).value()
+            value = Condition(shell, rest, number).value()
             if isinstance(value, bool):
                 stack.append(_Frame("run" if value else "skip", None, fixed=False))
             else:
@@ -952,7 +245,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
             frame.mode, frame.unknown = ("taint", frame.open_unknown) if frame.open_unknown else ("run", None)
             frame.done = frame.open_unknown is None
         else:  # elif
-            value = _Condition(shell, rest, number).value()
+            value = Condition(shell, rest, number).value()
             if value is False:
                 frame.mode, frame.unknown = "skip", None
             elif frame.open_unknown or not isinstance(value, bool):
@@ -1012,10 +305,10 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
         if not stripped or stripped.startswith("#"):
             continue
         found = False
-        for statement in [stripped] if in_flags or args_format else _statements(stripped):
+        for statement in [stripped] if in_flags or args_format else statements(stripped):
             frame = stack[-1] if stack else None
             if frame is not None and frame.kind == "case" and frame.pattern and statement != "esac":
-                clause = _CLAUSE.match(statement)
+                clause = CLAUSE.match(statement)
                 if clause is None:
                     raise ConfigError(f"megatron: line {number}: `{statement[:80]}` is not a case pattern `PATTERN)`")
                 case_clause(frame, clause.group(1))
@@ -1023,10 +316,10 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 if not statement:
                     continue
             head, _, rest = statement.partition(" ")
-            if not in_flags and not args_format and head in _KEYWORDS:
+            if not in_flags and not args_format and head in KEYWORDS:
                 keyword(head, rest.strip(), number)
                 continue
-            appended = None if in_flags else _APPEND.match(statement)
+            appended = None if in_flags else APPEND.match(statement)
             if appended and not args_format and not appended.group(2).startswith("("):
                 name, raw = appended.groups()
                 set_(name, f'"${{{name}}}"' + raw)
@@ -1074,7 +367,7 @@ def launch_flags(text: str, shell: Shell) -> tuple[list[tuple[str, list[str]]], 
                 continue
             line_words = _command_words(line_words, shell)
             if line_words[:1] == ["unset"]:
-                for name in (w for w in line_words[1:] if _NAME.fullmatch(w) and w not in shell.user):
+                for name in (w for w in line_words[1:] if NAME.fullmatch(w) and w not in shell.user):
                     if current == "taint":
                         shell.taint(name, unknown)
                     else:
