@@ -64,7 +64,8 @@ REMOVED_SECTIONS = ("pipeline",)  # sections whose fields all moved (to `paralle
 
 def moved_key_error(key: str, value: Any, origin: str) -> str | None:
     """The one-line error for an old ``key`` (:data:`MOVED_KEYS`, or a field of a removed section) set
-    to ``value`` from ``origin`` (a config file, or ``--config.<key>``); None for a current key."""
+    to ``value`` from ``origin`` (a config file, ``--config.<key>``, or ``jaxpar port``'s ``--set <key>``:
+    the fix then names the same flag); None for a current key."""
     section = key.partition(".")[0]
     new = MOVED_KEYS.get(key)
     if new is None and section not in REMOVED_SECTIONS:
@@ -75,8 +76,9 @@ def moved_key_error(key: str, value: Any, origin: str) -> str | None:
             f"{', '.join(v for k, v in MOVED_KEYS.items() if k.startswith(section + '.'))}); "
             f"'{key}' is not one of them: see jaxpar/config.py for the fields"
         )
-    if origin.startswith("--config."):
-        return f"{key} moved to {new}: use --config.{new}={value}"
+    for flag in ("--config.", "--set "):
+        if origin.startswith(flag):
+            return f"{key} moved to {new}: use {flag}{new}={value}"
     return f"{origin}: {key} moved to {new}: set c.{new} = {value!r} (or --config.{new}={value})"
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxpar import write_guard
 from jaxpar.cli.common import at_least_one, overrides
-from jaxpar.config import MAX_DEVICES, MOVED_KEYS, ConfigDict, ConfigError, default_config, flatten
+from jaxpar.config import MAX_DEVICES, MOVED_KEYS, ConfigDict, ConfigError, default_config, flatten, moved_key_error
 from jaxpar.port.recipe import SOURCES, config_source, port_recipe, ported_by_jaxpar, write_atomic
 
 if TYPE_CHECKING:
@@ -107,9 +107,7 @@ def port_file(args: argparse.Namespace) -> tuple[ConfigDict, Report]:
     sets = _pairs(args.sets, "--set")
     for key, value in sets.items():  # a key from before the layout's fields moved to parallel.*
         if key in MOVED_KEYS:
-            raise ConfigError(
-                f"port: --set {key}: {key} moved to {MOVED_KEYS[key]}: use --set {MOVED_KEYS[key]}={value}"
-            )
+            raise ConfigError(f"port: --set {key}: {moved_key_error(key, value, f'--set {key}')}")
     fields = {k: v for k, v in sets.items() if schema_has(k)}
     side = {k: parse_side_value(v) for k, v in sets.items() if k not in fields}
     variables = _pairs(args.var, "--var")
