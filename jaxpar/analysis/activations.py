@@ -36,7 +36,7 @@ fp32 (norm statistics, scores, softmax, logits). ``s`` is the sequence slice one
 region (layer input, residual adds, norms) hold s/t rows, the matmul inputs the gathered s rows.
 The working-set counts were read from XLA:CPU's buffer assignment (the AOT path, fp32): see
 :data:`FORWARD_SCORE_COPIES` and the counts beside it, and
-``experiments/results/2026-12-04-memory-six/live.py``, which prints the live set at a compiled step's peak.
+``experiments/live_set.py``, which prints the live set at a compiled step's peak.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
 
 
 # The layer's working set at its peak, counted buffer by buffer in XLA:CPU's buffer assignment (the live
-# set at the heap's peak: experiments/results/2026-12-04-memory-six/live.py on tiny data=8, seq 256 and
+# set at the heap's peak: experiments/live_set.py on tiny data=8, seq 256 and
 # 1024, every recompute policy, dot-product and blockwise attention; tiny data=4 x tensor=2 selective;
 # ~1B data=4 x tensor=2 ZeRO-3 selective, seq 2048). Each count is a number of arrays of the named shape
 # live at once, not a fit of bytes; :func:`layer_working_bytes` says which phase holds which.
@@ -668,7 +668,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             early_scattered_head_bytes(model, layout)
             if layout.shards_optimizer
             and not layout.shards_parameters
-            and layout.microbatches == 1
+            and (layout.microbatches == 1 or layout.shards_gradients)
             and not layout.sequence_parallel
             else 0
         )
