@@ -9,6 +9,10 @@ again without compiling (the compiled bytes do not depend on the estimate).
     # outside the bounds (peak 10%, temporaries 15%: the tests' bounds)
     python experiments/memory_grid.py check runs/memory/*.jsonl
 
+``compile --live`` also dumps each compile's buffer assignment and keeps the largest live set of its
+temporaries (:mod:`live_set`) beside the allocation: the estimate counts live arrays, and where XLA's
+heap packing leaves holes the allocation is larger; ``check`` prints both ratios for such rows.
+
 fp32 compute and reductions, AOT on 8 simulated CPU devices with ``AOT_COMPILER_OPTIONS``: what
 ``plan --aot`` and the tests compile.
 """
@@ -26,7 +30,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(ROOT / "experiments")]
 MIB = 2**20
 # what the compiled step is built from: a row compiled before one of these changed may hold another program
 STEP_CODE = ("jaxpar/train", "jaxpar/parallel", "jaxpar/models", "jaxpar/ops", "jaxpar/layout.py", "jaxpar/config.py")
@@ -79,7 +83,11 @@ def _commit() -> str:
     return head + ("+" if dirty else "")
 
 
-def compile_all(items, out: pathlib.Path) -> None:
+def compile_all(items, out: pathlib.Path, dump: pathlib.Path | None = None) -> None:
+    """Compile the first buildable draw of each item and append its row to ``out``; with ``dump`` (the
+    directory ``XLA_FLAGS=--xla_dump_to`` names) also the largest live set of its temporaries."""
+    import shutil
+
     import jax
 
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
@@ -109,6 +117,13 @@ def compile_all(items, out: pathlib.Path) -> None:
                 "argument_bytes": mem.argument_bytes,
                 **stamp,
             }
+            if dump is not None:  # every module this draw compiled is there; the step is the largest
+                from live_set import live_peak_bytes
+
+                allocation, live = live_peak_bytes(dump)
+                if allocation == mem.temp_bytes:  # the dump is the step's program
+                    row["live_temp_bytes"] = live
+                shutil.rmtree(dump, ignore_errors=True)
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(
@@ -163,7 +178,8 @@ def check(paths: list[str], show: int, stale_ok: bool = False) -> int:
             args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
             temp = r["temp_bytes"] / est
             peak = (r["argument_bytes"] + r["temp_bytes"]) / (args + est)
-            out.append((temp, peak, r | {"layout": layout}))
+            live = r["live_temp_bytes"] / est if "live_temp_bytes" in r else None
+            out.append((temp, peak, r | {"layout": layout, "live": live}))
         bad = [o for o in out if abs(o[0] - 1) > 0.15 or abs(o[1] - 1) > 0.10]
         bad_total, rows_total = bad_total + len(bad), rows_total + len(out)
         stale_total += sum(stale.values())
@@ -178,7 +194,11 @@ def check(paths: list[str], show: int, stale_ok: bool = False) -> int:
             print(f"    {n} rows not held ({why}): compile them again, or --stale to hold them anyway")
         for temp, peak, r in sorted(bad, key=lambda o: o[0])[:show]:
             lay = {k: v for k, v in vars(r["layout"]).items() if v != getattr(ParallelLayout, k, None)}
-            print(f"    temp {temp:.3f} peak {peak:.3f} {r['label']}: {r['model_name']} {r['model']} {lay}")
+            live = "" if r["live"] is None else f" (largest live set / est {r['live']:.3f})"
+            print(f"    temp {temp:.3f} peak {peak:.3f}{live} {r['label']}: {r['model_name']} {r['model']} {lay}")
+        lives = [o[2]["live"] for o in out if o[2]["live"] is not None]
+        if lives:
+            print(f"    largest live set / est: {min(lives):.3f}-{max(lives):.3f} over {len(lives)} rows")
     print(
         f"all: {rows_total - bad_total} of {rows_total} within the bounds"
         + (f"; {stale_total} stale rows not held" if stale_total else "")
@@ -195,6 +215,7 @@ def main() -> None:
     c.add_argument("--case", type=int, action="append", help="only these cases of the seed (repeatable)")
     c.add_argument("--grid", action="store_true")
     c.add_argument("-o", "--out", required=True)
+    c.add_argument("--live", action="store_true", help="also keep each step's largest live set (XLA dumps)")
     k = sub.add_parser("check")
     k.add_argument("paths", nargs="+")
     k.add_argument("--show", type=int, default=50)
@@ -203,9 +224,15 @@ def main() -> None:
     if a.cmd == "compile":
         from jaxpar.distributed import ensure_host_devices
 
+        dump = None
+        if a.live:  # XLA reads its flags once: one directory, emptied after each draw
+            import tempfile
+
+            dump = pathlib.Path(tempfile.mkdtemp(prefix="memory_grid_dump_"))
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
         ensure_host_devices(8)
         items = _grid() if a.grid else _draws(a.seed, a.cases, a.case)
-        compile_all(items, pathlib.Path(a.out))
+        compile_all(items, pathlib.Path(a.out), dump)
     else:
         check(a.paths, a.show, a.stale)
 

@@ -36,7 +36,7 @@ fp32 (norm statistics, scores, softmax, logits). ``s`` is the sequence slice one
 region (layer input, residual adds, norms) hold s/t rows, the matmul inputs the gathered s rows.
 The working-set counts were read from XLA:CPU's buffer assignment (the AOT path, fp32): see
 :data:`FORWARD_SCORE_COPIES` and the counts beside it, and
-``experiments/results/2026-12-04-memory-six/live.py``, which prints the live set at a compiled step's peak.
+``experiments/live_set.py``, which prints the live set at a compiled step's peak.
 """
 
 from __future__ import annotations
@@ -183,6 +183,21 @@ def layer_params(model: ConfigDict, layout: ParallelLayout) -> float:
     )
 
 
+def attention_params(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of one layer's attention projections (``attn_w*``) on one device."""
+    return sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert)
+        for t in param_tensors(model)
+        if t.place == "layer" and t.name.startswith("attn_w")
+    )
+
+
+def zero3_regathered_params(model: ConfigDict, layout: ParallelLayout) -> float:
+    """ZeRO-3 in a 1F1B / interleaved tick: elements gathered a second time, the attention's projections
+    (see the count above :func:`zero3_embedding_gradient_bytes`)."""
+    return attention_params(model, layout)
+
+
 def shared_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> float:
     """Elements of the parameters outside the layers one device holds (embedding, head, norms)."""
     places = ("first", "last") if layout.pipeline == 1 else (stage,)
@@ -197,7 +212,7 @@ def shared_tables(model: ConfigDict, layout: ParallelLayout) -> float:
 
 
 # The layer's working set at its peak, counted buffer by buffer in XLA:CPU's buffer assignment (the live
-# set at the heap's peak: experiments/results/2026-12-04-memory-six/live.py on tiny data=8, seq 256 and
+# set at the heap's peak: experiments/live_set.py on tiny data=8, seq 256 and
 # 1024, every recompute policy, dot-product and blockwise attention; tiny data=4 x tensor=2 selective;
 # ~1B data=4 x tensor=2 ZeRO-3 selective, seq 2048). Each count is a number of arrays of the named shape
 # live at once, not a fit of bytes; :func:`layer_working_bytes` says which phase holds which.
@@ -259,12 +274,13 @@ def ring_backward_kv_arrays(context: int) -> int:
 
 
 HEAD_COPIES = 3  # fp32 logits, exp(z) kept for the backward, the fp32 logit gradient
-# ZeRO-3 inside a 1F1B / interleaved tick: gathered layers (compute dtype) beyond the one the working set
-# counts. The tick's ``jax.vjp`` of its chunk gathers each layer for the recomputed forward and again for the
-# backward, so two copies of a layer's weights are live where the non-pipelined step holds one (buffer
-# assignment of tiny data=4 x pipeline=2 interleaved ZeRO-3: the MLP's weights gathered twice, one transposed
-# for dy^T x); without a pipeline the gathered layer takes the place of the sliced one.
-ZERO3_GATHERED_LAYERS = 1
+# ZeRO-3 inside a 1F1B / interleaved tick: weights gathered a second time, beyond the layer the working set
+# counts. The tick's ``jax.vjp`` of its chunk gathers each layer for the recomputed forward and again in the
+# backward, where the attention's projections are read for dx = dy W^T while the MLP's gathered weights are
+# shared with the recomputed forward: the attention's weights once more (buffer assignment of tiny
+# data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 ``full`` blockwise, s=128, b=1, at the MLP phase's peak: gate,
+# up and W_down^T once, W_qkv three times and W_o twice). A whole second layer (the count before) put
+# that layout at 0.83 of the compiled temporaries once the recomputed scores of a tick were counted.
 
 
 def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -329,8 +345,8 @@ def layer_working_bytes(
     (4 + 1)*b*n*s^2 (not counted in pipeline ticks). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
-    ``jax.vjp`` of the chunk recomputes the forward inside the tick): the backward keeps no score
-    copies beyond the chunk's residuals, and a chunk of one layer without recompute holds, beyond its
+    ``jax.vjp`` of the chunk recomputes the forward inside the tick): without recompute the backward
+    keeps no score copies beyond the chunk's residuals (with it, the recomputed ones), and a chunk of one layer without recompute holds, beyond its
     residuals (the scores and probabilities among them), dP (one fp32 score array with
     ``dot_product``; blockwise: its attention phase) and one (b, s, f) array (buffer assignment of tiny
     data=2 x tensor=2 x pipeline=2 interleaved SP, s=1024: three f32[2,1,2,1024,1024] arrays at the
@@ -392,14 +408,14 @@ def _layer_working_phases(
     copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
-    # a ``full`` tick with ZeRO 0-1 recomputes its chunk layer by layer, one sequence at a time, inside the
-    # backward's layer loop (jaxpar.parallel.pipeline.executor): its recomputed attention waits for the
-    # attention's backward as without a pipeline (buffer assignment of tiny data=2 x tensor=2 x pipeline=2
-    # 1F1B ZeRO-1 full, s=512, b=2: f32[1, 1, 2, 512, 512] and f32[1024, 512] score arrays of one sequence
-    # beside the seven f32[512, 192] MLP arrays at the peak)
-    by_layer_tick = tick and rec == "full" and not layout.shards_gradients
-    if not unstacked and (not tick or one_layer_selective_tick or by_layer_tick):  # it recomputes the attention
-        # (the same layout: its two f32[4, 1, 2, 256, 256]-sized score arrays at the peak)
+    # A layer whose backward recomputes its forward (``selective`` / ``full``, with or without a pipeline tick)
+    # holds the recomputed scores and probabilities until the attention's backward, through the MLP phase:
+    # buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B ZeRO-1 full, s=512, b=2 (the chunk
+    # recomputed layer by layer, one sequence at a time: f32[1, 1, 2, 512, 512] and f32[1024, 512] beside the
+    # seven f32[512, 192] MLP arrays), the same layout with ZeRO-3, s=256 (the whole microbatch at once: two
+    # f32[2, 1, 2, 256, 256] arrays at the MLP phase's peak). Without recomputation a tick's scores are its
+    # chunk's residuals, counted in the residual stack.
+    if not unstacked and (not tick or rec != "none"):
         backward += BACKWARD_SCORE_COPIES * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
@@ -612,8 +628,10 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
     L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
     ZeRO < 2 one sequence at a time, layer by layer), plus :func:`layer_working_bytes` (``tick``), the chunk's
-    gradient before it is added to the fp32 accumulator of the stage (ZeRO-3: sharded, each layer's
-    gradient reduce-scattered as it leaves the chunk's layer scan), and the act/grad slot buffers
+    gradient before it is added to the fp32 accumulator of the stage (none where each layer's gradient
+    is added into the accumulator as it is written: ZeRO-3, whose layers leave the chunk's scan
+    reduce-scattered, and ``full`` by layer; ZeRO-3 also gathers the attention's weights a second
+    time, :func:`zero3_regathered_params`), and the act/grad slot buffers
     of the schedule (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for
     1F1B); the last stage runs the head inside the same backward; the accumulator held twice
     (:func:`pipeline_accumulator_bytes`) is a phase of its own. GPipe: the forward scan over
@@ -629,7 +647,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     full_grads = pb * (layer_el + shared_el)
     zero3 = layout.shards_parameters
     ticks = p > 1 and layout.pipeline_schedule != "gpipe"  # GPipe's tick stacks hold the gathered weights already
-    gather = ZERO3_GATHERED_LAYERS * d.e * layer_params(model, layout) if zero3 and ticks else 0.0
+    gather = d.e * zero3_regathered_params(model, layout) if zero3 and ticks else 0.0
     if p == 1:
         layers = model.num_layers
         # one microbatch's stack, for every m: the accumulation scan runs each microbatch's forward and
@@ -650,7 +668,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             early_scattered_head_bytes(model, layout)
             if layout.shards_optimizer
             and not layout.shards_parameters
-            and layout.microbatches == 1
+            and (layout.microbatches == 1 or layout.shards_gradients)
             and not layout.sequence_parallel
             else 0
         )
@@ -724,13 +742,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
                 head += d.e * layer_params(model, layout) - gather
             if head > working:
                 working, term = head, "backward tick: the loss head's backward"
-        chunk_grads = pb * (1 if by_layer else chunk) * layer_params(model, layout)
+        # recomputed layer by layer, each layer's weight gradient is added into the accumulator in place as the
+        # layer's backward writes it: no gradient beside the accumulator (buffer assignment of tiny data=2 x
+        # pipeline=4 1F1B ZeRO-0 full, m=8, s=256: the accumulator's f32[1, 128, 384] once at the peak)
+        chunk_grads = 0.0 if by_layer else pb * chunk * layer_params(model, layout)
         if zero3:  # each layer is gathered inside the chunk's layer scan (Model.layer_step), so its gradient
-            # leaves the scan through the gather's transpose, a reduce-scatter: the chunk's stack is sharded
-            # (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 full, s=256: the
-            # accumulator's f32[2, 64, 192] shards at the peak, no f32[2, 128, 192] chunk gradient)
-            layer_bytes = pb * layer_el
-            chunk_grads *= zero_sharded_bytes(model, layout, layer_bytes) / layer_bytes
+            # leaves the scan through the gather's transpose, a reduce-scatter, and is added into its slice of
+            # the sharded accumulator: no chunk gradient beside it (buffer assignment of tiny data=2 x tensor=2 x
+            # pipeline=2 1F1B ZeRO-3 full, s=256 and s=128: the accumulator's f32[2, 64, 192] shards at the peak,
+            # once, and no f32[2, 128, 192] chunk gradient)
+            chunk_grads = 0.0
     acc = zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else full_grads
     grads = acc + chunk_grads
     update = update_bytes(model, layout, full_grads)
@@ -811,7 +832,17 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     if not cond_stacks_weights():
         weights = 0.0
     head = head_residual_bytes(model, layout)
-    return layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)) + head + weights
+    # ``dot_product`` without recompute: each layer's broadcast causal mask, pred (b, n/t, s, s), is computed
+    # inside the tick's ``cond`` and leaves it as a residual, so the tick scan stacks it per layer (jax 0.10.2
+    # and 0.12.0.1 alike; buffer assignment of tiny data=2 x pipeline=4 GPipe ZeRO-3 m=4, b=2, s=1024:
+    # pred[7, 2, 2, 2, 1024, 1024], 56 MiB). Without a pipeline it is hoisted out of the loop instead
+    # (:func:`layer_working_bytes`).
+    mask = 0.0
+    if _attention(layout) == "dot_product" and layout.recompute == "none":
+        d = Dims.of(model, layout)
+        mask = layers * d.b * d.n * d.s * d.s
+    layer = layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)
+    return layers * layer + mask + head + weights
 
 
 @functools.cache

@@ -30,7 +30,7 @@ token gradient is scatter-added into, e*n*T*h. On GPU and TPU ``ragged_dot`` low
 ragged-dot instruction (or a Triton kernel) without the G-fold arrays: for those the count is an
 upper bound (the planner uses it for every cluster). Counted in the buffer assignment of
 tiny_mixtral, fp32, e4 x d2 at s=256 (the live set at the peak:
-``experiments/results/2026-12-04-memory-six/live.py``) and held against the grid of
+``experiments/live_set.py``) and held against the grid of
 tests/test_memory_moe.py. A shared expert (``shared_expert_dim``) adds the dense SwiGLU's
 terms at its width.
 

@@ -1,5 +1,5 @@
 """Compile one draw of tests/test_memory_random.py (fp32, AOT) with XLA's dumps, print compiled vs
-estimated temporaries by term and the live set at the peak (live.py).
+estimated temporaries by term and the live set at the peak (experiments/live_set.py).
 
     python experiments/results/2026-12-04-memory-six/dump_case.py DUMPDIR SEED CASE [--slow]
 """
@@ -56,7 +56,7 @@ def main() -> None:
     for t in A.stage_temps(cfg.model, lay):
         print("  ", {k: (round(v / MiB, 3) if isinstance(v, float) else v) for k, v in t.to_dict().items()})
     sys.stdout.flush()
-    subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("live.py")), dump, "--top", "45"])
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "live_set.py"), dump, "--top", "45"])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Compile one config (fp32, AOT) with XLA dumps and print compiled vs estimated temporaries and the live
-set at the peak (live.py).  python .../dump_one.py DUMPDIR CONFIG [--config.x.y=v ...]"""
+set at the peak (experiments/live_set.py).  python .../dump_one.py DUMPDIR CONFIG [--config.x.y=v ...]"""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def main() -> None:
     )
     for t in A.stage_temps(cfg.model, lay):
         print("  ", {k: (round(v / MiB, 3) if isinstance(v, float) else v) for k, v in t.to_dict().items()})
-    subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("live.py")), dump, "--top", "45"])
+    subprocess.run(
+        [sys.executable, str(pathlib.Path(__file__).resolve().parents[2] / "live_set.py"), dump, "--top", "45"]
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ argument memory, the rows over ``expert`` and the temporaries and peak of the ti
 (``configs/tiny_mixtral.py``, fp32, s=128, AOT on 8 simulated CPU devices).
 
     python experiments/results/2026-12-05-moe-planner/moe_grid.py [NAME ...]   # ~15 s a layout on 2 cores
-    DUMP=/tmp/moe python .../moe_grid.py e8      # also XLA dumps and the live set at the peak (live.py)
+    DUMP=/tmp/moe python .../moe_grid.py e8      # also XLA dumps and the live set at the peak (experiments/live_set.py)
 
 Prints per layout: compiled / estimated temporaries and peak, the argument ratio (estimate.estimated_argument_bytes)
 and the compiled / expected ratio of every row over ``expert`` (a pipeline: every stage's expert bytes).
@@ -82,7 +82,7 @@ def main() -> None:
             flush=True,
         )
         if dump:
-            live = ROOT / "experiments" / "results" / "2026-12-04-memory-six" / "live.py"
+            live = ROOT / "experiments" / "live_set.py"
             subprocess.run([sys.executable, str(live), f"{dump}/{name}", "--top", "40"], check=False)
 
 

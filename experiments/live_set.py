@@ -3,7 +3,11 @@
 ``*-buffer-assignment.txt`` (each value's size and its allocation). Values in entry-parameter,
 constant or output allocations are left out; what remains is what ``temp_size_in_bytes`` packs.
 
-    python experiments/results/2026-12-04-memory-six/live.py DUMP_DIR [--top 40]
+The largest live set is what the planner's temporaries estimate counts; the temp allocation can be
+larger, where XLA's heap packing leaves holes between buffers of different lifetimes (fragmentation),
+which no count of live arrays reproduces.
+
+    python experiments/live_set.py DUMP_DIR [--top 40] [--at T]
 """
 
 from __future__ import annotations
@@ -47,13 +51,9 @@ def load(dump: pathlib.Path):
     return temp_size, temp_values, ranges, seq
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("dump")
-    ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--at", type=int)
-    a = ap.parse_args()
-    temp_size, values, ranges, seq = load(pathlib.Path(a.dump))
+def live_sets(dump: pathlib.Path):
+    """(temp allocation bytes, live bytes at each step of the schedule, ``live_at``, the schedule)."""
+    temp_size, values, ranges, seq = load(dump)
     n = max(e for _, e in ranges.values()) + 1
 
     def live_at(t: int) -> dict[int, tuple[int, str, str]]:
@@ -73,7 +73,23 @@ def main() -> None:
             end = max(end, hi)
         return total
 
-    curve = [union(live_at(t)) for t in range(n)]
+    return temp_size, [union(live_at(t)) for t in range(n)], live_at, seq
+
+
+def live_peak_bytes(dump: pathlib.Path) -> tuple[int, int]:
+    """(temp allocation, largest live set) in bytes of the largest module dumped under ``dump``."""
+    temp_size, curve, _, _ = live_sets(dump)
+    return temp_size, max(curve)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dump")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--at", type=int)
+    a = ap.parse_args()
+    temp_size, curve, live_at, seq = live_sets(pathlib.Path(a.dump))
+    n = len(curve)
     at = a.at if a.at is not None else max(range(n), key=curve.__getitem__)
     print(
         f"temp allocation {temp_size / 2**20:.2f} MiB; live temp bytes at {at} ({seq.get(at)}): "
