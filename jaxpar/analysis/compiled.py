@@ -344,8 +344,8 @@ def analyze_compiled(
 _SEND_SCOPE = re.compile(r"pp_send_(fwdv|bwdv|fwd|bwd)_(\d+)")
 
 
-def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
-    """Share of the schedule loop's ticks in which ``stage`` runs the branch holding a collective,
+def pipeline_fraction(op_name: str, pipeline: Any, pipeline_stage: int) -> float:
+    """Share of the schedule loop's ticks in which ``pipeline_stage`` runs the branch holding a collective,
     read from the named scopes of :mod:`jaxpar.parallel.pipeline` in its op_name (1 outside the loop).
 
     1F1B / interleaved (one loop of ``table.ticks``): ``pp_forward`` / ``pp_backward`` where the
@@ -366,16 +366,16 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
         ticks = np.arange(m + p - 1)
         ok = np.ones(len(ticks), bool)
         if pl.SCOPE_WORK in tags:
-            ok &= (ticks - stage >= 0) & (ticks - stage < m)
+            ok &= (ticks - pipeline_stage >= 0) & (ticks - pipeline_stage < m)
         if pl.SCOPE_FIRST in tags:
-            ok &= stage == 0
+            ok &= pipeline_stage == 0
         if pl.SCOPE_LAST in tags:
-            ok &= stage == p - 1
+            ok &= pipeline_stage == p - 1
         if send:
             ok &= prog.pattern[send.group(1)][: len(ticks)] == int(send.group(2))
         return float(ok.mean())
-    kind, chunk = prog.per_stage["kind"][:, stage], prog.per_stage["chunk"][:, stage]
-    k = np.array([pl.virtual_stage(table.schedule, p, int(c), stage) for c in chunk])
+    kind, chunk = prog.per_stage["kind"][:, pipeline_stage], prog.per_stage["chunk"][:, pipeline_stage]
+    k = np.array([pl.virtual_stage(table.schedule, p, int(c), pipeline_stage) for c in chunk])
     is_first, is_last = k == 0, k == p * v - 1
     ok = np.ones(table.ticks, bool)
     if pl.SCOPE_FORWARD in tags:
@@ -398,17 +398,17 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
 
 
 def _stage_rows(
-    ops: list[CollectiveOp], pipeline: Any, stage: int, coords: np.ndarray, names: tuple[str, ...]
+    ops: list[CollectiveOp], pipeline: Any, pipeline_stage: int, coords: np.ndarray, names: tuple[str, ...]
 ) -> dict[tuple[str, tuple[str, ...]], CollectiveRow]:
     """Rows of one pipeline stage (its device at data = tensor = 0)."""
     device = next(
         i
         for i, c in enumerate(coords)
-        if all(c[k] == (stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names))
+        if all(c[k] == (pipeline_stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names))
     )
     rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
     for op in ops:
-        share = pipeline_fraction(op.op_name, pipeline, stage)
+        share = pipeline_fraction(op.op_name, pipeline, pipeline_stage)
         executions = op.executions * share
         if not executions:
             continue

@@ -195,9 +195,9 @@ def moe_layer_phases(layout: ParallelLayout, tick: str = "") -> dict[str, int]:
     return {"gather": 1 + remat, "combine": 1, "backward": 1}
 
 
-def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> tuple[float, int]:
+def expert_traffic(model: ConfigDict, layout: ParallelLayout, pipeline_stage: int = 0) -> tuple[float, int]:
     """Expert-axis (bytes, collectives) per step and device: :func:`moe_dispatch_arrays` of every
-    MoE layer of pipeline stage ``stage`` per microbatch, as often as :func:`moe_layer_phases` says
+    MoE layer of pipeline stage ``pipeline_stage`` per microbatch, as often as :func:`moe_layer_phases` says
     (1F1B / interleaved: the last virtual stage has no forward tick; its backward tick runs it)."""
     n = layout.expert
     if n == 1 or not model.get("num_experts", 0):
@@ -219,7 +219,7 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, stage: int = 0) ->
     # the last virtual stage (on the last device; zb-v: on device 0) runs its forward in its
     # backward tick unless the backward is split; the other chunks' backward reads the stash
     split = splits_backward(layout.pipeline_schedule)
-    holds_last = device_of(layout.pipeline_schedule, p, p * v - 1) == stage
+    holds_last = device_of(layout.pipeline_schedule, p, p * v - 1) == pipeline_stage
     if not keeps_activations(layout):
         chunks_forward = v - holds_last
         return m * c * (chunks_forward * fwd[0] + v * bwd[0]), m * c * (chunks_forward * fwd[1] + v * bwd[1])
@@ -374,12 +374,12 @@ def _tensor_group(layout: ParallelLayout, x: ParamTensor) -> tuple[str, ...]:
     return group_axes(data_group(layout.mesh, {rules[d] for d, _ in x.dims if d in rules}))
 
 
-def held_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> list[HeldParam]:
-    """The parameters one device of ``stage`` holds (:func:`jaxpar.models.inventory.stage_tensors`,
+def held_params(model: ConfigDict, layout: ParallelLayout, pipeline_stage: str = "first") -> list[HeldParam]:
+    """The parameters one device of ``pipeline_stage`` holds (:func:`jaxpar.models.inventory.stage_tensors`,
     jaxpar's pipeline form), each with its group (:func:`jaxpar.axes.data_group`, less the axes the
     rules split it over) and whether ZeRO's rule (:func:`jaxpar.sharding.zero_dim`) finds it a dim."""
     out = []
-    for x, copies in stage_tensors(model, layout, stage, shared_on_every_stage=True):
+    for x, copies in stage_tensors(model, layout, pipeline_stage, shared_on_every_stage=True):
         group = _tensor_group(layout, x)
         n = math.prod(layout.size(a) for a in group)
         elements = copies * shard_elements(x, layout.tensor, 1, False, layout.expert)
@@ -438,8 +438,8 @@ def _jaxpar_data(model: ConfigDict, layout: ParallelLayout, grad_reduce_bytes: i
     step: 1 at stage 0, the reductions + 1 gather at 1-2, 3m + 1 at 3. The loss and gradient-norm
     scalars are not counted."""
     moved = 0.0
-    for stage in ("first", "last"):
-        records = zero_collectives(model, layout, held_params(model, layout, stage), grad_reduce_bytes)
+    for pipeline_stage in ("first", "last"):
+        records = zero_collectives(model, layout, held_params(model, layout, pipeline_stage), grad_reduce_bytes)
         sizes = [math.prod(layout.size(a) for a in axes) for _, axes, _, _, _ in records]
         moved = max(moved, sum(c * ring_bytes(k, n, b) for (k, _, b, c, _), n in zip(records, sizes)))
     m = layout.microbatches
@@ -501,7 +501,7 @@ def _jaxpar_tensor(model: ConfigDict, layout: ParallelLayout) -> tuple[float, in
 
 
 def jaxpar_stage_traffic(
-    model: ConfigDict, layout: ParallelLayout, stage: int, grad_reduce_bytes: int = 4
+    model: ConfigDict, layout: ParallelLayout, pipeline_stage: int, grad_reduce_bytes: int = 4
 ) -> dict[str, tuple[float, int]]:
     """Tensor- and pipeline-axis (bytes, collectives) per step of one pipeline stage of the jaxpar
     executor (jaxpar/parallel/pipeline/executor.py); without a pipeline, :func:`_jaxpar_tensor`.
@@ -538,18 +538,18 @@ def jaxpar_stage_traffic(
         return {MeshAxis.TENSOR: _jaxpar_tensor(model, layout), MeshAxis.PIPELINE: (0.0, 0)}
     data = None  # ZeRO 0/1: the same on every stage (see communication)
     if layout.shards_parameters:
-        data = _jaxpar_pipeline_zero3(model, layout, stage)
+        data = _jaxpar_pipeline_zero3(model, layout, pipeline_stage)
     elif layout.shards_gradients:
-        data = _jaxpar_pipeline_zero2(model, layout, stage, grad_reduce_bytes)
+        data = _jaxpar_pipeline_zero2(model, layout, pipeline_stage, grad_reduce_bytes)
     v = v if layout.pipeline_schedule in ("interleaved", "zb-v") else 1
     bs = layout.microbatch_size * layout.seq_local
     bsh = bs * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
-    ks = [virtual_stage(layout.pipeline_schedule, p, chunk, stage) for chunk in range(v)]
+    ks = [virtual_stage(layout.pipeline_schedule, p, chunk, pipeline_stage) for chunk in range(v)]
     # a send per microbatch for each chunk but the last virtual stage's (forward) and the first's
     # (backward), none where the next virtual stage is on this device (zb-v's tip)
     send = m * sum(
-        (k < p * v - 1 and device_of(layout.pipeline_schedule, p, k + 1) != stage)
-        + (k > 0 and device_of(layout.pipeline_schedule, p, k - 1) != stage)
+        (k < p * v - 1 and device_of(layout.pipeline_schedule, p, k + 1) != pipeline_stage)
+        + (k > 0 and device_of(layout.pipeline_schedule, p, k - 1) != pipeline_stage)
         for k in ks
     )
     # + once per step, the fp32 gradients of what every stage holds (final norm, positions, a tied
@@ -641,7 +641,7 @@ def _stage_groups(model: ConfigDict) -> tuple[list[ParamTensor], list[ParamTenso
 
 
 def _jaxpar_pipeline_zero2(
-    model: ConfigDict, layout: ParallelLayout, stage: int, grad_reduce_bytes: int = 4
+    model: ConfigDict, layout: ParallelLayout, pipeline_stage: int, grad_reduce_bytes: int = 4
 ) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-2 (1F1B / interleaved): every
     backward tick reduce-scatters its chunk's layer gradients, and the first / last virtual stage's
@@ -654,12 +654,12 @@ def _jaxpar_pipeline_zero2(
     g, pb = grad_reduce_bytes, DTYPE_BYTES[model.param_dtype]
     layers = sum(count * _zero_gathered(model, layout, [x], g) for x, count in held if x.place == "layer")
     shared = sum(_zero_gathered(model, layout, [x], g) for x, _ in held if x.place != "layer")
-    scattered = layers + (stage in (0, p - 1)) * shared
+    scattered = layers + (pipeline_stage in (0, p - 1)) * shared
     gathered = sum(count * _zero_gathered(model, layout, [x], pb) for x, count in held)
     return m * scattered + gathered, m + 1
 
 
-def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int) -> tuple[float, int]:
+def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, pipeline_stage: int) -> tuple[float, int]:
     """Data-axis (bytes, collectives) of one pipeline stage with ZeRO-3 (jaxpar/parallel/pipeline/executor.py).
 
     With G(x) the all-gather of x elements in the compute dtype ((n-1)/n * x * a; the gradient's
@@ -682,7 +682,7 @@ def _jaxpar_pipeline_zero3(model: ConfigDict, layout: ParallelLayout, stage: int
     keep, split = keeps_activations(layout), splits_backward(layout.pipeline_schedule)
     moved, calls = 0.0, 0
     for chunk in range(v):
-        k = virtual_stage(layout.pipeline_schedule, p, chunk, stage)
+        k = virtual_stage(layout.pipeline_schedule, p, chunk, pipeline_stage)
         is_first, is_last = k == 0, k == p * v - 1
         kept = keep and (split or not is_last)
         # from the stash: the backward gathers each layer once (the split's W once more), then scatters
