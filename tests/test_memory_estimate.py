@@ -159,7 +159,7 @@ def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:
     from jaxpar.ops.remat import remat_policy
 
     m = get_model(model_cfg)
-    ctx = m.context(attention=layout.attention, attention_block=layout.attention_block)
+    ctx = m.shard_context(attention=layout.attention, attention_block=layout.attention_block)
     layer = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), m.abstract_params()["blocks"])
     b, s, h = layout.microbatch_size, layout.seq_len, model_cfg.embed_dim
     pos = jnp.arange(s)
