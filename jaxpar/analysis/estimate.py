@@ -299,10 +299,10 @@ def bubble_fraction(pipeline: int, microbatches: int, virtual_stages: int = 1, s
     return expected_bubble_fraction(schedule, pipeline, microbatches, virtual_stages)
 
 
-def safe_ratio(measured: float | None, expected: float | None) -> float | None:
-    """measured / expected (a compiled number over its formula); None without a measurement or a
-    non-zero expectation."""
-    return measured / expected if measured is not None and expected else None
+def safe_ratio(measured: float | None, estimated: float | None) -> float | None:
+    """measured / estimated (a compiled number over its formula); None without a measurement or a
+    non-zero estimate."""
+    return measured / estimated if measured is not None and estimated else None
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flops: float) -> float:

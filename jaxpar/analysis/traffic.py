@@ -397,7 +397,7 @@ def zero_collectives(
     """(kind, axes, bytes of one array, count per step, what) of the jaxpar step's gradient
     reductions and ZeRO gathers (jaxpar/train/step.py, :mod:`jaxpar.parallel.zero`,
     :mod:`jaxpar.ops.zero3`), one derivation for the planner (:func:`communication`) and for the
-    collectives ``inspect`` expects (:func:`jaxpar.analysis.expected.expected_collectives`).
+    collectives ``inspect`` estimates (:func:`jaxpar.analysis.expected.estimated_collectives`).
 
     Per parameter of E elements over its group, with g = ``grad_reduce_bytes``, pb the param dtype
     and a the compute dtype bytes (or ``zero3_bytes``), m microbatches (Rajbhandari et al. 2020): stage
