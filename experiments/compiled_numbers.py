@@ -4,7 +4,9 @@ For the four MaxText layouts (``configs/maxtext_tiny.py``) and four tiny ones (Z
 ZeRO-2 d8, ZeRO-3 + SP d4 x t2 selective remat, interleaved ZeRO-2 d2 x t2 x p2), it AOT-compiles the
 train step (:func:`jaxpar.analysis.compiled.analyze_layout`) and writes every collective row (kind,
 axes, count, bytes per device) and ``memory_analysis()`` (arguments, outputs, temporaries, aliases).
-With ``--against OLD.json`` it says which layouts differ (``generated_code_bytes`` is ignored).
+With ``--against OLD.json`` it says which layouts differ (``generated_code_bytes`` is ignored; an
+output written while the planner's values were named ``expected_*`` is read under their
+``estimated_*`` names).
 
     python experiments/compiled_numbers.py out.json [--against before.json]   # ~1 min on 2 cores
 """
@@ -45,6 +47,11 @@ TINY_LAYOUTS = {
 }
 
 
+def _current_key(key: str) -> str:
+    """A memory key of an earlier output under today's name: ``expected_*`` became ``estimated_*``."""
+    return "estimated_" + key.removeprefix("expected_") if key.startswith("expected_") else key
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
@@ -78,7 +85,9 @@ def main() -> int:
                 name in before
                 and out[name]["rows"] == before[name]["rows"]
                 and all(
-                    out[name]["mem"].get(k) == v for k, v in before[name]["mem"].items() if k != "generated_code_bytes"
+                    out[name]["mem"].get(_current_key(k)) == v
+                    for k, v in before[name]["mem"].items()
+                    if k != "generated_code_bytes"
                 )
             )
             print(f"{name:<16} {'bitwise equal' if same else 'DIFFERS'}")

@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(ROOT / "experiments")]
 MIB = 2**20
 # what the compiled step is built from: a row compiled before one of these changed may hold another program
-STEP_CODE = ("jaxpar/train", "jaxpar/parallel", "jaxpar/models", "jaxpar/ops", "jaxpar/layout.py", "jaxpar/config.py")
+STEP_CODE = ("jaxpar/train", "jaxpar/parallel", "jaxpar/models", "jaxpar/ops", "jaxpar/layout.py", "jaxpar/config")
 
 
 def _config(name: str, model: dict, layout):

@@ -80,7 +80,7 @@ class AxisRole:
     at_size_one: bool = False  # joins its groups at size 1 too
     # the model's ShardContext field that names it (None: not bound by itself), and whether it is
     # bound at size 1 too (expert: the experts' weights are split over it whatever its size)
-    context_field: str | None = None
+    shard_context_field: str | None = None
     bound_at_size_one: bool = False
     rules: Mapping[str, str] = dataclasses.field(default_factory=dict)  # logical dims split over it
     rules_at_size_one: bool = True  # False: its rules only apply when it is split (pipeline's stage form)
@@ -92,11 +92,11 @@ class AxisRole:
 # as in Megatron-core's MoE parallel folding and MaxText.
 AXIS_ROLES: Mapping[MeshAxis, AxisRole] = {
     MeshAxis.DATA: AxisRole(splits_batch=True, at_size_one=True),
-    MeshAxis.TENSOR: AxisRole(context_field="tensor_axis", bound_at_size_one=True, rules=TENSOR_RULES),
+    MeshAxis.TENSOR: AxisRole(shard_context_field="tensor_axis", bound_at_size_one=True, rules=TENSOR_RULES),
     MeshAxis.PIPELINE: AxisRole(rules=PIPELINE_RULES, rules_at_size_one=False),
-    MeshAxis.CONTEXT: AxisRole(splits_sequence=True, context_field="context_axis"),
+    MeshAxis.CONTEXT: AxisRole(splits_sequence=True, shard_context_field="context_axis"),
     MeshAxis.EXPERT: AxisRole(
-        splits_batch=True, context_field="expert_axis", bound_at_size_one=True, rules=EXPERT_RULES
+        splits_batch=True, shard_context_field="expert_axis", bound_at_size_one=True, rules=EXPERT_RULES
     ),
 }
 
@@ -145,14 +145,14 @@ def axis_rules(sizes: Mapping[str, int] | None = None) -> dict[str, str]:
     }
 
 
-def context_axes(sizes: Mapping[str, int]) -> dict[str, Group | None]:
+def shard_context_axes(sizes: Mapping[str, int]) -> dict[str, Group | None]:
     """The mesh axes the model's ``ShardContext`` is bound to on a mesh of ``sizes``: ``data_axis``,
-    the gradient group (:func:`data_group`), and each :attr:`AxisRole.context_field`: its axis where
+    the gradient group (:func:`data_group`), and each :attr:`AxisRole.shard_context_field`: its axis where
     it is split (or :attr:`AxisRole.bound_at_size_one`), else None."""
     out: dict[str, Group | None] = {"data_axis": data_group(sizes)}
     for axis, role in AXIS_ROLES.items():
-        if role.context_field is not None:
-            out[role.context_field] = axis if role.bound_at_size_one or sizes.get(axis, 1) > 1 else None
+        if role.shard_context_field is not None:
+            out[role.shard_context_field] = axis if role.bound_at_size_one or sizes.get(axis, 1) > 1 else None
     return out
 
 

@@ -115,4 +115,4 @@ def _llama_logits(ctx, params, inputs):
 
 def llama_logits(params, model_cfg, inputs) -> np.ndarray:
     """Single-device logits of a llama-family model (one compile per model config: the context is hashable)."""
-    return np.asarray(_llama_logits(llama.context_for(model_cfg), params, jnp.asarray(inputs)))
+    return np.asarray(_llama_logits(llama.shard_context_for(model_cfg), params, jnp.asarray(inputs)))

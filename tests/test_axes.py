@@ -65,7 +65,7 @@ def _groups_built(setup):
     }
     gathers = zero3.zero3_groups(placements)
     gathered = [group_axes(g) for g in jax.tree.leaves(gathers, is_leaf=zero3.is_group)]
-    ctx = setup.builder.context()
+    ctx = setup.builder.shard_context()
     bound = {f: getattr(ctx, f) for f in ("data_axis", "tensor_axis", "context_axis", "expert_axis")}
     return by_param, gathered, batch_spec(setup.mesh), BatchFeed(setup.mesh, setup.layout).data_split, bound
 

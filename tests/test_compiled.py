@@ -2,7 +2,7 @@
 
 Every layout is AOT-compiled once (module-scoped cache) on the 8 simulated CPU devices of
 ``tests/conftest.py``. The expected bytes are written here from first principles (parameter
-count, b*s*h), independently of :func:`jaxpar.analysis.compiled.expected_collectives`, which is
+count, b*s*h), independently of :func:`jaxpar.analysis.compiled.estimated_collectives`, which is
 checked against the compiler too. ``pytest -s`` prints the measured numbers.
 """
 
@@ -72,7 +72,7 @@ def _print(name: str, r: ca.CompiledReport) -> None:
         ratio = "-" if row.ratio is None else f"{row.ratio:.3f}"
         print(
             f"  {row.kind:15s} {','.join(row.axes):12s} count {row.count:4d}  {row.bytes_per_device / 1e6:9.4f} MB"
-            f"  expected {row.expected_bytes / 1e6:9.4f} MB  ratio {ratio}"
+            f"  expected {row.estimated_bytes / 1e6:9.4f} MB  ratio {ratio}"
         )
     print(
         f"  memory: argument {mem.argument_bytes / 2**20:.3f} MiB (ratio {mem.argument_ratio:.4f}), temp "
@@ -274,7 +274,7 @@ def test_unsplittable_parameters_fall_back_to_all_reduce_every_microbatch(layout
     n, m, params = cfg.mesh.data, cfg.parallel.microbatches, count_params(cfg.model)
     assert r.count("reduce-scatter", "data") == 0 and r.count("all-gather", "data") == 0
     assert r.bytes("all-reduce", "data") == pytest.approx(m * 2 * (n - 1) / n * params * 4, rel=0.10)
-    assert r.memory.argument_bytes == ca.expected_memory(cfg, validate(cfg))["argument_bytes"]  # nothing sharded
+    assert r.memory.argument_bytes == ca.estimated_memory(cfg, validate(cfg))["argument_bytes"]  # nothing sharded
 
 
 def test_zero3_gathers_parameters_forward_and_backward(layout):
@@ -303,7 +303,7 @@ def test_zero3_without_remat_gathers_weights_again_in_backward(layout):
     layers, h = cfg.model.num_layers, cfg.model.embed_dim
     matrices = [op for op in _ops(r, "all-gather", ("data",)) if op.size_bytes > 4 * h and op.executions == layers]
     assert sum(op.executions for op in matrices) == 2 * (BLOCK_LEAVES - 2) * layers
-    assert r.bytes("all-gather", "data") == pytest.approx(r.row("all-gather", ("data",)).expected_bytes, rel=0.01)
+    assert r.bytes("all-gather", "data") == pytest.approx(r.row("all-gather", ("data",)).estimated_bytes, rel=0.01)
 
 
 # --------------------------------------------------------------------------- tensor axis
@@ -356,12 +356,12 @@ def test_sequence_parallel_replaces_all_reduces_with_gather_scatter_pairs(layout
      ("d2_t2", ("data",)), ("d4_t2_zero2", ("data",))],
 )  # fmt: skip
 def test_bytes_per_device_match_expected_collectives(layout, name, axes):
-    """Every (kind, axes) row within 10% of expected_collectives (rows under 1 kB exempt). TP
+    """Every (kind, axes) row within 10% of estimated_collectives (rows under 1 kB exempt). TP
     layouts' tensor rows are in test_tp_all_reduce_bytes_match_megatron."""
     _, r = layout(name)
     checked = [row for row in r.rows if axes is None or row.axes == axes]
     for row in checked:
-        if max(row.bytes_per_device, row.expected_bytes) >= 1e3:
+        if max(row.bytes_per_device, row.estimated_bytes) >= 1e3:
             assert row.ratio == pytest.approx(1.0, abs=0.10), (row.kind, row.axes, row.ratio)
     assert checked
 
@@ -377,7 +377,7 @@ def test_zero3_collectives_are_derived_once_and_exact(layout):
     cfg, r = layout("zero3")
     data = {row.kind: row for row in r.rows if row.axes == ("data",)}
     for kind in ("all-gather", "reduce-scatter"):
-        assert data[kind].bytes_per_device == pytest.approx(data[kind].expected_bytes, rel=1e-12), kind
+        assert data[kind].bytes_per_device == pytest.approx(data[kind].estimated_bytes, rel=1e-12), kind
     planner = communication(cfg.model, validate(cfg), None, 4, convention="jaxpar")["data"].bytes
     assert planner == pytest.approx(data["all-gather"].bytes_per_device + data["reduce-scatter"].bytes_per_device)
 
@@ -394,9 +394,9 @@ def test_accumulated_gradient_sharded_with_microbatches(layout):
     """4 microbatches, data=8, remat full: ZeRO-2 keeps the fp32 accumulation buffer sharded, so its
     temporaries sit about 7/8 of the gradient bytes below ZeRO-1's; ZeRO-3 shards parameters too."""
     (cfg, z1), (_, z2), (_, z3) = layout("zero1"), layout("zero2"), layout("zero3")
-    grad_full = ca.expected_memory(cfg, validate(cfg))["grad_buffer_bytes"]
+    grad_full = ca.estimated_memory(cfg, validate(cfg))["grad_buffer_bytes"]
     zero2 = _config("zero2")
-    grad_sharded = ca.expected_memory(zero2, validate(zero2))["grad_buffer_bytes"]
+    grad_sharded = ca.estimated_memory(zero2, validate(zero2))["grad_buffer_bytes"]
     drop = z1.memory.temp_bytes - z2.memory.temp_bytes
     print(
         f"\n  temp MiB: zero1 {z1.memory.temp_bytes / 2**20:.2f}, zero2 {z2.memory.temp_bytes / 2**20:.2f}, "
@@ -472,10 +472,10 @@ def test_inspect_json(capsys):
     ]
     assert run_inspect(argparse.Namespace(config=TINY, overrides=small, json=True, ops=False)) == 0
     out = json.loads(capsys.readouterr().out)
-    assert {"collectives", "memory", "expected", "layout"} <= set(out)
+    assert {"collectives", "memory", "estimated", "layout"} <= set(out)
     row = next(c for c in out["collectives"] if c["kind"] == "all-reduce" and c["axes"] == ["data"])
     assert row["ratio"] == pytest.approx(1.0, abs=0.1) and row["count"] >= 1
-    assert out["memory"]["argument_bytes"] == out["memory"]["expected_argument_bytes"]
+    assert out["memory"]["argument_bytes"] == out["memory"]["estimated_argument_bytes"]
 
 
 def test_inspect_table_renders(layout):
@@ -524,7 +524,7 @@ def test_inspect_prints_the_pipeline_schedule(capsys):
     assert [st["stage"] for st in out["stages"]] == [0, 1]
     for st in out["stages"]:
         for axis in ("data", "tensor", "pipeline"):
-            assert st[axis] == pytest.approx(st["expected"][axis], rel=0.01), (st["stage"], axis)
+            assert st[axis] == pytest.approx(st["estimated"][axis], rel=0.01), (st["stage"], axis)
     # the last stage runs its forward inside its backward tick (and the head): stage 0's backward
     # reads its stash, so neither runs a forward twice
     assert out["stages"][0]["tensor"] < out["stages"][1]["tensor"]

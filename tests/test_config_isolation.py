@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from jaxpar import config, isolated
+from jaxpar.config import loading
 from jaxpar.environment import check_environment
 from jaxpar.errors import ConfigError
 from tests.fuzzkit import cli_refused
@@ -63,7 +64,7 @@ def test_a_thread_the_config_starts_does_not_keep_jaxpar_alive(tmp_path):
 def test_the_values_come_back_exactly(fork, monkeypatch):
     """Each shipped config through the child equals the same file run in this process, type for type."""
     monkeypatch.setattr(isolated, "fork_is_safe", lambda: fork)
-    monkeypatch.setattr(config, "_VALUES", {})  # every file through the child here, none from earlier loads
+    monkeypatch.setattr(loading, "_VALUES", {})  # every file through the child here, none from earlier loads
     for path in CONFIGS[:3] if not fork else CONFIGS:
         here = config.merge_into_defaults(config.config_file_values(str(path)), source=str(path)).to_dict()
         there = config.load_config(str(path)).to_dict()

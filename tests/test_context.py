@@ -126,7 +126,7 @@ def test_blockwise_model_matches_dot_product(seq):
     tokens = jax.random.randint(jax.random.key(1), (2, seq + 1), 0, cfg.model.vocab_size)
 
     def loss_and_grads(attention):
-        ctx = model.context(attention=attention, attention_block=16)
+        ctx = model.shard_context(attention=attention, attention_block=16)
         return jax.jit(jax.value_and_grad(lambda p: model.loss_sum(p, tokens, ctx)))(params)
 
     (loss_ref, g_ref), (loss, g) = loss_and_grads("dot_product"), loss_and_grads("blockwise")

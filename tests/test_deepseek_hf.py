@@ -81,7 +81,7 @@ def test_logits_match_transformers(hf_dir):
     assert float(jnp.abs(params["blocks"]["moe"]["expert_bias"]).max()) > 0.01  # the bias was read
     tokens = np.random.default_rng(0).integers(0, 64, size=(2, 16))
     model = get_model(model_cfg)
-    ctx = model.context()
+    ctx = model.shard_context()
     x = model.embed(params, jnp.asarray(tokens), ctx)
     x = model.run_blocks(x, params["blocks"], jnp.arange(16), ctx)
     got = np.asarray(llama.logits_local(params, x, ctx))

@@ -226,8 +226,8 @@ def test_the_mask_reaches_the_model():
     packed = jnp.asarray(_rows(cfg, rng)[:2])
     clean = jnp.asarray(rng.integers(4, cfg.model.vocab_size, size=packed.shape))
     ctx, ctx_plain = (
-        model.context(attention="blockwise", attention_block=8),
-        plain.context(attention="blockwise", attention_block=8),
+        model.shard_context(attention="blockwise", attention_block=8),
+        plain.shard_context(attention="blockwise", attention_block=8),
     )
     masked = jax.jit(lambda tokens: model.loss_sum(params, tokens, ctx))
     causal_loss = jax.jit(lambda tokens: plain.loss_sum(params, tokens, ctx_plain))
@@ -276,6 +276,6 @@ def test_a_path_without_document_ids_is_refused():
     from jaxpar.models import get_model
 
     model = get_model(cfg.model)
-    ctx = model.context(attention="blockwise", attention_block=8)
+    ctx = model.shard_context(attention="blockwise", attention_block=8)
     with pytest.raises(ConfigError, match="model.attention_mask=block_causal is not supported on this path"):
         ctx.documents()

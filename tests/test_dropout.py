@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, validate
-from jaxpar.models.llama import context_for
+from jaxpar.models.llama import shard_context_for
 from jaxpar.ops import attention as attn
 from jaxpar.ops import dropout
 from jaxpar.parallel import pipeline
@@ -213,7 +213,7 @@ def test_dropout_changes_the_loss(reference):
 
 
 def _ctx(rate=0.0, attention_rate=0.0, seed=0, step=0, layer=0, rows=None):
-    ctx = dataclasses.replace(context_for(tiny_config().model), dropout=rate, attention_dropout=attention_rate)
+    ctx = dataclasses.replace(shard_context_for(tiny_config().model), dropout=rate, attention_dropout=attention_rate)
     noise = dropout.Noise(
         dropout.step_key(seed, jnp.int32(step)), jnp.arange(8, dtype=jnp.int32) if rows is None else rows, layer
     )

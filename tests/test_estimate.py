@@ -141,10 +141,12 @@ def test_tensor_parallel_replicates_norms_and_pipeline_places_embeddings():
     assert E._held_elements(tied, E.ParallelLayout(pipeline=4), "last", False) == pytest.approx(last)
     # jaxpar's pipeline (the `jaxpar` convention): every stage holds one V x h table (its `ends`
     # slot: embedding first, head last) and the final norm; tied, the one shared table.
-    for stage in ("first", "last"):
-        held = E.model_states(m, E.ParallelLayout(pipeline=4), stage).params_bytes / 4
+    for pipeline_stage in ("first", "last"):
+        held = E.model_states(m, E.ParallelLayout(pipeline=4), pipeline_stage).params_bytes / 4
         assert held == pytest.approx(8 * layer + v * h + h)
-        assert E.model_states(tied, E.ParallelLayout(pipeline=4), stage).params_bytes / 4 == pytest.approx(held)
+        assert E.model_states(tied, E.ParallelLayout(pipeline=4), pipeline_stage).params_bytes / 4 == pytest.approx(
+            held
+        )
 
 
 # --------------------------------------------------------------------------- activations
@@ -255,7 +257,7 @@ def test_pipeline_schedules_hold_the_right_microbatches():
     assert E.inflight_microbatches(inter) == pytest.approx(8 * (1 + 7 / 40))
     assert E.inflight_microbatches(dataclasses.replace(base, pipeline=1)) == 1  # plain accumulation
     mem = E.memory_estimate(m, base, "paper")  # Megatron's 1F1B: p microbatches of L/p layers in flight
-    assert mem.stage == "first" and mem.activation_bytes == pytest.approx(per_layer * 80)
+    assert mem.pipeline_stage == "first" and mem.activation_bytes == pytest.approx(per_layer * 80)
     # jaxpar's 1F1B keeps only the p stage inputs and recomputes one microbatch's stage in its backward tick
     from jaxpar.analysis import activations
 

@@ -1,7 +1,7 @@
 """Fuzz: generated bad values for every config field, through a config file and through
 ``--config.x=v`` overrides; each must be refused in one line naming the field.
 
-The oracle is the table below (independent of jaxpar/config.py): for every field, values outside
+The oracle is the table below (independent of jaxpar/config/): for every field, values outside
 its domain. A new field without an entry fails :func:`test_every_field_has_bad_values`.
 """
 

@@ -133,7 +133,7 @@ def _memory(name: str, layout: ParallelLayout):
 def _check(name: str, layout: ParallelLayout) -> tuple[float, float]:
     mem = _memory(name, layout)
     print(
-        f"\n  {name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.expected_temp_bytes / 2**20:.2f} "
+        f"\n  {name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.estimated_temp_bytes / 2**20:.2f} "
         f"(ratio {mem.temp_ratio:.3f}); peak ratio {mem.peak_ratio:.3f}; args ratio {mem.argument_ratio:.4f}"
     )
     return mem.temp_ratio, mem.peak_ratio
@@ -159,7 +159,7 @@ def _saved(model_cfg, layout: ParallelLayout, policy: str) -> float:
     from jaxpar.ops.remat import remat_policy
 
     m = get_model(model_cfg)
-    ctx = m.context(attention=layout.attention, attention_block=layout.attention_block)
+    ctx = m.shard_context(attention=layout.attention, attention_block=layout.attention_block)
     layer = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), m.abstract_params()["blocks"])
     b, s, h = layout.microbatch_size, layout.seq_len, model_cfg.embed_dim
     pos = jnp.arange(s)
@@ -221,7 +221,7 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
         want,
         dropped,
     )
-    assert on.expected_temp_bytes - off.expected_temp_bytes == pytest.approx(want)
+    assert on.estimated_temp_bytes - off.estimated_temp_bytes == pytest.approx(want)
 
 
 ZB_PAIRS = {"p2_m4": ("pp2_zbh1", "pp2_1f1b_none")} | ({"p4_m8": ("pp4_m8_zbh1", "pp4_m8_1f1b")} if SLOW else {})

@@ -62,12 +62,12 @@ def test_moe_estimates_match_compiled(name):
     mem = report.memory
     arguments = mem.argument_bytes / estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
     if report.stages:  # a pipeline: the expert bytes of every stage beside its estimate
-        expert = [st[MeshAxis.EXPERT] / st["expected"][MeshAxis.EXPERT] for st in report.stages]
+        expert = [st[MeshAxis.EXPERT] / st["estimated"][MeshAxis.EXPERT] for st in report.stages]
     else:
         expert = [r.ratio for r in report.rows if r.axes == (MeshAxis.EXPERT,) and r.kind != "all-reduce"]
     print(
         f"\n  {name}: arguments {arguments:.5f}, expert {', '.join(f'{x:.4f}' for x in expert)}, temp "
-        f"{mem.temp_bytes / 2**20:.2f} MiB est {mem.expected_temp_bytes / 2**20:.2f} (ratio {mem.temp_ratio:.3f}), "
+        f"{mem.temp_bytes / 2**20:.2f} MiB est {mem.estimated_temp_bytes / 2**20:.2f} (ratio {mem.temp_ratio:.3f}), "
         f"peak {mem.peak_ratio:.3f}"
     )
     assert arguments == pytest.approx(1, abs=ARGUMENT_BOUND)

@@ -108,7 +108,7 @@ def test_zero3_dims_tree_matches_the_layouts():
     assert jax.tree.structure(dims) == jax.tree.structure(setup.train_form.abstract)
     assert dims["blocks"]["attn"]["wq"] == 1 and dims["embed"] == 1  # embed dim (tensor splits heads / vocab)
     assert zero3.layer_dims(dims["blocks"])["attn"]["wq"] == 0
-    assert setup.builder.context().zero3
+    assert setup.builder.shard_context().zero3
     assert zero3.zero3_dims(make_setup(tiny_config()).train_form.placements) is None
 
 
@@ -161,7 +161,7 @@ class ToyMlp(Model):
             "head": ("embed", "vocab"),
         }
 
-    def context(self, **parallel):
+    def shard_context(self, **parallel):
         return ShardContext(compute_dtype=self.cfg.compute_dtype, **parallel)
 
     def embed(self, params, tokens, ctx):
@@ -214,12 +214,12 @@ def test_a_third_family_trains_on_two_devices(toy, toy_replicated, layout):
     m = cfg.model
     assert inventory.count_params(m) == 2 * m.vocab_size * m.embed_dim + 2 * m.num_layers * m.embed_dim * m.mlp_dim
     history, params, setup = run_steps(cfg, 2)
-    assert setup.builder.context().zero3 == (cfg.parallel.zero_stage == 3)  # ZeRO-3: layers gathered from shards
+    assert setup.builder.shard_context().zero3 == (cfg.parallel.zero_stage == 3)  # ZeRO-3: layers gathered from shards
     assert (setup.pipeline is not None) == (cfg.mesh.pipeline == 2)
     model = models.get_model(m)
     rng = np.random.default_rng(0)  # the batch run_steps drew
     rows = rng.integers(0, m.vocab_size, size=(cfg.train.global_batch, cfg.train.seq_len + 1))
-    want = model.loss_sum(model.init(jax.random.key(0)), jnp.asarray(rows), model.context())
+    want = model.loss_sum(model.init(jax.random.key(0)), jnp.asarray(rows), model.shard_context())
     assert history[0]["loss"] == pytest.approx(float(want) / rows[:, 1:].size, rel=1e-5)
     assert history[0]["loss"] == pytest.approx(toy_replicated[0][0]["loss"], rel=1e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(toy_replicated[1])):

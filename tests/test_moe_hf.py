@@ -78,7 +78,7 @@ def test_logits_match_transformers(hf_dir):
     model_cfg.compute_dtype = "float32"
     params = weights.load_checked(path, model_cfg)
     tokens = np.random.default_rng(0).integers(0, 64, size=(2, 16))
-    ctx = llama.context_for(model_cfg)
+    ctx = llama.shard_context_for(model_cfg)
     x = llama.embed_tokens(params, jnp.asarray(tokens), ctx)
     x = llama.run_blocks(x, params["blocks"], jnp.arange(16), ctx)
     got = np.asarray(llama.logits_local(params, x, ctx))

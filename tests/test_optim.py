@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.analysis.expected import expected_memory
+from jaxpar.analysis.expected import estimated_memory
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layout import ParallelLayout
@@ -120,7 +120,7 @@ def test_state_memory_and_skipped_step(name):
     cfg = _cfg(name, "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.parallel.zero_stage=1")
     setup = make_setup(cfg)
     compiled = setup.lower_train_step().compile()
-    expected = expected_memory(cfg, setup.layout, setup.train_form.placements)
+    expected = estimated_memory(cfg, setup.layout, setup.train_form.placements)
     got = compiled.memory_analysis().argument_size_in_bytes
     assert got == pytest.approx(expected["argument_bytes"], rel=0.01), (got, expected)
 

@@ -66,9 +66,9 @@ def test_frequencies_are_metas(head_dim, theta, scaling):
 
 def test_no_scaling_is_plain_rope():
     cfg = tiny_config()
-    assert cfg.model.rope_scaling == "none" and llama.context_for(cfg.model).rope_scaling is None
+    assert cfg.model.rope_scaling == "none" and llama.shard_context_for(cfg.model).rope_scaling is None
     cfg = tiny_config("--config.model.rope_scaling=llama3", "--config.model.rope_scaling_factor=16")
-    assert llama.context_for(cfg.model).rope_scaling == llama.RopeScaling(16.0, 1.0, 4.0, 8192)
+    assert llama.shard_context_for(cfg.model).rope_scaling == llama.RopeScaling(16.0, 1.0, 4.0, 8192)
 
 
 @pytest.mark.parametrize(

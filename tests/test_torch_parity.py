@@ -63,7 +63,7 @@ def test_logits_loss_and_grads_match(hf_dir):
     t = torch.from_numpy(batch).long()
     out = model(input_ids=t, labels=t)  # HF shifts the labels: mean over BATCH * SEQ next-token losses
     out.loss.backward()
-    ctx = llama.context_for(model_cfg)
+    ctx = llama.shard_context_for(model_cfg)
     loss_fn = jax.jit(jax.value_and_grad(lambda p, b: llama.loss_sum(p, b, ctx) / (BATCH * SEQ)))
     loss, grads = loss_fn(params, jnp.asarray(batch))
     print(f"loss: torch {out.loss.item():.8f} jaxpar {float(loss):.8f}")

@@ -165,15 +165,15 @@ class AotComparison:
             "temp_ratio": self.temp_ratio,
             "memory": {
                 "argument_bytes": self.argument_bytes,
-                "expected_argument_bytes": self.estimated_argument_bytes,
+                "estimated_argument_bytes": self.estimated_argument_bytes,
                 "temp_bytes": self.temp_bytes,
-                "expected_temp_bytes": self.estimated_temp_bytes,
+                "estimated_temp_bytes": self.estimated_temp_bytes,
                 "temp_ratio": self.temp_ratio,
                 "peak_bytes": self.peak_bytes,
-                "expected_peak_bytes": self.estimated_peak_bytes,
+                "estimated_peak_bytes": self.estimated_peak_bytes,
                 "peak_ratio": self.peak_ratio,
                 **(
-                    {"expected_stage_temp_bytes": self.estimated_stage_temp_bytes}
+                    {"estimated_stage_temp_bytes": self.estimated_stage_temp_bytes}
                     if self.estimated_stage_temp_bytes
                     else {}
                 ),
@@ -235,8 +235,8 @@ def aot_compare(
         estimated_bytes=_estimated_axis_bytes(comm, layout),
         argument_bytes=mem.argument_bytes if mem else None,
         temp_bytes=mem.temp_bytes if mem else None,
-        estimated_temp_bytes=(mem.expected_temp_bytes or 0.0) if mem else 0.0,
-        estimated_stage_temp_bytes=list(mem.expected_stage_temp_bytes) if mem else [],
+        estimated_temp_bytes=(mem.estimated_temp_bytes or 0.0) if mem else 0.0,
+        estimated_stage_temp_bytes=list(mem.estimated_stage_temp_bytes) if mem else [],
         peak_terms=peak_terms(lcfg.model, layout, lcfg.optim),
         compiled_bytes=compiled_axis_bytes(report, layout),
         stage_bytes=list(report.stages),

@@ -8,7 +8,7 @@ of the while loops around it, and priced as ring traffic per device (nccl-tests 
 NCCL's nccl-tests PERFORMANCE.md): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the
 full array (the all-gather output, the reduce-scatter input), all-to-all (n-1)/n*S,
 collective-permute S. :func:`analyze_layout` compiles a config's step from abstract arrays and
-puts the formula values of :func:`expected_collectives` and :func:`expected_memory` beside
+puts the formula values of :func:`estimated_collectives` and :func:`estimated_memory` beside
 each measurement.
 
 Device ids in replica groups are SPMD partition ids (``use_global_device_ids`` with one
@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxpar.analysis.collective_order import unordered_in
 from jaxpar.analysis.estimate import safe_ratio
-from jaxpar.analysis.expected import expected_collectives, expected_memory
+from jaxpar.analysis.expected import estimated_collectives, estimated_memory
 from jaxpar.analysis.hlo import (  # noqa: F401 - parse_hlo, parse_replica_groups, shape_bytes: re-exported
     OP_NAME,
     Instr,
@@ -76,27 +76,27 @@ class CollectiveOp:
 
 @dataclasses.dataclass
 class CollectiveRow:
-    """Collectives of one (kind, axes), measured and expected (formula) per device per step."""
+    """Collectives of one (kind, axes), measured and estimated (formula) per device per step."""
 
     kind: str
     axes: tuple[str, ...]
     count: int  # executions per step of the compiled ops (combined ops count once)
     bytes_per_device: float
-    expected_bytes: float | None = None
-    expected_count: int | None = None  # logical collectives in the formula (before XLA combines)
+    estimated_bytes: float | None = None
+    estimated_count: int | None = None  # logical collectives in the formula (before XLA combines)
 
     @property
     def ratio(self) -> float | None:
-        return safe_ratio(self.bytes_per_device, self.expected_bytes)
+        return safe_ratio(self.bytes_per_device, self.estimated_bytes)
 
 
 @dataclasses.dataclass
 class MemoryReport:
-    """``compiled.memory_analysis()`` per device, bytes; expected values from the formulas.
+    """``compiled.memory_analysis()`` per device, bytes; estimated values from the formulas.
 
-    ``expected_temp_bytes``: :func:`jaxpar.analysis.activations.expected_temp_bytes` (the busiest
+    ``estimated_temp_bytes``: :func:`jaxpar.analysis.activations.expected_temp_bytes` (the busiest
     pipeline stage: every device runs the same program, whose temp buffer fits all stages);
-    ``expected_stage_temp_bytes``: each stage's. The peak is arguments + temporaries.
+    ``estimated_stage_temp_bytes``: each stage's. The peak is arguments + temporaries.
     """
 
     argument_bytes: int
@@ -104,36 +104,36 @@ class MemoryReport:
     temp_bytes: int
     alias_bytes: int
     generated_code_bytes: int
-    expected_argument_bytes: float | None = None
-    expected_output_bytes: float | None = None
-    expected_temp_bytes: float | None = None
-    expected_stage_temp_bytes: list[float] = dataclasses.field(default_factory=list)
+    estimated_argument_bytes: float | None = None
+    estimated_output_bytes: float | None = None
+    estimated_temp_bytes: float | None = None
+    estimated_stage_temp_bytes: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def argument_ratio(self) -> float | None:
-        return safe_ratio(self.argument_bytes, self.expected_argument_bytes)
+        return safe_ratio(self.argument_bytes, self.estimated_argument_bytes)
 
     @property
     def temp_ratio(self) -> float | None:
-        return safe_ratio(self.temp_bytes, self.expected_temp_bytes)
+        return safe_ratio(self.temp_bytes, self.estimated_temp_bytes)
 
     @property
     def peak_bytes(self) -> int:
         return self.argument_bytes + self.temp_bytes
 
     @property
-    def expected_peak_bytes(self) -> float | None:
-        if self.expected_argument_bytes is None or self.expected_temp_bytes is None:
+    def estimated_peak_bytes(self) -> float | None:
+        if self.estimated_argument_bytes is None or self.estimated_temp_bytes is None:
             return None
-        return self.expected_argument_bytes + self.expected_temp_bytes
+        return self.estimated_argument_bytes + self.estimated_temp_bytes
 
     @property
     def peak_ratio(self) -> float | None:
-        return safe_ratio(self.peak_bytes, self.expected_peak_bytes)
+        return safe_ratio(self.peak_bytes, self.estimated_peak_bytes)
 
     @property
     def output_ratio(self) -> float | None:
-        return safe_ratio(self.output_bytes, self.expected_output_bytes)
+        return safe_ratio(self.output_bytes, self.estimated_output_bytes)
 
     @property
     def args_plus_temps_mib(self) -> float:
@@ -142,13 +142,13 @@ class MemoryReport:
 
 @dataclasses.dataclass
 class CompiledReport:
-    """Collectives by (kind, axes), the per-op list, memory, and what the formulas expect."""
+    """Collectives by (kind, axes), the per-op list, memory, and what the formulas estimate."""
 
     rows: list[CollectiveRow]
     ops: list[CollectiveOp]
     memory: MemoryReport | None
     layout: dict[str, Any] = dataclasses.field(default_factory=dict)
-    expected: dict[str, Any] = dataclasses.field(default_factory=dict)
+    estimated: dict[str, Any] = dataclasses.field(default_factory=dict)
     flops: float | None = None  # cost_analysis() of one device's program
     trivial_ops: int = 0  # collectives over single-device groups (no traffic)
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -174,8 +174,8 @@ class CompiledReport:
         """Ring bytes per device per step, over all rows or the rows that involve ``axis``."""
         return sum(r.bytes_per_device for r in self.rows if axis is None or axis in r.axes)
 
-    def total_expected_bytes(self, axis: str | None = None) -> float:
-        return sum(r.expected_bytes or 0.0 for r in self.rows if axis is None or axis in r.axes)
+    def total_estimated_bytes(self, axis: str | None = None) -> float:
+        return sum(r.estimated_bytes or 0.0 for r in self.rows if axis is None or axis in r.axes)
 
     def axis_bytes(self, axis: str) -> float:
         """Ring bytes per device per step counted under ``axis`` (:func:`counted_axes`)."""
@@ -190,13 +190,13 @@ class CompiledReport:
                 output_ratio=self.memory.output_ratio,
                 temp_ratio=self.memory.temp_ratio,
                 peak_bytes=self.memory.peak_bytes,
-                expected_peak_bytes=self.memory.expected_peak_bytes,
+                estimated_peak_bytes=self.memory.estimated_peak_bytes,
                 peak_ratio=self.memory.peak_ratio,
             )
         return {
             "collectives": [dataclasses.asdict(r) | {"axes": list(r.axes), "ratio": r.ratio} for r in self.rows],
             "memory": mem,
-            "expected": self.expected,
+            "estimated": self.estimated,
             "layout": self.layout,
             "flops": self.flops,
             "trivial_ops": self.trivial_ops,
@@ -260,15 +260,15 @@ def analyze_compiled(
     compiled: Any,
     mesh: Any,
     *,
-    expected: dict | None = None,
-    expected_memory: dict | None = None,
+    estimated: dict | None = None,
+    estimated_memory: dict | None = None,
     pipeline: Any = None,
 ) -> CompiledReport:
     """Collectives (by kind and mesh axes, bytes per device per step) and memory of ``compiled``.
 
-    ``expected`` (from :func:`expected_collectives`) and ``expected_memory`` put the formula values
+    ``estimated`` (from :func:`estimated_collectives`) and ``estimated_memory`` put the formula values
     beside the measurements: rows the formulas expect but the program lacks appear with count 0,
-    rows the formulas do not expect get expected bytes 0.
+    rows the formulas do not expect get estimated bytes 0.
 
     ``pipeline`` (a :class:`jaxpar.parallel.pipeline.Pipeline`): the step runs a schedule, whose ticks take
     one branch of each switch per device. Every collective is then counted exactly, per stage: its
@@ -320,19 +320,19 @@ def analyze_compiled(
             row = rows.setdefault((op.kind, op.axes), CollectiveRow(op.kind, op.axes, 0, 0.0))
             row.count += op.executions
             row.bytes_per_device += op.bytes_per_device
-    for (kind, axes), exp in (expected or {}).items():
+    for (kind, axes), exp in (estimated or {}).items():
         row = rows.setdefault((kind, axes), CollectiveRow(kind, axes, 0, 0.0))
-        row.expected_bytes, row.expected_count = exp["bytes_per_device"], exp["count"]
+        row.estimated_bytes, row.estimated_count = exp["bytes_per_device"], exp["count"]
     for row in rows.values():
-        if row.expected_bytes is None and expected is not None:
-            row.expected_bytes, row.expected_count = 0.0, 0
+        if row.estimated_bytes is None and estimated is not None:
+            row.estimated_bytes, row.estimated_count = 0.0, 0
     order = {k: i for i, k in enumerate(KINDS)}
     sorted_rows = sorted(rows.values(), key=lambda r: (order[r.kind], len(r.axes), r.axes))
     return CompiledReport(
         rows=sorted_rows,
         ops=ops,
-        memory=_memory(compiled, expected_memory or {}),
-        expected={"collectives": _expected_json(expected or {}), "memory": expected_memory or {}},
+        memory=_memory(compiled, estimated_memory or {}),
+        estimated={"collectives": _estimated_json(estimated or {}), "memory": estimated_memory or {}},
         flops=_flops(compiled),
         trivial_ops=trivial,
         warnings=warnings,
@@ -344,8 +344,8 @@ def analyze_compiled(
 _SEND_SCOPE = re.compile(r"pp_send_(fwdv|bwdv|fwd|bwd)_(\d+)")
 
 
-def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
-    """Share of the schedule loop's ticks in which ``stage`` runs the branch holding a collective,
+def pipeline_fraction(op_name: str, pipeline: Any, pipeline_stage: int) -> float:
+    """Share of the schedule loop's ticks in which ``pipeline_stage`` runs the branch holding a collective,
     read from the named scopes of :mod:`jaxpar.parallel.pipeline` in its op_name (1 outside the loop).
 
     1F1B / interleaved (one loop of ``table.ticks``): ``pp_forward`` / ``pp_backward`` where the
@@ -366,16 +366,16 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
         ticks = np.arange(m + p - 1)
         ok = np.ones(len(ticks), bool)
         if pl.SCOPE_WORK in tags:
-            ok &= (ticks - stage >= 0) & (ticks - stage < m)
+            ok &= (ticks - pipeline_stage >= 0) & (ticks - pipeline_stage < m)
         if pl.SCOPE_FIRST in tags:
-            ok &= stage == 0
+            ok &= pipeline_stage == 0
         if pl.SCOPE_LAST in tags:
-            ok &= stage == p - 1
+            ok &= pipeline_stage == p - 1
         if send:
             ok &= prog.pattern[send.group(1)][: len(ticks)] == int(send.group(2))
         return float(ok.mean())
-    kind, chunk = prog.per_stage["kind"][:, stage], prog.per_stage["chunk"][:, stage]
-    k = np.array([pl.virtual_stage(table.schedule, p, int(c), stage) for c in chunk])
+    kind, chunk = prog.per_stage["kind"][:, pipeline_stage], prog.per_stage["chunk"][:, pipeline_stage]
+    k = np.array([pl.virtual_stage(table.schedule, p, int(c), pipeline_stage) for c in chunk])
     is_first, is_last = k == 0, k == p * v - 1
     ok = np.ones(table.ticks, bool)
     if pl.SCOPE_FORWARD in tags:
@@ -398,17 +398,17 @@ def pipeline_fraction(op_name: str, pipeline: Any, stage: int) -> float:
 
 
 def _stage_rows(
-    ops: list[CollectiveOp], pipeline: Any, stage: int, coords: np.ndarray, names: tuple[str, ...]
+    ops: list[CollectiveOp], pipeline: Any, pipeline_stage: int, coords: np.ndarray, names: tuple[str, ...]
 ) -> dict[tuple[str, tuple[str, ...]], CollectiveRow]:
     """Rows of one pipeline stage (its device at data = tensor = 0)."""
     device = next(
         i
         for i, c in enumerate(coords)
-        if all(c[k] == (stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names))
+        if all(c[k] == (pipeline_stage if name == MeshAxis.PIPELINE else 0) for k, name in enumerate(names))
     )
     rows: dict[tuple[str, tuple[str, ...]], CollectiveRow] = {}
     for op in ops:
-        share = pipeline_fraction(op.op_name, pipeline, stage)
+        share = pipeline_fraction(op.op_name, pipeline, pipeline_stage)
         executions = op.executions * share
         if not executions:
             continue
@@ -421,11 +421,11 @@ def _stage_rows(
     return rows
 
 
-def _expected_json(expected: dict) -> list[dict[str, Any]]:
-    return [{"kind": k, "axes": list(a), **v} for (k, a), v in expected.items()]
+def _estimated_json(estimated: dict) -> list[dict[str, Any]]:
+    return [{"kind": k, "axes": list(a), **v} for (k, a), v in estimated.items()]
 
 
-def _memory(compiled: Any, expected_memory: dict) -> MemoryReport | None:
+def _memory(compiled: Any, estimated_memory: dict) -> MemoryReport | None:
     try:
         stats = compiled.memory_analysis()
     except Exception:  # some backends do not implement it
@@ -438,8 +438,8 @@ def _memory(compiled: Any, expected_memory: dict) -> MemoryReport | None:
         temp_bytes=int(stats.temp_size_in_bytes),
         alias_bytes=int(stats.alias_size_in_bytes),
         generated_code_bytes=int(stats.generated_code_size_in_bytes),
-        expected_argument_bytes=expected_memory.get("argument_bytes"),
-        expected_output_bytes=expected_memory.get("output_bytes"),
+        estimated_argument_bytes=estimated_memory.get("argument_bytes"),
+        estimated_output_bytes=estimated_memory.get("output_bytes"),
     )
 
 
@@ -518,12 +518,12 @@ def analyze_layout(
         report = analyze_compiled(
             compiled,
             setup.mesh,
-            expected=expected_collectives(cfg, layout, setup.train_form.placements),
-            expected_memory=expected_memory(cfg, layout, setup.train_form.placements),
+            estimated=estimated_collectives(cfg, layout, setup.train_form.placements),
+            estimated_memory=estimated_memory(cfg, layout, setup.train_form.placements),
         )
     report.layout = report_fields(cfg, layout)
     if report.memory is not None:
-        _expect_temps(report.memory, cfg, layout)
+        _estimate_temps(report.memory, cfg, layout)
     half = {cfg.model.compute_dtype, cfg.parallel.grad_reduce_dtype} & {"bfloat16", "float16"}
     if half and setup.mesh.devices.flat[0].platform == "cpu":
         report.warnings.append(
@@ -534,14 +534,14 @@ def analyze_layout(
     return report
 
 
-def _expect_temps(memory: MemoryReport, cfg: ConfigDict, layout: ParallelLayout) -> None:
+def _estimate_temps(memory: MemoryReport, cfg: ConfigDict, layout: ParallelLayout) -> None:
     """Put the estimated temporaries (:mod:`jaxpar.analysis.activations`, in the dtypes compiled) beside
     the measured ones."""
     from jaxpar.analysis import activations
 
     temps = activations.stage_temps(cfg.model, layout)
-    memory.expected_temp_bytes = max(t.total_bytes for t in temps)
-    memory.expected_stage_temp_bytes = [t.total_bytes for t in temps] if len(temps) > 1 else []
+    memory.estimated_temp_bytes = max(t.total_bytes for t in temps)
+    memory.estimated_stage_temp_bytes = [t.total_bytes for t in temps] if len(temps) > 1 else []
 
 
 def _analyze_pipeline(cfg: ConfigDict, layout: ParallelLayout, setup: Any, compiled: Any) -> CompiledReport:
@@ -553,21 +553,21 @@ def _analyze_pipeline(cfg: ConfigDict, layout: ParallelLayout, setup: Any, compi
     from jaxpar.analysis.traffic import expert_traffic
 
     memory = {"argument_bytes": estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)}
-    report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, expected_memory=memory)
+    report = analyze_compiled(compiled, setup.mesh, pipeline=setup.pipeline, estimated_memory=memory)
     grad_bytes = DTYPE_BYTES[cfg.parallel.grad_reduce_dtype]
     data = communication(cfg.model, layout, None, grad_bytes, "jaxpar")[MeshAxis.DATA]
     for st in report.stages:
         traffic = jaxpar_stage_traffic(cfg.model, layout, st["stage"], grad_bytes)  # ZeRO-2/3: per stage
-        st["expected"] = {
+        st["estimated"] = {
             MeshAxis.DATA: traffic.get(MeshAxis.DATA, (data.bytes,))[0],
             MeshAxis.TENSOR: traffic[MeshAxis.TENSOR][0],
             MeshAxis.PIPELINE: traffic[MeshAxis.PIPELINE][0],
         }
         if layout.expert > 1:
-            st["expected"][MeshAxis.EXPERT] = expert_traffic(cfg.model, layout, st["stage"])[0]
+            st["estimated"][MeshAxis.EXPERT] = expert_traffic(cfg.model, layout, st["stage"])[0]
             if layout.data == 1 and layout.context == 1:  # the reduction runs over expert alone (counted_axes)
-                st["expected"][MeshAxis.EXPERT] += st["expected"][MeshAxis.DATA]
-                st["expected"][MeshAxis.DATA] = 0.0
+                st["estimated"][MeshAxis.EXPERT] += st["estimated"][MeshAxis.DATA]
+                st["estimated"][MeshAxis.DATA] = 0.0
     axes = (MeshAxis.DATA, MeshAxis.TENSOR, MeshAxis.PIPELINE)
     busiest = max(report.stages, key=lambda st: sum(st[a] for a in axes))["stage"]
     report.warnings.append(

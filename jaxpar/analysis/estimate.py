@@ -77,7 +77,7 @@ def zero_paper_states(num_params: float, zero_stage: int, data: int) -> ModelSta
 def model_states(
     model: ConfigDict,
     layout: ParallelLayout,
-    stage: str = "first",
+    pipeline_stage: str = "first",
     convention: str = "jaxpar",
     optim: ConfigDict | None = None,
 ) -> ModelStates:
@@ -98,17 +98,19 @@ def model_states(
     if convention == "paper":
         n = layout.data * layout.context
         if layout.expert == 1:
-            return zero_paper_states(_held_elements(model, layout, stage, False), layout.zero_stage, n)
+            return zero_paper_states(_held_elements(model, layout, pipeline_stage, False), layout.zero_stage, n)
         # MoE: the experts' weights (split over expert) shard over data (x context), the rest over data x expert
         parts = (
-            zero_paper_states(_held_elements(model, layout, stage, False, experts=True), layout.zero_stage, n),
+            zero_paper_states(_held_elements(model, layout, pipeline_stage, False, experts=True), layout.zero_stage, n),
             zero_paper_states(
-                _held_elements(model, layout, stage, False, experts=False), layout.zero_stage, n * layout.expert
+                _held_elements(model, layout, pipeline_stage, False, experts=False),
+                layout.zero_stage,
+                n * layout.expert,
             ),
         )
         return ModelStates(*(a + b for a, b in zip(dataclasses.astuple(parts[0]), dataclasses.astuple(parts[1]))))
-    full = _held_elements(model, layout, stage, False, every_stage=True)
-    zero = _held_elements(model, layout, stage, True, every_stage=True)
+    full = _held_elements(model, layout, pipeline_stage, False, every_stage=True)
+    zero = _held_elements(model, layout, pipeline_stage, True, every_stage=True)
     pb = DTYPE_BYTES[model.param_dtype]
     # optimizer state per parameter: jaxpar.optim.registry's formula (None: AdamW's mu + nu)
     if optim is None:
@@ -178,12 +180,12 @@ def layer_activation_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     return outside + inside + scores + masks
 
 
-def inflight_microbatches(layout: ParallelLayout, stage: str = "first") -> float:
+def inflight_microbatches(layout: ParallelLayout, pipeline_stage: str = "first") -> float:
     """Microbatches whose activations a stage holds at its peak (Narayanan 2021; Korthikanti 2022
     sec. 4.2): 1 at p = 1 (accumulation runs them one after another); GPipe m; 1F1B min(p, m) on the
     first stage, 1 on the last; interleaved p * (1 + (p-1)/(p*v)) on the first."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
-    if p == 1 or (stage == "last" and layout.pipeline_schedule != "gpipe"):
+    if p == 1 or (pipeline_stage == "last" and layout.pipeline_schedule != "gpipe"):
         return 1.0
     if layout.pipeline_schedule == "gpipe":
         return float(m)
@@ -200,7 +202,7 @@ class MemoryEstimate:
     gathered layers as transients."""
 
     convention: str
-    stage: str  # first | last (the heavier one; "first" when p = 1)
+    pipeline_stage: str  # first | last (the heavier one; "first" when p = 1)
     params_bytes: float
     gradient_bytes: float
     optimizer_bytes: float
@@ -239,18 +241,20 @@ def memory_estimate(
 
     temps = activations.stage_temps(model, layout)
     candidates = []
-    for stage, index in (("first", 0), ("last", layout.pipeline - 1)) if layout.pipeline > 1 else (("first", 0),):
-        states, temp = model_states(model, layout, stage, convention, optim), temps[index]
+    for pipeline_stage, index in (
+        (("first", 0), ("last", layout.pipeline - 1)) if layout.pipeline > 1 else (("first", 0),)
+    ):
+        states, temp = model_states(model, layout, pipeline_stage, convention, optim), temps[index]
         act = temp.residual_bytes
         transient = max(0.0, temp.total_bytes - act - states.gradient_bytes)
         candidates.append(
             MemoryEstimate(
                 convention,
-                stage,
+                pipeline_stage,
                 *dataclasses.astuple(states),
                 act,
                 transient,
-                inflight_microbatches(layout, stage),
+                inflight_microbatches(layout, pipeline_stage),
                 temp.total_bytes,
                 tuple(t.total_bytes for t in temps),
             )
@@ -271,10 +275,15 @@ def _paper_memory_estimate(
         transient += layer_activation_bytes(model, dataclasses.replace(layout, recompute="none"))
     logits = LOGITS_BYTES * layout.seq_len * layout.microbatch_size * model.vocab_size / layout.tensor
     candidates = []
-    for stage in ("first", "last") if layout.pipeline > 1 else ("first",):
-        states, inflight = model_states(model, layout, stage, "paper", optim), inflight_microbatches(layout, stage)
-        act = (per_layer + (logits if stage == "last" or layout.pipeline == 1 else 0)) * inflight
-        candidates.append(MemoryEstimate("paper", stage, *dataclasses.astuple(states), act, transient, inflight))
+    for pipeline_stage in ("first", "last") if layout.pipeline > 1 else ("first",):
+        states, inflight = (
+            model_states(model, layout, pipeline_stage, "paper", optim),
+            inflight_microbatches(layout, pipeline_stage),
+        )
+        act = (per_layer + (logits if pipeline_stage == "last" or layout.pipeline == 1 else 0)) * inflight
+        candidates.append(
+            MemoryEstimate("paper", pipeline_stage, *dataclasses.astuple(states), act, transient, inflight)
+        )
     return max(candidates, key=lambda c: c.total_bytes)
 
 
@@ -290,10 +299,10 @@ def bubble_fraction(pipeline: int, microbatches: int, virtual_stages: int = 1, s
     return expected_bubble_fraction(schedule, pipeline, microbatches, virtual_stages)
 
 
-def safe_ratio(measured: float | None, expected: float | None) -> float | None:
-    """measured / expected (a compiled number over its formula); None without a measurement or a
-    non-zero expectation."""
-    return measured / expected if measured is not None and expected else None
+def safe_ratio(measured: float | None, estimated: float | None) -> float | None:
+    """measured / estimated (a compiled number over its formula); None without a measurement or a
+    non-zero estimate."""
+    return measured / estimated if measured is not None and estimated else None
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flops: float) -> float:
@@ -415,7 +424,7 @@ def peak_terms(
 
     mem = memory_estimate(model, layout, "jaxpar", optim)
     temps = activations.stage_temps(model, layout)
-    temp = temps[0 if mem.stage == "first" else layout.pipeline - 1]
+    temp = temps[0 if mem.pipeline_stage == "first" else layout.pipeline - 1]
     batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
     terms = {"parameters": mem.params_bytes, "optimizer state": mem.optimizer_bytes, "batch": batch + 4}
     terms |= temp.terms()

@@ -33,9 +33,9 @@ def _dot_flops(type_text: str, operands: list[str], attrs: str) -> float:
     return 2.0 * out * contracted
 
 
-def executed_dot_flops(hlo_text: str, pipeline: Any = None, stage: int = 0) -> float:
+def executed_dot_flops(hlo_text: str, pipeline: Any = None, pipeline_stage: int = 0) -> float:
     """Dot FLOPs one device runs per call of the module; with ``pipeline`` (a
-    :class:`~jaxpar.parallel.pipeline.Pipeline`), those of pipeline rank ``stage``."""
+    :class:`~jaxpar.parallel.pipeline.Pipeline`), those of pipeline rank ``pipeline_stage``."""
     entry, comps = parse_hlo(hlo_text)
     runs = executions(entry, comps, [], all_branches=pipeline is not None)
     total = 0.0
@@ -49,6 +49,6 @@ def executed_dot_flops(hlo_text: str, pipeline: Any = None, stage: int = 0) -> f
             share = 1.0
             if pipeline is not None:
                 found = OP_NAME.search(ins.attrs)
-                share = pipeline_fraction(found.group(1) if found else "", pipeline, stage)
+                share = pipeline_fraction(found.group(1) if found else "", pipeline, pipeline_stage)
             total += n * share * _dot_flops(ins.type_text, ins.operands, ins.attrs)
     return total

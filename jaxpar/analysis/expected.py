@@ -1,4 +1,4 @@
-"""The formulas' side of ``jaxpar inspect``: expected collectives and memory of a layout.
+"""The formulas' side of ``jaxpar inspect``: the estimated collectives and memory of a layout.
 
 Bytes per device per step for each (collective kind, mesh axes), from the real per-parameter
 placements (:mod:`jaxpar.sharding`) and the step's dtypes, priced as ring traffic (nccl-tests
@@ -81,7 +81,7 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]
     return math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
 
 
-def expected_collectives(
+def estimated_collectives(
     cfg: ConfigDict, layout: ParallelLayout, placements: Any = None
 ) -> dict[tuple[str, tuple[str, ...]], dict]:
     """Formula ring bytes per device per step for each (kind, axes) the layout should compile to.
@@ -118,7 +118,7 @@ def expected_collectives(
     Pipeline placements are not modelled (``ConfigError``).
     """
     if cfg.mesh.pipeline > 1:
-        raise ConfigError("expected_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
+        raise ConfigError("estimated_collectives: pipeline placements are not modelled; use mesh.pipeline=1")
     mesh_shape = dict(cfg.mesh)
     c, experts = cfg.mesh.context, cfg.mesh.expert
     group = group_axes(data_group(mesh_shape))  # the batch's reductions: data (x expert) (x context)
@@ -167,7 +167,7 @@ def expected_collectives(
 
 
 def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: tuple[str, ...]) -> None:
-    """The MoE layers' expert-axis rows of :func:`expected_collectives` (its docstring), through its
+    """The MoE layers' expert-axis rows of :func:`estimated_collectives` (its docstring), through its
     ``add``; their tensor-axis rows are in :func:`jaxpar.analysis.traffic.tensor_collectives`."""
     per_step = cfg.parallel.microbatches * cfg.model.num_layers
     phases = moe_layer_phases(layout)
@@ -180,7 +180,7 @@ def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: t
         add("all-reduce", tokens, cfg.model.num_experts * 4, per_step, "MoE expert counts (aux loss)")
 
 
-def expected_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = None) -> dict[str, float]:
+def estimated_memory(cfg: ConfigDict, layout: ParallelLayout, placements: Any = None) -> dict[str, float]:
     """Per-device argument and output bytes of the train step, and the gradient buffer.
 
     argument = parameters under their storage spec (param dtype) + the optimizer's state

@@ -57,12 +57,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         render(report, title=f"{config_or_default(args)}  {_layout_text(report.layout)}")
         mem = report.memory
-        if mem is not None and mem.expected_peak_bytes:
+        if mem is not None and mem.estimated_peak_bytes:
             from jaxpar.analysis.estimate import format_peak_terms
 
             print(
-                f"estimated peak {mem.expected_peak_bytes / 2**30:.3f} GiB, largest terms: "
-                f"{format_peak_terms(terms, mem.expected_peak_bytes)}"
+                f"estimated peak {mem.estimated_peak_bytes / 2**30:.3f} GiB, largest terms: "
+                f"{format_peak_terms(terms, mem.estimated_peak_bytes)}"
             )
         if schedule is not None:
             print(schedule["diagram"])
@@ -128,9 +128,9 @@ def _fmt(value: float | None, scale: float, digits: int = 3) -> str:
     return f"<{10**-digits:.{digits}f}" if 0 < value / scale < 10**-digits else f"{value / scale:,.{digits}f}"
 
 
-def _fmt_ratio(ratio: float | None, measured: float = 0.0, expected: float | None = None) -> str:
+def _fmt_ratio(ratio: float | None, measured: float = 0.0, estimated: float | None = None) -> str:
     if ratio is None:
-        return "unexpected" if expected == 0 and measured > 0 else "-"
+        return "unexpected" if estimated == 0 and measured > 0 else "-"
     return f"{ratio:.3f}"
 
 
@@ -149,7 +149,7 @@ def render(report: Any, title: str = "", console: Any = None) -> None:
         ("axes", "left"),
         ("count", "right"),
         ("MB", "right"),
-        ("expected", "right"),
+        ("estimated", "right"),
         ("ratio", "right"),
     ):
         table.add_column(name, justify=justify, no_wrap=True)
@@ -159,29 +159,34 @@ def render(report: Any, title: str = "", console: Any = None) -> None:
             ",".join(r.axes),
             str(r.count),
             _fmt(r.bytes_per_device, MB),
-            _fmt(r.expected_bytes, MB),
-            _fmt_ratio(r.ratio, r.bytes_per_device, r.expected_bytes),
+            _fmt(r.estimated_bytes, MB),
+            _fmt_ratio(r.ratio, r.bytes_per_device, r.estimated_bytes),
         )
     measured = report.total_bytes()
-    expected = report.total_expected_bytes() if any(r.expected_bytes is not None for r in report.rows) else None
+    estimated = report.total_estimated_bytes() if any(r.estimated_bytes is not None for r in report.rows) else None
     table.add_row(
-        "total", "", "", _fmt(measured, MB), _fmt(expected, MB), _fmt_ratio(measured / expected if expected else None)
+        "total",
+        "",
+        "",
+        _fmt(measured, MB),
+        _fmt(estimated, MB),
+        _fmt_ratio(measured / estimated if estimated else None),
     )
     console.print(table)
     mem = report.memory
     if mem is not None:
         mt = Table(title="memory per device (memory_analysis), GiB")
-        for name in ("", "GiB", "expected", "ratio"):
+        for name in ("", "GiB", "estimated", "ratio"):
             mt.add_column(name, justify="left" if not name else "right")
-        for label, measured, expected, ratio in (
-            ("argument", mem.argument_bytes, mem.expected_argument_bytes, mem.argument_ratio),
-            ("temp", mem.temp_bytes, mem.expected_temp_bytes, mem.temp_ratio),
-            ("output", mem.output_bytes, mem.expected_output_bytes, mem.output_ratio),
-            ("peak (argument + temp)", mem.peak_bytes, mem.expected_peak_bytes, mem.peak_ratio),
+        for label, measured, estimated, ratio in (
+            ("argument", mem.argument_bytes, mem.estimated_argument_bytes, mem.argument_ratio),
+            ("temp", mem.temp_bytes, mem.estimated_temp_bytes, mem.temp_ratio),
+            ("output", mem.output_bytes, mem.estimated_output_bytes, mem.output_ratio),
+            ("peak (argument + temp)", mem.peak_bytes, mem.estimated_peak_bytes, mem.peak_ratio),
         ):
-            mt.add_row(label, _fmt(measured, GIB, 4), _fmt(expected, GIB, 4), _fmt_ratio(ratio))
-        for stage, expected in enumerate(mem.expected_stage_temp_bytes):
-            mt.add_row(f"  temp, stage {stage}", "", _fmt(expected, GIB, 4), "")
+            mt.add_row(label, _fmt(measured, GIB, 4), _fmt(estimated, GIB, 4), _fmt_ratio(ratio))
+        for stage, estimated in enumerate(mem.estimated_stage_temp_bytes):
+            mt.add_row(f"  temp, stage {stage}", "", _fmt(estimated, GIB, 4), "")
         console.print(mt)
     if report.stages:
         st = Table(title="pipeline stages: ring MB per device per step, measured / estimated (ratio)")
@@ -191,9 +196,9 @@ def render(report: Any, title: str = "", console: Any = None) -> None:
         for stage in report.stages:
             cells = []
             for axis in MESH_AXES:
-                measured, expected = stage[axis], stage.get("expected", {}).get(axis)
-                ratio = measured / expected if expected else None
-                cells.append(f"{_fmt(measured, MB)} / {_fmt(expected, MB)} ({_fmt_ratio(ratio, measured, expected)})")
+                measured, estimated = stage[axis], stage.get("estimated", {}).get(axis)
+                ratio = measured / estimated if estimated else None
+                cells.append(f"{_fmt(measured, MB)} / {_fmt(estimated, MB)} ({_fmt_ratio(ratio, measured, estimated)})")
             st.add_row(str(stage["stage"]), *cells)
         console.print(st)
     for line in report.warnings:

@@ -194,7 +194,7 @@ class Model(abc.ABC):
 
     # ------------------------------------------------------------------ forward (shard-local)
     @abc.abstractmethod
-    def context(self, **parallel: Any) -> ShardContext:
+    def shard_context(self, **parallel: Any) -> ShardContext:
         """The family's :class:`ShardContext` with its settings and the given parallel facts."""
 
     @abc.abstractmethod

@@ -356,9 +356,9 @@ class DeepseekModel(llama.LlamaModel):
             )
         return names
 
-    def context(self, **parallel: Any) -> ShardContext:
+    def shard_context(self, **parallel: Any) -> ShardContext:
         m = self.cfg
-        ctx = llama.context_for(m, **parallel)
+        ctx = llama.shard_context_for(m, **parallel)
         fields = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)}
         return ShardContext(
             **fields,

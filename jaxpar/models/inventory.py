@@ -123,7 +123,7 @@ def shard_elements(tensor: ParamTensor, tensor_size: int, data: int, zero_shard:
 
 
 def stage_tensors(
-    model: ConfigDict, layout: ParallelLayout, stage: str, shared_on_every_stage: bool = False
+    model: ConfigDict, layout: ParallelLayout, pipeline_stage: str, shared_on_every_stage: bool = False
 ) -> list[tuple[ParamTensor, int]]:
     """(tensor, copies) held by the first or last pipeline stage (one stage holds all when p = 1).
 
@@ -140,8 +140,8 @@ def stage_tensors(
     if shared_on_every_stage:  # one ends slot of (vocab, h): counted as the embedding, no output
         # (zb-v: no ends slot, the embedding and the output layer both on every stage)
         return [(t, c) for t, c in out if p == 1 or t.name != "output" or layout.pipeline_schedule == "zb-v"]
-    out = [(t, c) for t, c in out if t.place == "layer" or p == 1 or t.place == stage]
-    if stage == "last" and p > 1 and model.tie_embeddings:
+    out = [(t, c) for t, c in out if t.place == "layer" or p == 1 or t.place == pipeline_stage]
+    if pipeline_stage == "last" and p > 1 and model.tie_embeddings:
         out += [(t, 1) for t in tensors if t.name == "embedding"]
     return out
 
@@ -149,16 +149,16 @@ def stage_tensors(
 def held_elements(
     model: ConfigDict,
     layout: ParallelLayout,
-    stage: str,
+    pipeline_stage: str,
     zero_shard: bool,
     every_stage: bool = False,
     experts: bool | None = None,
 ) -> float:
-    """Parameter elements one device of pipeline stage ``stage`` holds (:func:`stage_tensors`), each
+    """Parameter elements one device of pipeline stage ``pipeline_stage`` holds (:func:`stage_tensors`), each
     split over ``tensor`` (and an expert weight over ``expert``) and, with ``zero_shard``, over its
     ZeRO group: ``data x context``, times ``expert`` for all but the experts' weights. ``experts``:
     count only the experts' weights (True) or only the other tensors (False)."""
-    held = stage_tensors(model, layout, stage, every_stage)
+    held = stage_tensors(model, layout, pipeline_stage, every_stage)
     if experts is not None:  # only the experts' weights (True) or only the rest (False)
         held = [(t, c) for t, c in held if t.expert_split == experts]
     # ZeRO shards over the data (x expert) x context group (jaxpar.axes.data_group)

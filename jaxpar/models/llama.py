@@ -439,11 +439,11 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, ctx: ShardContext) 
 
 def loss_sum(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
     """Summed next-token loss of ``tokens`` (b, s+1) on this shard (local rows); ``ctx`` from
-    :func:`context_for` (the model config is not needed beyond it)."""
+    :func:`shard_context_for` (the model config is not needed beyond it)."""
     return LlamaModel(None).loss_sum(params, tokens, ctx)
 
 
-def context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
+def shard_context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
     """A :class:`ShardContext` with the model's static settings (the layout's, such as ``remat`` from
     ``parallel.recompute``, come as ``overrides``)."""
     return ShardContext(
@@ -558,8 +558,8 @@ class LlamaModel(Model):
     def logical_axes(self) -> dict:
         return logical_axes(self.cfg)
 
-    def context(self, **parallel: Any) -> ShardContext:
-        return context_for(self.cfg, **parallel)
+    def shard_context(self, **parallel: Any) -> ShardContext:
+        return shard_context_for(self.cfg, **parallel)
 
     def embed(self, params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
         return embed_tokens(params, tokens, ctx)

@@ -274,7 +274,7 @@ class Setup:
         return TrainStep(Uncached(jitted) if self.skips_cache else jitted, replicated)
 
     def _make_eval_step(self):
-        ctx = self.builder.context()
+        ctx = self.builder.shard_context()
 
         def local_eval(params, tokens):
             if self.pipeline is not None:

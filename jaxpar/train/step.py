@@ -46,7 +46,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import MESH_AXES, batch_axes, context_axes, group_axes
+from jaxpar.axes import MESH_AXES, batch_axes, group_axes, shard_context_axes
 from jaxpar.compat import vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
@@ -118,11 +118,11 @@ class StepBuilder:
         """The model family of ``model_cfg`` (:func:`jaxpar.models.get_model`)."""
         return get_model(self.model_cfg)
 
-    def context(self) -> ShardContext:
-        """The model's shard context: the mesh axes it binds (:func:`jaxpar.axes.context_axes`, from
+    def shard_context(self) -> ShardContext:
+        """The model's shard context: the mesh axes it binds (:func:`jaxpar.axes.shard_context_axes`, from
         the axes table), sequence parallelism and ZeRO-3's tree of split dims."""
-        return self.model.context(
-            **context_axes(self.layout.mesh),
+        return self.model.shard_context(
+            **shard_context_axes(self.layout.mesh),
             microbatches=self.microbatches,
             zero3_groups=zero3.zero3_groups(self.placements),
             context_exchange=self.layout.context_exchange,
@@ -156,7 +156,7 @@ class StepBuilder:
         ``(dropped, routed)`` (zeros without dropping, NaN where not counted). ``step`` (the optimizer
         count; with dropout only) keys the dropout masks: each sequence's global row travels with
         the batch as one more column (:func:`jaxpar.ops.dropout.append_rows`)."""
-        ctx = self.context()
+        ctx = self.shard_context()
         if self.dropout:
             ctx = dataclasses.replace(ctx, noise=dropout.Noise(dropout.step_key(self.seed, step)))
             rows = batch_axes(self.layout.mesh)

@@ -29,7 +29,7 @@ def main() -> None:
     lay = ParallelLayout.from_config(cfg)
     MiB = 2**20
     print(
-        f"temp {mem.temp_bytes / MiB:.2f} est {mem.expected_temp_bytes / MiB:.2f} ratio {mem.temp_ratio:.3f} "
+        f"temp {mem.temp_bytes / MiB:.2f} est {mem.estimated_temp_bytes / MiB:.2f} ratio {mem.temp_ratio:.3f} "
         f"peak {mem.peak_ratio:.3f}"
     )
     d = A.Dims.of(cfg.model, lay)

@@ -86,9 +86,9 @@ def main() -> None:
         terms = [t.to_dict() for t in A.stage_temps(cfg.model, lay)]
         out[name] = {
             "temp_bytes": mem.temp_bytes,
-            "expected_temp_bytes": mem.expected_temp_bytes,
+            "expected_temp_bytes": mem.estimated_temp_bytes,
             "argument_bytes": mem.argument_bytes,
-            "expected_argument_bytes": mem.expected_argument_bytes,
+            "expected_argument_bytes": mem.estimated_argument_bytes,
             "temp_ratio": mem.temp_ratio,
             "peak_ratio": mem.peak_ratio,
             "terms": terms,
@@ -99,7 +99,7 @@ def main() -> None:
         MiB = 2**20
         print(
             f"{name}: b={lay.microbatch_size} s={lay.seq_len} temp {mem.temp_bytes / MiB:.1f} MiB est "
-            f"{mem.expected_temp_bytes / MiB:.1f} (compiled/est {mem.temp_ratio:.3f}, est/compiled "
+            f"{mem.estimated_temp_bytes / MiB:.1f} (compiled/est {mem.temp_ratio:.3f}, est/compiled "
             f"{1 / mem.temp_ratio:.3f}); peak c/e {mem.peak_ratio:.3f} (e/c {1 / mem.peak_ratio:.3f}); "
             f"args {mem.argument_bytes / MiB:.1f} MiB; {time.time() - t0:.0f}s",
             flush=True,

@@ -72,11 +72,11 @@ def main() -> None:
         mem = report.memory
         arguments = mem.argument_bytes / estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
         if report.stages:
-            expert = [f"stage {st['stage']} {st['expert'] / st['expected']['expert']:.4f}" for st in report.stages]
+            expert = [f"stage {st['stage']} {st['expert'] / st['estimated']['expert']:.4f}" for st in report.stages]
         else:
             expert = [f"{r.kind} {r.ratio:.4f}" for r in report.rows if r.axes == ("expert",)]
         print(
-            f"{name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.expected_temp_bytes / 2**20:.2f} "
+            f"{name}: temp {mem.temp_bytes / 2**20:.2f} MiB est {mem.estimated_temp_bytes / 2**20:.2f} "
             f"(ratio {mem.temp_ratio:.3f}), peak {mem.peak_ratio:.3f}, arguments {arguments:.5f}; expert: "
             + ", ".join(expert),
             flush=True,

@@ -241,7 +241,9 @@ def expected_bubble_fraction(schedule: str, stages: int, microbatches: int, virt
     interleaved (Narayanan et al. 2021), (p-1)/(3m+p-1) zb-h1, whose F, B and W take a slot each
     (Qi et al. 2024); zb-v, whose two half-stage chunks per device split each of those slots,
     (p-1)/(6m+p-1) once m >= 2p (its table's value there) and zb-h1's below, an upper bound: its
-    table lies between the two for p <= m < 2p and equals zb-h1's at m = p."""
+    table lies between the two for p <= m < 2p and equals zb-h1's at m = p. "Expected" names the
+    published closed form that the table's counted bubble (:func:`bubble_fraction`) is held
+    against, not a planner's estimate of a compiled number (those are ``estimated_*``)."""
     v = virtual_stages if schedule in ("interleaved", EVAL, EVAL_V) else 1
     if schedule == "zb-v" and microbatches >= 2 * stages:
         v = virtual_stages
