@@ -174,7 +174,7 @@ def check(paths: list[str], show: int, stale_ok: bool = False) -> int:
             # name pipeline_schedule schedule
             cfg = _config(r["model_name"], r["model"], ParallelLayout.from_dict(r["layout"]))
             layout = validate(cfg)
-            est = A.expected_temp_bytes(cfg.model, layout)
+            est = A.estimated_temp_bytes(cfg.model, layout)
             args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
             temp = r["temp_bytes"] / est
             peak = (r["argument_bytes"] + r["temp_bytes"]) / (args + est)

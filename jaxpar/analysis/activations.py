@@ -885,7 +885,7 @@ def stage_temps(model: ConfigDict, layout: ParallelLayout) -> list[TempEstimate]
     return [temp_estimate(model, layout, stage) for stage in range(layout.pipeline)]
 
 
-def expected_temp_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+def estimated_temp_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     """The largest stage's estimated temporaries: what ``memory_analysis().temp_size_in_bytes`` reports
     (every device compiles the same SPMD program, so its temp buffer fits the busiest stage)."""
     return max(t.total_bytes for t in stage_temps(model, layout))

@@ -94,7 +94,7 @@ class CollectiveRow:
 class MemoryReport:
     """``compiled.memory_analysis()`` per device, bytes; estimated values from the formulas.
 
-    ``estimated_temp_bytes``: :func:`jaxpar.analysis.activations.expected_temp_bytes` (the busiest
+    ``estimated_temp_bytes``: :func:`jaxpar.analysis.activations.estimated_temp_bytes` (the busiest
     pipeline stage: every device runs the same program, whose temp buffer fits all stages);
     ``estimated_stage_temp_bytes``: each stage's. The peak is arguments + temporaries.
     """
