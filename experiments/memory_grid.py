@@ -154,7 +154,7 @@ def check(paths: list[str], show: int, stale_ok: bool = False) -> int:
     (:func:`_stale`) is counted apart, not held against the estimate (``stale_ok``: held anyway)."""
     import jax
 
-    from jaxpar.analysis import activations as A
+    from jaxpar.analysis import temporaries as T
     from jaxpar.analysis.estimate import estimated_argument_bytes
     from jaxpar.config import validate
     from jaxpar.layout import ParallelLayout
@@ -174,7 +174,7 @@ def check(paths: list[str], show: int, stale_ok: bool = False) -> int:
             # name pipeline_schedule schedule
             cfg = _config(r["model_name"], r["model"], ParallelLayout.from_dict(r["layout"]))
             layout = validate(cfg)
-            est = A.estimated_temp_bytes(cfg.model, layout)
+            est = T.estimated_temp_bytes(cfg.model, layout)
             args = estimated_argument_bytes(cfg.model, layout, "jaxpar", cfg.optim)
             temp = r["temp_bytes"] / est
             peak = (r["argument_bytes"] + r["temp_bytes"]) / (args + est)

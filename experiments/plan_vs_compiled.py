@@ -3,7 +3,7 @@
 For a grid of layouts of ``configs/tiny.py`` and ``configs/llama_1b.py`` on 8 simulated CPU devices
 (DP, ZeRO-1/2/3, TP, SP, and 1F1B / interleaved / GPipe pipelines) it compiles the step from
 abstract arrays (nothing is allocated) and prints compiled / estimated for the per-device argument
-memory, the temporaries (:mod:`jaxpar.analysis.activations`; pipelines: the busiest stage), the peak
+memory, the temporaries (:mod:`jaxpar.analysis.temporaries`; pipelines: the busiest stage), the peak
 (arguments + temporaries, GiB per device beside the ratio) and the ring bytes on each mesh axis
 (pipeline layouts: the busiest stage on each axis, counted exactly from the schedule). On CPU the
 compile and the estimates are in fp32 (plan --aot's dtypes). The tests (tests/test_plan_aot.py,

@@ -422,7 +422,7 @@ def test_layout_check_errors_are_one_line():
 def test_peak_terms_name_the_largest_parts_of_the_estimated_peak():
     """estimate.peak_terms: the three largest of arguments (parameters, optimizer state, batch) and the
     temporaries' terms of the phase that sets their peak, largest first, each no more than the peak."""
-    from jaxpar.analysis import activations
+    from jaxpar.analysis import temporaries
     from jaxpar.analysis.estimate import ParallelLayout, estimated_argument_bytes, peak_terms
 
     m = load_config(str(CONFIGS / "llama_1b.py")).model
@@ -439,7 +439,7 @@ def test_peak_terms_name_the_largest_parts_of_the_estimated_peak():
     )
     terms = peak_terms(m, layout)
     assert [name for name, _ in terms] == ["residual stack", "last layer's forward attention", "gradient buffers"]
-    peak = estimated_argument_bytes(m, layout) + activations.estimated_temp_bytes(m, layout)
+    peak = estimated_argument_bytes(m, layout) + temporaries.estimated_temp_bytes(m, layout)
     assert terms[0][1] >= terms[1][1] >= terms[2][1] and sum(v for _, v in terms) <= peak
-    temp = activations.temp_estimate(m, layout)
+    temp = temporaries.temp_estimate(m, layout)
     assert sum(temp.terms().values()) == pytest.approx(temp.total_bytes)

@@ -41,7 +41,7 @@ DEFAULT = {
     "zero2_full_m4": _lay(data=8, zero_stage=2, recompute="full", microbatches=4),
     "zero3_none": _lay(data=8, zero_stage=3),
     # ZeRO-3 + full recompute: was temp 0.803 with two gathered layers added to the layer phase, where the
-    # gathered weights take the place of the sliced ones (activations.temp_estimate)
+    # gathered weights take the place of the sliced ones (temporaries.temp_estimate)
     "zero3_full": _lay(data=8, zero_stage=3, recompute="full"),
     "dp_blockwise": _lay(data=8, attention="blockwise", attention_block=32),
     "tp2_none": _lay(data=4, tensor=2),
@@ -86,7 +86,7 @@ SLOW_GRID = {
     "1b_zero3_full": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="full"),
     "1b_zero3_selective": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="selective"),
     "1b_dp_none": _lay(data=8, microbatch_size=1, seq_len=256),
-    # ~1B pipelines: the accumulator held twice sets the peak (activations.pipeline_accumulator_bytes)
+    # ~1B pipelines: the accumulator held twice sets the peak (temporaries.pipeline_accumulator_bytes)
     "1b_pp4_1f1b_none": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256),
     "1b_pp4_1f1b_full": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256, recompute="full"),
     "1b_pp4_interleaved_full": _lay(
@@ -142,7 +142,7 @@ def _check(name: str, layout: ParallelLayout) -> tuple[float, float]:
 GRID = DEFAULT | (SLOW_GRID if SLOW else {})  # JAXPAR_SLOW=1: the full grid and the ~1B config
 
 
-# jax 0.10 stacks GPipe's per-tick weights and jax 0.12 does not (activations.cond_stacks_weights): pp4_gpipe
+# jax 0.10 stacks GPipe's per-tick weights and jax 0.12 does not (temporaries.cond_stacks_weights): pp4_gpipe
 # holds on both (temp 0.995 on 0.10.2, 1.017 on 0.12.0.1), where the estimate was 12% over on 0.12.
 @pytest.mark.parametrize("name", list(GRID))
 def test_estimated_peak_matches_compiled(name):

@@ -22,7 +22,7 @@ Measured (2 cores, 52 s for both, after the dot-product backward term of
   outside the bound; with it that layout measures 1.011 / 1.011 and ranks below this one.)
 * llama2_70b: data=32 x context=2 ZeRO-3, m=4 x b=8, s=4096, full recompute (blockwise): temp
   ratio 1.044, peak 1.037; bf16 plan 51.9 GiB, predicted compiled 53.7 GiB of 74.5. (Before the
-  ZeRO-3 terms of :func:`jaxpar.analysis.activations.temp_estimate` stopped adding two gathered
+  ZeRO-3 terms of :func:`jaxpar.analysis.temporaries.temp_estimate` stopped adding two gathered
   layers to the layer phase: 0.969 / 0.973, plan 54.1 GiB, predicted 52.8 GiB.)
 """
 

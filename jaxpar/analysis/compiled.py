@@ -94,7 +94,7 @@ class CollectiveRow:
 class MemoryReport:
     """``compiled.memory_analysis()`` per device, bytes; estimated values from the formulas.
 
-    ``estimated_temp_bytes``: :func:`jaxpar.analysis.activations.estimated_temp_bytes` (the busiest
+    ``estimated_temp_bytes``: :func:`jaxpar.analysis.temporaries.estimated_temp_bytes` (the busiest
     pipeline stage: every device runs the same program, whose temp buffer fits all stages);
     ``estimated_stage_temp_bytes``: each stage's. The peak is arguments + temporaries.
     """
@@ -537,9 +537,9 @@ def analyze_layout(
 def _estimate_temps(memory: MemoryReport, cfg: ConfigDict, layout: ParallelLayout) -> None:
     """Put the estimated temporaries (:mod:`jaxpar.analysis.activations`, in the dtypes compiled) beside
     the measured ones."""
-    from jaxpar.analysis import activations
+    from jaxpar.analysis import temporaries
 
-    temps = activations.stage_temps(cfg.model, layout)
+    temps = temporaries.stage_temps(cfg.model, layout)
     memory.estimated_temp_bytes = max(t.total_bytes for t in temps)
     memory.estimated_stage_temp_bytes = [t.total_bytes for t in temps] if len(temps) > 1 else []
 

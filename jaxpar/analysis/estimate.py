@@ -232,14 +232,14 @@ def memory_estimate(
     model: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", optim: ConfigDict | None = None
 ) -> MemoryEstimate:
     """Model states + activations + temporaries per device; the heavier pipeline stage wins.
-    ``jaxpar``: our step's temporaries term by term (:func:`jaxpar.analysis.activations.temp_estimate`,
+    ``jaxpar``: our step's temporaries term by term (:func:`jaxpar.analysis.temporaries.temp_estimate`,
     held against the compiled ``temp_size_in_bytes`` by tests/test_memory_estimate.py); ``paper``:
     the published formulas (:func:`_paper_memory_estimate`)."""
     if convention == "paper":
         return _paper_memory_estimate(model, layout, optim)
-    from jaxpar.analysis import activations
+    from jaxpar.analysis import temporaries
 
-    temps = activations.stage_temps(model, layout)
+    temps = temporaries.stage_temps(model, layout)
     candidates = []
     for pipeline_stage, index in (
         (("first", 0), ("last", layout.pipeline - 1)) if layout.pipeline > 1 else (("first", 0),)
@@ -418,12 +418,12 @@ def peak_terms(
     """The ``top`` largest terms of the estimated peak (arguments + temporaries, ``jaxpar``
     convention) of the busiest pipeline stage, largest first, as (name, bytes per device):
     parameters, optimizer state and batch beside the temporaries' terms of the phase that sets their
-    peak (:meth:`jaxpar.analysis.activations.TempEstimate.terms`). What tells a user why a layout
+    peak (:meth:`jaxpar.analysis.temporaries.TempEstimate.terms`). What tells a user why a layout
     does not fit."""
-    from jaxpar.analysis import activations
+    from jaxpar.analysis import temporaries
 
     mem = memory_estimate(model, layout, "jaxpar", optim)
-    temps = activations.stage_temps(model, layout)
+    temps = temporaries.stage_temps(model, layout)
     temp = temps[0 if mem.pipeline_stage == "first" else layout.pipeline - 1]
     batch = layout.microbatches * layout.microbatch_size * (layout.seq_len + 1) * 4
     terms = {"parameters": mem.params_bytes, "optimizer state": mem.optimizer_bytes, "batch": batch + 4}

@@ -1,0 +1,434 @@
+"""The temporaries of jaxpar's train step on one device: the per-layer terms of
+:mod:`jaxpar.analysis.activations` assembled into what ``memory_analysis().temp_size_in_bytes`` reports,
+per pipeline stage and per phase (backward, optimizer update, a pipeline tick's accumulator), with the
+gradient buffers, the ZeRO shards and the pipeline's slot buffers and tick stacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+from typing import Any
+
+from jaxpar.analysis.activations import (
+    BACKWARD_SCORE_COPIES,
+    F32,
+    Dims,
+    attention_kind,
+    dropout_residual_bytes,
+    head_working_bytes,
+    largest_param,
+    layer_params,
+    layer_residual_bytes,
+    layer_working_bytes,
+    layer_working_term,
+    pipeline_head_phase_bytes,
+    shared_params,
+    shared_tables,
+    zero3_embedding_gradient_bytes,
+    zero3_head_phase_bytes,
+    zero3_regathered_params,
+)
+from jaxpar.config import ConfigDict
+from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
+from jaxpar.parallel.pipeline.schedule import keeps_activations, splits_backward, steady_slot_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class TempEstimate:
+    """Estimated ``memory_analysis().temp_size_in_bytes`` of one device (one pipeline stage), by term."""
+
+    stage: int
+    residual_bytes: float  # saved for the backward: the layer stack x in-flight microbatches
+    working_bytes: float  # one layer's (or the head's) backward working set at the peak
+    gradient_bytes: float  # fp32 gradient buffers: stacked layer gradients, accumulators
+    gather_bytes: float  # ZeRO-3: gathered layers in flight
+    pipeline_bytes: float  # stage-input and gradient slot buffers of the schedule
+    update_bytes: float  # the optimizer phase's peak (reductions, ZeRO shards), when it is the larger
+    phase: str  # backward | update | accumulator: which phase sets the peak
+    accumulator_bytes: float = (
+        0.0  # 1F1B / interleaved: the accumulator copied beside itself (pipeline_accumulator_bytes)
+    )
+    working_term: str = "one layer's backward"  # which working set sets working_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        backward = (
+            self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
+        )
+        return max(backward, self.update_bytes, self.accumulator_bytes)
+
+    def terms(self) -> dict[str, float]:
+        """The named terms of the phase that sets :attr:`total_bytes` (they sum to it)."""
+        backward = (
+            self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
+        )
+        if self.total_bytes == backward:
+            out = {
+                "residual stack": self.residual_bytes,
+                self.working_term: self.working_bytes,
+                "gradient buffers": self.gradient_bytes,
+                "ZeRO-3 gathered layers": self.gather_bytes,
+                "pipeline slot buffers": self.pipeline_bytes,
+            }
+        elif self.total_bytes == self.update_bytes:
+            out = {"optimizer update (gradients, their reduction, ZeRO shards)": self.update_bytes}
+        else:
+            out = {"gradient accumulator held twice (pipeline tick)": self.accumulator_bytes}
+        return {k: v for k, v in out.items() if v > 0}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"total_bytes": self.total_bytes}
+
+
+def _grad_elements(model: ConfigDict, layout: ParallelLayout, stage: int) -> tuple[float, float]:
+    """(layer, shared) gradient elements one device writes per backward (stage ``stage``)."""
+    layers = layout.stored_layers(model.num_layers)
+    if layout.pipeline == 1:
+        return layers * layer_params(model, layout), shared_params(model, layout)
+    where = "first" if stage == 0 else "last" if stage == layout.pipeline - 1 else "none"
+    shared = shared_params(model, layout, where) if where != "none" else shared_tables(model, layout)
+    return layers * layer_params(model, layout), shared
+
+
+def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """ZeRO-1/2 without accumulation or a pipeline: what the output layer's gradient frees by being
+    reduce-scattered before the layers' backward. The loss head's backward runs first, and its weight
+    gradient is final at once; XLA schedules its ``psum_scatter`` over data (x context) there, so only
+    the 1/N shard stays live through the layer loop: pb * h*V/t * (1 - 1/N) less than the full table
+    (buffer assignment of ~1B, 4 layers, data=4 x context=2 ZeRO-1 and data=2 x tensor=2 x context=2
+    ZeRO-2, s=256: a ``reduce-scatter`` f32[b*s, V/N] beside the stacked layer gradients, no full
+    output-layer gradient). The embedding's gradient, a scatter-add finished after the layer loop, stays
+    full. With sequence parallelism XLA schedules the scatter after the layer loop (~1B data=2 x
+    tensor=2 x context=2 ZeRO-1 SP: the full f32[2048,16000] gradient at the peak): not counted there."""
+    n = layout.data * layout.context * layout.expert
+    head = sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.name == "output"
+    )
+    return DTYPE_BYTES[model.param_dtype] * head * (1 - 1 / n)
+
+
+def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> float:
+    """The optimizer phase (:mod:`jaxpar.train.step`), with ``grads`` the full local fp32 gradient bytes.
+
+    Stage 0: the data all-reduce writes a second gradient buffer (XLA:CPU does not reduce in place),
+    except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%).
+    Stages 1-2: at the turn from the backward to the update, every gradient beside one relayout copy
+    of the largest stacked layer gradient (W_down's (L, f, h) stack transposed so that the
+    ``psum_scatter`` dim leads), pb * P_layer_max; the scatters then free the full gradients one by
+    one, and the updated shards' all-gathers hold far less (buffer assignment of ~1B data=8 ZeRO-1
+    s=512 with 4 and 16 layers, and data=2 x tensor=2 x context=2 ZeRO-2 with 2: a
+    ``f32[L,8192,2048]{1,0,2}`` copy beside the stacked gradients at that point, nothing else of
+    its size). Stage 3: the gradient buffers of the
+    backward, G/N and the embedding's full table (:func:`zero3_embedding_gradient_bytes`), which the
+    update reads in place (buffer assignment of ~1B data=8 full, s=512: the update's live set is
+    those buffers, 749 MiB, and nothing of their size besides).
+    """
+    pb = DTYPE_BYTES[model.param_dtype]
+    if not layout.shards_optimizer:
+        return 2 * grads - pb * shared_tables(model, layout)
+    if not layout.shards_parameters:  # ZeRO-1/2
+        return grads + pb * largest_param(model, layout)
+    return zero_sharded_bytes(model, layout, grads) + zero3_embedding_gradient_bytes(model, layout)
+
+
+def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: float) -> float:
+    """``full_bytes`` of gradients (every parameter one device holds) ZeRO-sharded: / (data x context);
+    with ``expert`` > 1 the experts' weights' share / (data x context), the rest / (data x expert x
+    context) (:func:`jaxpar.axes.data_group`)."""
+    n = layout.data * layout.context
+    if layout.expert == 1:
+        return full_bytes / n
+    layers = layout.stored_layers(model.num_layers)
+    experts = sum(
+        shard_elements(t, layout.tensor, 1, False, layout.expert)
+        for t in param_tensors(model)
+        if t.place == "layer" and t.expert_split
+    )
+    experts *= layers * DTYPE_BYTES[model.param_dtype]
+    return experts / n + (full_bytes - experts) / (n * layout.expert)
+
+
+def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
+    """Estimated temporaries of one device on pipeline stage ``stage`` (0 without a pipeline).
+
+    Without a pipeline: the layer scan keeps L x :func:`layer_residual_bytes` (one microbatch's stack
+    for every m: the accumulation loop runs each microbatch's forward and backward inside one
+    iteration, :mod:`jaxpar.train.step`); beside it the largest of one layer's
+    :func:`layer_working_bytes` (the last layer's forward attention or one layer's backward), the
+    head's :func:`head_working_bytes` and, ZeRO-3, :func:`zero3_head_phase_bytes`; the backward
+    scan writes the stacked fp32 layer gradients (ZeRO-3: reduce-scattered, 1/N, plus
+    :func:`zero3_embedding_gradient_bytes`) and, with m > 1, the accumulation sum is a second buffer
+    (ZeRO-2/3: sharded; ZeRO 0-1: the microbatch's stacked layer gradients beside the full
+    accumulator, into which the scatter-add of the embedding and the output layer's gradient are
+    added in place: buffer assignment of ~1B, 2 layers, data=8 ZeRO-1 m=2, f32[2048,32000] and
+    f32[32000,2048] once, the stacked layer gradients twice). ZeRO-3 gathers each layer's weights where ZeRO 0-2 slice them out of the
+    stacked parameters: the same shapes, counted once in :func:`layer_working_bytes`, which adds
+    ZeRO-3's unsharded weight gradient and relaid weight (:func:`zero3_weight_gradient_bytes`). The update
+    phase (:func:`update_bytes`) sets the peak when it is the larger.
+
+    1F1B / interleaved (:mod:`jaxpar.parallel.pipeline`): a backward tick recomputes its chunk of
+    L/(p*v) layers under ``jax.vjp``, so one microbatch's chunk stack is live (with ``full`` and
+    ZeRO < 2 one sequence at a time, layer by layer), plus :func:`layer_working_bytes` (``tick``), the chunk's
+    gradient before it is added to the fp32 accumulator of the stage (none where each layer's gradient
+    is added into the accumulator as it is written: ZeRO-3, whose layers leave the chunk's scan
+    reduce-scattered, and ``full`` by layer; ZeRO-3 also gathers the attention's weights a second
+    time, :func:`zero3_regathered_params`), and the act/grad slot buffers
+    of the schedule (:func:`jaxpar.parallel.pipeline.compile_program`: p stage inputs on stage 0 for
+    1F1B); the last stage runs the head inside the same backward; the accumulator held twice
+    (:func:`pipeline_accumulator_bytes`) is a phase of its own. GPipe: the forward scan over
+    m + p - 1 ticks is differentiated as a whole, so every tick's :func:`gpipe_tick_bytes` (bubbles
+    included, the stage's weights among them) stay live; the backward tick slices one tick's
+    residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`; without recompute and with
+    more than one layer per stage and b = 1, the layer residuals a second time, in the layer scan's layout) and
+    works on one layer (:func:`layer_working_bytes`).
+    """
+    p, pb = layout.pipeline, DTYPE_BYTES[model.param_dtype]
+    d = Dims.of(model, layout)
+    layer_el, shared_el = _grad_elements(model, layout, stage)
+    full_grads = pb * (layer_el + shared_el)
+    zero3 = layout.shards_parameters
+    ticks = p > 1 and layout.pipeline_schedule != "gpipe"  # GPipe's tick stacks hold the gathered weights already
+    gather = d.e * zero3_regathered_params(model, layout) if zero3 and ticks else 0.0
+    if p == 1:
+        layers = model.num_layers
+        # one microbatch's stack, for every m: the accumulation scan runs each microbatch's forward and
+        # backward inside one iteration (jaxpar.train.step: every microbatch in the loop, from zeros)
+        residual = layers * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+        candidates = [
+            layer_working_term(model, layout, layers=layers),
+            ("loss head", head_working_bytes(model, layout)),
+        ]
+        grads = zero_sharded_bytes(model, layout, full_grads) if zero3 else full_grads
+        if zero3:  # no gathered layer added: it takes the place of the sliced one (see above)
+            candidates.append(
+                ("ZeRO-3 loss head (gathered weight, its gradient)", zero3_head_phase_bytes(model, layout))
+            )
+            grads += zero3_embedding_gradient_bytes(model, layout)
+        term, working = max(candidates, key=lambda c: c[1])
+        early = (
+            early_scattered_head_bytes(model, layout)
+            if layout.shards_optimizer
+            and not layout.shards_parameters
+            and (layout.microbatches == 1 or layout.shards_gradients)
+            and not layout.sequence_parallel
+            else 0
+        )
+        grads -= early
+        if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
+            # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
+            grads += zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else pb * layer_el
+            if zero3:  # the zero table the embedding's scatter-add starts from, hoisted out of the microbatch
+                # loop, and each microbatch's copy of it (buffer assignment of ~1B ZeRO-3 m=2 and m=4:
+                # two f32[V/t, h] tables beside the sharded gradients)
+                grads += pb * shared_tables(model, layout)
+        update = update_bytes(model, layout, full_grads - early)
+        return TempEstimate(
+            0,
+            residual,
+            working,
+            grads,
+            gather,
+            0.0,
+            update,
+            "update" if update > residual + working + grads + gather else "backward",
+            working_term=term,
+        )
+
+    chunk = layout.layers_per_stage(model.num_layers)
+    last = stage == p - 1
+    if layout.pipeline_schedule == "gpipe":
+        per_tick = gpipe_tick_bytes(model, layout)
+        residual = (layout.microbatches + p - 1) * per_tick
+        # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
+        working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
+        if layout.recompute == "none" and chunk > 1 and layout.microbatch_size == 1:
+            # one sequence per microbatch: XLA lays the sliced residuals out with the size-1 batch dim moved
+            # ({..,2,0,1}) and copies them into the chunk's layer scan's layout, a second copy of the tick's
+            # layer residuals (buffer assignment of tiny data=4 x pipeline=2 GPipe ZeRO-3 m=4, s=256, b=1,
+            # attention dropout: the tick's f32[2, 1, 2, 512, 256] scores, six f32[2, 1, 256, 384] MLP
+            # residuals and pred masks twice each; the same layout with b=4, s=128 slices them once)
+            working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+        term = "backward tick: one tick's residuals and one layer's working set"
+        chunk_grads = full_grads
+    else:
+        keep = keeps_activations(layout)
+        prog = _program(layout.pipeline_schedule, p, layout.microbatches, layout.virtual_stages, keep)
+        by_layer = layout.recompute == "full" and not layout.shards_gradients
+        rows = 1 if by_layer else None
+        residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
+        # stage inputs and arriving gradients, and (no recomputation) each in-flight microbatch's
+        # saved residuals: the stash slots of the program times one microbatch's chunk residuals, plus
+        # one more set, the forward tick's residuals leaving its switch before they are written
+        # into their slot (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B m=4)
+        slots = (prog[0] + prog[1]) * d.e * d.b * d.so * d.h + (prog[2] + 1) * residual * keep
+        if splits_backward(layout.pipeline_schedule):  # B's frontier for W (each weight matmul's output gradient),
+            # per layer and microbatch in flight between B and W: only what does not fit in the stash slot's
+            # residuals that B alone read (jaxpar.parallel.pipeline.split_executor; none for a llama block)
+            slots += (prog[3] + 1) * chunk * frontier_unpacked_bytes(model, layout)
+            # F runs the loss head on the last virtual stage and every stage's slot keeps the head's residuals
+            # (SPMD: one shape; buffer assignment of tiny zb-v data=2 x tensor=2 x pipeline=2 m=4: four
+            # f32[4, b, s, h]-sized stash buffers, the logits and the final norm's three)
+            slots += prog[2] * head_residual_bytes(model, layout)
+        working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
+        if by_layer:  # the microbatch's gradient at the chunk's output and its input gradient, assembled
+            # sequence by sequence: two (b, s, h) arrays of the whole microbatch beside the one sequence's
+            # working set (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B full m=4)
+            working += 2 * d.e * d.b * d.so * d.h
+        term = "backward tick: one layer's working set"
+        if last:  # the loss head's backward runs in the tick before the chunk's: the larger phase sets the peak
+            head = pipeline_head_phase_bytes(model, layout, b=rows)
+            if zero3:  # ZeRO-3: one layer's weights gathered ahead of the chunk's backward, in place of the
+                # layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
+                # three gathered weights beside the head's, at the head's weight-gradient matmul)
+                head += d.e * layer_params(model, layout) - gather
+            if head > working:
+                working, term = head, "backward tick: the loss head's backward"
+        # recomputed layer by layer, each layer's weight gradient is added into the accumulator in place as the
+        # layer's backward writes it: no gradient beside the accumulator (buffer assignment of tiny data=2 x
+        # pipeline=4 1F1B ZeRO-0 full, m=8, s=256: the accumulator's f32[1, 128, 384] once at the peak)
+        chunk_grads = 0.0 if by_layer else pb * chunk * layer_params(model, layout)
+        if zero3:  # each layer is gathered inside the chunk's layer scan (Model.layer_step), so its gradient
+            # leaves the scan through the gather's transpose, a reduce-scatter, and is added into its slice of
+            # the sharded accumulator: no chunk gradient beside it (buffer assignment of tiny data=2 x tensor=2 x
+            # pipeline=2 1F1B ZeRO-3 full, s=256 and s=128: the accumulator's f32[2, 64, 192] shards at the peak,
+            # once, and no f32[2, 128, 192] chunk gradient)
+            chunk_grads = 0.0
+    acc = zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else full_grads
+    grads = acc + chunk_grads
+    update = update_bytes(model, layout, full_grads)
+    backward = residual + working + grads + gather + slots
+    accumulator = 0.0 if layout.pipeline_schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
+    phase = max((backward, "backward"), (update, "update"), (accumulator, "accumulator"))[1]
+    return TempEstimate(stage, residual, working, grads, gather, slots, update, phase, accumulator, term)
+
+
+def frontier_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What a split backward's B tick keeps of one layer for its W tick
+    (:mod:`jaxpar.parallel.pipeline.weight_split`): the gradient at each weight matmul's output and
+    the values W reads that B computed, in the compute dtype. Read from the frontier of the llama
+    block's pullback: q, k and v, the attention output's and the MLP's gate and up gradients, and
+    four (b, s, h) arrays (W_o's and W_down's output gradients, the two norms' normalised-input
+    gradients): e*b*s*(q + 2k + 4h + 2f) (GeLU: one f)."""
+    d = Dims.of(model, layout)
+    f = (2 if model.mlp_activation == "swiglu" else 1) * d.f
+    return d.e * d.b * d.s * (d.q + 2 * d.k + 4 * d.h + f)
+
+
+def frontier_unpacked_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What of :func:`frontier_bytes` needs slots of its own: B writes the frontier into the
+    compute-dtype residuals of its stash slot that W does not read
+    (:func:`jaxpar.parallel.pipeline.stash.pack`), e*b*s*(q + 2k + 5f) for SwiGLU (q and k after
+    RoPE, v, and the MLP's residuals but W_down's input; GeLU 3f), counted as one pool."""
+    d = Dims.of(model, layout)
+    b_only = d.e * d.b * d.s * (d.q + 2 * d.k + (5 if model.mlp_activation == "swiglu" else 3) * d.f)
+    return max(0.0, frontier_bytes(model, layout) - b_only)
+
+
+def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: float) -> float:
+    """1F1B / interleaved (:func:`jaxpar.parallel.pipeline.executor._explicit_loss_and_grads`): the
+    backward tick holds the gradient accumulator (``acc`` bytes, the scan's carry) *twice*. The
+    tick's ``switch`` takes the accumulator as an operand and returns it, and the backward updates
+    it in place inside its layer loop, so XLA copies it into the loop's state while the operand
+    stays live. Beside the two copies, the larger of:
+
+    - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
+      the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.ticks.chunk_layers`),
+      pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the attention's
+      :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays of the microbatch (buffer assignment of
+      tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator copies, the layer's sliced
+      weights and two f32[4,2,2,128,128] score arrays at the peak);
+    - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
+      ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
+    """
+    pb = DTYPE_BYTES[model.param_dtype]
+    chunk = layout.layers_per_stage(model.num_layers)
+    loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
+    if attention_kind(layout) == "dot_product":
+        d = Dims.of(model, layout)
+        loop += BACKWARD_SCORE_COPIES * F32 * d.b * d.n * d.s * d.s
+    return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
+
+
+def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What one GPipe forward tick (:func:`jaxpar.parallel.pipeline.executor._gpipe_loss_and_grads`) saves
+    for the backward: the tick scan is differentiated as a whole, so this is stacked over all m + p - 1
+    ticks (bubbles included: the skipped branch's residuals are zeros of the same shapes).
+
+    - the stage's layer residuals, L/p x :func:`layer_residual_bytes`, and the head's, on every
+      stage (SPMD): the fp32 logits 4*b*s*V/t, the final norm's input and output and its fp32
+      normalised input (2e + 4)*b*s*h;
+    - with jax 0.10 (:func:`cond_stacks_weights`) the stage's *parameters*, once per tick, in the
+      compute dtype (the matmul operands): e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
+      evaluation of the tick's ``cond`` (work / skip) returns the branch's residuals as outputs of
+      the cond, the weights among them; the scan then stacks them like any per-tick value instead
+      of forwarding them as loop constants.
+    """
+    d = Dims.of(model, layout)
+    layers = layout.stored_layers(model.num_layers)
+    # ZeRO-3: the tick saves the layers' shards (each layer is gathered inside the layer scan, again in the
+    # backward), 1/N of them (tiny data=2 x tensor=2 x pipeline=2 GPipe ZeRO-3: f32[5,2,64,192] stacks of
+    # h/2 rows); the embedding / head table is saved whole
+    shard = layout.data * layout.context if layout.shards_parameters else 1
+    weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
+    if not cond_stacks_weights():
+        weights = 0.0
+    head = head_residual_bytes(model, layout)
+    # ``dot_product`` without recompute: each layer's broadcast causal mask, pred (b, n/t, s, s), is computed
+    # inside the tick's ``cond`` and leaves it as a residual, so the tick scan stacks it per layer (jax 0.10.2
+    # and 0.12.0.1 alike; buffer assignment of tiny data=2 x pipeline=4 GPipe ZeRO-3 m=4, b=2, s=1024:
+    # pred[7, 2, 2, 2, 1024, 1024], 56 MiB). Without a pipeline it is hoisted out of the loop instead
+    # (:func:`layer_working_bytes`).
+    mask = 0.0
+    if attention_kind(layout) == "dot_product" and layout.recompute == "none":
+        d = Dims.of(model, layout)
+        mask = layers * d.b * d.n * d.s * d.s
+    layer = layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)
+    return layers * layer + mask + head + weights
+
+
+@functools.cache
+def cond_stacks_weights() -> bool:
+    """Whether the installed jax's partial evaluation of ``lax.cond`` returns the branch's weights among its
+    residuals, so that GPipe's tick scan stacks them (:func:`gpipe_tick_bytes`): jax 0.10 does, jax 0.12 forwards
+    them as the loop's constants. Buffer assignment of tiny data=2 x pipeline=4 GPipe m=4, s=128 (b=2,
+    ``none``): f32[7, 1, 128, 384]-shaped weight stacks (7 = m + p - 1 ticks) in the backward's loop state on
+    jax 0.10.2, 51.87 MiB of temporaries; none on jax 0.12.0.1, 45.87 MiB, the 6.13 MiB the weights term
+    counts. jax 0.11 is taken with 0.12 (not compiled). Read from the installed distribution's metadata, so
+    the planner does not import JAX."""
+    try:
+        version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(v) for v in version.split(".")[:2] if v.isdigit()) < (0, 11)
+
+
+def head_residual_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """What the loss head keeps for its backward, per microbatch: the fp32 logits 4*b*s*V/t, the
+    final norm's input and output and its fp32 normalised input (2e + 4)*b*s*h."""
+    d = Dims.of(model, layout)
+    return F32 * d.b * d.s * d.v + (2 * d.e + F32) * d.b * d.s * d.h
+
+
+_PROGRAMS: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _program(schedule: str, p: int, m: int, v: int, keep: bool) -> tuple[int, int, int, int]:
+    """(act_slots, grad_slots, stash_slots, front_slots) of a schedule's executor program, cached: the planner
+    asks for the same few many times."""
+    key = (schedule, p, m, v, keep)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = steady_slot_counts(schedule, p, m, v, keep)
+    return _PROGRAMS[key]
+
+
+def stage_temps(model: ConfigDict, layout: ParallelLayout) -> list[TempEstimate]:
+    """:func:`temp_estimate` of every pipeline stage (one entry without a pipeline)."""
+    return [temp_estimate(model, layout, stage) for stage in range(layout.pipeline)]
+
+
+def estimated_temp_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """The largest stage's estimated temporaries: what ``memory_analysis().temp_size_in_bytes`` reports
+    (every device compiles the same SPMD program, so its temp buffer fits the busiest stage)."""
+    return max(t.total_bytes for t in stage_temps(model, layout))
