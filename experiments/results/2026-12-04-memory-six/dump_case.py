@@ -25,6 +25,7 @@ def main() -> None:
     import test_memory_random as T
 
     from jaxpar.analysis import activations as A
+    from jaxpar.analysis import temporaries as TE
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
     from jaxpar.config import ConfigError
 
@@ -53,7 +54,7 @@ def main() -> None:
         f"F32*bn*blk*blk {4 * d.b * d.n * lay.attention_block**2 / MiB:.3f} "
         f"ebsv {d.e * d.b * d.s * d.v / MiB:.3f} layer_w {d.e * A.layer_params(cfg.model, lay) / MiB:.3f}"
     )
-    for t in A.stage_temps(cfg.model, lay):
+    for t in TE.stage_temps(cfg.model, lay):
         print("  ", {k: (round(v / MiB, 3) if isinstance(v, float) else v) for k, v in t.to_dict().items()})
     sys.stdout.flush()
     subprocess.run([sys.executable, str(ROOT / "experiments" / "live_set.py"), dump, "--top", "45"])

@@ -17,6 +17,7 @@ def main() -> None:
 
     ensure_host_devices(8)
     from jaxpar.analysis import activations as A
+    from jaxpar.analysis import temporaries as T
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
     from jaxpar.config import load_config
     from jaxpar.layout import ParallelLayout
@@ -37,7 +38,7 @@ def main() -> None:
         f"units MiB: ebsh {d.e * d.b * d.s * d.h / MiB:.3f} ebsf {d.e * d.b * d.s * d.f / MiB:.3f} F32*bns2 {4 * d.b * d.n * d.s * d.s / MiB:.3f} "
         f"ebsv {d.e * d.b * d.s * d.v / MiB:.3f} layer_w {d.e * A.layer_params(cfg.model, lay) / MiB:.3f}"
     )
-    for t in A.stage_temps(cfg.model, lay):
+    for t in T.stage_temps(cfg.model, lay):
         print("  ", {k: (round(v / MiB, 3) if isinstance(v, float) else v) for k, v in t.to_dict().items()})
     subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).resolve().parents[2] / "live_set.py"), dump, "--top", "45"]

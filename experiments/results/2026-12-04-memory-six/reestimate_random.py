@@ -31,7 +31,7 @@ def _same(a: str, b: str) -> bool:
 def evaluate(log: str, seed: int) -> None:
     import test_memory_random as T
 
-    from jaxpar.analysis import activations as A
+    from jaxpar.analysis import temporaries as TE
     from jaxpar.analysis.estimate import estimated_argument_bytes
 
     rows = re.findall(r"case (\d+): (.*?)\n    temp ([\d.]+) MiB est ([\d.]+)", pathlib.Path(log).read_text())
@@ -46,7 +46,7 @@ def evaluate(log: str, seed: int) -> None:
             raise SystemExit(f"case {case}: no draw of seed {seed} gives {desc!r}")
         cfg = T._config(name, model, lay)
         compiled = float(temp) * 2**20
-        est = A.expected_temp_bytes(cfg.model, lay)
+        est = TE.estimated_temp_bytes(cfg.model, lay)
         args = estimated_argument_bytes(cfg.model, lay, "jaxpar", cfg.optim)
         out.append((compiled / est, (args + compiled) / (args + est), case, desc))
     bad = [o for o in out if abs(o[0] - 1) > T.TEMP_BOUND or abs(o[1] - 1) > T.PEAK_BOUND]

@@ -3,6 +3,7 @@ estimated temporaries and peak with the estimate's terms. ``--dump DIR`` also wr
 assignment of each compile (``xla_dump_to``) for the live-set analysis.
 
     python experiments/results/2026-12-04-memory-six/six.py [--only NAME] [--dump /tmp/six] [--json out.json]
+        [--attention dot_product]
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--dump")
     ap.add_argument("--json")
+    ap.add_argument("--attention", help="model.attention for every layout (default: the config's)")
     args = ap.parse_args()
     from jaxpar.distributed import ensure_host_devices
 
     ensure_host_devices(8)
-    from jaxpar.analysis import activations as A
+    from jaxpar.analysis import temporaries as T
     from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
     from jaxpar.config import load_config
     from jaxpar.layout import ParallelLayout
@@ -76,6 +78,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         ov = ov + ["model.compute_dtype=float32", "parallel.grad_reduce_dtype=float32"]
+        ov += [f"model.attention={args.attention}"] if args.attention else []
         cfg = load_config(str(ROOT / "configs" / cfgfile), [f"--config.{o}" for o in ov])
         opts = dict(AOT_COMPILER_OPTIONS)
         if args.dump:
@@ -83,7 +86,7 @@ def main() -> None:
         t0 = time.time()
         mem = analyze_layout(cfg, compiler_options=opts).memory
         lay = ParallelLayout.from_config(cfg)
-        terms = [t.to_dict() for t in A.stage_temps(cfg.model, lay)]
+        terms = [t.to_dict() for t in T.stage_temps(cfg.model, lay)]
         out[name] = {
             "temp_bytes": mem.temp_bytes,
             "expected_temp_bytes": mem.estimated_temp_bytes,
