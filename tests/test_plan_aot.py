@@ -137,10 +137,18 @@ LAYOUTS: dict[str, tuple[str, ParallelLayout]] = {
         ),
     ),
 }
-# ~2.5-5 s of compile per layout on 2 cores: these 1B layouts run only with JAXPAR_SLOW=1. The
-# default suite keeps the ~1B model at TP-4 + SP + ZeRO-3, at data = 1, in a 1F1B pipeline with SP and
-# in an interleaved one; every (tensor, ZeRO) pair and pipeline feature is also in the tiny layouts.
+# ~2.5-5 s of compile per layout on 2 cores: these layouts run only with JAXPAR_SLOW=1. The default
+# suite keeps the ~1B model at TP-4 + SP + ZeRO-3, at data = 1, in a 1F1B pipeline with SP and in an
+# interleaved one; the tiny model at every ZeRO stage with tensor = 2 (data and tensor both carry bytes;
+# tensor = 1 only with JAXPAR_SLOW=1), and each pipeline feature once (1F1B with SP, interleaved with SP,
+# interleaved with ZeRO-3, ZeRO-2, GPipe; the two-stage 1F1B and ZeRO-3 1F1B only with JAXPAR_SLOW=1).
 SLOW = {
+    "tiny_t1_z0",
+    "tiny_t1_z1",
+    "tiny_t1_z2",
+    "tiny_t1_z3",
+    "tiny_p2_1f1b",
+    "tiny_p2_zero3",
     "1b_t1_z0",
     "1b_t1_z1",
     "1b_t1_z2",
