@@ -222,6 +222,19 @@ FORWARD_SCORE_COPIES = 3
 # layer, sliced out of the stack (``none``: a dot operand is materialised, XLA:CPU fuses no
 # dynamic-slice into a matmul) or recomputed (``selective``, ``full``), wait for the attention's backward.
 BACKWARD_SCORE_COPIES = 2
+# Heap packing of attention dropout's chain. With ``model.attention_dropout`` the attention's forward is a
+# chain of four same-shaped fp32 arrays, each read only by the next: q k^T, the masked scores, the
+# probabilities, the dropped probabilities (blockwise: the inner step's blocks, the same four). Two are
+# live at once, but XLA's best-fit heap (xla/service/heap_simulator) places equal-sized buffers in its own
+# order, not the program's, and a chain of four can take a third slot: tiny data=8 ZeRO-1 selective, b=2,
+# s=1024 takes three f32[2, 2, 2, 1024, 1024] slots for two live (the allocation 215.8 MiB, the largest
+# live set 183.8); tiny data=8 selective, b=1, s=512, whose softmax XLA splits into more steps, takes two.
+# Which one a compile gets is the heap's tie order, not a count of arrays, so the estimate counts the
+# midpoint of the range, half a slot: the error this term leaves is half an array either way. Measured over
+# the memory grid's rows with attention dropout (experiments/results/2026-12-06-memory-grid, the allocation
+# minus the largest live set): 0 to 1.0 of one (b, n/t, s, s) array with ``dot_product``, 0 to 1.24 of one
+# block with ``blockwise`` and a context axis.
+DROPOUT_PACKING_SLOTS = 0.5
 # (b, s, mlp_dim/t) arrays live in that phase: ``none`` the three MLP gradients (of the W_down input,
 # of gate and of up; the six saved activations are read from the stack inside fusions); ``full`` those
 # three and the recomputed gate, up, silu(gate) and their product (7); ``selective``: gate and up are
@@ -339,7 +352,8 @@ def layer_working_bytes(
     also holds the recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
-    (4 + 1)*b*n*s^2 (not counted in pipeline ticks). A stage of one layer without recompute writes
+    (4 + 1)*b*n*s^2, and the heap's packing of that chain, :data:`DROPOUT_PACKING_SLOTS` fp32 arrays
+    (not counted in pipeline ticks). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
     ``jax.vjp`` of the chunk recomputes the forward inside the tick): without recompute the backward
@@ -423,13 +437,14 @@ def _layer_working_phases(
         # the forward attention's keep mask (1 byte) and dropped fp32 probabilities; in a 1F1B tick too (tiny
         # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak).
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
-        forward += (F32 + 1) * scores
+        forward += (F32 + 1) * scores + DROPOUT_PACKING_SLOTS * F32 * scores
     return forward, backward
 
 
 def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """The attention phase of one layer's backward under ``blockwise`` attention (and context parallelism,
-    whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (+1 with attention dropout)
+    whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (with attention dropout +1, the
+    dropped probabilities, and :data:`DROPOUT_PACKING_SLOTS`)
     fp32 (b, n/t, bq, bk) arrays of the inner step, bq = bk = min(``attention_block``, s) (the kernel
     clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + r*s*k), r = 1 without a
     ring and :func:`ring_backward_kv_arrays` with one; under ``full`` the recomputed forward's q, k and v
@@ -437,7 +452,8 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     ring measurement of :func:`ring_backward_kv_arrays`)."""
     d = Dims.of(model, layout, b)
     block = min(layout.attention_block, d.s)
-    copies = BLOCKWISE_BACKWARD_BLOCKS + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
+    dropout = model.get("attention_dropout", 0.0) > 0
+    copies = BLOCKWISE_BACKWARD_BLOCKS + ((1 + DROPOUT_PACKING_SLOTS) if dropout else 0)
     # ring attention: the hops' backward steps are independent but for the dQ sum, and XLA overlaps them:
     # another hop's P, dP and dS beside this one's (buffer assignment of tiny data=4 x context=2, block =
     # s/c = 256, full: seven f32[2, n, 256, 256]-sized blocks at the peak)

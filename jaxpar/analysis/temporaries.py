@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxpar.analysis.activations import (
     BACKWARD_SCORE_COPIES,
+    DROPOUT_PACKING_SLOTS,
     F32,
     Dims,
     attention_kind,
@@ -335,10 +336,13 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
 
     - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
       the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.ticks.chunk_layers`),
-      pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the attention's
-      :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays of the microbatch (buffer assignment of
-      tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator copies, the layer's sliced
-      weights and two f32[4,2,2,128,128] score arrays at the peak);
+      pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the forward tick's
+      attention over the whole microbatch: :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays (with
+      attention dropout :data:`DROPOUT_PACKING_SLOTS` more) and the layer's input and keys,
+      e*b*s*(h + k) (buffer assignment of tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator
+      copies, the layer's sliced weights and two f32[4,2,2,128,128] score arrays at the peak; with
+      attention dropout, b=4, s=256: two f32[4, 2, 2, 256, 256] arrays live in three slots, and four
+      (b, s, h)-sized arrays);
     - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
       ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
     """
@@ -347,7 +351,8 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
     if attention_kind(layout) == "dot_product":
         d = Dims.of(model, layout)
-        loop += BACKWARD_SCORE_COPIES * F32 * d.b * d.n * d.s * d.s
+        slots = BACKWARD_SCORE_COPIES + (DROPOUT_PACKING_SLOTS if model.get("attention_dropout", 0.0) > 0 else 0)
+        loop += slots * F32 * d.b * d.n * d.s * d.s + d.e * d.b * d.s * (d.h + d.k)
     return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
 
