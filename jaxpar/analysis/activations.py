@@ -441,9 +441,14 @@ def _layer_working_phases(
     # ZeRO-3's weight gradient and relaid weight: a phase of its own beside the score arrays (~1B, 4 layers,
     # data=8 ZeRO-3 full, s=1024: counting both puts the estimate 15% over the compiled temporaries)
     backward = max(backward, base + zero3)
-    if model.get("attention_dropout", 0.0) > 0 and (layout.pipeline == 1 or (tick and rec != "none")):
+    if model.get("attention_dropout", 0.0) > 0 and (
+        layout.pipeline == 1 or (rec != "none" and (tick or layout.pipeline_schedule == "gpipe"))
+    ):
         # the forward attention's keep mask (1 byte) and dropped fp32 probabilities; in a 1F1B tick too (tiny
-        # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak).
+        # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak), and in
+        # a GPipe backward tick that recomputes (tiny data=2 x pipeline=4 GPipe ZeRO-3 selective, b=2, s=1024:
+        # four f32[2, 2, 2, 1024, 1024] arrays at the peak, one of them the keep scale 1/(1-p) broadcast to the
+        # scores' shape for XLA:CPU's fused softmax backward; 1.119 of the estimate without them).
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
         forward += (F32 + 1) * scores + DROPOUT_PACKING_SLOTS * F32 * scores
     return forward, backward
