@@ -244,12 +244,14 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         residual = (layout.microbatches + p - 1) * per_tick
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
         working, slots = per_tick + layer_working_bytes(model, layout, layers=chunk), 0.0
-        if layout.recompute == "none" and chunk > 1 and layout.microbatch_size == 1:
+        if layout.recompute != "full" and chunk > 1 and layout.microbatch_size == 1:
             # one sequence per microbatch: XLA lays the sliced residuals out with the size-1 batch dim moved
             # ({..,2,0,1}) and copies them into the chunk's layer scan's layout, a second copy of the tick's
             # layer residuals (buffer assignment of tiny data=4 x pipeline=2 GPipe ZeRO-3 m=4, s=256, b=1,
             # attention dropout: the tick's f32[2, 1, 2, 512, 256] scores, six f32[2, 1, 256, 384] MLP
-            # residuals and pred masks twice each; the same layout with b=4, s=128 slices them once)
+            # residuals and pred masks twice each; the same layout with b=4, s=128 slices them once); so
+            # under ``selective`` (tiny data=4 x pipeline=2 GPipe ZeRO-1 m=2, s=1024, b=1: the saved gate and
+            # up, f32[2, 1, 1024, 384], in both layouts; 1.197 of the estimate without the second copy)
             working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
