@@ -357,8 +357,8 @@ def layer_working_bytes(
     is a third candidate, and under recompute with a context axis (or a kernel of one block) the MLP phase
     also holds the recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
-    attention under ``selective`` / ``full``, also hold the keep mask and the dropped probabilities,
-    (4 + 1)*b*n*s^2, and the heap's packing of that chain, :data:`DROPOUT_PACKING_SLOTS` fp32 arrays
+    attention under ``selective`` / ``full``, also hold the dropped probabilities (the keep mask in the causal
+    mask's place), 4*b*n*s^2, and the heap's packing of that chain, :data:`DROPOUT_PACKING_SLOTS` fp32 arrays
     (not counted in pipeline ticks). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
@@ -444,13 +444,15 @@ def _layer_working_phases(
     if model.get("attention_dropout", 0.0) > 0 and (
         layout.pipeline == 1 or (rec != "none" and (tick or layout.pipeline_schedule == "gpipe"))
     ):
-        # the forward attention's keep mask (1 byte) and dropped fp32 probabilities; in a 1F1B tick too (tiny
+        # the forward attention's dropped fp32 probabilities (its keep mask takes the place of the causal mask's
+        # broadcast: one pred array of the scores' shape at the peak in each measurement below, and in tiny
+        # data=8 ZeRO-1 selective, b=2, s=1024 and data=4 x tensor=2 SP ZeRO-3 full, b=2, s=512); in a 1F1B tick too (tiny
         # data=4 x pipeline=2 1F1B selective: four f32[b, n, s, s] arrays and the pred mask at the peak), and in
         # a GPipe backward tick that recomputes (tiny data=2 x pipeline=4 GPipe ZeRO-3 selective, b=2, s=1024:
         # four f32[2, 2, 2, 1024, 1024] arrays at the peak, one of them the keep scale 1/(1-p) broadcast to the
         # scores' shape for XLA:CPU's fused softmax backward; 1.119 of the estimate without them).
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
-        forward += (F32 + 1) * scores + DROPOUT_PACKING_SLOTS * F32 * scores
+        forward += F32 * scores + DROPOUT_PACKING_SLOTS * F32 * scores
     return forward, backward
 
 
