@@ -224,17 +224,36 @@ FORWARD_SCORE_COPIES = 3
 BACKWARD_SCORE_COPIES = 2
 # Heap packing of attention dropout's chain. With ``model.attention_dropout`` the attention's forward is a
 # chain of four same-shaped fp32 arrays, each read only by the next: q k^T, the masked scores, the
-# probabilities, the dropped probabilities (blockwise: the inner step's blocks, the same four). Two are
-# live at once, but XLA's best-fit heap (xla/service/heap_simulator) places equal-sized buffers in its own
-# order, not the program's, and a chain of four can take a third slot: tiny data=8 ZeRO-1 selective, b=2,
-# s=1024 takes three f32[2, 2, 2, 1024, 1024] slots for two live (the allocation 215.8 MiB, the largest
-# live set 183.8); tiny data=8 selective, b=1, s=512, whose softmax XLA splits into more steps, takes two.
-# Which one a compile gets is the heap's tie order, not a count of arrays, so the estimate counts the
-# midpoint of the range, half a slot: the error this term leaves is half an array either way. Measured over
-# the memory grid's rows with attention dropout (experiments/results/2026-12-06-memory-grid, the allocation
-# minus the largest live set): 0 to 1.0 of one (b, n/t, s, s) array with ``dot_product``, 0 to 1.24 of one
-# block with ``blockwise`` and a context axis.
-DROPOUT_PACKING_SLOTS = 0.5
+# probabilities, the dropped probabilities. Two are live at once, but XLA's best-fit heap
+# (xla/service/heap_simulator) places equal-sized buffers of equal lifetimes in its own order, not the
+# program's, so four links that each live one step take three slots. That happens where XLA:CPU runs the
+# whole softmax as one fused kernel, which it does from :data:`SOFTMAX_FUSED_ROWS` rows (b * n/t * s) up:
+# tiny data=8 ZeRO-1 selective, b=2, s=1024 (8192 rows) takes three f32[2, 2, 2, 1024, 1024] slots for two
+# live (allocation 215.8 MiB, largest live set 183.8); below it XLA splits the softmax (exponentials, row
+# sums, division), the probabilities live across those steps and the chain packs into two (tiny data=8
+# selective, b=1, s=512: 2048 rows, no hole). The threshold is XLA:CPU's fusion choice, read from every
+# ``dot_product`` row with attention dropout of experiments/results/2026-12-06-memory-grid (holes of one
+# whole score array at 4096 rows and more under recompute, none below: 4096 fits every row, 2048 and 8192
+# each put four rows outside the bounds). Without recompute the forward writes its scores and
+# probabilities into the residual stack, no chain is transient, and no hole appears (tiny b=2, s=1024,
+# ``none``: none). A GPipe tick scan saves them likewise.
+SOFTMAX_FUSED_ROWS = 4096
+# Blockwise attention with dropout: the inner step's block arrays leave holes of 0 to 1.24 blocks in the same
+# rows (with a context axis; no threshold separates them), so the estimate counts the midpoint, half a block:
+# the error this term leaves is half a block either way.
+BLOCKWISE_DROPOUT_PACKING_SLOTS = 0.5
+
+
+def dropout_chain_slots(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """fp32 (b, n/t, s, s) slots beyond the live arrays that XLA's heap gives attention dropout's forward
+    chain (``dot_product``): one where the softmax runs fused and the forward is recomputed, else none
+    (see :data:`SOFTMAX_FUSED_ROWS`)."""
+    if model.get("attention_dropout", 0.0) <= 0 or attention_kind(layout) != "dot_product":
+        return 0.0
+    d = Dims.of(model, layout, b)
+    return 1.0 if layout.recompute != "none" and d.b * d.n * d.s >= SOFTMAX_FUSED_ROWS else 0.0
+
+
 # (b, s, mlp_dim/t) arrays live in that phase: ``none`` the three MLP gradients (of the W_down input,
 # of gate and of up; the six saved activations are read from the stack inside fusions); ``full`` those
 # three and the recomputed gate, up, silu(gate) and their product (7); ``selective``: gate and up are
@@ -358,7 +377,7 @@ def layer_working_bytes(
     also holds the recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the dropped probabilities (the keep mask in the causal
-    mask's place), 4*b*n*s^2, and the heap's packing of that chain, :data:`DROPOUT_PACKING_SLOTS` fp32 arrays
+    mask's place), 4*b*n*s^2, and the heap's packing of that chain, :func:`dropout_chain_slots` fp32 arrays
     (not counted in pipeline ticks). A stage of one layer without recompute writes
     its scores and probabilities into no stack: they are its residuals, so its forward adds
     :data:`FORWARD_SCORE_COPIES` - 2 arrays. ``tick`` (a 1F1B / interleaved backward tick, whose
@@ -452,14 +471,16 @@ def _layer_working_phases(
         # four f32[2, 2, 2, 1024, 1024] arrays at the peak, one of them the keep scale 1/(1-p) broadcast to the
         # scores' shape for XLA:CPU's fused softmax backward; 1.119 of the estimate without them).
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
-        forward += F32 * scores + DROPOUT_PACKING_SLOTS * F32 * scores
+        # and the heap's third slot for the chain (not in a GPipe tick: its forward's scan saves them)
+        slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick else 0.0
+        forward += F32 * scores + slots * F32 * scores
     return forward, backward
 
 
 def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """The attention phase of one layer's backward under ``blockwise`` attention (and context parallelism,
     whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (with attention dropout +1, the
-    dropped probabilities, and :data:`DROPOUT_PACKING_SLOTS`)
+    dropped probabilities, and :data:`BLOCKWISE_DROPOUT_PACKING_SLOTS`)
     fp32 (b, n/t, bq, bk) arrays of the inner step, bq = bk = min(``attention_block``, s) (the kernel
     clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + r*s*k), r = 1 without a
     ring and :func:`ring_backward_kv_arrays` with one; under ``full`` the recomputed forward's q, k and v
@@ -468,7 +489,7 @@ def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout
     d = Dims.of(model, layout, b)
     block = min(layout.attention_block, d.s)
     dropout = model.get("attention_dropout", 0.0) > 0
-    copies = BLOCKWISE_BACKWARD_BLOCKS + ((1 + DROPOUT_PACKING_SLOTS) if dropout else 0)
+    copies = BLOCKWISE_BACKWARD_BLOCKS + ((1 + BLOCKWISE_DROPOUT_PACKING_SLOTS) if dropout else 0)
     # ring attention: the hops' backward steps are independent but for the dQ sum, and XLA overlaps them:
     # another hop's P, dP and dS beside this one's (buffer assignment of tiny data=4 x context=2, block =
     # s/c = 256, full: seven f32[2, n, 256, 256]-sized blocks at the peak)

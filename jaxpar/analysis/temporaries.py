@@ -13,10 +13,10 @@ from typing import Any
 
 from jaxpar.analysis.activations import (
     BACKWARD_SCORE_COPIES,
-    DROPOUT_PACKING_SLOTS,
     F32,
     Dims,
     attention_kind,
+    dropout_chain_slots,
     dropout_residual_bytes,
     head_working_bytes,
     largest_param,
@@ -348,7 +348,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
       the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.ticks.chunk_layers`),
       pb * (1 + [v > 1] * L/(p*v)) * :func:`layer_params`, and with ``dot_product`` the forward tick's
       attention over the whole microbatch: :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays (with
-      attention dropout :data:`DROPOUT_PACKING_SLOTS` more) and the layer's input and keys,
+      attention dropout the heap's :func:`dropout_chain_slots` more) and the layer's input and keys,
       e*b*s*(h + k) (buffer assignment of tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator
       copies, the layer's sliced weights and two f32[4,2,2,128,128] score arrays at the peak; with
       attention dropout, b=4, s=256: two f32[4, 2, 2, 256, 256] arrays live in three slots, and four
@@ -361,7 +361,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
     if attention_kind(layout) == "dot_product":
         d = Dims.of(model, layout)
-        slots = BACKWARD_SCORE_COPIES + (DROPOUT_PACKING_SLOTS if model.get("attention_dropout", 0.0) > 0 else 0)
+        slots = BACKWARD_SCORE_COPIES + dropout_chain_slots(model, layout)
         loop += slots * F32 * d.b * d.n * d.s * d.s + d.e * d.b * d.s * (d.h + d.k)
     return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
