@@ -352,17 +352,22 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
       e*b*s*(h + k) (buffer assignment of tiny data=4 x pipeline=2 1F1B ``full`` m=2: the two accumulator
       copies, the layer's sliced weights and two f32[4,2,2,128,128] score arrays at the peak; with
       attention dropout, b=4, s=256: two f32[4, 2, 2, 256, 256] arrays live in three slots, and four
-      (b, s, h)-sized arrays);
+      (b, s, h)-sized arrays); with ``blockwise`` the same count of its (b, n/t, bq, bk) blocks (tiny
+      data=2 x pipeline=4 1F1B ``full``, b=4, s=256, one block of 256: f32[4, 2, 256, 512] q k^T and
+      f32[4, 2, 2, 256, 256] exponentials beside the two copies; 1.413 of the estimate without them);
     - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
       ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
     """
     pb = DTYPE_BYTES[model.param_dtype]
     chunk = layout.layers_per_stage(model.num_layers)
     loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
+    d = Dims.of(model, layout)
     if attention_kind(layout) == "dot_product":
-        d = Dims.of(model, layout)
         slots = BACKWARD_SCORE_COPIES + dropout_chain_slots(model, layout)
         loop += slots * F32 * d.b * d.n * d.s * d.s + d.e * d.b * d.s * (d.h + d.k)
+    else:  # the flash kernel's forward step: its q k^T block and the block's exponentials
+        block = min(layout.attention_block, d.s)
+        loop += BACKWARD_SCORE_COPIES * F32 * d.b * d.n * block * block + d.e * d.b * d.s * (d.h + d.k)
     return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
 
