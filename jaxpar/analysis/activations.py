@@ -473,7 +473,7 @@ def _layer_working_phases(
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
         # and the heap's third slot for the chain (not in a GPipe tick: its forward's scan saves them)
         slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick else 0.0
-        forward += F32 * scores + slots * F32 * scores
+        forward += (1 + slots) * F32 * scores
     return forward, backward
 
 

@@ -362,12 +362,10 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     chunk = layout.layers_per_stage(model.num_layers)
     loop = pb * layer_params(model, layout) * (1 + (chunk if layout.virtual_stages > 1 else 0))
     d = Dims.of(model, layout)
-    if attention_kind(layout) == "dot_product":
-        slots = BACKWARD_SCORE_COPIES + dropout_chain_slots(model, layout)
-        loop += slots * F32 * d.b * d.n * d.s * d.s + d.e * d.b * d.s * (d.h + d.k)
-    else:  # the flash kernel's forward step: its q k^T block and the block's exponentials
-        block = min(layout.attention_block, d.s)
-        loop += BACKWARD_SCORE_COPIES * F32 * d.b * d.n * block * block + d.e * d.b * d.s * (d.h + d.k)
+    # one (b, n/t, side, side) score array, or the flash kernel's block (its q k^T and exponentials)
+    side = d.s if attention_kind(layout) == "dot_product" else min(layout.attention_block, d.s)
+    slots = BACKWARD_SCORE_COPIES + dropout_chain_slots(model, layout)  # no chain slot for blockwise
+    loop += slots * F32 * d.b * d.n * side * side + d.e * d.b * d.s * (d.h + d.k)
     return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
 
