@@ -82,6 +82,22 @@ def test_launch_local_gives_the_single_process_losses(tmp_path, single_process_l
         assert abs(ours - one) / abs(one) < 1e-5, (losses, single_process_losses)
 
 
+def test_a_second_run_sharing_the_compile_cache_finishes(tmp_path, single_process_losses):
+    """Two 2-process runs share a fresh persistent-cache folder. On jax 0.12.1 a train step with
+    collectives across processes, read back from the cache, hangs (jaxpar.compat.cached_collectives_hang),
+    so there the step is never written to it; elsewhere the first run writes it and the second reads it."""
+    from jaxpar.compat import cached_collectives_hang
+
+    launcher = ["bash", str(ROOT / "scripts" / "launch_local.sh"), "2"]
+    env = _clean_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    for run in ("first", "second"):
+        done = _train(launcher, tmp_path / run, env)
+        assert done.returncode == 0, (run, (done.stdout + done.stderr)[-3000:])
+        assert _losses(tmp_path / run) == pytest.approx(single_process_losses, rel=1e-5)
+    cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+    assert ("jit_local_step" in cached) is not cached_collectives_hang(), cached
+
+
 def test_launch_local_refuses_a_conflicting_device_count(tmp_path):
     launcher = ["bash", str(ROOT / "scripts" / "launch_local.sh"), "2"]
     env = _clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import acts
 from jaxpar.axes import MESH_AXES
-from jaxpar.compat import Uncached, cached_pipelines_are_wrong, persistent_cache_skipped
+from jaxpar.compat import Uncached, cached_collectives_hang, cached_pipelines_are_wrong, persistent_cache_skipped
 from jaxpar.config import ConfigDict, default_config, validate
 from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model
@@ -72,10 +72,12 @@ class Setup:
         self.cfg, self.layout, self.mesh = cfg, layout, mesh
         self.model = get_model(cfg.model)  # the model family (jaxpar.models), validated
         self.pipeline = pipeline_lib.Pipeline.from_layout(layout, self.model) if layout.pipeline > 1 else None
-        # XLA:CPU (jax 0.10) pipeline executables read back from the persistent compilation cache
-        # compute wrong losses: this layout's programs compile without it (jaxpar.compat)
-        self.skips_cache = (
-            self.pipeline is not None and mesh.devices.flat[0].platform == "cpu" and cached_pipelines_are_wrong()
+        # XLA:CPU executables read back from the persistent compilation cache: a pipeline's compute
+        # wrong losses on jax 0.10, and one with collectives across processes hangs on 0.12.1; such a
+        # layout's programs compile without the cache (jaxpar.compat)
+        self.skips_cache = mesh.devices.flat[0].platform == "cpu" and (
+            (self.pipeline is not None and cached_pipelines_are_wrong())
+            or (jax.process_count() > 1 and cached_collectives_hang())
         )
         self.strategy = Strategy.for_layout(layout)
         stages, virtual = layout.pipeline, layout.virtual_stages
