@@ -525,6 +525,30 @@ def pipeline_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int 
     return (2 * d.e + DTYPE_BYTES[model.param_dtype]) * table + 2 * F32 * d.b * d.s * d.v + d.e * d.b * d.s * d.h
 
 
+# A 1F1B last stage of one layer under ``full``: XLA:CPU schedules the loss head's weight-gradient matmul after the
+# chunk's recomputed forward, so at that matmul the recomputed attention's scores and probabilities (``dot_product``:
+# :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays) and the MLP's recomputed gate, up and silu(gate) (three
+# (b, s, f/t) arrays) are live beside the head's. Buffer assignment of ~1B, 2 layers, data=4 x pipeline=2 ZeRO-2,
+# b=1, s=512 (f32[1, 8, 4, 512, 512] twice and f32[512, 8192] three times at the head's f32[32000, 2048] weight
+# gradient; 1.212 of the estimate without them, 1.092 with) and ~1B, 4 layers, tensor=2 x pipeline=4 SP ZeRO-2,
+# b=2, s=1024 (f32[2, 4, 4, 1024, 1024] twice, f32[2048, 4096] three times; 1.311 without, 1.150 with: the
+# chunk's backward has begun there too, its first weight gradient live, which this does not count; blockwise,
+# ~1B tensor=4 x pipeline=2 ZeRO-1 with attention dropout, s=1024: 1.342 without, 1.272 with). With two
+# layers or more per stage the layers run in a loop and the ~1B rows of the grids hold without it (0.87-1.00).
+HEAD_DEFERRED_MLP_WIDE = 3
+
+
+def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """What a one-layer 1F1B last stage under ``full`` holds of its chunk's recomputed forward at the loss
+    head's weight-gradient matmul, beyond :func:`pipeline_head_phase_bytes` (see :data:`HEAD_DEFERRED_MLP_WIDE`);
+    0 elsewhere."""
+    if layout.recompute != "full" or layout.virtual_stages != 1 or layout.layers_per_stage(model.num_layers) != 1:
+        return 0.0
+    d = Dims.of(model, layout, b)
+    scores = BACKWARD_SCORE_COPIES * F32 * d.b * d.n * d.s * d.s if attention_kind(layout) == "dot_product" else 0.0
+    return scores + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f
+
+
 def head_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """The vocabulary-parallel cross-entropy of one microbatch (:func:`jaxpar.models.llama.cross_entropy_sum`):
     fp32 logits of this tensor rank's V/t columns, exp(z) kept for the backward, and the fp32 logit

@@ -16,6 +16,7 @@ from jaxpar.analysis.activations import (
     F32,
     Dims,
     attention_kind,
+    deferred_head_bytes,
     dropout_chain_slots,
     dropout_residual_bytes,
     head_working_bytes,
@@ -294,7 +295,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # and the chunk's gradient is not written yet (buffer assignment of ~1B, 4 layers, data=2 x tensor=2
             # x pipeline=2 1F1B ZeRO-2 full, m=4, s=512: at the head's weight-gradient matmul the sharded
             # accumulator and the head's f32[16000, 2048] gradients, no f32[2, 1024, 4096] chunk gradient)
-            head = pipeline_head_phase_bytes(model, layout, b=rows)
+            head = pipeline_head_phase_bytes(model, layout, b=rows) + deferred_head_bytes(model, layout, b=rows)
             if zero3:  # ZeRO-3: one layer's weights gathered ahead of the chunk's backward, in place of the
                 # layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
                 # three gathered weights beside the head's, at the head's weight-gradient matmul)
