@@ -256,6 +256,15 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
+        if last and not zero3:  # the loss head's backward, a phase of its own as in a 1F1B tick (buffer assignment
+            # of ~1B data=4 x pipeline=2 GPipe ZeRO-1 m=2, s=128, ``none``, jax 0.12.0.1: at the head's
+            # f32[32000, 2048] weight gradient the tick's slice of the table stack, the weight's gradient from
+            # the tick's two branches and its sum, and the (b, s, V) logit gradients; 1.228 of the estimate
+            # without it, 1.047 with). ZeRO-3 is left out: its GPipe tick gathers the head (~1B data=4 x
+            # pipeline=2 GPipe ZeRO-3 ``selective``: 0.969 without this phase, 0.873 with it)
+            head = pipeline_head_phase_bytes(model, layout)
+            if head > working:
+                working, term = head, "backward tick: the loss head's backward"
     else:
         keep = keeps_activations(layout)
         prog = _program(layout.pipeline_schedule, p, layout.microbatches, layout.virtual_stages, keep)
@@ -382,7 +391,10 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
       compute dtype (the matmul operands): e * (L/p x :func:`layer_params` + the V/t x h ``ends`` / embedding table). JAX's partial
       evaluation of the tick's ``cond`` (work / skip) returns the branch's residuals as outputs of
       the cond, the weights among them; the scan then stacks them like any per-tick value instead
-      of forwarding them as loop constants.
+      of forwarding them as loop constants. With jax 0.12 the layers' weights are forwarded, but the
+      output layer's table, transposed inside the branch for the head's matmul, is a new value and
+      still stacked: e * V/t x h per tick (buffer assignment on jax 0.12.0.1: f32[3, 2048, 32000] for
+      ~1B data=4 x pipeline=2 GPipe m=2, f32[7, 128, 256] for tiny data=2 x pipeline=4 GPipe m=4).
     """
     d = Dims.of(model, layout)
     layers = layout.stored_layers(model.num_layers)
@@ -391,8 +403,9 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     # h/2 rows); the embedding / head table is saved whole
     shard = layout.data * layout.context if layout.shards_parameters else 1
     weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
-    if not cond_stacks_weights():
-        weights = 0.0
+    if not cond_stacks_weights():  # the layers' weights are forwarded; the output layer's table, which the
+        # tick's branch transposes for the head's matmul, is a new value and stacked like any residual
+        weights = d.e * shared_tables(model, layout)
     head = head_residual_bytes(model, layout)
     # ``dot_product`` without recompute: each layer's broadcast causal mask, pred (b, n/t, s, s), is computed
     # inside the tick's ``cond`` and leaves it as a residual, so the tick scan stacks it per layer (jax 0.10.2
@@ -413,8 +426,8 @@ def cond_stacks_weights() -> bool:
     residuals, so that GPipe's tick scan stacks them (:func:`gpipe_tick_bytes`): jax 0.10 does, jax 0.12 forwards
     them as the loop's constants. Buffer assignment of tiny data=2 x pipeline=4 GPipe m=4, s=128 (b=2,
     ``none``): f32[7, 1, 128, 384]-shaped weight stacks (7 = m + p - 1 ticks) in the backward's loop state on
-    jax 0.10.2, 51.87 MiB of temporaries; none on jax 0.12.0.1, 45.87 MiB, the 6.13 MiB the weights term
-    counts. jax 0.11 is taken with 0.12 (not compiled). Read from the installed distribution's metadata, so
+    jax 0.10.2, 51.87 MiB of temporaries; none on jax 0.12.0.1, 45.87 MiB, where only the output layer's
+    table is stacked (f32[7, 128, 256], :func:`gpipe_tick_bytes`). jax 0.11 is taken with 0.12 (not compiled). Read from the installed distribution's metadata, so
     the planner does not import JAX."""
     try:
         version = importlib.metadata.version("jax")
