@@ -115,7 +115,10 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     """The optimizer phase (:mod:`jaxpar.train.step`), with ``grads`` the full local fp32 gradient bytes.
 
     Stage 0: the data all-reduce writes a second gradient buffer (XLA:CPU does not reduce in place),
-    except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%).
+    except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%), and
+    with sequence parallelism that one too: 2G (every ~1B row of the random grid without a pipeline whose
+    update sets the peak: the 18 without sequence parallelism at 1.000 of 2G - 4*V*h/t, the 5 with it
+    at 1.000 of 2G, where the all-reduce's operands hold both f32[V/t, h] tables).
     Stages 1-2: at the turn from the backward to the update, every gradient beside one relayout copy
     of the largest stacked layer gradient (W_down's (L, f, h) stack transposed so that the
     ``psum_scatter`` dim leads), pb * P_layer_max; the scatters then free the full gradients one by
@@ -129,7 +132,7 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     """
     pb = DTYPE_BYTES[model.param_dtype]
     if not layout.shards_optimizer:
-        return 2 * grads - pb * shared_tables(model, layout)
+        return 2 * grads - (0.0 if layout.sequence_parallel else pb * shared_tables(model, layout))
     if not layout.shards_parameters:  # ZeRO-1/2
         return grads + pb * largest_param(model, layout)
     return zero_sharded_bytes(model, layout, grads) + zero3_embedding_gradient_bytes(model, layout)
