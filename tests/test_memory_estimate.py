@@ -6,8 +6,9 @@ of ``tests/conftest.py`` (:func:`jaxpar.analysis.compiled.analyze_layout`) and i
 :func:`jaxpar.analysis.estimate.estimated_argument_bytes` (arguments): the peak (arguments +
 temporaries) within 10%, the temporaries alone within 15%. The default suite runs a dozen layouts
 (DP, ZeRO-1/2/3, TP, TP+SP, 1F1B, interleaved and GPipe pipelines, every recompute policy,
-accumulation 1 and 4, dot-product and blockwise attention, context=2); ``JAXPAR_SLOW=1`` adds the
-rest of the grid and the ~1B config. ``pytest -s`` prints every ratio.
+accumulation 1 and 4, dot-product and blockwise attention, context=2) and three of the ~1B config cut to
+2 layers; ``JAXPAR_SLOW=1`` adds the rest of the grid and the whole ~1B config. ``pytest -s`` prints every
+ratio.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ DEFAULT = {
     ),
     "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, pipeline_schedule="zb-h1"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, pipeline_schedule="gpipe"),
+    # ~1B cut to 2 layers (its shapes per layer kept; "1b2_"): GPipe, whose tick scan stacks the output layer's
+    # table on jax 0.12 too (1.874 of the estimate on jax 0.12.0.1 before temporaries.gpipe_tick_bytes counted
+    # it); sequence parallelism, whose update double-buffers the embedding's gradient (1.149 before); a one-layer
+    # 1F1B last stage under full (activations.deferred_head_bytes: 1.212 before)
+    "1b2_pp2_gpipe": _lay(data=4, pipeline=2, microbatches=2, microbatch_size=1, pipeline_schedule="gpipe"),
+    "1b2_tp2_sp": _lay(data=4, tensor=2, sequence_parallel=True, microbatch_size=1),
+    "1b2_pp2_1f1b_full": _lay(
+        data=4, pipeline=2, microbatches=2, microbatch_size=1, seq_len=512, zero_stage=2, recompute="full"
+    ),
     "pp2_interleaved_full": _lay(
         data=2,
         tensor=2,
@@ -114,7 +124,9 @@ SLOW_GRID = {
 
 
 def _config(name: str, layout: ParallelLayout):
-    cfg = load_config(str(ROOT / "configs" / ("llama_1b.py" if name.startswith("1b_") else "tiny.py")))
+    cfg = load_config(str(ROOT / "configs" / ("llama_1b.py" if name.startswith("1b") else "tiny.py")))
+    if name.startswith("1b2_"):
+        cfg.model.num_layers = 2
     cfg = layout_config(cfg, layout)
     cfg.model.compute_dtype = cfg.parallel.grad_reduce_dtype = "float32"  # what plan --aot compiles on CPU
     return cfg
