@@ -57,9 +57,10 @@ DEFAULT = {
     "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, pipeline_schedule="zb-h1"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, pipeline_schedule="gpipe"),
     # ~1B cut to 2 layers (its shapes per layer kept; "1b2_"): GPipe, whose tick scan stacks the output layer's
-    # table on jax 0.12 too (1.874 of the estimate on jax 0.12.0.1 before temporaries.gpipe_tick_bytes counted
-    # it); sequence parallelism, whose update double-buffers the embedding's gradient (1.149 before); a one-layer
-    # 1F1B last stage under full (activations.deferred_head_bytes: 1.212 before)
+    # table on jax 0.12 too (temporaries.gpipe_tick_bytes; such layouts were up to 1.87 of the estimate on jax
+    # 0.12.0.1 without it); sequence parallelism, whose update double-buffers the embedding's gradient
+    # (temporaries.update_bytes; 1.149 without); a one-layer 1F1B last stage under full
+    # (activations.deferred_head_bytes)
     "1b2_pp2_gpipe": _lay(data=4, pipeline=2, microbatches=2, microbatch_size=1, pipeline_schedule="gpipe"),
     "1b2_tp2_sp": _lay(data=4, tensor=2, sequence_parallel=True, microbatch_size=1),
     "1b2_pp2_1f1b_full": _lay(

@@ -534,15 +534,18 @@ def pipeline_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int 
 
 # A 1F1B last stage of one layer under ``full``: XLA:CPU schedules the loss head's weight-gradient matmul after the
 # chunk's recomputed forward, so at that matmul the recomputed attention's scores and probabilities (``dot_product``:
-# :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays) and the MLP's recomputed gate, up and silu(gate) (three
-# (b, s, f/t) arrays) are live beside the head's. Buffer assignment of ~1B, 2 layers, data=4 x pipeline=2 ZeRO-2,
-# b=1, s=512 (f32[1, 8, 4, 512, 512] twice and f32[512, 8192] three times at the head's f32[32000, 2048] weight
-# gradient; 1.212 of the estimate without them, 1.092 with) and ~1B, 4 layers, tensor=2 x pipeline=4 SP ZeRO-2,
-# b=2, s=1024 (f32[2, 4, 4, 1024, 1024] twice, f32[2048, 4096] three times; 1.311 without, 1.150 with: the
-# chunk's backward has begun there too, its first weight gradient live, which this does not count; blockwise,
-# ~1B tensor=4 x pipeline=2 ZeRO-1 with attention dropout, s=1024: 1.342 without, 1.272 with). With two
-# layers or more per stage the layers run in a loop and the ~1B rows of the grids hold without it (0.87-1.00).
-HEAD_DEFERRED_MLP_WIDE = 3
+# :data:`BACKWARD_SCORE_COPIES` fp32 (b, n/t, s, s) arrays; with attention dropout also the dropped probabilities)
+# and four (b, s, f/t) arrays of the MLP (the recomputed gate, up and silu(gate), and their product transposed for
+# the down projection's weight gradient) are live beside the head's. Buffer assignment of ~1B, 2 layers, data=4 x
+# pipeline=2 ZeRO-2, b=1, s=512 (f32[1, 8, 4, 512, 512] twice, f32[512, 8192] three times and f32[8192, 512] at the
+# head's f32[32000, 2048] weight gradient; 1.212 of the estimate without them, 1.076 with); ~1B, 4 layers,
+# tensor=2 x pipeline=4 SP ZeRO-2, b=2, s=1024 (f32[2, 4, 4, 1024, 1024] twice, f32[2048, 4096] four times; 1.311
+# without, 1.122 with); ~1B, 2 layers, data=4 x pipeline=2 ZeRO-0 with attention dropout, s=1024 (three
+# f32[1, 8, 4, 1024, 1024]; 1.156 with two, 1.065 with three). Blockwise (no score arrays; ~1B tensor=4 x
+# pipeline=2 ZeRO-1, attention dropout, s=1024): 1.342 without, 1.250 with, the kernel's arrays not counted. With
+# two layers or more per stage the layers run in a loop, and the ~1B rows of the grids hold without this
+# (0.87-1.00).
+HEAD_DEFERRED_MLP_WIDE = 4
 
 
 def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
@@ -552,8 +555,10 @@ def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
     if layout.recompute != "full" or layout.virtual_stages != 1 or layout.layers_per_stage(model.num_layers) != 1:
         return 0.0
     d = Dims.of(model, layout, b)
-    scores = BACKWARD_SCORE_COPIES * F32 * d.b * d.n * d.s * d.s if attention_kind(layout) == "dot_product" else 0.0
-    return scores + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f
+    copies = 0
+    if attention_kind(layout) == "dot_product":
+        copies = BACKWARD_SCORE_COPIES + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
+    return copies * F32 * d.b * d.n * d.s * d.s + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f
 
 
 def head_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
