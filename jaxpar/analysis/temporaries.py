@@ -187,7 +187,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     included, the stage's weights among them) stay live; the backward tick slices one tick's
     residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`; without recompute and with
     more than one layer per stage and b = 1, the layer residuals a second time, in the layer scan's layout) and
-    works on one layer (:func:`layer_working_bytes`).
+    works on one layer (:func:`layer_working_bytes`), or, on the last stage outside ZeRO-3, on the loss
+    head's backward (:func:`pipeline_head_phase_bytes`) where that is the larger.
     """
     p, pb = layout.pipeline, DTYPE_BYTES[model.param_dtype]
     d = Dims.of(model, layout)
@@ -430,8 +431,8 @@ def cond_stacks_weights() -> bool:
     them as the loop's constants. Buffer assignment of tiny data=2 x pipeline=4 GPipe m=4, s=128 (b=2,
     ``none``): f32[7, 1, 128, 384]-shaped weight stacks (7 = m + p - 1 ticks) in the backward's loop state on
     jax 0.10.2, 51.87 MiB of temporaries; none on jax 0.12.0.1, 45.87 MiB, where only the output layer's
-    table is stacked (f32[7, 128, 256], :func:`gpipe_tick_bytes`). jax 0.11 is taken with 0.12 (not compiled). Read from the installed distribution's metadata, so
-    the planner does not import JAX."""
+    table is stacked (f32[7, 128, 256], :func:`gpipe_tick_bytes`). jax 0.11 is taken with 0.12 (not
+    compiled). Read from the installed distribution's metadata, so the planner does not import JAX."""
     try:
         version = importlib.metadata.version("jax")
     except importlib.metadata.PackageNotFoundError:
