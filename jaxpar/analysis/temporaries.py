@@ -406,10 +406,10 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     # backward), 1/N of them (tiny data=2 x tensor=2 x pipeline=2 GPipe ZeRO-3: f32[5,2,64,192] stacks of
     # h/2 rows); the embedding / head table is saved whole
     shard = layout.data * layout.context if layout.shards_parameters else 1
-    weights = d.e * (layers * layer_params(model, layout) / shard + shared_tables(model, layout))
-    if not cond_stacks_weights():  # the layers' weights are forwarded; the output layer's table, which the
-        # tick's branch transposes for the head's matmul, is a new value and stacked like any residual
-        weights = d.e * shared_tables(model, layout)
+    # jax 0.12 forwards the layers' weights; the output layer's table, which the tick's branch transposes for
+    # the head's matmul, is a new value and stacked like any residual
+    layer_weights = layers * layer_params(model, layout) / shard if cond_stacks_weights() else 0.0
+    weights = d.e * (layer_weights + shared_tables(model, layout))
     head = head_residual_bytes(model, layout)
     # ``dot_product`` without recompute: each layer's broadcast causal mask, pred (b, n/t, s, s), is computed
     # inside the tick's ``cond`` and leaves it as a residual, so the tick scan stacks it per layer (jax 0.10.2
