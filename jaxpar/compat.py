@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 
+from jaxpar.versions import jax_release
+
 
 def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int) -> jax.Array:
     """Tiled all-gather whose result is typed *invariant* over ``axis_name`` (same on every rank).
@@ -45,14 +47,10 @@ def vary(x: jax.Array, axes: frozenset) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _jax_version() -> tuple[int, ...]:
-    return tuple(int(x) for x in jax.__version__.split(".") if x.isdigit())
-
-
 def cached_pipelines_are_wrong() -> bool:
     """Whether this JAX's XLA:CPU reads pipeline executables back from the persistent compilation
     cache wrong (:func:`persistent_cache_skipped`): jax 0.10.x (not seen on 0.11.2)."""
-    return _jax_version() < (0, 11)
+    return jax_release() < (0, 11)
 
 
 def cached_collectives_hang() -> bool:
@@ -62,7 +60,7 @@ def cached_collectives_hang() -> bool:
     trains; the second reads the train step back and never finishes its first step (its init program,
     which has no collective, reads back fine). Not seen on 0.12.0.1 or 0.10.2 (the same two runs
     pass, as does the SLURM resume test, whose second job reads the first's step back)."""
-    return _jax_version() >= (0, 12, 1)
+    return jax_release() >= (0, 12, 1)
 
 
 def _set_persistent_cache(on: bool) -> None:

@@ -88,3 +88,24 @@ def test_without_the_guard_a_pipeline_read_back_from_the_cache_computes_wrong(tm
     loaded = _run(tmp_path / "cache", "unguarded", PIPE)[PIPE]
     assert (fresh["hits"], loaded["hits"]) == (0, 2)
     assert loaded["losses"][0] != pytest.approx(fresh["losses"][0], rel=1e-3)  # measured: 5.5784 vs 5.6041
+
+
+def test_the_installed_jax_release_is_the_running_jax(monkeypatch):
+    """The version guards (compat, and the planner's jax-dependent counts) read the distribution's
+    metadata, without importing JAX: it agrees with the imported jax, and suffixes are dropped."""
+    import importlib.metadata
+
+    import jax
+
+    from jaxpar import versions
+
+    assert versions.jax_release() == tuple(int(p) for p in jax.__version__.split(".") if p.isdigit())
+    for text, release in {"0.12.0.1": (0, 12, 0, 1), "0.10.2": (0, 10, 2), "0.12.1+cuda12": (0, 12, 1)}.items():
+        monkeypatch.setattr(importlib.metadata, "version", lambda _d, text=text: text)
+        assert versions.jax_release() == release
+
+    def missing(distribution):
+        raise importlib.metadata.PackageNotFoundError(distribution)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert versions.jax_release() == () and versions.installed("jax") is None

@@ -22,7 +22,19 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxpar"
 # Top-level modules / packages of jaxpar (or a dotted submodule that sits lower than its package),
 # lowest tier first.
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("axes", "errors", "children", "compat", "console", "files", "host_memory", "interrupt", "isolated", "write_guard"),
+    (
+        "axes",
+        "errors",
+        "children",
+        "compat",
+        "console",
+        "files",
+        "host_memory",
+        "interrupt",
+        "isolated",
+        "versions",
+        "write_guard",
+    ),
     ("layout", "models.registry", "optim.fields", "workdir"),  # need no config: config.validate calls them
     ("acts",),  # the fields' conditions: config.validate calls it
     ("config",),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 from typing import Any
 
 from jaxpar.analysis.activations import (
@@ -35,6 +34,7 @@ from jaxpar.analysis.activations import (
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
 from jaxpar.parallel.pipeline.schedule import keeps_activations, splits_backward, steady_slot_counts
+from jaxpar.versions import jax_release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,12 +432,10 @@ def cond_stacks_weights() -> bool:
     ``none``): f32[7, 1, 128, 384]-shaped weight stacks (7 = m + p - 1 ticks) in the backward's loop state on
     jax 0.10.2, 51.87 MiB of temporaries; none on jax 0.12.0.1, 45.87 MiB, where only the output layer's
     table is stacked (f32[7, 128, 256], :func:`gpipe_tick_bytes`). jax 0.11 is taken with 0.12 (not
-    compiled). Read from the installed distribution's metadata, so the planner does not import JAX."""
-    try:
-        version = importlib.metadata.version("jax")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return tuple(int(v) for v in version.split(".")[:2] if v.isdigit()) < (0, 11)
+    compiled). Read from the installed distribution's metadata (:func:`jaxpar.versions.jax_release`), so the
+    planner does not import JAX."""
+    release = jax_release()
+    return bool(release) and release < (0, 11)
 
 
 def head_residual_bytes(model: ConfigDict, layout: ParallelLayout) -> float:

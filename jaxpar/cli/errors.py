@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import datetime
 import errno
-import importlib.metadata
 import os
 import signal
 import sys
 import tempfile
 import traceback
+
+from jaxpar.versions import installed
 
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
@@ -98,10 +99,7 @@ DEPENDENCIES = {"flax": "flax", "optax": "optax", "orbax": "orbax-checkpoint", "
 
 
 def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
+    return installed(distribution) or "?"
 
 
 def broken_dependency(error: BaseException) -> str | None:
