@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
         "devices": n,
         "params": count_params(cfg.model),
         "compute_dtype": cfg.model.compute_dtype,
-        "remat": cfg.parallel.recompute,
+        "recompute": cfg.parallel.recompute,
         "zero_stage": cfg.parallel.zero_stage,
         "seq_len": cfg.train.seq_len,
         "global_batch": cfg.train.global_batch,

@@ -120,6 +120,10 @@ def test_inspect_lists_the_ring_under_context(compiled, capsys, monkeypatch):
     row = next(c for c in out["collectives"] if c["kind"] == "collective-permute")
     assert row["axes"] == ["context"] and row["bytes_per_device"] == r.bytes("collective-permute", CONTEXT)
     assert out["layout"]["context"] == 2 and row["ratio"] == pytest.approx(1.0)
+    assert out["layout"]["recompute"] == cfg.parallel.recompute and "remat" not in out["layout"]
+    assert run_inspect(argparse.Namespace(config=TINY, overrides=overrides, json=False, ops=False)) == 0
+    title = " ".join(capsys.readouterr().out.split("┏")[0].split())  # the table's title, as wrapped
+    assert title.endswith(f"ZeRO-{cfg.parallel.zero_stage}, 1 microbatch(es), recompute {cfg.parallel.recompute}")
 
 
 def test_handwritten_hlo_context_attribution_and_unknown_trip_counts():

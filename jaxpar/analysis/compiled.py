@@ -458,7 +458,7 @@ def _flops(compiled: Any) -> float | None:
 
 def report_fields(cfg: ConfigDict, layout: ParallelLayout) -> dict[str, Any]:
     """The fields a compiled report is about (its JSON "layout" object: mesh sizes, ZeRO, SP,
-    batch, remat, dtypes): the layout's, and the config's dtypes."""
+    batch, recompute, dtypes): the layout's, and the config's dtypes."""
     return {
         MeshAxis.DATA: layout.data,
         MeshAxis.TENSOR: layout.tensor,
@@ -471,7 +471,7 @@ def report_fields(cfg: ConfigDict, layout: ParallelLayout) -> dict[str, Any]:
         "microbatches": layout.microbatches,
         "global_batch": layout.global_batch,
         "seq_len": layout.seq_len,
-        "remat": layout.recompute,
+        "recompute": layout.recompute,
         "compute_dtype": cfg.model.compute_dtype,
         "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
     }

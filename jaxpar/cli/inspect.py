@@ -119,7 +119,7 @@ def _layout_text(layout: dict[str, Any]) -> str:
     text += f", ZeRO-{layout['zero_stage']}"
     if layout["sequence_parallel"]:
         text += ", SP"
-    return text + f", {layout['microbatches']} microbatch(es), remat {layout['remat']}"
+    return text + f", {layout['microbatches']} microbatch(es), recompute {layout['recompute']}"
 
 
 def _fmt(value: float | None, scale: float, digits: int = 3) -> str:

@@ -64,7 +64,7 @@ class ShardContext:
     # ZeRO-3's gather group per parameter where they differ (the experts' leaves out `expert`;
     # jaxpar.ops.zero3.zero3_groups); None: every parameter is gathered over data_axis
     zero3_groups: Any = dataclasses.field(default=None, hash=False)
-    remat: str = "none"
+    recompute: str = "none"  # parallel.recompute: none | selective | full
     compute_dtype: str = "bfloat16"
     dropout: float = 0.0  # model.dropout (hidden); jaxpar.ops.dropout
     attention_dropout: float = 0.0  # model.attention_dropout
@@ -227,7 +227,7 @@ class Model(abc.ABC):
 
     def run_blocks(self, x: jax.Array, blocks: dict, positions: jax.Array, ctx: ShardContext) -> jax.Array:
         """Scan :meth:`block` over the leading ``layers`` dim of ``blocks`` (gathering each layer
-        under ZeRO-3), rematerialised per ``ctx.remat`` (:func:`jaxpar.ops.remat.remat_policy`)."""
+        under ZeRO-3), rematerialised per ``ctx.recompute`` (:func:`jaxpar.ops.remat.remat_policy`)."""
         return scan_layers(self.block, x, blocks, positions, ctx, self.stacked)
 
     def layer_step(self, positions: jax.Array, ctx: ShardContext):
@@ -333,8 +333,8 @@ def scan_layers(
         passed = jax.tree.map(lambda v: jnp.where(step >= 0, v, jnp.zeros_like(v)), passed)
         return (one(h, layer), passed, step + 1), None
 
-    if ctx.remat != "none" or ctx.zero3:
-        body = jax.checkpoint(body, policy=remat_policy(ctx.remat), prevent_cse=False)
+    if ctx.recompute != "none" or ctx.zero3:
+        body = jax.checkpoint(body, policy=remat_policy(ctx.recompute), prevent_cse=False)
     if not rewrite:
         x, _ = jax.lax.scan(body, x, blocks)
         return x if carried is None else (x, carried)

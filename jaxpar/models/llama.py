@@ -444,8 +444,8 @@ def loss_sum(params: dict, tokens: jax.Array, ctx: ShardContext) -> jax.Array:
 
 
 def shard_context_for(model_cfg: ConfigDict, **overrides: Any) -> ShardContext:
-    """A :class:`ShardContext` with the model's static settings (the layout's, such as ``remat`` from
-    ``parallel.recompute``, come as ``overrides``)."""
+    """A :class:`ShardContext` with the model's static settings (the layout's, such as ``recompute``, come as
+    ``overrides``)."""
     return ShardContext(
         compute_dtype=model_cfg.compute_dtype,
         mlp_activation=model_cfg.mlp_activation,

@@ -129,7 +129,7 @@ class StepBuilder:
             attention=self.attention,
             attention_block=self.layout.attention_block,
             sequence_parallel=self.layout.sequence_parallel,
-            remat=self.layout.recompute,
+            recompute=self.layout.recompute,
             zero3_dims=zero3.zero3_dims(self.placements),
         )
 

@@ -124,7 +124,7 @@ def _explicit_loss_and_grads(
     # Full rematerialisation trades compute for memory: there the backward also runs the microbatch's
     # sequences one at a time (the same flops; the working set of one sequence) and layer by layer;
     # not with ZeRO-2/3, where each pass would gather or scatter every layer again (b times the traffic).
-    by_layer = ctx.remat == "full"
+    by_layer = ctx.recompute == "full"
     splits = act.shape[0] if by_layer and not (ctx.zero3 or scatter) else 1
     dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
     n_data = jax.lax.axis_size(ctx.data_axis)
