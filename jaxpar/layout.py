@@ -296,11 +296,6 @@ class ParallelLayout:
                 f"choose a tensor size that divides {model[name]}",
             )
         require(
-            self.pipeline == 1 or model.get("attention_mask", "causal") == "causal",
-            f"model.attention_mask={model.get('attention_mask')} with mesh.pipeline={self.pipeline}: the pipeline "
-            "stages do not carry the document ids yet; use mesh.pipeline=1 or model.attention_mask=causal",
-        )
-        require(
             self.pipeline == 1 or not model.get("first_dense_layers", 0),
             f"model.first_dense_layers={model.get('first_dense_layers')} with mesh.pipeline={self.pipeline}: "
             "deepseek_v3's dense first layers are not placed on pipeline stages yet; use mesh.pipeline=1",

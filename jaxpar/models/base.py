@@ -246,10 +246,7 @@ class Model(abc.ABC):
         nothing is carried: a carried copy costs temporaries, and ZeRO 0-2's gradient reductions
         follow the loss anyway.
         """
-        tokens, ctx = dropout.bind(tokens, ctx)  # strip the row column of dropout, if any
-        if ctx.attention_mask == "block_causal":  # every rank holds the whole sequence (context_parallel)
-            ctx = dataclasses.replace(ctx, segments=document_ids(tokens[:, :-1], ctx.eos_token_id))
-        inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
+        inputs, targets, positions, ctx = bind_tokens(tokens, ctx)
         late = {}
         if ctx.zero3 or ctx.sequence_parallel:
             late = {k: v for k, v in params.items() if ROLE_STAGE.get(self.roles.get(k, "")) == "last"}
@@ -257,6 +254,20 @@ class Model(abc.ABC):
         x = self.embed(early, inputs, ctx)
         x, late = scan_layers(self.block, x, params[self.stacked], positions, ctx, self.stacked, carried=late)
         return self.head_loss({**early, **self.gather_shared(late, ctx)}, x, targets, ctx)
+
+
+def bind_tokens(tokens: jax.Array, ctx: ShardContext) -> tuple[jax.Array, jax.Array, jax.Array, ShardContext]:
+    """(inputs, targets, positions, ctx) of a token batch (b, s+1) on this shard, and the context bound to
+    it: dropout's row column stripped (:func:`jaxpar.ops.dropout.bind`) and, with
+    ``model.attention_mask=block_causal``, the document ids of the whole sequence in ``ctx.segments`` (every
+    context rank holds it: :mod:`jaxpar.ops.context_parallel`). :meth:`Model.loss_sum` and every pipeline
+    stage (:mod:`jaxpar.parallel.pipeline`, which runs a microbatch's tokens through each stage) start here,
+    so a block's attention masks by the same documents on every path."""
+    tokens, ctx = dropout.bind(tokens, ctx)
+    if ctx.attention_mask == "block_causal":
+        ctx = dataclasses.replace(ctx, segments=document_ids(tokens[:, :-1], ctx.eos_token_id))
+    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
+    return inputs, targets, positions, ctx
 
 
 def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):

@@ -17,9 +17,8 @@ import jaxpar.parallel.pipeline.ticks as ticks
 from jaxpar.compat import vary, varying_axes
 from jaxpar.errors import ConfigError
 from jaxpar.layout import ParallelLayout
-from jaxpar.models.base import Model, ShardContext
+from jaxpar.models.base import Model, ShardContext, bind_tokens
 from jaxpar.ops import dropout
-from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.parallel.pipeline.forms import STACKED, bind_stage_layers
 from jaxpar.parallel.pipeline.schedule import (
     Program,
@@ -57,8 +56,7 @@ def _stage_backward_by_layer(
     the stage's layers exists beside the accumulator (ZeRO-2: each reduce-scattered first, ``dims``).
     Returns (scaled loss, input gradient, acc). ``layer0``: as in
     :func:`~jaxpar.parallel.pipeline.ticks.run_stage`."""
-    tokens, ctx = dropout.bind(tokens, ctx)
-    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
+    inputs, targets, positions, ctx = bind_tokens(tokens, ctx)
 
     one = model.layer_step(positions, ctx)  # one stored layer, gathered under ZeRO-3
 

@@ -17,9 +17,8 @@ import jaxpar.parallel.pipeline.stash as stash_lib
 import jaxpar.parallel.pipeline.ticks as ticks
 import jaxpar.parallel.pipeline.weight_split as weight_split
 from jaxpar.compat import vary, varying_axes
-from jaxpar.models.base import Model, ShardContext
+from jaxpar.models.base import Model, ShardContext, bind_tokens
 from jaxpar.ops import dropout
-from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.parallel.pipeline.forms import STACKED
 from jaxpar.parallel.pipeline.schedule import Program, ScheduleTable, v_shaped
 
@@ -39,8 +38,7 @@ def _split_parts(
     (the embedding on the first virtual stage, else identity), ``layer(layer, x, j)`` (the chunk's
     layer j) and ``head(shared, y)`` (the scaled loss on the last virtual stage, else 0)."""
     first, last = ticks.ends_of(chunk, p, v, v_shape)
-    tokens, ctx = dropout.bind(tokens, ctx)
-    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
+    inputs, targets, positions, ctx = bind_tokens(tokens, ctx)
     one, layer0 = model.layer_step(positions, ctx), ticks.layer0_of(chunk, p, v, blocks, ctx, v_shape)
     embed, head = ticks.stage_ends(model, ctx, inputs, targets, first, last, scale)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxpar.axes import MeshAxis
 from jaxpar.compat import vary, varying_axes
-from jaxpar.models.base import Model, ShardContext
+from jaxpar.models.base import Model, ShardContext, bind_tokens
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
 from jaxpar.parallel.pipeline.forms import ENDS, STACKED
@@ -173,8 +173,7 @@ def run_stage(
     """One virtual stage on one microbatch: (embedding if ``first``) -> its blocks -> (scaled loss
     if ``last``, else 0). ``last=None``: forward only, no loss. ``layer0``: the model-form index of
     the chunk's first layer (dropout masks; :func:`layer0_of`)."""
-    tokens, ctx = dropout.bind(tokens, ctx)  # the row column of dropout, if any
-    inputs, targets, positions = split_tokens(tokens, ctx.context_axis)
+    inputs, targets, positions, ctx = bind_tokens(tokens, ctx)  # dropout's row column, the document ids
     x = cond(
         first,
         scoped(SCOPE_FIRST, lambda x: model.embed(shared_view(model, shared, ctx), inputs, ctx)),
