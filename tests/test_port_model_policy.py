@@ -266,6 +266,26 @@ def test_megatron_unknown_vocabulary_is_resolved_by_set(capsys, tmp_path):
     assert doc["report"]["closing"].startswith("model: the recipe's")
 
 
+def test_megatron_document_mask_is_resolved_by_set(capsys, tmp_path):
+    """--reset-attention-mask masks documents only where Megatron's backend applies the dataloader's mask (its
+    local transformer; Transformer Engine ignores it): a model change whose fix names both answers, resolved
+    by stating model.attention_mask (block_causal at NullTokenizer's end-of-document id = its --vocab-size)."""
+    recipe = _args(tmp_path, "--disable-bias-linear", "--reset-attention-mask")
+    err = refused(capsys, "megatron", recipe)
+    assert "port megatron: --reset-attention-mask" in err and "NVIDIA/Megatron-LM#2357" in err
+    assert "--set model.attention_mask=block_causal --set model.eos_token_id=" in err
+    assert "--set model.attention_mask=causal" in err
+    mask = ["--set", "model.attention_mask=block_causal", "--set", "model.eos_token_id=1000", "--json"]
+    code, out, err = port(capsys, "megatron", recipe, *mask)
+    assert code == 0, err
+    doc = json.loads(out)
+    model = doc["config"]["model"]
+    assert (model["attention_mask"], model["eos_token_id"], model["vocab_size"]) == ("block_causal", 1000, 1024)
+    assert doc["report"]["model_changes"] == [] and doc["report"]["closing"].startswith("model: the recipe's")
+    code, out, err = port(capsys, "megatron", recipe, "--set", "model.attention_mask=causal", "--json")
+    assert code == 0 and json.loads(out)["config"]["model"]["attention_mask"] == "causal", err
+
+
 def test_megatron_moe_refusals_become_model_changes_with_approximate(capsys, tmp_path):
     recipe = _args(
         tmp_path,

@@ -350,12 +350,23 @@ MODEL_FLAGS = {
     "--retro-add-retriever": "a RETRO retriever (chunked cross-attention to retrieved neighbours); jaxpar's blocks "
     "have none",
     "--reset-position-ids": "positions restart after each end-of-document token; jaxpar numbers the whole sequence",
-    "--reset-attention-mask": "attention stops at each end-of-document token; jaxpar attends across documents",
+    "--reset-attention-mask": "attention stops at each end-of-document token where Megatron's attention applies "
+    "the dataloader's mask (its local transformer does; Transformer Engine's and flash attention's causal kernels "
+    "ignore it: NVIDIA/Megatron-LM#2357, #415), and which backend ran is not in the recipe",
     "--eod-mask-loss": "no loss on end-of-document tokens; jaxpar's loss counts every token",
     "--spec": "a model built from the Python layer spec it names, which this port cannot read (for Megatron's "
     "standard GPT spec, --approximate ports the model the other flags describe)",
     "--yaml-cfg": "the arguments come from a YAML file this port does not read; write them as flags",
     "--skip-train": "no training (evaluation only): there is no training run to port",
+}
+# model changes above that jaxpar can train once the user says how: flag -> (fix, the fields that resolve it)
+MODEL_FLAG_FIXES = {
+    "--reset-attention-mask": (
+        "give --set model.attention_mask=block_causal --set model.eos_token_id=<the tokenizer's end-of-document id: "
+        "N for NullTokenizer --vocab-size N, 50256 for GPT-2 BPE> where Megatron masked, or --set "
+        "model.attention_mask=causal where its kernel did not",
+        ("model.attention_mask",),
+    ),
 }
 # settings of a model change above: reported with it, not separately refused
 MODEL_PARTS = {
@@ -456,12 +467,12 @@ class Args:
                 note = (note + "; " if note else "") + "given more than once: the last value wins, as in argparse"
             self.report.add(name, value, status, target, note)
 
-    def model_change(self, name: str, why: str, fix: str = "") -> None:
-        """Report flag ``name`` (only if given) as a model change."""
+    def model_change(self, name: str, why: str, fix: str = "", needs: tuple[str, ...] = ()) -> None:
+        """Report flag ``name`` (only if given) as a model change (``needs``: the fields that resolve it)."""
         self.known.add(name)
         if name in self.flags and name not in self.reported:
             self.reported.add(name)
-            self.report.model_change(name, show(" ".join(self.flags[name])) or True, why, fix)
+            self.report.model_change(name, show(" ".join(self.flags[name])) or True, why, fix, needs=needs)
 
     def finish(self) -> None:
         """Report every flag nobody reported: no-op, unsupported, MoE, or unknown."""

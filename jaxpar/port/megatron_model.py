@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxpar.config import ConfigError
 from jaxpar.port.bash import show
-from jaxpar.port.megatron_flags import MODEL_FLAGS, NOOP_NOTE, TOKENIZER_VOCAB, Args
+from jaxpar.port.megatron_flags import MODEL_FLAG_FIXES, MODEL_FLAGS, NOOP_NOTE, TOKENIZER_VOCAB, Args
 
 # --use-rope-scaling: Megatron-LM's RotaryEmbedding._apply_scaling (megatron/core/models/common/embeddings/
 # rotary_pos_embedding.py at d98e8a6) with its defaults low_freq_factor 1, high_freq_factor 4,
@@ -256,7 +256,7 @@ def report_model_changes(a: Args) -> None:
         if a.has(name) and flag_off(name, show(" ".join(a.flags[name])).strip()):
             a.note(name, "approximated", "", NOOP_NOTE + "off")
         else:
-            a.model_change(name, why)
+            a.model_change(name, why, *MODEL_FLAG_FIXES.get(name, ()))
     rope_type = a.get("--rope-type", str, "rope", soft=True)
     if rope_type in ("rope", None):
         a.note("--rope-type", "mapped", "model.position", "plain RoPE, as jaxpar")
