@@ -29,7 +29,9 @@ learned positions and a tied embedding (needed by the first and the last stage) 
 over ``pipeline``; only their owners' gradients are non-zero and one ``psum`` over ``pipeline`` per
 step adds them.
 
-**Execution.** Inside the single shard_map step, a ``lax.scan`` runs the ticks. After each tick the
+**Execution.** Inside the single shard_map step, a ``lax.scan`` runs the ticks (one loop,
+:func:`~jaxpar.parallel.pipeline.ticks.scan_table`, for every explicit-backward executor: each brings the
+action a row of the table runs and the slot groups it keeps). After each tick the
 activations move to the next stage and the gradients to the previous one with ``lax.ppermute``
 over ``pipeline``. A tick's sends are selected by ``lax.switch`` over the distinct send patterns of
 the table (the index is the same on every device), each a ppermute naming exactly the stage pairs

@@ -125,11 +125,6 @@ def _explicit_loss_and_grads(
     by_layer = ctx.recompute == "full"
     splits = act.shape[0] if by_layer and not (ctx.zero3 or scatter) else 1
     dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
-    n_data = jax.lax.axis_size(ctx.data_axis)
-
-    def acc_zeros(a, dim):  # ZeRO-2: sharded like the optimizer state
-        shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
-        return ticks.zeros(shape, jnp.float32, varying_axes(a))
 
     def stage_fn(chunk):
         """A non-last virtual stage's output as a function of (shared, its layers, input, tokens):
@@ -150,7 +145,11 @@ def _explicit_loss_and_grads(
     else:
         kept_zeros = []
 
-    def run(kind, mb, chunk, act_buf, grad_buf, stash_bufs, act_slot, grad_slot, stash_slot, acc, loss):
+    def run(row, bufs, acc, loss):
+        act_buf, grad_buf, (stash_bufs,) = bufs
+        kind, mb, chunk = row["kind"], row["microbatch"], row["chunk"]
+        act_slot, grad_slot, stash_slot = row["act_read"], row["grad_read"], row["stash_read"]
+
         # the stage input and output gradient are read from their slots inside the branches: read
         # before the switch they would be copies alive through the whole tick
         def act_in(start=0, n=act.shape[0]):
@@ -274,51 +273,26 @@ def _explicit_loss_and_grads(
             (acc, loss, d_in), _ = jax.lax.scan(one, (acc, loss, zeros_act()), jnp.arange(splits))
             return zeros_act(), d_in, [z() for z in kept_zeros], acc, loss
 
-        return ticks.switch(
+        send_f, send_b, kept, acc, loss = ticks.switch(
             kind,
             [idle, ticks.scoped(ticks.SCOPE_FORWARD, forward), ticks.scoped(ticks.SCOPE_BACKWARD, backward)],
             acc,
             loss,
         )
+        return send_f, send_b, [kept], acc, loss
 
-    def tick(carry, xs):
-        act_buf, grad_buf, stash_bufs, acc, loss = carry
-        row = {name: column[d] for name, column in xs["per_stage"].items()}
-        send_f, send_b, kept, acc, loss = run(
-            row["kind"],
-            row["microbatch"],
-            row["chunk"],
-            act_buf,
-            grad_buf,
-            stash_bufs,
-            row["act_read"],
-            row["grad_read"],
-            row["stash_read"],
-            acc,
-            loss,
-        )
-        recv_f = ticks.send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd")
-        recv_b = ticks.send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd")
-        act_buf = ticks.store(act_buf, recv_f, row["act_write"])
-        grad_buf = ticks.store(grad_buf, recv_b, row["grad_write"])
-        stash_bufs = [
-            ticks.store(buf, vary(x, varying_axes(buf)), row["stash_write"]) for buf, x in zip(stash_bufs, kept)
-        ]
-        return (act_buf, grad_buf, stash_bufs, acc, loss), None
-
-    xs = {"per_stage": prog.per_stage, **prog.pattern}
-    carry = (
+    bufs = (
         ticks.zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
         ticks.zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
         [
-            ticks.zeros((prog.stash_slots, *a.shape), a.dtype, varying_axes(a))
-            for a in (plan.kept_avals if keep else [])
+            [
+                ticks.zeros((prog.stash_slots, *a.shape), a.dtype, varying_axes(a))
+                for a in (plan.kept_avals if keep else [])
+            ]
         ],
-        jax.tree.map(acc_zeros, params, dims),
-        ticks.zeros((), jnp.float32, loss_axes),
     )
-    (_, _, _, grads, loss), _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, xs))
-    return ticks.reduce_shared(loss, grads)
+    acc = ticks.accumulator(params, dims, ctx.data_axis)
+    return ticks.scan_table(run, prog, bufs, ("stash_write",), acc, ticks.zeros((), jnp.float32, loss_axes))
 
 
 def _gpipe_loss_and_grads(

@@ -94,7 +94,6 @@ def split_loss_and_grads(
     dims, dtype = scatter or (jax.tree.map(lambda _: -1, params), jnp.float32)
     dims_shared, dims_blocks = ticks.split_params(dims)
     n = jax.tree.leaves(blocks)[0].shape[0] // v
-    n_data = jax.lax.axis_size(ctx.data_axis)
 
     def zeros_act():
         return ticks.zeros(act.shape, act.dtype, act_axes)
@@ -148,12 +147,8 @@ def split_loss_and_grads(
         counts = [len(box[k].kept_avals) for k in ("embed", "layer", "head")]
         return values[: counts[0]], values[counts[0] : counts[0] + counts[1]], values[counts[0] + counts[1] :]
 
-    def acc_zeros(a, dim):
-        shape = tuple(size // n_data if k == dim else size for k, size in enumerate(a.shape))
-        return ticks.zeros(shape, jnp.float32, varying_axes(a))
-
     def run(row, bufs, acc, loss):
-        act_buf, grad_buf, stash_bufs, front_bufs = bufs
+        act_buf, grad_buf, (stash_bufs, front_bufs) = bufs
         chunk, mb = row["chunk"], row["microbatch"]
         tokens = jax.lax.dynamic_index_in_dim(batch, mb, 0, keepdims=False)
         embed, layer, head = _split_parts(model, chunk, p, v, blocks, tokens, ctx, scale, v_shape)
@@ -240,35 +235,17 @@ def split_loss_and_grads(
             ticks.scoped(ticks.SCOPE_BACKWARD, backward),
             ticks.scoped(ticks.SCOPE_WEIGHT, weight),
         ]
-        return ticks.switch(row["kind"], branches, acc, loss)
-
-    def tick(carry, xs):
-        bufs, acc, loss = carry
-        act_buf, grad_buf, stash_bufs, front_bufs = bufs
-        row = {name: column[jax.lax.axis_index(ticks.AXIS)] for name, column in xs["per_stage"].items()}
-        send_f, send_b, kept, front, acc, loss = run(row, bufs, acc, loss)
-        act_buf = ticks.store(act_buf, ticks.send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd"), row["act_write"])
-        grad_buf = ticks.store(grad_buf, ticks.send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd"), row["grad_write"])
-        if v_shape:  # chunk 1's lanes, and at the V's tip the next virtual stage is on this device
-            act_buf = ticks.store(
-                act_buf, ticks.send(send_f, xs["fwdv"], prog.pairs["fwdv"], "fwdv"), row["act_write_v"]
-            )
-            grad_buf = ticks.store(
-                grad_buf, ticks.send(send_b, xs["bwdv"], prog.pairs["bwdv"], "bwdv"), row["grad_write_v"]
-            )
-            act_buf = ticks.store(act_buf, vary(send_f, varying_axes(act_buf)), row["act_self"])
-            grad_buf = ticks.store(grad_buf, vary(send_b, varying_axes(grad_buf)), row["grad_self"])
-        stash_bufs = [ticks.store(b, vary(x, varying_axes(b)), row["stash_write"]) for b, x in zip(stash_bufs, kept)]
-        front_bufs = [ticks.store(b, vary(x, varying_axes(b)), row["front_write"]) for b, x in zip(front_bufs, front)]
-        return ((act_buf, grad_buf, stash_bufs, front_bufs), acc, loss), None
+        send_f, send_b, kept, front, acc, loss = ticks.switch(row["kind"], branches, acc, loss)
+        return send_f, send_b, [kept, front], acc, loss
 
     bufs = (
         ticks.zeros((prog.act_slots, *act.shape), act.dtype, act_axes),
         ticks.zeros((prog.grad_slots, *act.shape), act.dtype, act_axes),
-        [ticks.zeros((prog.stash_slots, *stacked(part, a)), a.dtype, varying_axes(a)) for part, a in kept_avals],
-        [ticks.zeros((prog.front_slots, n, *a.shape), a.dtype, varying_axes(a)) for a in rest],
+        [
+            [ticks.zeros((prog.stash_slots, *stacked(part, a)), a.dtype, varying_axes(a)) for part, a in kept_avals],
+            [ticks.zeros((prog.front_slots, n, *a.shape), a.dtype, varying_axes(a)) for a in rest],
+        ],
     )
-    carry = (bufs, jax.tree.map(acc_zeros, params, dims), ticks.zeros((), jnp.float32, loss_axes))
-    xs = {"per_stage": prog.per_stage, **prog.pattern}
-    (_, grads, loss), _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, xs))
-    return ticks.reduce_shared(loss, grads)
+    acc = ticks.accumulator(params, dims, ctx.data_axis)
+    loss = ticks.zeros((), jnp.float32, loss_axes)
+    return ticks.scan_table(run, prog, bufs, ("stash_write", "front_write"), acc, loss, v_shape=v_shape)

@@ -1,4 +1,5 @@
-"""What every pipeline executor's ticks share: typed branches, sends, a stage's parts, slot buffers.
+"""What every pipeline executor's ticks share: typed branches, sends, a stage's parts, slot buffers, the
+gradient accumulator and the tick loop itself (:func:`scan_table`).
 
 See :mod:`jaxpar.parallel.pipeline` ("Execution"); the executors are in
 :mod:`~jaxpar.parallel.pipeline.executor` and :mod:`~jaxpar.parallel.pipeline.split_executor`.
@@ -250,6 +251,62 @@ def reduce_shared(loss: jax.Array, grads: dict) -> tuple[jax.Array, dict]:
     shared, blocks = split_params(grads)
     summed = {k: g if k == ENDS else jax.lax.psum(g, AXIS) for k, g in shared.items()}
     return jax.lax.psum(loss, AXIS), {**summed, STACKED: blocks}
+
+
+def accumulator(params: dict, dims: dict, data_axis: Any) -> dict:
+    """fp32 zeros shaped like ``params`` that a step's gradients are added into; a leaf split along dim
+    ``dims[leaf]`` (ZeRO-2's reduce-scatter; -1: none) is sharded over ``data_axis`` like the optimizer state."""
+    n = jax.lax.axis_size(data_axis)
+
+    def like(a, dim):
+        shape = tuple(size // n if k == dim else size for k, size in enumerate(a.shape))
+        return zeros(shape, jnp.float32, varying_axes(a))
+
+    return jax.tree.map(like, params, dims)
+
+
+def scan_table(
+    run: Callable,
+    prog: Any,
+    bufs: tuple[jax.Array, jax.Array, list[list[jax.Array]]],
+    writes: tuple[str, ...],
+    acc: dict,
+    loss: jax.Array,
+    v_shape: bool = False,
+) -> tuple[jax.Array, dict]:
+    """The tick loop of every explicit-backward executor: one ``lax.scan`` over the program's ticks.
+
+    Each device takes its row of the table (``prog.per_stage``) and runs it: ``run(row, bufs, acc, loss)``
+    returns (the stage output to send forward, the input gradient to send back, one list of values per group
+    of kept slots, acc, loss). The output and the gradient travel over ``pipeline`` by the tick's pattern
+    into the slots the row names (V-shaped: also over the lanes of the device's second chunk, and to itself
+    at the V's tip); group k's values go into its buffers at the row's ``writes[k]`` column. ``bufs`` = (the
+    activation slots, the gradient slots, the groups' buffers). Returns :func:`reduce_shared` of the loss
+    and the accumulated gradients."""
+    d = jax.lax.axis_index(AXIS)
+
+    def tick(carry, xs):
+        (act_buf, grad_buf, groups), acc, loss = carry
+        row = {name: column[d] for name, column in xs["per_stage"].items()}
+        send_f, send_b, kept, acc, loss = run(row, (act_buf, grad_buf, groups), acc, loss)
+        recv_f = send(send_f, xs["fwd"], prog.pairs["fwd"], "fwd")
+        recv_b = send(send_b, xs["bwd"], prog.pairs["bwd"], "bwd")
+        act_buf = store(act_buf, recv_f, row["act_write"])
+        grad_buf = store(grad_buf, recv_b, row["grad_write"])
+        if v_shape:  # chunk 1's lanes, and at the V's tip the next virtual stage is on this device
+            act_buf = store(act_buf, send(send_f, xs["fwdv"], prog.pairs["fwdv"], "fwdv"), row["act_write_v"])
+            grad_buf = store(grad_buf, send(send_b, xs["bwdv"], prog.pairs["bwdv"], "bwdv"), row["grad_write_v"])
+            act_buf = store(act_buf, vary(send_f, varying_axes(act_buf)), row["act_self"])
+            grad_buf = store(grad_buf, vary(send_b, varying_axes(grad_buf)), row["grad_self"])
+        groups = [
+            [store(b, vary(x, varying_axes(b)), row[write]) for b, x in zip(group, values)]
+            for group, values, write in zip(groups, kept, writes, strict=True)
+        ]
+        return ((act_buf, grad_buf, groups), acc, loss), None
+
+    xs = {"per_stage": prog.per_stage, **prog.pattern}
+    (_, acc, loss), _ = jax.lax.scan(tick, (bufs, acc, loss), jax.tree.map(jnp.asarray, xs))
+    return reduce_shared(loss, acc)
 
 
 def store(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
