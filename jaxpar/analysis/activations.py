@@ -387,10 +387,10 @@ def layer_working_bytes(
     ``dot_product``; blockwise: its attention phase) and one (b, s, f) array (buffer assignment of tiny
     data=2 x tensor=2 x pipeline=2 interleaved SP, s=1024: three f32[2,1,2,1024,1024] arrays at the
     peak, two of them the chunk's residuals)."""
-    return max(_layer_working_phases(model, layout, b, layers, tick))
+    return max(layer_working_phases(model, layout, b, layers, tick))
 
 
-def _layer_working_phases(
+def layer_working_phases(
     model: ConfigDict, layout: ParallelLayout, b: int | None, layers: int, tick: bool
 ) -> tuple[float, float]:
     """(forward, backward) of :func:`layer_working_bytes` (forward 0 without dot-product attention)."""
@@ -513,7 +513,7 @@ def layer_working_term(
 ) -> tuple[str, float]:
     """(name, bytes) of the phase that sets :func:`layer_working_bytes`: the last layer's forward
     attention or one layer's backward."""
-    forward, backward = _layer_working_phases(model, layout, b, layers, False)
+    forward, backward = layer_working_phases(model, layout, b, layers, False)
     return ("last layer's forward attention", forward) if forward > backward else ("one layer's backward", backward)
 
 
