@@ -43,10 +43,12 @@ The working-set counts were read from XLA:CPU's buffer assignment (the AOT path,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxpar.analysis import moe_activations
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
+from jaxpar.versions import jax_release
 
 F32 = 4
 
@@ -238,6 +240,30 @@ BACKWARD_SCORE_COPIES = 2
 # probabilities into the residual stack, no chain is transient, and no hole appears (tiny b=2, s=1024,
 # ``none``: none). A GPipe tick scan saves them likewise.
 SOFTMAX_FUSED_ROWS = 4096
+
+
+@functools.cache
+def fuses_every_softmax() -> bool:
+    """Whether the installed jax's XLA:CPU runs the whole softmax as one kernel at every size: jax 0.12.1's does
+    (tiny data=8 ZeRO-2 ``full``, b=4, s=256, 2048 rows: one f32[4, 2, 2, 256, 256] array at the backward's peak
+    where 0.10.2 and 0.12.0.1 hold two), so one backward score copy is live, not two, and the chain holes of
+    :data:`SOFTMAX_FUSED_ROWS` open at every size. Read from seeds 30, 31 and 37 of the random grid compiled on
+    jax 0.12.1 (experiments/results/2026-12-06-memory-jax012/jax0.12.1): 110 of their 120 rows within the bounds
+    with 0.10.2's counts, 116 with one backward copy, 118 with one copy and no threshold. Read from the installed
+    distribution (:func:`jaxpar.versions.jax_release`), as :func:`jaxpar.analysis.temporaries.cond_stacks_weights`."""
+    return jax_release() >= (0, 12, 1)
+
+
+def backward_score_copies() -> int:
+    """:data:`BACKWARD_SCORE_COPIES` on the installed jax (one where :func:`fuses_every_softmax`)."""
+    return 1 if fuses_every_softmax() else BACKWARD_SCORE_COPIES
+
+
+def softmax_fused_rows() -> int:
+    """:data:`SOFTMAX_FUSED_ROWS` on the installed jax (every size where :func:`fuses_every_softmax`)."""
+    return 0 if fuses_every_softmax() else SOFTMAX_FUSED_ROWS
+
+
 # Blockwise attention with dropout: the inner step's block arrays leave holes of 0 to 1.24 blocks in the same
 # rows (with a context axis; no threshold separates them), so the estimate counts the midpoint, half a block:
 # the error this term leaves is half a block either way.
@@ -251,7 +277,7 @@ def dropout_chain_slots(model: ConfigDict, layout: ParallelLayout, b: int | None
     if model.get("attention_dropout", 0.0) <= 0 or attention_kind(layout) != "dot_product":
         return 0.0
     d = Dims.of(model, layout, b)
-    return 1.0 if layout.recompute != "none" and d.b * d.n * d.s >= SOFTMAX_FUSED_ROWS else 0.0
+    return 1.0 if layout.recompute != "none" and d.b * d.n * d.s >= softmax_fused_rows() else 0.0
 
 
 # (b, s, mlp_dim/t) arrays live in that phase: ``none`` the three MLP gradients (of the W_down input,
@@ -443,7 +469,7 @@ def layer_working_phases(
         return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
     scores = d.b * d.n * d.s * d.s  # elements of one (b, n/t, s, s) array
     unstacked = rec == "none" and layers <= 1
-    copies = FORWARD_SCORE_COPIES - (BACKWARD_SCORE_COPIES if unstacked else 0)
+    copies = FORWARD_SCORE_COPIES - (backward_score_copies() if unstacked else 0)
     forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
     # A layer whose backward recomputes its forward (``selective`` / ``full``, with or without a pipeline tick)
@@ -454,7 +480,7 @@ def layer_working_phases(
     # f32[2, 1, 2, 256, 256] arrays at the MLP phase's peak). Without recomputation a tick's scores are its
     # chunk's residuals, counted in the residual stack.
     if not unstacked and (not tick or rec != "none"):
-        backward += BACKWARD_SCORE_COPIES * F32 * scores
+        backward += backward_score_copies() * F32 * scores
     if rec == "none":
         backward += scores  # the broadcast causal mask, hoisted out of the backward loop
     # ZeRO-3's weight gradient and relaid weight: a phase of its own beside the score arrays (~1B, 4 layers,
@@ -560,7 +586,7 @@ def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
     d = Dims.of(model, layout, b)
     copies = 0
     if attention_kind(layout) == "dot_product":
-        copies = BACKWARD_SCORE_COPIES + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
+        copies = backward_score_copies() + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
     return copies * F32 * d.b * d.n * d.s * d.s + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f
 
 

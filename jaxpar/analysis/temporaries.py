@@ -11,11 +11,10 @@ import functools
 from typing import Any
 
 from jaxpar.analysis.activations import (
-    BACKWARD_SCORE_COPIES,
     F32,
-    SOFTMAX_FUSED_ROWS,
     Dims,
     attention_kind,
+    backward_score_copies,
     deferred_head_bytes,
     dropout_chain_slots,
     dropout_residual_bytes,
@@ -29,6 +28,7 @@ from jaxpar.analysis.activations import (
     pipeline_head_phase_bytes,
     shared_params,
     shared_tables,
+    softmax_fused_rows,
     zero3_embedding_gradient_bytes,
     zero3_head_phase_bytes,
     zero3_regathered_params,
@@ -252,7 +252,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
         forward, backward = layer_working_phases(model, layout, None, chunk, False)
         working, slots = per_tick + max(forward, backward), 0.0
-        fused = d.b * d.n * d.s >= SOFTMAX_FUSED_ROWS
+        fused = d.b * d.n * d.s >= softmax_fused_rows()
         if layout.recompute != "none" and not model.get("attention_dropout", 0.0) and fused:
             # where XLA:CPU runs the softmax as one kernel (SOFTMAX_FUSED_ROWS), the tick's recomputed attention
             # holds the scores and the probabilities alone, the backward's two arrays: the forward phase's three
@@ -392,7 +392,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     d = Dims.of(model, layout)
     # one (b, n/t, side, side) score array, or the flash kernel's block (its q k^T and exponentials)
     side = d.s if attention_kind(layout) == "dot_product" else min(layout.attention_block, d.s)
-    slots = BACKWARD_SCORE_COPIES + dropout_chain_slots(model, layout)  # no chain slot for blockwise
+    slots = backward_score_copies() + dropout_chain_slots(model, layout)  # no chain slot for blockwise
     loop += slots * F32 * d.b * d.n * side * side + d.e * d.b * d.s * (d.h + d.k)
     return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
