@@ -573,15 +573,18 @@ def pipeline_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int 
 # (0.87-1.00). ``selective`` defers the matmul the same way (~1B, 2 layers, tensor=4 x pipeline=2 ZeRO-2, both
 # dropouts, b=2, s=512: the recomputed f32[2, 2, 4, 512, 512] scores, two more score-sized arrays of the dropout
 # and the MLP's gate, up, silu and transposes at the head's f32[8000, 2048] weight gradient; 1.263 of the
-# estimate without the term, 1.123 with, the rest the chunk's saved dense outputs).
+# estimate without the term, 1.123 with, the rest the chunk's saved dense outputs), and so does the last virtual
+# stage of interleaved chunks of one layer (~1B, 4 layers, data=4 x pipeline=2 x v=2 ZeRO-3 selective, b=2,
+# s=1024: two recomputed f32[2, 8, 4, 1024, 1024] score arrays, the MLP's gate, up and silu and two gathered
+# f32[2048, 8192] weights at the head's f32[32000, 2048] weight gradient; 1.306 -> 1.042).
 HEAD_DEFERRED_MLP_WIDE = 4
 
 
 def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
-    """What a one-layer 1F1B last stage under ``full`` or ``selective`` holds of its chunk's recomputed forward at the loss
+    """What the last stage of 1F1B or interleaved chunks of one layer, under ``full`` or ``selective``, holds of its chunk's recomputed forward at the loss
     head's weight-gradient matmul, beyond :func:`pipeline_head_phase_bytes` (see :data:`HEAD_DEFERRED_MLP_WIDE`);
     0 elsewhere."""
-    if layout.recompute == "none" or layout.virtual_stages != 1 or layout.layers_per_stage(model.num_layers) != 1:
+    if layout.recompute == "none" or layout.layers_per_stage(model.num_layers) != 1:
         return 0.0
     d = Dims.of(model, layout, b)
     copies = 0
