@@ -60,7 +60,7 @@ DEFAULT = {
     # table on jax 0.12 too (temporaries.gpipe_tick_bytes; such layouts were up to 1.87 of the estimate on jax
     # 0.12.0.1 without it); sequence parallelism, whose update double-buffers the embedding's gradient
     # (temporaries.update_bytes; 1.149 without); a one-layer 1F1B last stage under full
-    # (activations.deferred_head_bytes)
+    # (head_phases.deferred_head_bytes)
     "1b2_pp2_gpipe": _lay(data=4, pipeline=2, microbatches=2, microbatch_size=1, pipeline_schedule="gpipe"),
     "1b2_tp2_sp": _lay(data=4, tensor=2, sequence_parallel=True, microbatch_size=1),
     "1b2_pp2_1f1b_full": _lay(

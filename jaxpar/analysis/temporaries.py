@@ -15,23 +15,25 @@ from jaxpar.analysis.activations import (
     Dims,
     attention_kind,
     backward_score_copies,
-    deferred_head_bytes,
     dropout_chain_slots,
     dropout_residual_bytes,
-    head_working_bytes,
     largest_param,
     layer_params,
     layer_residual_bytes,
     layer_working_bytes,
     layer_working_phases,
     layer_working_term,
-    pipeline_head_phase_bytes,
     shared_params,
     shared_tables,
     softmax_fused_rows,
     zero3_embedding_gradient_bytes,
-    zero3_head_phase_bytes,
     zero3_regathered_params,
+)
+from jaxpar.analysis.head_phases import (
+    deferred_head_bytes,
+    head_working_bytes,
+    pipeline_head_phase_bytes,
+    zero3_head_phase_bytes,
 )
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
