@@ -91,6 +91,11 @@ SLOW_GRID = {
         data=2, tensor=2, pipeline=2, microbatches=4, pipeline_schedule="gpipe", recompute="selective"
     ),
     "pp4_gpipe_full_m8": _lay(data=2, pipeline=4, microbatches=8, pipeline_schedule="gpipe", recompute="full"),
+    # one-layer chunks, a split softmax (b*n/t*s = 2048 rows): the backward's score chain takes four heap slots
+    # for three live (activations.UNFUSED_BACKWARD_CHAIN_SLOTS; temp 1.17 of the estimate without them)
+    "pp4_1f1b_full_s1024": _lay(
+        tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=1024, recompute="full", attention="dot_product"
+    ),
     # m = 2: one microbatch's residual stack, as for any m (was temp 0.673 with a stale m = 2 doubling rule)
     "dp_m2_zero1": _lay(data=8, zero_stage=1, microbatches=2, microbatch_size=1),
     "1b_zero3_none": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512),
