@@ -192,7 +192,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     residuals out of those stacks (a copy: one more :func:`gpipe_tick_bytes`; without recompute and with
     more than one layer per stage and b = 1, the layer residuals a second time, in the layer scan's layout) and
     works on one layer (:func:`layer_working_bytes`), or, on the last stage outside ZeRO-3, on the loss
-    head's backward (:func:`pipeline_head_phase_bytes`) where that is the larger.
+    head's backward (:func:`pipeline_head_phase_bytes`) where that is the larger; under ZeRO-3 the stage's
+    gradients are the sharded accumulator twice, and the first stage's embedding scatter-add is a phase too.
     """
     p, pb = layout.pipeline, DTYPE_BYTES[model.param_dtype]
     d = Dims.of(model, layout)
@@ -276,6 +277,20 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
+        if zero3:  # each tick gathers its layers' weights and leaves their gradients reduce-scattered into the
+            # sharded accumulator, which the tick's layer loop carries as a copy beside the operand (two copies, as
+            # in pipeline_accumulator_bytes); no unsharded stage gradient. The first stage's embedding backward,
+            # a scatter-add into a zero V/t x h table and the microbatch's copy of it (as without a pipeline),
+            # is a phase of its own beside the tick's sliced residuals. Buffer assignment of ~1B, 4 layers,
+            # data=4 x pipeline=2 GPipe ZeRO-3 ``full``, s=512, b=1: the peak at that scatter-add, with two
+            # f32[32000, 2048] tables, the sliced tick (its f32[2048, 32000] head weight among them) and the
+            # sharded layer accumulators twice (f32[2, 512, 8192] in the loop's state and outside it); 0.885 of
+            # the estimate with the stage's unsharded gradient counted, 1.006 as counted here. data=2 x tensor=2
+            # ``selective``, s=128: the same phase with f32[16000, 2048] tables (0.975, 1.008).
+            chunk_grads = zero_sharded_bytes(model, layout, full_grads)
+            embedding = per_tick + 2 * pb * shared_tables(model, layout) if stage == 0 else 0.0
+            if embedding > working:
+                working, term = embedding, "backward tick: one tick's residuals and the embedding's scatter-add"
         if last and not zero3:  # the loss head's backward, a phase of its own as in a 1F1B tick (buffer assignment
             # of ~1B data=4 x pipeline=2 GPipe ZeRO-1 m=2, s=128, ``none``, jax 0.12.0.1: at the head's
             # f32[32000, 2048] weight gradient the tick's slice of the table stack, the weight's gradient from
