@@ -344,7 +344,12 @@ BLOCKWISE_BACKWARD_BLOCKS = 4
 # where the kernel runs one block (``attention_block`` >= s): its recomputed q k^T is the backward's (tiny
 # data=8 ZeRO-3 ``full`` blockwise, s=256, block 512: one f32[2, 2, 256, 512] array at the MLP phase's peak;
 # with several blocks, or in a pipeline tick, not counted: tiny data=2 x tensor=2 x pipeline=2 1F1B ``full``
-# blockwise, one block, is 0.987 of the compiled temporaries without it, 0.910 with it).
+# blockwise, one block, is 0.987 of the compiled temporaries without it, 0.910 with it). The ring too keeps them
+# only where each hop runs one block (``attention_block`` >= s/c): with several the kernel's loop recomputes them
+# block by block (buffer assignment of tiny data=4 x context=2 ZeRO-3 selective, s=512, block 128: no block-sized
+# score array at the MLP phase's peak, 0.887 of the estimate with two per hop counted, 0.979 without; data=2 x
+# tensor=2 x context=2 ZeRO-2 full, s=1024, block 256: none either, 0.905 -> 1.006; the 132 ring
+# rows of experiments/results/2026-12-06-memory-grid with several blocks per hop: mean 0.971 -> 0.998, none out).
 RING_RECOMPUTED_BLOCKS = {"selective": 2, "full": 1}
 # Ring attention under ``selective``: XLA schedules the ring's recomputation and its collective-permutes into the
 # MLP's backward and defers the MLP's weight-gradient matmuls past the attention's backward, so the gradients of
@@ -482,8 +487,9 @@ def layer_working_phases(
             backward = max(backward, backward - mlp + BACKWARD_MLP_WIDE["none"] * d.e * d.b * d.s * d.f + zero3)
         else:
             backward += zero3
-        one_block = layout.attention_block >= d.s and not tick  # a tick keeps no recomputed scores (as above)
-        if (layout.context > 1 or one_block) and rec != "none":  # RING_RECOMPUTED_BLOCKS
+        # one block per hop (d.s is the local sequence, s/c); a tick without a ring keeps no recomputed scores
+        one_block = layout.attention_block >= d.s
+        if one_block and rec != "none" and (layout.context > 1 or not tick):  # RING_RECOMPUTED_BLOCKS
             block = min(layout.attention_block, d.s)
             backward += layout.context * RING_RECOMPUTED_BLOCKS[rec] * F32 * d.b * d.n * block * block
         return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
