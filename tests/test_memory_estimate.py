@@ -219,10 +219,11 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
     """Dropout on (both rates 0.1) against off, same layout: the compiled temporaries grow by the
     estimate's :func:`~jaxpar.analysis.activations.dropout_residual_bytes` per layer to within 2%
     (dot-product: the hidden and probability masks, 1 byte each; blockwise: the hidden masks only, its
-    backward redraws the probabilities' mask), or by that plus exactly one dropped (b, s, h)
-    activation: buffer assignment keeps one in some compiles (on this layout jax 0.10.2 does, jax 0.12
-    does not; with hidden dropout alone the same bytes come and go, with attention dropout alone
-    they never appear). The estimate grows by the masks, and by at most the forward's dropped probabilities
+    backward redraws the probabilities' mask), or by that plus one or two dropped (b, s, h)
+    activations, at most one per dropout site of a layer (after the attention, after the MLP): buffer
+    assignment keeps them in some compiles (``dp_none`` on jax 0.10.2 one, on jax 0.12 none; ``tp2_sp_none``
+    two, the layer's two dropped f32[1, 2, 64, 128] slices at the peak; with hidden dropout alone the same
+    bytes come and go, with attention dropout alone they never appear). The estimate grows by the masks, and by at most the forward's dropped probabilities
     and the heap's slot for dropout's chain (:func:`~jaxpar.analysis.activations.dropout_chain_slots`) where
     the last layer's forward attention becomes the larger phase."""
     layout = DROPOUT_CASES[name]
@@ -235,7 +236,7 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
     dropped = dims.e * dims.b * dims.so * dims.h  # one dropped activation in the compute dtype
     assert want > 0
     grown = on.temp_bytes - off.temp_bytes
-    assert any(grown == pytest.approx(w, rel=0.02) for w in (want, want + dropped)), (
+    assert any(grown == pytest.approx(want + k * dropped, rel=0.02) for k in (0, 1, 2)), (
         on.temp_bytes,
         off.temp_bytes,
         want,
