@@ -11,10 +11,10 @@ import functools
 from typing import Any
 
 from jaxpar.analysis.activations import (
+    BACKWARD_SCORE_COPIES,
     F32,
     Dims,
     attention_kind,
-    backward_score_copies,
     dropout_chain_slots,
     dropout_residual_bytes,
     largest_param,
@@ -387,7 +387,7 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     backward tick holds the gradient accumulator (``acc`` bytes, the scan's carry) *twice*. The
     tick's ``switch`` takes the accumulator as an operand and returns it, and the backward updates
     it in place inside its layer loop, so XLA copies it into the loop's state while the operand
-    stays live. Beside the two copies, the larger of:
+    stays live (once on jax >= 0.12.1: :func:`accumulator_copies`). Beside the copies, the larger of:
 
     - inside the layer loop: one layer's weights sliced out of the stage's stack, and with v > 1
       the chunk's L/(p*v) layers sliced out first (:func:`jaxpar.parallel.pipeline.ticks.chunk_layers`),
@@ -409,9 +409,12 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
     d = Dims.of(model, layout)
     # one (b, n/t, side, side) score array, or the flash kernel's block (its q k^T and exponentials)
     side = d.s if attention_kind(layout) == "dot_product" else min(layout.attention_block, d.s)
-    slots = backward_score_copies() + dropout_chain_slots(model, layout)  # no chain slot for blockwise
+    # the forward's q k^T and its masked copy on every jax (the fused softmax of jax >= 0.12.1 saves a copy in the
+    # backward only: seed 31 case 22 on 0.12.1, interleaved, b=2, s=512, peaks in the forward tick at
+    # f32[2, 2, 1024, 512] q k^T and f32[2, 2, 2, 512, 512] masked scores); no chain slot for blockwise
+    slots = BACKWARD_SCORE_COPIES + dropout_chain_slots(model, layout)
     loop += slots * F32 * d.b * d.n * side * side + d.e * d.b * d.s * (d.h + d.k)
-    return 2 * acc + max(loop, 2 * pb * shared_tables(model, layout))
+    return accumulator_copies() * acc + max(loop, 2 * pb * shared_tables(model, layout))
 
 
 def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -453,6 +456,19 @@ def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
         mask = layers * d.b * d.n * d.s * d.s
     layer = layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout)
     return layers * layer + mask + head + weights
+
+
+@functools.cache
+def accumulator_copies() -> int:
+    """Copies of the gradient accumulator a 1F1B / interleaved backward tick holds on the installed jax
+    (:func:`pipeline_accumulator_bytes`): two before jax 0.12.1 (the ``switch``'s operand and the layer loop's
+    state), one from 0.12.1 on, whose XLA:CPU updates the operand in place. Buffer assignment of ~1B, 4 layers,
+    data=2 x tensor=2 x pipeline=2 1F1B SP ``full``, s=256 (seed 49 case 5 of the random grid) on jax 0.12.1: the
+    accumulator's f32[2, 2048, 4096] layer gradients and f32[1, 16000, 2048] table once at the step's peak, beside
+    the loss head's two f32[2048, 16000] weight copies; every 1F1B row of the grid's seeds compiled on 0.12.1
+    whose estimate this phase sets moves toward the compiled bytes with one copy (four rows, none away).
+    Read from the installed distribution (:func:`jaxpar.versions.jax_release`), as :func:`cond_stacks_weights`."""
+    return 1 if jax_release() >= (0, 12, 1) else 2
 
 
 @functools.cache
