@@ -92,7 +92,7 @@ SLOW_GRID = {
     ),
     "pp4_gpipe_full_m8": _lay(data=2, pipeline=4, microbatches=8, pipeline_schedule="gpipe", recompute="full"),
     # one-layer chunks, a split softmax (b*n/t*s = 2048 rows): the backward's score chain takes four heap slots
-    # for three live (activations.UNFUSED_BACKWARD_CHAIN_SLOTS; temp 1.17 of the estimate without them)
+    # for three live (activations.TICK_CHAIN_SLOTS; temp 1.17 of the estimate without them)
     "pp4_1f1b_full_s1024": _lay(
         tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=1024, recompute="full", attention="dot_product"
     ),

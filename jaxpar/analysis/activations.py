@@ -294,37 +294,41 @@ BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
 # RMSNorm backward's products): (b, s/t, h) with sequence parallelism (tiny data=4 x tensor=2 SP full, s=512:
 # five f32[2,256,128] and three f32[2,512,128]-sized arrays at the MLP phase's peak).
 BACKWARD_HIDDEN_OUTSIDE = 5
-# The attention backward's score chain in a one-layer chunk's tick under ``full``, where XLA:CPU splits the
-# softmax (b * n/t * s below :func:`softmax_fused_rows`, b the sequences the tick recomputes at once: one under
-# ``full`` with ZeRO < 2, :func:`jaxpar.analysis.temporaries.stage_temps`). The chain is six fp32 (b, n/t, s, s)
-# arrays: the recomputed q k^T, its masked copy and the probabilities, then dP = dO V^T, dS and dS laid out for
-# the dK / dQ matmuls; the probabilities live from the tick's MLP phase to the chain's end, and
-# at most three of the six are live at once. XLA's best-fit heap places a size's longest-lived buffers first, and
-# the chain then takes four slots (buffer assignment of tiny tensor=2 x pipeline=4 1F1B ZeRO-1 ``full``, b=1,
-# s=1024: four 8 MiB offsets, three live, allocation 37.97 MiB for a largest live set of 31.04; the same with
-# sequence parallelism: 36.21 MiB; b=2, s=512, whose tick recomputes one sequence at a time: four f32[1, 1, 2,
-# 512, 512] offsets). A chunk of two layers runs the chain inside the layer loop's body, where it packs into
-# three (tiny data=2 x tensor=2 x pipeline=2 1F1B ``full``, b=1, s=1024, with and without sequence parallelism:
-# allocation within 1% of the largest live set).
-UNFUSED_BACKWARD_CHAIN_SLOTS = 4
+# The attention backward's score chain in a one-layer chunk's pipeline tick that recomputes the attention. The
+# chain is six fp32 (b, n/t, s, s) arrays: the recomputed q k^T, its masked copy and the probabilities, then
+# dP = dO V^T, dS and dS laid out for the dK / dQ matmuls; the probabilities live from the tick's MLP phase to the
+# chain's end, and at most three of the six are live at once. XLA's best-fit heap places a size's longest-lived
+# buffers first, and the chain then takes four slots:
+# - under ``full`` where XLA:CPU splits the softmax (b * n/t * s below :func:`softmax_fused_rows`, b the
+#   sequences the tick recomputes at once: one with ZeRO < 2, :func:`jaxpar.analysis.temporaries.stage_temps`):
+#   buffer assignment of tiny tensor=2 x pipeline=4 1F1B ZeRO-1, b=1, s=1024: four 8 MiB offsets, three live,
+#   allocation 37.97 MiB for a largest live set of 31.04; the same with sequence parallelism, 36.21 MiB; b=2,
+#   s=512, whose tick recomputes one sequence at a time: four f32[1, 1, 2, 512, 512] offsets. Where the softmax is
+#   fused, a ``full`` tick holds no such hole (tiny data=4 x pipeline=2 x v=2, b=1 and 2, s=1024: 0.939, 1.002);
+# - under ``selective`` (the whole microbatch), without attention dropout, whose chain is
+#   :func:`dropout_chain_slots`: tiny data=2 x pipeline=4 1F1B ZeRO-3, b=1, s=1024: four 16 MiB offsets, three
+#   live (allocation 1.098 of the estimate without the slots, largest live set 0.914).
+# A chunk of two layers runs the chain inside the layer loop's body, where it packs into three (tiny data=2 x
+# tensor=2 x pipeline=2 1F1B ``full``, b=1, s=1024, with and without sequence parallelism: allocation within 1%
+# of the largest live set). At s <= 512 the heap fills most of the fourth slot with smaller arrays (holes of
+# 0.13-0.27 of a score array): counted whole there, an over-estimate of at most a tenth (0.909 of the compiled).
+TICK_CHAIN_SLOTS = 4
 # (b, s, h) arrays inside the tensor-parallel region live beside that chain: the q projection's input gradient
 # and the recomputed norm output it is the operand of (same buffer assignments: two f32[1024, 128] arrays beside
 # the :data:`BACKWARD_HIDDEN_OUTSIDE` (b, s/t, h)-or-(b, s, h) arrays).
 ATTENTION_BACKWARD_HIDDEN_INSIDE = 2
 
 
-def unfused_chain_slots(model: ConfigDict, layout: ParallelLayout, b: int | None, layers: int, tick: bool) -> bool:
-    """Whether a layer's backward holds :data:`UNFUSED_BACKWARD_CHAIN_SLOTS` score slots: a pipeline tick of a
-    one-layer chunk under ``full``, ``dot_product`` attention, with the softmax split into steps (no term on a jax
-    whose XLA:CPU fuses every softmax, :func:`fuses_every_softmax`)."""
+def tick_chain_slots(model: ConfigDict, layout: ParallelLayout, b: int | None, layers: int, tick: bool) -> bool:
+    """Whether a layer's backward holds :data:`TICK_CHAIN_SLOTS` score slots: a pipeline tick of a one-layer chunk
+    with ``dot_product`` attention, under ``full`` where the softmax is split into steps (none on a jax whose
+    XLA:CPU fuses every softmax, :func:`fuses_every_softmax`), or under ``selective`` without attention dropout."""
+    if not (tick and layers <= 1 and attention_kind(layout) == "dot_product"):
+        return False
+    if layout.recompute == "selective":
+        return model.get("attention_dropout", 0.0) <= 0
     d = Dims.of(model, layout, b)
-    return (
-        tick
-        and layers <= 1
-        and layout.recompute == "full"
-        and attention_kind(layout) == "dot_product"
-        and d.b * d.n * d.s < softmax_fused_rows()
-    )
+    return layout.recompute == "full" and d.b * d.n * d.s < softmax_fused_rows()
 
 
 # Backward of one layer, attention phase, ``blockwise`` (:func:`jaxpar.ops.attention.flash_backward`): the
@@ -519,8 +523,8 @@ def layer_working_phases(
         # 0.846 of the estimate on jax 0.12.0.1 with the gradient counted, 0.896 without)
         zero3 *= d.e / (d.e + DTYPE_BYTES[model.param_dtype])
     backward = max(backward, base + zero3)
-    if unfused_chain_slots(model, layout, b, layers, tick):  # its own phase, after the MLP's (as above)
-        chain = UNFUSED_BACKWARD_CHAIN_SLOTS * F32 * scores + kv
+    if tick_chain_slots(model, layout, b, layers, tick):  # its own phase, after the MLP's (as above)
+        chain = TICK_CHAIN_SLOTS * F32 * scores + kv
         chain += d.e * d.b * (BACKWARD_HIDDEN_OUTSIDE * d.so * d.h + ATTENTION_BACKWARD_HIDDEN_INSIDE * d.s * d.h)
         backward = max(backward, chain)
     if model.get("attention_dropout", 0.0) > 0 and (
