@@ -538,8 +538,12 @@ def layer_working_phases(
         # four f32[2, 2, 2, 1024, 1024] arrays at the peak, one of them the keep scale 1/(1-p) broadcast to the
         # scores' shape for XLA:CPU's fused softmax backward; 1.119 of the estimate without them).
         # The backward's MLP phase holds no mask (tiny data=8 ZeRO-2 full, s=256: the two score arrays only)
-        # and the heap's third slot for the chain (not in a GPipe tick: its forward's scan saves them)
-        slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick else 0.0
+        # and the heap's third slot for the chain; not in a GPipe tick of one layer, whose forward's scan saves
+        # them, but in one of several, whose layer loop recomputes the chain as an unpipelined layer does (tiny
+        # data=4 x pipeline=2 GPipe ZeRO-0 selective, b=2, s=1024, two layers per stage: the backward's four
+        # f32[2, 2, 2, 1024, 1024] arrays at four offsets, three live; 1.107 of the estimate without the slot,
+        # 0.981 with it; data=2 x tensor=2: 1.073 -> 0.982; no other kept row moves)
+        slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick or layers > 1 else 0.0
         forward += (1 + slots) * F32 * scores
     return forward, backward
 
