@@ -347,8 +347,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # ZeRO-2 (the chunk's gradient is reduce-scattered into the sharded accumulator once written); ZeRO
             # 0-1 keep a chunk-gradient-sized buffer through the head's backward (~1B, 4 layers, data=4 x
             # pipeline=2 1F1B ZeRO-0, m=4, s=256: 1.164 of the estimate without it), and so does an interleaved
-            # tick (~1B, 4 layers, data=2 x tensor=2 x pipeline=2 interleaved ZeRO-2 selective: 1.255 without it)
-            unwritten = chunk_grads if layout.shards_gradients and layout.virtual_stages == 1 else 0.0
+            # tick (~1B, 4 layers, data=2 x tensor=2 x pipeline=2 interleaved ZeRO-2 selective: 1.255 without it),
+            # and so does ZeRO-2 without recomputation, whose chunk backward's zero-initialised gradient carry XLA
+            # hoists ahead of the head (~1B, 4 layers, data=4 x pipeline=2 1F1B ZeRO-2 ``none``, m=2, s=128: two
+            # f32[2, 2048, 8192] zero tables and a copy at the head's f32[32000, 2048] weight gradient; 1.374 of
+            # the estimate without it, 1.003 with; three other such rows 1.025-1.108 -> 0.940-1.024)
+            unwritten = (
+                chunk_grads
+                if layout.shards_gradients and layout.virtual_stages == 1 and layout.recompute != "none"
+                else 0.0
+            )
             if head > working + unwritten:
                 working, chunk_grads, term = head, chunk_grads - unwritten, "backward tick: the loss head's backward"
     acc = zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else full_grads
