@@ -545,6 +545,12 @@ def layer_working_phases(
         # 0.981 with it; data=2 x tensor=2: 1.073 -> 0.982; no other kept row moves)
         slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick or layers > 1 else 0.0
         forward += (1 + slots) * F32 * scores
+        if layout.pipeline == 1:  # where the softmax is fused (the chain slot's condition), the backward's MLP
+            # phase also holds the keep scale 1/(1-p) broadcast to the scores' shape for the fused softmax backward,
+            # as a GPipe tick does (tiny data=8 ZeRO-2 full, b=4, s=256, 4096 rows: the probabilities, the dropped
+            # scores and the f32[4, 2, 2, 256, 256] broadcast at the peak; 1.133 of the estimate without it, 1.001
+            # with; the 22 other unpipelined rows it moves stay within, 0.934-1.125)
+            backward += dropout_chain_slots(model, layout, b) * F32 * scores
     return forward, backward
 
 
