@@ -119,7 +119,7 @@ def broken_dependency(error: BaseException) -> str | None:
         f"{DEPENDENCIES[package]} {_version(DEPENDENCIES[package])} does not import under jax {_version('jax')} "
         f"({type(error).__name__}: {first}); install releases made for each other: jaxpar is tested with "
         "jax 0.10.2 + flax 0.12.8 (Python 3.11) and jax 0.12 + flax 0.12.12 (Python 3.12), e.g. "
-        "pip install 'jax>=0.12,<0.13' 'flax>=0.12.12'"
+        "pip install 'jax>=0.12,<0.12.2' 'flax>=0.12.12'"
     )
 
 
