@@ -550,7 +550,7 @@ def layer_working_phases(
             # as a GPipe tick does (tiny data=8 ZeRO-2 full, b=4, s=256, 4096 rows: the probabilities, the dropped
             # scores and the f32[4, 2, 2, 256, 256] broadcast at the peak; 1.133 of the estimate without it, 1.001
             # with; the 22 other unpipelined rows it moves stay within, 0.934-1.125)
-            backward += dropout_chain_slots(model, layout, b) * F32 * scores
+            backward += slots * F32 * scores  # slots: dropout_chain_slots, unpipelined
     return forward, backward
 
 
