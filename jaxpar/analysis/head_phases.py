@@ -65,17 +65,35 @@ def pipeline_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int 
 HEAD_DEFERRED_MLP_WIDE = 4
 
 
+# Under ``full`` with ZeRO 0-1 the chunk is recomputed layer by layer, one sequence at a time
+# (:func:`jaxpar.parallel.pipeline.executor._stage_backward_by_layer`); with one layer the reverse layer loop is a
+# single iteration, and at the deferred head's weight-gradient matmul nine more (1, s, h)-sized arrays are live
+# beside the four of the MLP: the recomputed layer's residual sum, two norm products, its attention output and
+# two activation transposes for its weight gradients, and, of the head, its forward's three saved arrays (final
+# norm input, normalised input, scaled output) less the final norm's gradient already counted, and its input
+# transposed for dy^T x; plus the embedding branch's output, a zero (1, s, h) array on the last stage. Buffer
+# assignments of ~1B, 2 layers, data=4 x pipeline=2 1F1B ZeRO-0 ``full``, attention dropout, b=1, s=1024 (h=2048
+# and f=8192 apart: eleven f32[1, 1024, 2048]-sized arrays and four of f32[1024, 8192] at the head's f32[32000,
+# 2048] weight gradient; peak 1.038 of the estimate without them, 1.013 with) and tensor=4 x pipeline=2 ZeRO-1
+# blockwise, both dropouts, b=2, s=1024 (1.141 -> 1.014).
+DEFERRED_HEAD_HIDDEN_BY_LAYER = 9
+
+
 def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
     """What the last stage of 1F1B or interleaved chunks of one layer, under ``full`` or ``selective``, holds
     of its chunk's recomputed forward at the loss head's weight-gradient matmul, beyond
-    :func:`pipeline_head_phase_bytes` (see :data:`HEAD_DEFERRED_MLP_WIDE`); 0 elsewhere."""
+    :func:`pipeline_head_phase_bytes` (see :data:`HEAD_DEFERRED_MLP_WIDE` and, recomputed by layer,
+    :data:`DEFERRED_HEAD_HIDDEN_BY_LAYER`); 0 elsewhere."""
     if layout.recompute == "none" or layout.layers_per_stage(model.num_layers) != 1:
         return 0.0
     d = Dims.of(model, layout, b)
     copies = 0
     if attention_kind(layout) == "dot_product":
         copies = backward_score_copies() + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
-    return copies * F32 * d.b * d.n * d.s * d.s + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f
+    hidden = 0.0
+    if layout.recompute == "full" and not layout.shards_gradients:  # recomputed by layer, one sequence at a time
+        hidden = DEFERRED_HEAD_HIDDEN_BY_LAYER * d.e * d.b * d.s * d.h
+    return copies * F32 * d.b * d.n * d.s * d.s + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f + hidden
 
 
 def head_working_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:

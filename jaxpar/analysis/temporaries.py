@@ -346,6 +346,10 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # x pipeline=2 1F1B ZeRO-2 full, m=4, s=512: at the head's weight-gradient matmul the sharded
             # accumulator and the head's f32[16000, 2048] gradients, no f32[2, 1024, 4096] chunk gradient)
             head = pipeline_head_phase_bytes(model, layout, b=rows) + deferred_head_bytes(model, layout, b=rows)
+            if by_layer:  # the microbatch's two (b, s, h) gradient arrays (above) are live through the head's backward
+                # too (the same buffer assignments as DEFERRED_HEAD_HIDDEN_BY_LAYER: f32[2, 1024, 2048] twice at the
+                # head's weight gradient, b=2)
+                head += 2 * d.e * d.b * d.so * d.h
             if zero3:  # ZeRO-3: one layer's weights gathered ahead of the chunk's backward, in place of the
                 # layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
                 # three gathered weights beside the head's, at the head's weight-gradient matmul)
