@@ -266,7 +266,15 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # f32[1, 2, 2, 1024, 1024] arrays live, two at the peak (0.897 of the estimate with the sliced
             # residuals beside the forward phase, 0.963 without); tensor=2 x pipeline=4, b=1, s=1024 (2048
             # rows, the softmax split): three at the peak beside the sliced residuals (1.005 as counted)
-            working = max(forward, per_tick + backward)
+            stack = 0.0
+            if chunk > 1 and layout.microbatch_size > 1:  # the tick's layer loop carries the chunk's residual stack
+                # beside the last layer's forward attention, before the tick writes it into the tick stacks (buffer
+                # assignment of tiny data=4 x pipeline=2 GPipe ZeRO-0 selective, hidden dropout, b=2, s=1024: the
+                # loop state's f32[2, 2, 1024, 384] gate and up beside the three f32[2, 2, 2, 1024, 1024] score
+                # arrays and the three-tick stacks; peak 1.119 of the estimate without it, 1.015 with). At b = 1 the
+                # copy below adds the same bytes to this phase.
+                stack = chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+            working = max(forward + stack, per_tick + backward)
         if layout.recompute != "full" and chunk > 1 and layout.microbatch_size == 1:
             # one sequence per microbatch: XLA lays the sliced residuals out with the size-1 batch dim moved
             # ({..,2,0,1}) and copies them into the chunk's layer scan's layout, a second copy of the tick's
