@@ -284,6 +284,15 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # under ``selective`` (tiny data=4 x pipeline=2 GPipe ZeRO-1 m=2, s=1024, b=1: the saved gate and
             # up, f32[2, 1, 1024, 384], in both layouts; 1.197 of the estimate without the second copy)
             working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+        elif (
+            layout.recompute == "none" and chunk > 1 and d.k * d.n == d.q and attention_kind(layout) == "dot_product"
+        ):  # one key/value head per tensor rank: the saved scores and probabilities carry that size-1 dim, and
+            # XLA copies them into the layer scan's layout as it does every residual at b = 1 (buffer assignment of
+            # tiny data=2 x tensor=2 x pipeline=2 GPipe ZeRO-1 SP ``none``, b=2, s=512: the tick's f32[2, 2, 1, 2,
+            # 512, 512] and f32[2, 2, 1, 1024, 512] twice each, in the {..,1,0,2} layout and in the scan's, the MLP's
+            # residuals once; peak 1.103 of the estimate without the copy, 1.001 with; four other kept rows 1.039-1.067
+            # -> 0.997-1.024)
+            working += chunk * 2 * F32 * d.b * d.n * d.s * d.s
         term = "backward tick: one tick's residuals and one layer's working set"
         chunk_grads = full_grads
         if zero3:  # each tick gathers its layers' weights and leaves their gradients reduce-scattered into the
