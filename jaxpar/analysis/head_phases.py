@@ -9,7 +9,14 @@ temporaries by :mod:`jaxpar.analysis.temporaries`.
 
 from __future__ import annotations
 
-from jaxpar.analysis.activations import F32, Dims, attention_kind, backward_score_copies, shared_tables
+from jaxpar.analysis.activations import (
+    F32,
+    Dims,
+    attention_kind,
+    backward_score_copies,
+    dropout_chain_slots,
+    shared_tables,
+)
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout
 
@@ -65,17 +72,20 @@ def pipeline_head_phase_bytes(model: ConfigDict, layout: ParallelLayout, b: int 
 HEAD_DEFERRED_MLP_WIDE = 4
 
 
-# Under ``full`` with ZeRO 0-1 the chunk is recomputed layer by layer, one sequence at a time
-# (:func:`jaxpar.parallel.pipeline.executor._stage_backward_by_layer`); with one layer the reverse layer loop is a
-# single iteration, and at the deferred head's weight-gradient matmul nine more (1, s, h)-sized arrays are live
-# beside the four of the MLP: the recomputed layer's residual sum, two norm products, its attention output and
-# two activation transposes for its weight gradients, and, of the head, its forward's three saved arrays (final
-# norm input, normalised input, scaled output) less the final norm's gradient already counted, and its input
-# transposed for dy^T x; plus the embedding branch's output, a zero (1, s, h) array on the last stage. Buffer
-# assignments of ~1B, 2 layers, data=4 x pipeline=2 1F1B ZeRO-0 ``full``, attention dropout, b=1, s=1024 (h=2048
-# and f=8192 apart: eleven f32[1, 1024, 2048]-sized arrays and four of f32[1024, 8192] at the head's f32[32000,
-# 2048] weight gradient; peak 1.038 of the estimate without them, 1.013 with) and tensor=4 x pipeline=2 ZeRO-1
-# blockwise, both dropouts, b=2, s=1024 (1.141 -> 1.014).
+# Under ``full`` the tick recomputes its chunk layer by layer
+# (:func:`jaxpar.parallel.pipeline.executor._stage_backward_by_layer`: one sequence at a time under ZeRO 0-1, the
+# whole microbatch under ZeRO-2/3); with one layer the reverse layer loop is a single iteration, and at the
+# deferred head's weight-gradient matmul nine more (b, s, h)-sized arrays are live beside the four of the MLP: the
+# recomputed layer's residual sum, two norm products, its attention output and two activation transposes for its
+# weight gradients, and, of the head, its forward's three saved arrays (final norm input, normalised input,
+# scaled output) less the final norm's gradient already counted, and its input transposed for dy^T x; plus the
+# embedding branch's output, a zero (b, s, h) array on the last stage. Buffer assignments of ~1B, 2 layers,
+# data=4 x pipeline=2 1F1B ZeRO-0 ``full``, attention dropout, b=1, s=1024 (h=2048 and f=8192 apart: eleven
+# f32[1, 1024, 2048]-sized arrays and four of f32[1024, 8192] at the head's f32[32000, 2048] weight gradient;
+# peak 1.038 of the estimate without them, 1.013 with), tensor=4 x pipeline=2 ZeRO-1 blockwise, both dropouts,
+# b=2, s=1024 (1.141 -> 1.014) and, the whole microbatch, ~1B, 4 layers, data=2 x tensor=2 x pipeline=2 x v=2
+# ZeRO-3 blockwise, b=1, s=1024 (the same arrays beside the gathered MLP weights; 1.104 -> 1.052); the thirteen
+# ZeRO-2/3 rows kept that this moves, 1.033-1.104 -> 1.007-1.065.
 DEFERRED_HEAD_HIDDEN_BY_LAYER = 9
 
 
@@ -88,11 +98,13 @@ def deferred_head_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
         return 0.0
     d = Dims.of(model, layout, b)
     copies = 0
-    if attention_kind(layout) == "dot_product":
-        copies = backward_score_copies() + (1 if model.get("attention_dropout", 0.0) > 0 else 0)
-    hidden = 0.0
-    if layout.recompute == "full" and not layout.shards_gradients:  # recomputed by layer, one sequence at a time
-        hidden = DEFERRED_HEAD_HIDDEN_BY_LAYER * d.e * d.b * d.s * d.h
+    if attention_kind(layout) == "dot_product":  # attention dropout's third array is the keep scale broadcast for
+        # the fused softmax's backward (dropout_chain_slots): where XLA:CPU splits the softmax the dropped
+        # probabilities take the probabilities' place (tiny tensor=2 x pipeline=4 1F1B ZeRO-2 SP ``full``, b=2,
+        # s=512, 2048 rows: two f32[2, 1, 2, 512, 512] arrays at the head's weight gradient beside the nine arrays
+        # of DEFERRED_HEAD_HIDDEN_BY_LAYER; peak 0.880 of the estimate with a third, 0.971 with two)
+        copies = backward_score_copies() + dropout_chain_slots(model, layout, b)
+    hidden = DEFERRED_HEAD_HIDDEN_BY_LAYER * d.e * d.b * d.s * d.h if layout.recompute == "full" else 0.0
     return copies * F32 * d.b * d.n * d.s * d.s + HEAD_DEFERRED_MLP_WIDE * d.e * d.b * d.s * d.f + hidden
 
 
