@@ -550,12 +550,14 @@ def layer_working_phases(
         # data=4 x pipeline=2 GPipe ZeRO-0 selective, b=2, s=1024, two layers per stage: the backward's four
         # f32[2, 2, 2, 1024, 1024] arrays at four offsets, three live; 1.107 of the estimate without the slot,
         # 0.981 with it; data=2 x tensor=2: 1.073 -> 0.982; no other kept row moves)
-        # A ``full`` tick, whose fused chain packs without a hole (TICK_CHAIN_SLOTS), holds no slot either: tiny
-        # data=2 x pipeline=4 1F1B ZeRO-1 ``full``, both dropouts, b=1, s=1024 (4096 rows): four f32[1, 2, 2, 1024,
-        # 1024] arrays at the peak, the three copies and the dropped probabilities; peak 0.806 of the estimate with
-        # the slot, 0.973 without; no other kept row moves.
+        # A ``full`` tick under ZeRO 0-1, which recomputes one sequence at a time, holds no slot: tiny data=2 x
+        # pipeline=4 1F1B ZeRO-1 ``full``, both dropouts, b=1, s=1024 (4096 rows): four f32[1, 2, 2, 1024, 1024]
+        # arrays at the peak, the three copies and the dropped probabilities, and no hole; peak 0.806 of the
+        # estimate with the slot, 0.973 without; no other kept row moves. Under ZeRO-2/3 (the whole microbatch)
+        # the hole is there: tiny tensor=2 x pipeline=4 1F1B ZeRO-2 ``full``, b=2, s=1024: allocation 1.178 of the
+        # estimate without the slot, its largest live set 0.988.
         slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick or layers > 1 else 0.0
-        if tick and rec == "full":
+        if tick and rec == "full" and not layout.shards_gradients:
             slots = 0.0
         forward += (1 + slots) * F32 * scores
         if layout.pipeline == 1:  # where the softmax is fused (the chain slot's condition), the backward's MLP
