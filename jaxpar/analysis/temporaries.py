@@ -256,6 +256,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # the backward tick slices its residuals out of the tick stacks (a copy), then works on one layer
         forward, backward = layer_working_phases(model, layout, None, chunk, False)
         working, slots = per_tick + max(forward, backward), 0.0
+        # one tick's layer residuals, the chunk's (the layer loop's stack; at b = 1 also the copy below)
+        chunk_residuals = chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
         fused = d.b * d.n * d.s >= softmax_fused_rows()
         if layout.recompute != "none" and not model.get("attention_dropout", 0.0) and fused:
             # where XLA:CPU runs the softmax as one kernel (SOFTMAX_FUSED_ROWS), the tick's recomputed attention
@@ -273,7 +275,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
                 # loop state's f32[2, 2, 1024, 384] gate and up beside the three f32[2, 2, 2, 1024, 1024] score
                 # arrays and the three-tick stacks; peak 1.119 of the estimate without it, 1.015 with). At b = 1 the
                 # copy below adds the same bytes to this phase.
-                stack = chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+                stack = chunk_residuals
             working = max(forward + stack, per_tick + backward)
         if layout.recompute != "full" and chunk > 1 and layout.microbatch_size == 1:
             # one sequence per microbatch: XLA lays the sliced residuals out with the size-1 batch dim moved
@@ -283,7 +285,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # residuals and pred masks twice each; the same layout with b=4, s=128 slices them once); so
             # under ``selective`` (tiny data=4 x pipeline=2 GPipe ZeRO-1 m=2, s=1024, b=1: the saved gate and
             # up, f32[2, 1, 1024, 384], in both layouts; 1.197 of the estimate without the second copy)
-            working += chunk * (layer_residual_bytes(model, layout) + dropout_residual_bytes(model, layout))
+            working += chunk_residuals
         elif (
             layout.recompute == "none" and chunk > 1 and d.k * d.n == d.q and attention_kind(layout) == "dot_product"
         ):  # one key/value head per tensor rank: the saved scores and probabilities carry that size-1 dim, and
@@ -338,10 +340,11 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # f32[4, b, s, h]-sized stash buffers, the logits and the final norm's three)
             slots += prog[2] * head_residual_bytes(model, layout)
         working = layer_working_bytes(model, layout, b=rows, layers=chunk, tick=True)
-        if by_layer:  # the microbatch's gradient at the chunk's output and its input gradient, assembled
-            # sequence by sequence: two (b, s, h) arrays of the whole microbatch beside the one sequence's
-            # working set (buffer assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B full m=4)
-            working += 2 * d.e * d.b * d.so * d.h
+        # the microbatch's gradient at the chunk's output and its input gradient, assembled sequence by sequence:
+        # two (b, s, h) arrays of the whole microbatch beside the one sequence's working set (buffer assignment of
+        # tiny data=2 x tensor=2 x pipeline=2 1F1B full m=4), live through the loss head's backward too (below)
+        assembled = 2 * d.e * d.b * d.so * d.h if by_layer else 0.0
+        working += assembled
         term = "backward tick: one layer's working set"
         # recomputed layer by layer, each layer's weight gradient is added into the accumulator in place as the
         # layer's backward writes it: no gradient beside the accumulator (buffer assignment of tiny data=2 x
@@ -363,10 +366,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # x pipeline=2 1F1B ZeRO-2 full, m=4, s=512: at the head's weight-gradient matmul the sharded
             # accumulator and the head's f32[16000, 2048] gradients, no f32[2, 1024, 4096] chunk gradient)
             head = pipeline_head_phase_bytes(model, layout, b=rows) + deferred_head_bytes(model, layout, b=rows)
-            if by_layer:  # the microbatch's two (b, s, h) gradient arrays (above) are live through the head's backward
-                # too (the same buffer assignments as DEFERRED_HEAD_HIDDEN_BY_LAYER: f32[2, 1024, 2048] twice at the
-                # head's weight gradient, b=2)
-                head += 2 * d.e * d.b * d.so * d.h
+            # the microbatch's two assembled (b, s, h) arrays (the same buffer assignments as
+            # DEFERRED_HEAD_HIDDEN_BY_LAYER: f32[2, 1024, 2048] twice at the head's weight gradient, b=2)
+            head += assembled
             if zero3:  # ZeRO-3: one layer's weights gathered ahead of the chunk's backward, in place of the
                 # layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
                 # three gathered weights beside the head's, at the head's weight-gradient matmul)
