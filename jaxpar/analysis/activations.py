@@ -42,48 +42,18 @@ The working-set counts were read from XLA:CPU's buffer assignment (the AOT path,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from jaxpar.analysis import moe_activations
+from jaxpar.analysis.attention_blocks import (
+    RING_DEFERRED_MLP_GRADIENTS,
+    RING_RECOMPUTED_BLOCKS,
+    blockwise_attention_backward_bytes,
+)
+from jaxpar.analysis.dims import F32, Dims
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, param_tensors, shard_elements
 from jaxpar.versions import jax_release
-
-F32 = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    """Per-device sizes of one microbatch through one layer."""
-
-    e: int  # compute-dtype bytes
-    b: int  # sequences per microbatch
-    s: int  # tokens per sequence on this context rank
-    so: float  # rows outside the tensor-parallel region: s / t with sequence parallelism, else s
-    h: int
-    q: float  # heads * head_dim / t
-    k: float  # kv_heads * head_dim / t
-    n: float  # heads / t
-    f: float  # mlp_dim / t
-    v: float  # vocab / t
-
-    @classmethod
-    def of(cls, model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> Dims:
-        t = layout.tensor
-        s = layout.seq_len // layout.context
-        return cls(
-            DTYPE_BYTES[model.compute_dtype],
-            layout.microbatch_size if b is None else b,
-            s,
-            s / t if layout.sequence_parallel else s,
-            model.embed_dim,
-            model.num_heads * model.head_dim / t,
-            model.num_kv_heads * model.head_dim / t,
-            model.num_heads / t,
-            model.mlp_dim / t,
-            model.vocab_size / t,
-        )
 
 
 def attention_kind(layout: ParallelLayout) -> str:
@@ -264,10 +234,12 @@ def softmax_fused_rows() -> int:
     return 0 if fuses_every_softmax() else SOFTMAX_FUSED_ROWS
 
 
-# Blockwise attention with dropout: the inner step's block arrays leave holes of 0 to 1.24 blocks in the same
-# rows (with a context axis; no threshold separates them), so the estimate counts the midpoint, half a block:
-# the error this term leaves is half a block either way.
-BLOCKWISE_DROPOUT_PACKING_SLOTS = 0.5
+def recomputes_by_sequence(layout: ParallelLayout) -> bool:
+    """Whether a pipeline's backward tick recomputes its chunk one sequence of the microbatch at a time:
+    ``full`` under ZeRO 0-1 (:func:`jaxpar.parallel.pipeline.executor._stage_backward_by_layer` splits the
+    microbatch into its sequences). Under ZeRO-2/3 a ``full`` tick also recomputes layer by layer, but with the
+    whole microbatch, whose gradients the sharded accumulator takes at once."""
+    return layout.recompute == "full" and not layout.shards_gradients
 
 
 def dropout_chain_slots(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
@@ -331,51 +303,6 @@ def tick_chain_slots(model: ConfigDict, layout: ParallelLayout, b: int | None, l
     return layout.recompute == "full" and d.b * d.n * d.s < softmax_fused_rows()
 
 
-# Backward of one layer, attention phase, ``blockwise`` (:func:`jaxpar.ops.attention.flash_backward`): the
-# inner step's fp32 (b, n/t, block_q, block_kv) arrays live at once, the recomputed probabilities P, dP = dO V^T,
-# dS = P (dP - D) and dS laid out for the dK / dQ matmuls (4; with ``model.attention_dropout`` also the dropped
-# probabilities: 5), beside the attention's operands: the layer's incoming gradient (b, s, h), three (b, s/t, h)
-# arrays outside the tensor-parallel region (the residual-stream gradient and the norm's), the query side twice
-# (b, s, q: q and dO blocked for the loop) and K (b, s, k). Counted in the buffer assignment of tiny data=8 s=256
-# block 256 (none) and tiny data=4 x tensor=2 SP s=256 block 256 (selective, attention dropout).
-BLOCKWISE_BACKWARD_BLOCKS = 4
-# Ring attention (context > 1) under ``selective`` / ``full``: the recomputed forward's per-hop score blocks
-# are the very arrays the ring backward recomputes for the same hop (the same q, the same keys received), so
-# XLA keeps them from the recomputation to the attention's backward, through the MLP's backward: per hop,
-# fp32 (b, n/t, bq, bk) blocks, 1 with ``full`` (q k^T) and 2 with ``selective`` (measured: tiny
-# data=4 x context=2 full: two f32[4,2,128,256] q k^T blocks at the MLP phase's peak; selective, SP and
-# ZeRO-3 draws: four to five block-sized arrays, scores and their masked copies). Without a ring the same holds
-# where the kernel runs one block (``attention_block`` >= s): its recomputed q k^T is the backward's (tiny
-# data=8 ZeRO-3 ``full`` blockwise, s=256, block 512: one f32[2, 2, 256, 512] array at the MLP phase's peak;
-# with several blocks, or in a pipeline tick, not counted: tiny data=2 x tensor=2 x pipeline=2 1F1B ``full``
-# blockwise, one block, is 0.987 of the compiled temporaries without it, 0.910 with it). The ring too keeps them
-# only where each hop runs one block (``attention_block`` >= s/c): with several the kernel's loop recomputes them
-# block by block (buffer assignment of tiny data=4 x context=2 ZeRO-3 selective, s=512, block 128: no block-sized
-# score array at the MLP phase's peak, 0.887 of the estimate with two per hop counted, 0.979 without; data=2 x
-# tensor=2 x context=2 ZeRO-2 full, s=1024, block 256: none either, 0.905 -> 1.006; the 132 ring
-# rows of experiments/results/2026-12-06-memory-grid with several blocks per hop: mean 0.971 -> 0.998, none out).
-RING_RECOMPUTED_BLOCKS = {"selective": 2, "full": 1}
-# Ring attention under ``selective``: XLA schedules the ring's recomputation and its collective-permutes into the
-# MLP's backward and defers the MLP's weight-gradient matmuls past the attention's backward, so the gradients of
-# gate and up, two (b, s, f) arrays, stay live through it beside :data:`BACKWARD_MLP_WIDE` (buffer assignment of
-# tiny data=4 x context=2 ZeRO-2 selective, b=2, s=1024, block 64: two f32[1024, 384] arrays live from the MLP's
-# backward to the weight-gradient matmuls after the ring's; 1.134 of the estimate without them).
-RING_DEFERRED_MLP_GRADIENTS = 2
-# Key-side (b, s, kv_heads*head_dim/t) arrays of the attention phase: K alone without a ring. The ring's backward
-# (:func:`jaxpar.ops.context_parallel._ring_bwd`) unrolls its c hops, each a flash backward with its own
-# zero-initialised fp32 dK and dV accumulators, which XLA hoists ahead of the first hop (2c), beside each hop's
-# K and V in the kernel's transposed layout (2c: f32[b, kv/t, head_dim, 2s] concatenations) and the hop at
-# work's K^T and V^T (2): 4c + 2. Counted in the buffer assignment of tiny data=4 x context=2 ZeRO-2 ``full``
-# with attention dropout, s = 512, block 256: ten f32[2, 256, 2, 32]-sized arrays at the peak (four hoisted
-# zero copies, two f32[2, 2, 32, 256] transposes, two f32[2, 2, 32, 512]). Measured at c = 2 only: whether
-# the f32[.., 512] pair grows with c (all hops) or not (K and V of one hop side by side) is not pinned down.
-
-
-def ring_backward_kv_arrays(context: int) -> int:
-    """Key-side (b, s, k) arrays of the blockwise attention phase (see the count above)."""
-    return 1 if context == 1 else 4 * context + 2
-
-
 # ZeRO-3 inside a 1F1B / interleaved tick: weights gathered a second time, beyond the layer the working set
 # counts. The tick's ``jax.vjp`` of its chunk gathers each layer for the recomputed forward and again in the
 # backward, where the attention's projections are read for dx = dy W^T while the MLP's gathered weights are
@@ -427,9 +354,9 @@ def layer_working_bytes(
       blocks, repeated to the query heads, 2 e*b*s*(q + 2k)) and the layer's weights.
 
     The flash-style backward (``blockwise``, Dao et al. 2022) keeps no (s, s) array; its attention
-    phase (:func:`blockwise_attention_backward_bytes`: the inner step's block arrays and its operands)
+    phase (:func:`~jaxpar.analysis.attention_blocks.blockwise_attention_backward_bytes`: the inner step's block arrays and its operands)
     is a third candidate, and under recompute with a context axis (or a kernel of one block) the MLP phase
-    also holds the recomputed score blocks (:data:`RING_RECOMPUTED_BLOCKS`). With
+    also holds the recomputed score blocks (:data:`~jaxpar.analysis.attention_blocks.RING_RECOMPUTED_BLOCKS`). With
     ``model.attention_dropout`` (dot-product, no pipeline) the forward, and the backward's recomputed
     attention under ``selective`` / ``full``, also hold the dropped probabilities (the keep mask in the causal
     mask's place), 4*b*n*s^2, and the heap's packing of that chain, :func:`dropout_chain_slots` fp32 arrays
@@ -557,7 +484,7 @@ def layer_working_phases(
         # the hole is there: tiny tensor=2 x pipeline=4 1F1B ZeRO-2 ``full``, b=2, s=1024: allocation 1.178 of the
         # estimate without the slot, its largest live set 0.988.
         slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick or layers > 1 else 0.0
-        if tick and rec == "full" and not layout.shards_gradients:
+        if tick and recomputes_by_sequence(layout):
             slots = 0.0
         forward += (1 + slots) * F32 * scores
         if layout.pipeline == 1:  # where the softmax is fused (the chain slot's condition), the backward's MLP
@@ -567,35 +494,6 @@ def layer_working_phases(
             # with; the 22 other unpipelined rows it moves stay within, 0.934-1.125)
             backward += slots * F32 * scores  # slots: dropout_chain_slots, unpipelined
     return forward, backward
-
-
-def blockwise_attention_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
-    """The attention phase of one layer's backward under ``blockwise`` attention (and context parallelism,
-    whose ring runs the same kernel per hop): :data:`BLOCKWISE_BACKWARD_BLOCKS` (with attention dropout +1, the
-    dropped probabilities, and :data:`BLOCKWISE_DROPOUT_PACKING_SLOTS`)
-    fp32 (b, n/t, bq, bk) arrays of the inner step, bq = bk = min(``attention_block``, s) (the kernel
-    clamps its blocks to the sequence), and the operands e*b*(s*h + 3*so*h + 2*s*q + r*s*k), r = 1 without a
-    ring and :func:`ring_backward_kv_arrays` with one; under ``full`` the recomputed forward's q, k and v
-    projection weights too, e*h*(q + 2k) (their sliced copies: f32[128, 128] and two f32[64, 128] in the
-    ring measurement of :func:`ring_backward_kv_arrays`)."""
-    d = Dims.of(model, layout, b)
-    block = min(layout.attention_block, d.s)
-    dropout = model.get("attention_dropout", 0.0) > 0
-    copies = BLOCKWISE_BACKWARD_BLOCKS + ((1 + BLOCKWISE_DROPOUT_PACKING_SLOTS) if dropout else 0)
-    # ring attention: the hops' backward steps are independent but for the dQ sum, and XLA overlaps them where
-    # each hop is one block: another hop's P, dP and dS beside this one's (buffer assignment of tiny data=4 x
-    # context=2, block = s/c = 256, full: seven f32[2, n, 256, 256]-sized blocks at the peak). Where a hop runs
-    # several blocks (its own loop) no other hop's blocks are live: tiny data=4 x context=2 ZeRO-3 selective,
-    # attention dropout, b=2, s=1024, block 256 (two per hop): five f32[2, 2, 2, 256, 256] blocks at the peak,
-    # S, P, the dropped P, dS and a relaid copy; peak 0.893 of the estimate with the overlap, 1.032 without; the
-    # 25 kept rows this moves, 0.893-1.006 -> 1.008-1.064)
-    if block >= d.s:
-        copies += (layout.context - 1) * (BLOCKWISE_BACKWARD_BLOCKS - 1)
-    kv = ring_backward_kv_arrays(layout.context)
-    operands = d.e * d.b * (d.s * d.h + 3 * d.so * d.h + 2 * d.s * d.q + kv * d.s * d.k)
-    # the recomputed forward's q, k, v projection weights, sliced out of the stacked parameters (copies): h x (q + 2k)
-    weights = d.e * d.h * (d.q + 2 * d.k) if layout.recompute == "full" else 0.0
-    return copies * F32 * d.b * d.n * block * block + operands + weights
 
 
 def layer_working_term(

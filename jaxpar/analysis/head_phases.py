@@ -10,13 +10,12 @@ temporaries by :mod:`jaxpar.analysis.temporaries`.
 from __future__ import annotations
 
 from jaxpar.analysis.activations import (
-    F32,
-    Dims,
     attention_kind,
     backward_score_copies,
     dropout_chain_slots,
     shared_tables,
 )
+from jaxpar.analysis.dims import F32, Dims
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout
 

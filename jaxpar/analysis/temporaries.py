@@ -12,8 +12,6 @@ from typing import Any
 
 from jaxpar.analysis.activations import (
     BACKWARD_SCORE_COPIES,
-    F32,
-    Dims,
     attention_kind,
     dropout_chain_slots,
     dropout_residual_bytes,
@@ -23,12 +21,14 @@ from jaxpar.analysis.activations import (
     layer_working_bytes,
     layer_working_phases,
     layer_working_term,
+    recomputes_by_sequence,
     shared_params,
     shared_tables,
     softmax_fused_rows,
     zero3_embedding_gradient_bytes,
     zero3_regathered_params,
 )
+from jaxpar.analysis.dims import F32, Dims
 from jaxpar.analysis.head_phases import (
     deferred_head_bytes,
     head_working_bytes,
@@ -323,8 +323,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
     else:
         keep = keeps_activations(layout)
         prog = _program(layout.pipeline_schedule, p, layout.microbatches, layout.virtual_stages, keep)
-        by_layer = layout.recompute == "full" and not layout.shards_gradients
-        rows = 1 if by_layer else None
+        by_sequence = recomputes_by_sequence(layout)
+        rows = 1 if by_sequence else None
         residual = chunk * (layer_residual_bytes(model, layout, b=rows) + dropout_residual_bytes(model, layout, b=rows))
         # stage inputs and arriving gradients, and (no recomputation) each in-flight microbatch's
         # saved residuals: the stash slots of the program times one microbatch's chunk residuals, plus
@@ -343,13 +343,14 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # the microbatch's gradient at the chunk's output and its input gradient, assembled sequence by sequence:
         # two (b, s, h) arrays of the whole microbatch beside the one sequence's working set (buffer assignment of
         # tiny data=2 x tensor=2 x pipeline=2 1F1B full m=4), live through the loss head's backward too (below)
-        assembled = 2 * d.e * d.b * d.so * d.h if by_layer else 0.0
+        assembled = 2 * d.e * d.b * d.so * d.h if by_sequence else 0.0
         working += assembled
         term = "backward tick: one layer's working set"
-        # recomputed layer by layer, each layer's weight gradient is added into the accumulator in place as the
-        # layer's backward writes it: no gradient beside the accumulator (buffer assignment of tiny data=2 x
-        # pipeline=4 1F1B ZeRO-0 full, m=8, s=256: the accumulator's f32[1, 128, 384] once at the peak)
-        chunk_grads = 0.0 if by_layer else pb * chunk * layer_params(model, layout)
+        # recomputed layer by layer and sequence by sequence, each layer's weight gradient is added into the
+        # accumulator in place as the layer's backward writes it: no gradient beside the accumulator (buffer
+        # assignment of tiny data=2 x pipeline=4 1F1B ZeRO-0 full, m=8, s=256: the accumulator's f32[1, 128, 384]
+        # once at the peak)
+        chunk_grads = 0.0 if by_sequence else pb * chunk * layer_params(model, layout)
         if zero3:  # each layer is gathered inside the chunk's layer scan (Model.layer_step), so its gradient
             # leaves the scan through the gather's transpose, a reduce-scatter: the chunk's gradient is sharded.
             # Under ``full`` it is added into its slice of the sharded accumulator with no chunk gradient beside
