@@ -32,7 +32,9 @@ def test_export_and_drill_compare_read_a_context_parallel_checkpoint(tmp_path, c
     trainer.initialize()
     trainer.train_step()
     trainer.save()
-    trainer.checkpoints.close()
+    trainer.close()  # what run() closes: the TensorBoard writer too, left to atexit otherwise
+    assert trainer.log.tensorboard.writer.all_writers is None
+    trainer.close()  # a second close does nothing
     want, _ = trainer.setup.to_model_order(trainer.params, trainer.opt_state)
     out = tmp_path / "hf"
     assert main(["export", "--config", TINY, "-o", str(out), *FP32_SMALL, *overrides]) == 0, capsys.readouterr().err

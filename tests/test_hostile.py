@@ -130,6 +130,7 @@ def test_init_from_weights_are_checked_before_training(tmp_path, damage, words):
     trainer = Trainer(cfg, validate(cfg), echo=lambda _: None, progress=False, weights_loader=weights.load_checked)
     with pytest.raises(ConfigError) as info:
         trainer.initialize()
+    trainer.close()
     assert all(w in str(info.value) for w in words) and "q_proj" in str(info.value)
 
 

@@ -334,8 +334,8 @@ def test_trainer_starts_from_hf_then_resumes_its_own_checkpoint(saved, tmp_path)
     again = Trainer(cfg, validate(cfg), echo=messages.append, progress=False, weights_loader=weights.load_checked)
     again.initialize()
     assert again.step == 1 and messages[-1].startswith("resumed from checkpoint at step 1")
-    again.checkpoints.close()
-    trainer.checkpoints.close()
+    again.close()
+    trainer.close()
 
 
 # --------------------------------------------------------------------------- jaxpar export
@@ -364,7 +364,7 @@ def test_export_writes_the_checkpoint_as_hf(tmp_path, capsys):
     trainer.initialize()
     trainer.train_step()
     trainer.save()
-    trainer.checkpoints.close()
+    trainer.close()
     want, _ = trainer.setup.to_model_order(trainer.params, trainer.opt_state)
     out = tmp_path / "hf"
     from tests.helpers import FP32_SMALL, TINY

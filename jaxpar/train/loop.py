@@ -168,6 +168,7 @@ class Trainer:
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0
+        self._closed = False
         self.stop_signal: int | None = None
         self.guard = BadStepGuard(t.spike_factor)  # skip counters, from the metrics read
         self.spike = SpikeThreshold(t.spike_factor, self.setup.train_step.replicated)  # each step's guard
@@ -379,7 +380,7 @@ class Trainer:
         try:
             self.initialize()
         except BaseException:  # a refused checkpoint: close what __init__ opened, before the interpreter exits
-            self._close()
+            self.close()
             raise
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -391,12 +392,16 @@ class Trainer:
             if self._next is not None:  # a batch drawn for a step that never ran: leave the iterator before it
                 self.batches.restore(self._next.before)
                 self._next = None
-            self._close()
+            self.close()
 
-    def _close(self) -> None:
-        """Close the metrics log and the checkpointer. Left open, their writers are closed by atexit
-        hooks at interpreter shutdown, where Python 3.12 refuses to start the thread tensorboardX's
-        close needs (a traceback after the one-line error)."""
+    def close(self) -> None:
+        """Close the metrics log and the checkpointer and let go of the workdir; :meth:`run` calls it, and a
+        caller that drives :meth:`initialize` and :meth:`train_step` itself calls it when done (a second call
+        does nothing). Left open, the writers are closed by atexit hooks at interpreter shutdown, where
+        Python 3.12 refuses to start the thread tensorboardX's close needs (a traceback after the run)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.log.close()
             self.checkpoints.close()
