@@ -296,7 +296,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # -> 0.997-1.024)
             working += chunk * 2 * F32 * d.b * d.n * d.s * d.s
         term = "backward tick: one tick's residuals and one layer's working set"
-        chunk_grads = full_grads
+        tick_grads = full_grads
         if zero3:  # each tick gathers its layers' weights and leaves their gradients reduce-scattered into the
             # sharded accumulator, which the tick's layer loop carries as a copy beside the operand (two copies, as
             # in pipeline_accumulator_bytes); no unsharded stage gradient. The first stage's embedding backward,
@@ -307,7 +307,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # sharded layer accumulators twice (f32[2, 512, 8192] in the loop's state and outside it); 0.885 of
             # the estimate with the stage's unsharded gradient counted, 1.006 as counted here. data=2 x tensor=2
             # ``selective``, s=128: the same phase with f32[16000, 2048] tables (0.975, 1.008).
-            chunk_grads = zero_sharded_bytes(model, layout, full_grads)
+            tick_grads = zero_sharded_bytes(model, layout, full_grads)
             embedding = per_tick + 2 * pb * shared_tables(model, layout) if stage == 0 else 0.0
             if embedding > working:
                 working, term = embedding, "backward tick: one tick's residuals and the embedding's scatter-add"
@@ -362,6 +362,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # in the accumulator at the peak, peak 1.100 of the estimate without the scan's, 1.061 with; the 29
             # ZeRO-3 ``selective`` 1F1B/interleaved rows kept: peak median 1.033 -> 1.009, max 1.124 -> 1.099)
             chunk_grads = zero_sharded_bytes(model, layout, chunk_grads) if keep else 0.0
+        # ZeRO-2 ``full`` recomputes the chunk layer by layer with the whole microbatch, and XLA reduce-scatters
+        # each weight's gradient into the sharded accumulator as its matmul writes it: one weight's unsharded
+        # gradient beside the accumulator, not the chunk's (buffer assignment of tiny data=2 x pipeline=4 1F1B
+        # ZeRO-2 ``full``, b=1, s=256: at the tick's MLP backward one f32[128, 384] weight gradient beside the
+        # accumulator's f32[1, 64, 384] shards; peak 0.882 of the estimate with the chunk's gradient, 0.933 with
+        # one weight's; ~1B, 4 layers, data=4 x pipeline=2, b=2, s=1024, two layers a tick: no weight gradient
+        # at the MLP phase's peak, 0.912 -> 1.045)
+        tick_grads = chunk_grads
+        if layout.recompute == "full" and layout.shards_gradients and not zero3:
+            tick_grads = pb * largest_param(model, layout) / layout.stored_layers(model.num_layers)
         if last:  # the loss head's backward runs in the tick before the chunk's: the larger phase sets the peak,
             # and the chunk's gradient is not written yet (buffer assignment of ~1B, 4 layers, data=2 x tensor=2
             # x pipeline=2 1F1B ZeRO-2 full, m=4, s=512: at the head's weight-gradient matmul the sharded
@@ -387,10 +397,10 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
                 if layout.shards_gradients and layout.virtual_stages == 1 and layout.recompute != "none"
                 else 0.0
             )
-            if head > working + unwritten:
-                working, chunk_grads, term = head, chunk_grads - unwritten, "backward tick: the loss head's backward"
+            if head + chunk_grads - unwritten > working + tick_grads:
+                working, tick_grads, term = head, chunk_grads - unwritten, "backward tick: the loss head's backward"
     acc = zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else full_grads
-    grads = acc + chunk_grads
+    grads = acc + tick_grads
     update = update_bytes(model, layout, full_grads)
     backward = residual + working + grads + gather + slots
     accumulator = 0.0 if layout.pipeline_schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
