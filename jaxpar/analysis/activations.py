@@ -169,7 +169,15 @@ def zero3_regathered_params(model: ConfigDict, layout: ParallelLayout) -> float:
 
 def shared_params(model: ConfigDict, layout: ParallelLayout, stage: str = "first") -> float:
     """Elements of the parameters outside the layers one device holds (embedding, head, norms)."""
-    places = ("first", "last") if layout.pipeline == 1 else (stage,)
+    return _place_elements(model, layout, ("first", "last") if layout.pipeline == 1 else (stage,))
+
+
+def head_params(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of the loss head's parameters one device holds (the final norm, the output weight)."""
+    return _place_elements(model, layout, ("last",))
+
+
+def _place_elements(model: ConfigDict, layout: ParallelLayout, places: tuple[str, ...]) -> float:
     return sum(
         shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place in places
     )

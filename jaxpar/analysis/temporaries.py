@@ -15,6 +15,7 @@ from jaxpar.analysis.activations import (
     attention_kind,
     dropout_chain_slots,
     dropout_residual_bytes,
+    head_params,
     largest_param,
     layer_params,
     layer_residual_bytes,
@@ -231,6 +232,14 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
             # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
             grads += zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else pb * layer_el
+            if layout.sequence_parallel and not layout.shards_gradients:  # the head's parameters pass through
+                # the layer scan's carry (jaxpar.models.base.Model.loss_sum), so the microbatch's gradient of the
+                # output weight leaves the backward layer loop as its carry instead of being added into the
+                # accumulator in place: one more (h, V/t) gradient through the loop (buffer assignment of ~1B,
+                # 2 layers, data=4 x tensor=2 SP ZeRO-1 ``selective``, m=2, s=128: the accumulator's and the
+                # loop carry's f32[2048, 16000] at the peak; 1.146 of the estimate without it, 1.000 with; the
+                # 43 kept rows it moves, 1.009-1.146 -> 0.959-1.014). ZeRO-2 counts the microbatch's gradient.
+                grads += pb * head_params(model, layout)
             if zero3:  # the zero table the embedding's scatter-add starts from, hoisted out of the microbatch
                 # loop, and each microbatch's copy of it (buffer assignment of ~1B ZeRO-3 m=2 and m=4:
                 # two f32[V/t, h] tables beside the sharded gradients)
