@@ -123,7 +123,10 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     except for the embedding's scatter-add gradient: 2G - 4*V*h/t (the ~1B config at data=8: 0.1%), and
     with sequence parallelism that one too: 2G (every ~1B row of the random grid without a pipeline whose
     update sets the peak: the 18 without sequence parallelism at 1.000 of 2G - 4*V*h/t, the 5 with it
-    at 1.000 of 2G, where the all-reduce's operands hold both f32[V/t, h] tables).
+    at 1.000 of 2G, where the all-reduce's operands hold both f32[V/t, h] tables), and with accumulation
+    that one too: 2G (the 16 ~1B ZeRO-0 rows kept with m > 1 whose update sets the peak: 1.052-1.131 of
+    2G - 4*V*h/t, 1.000 of 2G each; buffer assignment of ~1B data=2 x tensor=4 m=2: the accumulator's and
+    the all-reduce's f32[8000, 2048] embedding gradients side by side).
     Stages 1-2: at the turn from the backward to the update, every gradient beside one relayout copy
     of the largest stacked layer gradient (W_down's (L, f, h) stack transposed so that the
     ``psum_scatter`` dim leads), pb * P_layer_max; the scatters then free the full gradients one by
@@ -137,7 +140,10 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     """
     pb = DTYPE_BYTES[model.param_dtype]
     if not layout.shards_optimizer:
-        return 2 * grads - (0.0 if layout.sequence_parallel else pb * shared_tables(model, layout))
+        # the embedding's scatter-add gradient is reduced in place only as the step's one microbatch writes it;
+        # with accumulation it is a slice of the accumulator like the rest
+        in_place = not layout.sequence_parallel and layout.microbatches == 1
+        return 2 * grads - (pb * shared_tables(model, layout) if in_place else 0.0)
     if not layout.shards_parameters:  # ZeRO-1/2
         return grads + pb * largest_param(model, layout)
     return zero_sharded_bytes(model, layout, grads) + zero3_embedding_gradient_bytes(model, layout)
