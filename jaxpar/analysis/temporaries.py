@@ -395,9 +395,13 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # the microbatch's two assembled (b, s, h) arrays (the same buffer assignments as
             # DEFERRED_HEAD_HIDDEN_BY_LAYER: f32[2, 1024, 2048] twice at the head's weight gradient, b=2)
             head += assembled
-            if zero3:  # ZeRO-3: one layer's weights gathered ahead of the chunk's backward, in place of the
-                # layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
-                # three gathered weights beside the head's, at the head's weight-gradient matmul)
+            if zero3 and chunk == 1:  # ZeRO-3: a chunk of one layer gathers it ahead of its backward, in place
+                # of the layers in flight (buffer assignment of ~1B data=2 x pipeline=4 ZeRO-3 full: the MLP's
+                # three gathered weights beside the head's, at the head's weight-gradient matmul); a chunk of
+                # several gathers each inside its layer loop, none at the head's (~1B, 4 layers, data=4 x
+                # pipeline=2 1F1B ZeRO-3 full, b=1, s=128: the head's three f32[32000, 2048]-sized arrays, the
+                # sharded accumulator and the logits at the peak, no f32[2048, 8192] weight; 0.905 of the estimate
+                # with a gathered layer, 1.017 without)
                 head += d.e * layer_params(model, layout) - gather
             # ZeRO-2 (the chunk's gradient is reduce-scattered into the sharded accumulator once written); ZeRO
             # 0-1 keep a chunk-gradient-sized buffer through the head's backward (~1B, 4 layers, data=4 x
@@ -406,10 +410,16 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             # and so does ZeRO-2 without recomputation, whose chunk backward's zero-initialised gradient carry XLA
             # hoists ahead of the head (~1B, 4 layers, data=4 x pipeline=2 1F1B ZeRO-2 ``none``, m=2, s=128: two
             # f32[2, 2048, 8192] zero tables and a copy at the head's f32[32000, 2048] weight gradient; 1.374 of
-            # the estimate without it, 1.003 with; three other such rows 1.025-1.108 -> 0.940-1.024)
+            # the estimate without it, 1.003 with; three other such rows 1.025-1.108 -> 0.940-1.024), and so does
+            # ZeRO-3 ``selective`` with a chunk of several layers, its scan's zero-initialised sharded gradient
+            # carries (~1B, 4 layers, data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 selective, b=1, s=256: two
+            # f32[2, 1024, 4096] and two f32[2, 16, 64, 1024]-sized broadcasts at the head's weight gradient)
             unwritten = (
                 chunk_grads
-                if layout.shards_gradients and layout.virtual_stages == 1 and layout.recompute != "none"
+                if layout.shards_gradients
+                and layout.virtual_stages == 1
+                and layout.recompute != "none"
+                and not (zero3 and keep and chunk > 1)
                 else 0.0
             )
             if head + chunk_grads - unwritten > working + tick_grads:
