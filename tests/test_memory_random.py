@@ -35,7 +35,16 @@ SLOW = os.environ.get("JAXPAR_SLOW") == "1"
 PEAK_BOUND, TEMP_BOUND = 0.10, 0.15
 DEFAULT_SEED = 20261204
 _seed_env = os.environ.get("JAXPAR_MEMORY_SEED", "")
-SEED = random.SystemRandom().randrange(2**31) if _seed_env == "random" else int(_seed_env or DEFAULT_SEED)
+
+
+def _fresh_seed() -> int:
+    """A fresh seed, the same in every pytest-xdist worker of one run (each collects the cases itself, so
+    per-process draws would split the 40 cases between seeds): from the run's shared id where there is one."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return int(run[:8], 16) % 2**31 if run else random.SystemRandom().randrange(2**31)
+
+
+SEED = _fresh_seed() if _seed_env == "random" else int(_seed_env or DEFAULT_SEED)
 CASES = 40 if SLOW else 8
 SEQS = (128, 256, 512, 1024) if SLOW else (128, 256)
 DEVICES = 8
