@@ -274,6 +274,19 @@ BACKWARD_HIDDEN_WIDE = {"none": 9, "selective": 8, "full": 10}
 # RMSNorm backward's products): (b, s/t, h) with sequence parallelism (tiny data=4 x tensor=2 SP full, s=512:
 # five f32[2,256,128] and three f32[2,512,128]-sized arrays at the MLP phase's peak).
 BACKWARD_HIDDEN_OUTSIDE = 5
+# The MLP phase under ``blockwise`` attention and ``selective``, outside a pipeline tick, read from its own buffer
+# assignments: five (b, s, f/t) arrays (the gradient of W_down's input, the rematerialised silu and product, the
+# silu's gradient and the gate's summed gradient; RING_DEFERRED_MLP_GRADIENTS are among them), four (b, s, h) (the
+# layer input and the norm's output sliced from the residual stack and a copy, outside the tensor-parallel region,
+# and one (h, b*s) transpose for a weight gradient) and, beside the kernel's blocked K and V, three query-side
+# (b, s, q/t) arrays where the count above has two. Tiny data=8 ZeRO-2, b=2, s=1024, block 64: five f32[2048, 384],
+# four f32[2, 1024, 128]-sized and three f32[16, 2, 64, 2, 2, 32] at the peak (peak 1.093 of the estimate with
+# the counts above, 1.002 with these); data=4 x tensor=2 ZeRO-2, the same with f32[2048, 192] (1.058 -> 1.034);
+# tiny tensor=2 x pipeline=4 GPipe SP ZeRO-1, b=2, s=1024 (1.108 -> 1.081); ~1B data=8 ZeRO-2, b=2, s=1024: four
+# f32[2048, 8192] and a transposed f32[8192, 2048] at the MLP phase's peak. The 514 kept blockwise ``selective``
+# rows: 0.926-1.108 -> 0.915-1.099 (the 1.099 a 1F1B tick's, not counted here), median 1.008 -> 1.001.
+BLOCKWISE_SELECTIVE_MLP_WIDE = 5
+BLOCKWISE_SELECTIVE_HIDDEN = (3, 1)  # (b, s/t, h) with sequence parallelism outside the region, (b, s, h) inside
 # The attention backward's score chain in a one-layer chunk's pipeline tick that recomputes the attention. The
 # chain is six fp32 (b, n/t, s, s) arrays: the recomputed q k^T, its masked copy and the probabilities, then
 # dP = dO V^T, dS and dS laid out for the dK / dQ matmuls; the probabilities live from the tick's MLP phase to the
@@ -423,6 +436,16 @@ def layer_working_phases(
         + kv
         + weights
     )
+    if not dot and rec == "selective" and not tick and not model.get("num_experts", 0):  # BLOCKWISE_SELECTIVE_*
+        outside, inside = BLOCKWISE_SELECTIVE_HIDDEN
+        backward = (
+            BLOCKWISE_SELECTIVE_MLP_WIDE * d.e * d.b * d.s * d.f
+            + outside * d.e * d.b * d.so * d.h
+            + inside * d.e * d.b * d.s * d.h
+            + kv
+            + d.e * d.b * d.s * d.q
+            + weights
+        )
     zero3 = zero3_weight_gradient_bytes(model, layout)
     if not dot:
         if zero3 and rec == "full" and not model.get("num_experts", 0):
