@@ -244,7 +244,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
                 # accumulator in place: one more (h, V/t) gradient through the loop (buffer assignment of ~1B,
                 # 2 layers, data=4 x tensor=2 SP ZeRO-1 ``selective``, m=2, s=128: the accumulator's and the
                 # loop carry's f32[2048, 16000] at the peak; 1.146 of the estimate without it, 1.000 with; the
-                # 43 kept rows it moves, 1.009-1.146 -> 0.959-1.014). ZeRO-2 counts the microbatch's gradient.
+                # 43 kept rows it moves by 2% or more, 1.009-1.146 -> 0.959-1.014). ZeRO-2 counts the microbatch's
+                # gradient.
                 grads += pb * head_params(model, layout)
             if zero3:  # the zero table the embedding's scatter-add starts from, hoisted out of the microbatch
                 # loop, and each microbatch's copy of it (buffer assignment of ~1B ZeRO-3 m=2 and m=4:
