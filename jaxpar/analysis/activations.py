@@ -355,7 +355,7 @@ def zero3_weight_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> fl
     if not layout.shards_parameters or layout.pipeline > 1:
         return 0.0
     e, pb = DTYPE_BYTES[model.compute_dtype], DTYPE_BYTES[model.param_dtype]
-    return (e + pb) * largest_param(model, layout) / layout.stored_layers(model.num_layers)
+    return (e + pb) * largest_layer_param(model, layout)
 
 
 def layer_working_bytes(
@@ -413,29 +413,6 @@ def layer_working_phases(
     dot = attention_kind(layout) == "dot_product"
     one_layer_selective_tick = tick and rec == "selective" and layers <= 1
     kv = 2 * d.e * d.b * d.s * d.k if dot else 2 * d.e * d.b * d.s * (d.q + 2 * d.k)
-    if model.get("num_experts", 0):  # the MoE layer's backward in the MLP's place
-        mlp = moe_activations.moe_backward_bytes(model, layout, b)
-    else:
-        # a ``selective`` tick of a one-layer chunk: :data:`BACKWARD_MLP_WIDE` of ``full`` (buffer assignment of
-        # tiny data=2 x tensor=2 x pipeline=2 interleaved SP selective, b=4, s=256: seven f32[4, 256, 192]
-        # arrays at the peak; a chunk of two layers, 1F1B, b=4, s=128, is within 4% of the count without it),
-        # less the saved gate and up among those seven, which the residual stack already counts (buffer
-        # assignment of tiny data=2 x pipeline=4 1F1B ZeRO-1 selective blockwise, b=1, s=256: at the last
-        # stage's MLP backward six f32[256, 384] arrays, the jvp's gate and up among them; peak 0.886 of the
-        # estimate counting them twice, 0.929 once; the 46 one-layer ``selective`` tick rows it moves: median
-        # of the 89 kept 0.953 -> 0.984, none past 1.05)
-        mlp = BACKWARD_MLP_WIDE["full" if one_layer_selective_tick else rec] * d.e * d.b * d.s * d.f
-        if one_layer_selective_tick:
-            mlp -= (2 if model.mlp_activation == "swiglu" else 1) * d.e * d.b * d.s * d.f
-        if rec == "selective" and layout.context > 1:  # RING_DEFERRED_MLP_GRADIENTS
-            mlp += RING_DEFERRED_MLP_GRADIENTS * d.e * d.b * d.s * d.f
-    backward = (
-        mlp
-        + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
-        + (BACKWARD_HIDDEN_WIDE[rec] - BACKWARD_HIDDEN_OUTSIDE) * d.e * d.b * d.s * d.h
-        + kv
-        + weights
-    )
     if not dot and rec == "selective" and not tick and not model.get("num_experts", 0):  # BLOCKWISE_SELECTIVE_*
         outside, inside = BLOCKWISE_SELECTIVE_HIDDEN
         backward = (
@@ -444,6 +421,30 @@ def layer_working_phases(
             + inside * d.e * d.b * d.s * d.h
             + kv
             + d.e * d.b * d.s * d.q
+            + weights
+        )
+    else:
+        if model.get("num_experts", 0):  # the MoE layer's backward in the MLP's place
+            mlp = moe_activations.moe_backward_bytes(model, layout, b)
+        else:
+            # a ``selective`` tick of a one-layer chunk: :data:`BACKWARD_MLP_WIDE` of ``full`` (buffer assignment of
+            # tiny data=2 x tensor=2 x pipeline=2 interleaved SP selective, b=4, s=256: seven f32[4, 256, 192]
+            # arrays at the peak; a chunk of two layers, 1F1B, b=4, s=128, is within 4% of the count without it),
+            # less the saved gate and up among those seven, which the residual stack already counts (buffer
+            # assignment of tiny data=2 x pipeline=4 1F1B ZeRO-1 selective blockwise, b=1, s=256: at the last
+            # stage's MLP backward six f32[256, 384] arrays, the jvp's gate and up among them; peak 0.886 of the
+            # estimate counting them twice, 0.929 once; the 46 one-layer ``selective`` tick rows it moves: median
+            # of the 89 kept 0.953 -> 0.984, none past 1.05)
+            mlp = BACKWARD_MLP_WIDE["full" if one_layer_selective_tick else rec] * d.e * d.b * d.s * d.f
+            if one_layer_selective_tick:
+                mlp -= (2 if model.mlp_activation == "swiglu" else 1) * d.e * d.b * d.s * d.f
+            if rec == "selective" and layout.context > 1:  # RING_DEFERRED_MLP_GRADIENTS
+                mlp += RING_DEFERRED_MLP_GRADIENTS * d.e * d.b * d.s * d.f
+        backward = (
+            mlp
+            + BACKWARD_HIDDEN_OUTSIDE * d.e * d.b * d.so * d.h
+            + (BACKWARD_HIDDEN_WIDE[rec] - BACKWARD_HIDDEN_OUTSIDE) * d.e * d.b * d.s * d.h
+            + kv
             + weights
         )
     zero3 = zero3_weight_gradient_bytes(model, layout)
@@ -536,9 +537,13 @@ def layer_working_term(
     return ("last layer's forward attention", forward) if forward > backward else ("one layer's backward", backward)
 
 
-def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
-    """Elements of the largest stacked layer weight one device holds (the stage's layers of it)."""
-    layers = layout.stored_layers(model.num_layers)
-    return layers * max(
+def largest_layer_param(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of one layer's largest weight on one device (split over tensor and expert, not over data)."""
+    return max(
         shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.place == "layer"
     )
+
+
+def largest_param(model: ConfigDict, layout: ParallelLayout) -> float:
+    """Elements of the largest stacked layer weight one device holds (the stage's layers of it)."""
+    return layout.stored_layers(model.num_layers) * largest_layer_param(model, layout)

@@ -16,6 +16,7 @@ from jaxpar.analysis.activations import (
     dropout_chain_slots,
     dropout_residual_bytes,
     head_params,
+    largest_layer_param,
     largest_param,
     layer_params,
     layer_residual_bytes,
@@ -387,7 +388,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
         # at the MLP phase's peak, 0.912 -> 1.045)
         tick_grads = chunk_grads
         if layout.recompute == "full" and layout.shards_gradients and not zero3:
-            tick_grads = pb * largest_param(model, layout) / layout.stored_layers(model.num_layers)
+            tick_grads = pb * largest_layer_param(model, layout)
         if last:  # the loss head's backward runs in the tick before the chunk's: the larger phase sets the peak,
             # and the chunk's gradient is not written yet (buffer assignment of ~1B, 4 layers, data=2 x tensor=2
             # x pipeline=2 1F1B ZeRO-2 full, m=4, s=512: at the head's weight-gradient matmul the sharded
