@@ -58,12 +58,21 @@ def one_device(microbatches: int):
 
 
 def assert_matches(got, want, name, params_tol: float | None = TOL):
+    """Losses, gradient norms and the first gradient within ``TOL``; the final parameters within
+    ``params_tol`` of each leaf's largest, but the embedding within ``lr / 50`` per element: Adam's
+    m / sqrt(v) turns the reduction-order roundoff of an embedding row whose gradient is near zero
+    (a token the batch barely holds) into a larger step difference. Measured on e2_t2_d2_zero3:
+    every other leaf within 2.5e-6, the embedding 6.6e-6 (jax 0.10.2) to 1.26e-5 (jax 0.12.1 in the
+    suite) of its largest element, 1.1e-3 to 2.1e-3 of lr; a missing or misplaced step is ~lr."""
     for mine, ref in zip(got[0], want[0], strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(mine[key] - ref[key]) / abs(ref[key]) < TOL, (name, key, mine, ref)
     assert max_rel_error(got[1], want[1]) < TOL, name
     if params_tol is not None:
-        assert max_rel_error(got[2], want[2]) < params_tol, name
+        mine, ref = dict(got[2]), dict(want[2])
+        embed_mine, embed_ref = np.asarray(mine.pop("embed")), np.asarray(ref.pop("embed"))
+        assert max_rel_error(mine, ref) < params_tol, name
+        assert np.abs(embed_mine - embed_ref).max() < config().optim.lr / 50, name
 
 
 # (name, overrides, microbatches of the one-device reference): the issue's four layouts
