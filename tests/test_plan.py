@@ -397,6 +397,12 @@ def test_plan_output_names_the_zero_bubble_schedules(capsys):
     assert plan_cli.run_plan(plan_args(*base, "--top", "20")) == 0
     out = capsys.readouterr().out
     assert "zb-h1" in out and "zb-v" in out and "1f1b" in out
+    # without a pipeline no schedule runs: the column says so rather than naming the config's
+    one_stage = ("--config", str(CONFIGS / "tiny.py"), "--devices", "8", "--layout", "data=8", "--top", "5")
+    assert plan_cli.run_plan(plan_args(*one_stage)) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("│")]
+    assert rows and all(not {"1f1b", "gpipe", "interleaved"} & set(r.replace("│", " ").split()) for r in rows)
+    assert all(" - " in r.replace("│", " ") for r in rows)
 
 
 def test_zero_bubble_v_bubble_formula_is_its_table_from_m_2p():

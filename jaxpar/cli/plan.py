@@ -117,7 +117,8 @@ def render_table(estimates: list[LayoutEstimate], cluster: Cluster, title: str =
         table.add_row(
             str(i), str(layout.data), str(layout.tensor), str(layout.pipeline), *ctx, str(layout.virtual_stages),
             str(layout.zero_stage), str(layout.microbatches), str(layout.microbatch_size), layout.recompute,
-            "y" if layout.sequence_parallel else "", layout.pipeline_schedule, gib(mem.model_states_bytes),
+            "y" if layout.sequence_parallel else "", layout.pipeline_schedule if layout.pipeline > 1 else "-",
+            gib(mem.model_states_bytes),
             gib(mem.activation_bytes + mem.transient_bytes), gib(mem.total_bytes),
             f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.bubble_fraction:.1%}", f"{t.tensor_s:.2f}",
             f"{t.pipeline_s:.2f}", *((f"{e.context_s:.2f}",) if context else ()),
