@@ -465,8 +465,6 @@ def layer_working_phases(
         return 0.0, max(backward, blockwise_attention_backward_bytes(model, layout, b))
     scores = d.b * d.n * d.s * d.s  # elements of one (b, n/t, s, s) array
     unstacked = rec == "none" and layers <= 1
-    copies = FORWARD_SCORE_COPIES - (backward_score_copies() if unstacked else 0)
-    forward = (copies * F32 + 1) * scores + d.s * d.s + weights + d.e * d.b * d.s * (d.h + d.k)
     if tick and rec == "full" and d.b * d.n * d.s >= SOFTMAX_FUSED_ROWS and model.get("attention_dropout", 0.0) <= 0:
         # a ``full`` tick's recomputed forward where XLA:CPU fuses the mask into the softmax: q k^T and the
         # probabilities, no third copy and no pred mask (buffer assignment of tiny data=2 x pipeline=4 1F1B ZeRO-2
@@ -476,7 +474,11 @@ def layer_working_phases(
         # holds three at once (tiny data=2 x pipeline=4 ZeRO-3, b=1: q k^T, dP and the masked scores at one
         # moment, 1.055 as counted). The raw threshold, not :func:`softmax_fused_rows`: on jax 0.12.1 no kept row
         # below it moves (tiny data=2 x pipeline=4 ZeRO-3, b=1, s=512 would go 1.011 -> 1.113).
-        forward = BACKWARD_SCORE_COPIES * F32 * scores + weights + d.e * d.b * d.s * (d.h + d.k)
+        forward = BACKWARD_SCORE_COPIES * F32 * scores
+    else:  # q k^T, the masked scores and the probabilities, the pred mask and its (s, s) iota comparison
+        copies = FORWARD_SCORE_COPIES - (backward_score_copies() if unstacked else 0)
+        forward = (copies * F32 + 1) * scores + d.s * d.s
+    forward += weights + d.e * d.b * d.s * (d.h + d.k)
     base = backward
     # A layer whose backward recomputes its forward (``selective`` / ``full``, with or without a pipeline tick)
     # holds the recomputed scores and probabilities until the attention's backward, through the MLP phase:
