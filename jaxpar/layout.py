@@ -23,6 +23,7 @@ Batch arithmetic (as in DeepSpeed's ``train_batch_size = micro_batch * grad_accu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -109,11 +110,18 @@ class ParallelLayout:
     # ------------------------------------------------------------------ derived quantities
     @property
     def mesh(self) -> dict[MeshAxis, int]:
-        """Size of every mesh axis, keyed by :class:`MeshAxis`."""
+        """Size of every mesh axis, keyed by :class:`MeshAxis` (a fresh dict: the caller may change it)."""
+        return dict(self._sizes)
+
+    @functools.cached_property
+    def _sizes(self) -> dict[MeshAxis, int]:
+        # cached (never handed out: mesh copies it): the planner reads the mesh of every layout it
+        # searches about a million times
         return {axis: getattr(self, axis.value) for axis in MESH_AXES}
 
     def size(self, axis: MeshAxis | str) -> int:
-        return getattr(self, MeshAxis(axis).value)
+        sizes = self._sizes  # a StrEnum key: a plain name finds it too
+        return sizes[axis] if axis in sizes else getattr(self, MeshAxis(axis).value)
 
     @property
     def devices(self) -> int:

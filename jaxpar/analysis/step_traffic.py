@@ -6,6 +6,7 @@ the ``jaxpar`` convention of :func:`jaxpar.analysis.traffic.communication`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from jaxpar.analysis.moe_traffic import moe_layer_phases, moe_phase_bytes, moe_tensor_arrays
@@ -38,8 +39,16 @@ class HeldParam:
 def _tensor_group(layout: ParallelLayout, x: ParamTensor) -> tuple[str, ...]:
     """The axes ``x`` is reduced and ZeRO-sharded over: :func:`jaxpar.axes.data_group` less the axes
     the rules split it over (an expert weight's leaves out ``expert``)."""
-    rules = axis_rules(layout.mesh)
-    return group_axes(data_group(layout.mesh, {rules[d] for d, _ in x.dims if d in rules}))
+    return _group_of(tuple(layout._sizes.items()), frozenset(d for d, _ in x.dims))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_of(mesh: tuple[tuple[str, int], ...], dims: frozenset[str]) -> tuple[str, ...]:
+    """:func:`_tensor_group` of a tensor with logical ``dims`` on a mesh of ``mesh``'s sizes, cached:
+    the planner asks it for every tensor of every stage of every layout it searches."""
+    sizes = dict(mesh)
+    rules = axis_rules(sizes)
+    return group_axes(data_group(sizes, {rules[d] for d in dims if d in rules}))
 
 
 def held_params(model: ConfigDict, layout: ParallelLayout, pipeline_stage: str = "first") -> list[HeldParam]:
