@@ -23,7 +23,6 @@ Batch arithmetic (as in DeepSpeed's ``train_batch_size = micro_batch * grad_accu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +38,12 @@ ATTENTION = ("auto", "dot_product", "blockwise", "cudnn")  # model.attention (ja
 CONTEXT_EXCHANGES = ("ring", "all_gather")  # parallel.context_exchange (jaxpar.ops.context_parallel)
 # Model dims split over `tensor` by the Megatron rules (jaxpar.axes.TENSOR_RULES): each must divide.
 TENSOR_SPLIT_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size")
+
+
+# (axis, its field) for every mesh axis, read once: the planner asks a layout's mesh about a million
+# times a search, and an enum's ``.value`` costs more than the lookup itself
+_AXIS_FIELDS = tuple((axis, axis.value) for axis in MESH_AXES)
+_FIELD_OF = dict(_AXIS_FIELDS)  # a StrEnum key: a plain axis name finds its field too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +115,11 @@ class ParallelLayout:
     # ------------------------------------------------------------------ derived quantities
     @property
     def mesh(self) -> dict[MeshAxis, int]:
-        """Size of every mesh axis, keyed by :class:`MeshAxis` (a fresh dict: the caller may change it)."""
-        return dict(self._sizes)
-
-    @functools.cached_property
-    def _sizes(self) -> dict[MeshAxis, int]:
-        # cached (never handed out: mesh copies it): the planner reads the mesh of every layout it
-        # searches about a million times
-        return {axis: getattr(self, axis.value) for axis in MESH_AXES}
+        """Size of every mesh axis, keyed by :class:`MeshAxis`."""
+        return {axis: getattr(self, field) for axis, field in _AXIS_FIELDS}
 
     def size(self, axis: MeshAxis | str) -> int:
-        sizes = self._sizes  # a StrEnum key: a plain name finds it too
-        return sizes[axis] if axis in sizes else getattr(self, MeshAxis(axis).value)
+        return getattr(self, _FIELD_OF.get(axis) or MeshAxis(axis).value)
 
     @property
     def devices(self) -> int:

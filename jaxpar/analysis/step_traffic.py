@@ -39,7 +39,7 @@ class HeldParam:
 def _tensor_group(layout: ParallelLayout, x: ParamTensor) -> tuple[str, ...]:
     """The axes ``x`` is reduced and ZeRO-sharded over: :func:`jaxpar.axes.data_group` less the axes
     the rules split it over (an expert weight's leaves out ``expert``)."""
-    return _group_of(tuple(layout._sizes.items()), frozenset(d for d, _ in x.dims))
+    return _group_of(tuple(layout.mesh.items()), frozenset(d for d, _ in x.dims))
 
 
 @functools.lru_cache(maxsize=4096)
