@@ -137,12 +137,18 @@ LAYOUTS: dict[str, tuple[str, ParallelLayout]] = {
         ),
     ),
 }
-# ~2.5-5 s of compile per layout on 2 cores: these layouts run only with JAXPAR_SLOW=1. The default
-# suite keeps the ~1B model at TP-4 + SP + ZeRO-3, at data = 1, in a 1F1B pipeline with SP and in an
-# interleaved one; the tiny model at every ZeRO stage with tensor = 2 (data and tensor both carry bytes;
-# tensor = 1 only with JAXPAR_SLOW=1), and each pipeline feature once (1F1B with SP, interleaved with SP,
-# interleaved with ZeRO-3, ZeRO-2, GPipe; the two-stage 1F1B and ZeRO-3 1F1B only with JAXPAR_SLOW=1).
+# ~2.5-20 s of compile per layout on 2 cores: these layouts run only with JAXPAR_SLOW=1. The default
+# suite keeps the ~1B model at TP-4 + SP + ZeRO-3, at data = 1 and in an interleaved pipeline; the tiny
+# model with tensor = 2 at ZeRO-3 and at ZeRO-1 + SP (ZeRO-0's data bytes: the ring row; ZeRO-2's: the ZeRO-2
+# pipeline row), and each pipeline feature once (1F1B with SP, interleaved with ZeRO-3, ZeRO-2,
+# GPipe); the ring exchange. The other ZeRO stages at tensor = 2, interleaved with SP and the ~1B two-stage
+# 1F1B went under JAXPAR_SLOW=1 in session 28 (the default suite's time on a 2-core host).
 SLOW = {
+    "tiny_t2_z0",
+    "tiny_t2_z1",
+    "tiny_t2_z2",
+    "tiny_p2_interleaved_sp",
+    "1b_p2_1f1b_sp",
     "tiny_t1_z0",
     "tiny_t1_z1",
     "tiny_t1_z2",
