@@ -22,9 +22,10 @@ import pytest
 
 from jaxpar.analysis import activations as A
 from jaxpar.analysis.aot import layout_config
-from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
+from jaxpar.analysis.compiled import analyze_layout
 from jaxpar.config import load_config
 from jaxpar.layout import ParallelLayout
+from tests.helpers import MEMORY_OPTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
@@ -144,7 +145,7 @@ _CACHE: dict[str, object] = {}
 def _memory(name: str, layout: ParallelLayout):
     if name not in _CACHE:
         cfg = _config(name, layout)
-        _CACHE[name] = analyze_layout(cfg, compiler_options=AOT_COMPILER_OPTIONS).memory
+        _CACHE[name] = analyze_layout(cfg, compiler_options=MEMORY_OPTIONS).memory
     return _CACHE[name]
 
 
@@ -234,7 +235,7 @@ def test_dropout_masks_cost_what_the_estimate_adds(name):
     off = _memory(name, layout)
     cfg = _config(name, layout)
     cfg.model.dropout = cfg.model.attention_dropout = 0.1
-    on = analyze_layout(cfg, compiler_options=AOT_COMPILER_OPTIONS).memory
+    on = analyze_layout(cfg, compiler_options=MEMORY_OPTIONS).memory
     want = cfg.model.num_layers * A.dropout_residual_bytes(cfg.model, layout)
     dims = A.Dims.of(cfg.model, layout)
     dropped = dims.e * dims.b * dims.so * dims.h  # one dropped activation in the compute dtype

@@ -19,12 +19,12 @@ import os
 import pytest
 
 from jaxpar.analysis.aot import layout_config
-from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout, mesh_for
+from jaxpar.analysis.compiled import analyze_layout, mesh_for
 from jaxpar.analysis.estimate import estimated_argument_bytes
 from jaxpar.axes import MeshAxis
 from jaxpar.config import load_config
 from jaxpar.layout import ParallelLayout
-from tests.helpers import ROOT
+from tests.helpers import MEMORY_OPTIONS, ROOT
 
 PEAK_BOUND, TEMP_BOUND, EXPERT_BOUND, ARGUMENT_BOUND = 0.10, 0.15, 0.01, 1e-4
 S = 128
@@ -55,7 +55,7 @@ def _compiled(name: str):
             cfg.model[key] = value
         cfg = layout_config(cfg, layout)
         cfg.model.compute_dtype = cfg.parallel.grad_reduce_dtype = "float32"  # what plan --aot compiles on CPU
-        _CACHE[name] = cfg, layout, analyze_layout(cfg, mesh_for(layout), compiler_options=AOT_COMPILER_OPTIONS)
+        _CACHE[name] = cfg, layout, analyze_layout(cfg, mesh_for(layout), compiler_options=MEMORY_OPTIONS)
     return _CACHE[name]
 
 

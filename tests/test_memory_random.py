@@ -26,9 +26,10 @@ import random
 import pytest
 
 from jaxpar.analysis.aot import layout_config
-from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS, analyze_layout
+from jaxpar.analysis.compiled import analyze_layout
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layout import ParallelLayout
+from tests.helpers import MEMORY_OPTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SLOW = os.environ.get("JAXPAR_SLOW") == "1"
@@ -116,7 +117,7 @@ def _measure(case: int):
             continue
         try:
             cfg = _config(name, model, layout)
-            memory = analyze_layout(cfg, compiler_options=AOT_COMPILER_OPTIONS).memory
+            memory = analyze_layout(cfg, compiler_options=MEMORY_OPTIONS).memory
         except ConfigError:
             continue  # jaxpar cannot run this draw: draw again
         return f"{name} {model} {layout}", memory
