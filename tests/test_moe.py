@@ -75,9 +75,11 @@ def assert_matches(got, want, name, params_tol: float | None = TOL):
         assert np.abs(embed_mine - embed_ref).max() < config().optim.lr / 50, name
 
 
-# (name, overrides, microbatches of the one-device reference): the four layouts
+# (name, overrides, microbatches of the one-device reference): the four layouts. e4_d2 runs under
+# JAXPAR_SLOW=1 since session 29 (the default suite's time): expert=4 trains by default in
+# test_dense_dispatch_computes_the_grouped_step (e4_d2 with the dense dispatch) and compiles in
+# tests/test_memory_moe.py's e4_d2.
 LAYOUTS = [
-    ("e4_d2", ["--config.mesh.data=2", "--config.mesh.expert=4"], 1),
     (
         "e2_t2_d2_zero3",
         ["--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.tensor=2", "--config.parallel.zero_stage=3"],
@@ -95,6 +97,7 @@ LAYOUTS = [
     ),
 ]
 SLOW_LAYOUTS = [
+    ("e4_d2", ["--config.mesh.data=2", "--config.mesh.expert=4"], 1),
     (
         "e2_c2_d2",
         [
@@ -203,6 +206,10 @@ def test_dense_dispatch_computes_the_grouped_step():
     assert_matches(got, _references[(1,)], "e4_d2_dense", params_tol=None)
 
 
+@pytest.mark.skipif(
+    not SLOW,
+    reason="JAXPAR_SLOW=1: a shared expert trains by default in tests/test_deepseek.py's e2_t2_d2 (the same moe.py path)",
+)
 def test_shared_expert_matches_one_device():
     shared = ["--config.model.shared_expert_dim=96", "--config.model.name=llama"]  # HF Mixtral has none
     reference = train("--config.mesh.data=1", "--config.mesh.expert=1", *shared)
