@@ -58,7 +58,7 @@ DEFAULT = {
     "pp2_zbh1": _lay(data=2, tensor=2, pipeline=2, microbatches=4, pipeline_schedule="zb-h1"),
     "pp4_gpipe": _lay(data=2, pipeline=4, microbatches=4, pipeline_schedule="gpipe"),
     # ~1B cut to 2 layers (its shapes per layer kept; "1b2_"): GPipe, whose tick scan stacks the output layer's
-    # table on jax 0.12 too (temporaries.gpipe_tick_bytes; such layouts were up to 1.87 of the estimate on jax
+    # table on jax 0.12 too (pipeline_phases.gpipe_tick_bytes; such layouts were up to 1.87 of the estimate on jax
     # 0.12.0.1 without it); sequence parallelism, whose update double-buffers the embedding's gradient
     # (temporaries.update_bytes; 1.149 without); a one-layer 1F1B last stage under full
     # (head_phases.deferred_head_bytes)
@@ -103,7 +103,7 @@ SLOW_GRID = {
     "1b_zero3_full": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="full"),
     "1b_zero3_selective": _lay(data=8, zero_stage=3, microbatch_size=1, seq_len=512, recompute="selective"),
     "1b_dp_none": _lay(data=8, microbatch_size=1, seq_len=256),
-    # ~1B pipelines: the accumulator held twice sets the peak (temporaries.pipeline_accumulator_bytes)
+    # ~1B pipelines: the accumulator held twice sets the peak (pipeline_phases.pipeline_accumulator_bytes)
     "1b_pp4_1f1b_none": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256),
     "1b_pp4_1f1b_full": _lay(tensor=2, pipeline=4, microbatches=4, microbatch_size=1, seq_len=256, recompute="full"),
     "1b_pp4_interleaved_full": _lay(
@@ -165,7 +165,7 @@ SLOW_ONLY = {"zero3_none", "tp2_none", "pp2_interleaved"}
 GRID = DEFAULT | SLOW_GRID if SLOW else {k: v for k, v in DEFAULT.items() if k not in SLOW_ONLY}
 
 
-# jax 0.10 stacks GPipe's per-tick weights and jax 0.12 does not (temporaries.cond_stacks_weights): pp4_gpipe
+# jax 0.10 stacks GPipe's per-tick weights and jax 0.12 does not (pipeline_phases.cond_stacks_weights): pp4_gpipe
 # holds on both (temp 0.995 on 0.10.2, 1.017 on 0.12.0.1), where the estimate was 12% over on 0.12.
 @pytest.mark.parametrize("name", list(GRID))
 def test_estimated_peak_matches_compiled(name):

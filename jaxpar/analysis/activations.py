@@ -228,7 +228,7 @@ def fuses_every_softmax() -> bool:
     :data:`SOFTMAX_FUSED_ROWS` open at every size. Read from seeds 30, 31 and 37 of the random grid compiled on
     jax 0.12.1 (experiments/results/2026-12-06-memory-jax012/jax0.12.1): 110 of their 120 rows within the bounds
     with 0.10.2's counts, 116 with one backward copy, 118 with one copy and no threshold. Read from the installed
-    distribution (:func:`jaxpar.versions.jax_release`), as :func:`jaxpar.analysis.temporaries.cond_stacks_weights`."""
+    distribution (:func:`jaxpar.versions.jax_release`), as :func:`jaxpar.analysis.pipeline_phases.cond_stacks_weights`."""
     return jax_release() >= (0, 12, 1)
 
 
