@@ -108,9 +108,11 @@ def test_adafactor_state_is_factored_and_sharded():
     assert (tuple(up.v_row), tuple(up.v_col), tuple(up.count)) == ((None, "data"), (None, "tensor"), (None,))
 
 
-# the skip's cost per optimizer: jaxpar's AdamW (in the shard_map) and one optax optimizer, factored,
-# by default; every optimizer under JAXPAR_SLOW=1
-SKIP_CHECKED = ["adamw", *OPTIMIZERS] if SLOW else ["adamw", "adafactor"]
+# the skip's cost per optimizer: jaxpar's AdamW (in the shard_map) by default; every optimizer under
+# JAXPAR_SLOW=1 (the factored optax one since session 29, 15-24 s of the default suite: adafactor's state
+# layout is checked by test_adafactor_state_is_factored_and_sharded, its sharded training and checkpoint
+# round trip by the tests below)
+SKIP_CHECKED = ["adamw", *OPTIMIZERS] if SLOW else ["adamw"]
 
 
 @pytest.mark.parametrize("name", SKIP_CHECKED)
