@@ -3,13 +3,15 @@
 import os
 import re
 
+from session_flags import ELEMENTAL_EMITTER, FUSION_EMITTERS, LLVM_LEVEL
+
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 # LLVM's optimisation level for the CPU code XLA emits: 0 in the test session unless XLA_FLAGS sets it.
 # The HLO passes, the buffer assignment (memory_analysis) and the collectives are the same; the tiny
 # programs run a little slower and compile much faster. Measured: tests/test_equivalence.py alone,
 # 98 -> 65 s. The subprocesses tests start (CLI runs, drills) inherit it through XLA_FLAGS.
-if "--xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
+if LLVM_LEVEL not in _flags:
+    _flags += f" {LLVM_LEVEL}=0"
 # XLA:CPU's elemental emitter in place of its fusion emitters, where the installed XLA has the switch
 # (jax 0.10; 0.12 has neither the switch nor the compile cost). Measured on jax 0.10.2, 2 cores:
 # tests/test_pipeline.py, test_equivalence.py and test_moe.py 196 -> 124 s; one step of the tiny
@@ -17,12 +19,11 @@ if "--xla_backend_optimization_level" not in _flags:
 # assignment moves (15 of the memory grid's seed 124's 16 layouts by at most 0.34%, one ~1B context-parallel
 # layout by +6.8%), so the tests that hold estimates against it compile with XLA's default emitter back
 # (tests/helpers.py: MEMORY_OPTIONS), as experiments/memory_grid.py and users do.
-_LEGACY_EMITTER = "--xla_cpu_use_fusion_emitters=false"
-if "--xla_cpu_use_fusion_emitters" not in _flags:
+if FUSION_EMITTERS not in _flags:
     from jaxpar.versions import jax_release
 
     if jax_release()[:2] == (0, 10):
-        _flags += f" {_LEGACY_EMITTER}"
+        _flags += f" {ELEMENTAL_EMITTER}"
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache, one fresh folder per test session, shared by the xdist workers

@@ -9,6 +9,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from session_flags import ELEMENTAL_EMITTER, FUSION_EMITTERS, LLVM_LEVEL
 
 from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS
 from jaxpar.config import load_config, validate
@@ -32,7 +33,7 @@ FP32_SMALL = [
 
 
 # tests/conftest.py: the session's LLVM level, and its switch to XLA:CPU's elemental emitter (jax 0.10)
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters")
+FAST_COMPILE_FLAGS = (f"{LLVM_LEVEL}=0", FUSION_EMITTERS)
 
 
 # The compiler options of the tests that hold estimates against the compiled buffer assignment: plan --aot's
@@ -40,11 +41,7 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusio
 # elemental emitter, XLA's default emitter back, so that they measure the buffers users' compiles get (the
 # elemental emitter moves 15 of seed 124's 16 memory-grid layouts by at most 0.34%, one ~1B context-parallel
 # layout by +6.8%).
-USER_BUFFERS = (
-    {"xla_cpu_use_fusion_emitters": True}
-    if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
-    else {}
-)
+USER_BUFFERS = {"xla_cpu_use_fusion_emitters": True} if ELEMENTAL_EMITTER in os.environ.get("XLA_FLAGS", "") else {}
 MEMORY_OPTIONS = AOT_COMPILER_OPTIONS | USER_BUFFERS
 
 

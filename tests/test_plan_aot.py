@@ -29,7 +29,6 @@ import jax
 import pytest
 
 from jaxpar.analysis import aot as A
-from jaxpar.analysis import compiled as compiled_module
 from jaxpar.analysis import plan as P
 from jaxpar.analysis.compiled import analyze_layout
 from jaxpar.analysis.estimate import ParallelLayout, communication, memory_estimate
@@ -192,9 +191,8 @@ def compiled() -> Callable[[str], tuple[ConfigDict, A.AotComparison]]:
         if name not in cache:
             model, layout = LAYOUTS[name]
             cfg = _config(model)
-            with pytest.MonkeyPatch.context() as patch:  # the buffers users' compiles get (tests/helpers.py)
-                patch.setattr(compiled_module, "AOT_COMPILER_OPTIONS", MEMORY_OPTIONS)
-                result = A.aot_compare(cfg, layout, "jaxpar")
+            # the buffers users' compiles get (tests/helpers.py)
+            result = A.aot_compare(cfg, layout, "jaxpar", compiler_options=MEMORY_OPTIONS)
             assert not result.skipped, result.skipped
             cache[name] = (A.layout_config(cfg, layout), result)
             _print(name, result)

@@ -192,9 +192,16 @@ class AotComparison:
 
 
 def aot_compare(
-    cfg: ConfigDict, layout: ParallelLayout, convention: str = "jaxpar", grad_reduce_dtype: str | None = None
+    cfg: ConfigDict,
+    layout: ParallelLayout,
+    convention: str = "jaxpar",
+    grad_reduce_dtype: str | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> AotComparison:
     """Compile ``layout`` of the model in ``cfg`` and compare it with the estimates.
+
+    ``compiler_options`` (XLA debug options for this one compile) default to
+    :data:`jaxpar.analysis.compiled.AOT_COMPILER_OPTIONS`: no LLVM optimisation, the same buffers.
 
     On simulated CPU devices half-precision compute and reductions are compiled in float32 (XLA:CPU
     runs bf16 collectives in fp32, which would double the measured bytes), and the estimates in the
@@ -218,7 +225,8 @@ def aot_compare(
         lcfg.model.compute_dtype, lcfg.parallel.grad_reduce_dtype = "float32", "float32"
     start = time.perf_counter()
     try:
-        report = analyze_layout(lcfg, mesh, compiler_options=AOT_COMPILER_OPTIONS, layout=run)
+        options = AOT_COMPILER_OPTIONS if compiler_options is None else compiler_options
+        report = analyze_layout(lcfg, mesh, compiler_options=options, layout=run)
     except ConfigError as e:
         return AotComparison(layout, skipped=str(e))
     except Exception as e:  # noqa: BLE001 - pipeline layouts may not build yet; anything else is a bug
