@@ -23,7 +23,7 @@ from jaxpar.analysis.attention_blocks import blockwise_attention_backward_bytes
 from jaxpar.analysis.dims import F32, Dims
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout
-from jaxpar.parallel.pipeline.schedule import steady_slot_counts
+from jaxpar.parallel.pipeline.schedule import keeps_activations, steady_slot_counts
 from jaxpar.versions import jax_release
 
 
@@ -76,7 +76,17 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
       1.152 of the estimate without this candidate, 1.013 with it; one other of the 4247 kept rows moves,
       0.974 -> 0.970);
     - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
-      ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`.
+      ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`. Under ZeRO-3 where the
+      tick recomputes the stage (``full``), the embedding's share of the accumulator, a V/t x h / N shard,
+      is held three times on every jax release, where the layers' are held :func:`accumulator_copies`
+      times: the tick scan carries it in the layout of the ``psum_scatter`` that writes it ({1,0,2}, the
+      sharded dim major), the layer loop's state in the row-major one, and the ``switch`` returns a third
+      (buffer assignment of ~1B, 4 layers, data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 ``full`` SP, m=4,
+      b=1, s=256, seed 127 case 3 of the random grid: at the scatter-add's relayout copy the two
+      f32[16000, 2048] tables and three f32[1, 16000, 1024] shards, beside the layers' accumulators twice
+      on jax 0.10.2 and once on 0.12.1; 1.104 of the estimate's largest live set without the third shard
+      on 0.10.2, 1.004 with it. The same three shards at that point with data=4, s=128, and interleaved,
+      s=256; two with ``selective``, which keeps activations).
     """
     pb = DTYPE_BYTES[model.param_dtype]
     chunk = layout.layers_per_stage(model.num_layers)
@@ -93,7 +103,11 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
         loop = max(
             loop, blockwise_attention_backward_bytes(model, layout, 1 if recomputes_by_sequence(layout) else None)
         )
-    return accumulator_copies() * acc + max(loop, 2 * pb * shared_tables(model, layout))
+    tables = 2 * pb * shared_tables(model, layout)
+    if layout.shards_parameters and not keeps_activations(layout):  # its shard held three times in all
+        shard = pb * shared_tables(model, layout) / (layout.data * layout.context * layout.expert)
+        tables += (3 - accumulator_copies()) * shard
+    return accumulator_copies() * acc + max(loop, tables)
 
 
 def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
