@@ -9,7 +9,6 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from session_flags import ELEMENTAL_EMITTER, FUSION_EMITTERS, LLVM_LEVEL
 
 from jaxpar.analysis.compiled import AOT_COMPILER_OPTIONS
 from jaxpar.config import load_config, validate
@@ -17,6 +16,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.models import llama
 from jaxpar.models.base import Model
 from jaxpar.train.state import Setup
+from tests.session_flags import ELEMENTAL_EMITTER, FUSION_EMITTERS, LLVM_LEVEL
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
