@@ -76,17 +76,11 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
       1.152 of the estimate without this candidate, 1.013 with it; one other of the 4247 kept rows moves,
       0.974 -> 0.970);
     - after it, the first stage's embedding gradient (a scatter-add into a zero table, then the
-      ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`. Under ZeRO-3 where the
-      tick recomputes the stage (``full``), the embedding's share of the accumulator, a V/t x h / N shard,
-      is held three times on every jax release, where the layers' are held :func:`accumulator_copies`
-      times: the tick scan carries it in the layout of the ``psum_scatter`` that writes it ({1,0,2}, the
-      sharded dim major), the layer loop's state in the row-major one, and the ``switch`` returns a third
-      (buffer assignment of ~1B, 4 layers, data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 ``full`` SP, m=4,
-      b=1, s=256, seed 127 case 3 of the random grid: at the scatter-add's relayout copy the two
-      f32[16000, 2048] tables and three f32[1, 16000, 1024] shards, beside the layers' accumulators twice
-      on jax 0.10.2 and once on 0.12.1; 1.104 of the estimate's largest live set without the third shard
-      on 0.10.2, 1.004 with it. The same three shards at that point with data=4, s=128, and interleaved,
-      s=256; two with ``selective``, which keeps activations).
+      ``cond`` output): two more V/t x h tables, 2 * pb * :func:`shared_tables`, and under ZeRO-3 where
+      the tick recomputes the stage (``full``) the embedding's accumulator shard a third time
+      (:func:`embedding_shard_copies`).
+
+    Under ZeRO-3 :func:`embedding_shard_copies` replaces the accumulator's copies for its embedding share.
     """
     pb = DTYPE_BYTES[model.param_dtype]
     chunk = layout.layers_per_stage(model.num_layers)
@@ -103,11 +97,34 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
         loop = max(
             loop, blockwise_attention_backward_bytes(model, layout, 1 if recomputes_by_sequence(layout) else None)
         )
-    tables = 2 * pb * shared_tables(model, layout)
-    if layout.shards_parameters and not keeps_activations(layout):  # its shard held three times in all
-        shard = pb * shared_tables(model, layout) / (layout.data * layout.context * layout.expert)
-        tables += (3 - accumulator_copies()) * shard
-    return accumulator_copies() * acc + max(loop, tables)
+    copies, shard = accumulator_copies(), embedding_shard_bytes(model, layout)
+    tables = 2 * pb * shared_tables(model, layout) + (embedding_shard_copies(layout, True) - 2) * shard
+    return copies * acc + (2 - copies) * shard + max(loop, tables)
+
+
+def embedding_shard_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """ZeRO-3: the embedding's share of the sharded gradient accumulator, pb * V/t x h / N (the
+    embedding is not an expert weight: N = data x context x expert); 0 below ZeRO-3."""
+    if not layout.shards_parameters:
+        return 0.0
+    n = layout.data * layout.context * layout.expert
+    return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) / n
+
+
+def embedding_shard_copies(layout: ParallelLayout, at_scatter: bool = False) -> int:
+    """Copies of :func:`embedding_shard_bytes` a ZeRO-3 1F1B / interleaved tick holds, on every jax release
+    (where the layers' accumulators are held :func:`accumulator_copies` times): two through the tick, the
+    tick scan's carry in the layout of the ``psum_scatter`` that writes it ({1,0,2}, the sharded dim major)
+    and the layer loop's state in the row-major one; ``at_scatter``, at the first stage's embedding
+    scatter-add, a third where the tick recomputes the stage (``full``): the ``switch``'s output. Buffer
+    assignment of ~1B, 4 layers, data=2 x tensor=2 x pipeline=2 1F1B ZeRO-3 ``full`` SP, m=4, b=1, s=256
+    (seed 127 case 3 of the random grid): at the scatter-add's relayout copy the two f32[16000, 2048]
+    tables and three f32[1, 16000, 1024] shards, the layers' accumulators twice on jax 0.10.2 and once on
+    0.12.1, and the {1,0,2} carry and the row-major state live through the whole tick on both (1.104 of the
+    estimate's largest live set on 0.10.2 with two shards counted at the scatter-add, 1.004 with three); the
+    same three with data=4, s=128, and interleaved, s=256; two with ``selective``, which keeps activations
+    (seed 78 case 28), and two at the loss head's backward of data=4 ``none`` on 0.12.1 (seed 57 case 3)."""
+    return 3 if at_scatter and not keeps_activations(layout) else 2
 
 
 def gpipe_tick_bytes(model: ConfigDict, layout: ParallelLayout) -> float:

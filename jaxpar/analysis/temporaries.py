@@ -35,6 +35,8 @@ from jaxpar.analysis.head_phases import (
     zero3_head_phase_bytes,
 )
 from jaxpar.analysis.pipeline_phases import (
+    embedding_shard_bytes,
+    embedding_shard_copies,
     frontier_unpacked_bytes,
     gpipe_tick_bytes,
     head_residual_bytes,
@@ -435,6 +437,8 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
                 working, tick_grads, term = head, chunk_grads - unwritten, "backward tick: the loss head's backward"
     acc = zero_sharded_bytes(model, layout, full_grads) if layout.shards_gradients else full_grads
     grads = acc + tick_grads
+    if ticks:  # ZeRO-3: the embedding's share of the accumulator a second time, in its scatter's layout
+        grads += (embedding_shard_copies(layout) - 1) * embedding_shard_bytes(model, layout)
     update = update_bytes(model, layout, full_grads)
     backward = residual + working + grads + gather + slots
     accumulator = 0.0 if layout.pipeline_schedule == "gpipe" else pipeline_accumulator_bytes(model, layout, acc) + slots
