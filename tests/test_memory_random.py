@@ -13,7 +13,8 @@ again, not skipped.
 
 The default suite runs 8 draws with sequences up to 256, pipelines of 2 stages and m = p (~5 s a
 compile); ``JAXPAR_SLOW=1`` runs 40 up to 1024, pipelines of 2 or 4 stages, m up to 2p. The
-seed is printed (``pytest -s``) and set by ``JAXPAR_MEMORY_SEED`` (an integer, or ``random`` for a
+seed is in each case's id (``pytest -rA`` lists them; the captured report of each case, its layout and
+ratios, is printed there too) and set by ``JAXPAR_MEMORY_SEED`` (an integer, or ``random`` for a
 fresh one); the default is fixed so that the suite is reproducible.
 """
 
@@ -124,7 +125,9 @@ def _measure(case: int):
     raise AssertionError(f"seed {SEED} case {case}: no buildable layout in {TRIES} draws")
 
 
-@pytest.mark.parametrize("case", range(CASES))
+# the seed in every case's id, so that `pytest -rA` names it in each PASSED / FAILED line, under xdist too (whose
+# workers' output `-s` does not show)
+@pytest.mark.parametrize("case", range(CASES), ids=[f"seed{SEED}_case{c}" for c in range(CASES)])
 def test_random_layout_peak_matches_compiled(case):
     desc, mem = _measure(case)
     print(

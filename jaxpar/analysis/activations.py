@@ -530,6 +530,17 @@ def layer_working_phases(
         slots = dropout_chain_slots(model, layout, b) if layout.pipeline == 1 or tick or layers > 1 else 0.0
         if tick and recomputes_by_sequence(layout):
             slots = 0.0
+            # one sequence at a time, that tick's recomputed forward holds no pred array of the scores' shape (the
+            # causal mask's broadcast counted above), and where XLA:CPU splits the softmax the dropped probabilities
+            # take the probabilities' place: q k^T, the masked scores and the dropped probabilities (buffer
+            # assignment of tiny data=2 x tensor=2 x pipeline=2 1F1B ZeRO-1 ``full``, both dropouts, b=1, s=1024,
+            # 2048 rows, the random SLOW draw 1194927844's case 5: three f32[1, 1, 2, 1024, 1024]-sized arrays and
+            # the pred[1024, 1024] comparison at the peak, allocation 0.804 of the estimate counting four and the
+            # mask; with the fused softmax, tiny data=2 x pipeline=4, 4096 rows, seed 68 case 28: the four above
+            # and no pred array of their shape)
+            forward -= scores
+            if d.b * d.n * d.s < softmax_fused_rows():
+                forward -= F32 * scores
         forward += (1 + slots) * F32 * scores
         if layout.pipeline == 1:  # where the softmax is fused (the chain slot's condition), the backward's MLP
             # phase also holds the keep scale 1/(1-p) broadcast to the scores' shape for the fused softmax backward,

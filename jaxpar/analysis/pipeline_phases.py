@@ -122,8 +122,9 @@ def embedding_shard_copies(layout: ParallelLayout, at_scatter: bool = False) -> 
     tables and three f32[1, 16000, 1024] shards, the layers' accumulators twice on jax 0.10.2 and once on
     0.12.1, and the {1,0,2} carry and the row-major state live through the whole tick on both (1.104 of the
     estimate's largest live set on 0.10.2 with two shards counted at the scatter-add, 1.004 with three); the
-    same three with data=4, s=128, and interleaved, s=256; two with ``selective``, which keeps activations
-    (seed 78 case 28), and two at the loss head's backward of data=4 ``none`` on 0.12.1 (seed 57 case 3)."""
+    same three in seed 36 case 25 (data=4, s=128) and seed 67 case 3 (interleaved, s=256); two with
+    ``selective``, which keeps activations (seed 78 case 28), and two at the loss head's backward of data=4
+    ``none`` on 0.12.1 (seed 57 case 3). The split-backward schedules' ticks are counted alike, unmeasured."""
     return 3 if at_scatter and not keeps_activations(layout) else 2
 
 
