@@ -542,12 +542,18 @@ def layer_working_phases(
             if d.b * d.n * d.s < softmax_fused_rows():
                 forward -= F32 * scores
         forward += (1 + slots) * F32 * scores
-        if layout.pipeline == 1:  # where the softmax is fused (the chain slot's condition), the backward's MLP
+        if layout.pipeline == 1 or tick:  # where the softmax is fused (the chain slot's condition), the backward's MLP
             # phase also holds the keep scale 1/(1-p) broadcast to the scores' shape for the fused softmax backward,
             # as a GPipe tick does (tiny data=8 ZeRO-2 full, b=4, s=256, 4096 rows: the probabilities, the dropped
             # scores and the f32[4, 2, 2, 256, 256] broadcast at the peak; 1.133 of the estimate without it, 1.001
-            # with; the 22 other unpipelined rows it moves stay within, 0.934-1.125)
-            backward += slots * F32 * scores  # slots: dropout_chain_slots, unpipelined
+            # with; the 22 other unpipelined rows it moves stay within, 0.934-1.125), and a 1F1B / interleaved tick
+            # that recomputes the whole microbatch (tiny data=4 x pipeline=2 1F1B ZeRO-3 ``full``, both dropouts,
+            # b=4, s=256, 4096 rows, the random SLOW draw 1181658660's case 27: at the MLP backward's peak
+            # f32[4, 2, 2, 256, 256] q k^T, masked scores and the broadcast, the last live from the tick's MLP
+            # phase to the attention's backward; 1.161 of the estimate without it, 1.015 with; the 4 kept rows it
+            # moves, ``selective`` ticks, 1.017-1.048 -> 0.979-1.008). A tick recomputing one sequence at a time
+            # has no chain slot (above), so none here.
+            backward += slots * F32 * scores  # slots: dropout_chain_slots
     return forward, backward
 
 
