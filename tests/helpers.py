@@ -41,7 +41,7 @@ FAST_COMPILE_FLAGS = (f"{LLVM_LEVEL}=0", FUSION_EMITTERS)
 # elemental emitter, XLA's default emitter back, so that they measure the buffers users' compiles get (the
 # elemental emitter moves 15 of seed 124's 16 memory-grid layouts by at most 0.34%, one ~1B context-parallel
 # layout by +6.8%).
-USER_BUFFERS = {"xla_cpu_use_fusion_emitters": True} if ELEMENTAL_EMITTER in os.environ.get("XLA_FLAGS", "") else {}
+USER_BUFFERS = {FUSION_EMITTERS.lstrip("-"): True} if ELEMENTAL_EMITTER in os.environ.get("XLA_FLAGS", "") else {}
 MEMORY_OPTIONS = AOT_COMPILER_OPTIONS | USER_BUFFERS
 
 

@@ -97,9 +97,9 @@ def pipeline_accumulator_bytes(model: ConfigDict, layout: ParallelLayout, acc: f
         loop = max(
             loop, blockwise_attention_backward_bytes(model, layout, 1 if recomputes_by_sequence(layout) else None)
         )
-    copies, shard = accumulator_copies(), embedding_shard_bytes(model, layout)
-    tables = 2 * pb * shared_tables(model, layout) + (embedding_shard_copies(layout, True) - 2) * shard
-    return copies * acc + (2 - copies) * shard + max(loop, tables)
+    copies, held, shard = accumulator_copies(), embedding_shard_copies(layout), embedding_shard_bytes(model, layout)
+    tables = 2 * pb * shared_tables(model, layout) + (embedding_shard_copies(layout, True) - held) * shard
+    return copies * acc + (held - copies) * shard + max(loop, tables)
 
 
 def embedding_shard_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
