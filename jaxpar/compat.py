@@ -1,9 +1,10 @@
-"""Small shims over JAX API differences between the supported releases (0.10 to 0.12)."""
+"""Small shims over JAX: API differences between the supported releases (0.10 to 0.12), and the
+tracing helpers the step and the pipeline executors build on."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,6 +46,23 @@ def vary(x: jax.Array, axes: frozenset) -> jax.Array:
     """Mark ``x`` varying over ``axes`` (no-op for those it already varies over)."""
     missing = tuple(sorted(axes - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def trace_once(f: Callable, *args: Any) -> tuple[Any, Callable]:
+    """(``f``'s output types, ``replay``): ``f`` traced once on ``args``, and a function that evaluates
+    that trace on new arguments of the same types. For a caller that needs the output types before it
+    places ``f`` (a switch's branches made to vary alike, a loop's zero carry): ``jax.eval_shape`` then
+    the real call traces the Python function twice, and twice again at each level of nesting (the
+    pipeline tick's switch holds conds holding layer conds). The replay binds the recorded equations
+    (name scopes kept), so the program is the same."""
+    closed, shapes = jax.make_jaxpr(f, return_shape=True)(*args)
+    tree = jax.tree.structure(shapes)
+
+    def replay(*new_args: Any) -> Any:
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(new_args))
+        return jax.tree.unflatten(tree, flat)
+
+    return shapes, replay
 
 
 def cached_pipelines_are_wrong() -> bool:

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxpar.compat import vary, varying_axes
+from jaxpar.compat import trace_once, vary, varying_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.ops import dropout, zero3
 from jaxpar.ops.attention import document_ids
@@ -287,10 +287,11 @@ def layer_step(block, positions: jax.Array, ctx: ShardContext, stacked: str):
     def one(x: jax.Array, layer: dict, index: jax.Array | None = None, row: jax.Array | None = None) -> jax.Array:
         if ctx.layers is None or row is None:
             return run(x, layer, index)
-        axes = varying_axes(jax.eval_shape(run, x, layer, index))  # both branches vary alike
+        shape, ran = trace_once(run, x, layer, index)
+        axes = varying_axes(shape)  # both branches vary alike
         return jax.lax.cond(
             row < ctx.layers,
-            lambda x, layer, index: vary(run(x, layer, index), axes),
+            lambda x, layer, index: vary(ran(x, layer, index), axes),
             lambda x, layer, index: vary(x, axes),
             x,
             layer,

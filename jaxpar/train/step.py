@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import MESH_AXES, batch_axes, group_axes, shard_context_axes
-from jaxpar.compat import vary, varying_axes
+from jaxpar.compat import trace_once, vary, varying_axes
 from jaxpar.config import ConfigDict
 from jaxpar.layout import ParallelLayout
 from jaxpar.models import get_model, moe
@@ -206,12 +206,12 @@ class StepBuilder:
                 micro_loss, g, d = micro_grads(tokens)
                 return micro_loss, (self._reduce(g, scatter=True) if layout.shards_gradients else g), d
 
-            def accumulate(carry, tokens):
-                return jax.tree.map(jnp.add, carry, reduced_grads(tokens)), None
+            shapes, reduced = trace_once(reduced_grads, batch[0])  # the zeros' types, and the loop's body
 
-            zeros = jax.tree.map(
-                lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)), jax.eval_shape(reduced_grads, batch[0])
-            )
+            def accumulate(carry, tokens):
+                return jax.tree.map(jnp.add, carry, reduced(tokens)), None
+
+            zeros = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)), shapes)
             (loss, grads, drops), _ = jax.lax.scan(accumulate, zeros, batch)
         if not layout.shards_gradients:  # one reduction per step: reduce-scatter where the optimizer is sharded
             grads = self._reduce(grads, scatter=layout.shards_optimizer)

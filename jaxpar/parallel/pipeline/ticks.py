@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.axes import MeshAxis
-from jaxpar.compat import vary, varying_axes
+from jaxpar.compat import trace_once, vary, varying_axes
 from jaxpar.models.base import Model, ShardContext, bind_tokens
 from jaxpar.ops import dropout
 from jaxpar.ops.context_parallel import split_tokens
@@ -28,14 +28,15 @@ AXIS = MeshAxis.PIPELINE
 
 
 def branches_agree(branches: list[Callable], *args: Any) -> list[Callable]:
-    """Wrap branches of a cond/switch so their outputs vary over the same mesh axes."""
-    shapes = [jax.eval_shape(f, *args) for f in branches]
+    """Wrap branches of a cond/switch so their outputs vary over the same mesh axes (each branch traced
+    once: :func:`~jaxpar.compat.trace_once`)."""
+    shapes, replays = zip(*(trace_once(f, *args) for f in branches), strict=True)
     target = jax.tree.map(lambda *s: frozenset().union(*map(varying_axes, s)), *shapes)
 
     def wrap(f):
         return lambda *a: jax.tree.map(vary, f(*a), target)
 
-    return [wrap(f) for f in branches]
+    return [wrap(f) for f in replays]
 
 
 def switch(index: jax.Array, branches: list[Callable], *args: Any) -> Any:
