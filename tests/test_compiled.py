@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import pathlib
 import types
 
@@ -242,7 +243,15 @@ def test_collective_not_reading_an_earlier_loop_is_unordered():
     assert unordered_collectives(UNORDERED_HLO.replace("all-reduce(%z)", "all-reduce(%y)")) == []
 
 
-@pytest.mark.parametrize("name", list(TINY_LAYOUTS))
+# d2_t2 and d4_t2_zero2 are compiled for this check alone: JAXPAR_SLOW=1 (the default suite's time); data x
+# tensor with ZeRO is held by d4_t2_zero3_sp, the layout that aborted before the ordering (issue 12)
+_ORDER_SLOW = {"d2_t2", "d4_t2_zero2"}
+_ORDER_SKIP = pytest.mark.skipif(
+    os.environ.get("JAXPAR_SLOW") != "1", reason="JAXPAR_SLOW=1: compiled for this check alone"
+)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_ORDER_SKIP) if n in _ORDER_SLOW else n for n in TINY_LAYOUTS])
 def test_no_collective_runs_unordered_with_a_loop(layout, name):
     """Every collective after a layer scan (or the microbatch loop) reads its result."""
     assert layout(name)[1].unordered == []
