@@ -166,6 +166,13 @@ class ParallelLayout:
         """ZeRO-3 (FSDP): the parameters are stored split over the data group, gathered per layer."""
         return self.zero_stage >= 3
 
+    def zero_shards(self, expert_weight: bool = False) -> int:
+        """Devices a parameter's ZeRO shards (and its gradient's reduction) span, its data group
+        (:func:`jaxpar.axes.data_group`): data x context for an expert's weight, which the ``expert``
+        axis splits, and data x context x expert for every other parameter."""
+        n = self.data * self.context
+        return n if expert_weight else n * self.expert
+
     @property
     def stages(self) -> int:
         """Virtual pipeline stages: the number of layer chunks the layers are cut into."""

@@ -339,8 +339,7 @@ def zero3_embedding_gradient_bytes(model: ConfigDict, layout: ParallelLayout) ->
     loop; XLA:CPU allocates it (a broadcast of zeros) before the forward loop, so it is live through the
     whole backward beside the sharded gradients, which count its 1/N shard: pb * V*h/t * (1 - 1/N).
     ZeRO 0-2 count the full table among their gradients."""
-    n = layout.data * layout.context * layout.expert
-    return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) * (1 - 1 / n)
+    return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) * (1 - 1 / layout.zero_shards())
 
 
 def zero3_weight_gradient_bytes(model: ConfigDict, layout: ParallelLayout) -> float:

@@ -107,8 +107,7 @@ def embedding_shard_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
     embedding is not an expert weight: N = data x context x expert); 0 below ZeRO-3."""
     if not layout.shards_parameters:
         return 0.0
-    n = layout.data * layout.context * layout.expert
-    return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) / n
+    return DTYPE_BYTES[model.param_dtype] * shared_tables(model, layout) / layout.zero_shards()
 
 
 def embedding_shard_copies(layout: ParallelLayout, at_scatter: bool = False) -> int:

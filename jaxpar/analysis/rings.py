@@ -65,4 +65,4 @@ def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
 def reduce_group(layout: ParallelLayout) -> int:
     """Devices the gradients are reduced (and ZeRO shards) over: data x context (:func:`jaxpar.axes.data_group`);
     with ``expert`` > 1 the experts' weights' group (the other parameters' is ``expert`` times it)."""
-    return layout.data * layout.context
+    return layout.zero_shards(expert_weight=True)

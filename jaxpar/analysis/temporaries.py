@@ -115,7 +115,7 @@ def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> flo
     output-layer gradient). The embedding's gradient, a scatter-add finished after the layer loop, stays
     full. With sequence parallelism XLA schedules the scatter after the layer loop (~1B data=2 x
     tensor=2 x context=2 ZeRO-1 SP: the full f32[2048,16000] gradient at the peak): not counted there."""
-    n = layout.data * layout.context * layout.expert
+    n = layout.zero_shards()
     head = sum(
         shard_elements(t, layout.tensor, 1, False, layout.expert) for t in param_tensors(model) if t.name == "output"
     )
@@ -159,7 +159,7 @@ def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: fl
     """``full_bytes`` of gradients (every parameter one device holds) ZeRO-sharded: / (data x context);
     with ``expert`` > 1 the experts' weights' share / (data x context), the rest / (data x expert x
     context) (:func:`jaxpar.axes.data_group`)."""
-    n = layout.data * layout.context
+    n = layout.zero_shards(expert_weight=True)
     if layout.expert == 1:
         return full_bytes / n
     layers = layout.stored_layers(model.num_layers)
@@ -169,7 +169,7 @@ def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: fl
         if t.place == "layer" and t.expert_split
     )
     experts *= layers * DTYPE_BYTES[model.param_dtype]
-    return experts / n + (full_bytes - experts) / (n * layout.expert)
+    return experts / n + (full_bytes - experts) / layout.zero_shards()
 
 
 def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> TempEstimate:
