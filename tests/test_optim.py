@@ -154,7 +154,8 @@ def test_state_memory_and_skipped_step(name):
 
 def test_checkpoint_round_trip_pipeline_adafactor(tmp_path):
     """Adafactor's state (factored moments of the stage form's ``ends`` included) saved in the model
-    form from a pipeline layout restores bitwise onto it and equals the one-device state."""
+    form from a pipeline layout restores bitwise onto it (the pipeline form's adafactor state against the
+    one-device state: the JAXPAR_SLOW=1 grid's adafactor-d2_t2_p2)."""
     cfg = _cfg("adafactor", *LAYOUTS["d2_t2_p2"])
     setup = make_setup(cfg)
     params, opt = setup.init(0)
