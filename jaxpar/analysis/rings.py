@@ -60,9 +60,3 @@ def axis_link(layout: ParallelLayout, axis: str, cluster: Cluster) -> str:
         MeshAxis.PIPELINE: layout.devices,
     }[axis]
     return "intra" if span <= cluster.devices_per_node else "inter"
-
-
-def reduce_group(layout: ParallelLayout) -> int:
-    """Devices the gradients are reduced (and ZeRO shards) over: data x context (:func:`jaxpar.axes.data_group`);
-    with ``expert`` > 1 the experts' weights' group (the other parameters' is ``expert`` times it)."""
-    return layout.zero_shards(expert_weight=True)

@@ -10,7 +10,7 @@ import functools
 import math
 
 from jaxpar.analysis.moe_traffic import moe_layer_phases, moe_phase_bytes, moe_tensor_arrays
-from jaxpar.analysis.rings import all_gather_bytes, all_reduce_bytes, reduce_group, ring_bytes
+from jaxpar.analysis.rings import all_gather_bytes, all_reduce_bytes, ring_bytes
 from jaxpar.axes import MeshAxis, axis_rules, data_group, group_axes
 from jaxpar.config import ConfigDict
 from jaxpar.models.inventory import (
@@ -218,7 +218,8 @@ def jaxpar_stage_traffic(
         if x.name.startswith("final_norm") or x.name == "positions" or (model.tie_embeddings and x.name == "embedding")
     ]
     summed = 4 + 4 * sum(
-        shard_elements(x, t, reduce_group(layout), layout.shards_gradients, layout.expert) for x in held
+        shard_elements(x, t, layout.zero_shards(expert_weight=True), layout.shards_gradients, layout.expert)
+        for x in held
     )
     pipeline = (send * bsh / (t if sp else 1) + all_reduce_bytes(summed, p), send + 1)
     if t == 1:

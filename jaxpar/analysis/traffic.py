@@ -27,7 +27,6 @@ from jaxpar.analysis.rings import (  # noqa: F401 - re-exported
     all_gather_bytes,
     all_reduce_bytes,
     axis_link,
-    reduce_group,
     ring_bytes,
 )
 from jaxpar.analysis.step_traffic import (  # noqa: F401 - re-exported
@@ -109,7 +108,8 @@ def communication(
     """
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention '{convention}': use one of {', '.join(CONVENTIONS)}")
-    n, t, p, m, z = reduce_group(layout), layout.tensor, layout.pipeline, layout.microbatches, layout.zero_stage
+    n = layout.zero_shards(expert_weight=True)
+    t, p, m, z = layout.tensor, layout.pipeline, layout.microbatches, layout.zero_stage
     bsh = layout.microbatch_size * layout.seq_local * model.embed_dim * DTYPE_BYTES[model.compute_dtype]
     pp_calls = 2 * m * layout.virtual_stages
     pipeline = (p, pp_calls * bsh / (t if layout.sequence_parallel else 1), pp_calls)
@@ -166,7 +166,7 @@ def _reduce_groups(layout: ParallelLayout) -> list[tuple[bool | None, int]]:
     """(which tensors, group size) of each gradient reduction: every parameter over data x context,
     or with ``expert`` > 1 the experts' weights over data x context and the rest over data x expert
     x context (:func:`jaxpar.axes.data_group`)."""
-    n = reduce_group(layout)
+    n = layout.zero_shards(expert_weight=True)
     return [(None, n)] if layout.expert == 1 else [(True, n), (False, n * layout.expert)]
 
 
