@@ -443,3 +443,35 @@ def test_peak_terms_name_the_largest_parts_of_the_estimated_peak():
     assert terms[0][1] >= terms[1][1] >= terms[2][1] and sum(v for _, v in terms) <= peak
     temp = temporaries.temp_estimate(m, layout)
     assert sum(temp.terms().values()) == pytest.approx(temp.total_bytes)
+
+
+def test_update_hole_is_one_stacked_gradient_where_the_update_scatters_the_stack():
+    """temporaries.update_hole_bytes: a ZeRO-1/2 update that reduce-scatters the stacked layer gradients
+    holds one more of the largest of them (the heap's slot for the relayout copies) than its live count;
+    with sequence parallelism the output layer's whole gradient fills part of it; none in a pipeline, under
+    ZeRO-0/3, or for ZeRO-1 with accumulation (the accumulator is scattered, not the stack). The compiled
+    check is ``1b_t4_c2_zero1_full`` in tests/test_memory_estimate.py."""
+    from jaxpar.analysis import temporaries as T
+    from jaxpar.analysis.activations import largest_param
+    from jaxpar.analysis.estimate import ParallelLayout
+
+    m = load_config(str(CONFIGS / "llama_1b.py")).model
+    base = ParallelLayout(tensor=4, context=2, zero_stage=1, recompute="full", seq_len=128, attention="blockwise")
+    slot = 4 * largest_param(m, base)
+    assert slot == 4 * 16 * 2048 * 8192 / 4  # the stacked (L, h, f/t) MLP weight's fp32 gradient
+    temp = T.temp_estimate(m, base)
+    assert (temp.phase, temp.update_hole_bytes) == ("update", slot)
+    assert temp.terms()["heap hole beside the update's relayout copies"] == slot
+    assert temp.total_bytes == temp.update_bytes + slot
+    sp = dataclasses.replace(base, data=2, context=1, sequence_parallel=True)
+    saved = T.early_scattered_head_bytes(m, sp)
+    assert saved == 4 * 2048 * 8000 * (1 - 1 / 2)  # the (h, V/t) output gradient less its data shard
+    assert T.temp_estimate(m, sp).update_hole_bytes == slot - saved
+    for other in (
+        dataclasses.replace(base, zero_stage=0),
+        dataclasses.replace(base, zero_stage=3),
+        dataclasses.replace(base, microbatches=2),
+        dataclasses.replace(base, context=1, pipeline=2, microbatches=2),
+    ):
+        assert T.temp_estimate(m, other).update_hole_bytes == 0.0, other
+    assert T.temp_estimate(m, dataclasses.replace(base, zero_stage=2, microbatches=2)).update_hole_bytes == slot

@@ -64,13 +64,14 @@ class TempEstimate:
         0.0  # 1F1B / interleaved: the accumulator copied beside itself (pipeline_accumulator_bytes)
     )
     working_term: str = "one layer's backward"  # which working set sets working_bytes
+    update_hole_bytes: float = 0.0  # the heap's hole beside the update's live set (update_hole_bytes)
 
     @property
     def total_bytes(self) -> float:
         backward = (
             self.residual_bytes + self.working_bytes + self.gradient_bytes + self.gather_bytes + self.pipeline_bytes
         )
-        return max(backward, self.update_bytes, self.accumulator_bytes)
+        return max(backward, self.update_bytes + self.update_hole_bytes, self.accumulator_bytes)
 
     def terms(self) -> dict[str, float]:
         """The named terms of the phase that sets :attr:`total_bytes` (they sum to it)."""
@@ -85,8 +86,11 @@ class TempEstimate:
                 "ZeRO-3 gathered layers": self.gather_bytes,
                 "pipeline slot buffers": self.pipeline_bytes,
             }
-        elif self.total_bytes == self.update_bytes:
-            out = {"optimizer update (gradients, their reduction, ZeRO shards)": self.update_bytes}
+        elif self.total_bytes == self.update_bytes + self.update_hole_bytes:
+            out = {
+                "optimizer update (gradients, their reduction, ZeRO shards)": self.update_bytes,
+                "heap hole beside the update's relayout copies": self.update_hole_bytes,
+            }
         else:
             out = {"gradient accumulator held twice (pipeline tick)": self.accumulator_bytes}
         return {k: v for k, v in out.items() if v > 0}
@@ -103,6 +107,24 @@ def _grad_elements(model: ConfigDict, layout: ParallelLayout, stage: int) -> tup
     where = "first" if stage == 0 else "last" if stage == layout.pipeline - 1 else "none"
     shared = shared_params(model, layout, where) if where != "none" else shared_tables(model, layout)
     return layers * layer_params(model, layout), shared
+
+
+def scatters_stacked_in_update(layout: ParallelLayout) -> bool:
+    """ZeRO-1/2 without a pipeline, whose update reduce-scatters the backward's stacked layer gradients
+    (one microbatch, or ZeRO-2, whose accumulation sums them; ZeRO-1 with accumulation scatters the
+    accumulator)."""
+    return (
+        layout.pipeline == 1
+        and layout.shards_optimizer
+        and not layout.shards_parameters
+        and (layout.microbatches == 1 or layout.shards_gradients)
+    )
+
+
+def scatters_head_early(layout: ParallelLayout) -> bool:
+    """:func:`scatters_stacked_in_update` without sequence parallelism: the output layer's gradient is
+    reduce-scattered at the loss head's backward (:func:`early_scattered_head_bytes`), not in the update."""
+    return scatters_stacked_in_update(layout) and not layout.sequence_parallel
 
 
 def early_scattered_head_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
@@ -139,7 +161,7 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     one, and the updated shards' all-gathers hold far less (buffer assignment of ~1B data=8 ZeRO-1
     s=512 with 4 and 16 layers, and data=2 x tensor=2 x context=2 ZeRO-2 with 2: a
     ``f32[L,8192,2048]{1,0,2}`` copy beside the stacked gradients at that point, nothing else of
-    its size). Stage 3: the gradient buffers of the
+    its size); the heap's hole beside them is :func:`update_hole_bytes`. Stage 3: the gradient buffers of the
     backward, G/N and the embedding's full table (:func:`zero3_embedding_gradient_bytes`), which the
     update reads in place (buffer assignment of ~1B data=8 full, s=512: the update's live set is
     those buffers, 749 MiB, and nothing of their size besides).
@@ -153,6 +175,41 @@ def update_bytes(model: ConfigDict, layout: ParallelLayout, grads: float) -> flo
     if not layout.shards_parameters:  # ZeRO-1/2
         return grads + pb * largest_param(model, layout)
     return zero_sharded_bytes(model, layout, grads) + zero3_embedding_gradient_bytes(model, layout)
+
+
+def update_hole_bytes(model: ConfigDict, layout: ParallelLayout) -> float:
+    """The hole XLA's heap leaves beside the live set of a ZeRO-1/2 update that reduce-scatters the stacked
+    layer gradients (:func:`scatters_stacked_in_update`): one slot of the largest of them, pb * P_layer_max,
+    less, with sequence parallelism, what the output layer's whole gradient puts into it.
+
+    The update's reduce-scatters read each stacked fp32 layer gradient through a relayout copy (its
+    scatter dim leading, :func:`update_bytes`) made while the source is still live. XLA's buffer
+    assignment packs its heap best-fit over whole live ranges in a size-first or a duration-first order,
+    whichever packs tighter (``GlobalDecreasingSizeBestFitHeap``'s spatial and temporal orders,
+    xla/service/heap_simulator), not in program order, so a copy does not take the slot its source frees
+    at that moment. Buffer assignment of ~1B, 4 layers, tensor=4 x context=2 ZeRO-1 ``full``, s=128
+    (the random grid's seed 80 case 22): the three stacked f32[4, 2048, 2048] MLP gradients and their
+    three copies take five 64 MiB slots where no moment holds more than four, with the step-long buffers
+    above them (the embedding's zero f32[8000, 2048] table, which XLA schedules ahead of the forward and
+    the update's scatter-add writes; the output layer's reduce-scattered shard): 459.8 MiB allocated,
+    398.0 MiB the largest live set. The same layout with 16 layers: five f32[16, 2048, 2048] slots for
+    four live, 1573.9 MiB allocated, 1278.5 MiB live.
+
+    With sequence parallelism the output layer's gradient is scattered in the update, not at the loss
+    head's backward (:func:`early_scattered_head_bytes`), so the count holds its whole f32[h, V/t] table
+    there; the heap puts it where the hole is, and the allocation is the same as without sequence
+    parallelism (~1B, 16 layers, data=2 x tensor=4 ZeRO-1 SP and tensor=4 x context=2 without: 1573.9 MiB
+    each): the hole less the bytes the early scatter saves. Measured (``experiments/results/
+    2026-12-06-memory-grid``): the allocation is 0.33-1.15 slots above the live count in the
+    held-out ~1B rows of 8 and 16 layers, and the 85 kept rows the slot moves go from 0.97-1.18 of the
+    estimate to 0.90-1.06 (the held-out rows 1.00-1.23 to 0.89-1.03), the low end where XLA's duration-first
+    order packs the heap tighter (data x context = 8 at tensor = 1, and ~1B, 16 layers, data=2 x tensor=2 x
+    context=2 ZeRO-2, whose embedding table sits at offset 0).
+    """
+    slot = DTYPE_BYTES[model.param_dtype] * largest_param(model, layout)
+    if layout.sequence_parallel:  # the output layer's whole gradient, counted in the update, fills it
+        return max(0.0, slot - early_scattered_head_bytes(model, layout))
+    return slot
 
 
 def zero_sharded_bytes(model: ConfigDict, layout: ParallelLayout, full_bytes: float) -> float:
@@ -232,14 +289,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             )
             grads += zero3_embedding_gradient_bytes(model, layout)
         term, working = max(candidates, key=lambda c: c[1])
-        early = (
-            early_scattered_head_bytes(model, layout)
-            if layout.shards_optimizer
-            and not layout.shards_parameters
-            and (layout.microbatches == 1 or layout.shards_gradients)
-            and not layout.sequence_parallel
-            else 0
-        )
+        early = early_scattered_head_bytes(model, layout) if scatters_head_early(layout) else 0.0
         grads -= early
         if layout.microbatches > 1:  # the microbatch's stacked layer gradients beside the accumulator (ZeRO
             # 0-1; the embedding and output-layer gradients are added into it in place); ZeRO-2/3: a sharded sum
@@ -258,6 +308,7 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
                 # two f32[V/t, h] tables beside the sharded gradients)
                 grads += pb * shared_tables(model, layout)
         update = update_bytes(model, layout, full_grads - early)
+        hole = update_hole_bytes(model, layout) if scatters_stacked_in_update(layout) else 0.0
         return TempEstimate(
             0,
             residual,
@@ -266,8 +317,9 @@ def temp_estimate(model: ConfigDict, layout: ParallelLayout, stage: int = 0) -> 
             gather,
             0.0,
             update,
-            "update" if update > residual + working + grads + gather else "backward",
+            "update" if update + hole > residual + working + grads + gather else "backward",
             working_term=term,
+            update_hole_bytes=hole,
         )
 
     chunk = layout.layers_per_stage(model.num_layers)
