@@ -1,9 +1,10 @@
 """The planner's MoE figures against the compiled step: argument memory, bytes over ``expert``,
 temporaries and peak of a tiny Mixtral (``configs/tiny_mixtral.py``, fp32, s=128).
 
-Six layouts (expert=4 x data=2; expert=2 x tensor=2 x data=2 ZeRO-3; expert=2 x pipeline=2 x data=2
+Nine layouts (expert=4 x data=2; expert=2 x tensor=2 x data=2 ZeRO-3; expert=2 x pipeline=2 x data=2
 1F1B; expert=2 x context=2 x data=2; expert=8, with JAXPAR_SLOW=1 only; expert=4 x data=2 with capacity
-1.25) are AOT-compiled
+1.25; expert=4 x data=2 of a Mixtral wider than its experts, 32 of them, under ``full`` and, with
+JAXPAR_SLOW=1 only, without recompute; expert=4 x data=2 ``full`` of the tiny DeepSeek-V3) are AOT-compiled
 on the 8 simulated CPU devices (:func:`jaxpar.analysis.compiled.analyze_layout`, as
 tests/test_memory_estimate.py does) and held against :func:`jaxpar.analysis.estimate.estimated_argument_bytes`
 (within 1e-4: the parameter, optimizer-state and batch bytes are exact), the expected rows over
@@ -34,7 +35,8 @@ def _lay(**kw) -> ParallelLayout:
     return ParallelLayout(**{"seq_len": S, "microbatch_size": 2, **kw})
 
 
-# name -> (layout, model overrides)
+WIDE = {"mlp_dim": 32, "num_experts": 32, "experts_per_token": 4}
+# name -> (layout, model overrides; "config": another config than tiny_mixtral)
 GRID = {
     "e4_d2": (_lay(data=2, expert=4), {}),
     "e2_t2_d2_zero3": (_lay(data=2, expert=2, tensor=2, zero_stage=3), {}),
@@ -42,6 +44,13 @@ GRID = {
     "e2_c2_d2": (_lay(data=2, expert=2, context=2, attention="blockwise", attention_block=32), {}),
     "e8": (_lay(expert=8), {}),
     "e4_d2_capacity": (_lay(data=2, expert=4), {"moe_capacity_factor": 1.25}),
+    # wider than its experts (h = 128 > f = 32, 8 local experts): the phase with the (G, N, h) rows sets the
+    # peak (moe_activations.moe_wide_rows_bytes; temp 1.624 and 1.315 of the estimate without it)
+    "e4_d2_wide_full": (_lay(data=2, expert=4, recompute="full"), WIDE),
+    "e4_d2_wide": (_lay(data=2, expert=4), WIDE),
+    # DeepSeek-V3's experts are model.moe_mlp_dim wide, not mlp_dim (its dense layers'): temp 0.600 of the
+    # estimate with mlp_dim
+    "deepseek_e4_d2_full": (_lay(data=2, expert=4, recompute="full"), {"config": "tiny_deepseek_v3"}),
 }
 _CACHE: dict[str, tuple] = {}
 
@@ -50,7 +59,8 @@ def _compiled(name: str):
     """(config, layout, compiled report) of one grid layout, compiled once per module."""
     if name not in _CACHE:
         layout, model = GRID[name]
-        cfg = load_config(str(ROOT / "configs" / "tiny_mixtral.py"))
+        model = dict(model)
+        cfg = load_config(str(ROOT / "configs" / f"{model.pop('config', 'tiny_mixtral')}.py"))
         for key, value in model.items():
             cfg.model[key] = value
         cfg = layout_config(cfg, layout)
@@ -61,7 +71,7 @@ def _compiled(name: str):
 
 # expert = 8 alone holds the same terms as expert = 4 x data = 2: JAXPAR_SLOW=1 only (session 28, the
 # default suite's time)
-SLOW_ONLY = {"e8"}
+SLOW_ONLY = {"e8", "e4_d2_wide"}
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from jaxpar.analysis.traffic import (
 from jaxpar.axes import DEVICE_ORDER, MeshAxis, data_group, group_axes
 from jaxpar.config import ConfigDict, ConfigError
 from jaxpar.layout import ParallelLayout
+from jaxpar.models.inventory import stacked_layers
 from jaxpar.optim import registry
 from jaxpar.sharding import spec_axes
 
@@ -169,7 +170,9 @@ def estimated_collectives(
 def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: tuple[str, ...]) -> None:
     """The MoE layers' expert-axis rows of :func:`estimated_collectives` (its docstring), through its
     ``add``; their tensor-axis rows are in :func:`jaxpar.analysis.traffic.tensor_collectives`."""
-    per_step = cfg.parallel.microbatches * cfg.model.num_layers
+    per_step = cfg.parallel.microbatches * stacked_layers(
+        cfg.model
+    )  # the MoE layers (deepseek_v3: not its dense first)
     phases = moe_layer_phases(layout)
     arrays = moe_dispatch_arrays(cfg.model, layout)
     for phase, times in phases.items():

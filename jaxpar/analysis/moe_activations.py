@@ -3,7 +3,8 @@
 An MoE layer (:func:`jaxpar.models.moe.moe_mlp`) replaces the dense MLP's residuals and backward
 working set with its own, counted here from the code. Per device and microbatch: T = b*s tokens
 (s the context rank's slice, gathered over ``tensor`` under SP), n = mesh.expert, G = E/n local
-experts, k experts per token, f = mlp_dim/t, e the compute-dtype bytes. The dispatch all-gathers
+experts, k experts per token, f = the experts' width / t (``model.moe_mlp_dim`` where it is set, deepseek_v3's;
+else ``mlp_dim``), e the compute-dtype bytes. The dispatch all-gathers
 the expert group's n*T tokens and sorts their N = n*T*k (token, choice) rows by expert
 (:func:`jaxpar.models.moe.expert_mlp`); rows of other ranks' experts sort past every group and are
 computed on but weigh 0, so every size below is the dropless one whatever
@@ -82,7 +83,7 @@ class MoeDims:
             n * tokens * (groups if dense else model.experts_per_token),
             groups,
             model.embed_dim,
-            model.mlp_dim / t,
+            (model.get("moe_mlp_dim", 0) or model.mlp_dim) / t,
             model.get("shared_expert_dim", 0) / t,
             model.num_experts,
             dense,
@@ -116,4 +117,30 @@ def moe_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None 
     working += 3 * d.e * d.tokens * d.shared
     if layout.recompute != "none":
         working += moe_residual_bytes(model, layout, "none", b)
+    if not d.dense:
+        working = max(working, moe_wide_rows_bytes(model, layout, b) + 3 * d.e * d.tokens * d.shared)
     return working
+
+
+def moe_wide_rows_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
+    """The phase of an MoE layer's backward that holds the (G, N, h) arrays, the larger where the model is
+    wider than its experts (h > f: Qwen3-30B-A3B's 2048 and 768, DeepSeek-V3's 7168 and 2048).
+
+    The generic ``ragged_dot`` masks its ragged operand per group, so a ragged matmul whose operand is
+    the (N, h) rows holds (G, N, h) and lays it out again as (N, G*h) for the dot with the weight laid out
+    as (G*h, f). Under ``selective`` / ``full`` the backward recomputes the gate and up matmuls: two of
+    each, 4 e*G*N*h, beside a second layout of the layer's three expert weights (each (G, h, f): e*G*h*f,
+    one already counted with the layer's weights), 3 e*G*h*f, and four (N, h)-sized row arrays (the taken
+    rows and their mask, the routed output's gradient and its transpose), 4 e*N*h. Without recompute
+    the gate and up weight gradients read the saved rows: two (G, N, h) and one (N, G*h), beside one
+    (G, N, f) output gradient and the (G, f, h)-sized weight gradient being written (the three relaid
+    weights beside them are the layer's weights, counted with them), e*(3 G*N*h + G*N*f + G*h*f). Buffer assignment of Qwen3-30B-A3B cut to 4 layers, fp32,
+    data=2 x expert=4, b=1, s=128 (G=32, N=4096): at the peak two f32[32, 4096, 2048] and two
+    f32[4096, 65536] under ``full`` and ``selective``, beside six f32[G*h*f]-sized weight layouts; under
+    ``none`` two f32[32, 4096, 2048], one f32[4096, 65536], one f32[32, 4096, 768] and four (G*h*f)-sized."""
+    d = MoeDims.of(model, layout, b)
+    wide = d.groups * d.rows * d.h
+    weights = d.groups * d.h * d.f
+    if layout.recompute == "none":
+        return d.e * (3 * wide + d.groups * d.rows * d.f + weights)
+    return d.e * (4 * wide + 3 * weights + 4 * d.rows * d.h)

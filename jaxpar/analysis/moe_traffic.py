@@ -126,7 +126,8 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, pipeline_stage: in
     p, m = layout.pipeline, layout.microbatches
     if p == 1 or layout.pipeline_schedule == "gpipe":
         per_layer = moved(moe_layer_phases(layout))
-        layers = layout.stored_layers(model.num_layers)
+        # deepseek_v3's first layers have a dense MLP (no pipeline with them: jaxpar.layout refuses it)
+        layers = layout.stored_layers(model.num_layers) - model.get("first_dense_layers", 0)
         return m * layers * per_layer[0], m * layers * per_layer[1]
     v = layout.virtual_stages
     c = layout.stored_layers(model.num_layers) // v

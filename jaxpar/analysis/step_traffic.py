@@ -19,6 +19,7 @@ from jaxpar.models.inventory import (
     ParamTensor,
     param_tensors,
     shard_elements,
+    stacked_layers,
     stage_tensors,
 )
 from jaxpar.parallel.pipeline.schedule import device_of, keeps_activations, splits_backward, virtual_stage
@@ -144,9 +145,9 @@ def tensor_collectives(model: ConfigDict, layout: ParallelLayout) -> list[tuple[
         ]
     out.append(("all-reduce", bs * 4, 3 * m, "cross-entropy max / sum-exp / target (fp32)"))
     if model.get("num_experts", 0):
-        arrays = moe_tensor_arrays(model, layout)
+        arrays, moe_layers = moe_tensor_arrays(model, layout), stacked_layers(model)  # deepseek_v3: not its dense first
         for phase, times in moe_layer_phases(layout).items():
-            out += [(kind, size, m * layers * times, what) for kind, size, what in arrays[phase]]
+            out += [(kind, size, m * moe_layers * times, what) for kind, size, what in arrays[phase]]
     return out
 
 
