@@ -170,9 +170,8 @@ def estimated_collectives(
 def _moe_collectives(cfg: ConfigDict, layout: ParallelLayout, add: Any, group: tuple[str, ...]) -> None:
     """The MoE layers' expert-axis rows of :func:`estimated_collectives` (its docstring), through its
     ``add``; their tensor-axis rows are in :func:`jaxpar.analysis.traffic.tensor_collectives`."""
-    per_step = cfg.parallel.microbatches * stacked_layers(
-        cfg.model
-    )  # the MoE layers (deepseek_v3: not its dense first)
+    # the MoE layers (deepseek_v3: not its dense first)
+    per_step = cfg.parallel.microbatches * stacked_layers(cfg.model)
     phases = moe_layer_phases(layout)
     arrays = moe_dispatch_arrays(cfg.model, layout)
     for phase, times in phases.items():

@@ -114,12 +114,11 @@ def moe_backward_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None 
     working = d.e * (4 * d.groups * d.rows * d.f + d.groups * d.rows * d.h + d.rows * d.f + d.gathered * d.h)
     if d.dense:  # plain einsums: five (R, f) arrays and the tokens' slice
         working = d.e * (5 * d.rows * d.f + d.gathered * d.h)
-    working += 3 * d.e * d.tokens * d.shared
     if layout.recompute != "none":
         working += moe_residual_bytes(model, layout, "none", b)
     if not d.dense:
-        working = max(working, moe_wide_rows_bytes(model, layout, b) + 3 * d.e * d.tokens * d.shared)
-    return working
+        working = max(working, moe_wide_rows_bytes(model, layout, b))
+    return working + 3 * d.e * d.tokens * d.shared
 
 
 def moe_wide_rows_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None = None) -> float:
@@ -134,8 +133,9 @@ def moe_wide_rows_bytes(model: ConfigDict, layout: ParallelLayout, b: int | None
     rows and their mask, the routed output's gradient and its transpose), 4 e*N*h. Without recompute
     the gate and up weight gradients read the saved rows: two (G, N, h) and one (N, G*h), beside one
     (G, N, f) output gradient and the (G, f, h)-sized weight gradient being written (the three relaid
-    weights beside them are the layer's weights, counted with them), e*(3 G*N*h + G*N*f + G*h*f). Buffer assignment of Qwen3-30B-A3B cut to 4 layers, fp32,
-    data=2 x expert=4, b=1, s=128 (G=32, N=4096): at the peak two f32[32, 4096, 2048] and two
+    weights beside them are the layer's weights, counted with them), e*(3 G*N*h + G*N*f + G*h*f). Buffer
+    assignment of Qwen3-30B-A3B cut to 4 layers, fp32, data=2 x expert=4, b=1, s=128 (G=32, N=4096): at
+    the peak two f32[32, 4096, 2048] and two
     f32[4096, 65536] under ``full`` and ``selective``, beside six f32[G*h*f]-sized weight layouts; under
     ``none`` two f32[32, 4096, 2048], one f32[4096, 65536], one f32[32, 4096, 768] and four (G*h*f)-sized."""
     d = MoeDims.of(model, layout, b)

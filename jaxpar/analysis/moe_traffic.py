@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from jaxpar.analysis.rings import ring_bytes
 from jaxpar.config import ConfigDict
-from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout
+from jaxpar.models.inventory import DTYPE_BYTES, ParallelLayout, stacked_layers
 from jaxpar.parallel.pipeline.schedule import device_of, keeps_activations, splits_backward
 
 
@@ -126,8 +126,7 @@ def expert_traffic(model: ConfigDict, layout: ParallelLayout, pipeline_stage: in
     p, m = layout.pipeline, layout.microbatches
     if p == 1 or layout.pipeline_schedule == "gpipe":
         per_layer = moved(moe_layer_phases(layout))
-        # deepseek_v3's first layers have a dense MLP (no pipeline with them: jaxpar.layout refuses it)
-        layers = layout.stored_layers(model.num_layers) - model.get("first_dense_layers", 0)
+        layers = layout.stored_layers(stacked_layers(model))  # the MoE layers (deepseek_v3: not its dense first)
         return m * layers * per_layer[0], m * layers * per_layer[1]
     v = layout.virtual_stages
     c = layout.stored_layers(model.num_layers) // v
